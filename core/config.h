@@ -1,0 +1,138 @@
+// The scenario as written by the user, after presets are applied and before invariants are
+// checked. Every field here has one row in the field table (core/config_fields.cpp), which
+// holds its key, default, unit and help text; parsing, `trainsim fields` and
+// docs/scenario-reference.md are all driven from that table.
+//
+// Plan::from_config (core/plan.h) turns this into a validated Plan.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace trainsim {
+
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved_1f1b, zb_h1 };
+enum class Recompute { none, selective, full };
+enum class LossScalingMode { none, static_scale, dynamic };
+enum class OverflowScope { global, local };
+enum class AllReduceDivide { before, after };
+enum class AllReduceAlgorithm { ring, hierarchical };
+enum class PositionEmbedding { learned_absolute, rope };
+enum class Optimizer { adam, adamw, sgd };
+enum class Normalization { layernorm, rmsnorm };
+
+struct ModelConfig {
+  std::string preset;  // name from the catalog, or empty
+  int num_layers = 24;
+  int hidden_size = 1024;
+  int num_attention_heads = 16;
+  int num_query_groups = 0;   // 0: as many as attention heads (no grouped-query attention)
+  int ffn_hidden_size = 0;    // 0: 4 * hidden_size (or 8/3 * hidden_size rounded with swiglu)
+  int vocab_size = 50304;
+  int seq_length = 2048;
+  bool swiglu = false;
+  PositionEmbedding position_embedding_type = PositionEmbedding::learned_absolute;
+  bool untie_embeddings_and_output_weights = false;
+  bool add_bias_linear = true;
+  Normalization normalization = Normalization::layernorm;
+};
+
+struct LinkConfig {
+  double bandwidth_gbps = 0;  // GB/s, one direction
+  double latency_us = 0;
+};
+
+struct ClusterConfig {
+  std::string gpu;  // name from the catalog, or empty
+  int num_gpus = 8;
+  int gpus_per_node = 8;
+  double memory_gib = 80;
+  // Dense (no sparsity) peak rate per format; 0 means the GPU has no such format.
+  std::map<DType, double> peak_tflops = {{DType::fp32, 19.5}, {DType::tf32, 156}, {DType::fp16, 312},
+                                         {DType::bf16, 312}, {DType::fp8, 0}};
+  double compute_efficiency = 0.6;
+  double hbm_bandwidth_gbps = 2039;
+  LinkConfig intra_node{300, 3};
+  LinkConfig inter_node{25, 6};
+};
+
+struct ParallelismConfig {
+  int data_parallel_size = 1;
+  int pipeline_parallel_size = 1;
+  int tensor_parallel_size = 1;
+  bool sequence_parallel = false;
+  int virtual_pipeline_stages = 1;
+  ScheduleKind schedule = ScheduleKind::one_f_one_b;
+  std::vector<int> layers_per_stage;  // empty: balanced
+  int zero_stage = 0;
+};
+
+struct TrainingConfig {
+  int micro_batch_size = 1;
+  int global_batch_size = 0;  // 0: one micro-batch per pipeline stage per replica
+  Recompute activation_recompute = Recompute::none;
+  Optimizer optimizer = Optimizer::adam;
+};
+
+struct LossScalingConfig {
+  LossScalingMode mode = LossScalingMode::dynamic;
+  double initial_scale = 65536;
+  int growth_interval = 1000;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int hysteresis = 2;
+};
+
+struct PrecisionConfig {
+  DType compute = DType::bf16;
+  DType master_weights = DType::fp32;
+  DType grad_accumulation = DType::fp32;
+  DType allreduce = DType::fp32;
+  AllReduceDivide allreduce_divide = AllReduceDivide::before;
+  OverflowScope overflow_check = OverflowScope::global;
+  LossScalingConfig loss_scaling;
+};
+
+struct CommunicationConfig {
+  double bucket_size_mib = 25;
+  bool overlap_grad_reduce = false;
+  AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
+};
+
+// What `trainsim run` executes for real (the runtime issue); parsed and checked now so that
+// scenario files can carry it.
+struct RuntimeConfig {
+  std::string backend = "cpu";
+  int steps = 20;
+  std::int64_t seed = 1;
+  int num_layers = 8;
+  int hidden_size = 128;
+  int num_attention_heads = 4;
+  int seq_length = 64;
+  int vocab_size = 256;
+  std::string data_path;  // empty: synthetic data
+  bool data_synthetic = false;
+  std::string checkpoint_dir;
+  int checkpoint_every_steps = 0;
+};
+
+struct ScenarioConfig {
+  std::string name;
+  std::string description;
+  ModelConfig model;
+  ClusterConfig cluster;
+  ParallelismConfig parallelism;
+  TrainingConfig training;
+  PrecisionConfig precision;
+  CommunicationConfig communication;
+  RuntimeConfig runtime;
+};
+
+std::string_view schedule_name(ScheduleKind s);
+std::string_view recompute_name(Recompute r);
+
+}  // namespace trainsim

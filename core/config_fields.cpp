@@ -1,0 +1,413 @@
+#include "core/config_fields.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+#include "core/presets.h"
+
+namespace trainsim {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+template <class T>
+using Ref = T& (*)(ScenarioConfig&);
+
+// Getters reuse the setter's accessor on a const config.
+template <class T>
+T& deref(Ref<T> ref, const ScenarioConfig& c) {
+  return ref(const_cast<ScenarioConfig&>(c));
+}
+
+// Unary + turns the captureless lambda into a plain function pointer, so T is deduced.
+#define FIELD(expr) +[](ScenarioConfig& c) -> auto& { return c.expr; }
+
+template <class T>
+FieldSpec integer(std::string path, Ref<T> ref, double min, double max, std::string unit, std::string help,
+                  std::string default_note = "") {
+  FieldSpec f;
+  f.path = std::move(path);
+  f.kind = FieldKind::integer;
+  f.unit = std::move(unit);
+  f.help = std::move(help);
+  f.min = min;
+  f.max = max;
+  f.default_note = std::move(default_note);
+  f.set = [ref](ScenarioConfig& c, const FieldValue& v) { ref(c) = static_cast<T>(std::get<std::int64_t>(v)); };
+  f.get = [ref](const ScenarioConfig& c) { return FieldValue{static_cast<std::int64_t>(deref(ref, c))}; };
+  return f;
+}
+
+FieldSpec real(std::string path, Ref<double> ref, double min, double max, std::string unit, std::string help) {
+  FieldSpec f;
+  f.path = std::move(path);
+  f.kind = FieldKind::real;
+  f.unit = std::move(unit);
+  f.help = std::move(help);
+  f.min = min;
+  f.max = max;
+  f.set = [ref](ScenarioConfig& c, const FieldValue& v) { ref(c) = std::get<double>(v); };
+  f.get = [ref](const ScenarioConfig& c) { return FieldValue{deref(ref, c)}; };
+  return f;
+}
+
+FieldSpec boolean(std::string path, Ref<bool> ref, std::string help) {
+  FieldSpec f;
+  f.path = std::move(path);
+  f.kind = FieldKind::boolean;
+  f.help = std::move(help);
+  f.set = [ref](ScenarioConfig& c, const FieldValue& v) { ref(c) = std::get<bool>(v); };
+  f.get = [ref](const ScenarioConfig& c) { return FieldValue{deref(ref, c)}; };
+  return f;
+}
+
+FieldSpec text(std::string path, Ref<std::string> ref, std::string help, std::string default_note = "") {
+  FieldSpec f;
+  f.path = std::move(path);
+  f.kind = FieldKind::text;
+  f.help = std::move(help);
+  f.default_note = std::move(default_note);
+  f.set = [ref](ScenarioConfig& c, const FieldValue& v) { ref(c) = std::get<std::string>(v); };
+  f.get = [ref](const ScenarioConfig& c) { return FieldValue{deref(ref, c)}; };
+  return f;
+}
+
+template <class E>
+FieldSpec choice(std::string path, Ref<E> ref, std::vector<std::pair<std::string, E>> options, std::string help) {
+  FieldSpec f;
+  f.path = std::move(path);
+  f.kind = FieldKind::choice;
+  f.help = std::move(help);
+  for (const auto& o : options) f.choices.push_back(o.first);
+  f.set = [ref, options](ScenarioConfig& c, const FieldValue& v) {
+    const auto& s = std::get<std::string>(v);
+    for (const auto& o : options)
+      if (o.first == s) {
+        ref(c) = o.second;
+        return;
+      }
+    throw std::invalid_argument("not one of the accepted values");  // the loader checks choices first
+  };
+  f.get = [ref, options](const ScenarioConfig& c) {
+    for (const auto& o : options)
+      if (o.second == deref(ref, c)) return FieldValue{o.first};
+    return FieldValue{std::string("?")};
+  };
+  return f;
+}
+
+std::vector<std::pair<std::string, DType>> dtype_options(std::initializer_list<DType> ds) {
+  std::vector<std::pair<std::string, DType>> out;
+  for (DType d : ds) out.emplace_back(std::string(dtype_name(d)), d);
+  return out;
+}
+
+FieldSpec peak_rate(DType d) {
+  FieldSpec f;
+  f.path = fmt::format("cluster.peak_tflops.{}", dtype_name(d));
+  f.kind = FieldKind::real;
+  f.unit = "TFLOP/s";
+  f.help = fmt::format("Dense peak matrix-product rate in {} per GPU; 0 when the GPU has no {}", dtype_name(d),
+                       dtype_name(d));
+  f.min = 0;
+  f.max = 1e6;
+  f.set = [d](ScenarioConfig& c, const FieldValue& v) { c.cluster.peak_tflops[d] = std::get<double>(v); };
+  f.get = [d](const ScenarioConfig& c) {
+    auto it = c.cluster.peak_tflops.find(d);
+    return FieldValue{it == c.cluster.peak_tflops.end() ? 0.0 : it->second};
+  };
+  return f;
+}
+
+std::string names_of_gpus() {
+  std::string s;
+  for (const auto& p : gpu_presets()) s += (s.empty() ? "" : ", ") + p.name;
+  return s;
+}
+std::string names_of_models() {
+  std::string s;
+  for (const auto& p : model_presets()) s += (s.empty() ? "" : ", ") + p.name;
+  return s;
+}
+
+std::vector<FieldSpec> make_fields() {
+  std::vector<FieldSpec> t;
+  const auto no_max = kInf;
+
+  t.push_back(text("name", FIELD(name), "Short name of the scenario, used in reports"));
+  t.push_back(text("description", FIELD(description), "The question this scenario asks, in a sentence or two"));
+
+  // ---- model -------------------------------------------------------------------------
+  {
+    FieldSpec f = text("model.preset", FIELD(model.preset), "Model shape from the catalog (" + names_of_models() +
+                                                                  "); any model key below overrides it");
+    f.applies_preset = true;
+    f.set = [](ScenarioConfig& c, const FieldValue& v) {
+      const auto& name = std::get<std::string>(v);
+      const ModelPreset* p = find_model_preset(name);
+      if (!p) throw std::invalid_argument("unknown model preset; known: " + names_of_models());
+      apply_model_preset(*p, c.model);
+    };
+    t.push_back(std::move(f));
+  }
+  t.push_back(integer("model.num_layers", FIELD(model.num_layers), 1, 100000, "", "Transformer layers"));
+  t.push_back(integer("model.hidden_size", FIELD(model.hidden_size), 1, 1 << 20, "", "Model width h"));
+  t.push_back(integer("model.num_attention_heads", FIELD(model.num_attention_heads), 1, 1 << 16, "",
+                      "Attention heads a; must divide hidden_size"));
+  t.push_back(integer("model.num_query_groups", FIELD(model.num_query_groups), 0, 1 << 16, "",
+                      "Key/value heads for grouped-query attention; must divide num_attention_heads",
+                      "0 (= num_attention_heads)"));
+  t.push_back(integer("model.ffn_hidden_size", FIELD(model.ffn_hidden_size), 0, 1 << 22, "",
+                      "Width of the MLP's inner layer", "0 (= 4 * hidden_size)"));
+  t.push_back(integer("model.vocab_size", FIELD(model.vocab_size), 1, 1 << 24, "", "Vocabulary size V"));
+  t.push_back(integer("model.seq_length", FIELD(model.seq_length), 1, 1 << 22, "", "Tokens per sample s"));
+  t.push_back(boolean("model.swiglu", FIELD(model.swiglu), "SwiGLU MLP (three weight matrices) instead of GELU (two)"));
+  t.push_back(choice("model.position_embedding_type", FIELD(model.position_embedding_type),
+                     {{"learned_absolute", PositionEmbedding::learned_absolute}, {"rope", PositionEmbedding::rope}},
+                     "Learned position table (s*h parameters on the first stage) or rotary embeddings (none)"));
+  t.push_back(boolean("model.untie_embeddings_and_output_weights", FIELD(model.untie_embeddings_and_output_weights),
+                      "Separate LM-head weights instead of sharing the input embedding"));
+  t.push_back(boolean("model.add_bias_linear", FIELD(model.add_bias_linear), "Biases on the linear layers"));
+  t.push_back(choice("model.normalization", FIELD(model.normalization),
+                     {{"layernorm", Normalization::layernorm}, {"rmsnorm", Normalization::rmsnorm}},
+                     "LayerNorm (scale and shift) or RMSNorm (scale only)"));
+
+  // ---- cluster -----------------------------------------------------------------------
+  {
+    FieldSpec f = text("cluster.gpu", FIELD(cluster.gpu),
+                       "GPU from the catalog (" + names_of_gpus() + "); any cluster key below overrides it");
+    f.applies_preset = true;
+    f.set = [](ScenarioConfig& c, const FieldValue& v) {
+      const auto& name = std::get<std::string>(v);
+      const GpuPreset* p = find_gpu_preset(name);
+      if (!p) throw std::invalid_argument("unknown GPU preset; known: " + names_of_gpus());
+      apply_gpu_preset(*p, c.cluster);
+    };
+    t.push_back(std::move(f));
+  }
+  t.push_back(integer("cluster.num_gpus", FIELD(cluster.num_gpus), 1, 1 << 20, "", "GPUs in the job"));
+  t.push_back(integer("cluster.gpus_per_node", FIELD(cluster.gpus_per_node), 1, 1024, "",
+                      "GPUs joined by the intra-node link (NVLink); ranks are placed on nodes in order"));
+  t.push_back(real("cluster.memory_gib", FIELD(cluster.memory_gib), 0.001, 1e6, "GiB", "Memory per GPU"));
+  for (DType d : kAllDTypes) t.push_back(peak_rate(d));
+  t.push_back(real("cluster.compute_efficiency", FIELD(cluster.compute_efficiency), 0.001, 1, "",
+                   "Fraction of peak that the model's matrix products reach"));
+  t.push_back(real("cluster.hbm_bandwidth_gbps", FIELD(cluster.hbm_bandwidth_gbps), 0.001, 1e6, "GB/s",
+                   "GPU memory bandwidth, for memory-bound work (embedding, loss, optimizer)"));
+  t.push_back(real("cluster.intra_node.bandwidth_gbps", FIELD(cluster.intra_node.bandwidth_gbps), 0.001, 1e6,
+                   "GB/s", "Per-GPU bandwidth inside a node, one direction"));
+  t.push_back(real("cluster.intra_node.latency_us", FIELD(cluster.intra_node.latency_us), 0, 1e6, "us",
+                   "Per-message latency inside a node"));
+  t.push_back(real("cluster.inter_node.bandwidth_gbps", FIELD(cluster.inter_node.bandwidth_gbps), 0.001, 1e6,
+                   "GB/s", "Per-GPU bandwidth between nodes, one direction"));
+  t.push_back(real("cluster.inter_node.latency_us", FIELD(cluster.inter_node.latency_us), 0, 1e6, "us",
+                   "Per-message latency between nodes"));
+
+  // ---- parallelism -------------------------------------------------------------------
+  t.push_back(integer("parallelism.data_parallel_size", FIELD(parallelism.data_parallel_size), 1, 1 << 20, "",
+                      "Model replicas d"));
+  t.push_back(integer("parallelism.pipeline_parallel_size", FIELD(parallelism.pipeline_parallel_size), 1, 4096,
+                      "", "Pipeline stages p"));
+  t.push_back(integer("parallelism.tensor_parallel_size", FIELD(parallelism.tensor_parallel_size), 1, 1024, "",
+                      "Tensor-parallel ways t (Megatron column/row split inside each layer)"));
+  t.push_back(boolean("parallelism.sequence_parallel", FIELD(parallelism.sequence_parallel),
+                      "Megatron sequence parallelism: shard LayerNorm/dropout activations over the t ranks"));
+  t.push_back(integer("parallelism.virtual_pipeline_stages", FIELD(parallelism.virtual_pipeline_stages), 1, 1024,
+                      "", "Model chunks per pipeline rank v (interleaved-1f1b)"));
+  t.push_back(choice("parallelism.schedule", FIELD(parallelism.schedule),
+                     {{"gpipe", ScheduleKind::gpipe},
+                      {"1f1b", ScheduleKind::one_f_one_b},
+                      {"interleaved-1f1b", ScheduleKind::interleaved_1f1b},
+                      {"zb-h1", ScheduleKind::zb_h1}},
+                     "Pipeline schedule"));
+  {
+    FieldSpec f;
+    f.path = "parallelism.layers_per_stage";
+    f.kind = FieldKind::integer_list;
+    f.help = "Layers of each (virtual) stage, p*v entries in pipeline order; default: balanced";
+    f.min = 0;
+    f.max = 100000;
+    f.default_note = "[] (balanced)";
+    f.set = [](ScenarioConfig& c, const FieldValue& v) {
+      c.parallelism.layers_per_stage.clear();
+      for (auto x : std::get<IntList>(v)) c.parallelism.layers_per_stage.push_back(static_cast<int>(x));
+    };
+    f.get = [](const ScenarioConfig& c) {
+      IntList l(c.parallelism.layers_per_stage.begin(), c.parallelism.layers_per_stage.end());
+      return FieldValue{l};
+    };
+    t.push_back(std::move(f));
+  }
+  t.push_back(integer("parallelism.zero_stage", FIELD(parallelism.zero_stage), 0, 3, "",
+                      "ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights, over replicas"));
+
+  // ---- training ----------------------------------------------------------------------
+  t.push_back(integer("training.micro_batch_size", FIELD(training.micro_batch_size), 1, 1 << 20, "",
+                      "Samples per micro-batch b"));
+  t.push_back(integer("training.global_batch_size", FIELD(training.global_batch_size), 0, 1 << 30, "",
+                      "Samples per optimizer step; micro-batches per replica m = global / (micro * data_parallel)",
+                      "0 (= micro_batch_size * data_parallel_size)"));
+  t.push_back(choice("training.activation_recompute", FIELD(training.activation_recompute),
+                     {{"none", Recompute::none}, {"selective", Recompute::selective}, {"full", Recompute::full}},
+                     "Recompute activations in backward: selective recomputes attention's softmax part, full "
+                     "recomputes each layer from its input"));
+  t.push_back(choice("training.optimizer", FIELD(training.optimizer),
+                     {{"adam", Optimizer::adam}, {"adamw", Optimizer::adamw}, {"sgd", Optimizer::sgd}},
+                     "Optimizer (Adam keeps two FP32 moments per parameter, SGD one momentum)"));
+
+  // ---- precision ---------------------------------------------------------------------
+  t.push_back(choice("precision.compute", FIELD(precision.compute),
+                     dtype_options({DType::fp32, DType::tf32, DType::fp16, DType::bf16, DType::fp8}),
+                     "Format of matrix-product inputs (products accumulate in FP32)"));
+  t.push_back(choice("precision.master_weights", FIELD(precision.master_weights),
+                     dtype_options({DType::fp32, DType::fp16, DType::bf16}),
+                     "Format of the weights the optimizer updates"));
+  t.push_back(choice("precision.grad_accumulation", FIELD(precision.grad_accumulation),
+                     dtype_options({DType::fp32, DType::fp16, DType::bf16}),
+                     "Format of the buffer that sums gradients over micro-batches"));
+  t.push_back(choice("precision.allreduce", FIELD(precision.allreduce),
+                     dtype_options({DType::fp32, DType::fp16, DType::bf16}),
+                     "Format in which gradients cross the data-parallel all-reduce"));
+  t.push_back(choice("precision.allreduce_divide", FIELD(precision.allreduce_divide),
+                     {{"before", AllReduceDivide::before}, {"after", AllReduceDivide::after}},
+                     "Divide gradients by data_parallel_size before the sum (safe) or after it (can overflow)"));
+  t.push_back(choice("precision.overflow_check", FIELD(precision.overflow_check),
+                     {{"global", OverflowScope::global}, {"local", OverflowScope::local}},
+                     "Found-inf check across every stage and replica, or per stage alone (they can diverge)"));
+  t.push_back(choice("precision.loss_scaling.mode", FIELD(precision.loss_scaling.mode),
+                     {{"none", LossScalingMode::none},
+                      {"static", LossScalingMode::static_scale},
+                      {"dynamic", LossScalingMode::dynamic}},
+                     "Loss scaling for FP16 gradients"));
+  t.push_back(real("precision.loss_scaling.initial_scale", FIELD(precision.loss_scaling.initial_scale), 1e-30, 1e38,
+                   "", "Starting (or static) loss scale"));
+  t.push_back(integer("precision.loss_scaling.growth_interval", FIELD(precision.loss_scaling.growth_interval), 1,
+                      1 << 30, "steps", "Overflow-free steps before a dynamic scale grows"));
+  t.push_back(real("precision.loss_scaling.growth_factor", FIELD(precision.loss_scaling.growth_factor), 1.0001,
+                   1e6, "", "Factor by which a dynamic scale grows"));
+  t.push_back(real("precision.loss_scaling.backoff_factor", FIELD(precision.loss_scaling.backoff_factor), 1e-6,
+                   0.9999, "", "Factor by which a dynamic scale shrinks after an overflow"));
+  t.push_back(integer("precision.loss_scaling.hysteresis", FIELD(precision.loss_scaling.hysteresis), 1, 1 << 20,
+                      "steps", "Overflowing steps tolerated before the scale backs off"));
+
+  // ---- communication -----------------------------------------------------------------
+  t.push_back(real("communication.bucket_size_mib", FIELD(communication.bucket_size_mib), 0.001, 1e6, "MiB",
+                   "Gradient bytes per data-parallel collective"));
+  t.push_back(boolean("communication.overlap_grad_reduce", FIELD(communication.overlap_grad_reduce),
+                      "Start each bucket's reduction during the last micro-batch's backward"));
+  t.push_back(choice("communication.allreduce_algorithm", FIELD(communication.allreduce_algorithm),
+                     {{"ring", AllReduceAlgorithm::ring}, {"hierarchical", AllReduceAlgorithm::hierarchical}},
+                     "One ring over all members, or intra-node then inter-node then intra-node"));
+
+  // ---- runtime (what `trainsim run` executes) ----------------------------------------
+  t.push_back(text("runtime.backend", FIELD(runtime.backend), "Executor: cpu or cuda"));
+  t.push_back(integer("runtime.steps", FIELD(runtime.steps), 1, 1 << 30, "steps", "Optimizer steps to run"));
+  t.push_back(integer("runtime.seed", FIELD(runtime.seed), 0, 9.0e15, "", "Seed for weights and data order"));
+  t.push_back(integer("runtime.model.num_layers", FIELD(runtime.num_layers), 1, 4096, "", "Layers of the executed model"));
+  t.push_back(integer("runtime.model.hidden_size", FIELD(runtime.hidden_size), 1, 1 << 16, "", "Width of the executed model"));
+  t.push_back(integer("runtime.model.num_attention_heads", FIELD(runtime.num_attention_heads), 1, 1024, "",
+                      "Heads of the executed model"));
+  t.push_back(integer("runtime.model.seq_length", FIELD(runtime.seq_length), 1, 1 << 16, "", "Sequence length executed"));
+  t.push_back(integer("runtime.model.vocab_size", FIELD(runtime.vocab_size), 1, 1 << 20, "", "Vocabulary executed"));
+  t.push_back(text("runtime.data.path", FIELD(runtime.data_path), "Text corpus (byte-level tokens)", "\"\" (synthetic)"));
+  t.push_back(boolean("runtime.data.synthetic", FIELD(runtime.data_synthetic), "Generated tokens instead of a file"));
+  t.push_back(text("runtime.checkpoint.dir", FIELD(runtime.checkpoint_dir), "Checkpoint folder", "\"\" (none)"));
+  t.push_back(integer("runtime.checkpoint.every_steps", FIELD(runtime.checkpoint_every_steps), 0, 1 << 30, "steps",
+                      "Steps between checkpoints; 0: none"));
+  return t;
+}
+
+#undef FIELD
+
+}  // namespace
+
+const std::vector<FieldSpec>& scenario_fields() {
+  static const std::vector<FieldSpec> fields = make_fields();
+  return fields;
+}
+
+const FieldSpec* find_field(std::string_view path) {
+  for (const auto& f : scenario_fields())
+    if (f.path == path) return &f;
+  return nullptr;
+}
+
+bool is_field_section(std::string_view path) {
+  for (const auto& f : scenario_fields())
+    if (f.path.size() > path.size() && f.path.compare(0, path.size(), path) == 0 && f.path[path.size()] == '.')
+      return true;
+  return false;
+}
+
+std::vector<std::string> section_children(std::string_view section) {
+  std::vector<std::string> out;
+  const std::size_t skip = section.empty() ? 0 : section.size() + 1;
+  for (const auto& f : scenario_fields()) {
+    if (!section.empty() && !(f.path.size() > skip && f.path.compare(0, section.size(), section) == 0 &&
+                              f.path[section.size()] == '.'))
+      continue;
+    std::string rest = f.path.substr(skip);
+    std::string child = rest.substr(0, rest.find('.'));
+    if (std::find(out.begin(), out.end(), child) == out.end()) out.push_back(child);
+  }
+  return out;
+}
+
+std::string field_kind_name(FieldKind k) {
+  switch (k) {
+    case FieldKind::integer: return "integer";
+    case FieldKind::real: return "number";
+    case FieldKind::boolean: return "true/false";
+    case FieldKind::text: return "text";
+    case FieldKind::choice: return "choice";
+    case FieldKind::integer_list: return "list of integers";
+  }
+  return "?";
+}
+
+std::string format_field_value(const FieldValue& v) {
+  struct Visitor {
+    std::string operator()(std::int64_t x) const { return std::to_string(x); }
+    std::string operator()(double x) const { return fmt::format("{:g}", x); }
+    std::string operator()(bool x) const { return x ? "true" : "false"; }
+    std::string operator()(const std::string& x) const { return x; }
+    std::string operator()(const IntList& x) const { return fmt::format("[{}]", fmt::join(x, ", ")); }
+  };
+  return std::visit(Visitor{}, v);
+}
+
+std::string field_default_text(const FieldSpec& f) {
+  if (!f.default_note.empty()) return f.default_note;
+  static const ScenarioConfig defaults{};
+  std::string s = format_field_value(f.get(defaults));
+  return s.empty() ? "\"\"" : s;
+}
+
+std::string fields_reference_markdown() {
+  std::string out =
+      "# Scenario reference\n\n"
+      "Generated by `trainsim fields --markdown` from the field table in `core/config_fields.cpp`; "
+      "do not edit by hand. Every key is optional; unknown keys are errors. A `sweep:` axis names any "
+      "key below by its dotted path.\n";
+  std::string section = "-";
+  for (const auto& f : scenario_fields()) {
+    std::string s = f.path.find('.') == std::string::npos ? "" : f.path.substr(0, f.path.find('.'));
+    if (s != section) {
+      section = s;
+      out += fmt::format("\n## `{}`\n\n| key | type | default | unit | meaning |\n|---|---|---|---|---|\n",
+                         s.empty() ? "(top level)" : s);
+    }
+    std::string type = field_kind_name(f.kind);
+    if (f.kind == FieldKind::choice) type = fmt::format("{}", fmt::join(f.choices, " \\| "));
+    std::string range;
+    if ((f.kind == FieldKind::integer || f.kind == FieldKind::real) && (f.min > -kInf || f.max < kInf))
+      range = f.max < 1e15 ? fmt::format(" [{:g}, {:g}]", f.min, f.max) : fmt::format(" >= {:g}", f.min);
+    out += fmt::format("| `{}` | {}{} | {} | {} | {} |\n", f.path, type, range, field_default_text(f), f.unit, f.help);
+  }
+  return out;
+}
+
+}  // namespace trainsim

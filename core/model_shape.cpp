@@ -1,0 +1,82 @@
+#include "core/model_shape.h"
+
+namespace trainsim {
+
+ModelShape::ModelShape(const ModelConfig& m)
+    : h(m.hidden_size),
+      a(m.num_attention_heads),
+      kv_heads(m.num_query_groups > 0 ? m.num_query_groups : m.num_attention_heads),
+      f(m.ffn_hidden_size > 0 ? m.ffn_hidden_size : 4 * m.hidden_size),
+      V(m.vocab_size),
+      s(m.seq_length),
+      L(m.num_layers),
+      swiglu(m.swiglu),
+      learned_positions(m.position_embedding_type == PositionEmbedding::learned_absolute),
+      tied(!m.untie_embeddings_and_output_weights),
+      bias(m.add_bias_linear),
+      layernorm(m.normalization == Normalization::layernorm) {}
+
+double ModelShape::params_per_layer() const {
+  const double H = h, kv = static_cast<double>(h) / a * kv_heads, F = f;
+  const double mlp_in = swiglu ? 2 * F : F;  // gate and up projections
+  double p = H * (H + 2 * kv)  // QKV
+             + H * H           // attention output projection
+             + H * mlp_in      // MLP in
+             + F * H;          // MLP out
+  if (bias) p += (H + 2 * kv) + H + mlp_in + H;
+  p += 2 * (layernorm ? 2 * H : H);  // two norms per layer
+  return p;
+}
+
+double ModelShape::embedding_params() const {
+  return static_cast<double>(V) * h + (learned_positions ? static_cast<double>(s) * h : 0.0);
+}
+double ModelShape::output_params() const { return static_cast<double>(V) * h; }
+double ModelShape::final_norm_params() const { return layernorm ? 2.0 * h : 1.0 * h; }
+double ModelShape::total_params() const {
+  return L * params_per_layer() + embedding_params() + final_norm_params() + (tied ? 0.0 : output_params());
+}
+
+double ModelShape::layer_weight_matmul_flops(int b) const {
+  const double tokens = static_cast<double>(b) * s;
+  const double H = h, kv = static_cast<double>(h) / a * kv_heads, F = f;
+  const double mlp = (swiglu ? 3.0 : 2.0) * H * F;
+  return 2.0 * tokens * (H * (H + 2 * kv) + H * H + mlp);
+}
+
+double ModelShape::layer_attention_core_flops(int b) const {
+  // QK^T: a heads x (s x d) x (d x s) and softmax(QK^T) V: the same size; d = h / a.
+  return 2.0 * 2.0 * static_cast<double>(b) * s * s * h;
+}
+
+double ModelShape::layer_forward_flops(int b) const {
+  return layer_weight_matmul_flops(b) + layer_attention_core_flops(b);
+}
+
+double ModelShape::lm_head_forward_flops(int b) const { return 2.0 * static_cast<double>(b) * s * h * V; }
+
+double ModelShape::model_flops_per_sample() const {
+  return 3.0 * (L * layer_forward_flops(1) + lm_head_forward_flops(1));
+}
+
+double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recompute r) const {
+  const double sbh = static_cast<double>(s) * b * h;
+  const double as2b = static_cast<double>(a) * s * s * b;
+  const double kv_frac = static_cast<double>(kv_heads) / a;
+  const double ffn_ratio = static_cast<double>(f) / h;
+  if (r == Recompute::full) return e * sbh / (sp ? t : 1);  // the layer's input only
+  // Replicated across tensor-parallel ranks unless sequence parallel: the two norms' inputs,
+  // the QKV and MLP inputs (e bytes each) and two 1-byte dropout masks.
+  const double replicated = (2 * e + e + e) * sbh + 2 * sbh;
+  // Split over t: Q and K (and V) for QK^T, the projection input, the MLP activations
+  // (GELU in/out: 2 f/h e, SwiGLU gate, up and product: 3 f/h e), plus the s^2 terms:
+  // softmax output (e), its dropout mask (1) and the dropout output (e).
+  const double qkv = (1 + kv_frac) * e * sbh + kv_frac * e * sbh;
+  const double proj_in = e * sbh;
+  const double mlp = (swiglu ? 3.0 : 2.0) * ffn_ratio * e * sbh;
+  double split = qkv + proj_in + mlp;
+  if (r == Recompute::none) split += (2.0 * e + 1.0) * as2b;
+  return (sp ? replicated / t : replicated) + split / t;
+}
+
+}  // namespace trainsim

@@ -1,0 +1,225 @@
+#include "core/plan.h"
+
+#include <numeric>
+
+#include <fmt/format.h>
+
+#include "core/units.h"
+
+namespace trainsim {
+
+double Plan::peak_flops(DType d) const {
+  auto it = config.cluster.peak_tflops.find(d);
+  return it == config.cluster.peak_tflops.end() ? 0.0 : tflops_to_flops(it->second);
+}
+
+double Plan::virtual_stage_params(int vs) const {
+  const ModelShape m = shape();
+  const int V = num_virtual_stages();
+  double p = layers_per_virtual_stage.at(vs) * m.params_per_layer();
+  if (vs == 0) p += m.embedding_params();
+  if (vs == V - 1) {
+    p += m.final_norm_params();
+    if (!m.tied || V > 1) p += m.output_params();
+  }
+  return p;
+}
+
+int Plan::weight_bytes() const {
+  return config.precision.compute == DType::fp8 ? 2 : dtype_bytes(config.precision.compute);
+}
+int Plan::activation_bytes() const { return weight_bytes(); }
+
+namespace {
+
+class Checker {
+ public:
+  explicit Checker(const Scenario& sc) : sc_(sc) {}
+  void error(const std::string& key, std::string message) { errors.push_back(sc_.diagnostic(key, std::move(message))); }
+  std::vector<Diagnostic> errors;
+
+ private:
+  const Scenario& sc_;
+};
+
+void check_and_derive(const Scenario& sc, Plan& plan) {
+  Checker ck(sc);
+  const ScenarioConfig& c = sc.config;
+  const ModelConfig& m = c.model;
+  const ClusterConfig& cl = c.cluster;
+  const ParallelismConfig& par = c.parallelism;
+  const PrecisionConfig& pr = c.precision;
+  const int d = par.data_parallel_size, p = par.pipeline_parallel_size, t = par.tensor_parallel_size;
+  const int v = par.virtual_pipeline_stages;
+
+  // ---- GPUs ------------------------------------------------------------------------
+  if (static_cast<long long>(d) * p * t != cl.num_gpus)
+    ck.error("parallelism.data_parallel_size",
+             fmt::format("data_parallel_size({}) * pipeline_parallel_size({}) * tensor_parallel_size({}) = {} != "
+                         "num_gpus({})",
+                         d, p, t, static_cast<long long>(d) * p * t, cl.num_gpus));
+  if (cl.num_gpus > cl.gpus_per_node && cl.num_gpus % cl.gpus_per_node != 0)
+    ck.error("cluster.num_gpus", fmt::format("num_gpus({}) is not a whole number of nodes of gpus_per_node({})",
+                                             cl.num_gpus, cl.gpus_per_node));
+  if (t > 1 && (t > cl.gpus_per_node || cl.gpus_per_node % t != 0))
+    plan.warnings.push_back(fmt::format(
+        "tensor_parallel_size({}) does not fit evenly in a node of {} GPUs: its per-layer all-reduces would "
+        "cross the inter-node link; they are costed on the intra-node link here",
+        t, cl.gpus_per_node));
+
+  // ---- model -----------------------------------------------------------------------
+  const int a = m.num_attention_heads;
+  if (m.hidden_size % a != 0)
+    ck.error("model.num_attention_heads", fmt::format("num_attention_heads({}) does not divide hidden_size({}): "
+                                                      "hidden_size % num_attention_heads = {}",
+                                                      a, m.hidden_size, m.hidden_size % a));
+  const int groups = m.num_query_groups > 0 ? m.num_query_groups : a;
+  if (a % groups != 0)
+    ck.error("model.num_query_groups",
+             fmt::format("num_query_groups({}) does not divide num_attention_heads({})", groups, a));
+  if (a % t != 0)
+    ck.error("parallelism.tensor_parallel_size",
+             fmt::format("tensor_parallel_size({}) does not divide num_attention_heads({})", t, a));
+  else if (groups % t != 0)
+    ck.error("parallelism.tensor_parallel_size",
+             fmt::format("tensor_parallel_size({}) does not divide num_query_groups({})", t, groups));
+  const int ffn = m.ffn_hidden_size > 0 ? m.ffn_hidden_size : 4 * m.hidden_size;
+  if (ffn % t != 0)
+    ck.error("parallelism.tensor_parallel_size",
+             fmt::format("tensor_parallel_size({}) does not divide ffn_hidden_size({})", t, ffn));
+  if (par.sequence_parallel && t == 1)
+    ck.error("parallelism.sequence_parallel", "sequence_parallel needs tensor_parallel_size > 1 (it is 1)");
+
+  // ---- pipeline --------------------------------------------------------------------
+  const bool interleaved = par.schedule == ScheduleKind::interleaved_1f1b;
+  if (v > 1 && !interleaved)
+    ck.error("parallelism.virtual_pipeline_stages",
+             fmt::format("virtual_pipeline_stages({}) > 1 needs schedule: interleaved-1f1b (schedule is {})", v,
+                         schedule_name(par.schedule)));
+  if (interleaved && v < 2)
+    ck.error("parallelism.schedule", fmt::format("interleaved-1f1b needs virtual_pipeline_stages >= 2 (it is {})", v));
+  if (interleaved && p < 2)
+    ck.error("parallelism.schedule", "interleaved-1f1b needs pipeline_parallel_size >= 2 (it is 1)");
+  const int vstages = p * v;
+  if (!par.layers_per_stage.empty()) {
+    const int sum = std::accumulate(par.layers_per_stage.begin(), par.layers_per_stage.end(), 0);
+    if (static_cast<int>(par.layers_per_stage.size()) != vstages)
+      ck.error("parallelism.layers_per_stage",
+               fmt::format("has {} entries; pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} needed",
+                           par.layers_per_stage.size(), p, v, vstages));
+    else if (sum != m.num_layers)
+      ck.error("parallelism.layers_per_stage",
+               fmt::format("sums to {} layers but num_layers is {}", sum, m.num_layers));
+    else
+      plan.layers_per_virtual_stage = par.layers_per_stage;
+  } else if (m.num_layers % vstages != 0) {
+    ck.error("model.num_layers",
+             fmt::format("num_layers({}) is not divisible by pipeline_parallel_size({}) * virtual_pipeline_stages({}) "
+                         "= {}; give parallelism.layers_per_stage to split unevenly",
+                         m.num_layers, p, v, vstages));
+  } else {
+    plan.layers_per_virtual_stage.assign(vstages, m.num_layers / vstages);
+  }
+
+  // ---- batch -----------------------------------------------------------------------
+  const int b = c.training.micro_batch_size;
+  const int gb = c.training.global_batch_size > 0 ? c.training.global_batch_size : b * d;
+  const long long per_step = static_cast<long long>(b) * d;
+  if (gb % per_step != 0)
+    ck.error("training.global_batch_size",
+             fmt::format("global_batch_size({}) is not divisible by micro_batch_size({}) * data_parallel_size({}) = {}",
+                         gb, b, d, per_step));
+  const int mb = static_cast<int>(gb / per_step);
+  if (interleaved && mb % p != 0)
+    ck.error("training.global_batch_size",
+             fmt::format("interleaved-1f1b needs micro-batches per replica ({}) to be a multiple of "
+                         "pipeline_parallel_size({})",
+                         mb, p));
+  if (p > 1 && mb < p)
+    plan.warnings.push_back(fmt::format(
+        "only {} micro-batches for {} pipeline stages: at least {:.0f}% of every step is pipeline bubble "
+        "((p-1)/(m+p-1)); raise global_batch_size or lower micro_batch_size",
+        mb, p, 100.0 * (p - 1) / (mb + p - 1)));
+
+  // ---- precision -------------------------------------------------------------------
+  auto require_rate = [&](DType dt, const std::string& key) {
+    auto it = cl.peak_tflops.find(dt);
+    if (it == cl.peak_tflops.end() || it->second <= 0)
+      ck.error(key, fmt::format("{} is not supported by GPU {} (cluster.peak_tflops.{} is 0); use {}", dtype_name(dt),
+                                cl.gpu.empty() ? std::string("of this cluster") : cl.gpu, dtype_name(dt),
+                                dt == DType::bf16 ? "fp16 with dynamic loss scaling" : "bf16 or fp16"));
+  };
+  require_rate(pr.compute, "precision.compute");
+  if (pr.allreduce == DType::bf16 && pr.compute != DType::bf16 && cl.peak_tflops.count(DType::bf16) &&
+      cl.peak_tflops.at(DType::bf16) <= 0)
+    require_rate(DType::bf16, "precision.allreduce");
+  const bool low = pr.compute == DType::fp16 || pr.compute == DType::bf16 || pr.compute == DType::fp8;
+  if (pr.master_weights != DType::fp32 && pr.master_weights != pr.compute &&
+      !(pr.compute == DType::fp8 && pr.master_weights == DType::bf16))
+    ck.error("precision.master_weights",
+             fmt::format("master_weights {} with compute {}: use fp32 (mixed precision) or the compute format",
+                         dtype_name(pr.master_weights), dtype_name(pr.compute)));
+
+  // Numerics warnings: the mechanisms behind loss spikes and NaNs.
+  const bool fp16 = pr.compute == DType::fp16;
+  if (fp16 && pr.loss_scaling.mode == LossScalingMode::none)
+    plan.warnings.push_back("fp16 compute without loss scaling: gradients below 6e-8 underflow to zero");
+  if (fp16 && pr.loss_scaling.mode == LossScalingMode::static_scale)
+    plan.warnings.push_back(fmt::format(
+        "fp16 with a static loss scale ({:g}): a scale too high overflows to inf on every step and never backs off; "
+        "use mode: dynamic",
+        pr.loss_scaling.initial_scale));
+  if (pr.allreduce == DType::fp16 && pr.allreduce_divide == AllReduceDivide::after && d > 1)
+    plan.warnings.push_back(fmt::format(
+        "fp16 all-reduce summed before dividing by data_parallel_size({}): partial sums reach {}x a replica's "
+        "gradient and overflow fp16's 65504 first; use allreduce_divide: before or allreduce: fp32",
+        d, d));
+  if (pr.grad_accumulation == DType::fp16 || pr.grad_accumulation == DType::bf16) {
+    if (mb > 1)
+      plan.warnings.push_back(fmt::format(
+          "{} gradient accumulation over {} micro-batches: each add rounds to {} significant bits; use "
+          "grad_accumulation: fp32",
+          dtype_name(pr.grad_accumulation), mb, pr.grad_accumulation == DType::fp16 ? 11 : 8));
+  }
+  if (pr.overflow_check == OverflowScope::local && (d > 1 || p > 1) &&
+      (fp16 || pr.loss_scaling.mode != LossScalingMode::none))
+    plan.warnings.push_back(
+        "overflow_check: local: each stage and replica decides alone whether to skip a step, so they can skip "
+        "different steps and their weights drift apart; use overflow_check: global");
+  if (!low && pr.compute != DType::tf32 && pr.compute != DType::fp32) {
+  }
+  if (c.parallelism.zero_stage >= 2 && p > 1)
+    plan.warnings.push_back(fmt::format(
+        "zero_stage {} with pipeline_parallel_size {}: DeepSpeed refuses this combination (gradients or weights "
+        "would be gathered for every micro-batch); simulated anyway",
+        c.parallelism.zero_stage, p));
+
+  if (!ck.errors.empty()) throw ScenarioError(std::move(ck.errors));
+
+  plan.config = c;
+  plan.source = sc.file;
+  plan.dp = d;
+  plan.pp = p;
+  plan.tp = t;
+  plan.vpp = v;
+  plan.num_microbatches = mb;
+  plan.micro_batch_size = b;
+  plan.global_batch_size = gb;
+}
+
+}  // namespace
+
+Plan Plan::from_scenario(const Scenario& scenario) {
+  Plan plan;
+  check_and_derive(scenario, plan);
+  return plan;
+}
+
+Plan Plan::from_config(const ScenarioConfig& config) {
+  Scenario sc;
+  sc.file = "<config>";
+  sc.config = config;
+  return from_scenario(sc);
+}
+
+}  // namespace trainsim

@@ -1,0 +1,59 @@
+// A Plan is a validated scenario: every invariant between keys holds, and the derived
+// quantities (micro-batches per replica, layers of each virtual stage, rank placement)
+// are computed once. Plan::from_config states each broken invariant with its numbers:
+//   data_parallel_size(2) * pipeline_parallel_size(4) * tensor_parallel_size(1) = 8 != num_gpus(6)
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/model_shape.h"
+#include "core/scenario.h"
+
+namespace trainsim {
+
+struct Plan {
+  ScenarioConfig config;
+  std::string source;  // scenario file, for reports
+
+  int dp = 1, pp = 1, tp = 1, vpp = 1;  // data, pipeline, tensor, virtual stages per rank
+  int num_microbatches = 1;             // per replica per step (m)
+  int micro_batch_size = 1;
+  int global_batch_size = 1;
+  // Layers of each virtual stage (model chunk), pp * vpp entries in pipeline order. Virtual
+  // stage c lives on pipeline rank c % pp as its chunk c / pp (Megatron's interleaving).
+  std::vector<int> layers_per_virtual_stage;
+  std::vector<std::string> warnings;
+
+  // Schedule ranks: one per (stage, replica); each stands for a tensor-parallel group of tp
+  // GPUs. Numbered stage-major as Megatron does (rank = stage * dp + replica), so the ranks
+  // of one stage, which all-reduce together, sit next to each other on a node.
+  int num_ranks() const { return dp * pp; }
+  int rank_of(int stage, int replica) const { return stage * dp + replica; }
+  int stage_of(int rank) const { return rank / dp; }
+  int replica_of(int rank) const { return rank % dp; }
+  int first_gpu_of(int rank) const { return rank * tp; }
+  int node_of(int rank) const { return first_gpu_of(rank) / config.cluster.gpus_per_node; }
+  bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
+  int num_virtual_stages() const { return pp * vpp; }
+  int rank_stage_of_virtual(int vstage) const { return vstage % pp; }
+
+  ModelShape shape() const { return ModelShape(config.model); }
+  // Parameters of one virtual stage (whole tensor-parallel group): its layers, plus the
+  // embeddings on the first and the LM head on the last (a copy of tied embeddings when
+  // the pipeline has more than one stage, as Megatron-LM keeps it).
+  double virtual_stage_params(int vstage) const;
+  // Bytes per element of working weights and of stored activations: the compute format,
+  // except fp8, whose weights and activations are kept in 16 bits between matrix products.
+  int weight_bytes() const;
+  int activation_bytes() const;
+  double peak_flops(DType d) const;  // FLOP/s per GPU, 0 if unsupported
+
+  // Throws ScenarioError listing every broken invariant.
+  static Plan from_scenario(const Scenario& scenario);
+  // For configurations built in code (tests, sweeps): no file locations.
+  static Plan from_config(const ScenarioConfig& config);
+};
+
+}  // namespace trainsim

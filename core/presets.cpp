@@ -1,0 +1,123 @@
+#include "core/presets.h"
+
+namespace trainsim {
+
+namespace {
+
+std::map<DType, double> rates(double fp32, double tf32, double fp16, double bf16, double fp8) {
+  return {{DType::fp32, fp32}, {DType::tf32, tf32}, {DType::fp16, fp16}, {DType::bf16, bf16}, {DType::fp8, fp8}};
+}
+
+// Dense tensor-core rates (the datasheets' "with sparsity" figures halved). Memory is what
+// nvidia-smi reports as total. Links are per GPU and per direction. Sources: docs/presets.md.
+std::vector<GpuPreset> make_gpus() {
+  return {
+      {"v100-32gb", "NVIDIA V100 SXM2 32GB (Volta): no bf16, no tf32; DGX-1/DGX-2 class", 8, 32.0,
+       rates(15.7, 0, 125, 0, 0), 0.6, 900, {150, 3}, {12.5, 6}},
+      {"a100-40gb", "NVIDIA A100 SXM4 40GB (Ampere), DGX A100 node", 8, 40.0, rates(19.5, 156, 312, 312, 0), 0.6,
+       1555, {300, 3}, {25, 6}},
+      {"a100-80gb", "NVIDIA A100 SXM4 80GB (Ampere), DGX A100 node", 8, 80.0, rates(19.5, 156, 312, 312, 0), 0.6,
+       2039, {300, 3}, {25, 6}},
+      {"h100-80gb", "NVIDIA H100 SXM5 80GB (Hopper), DGX H100 node", 8, 79.6, rates(67, 494.7, 989.4, 989.4, 1978.9),
+       0.6, 3350, {450, 3}, {50, 5}},
+      {"h200", "NVIDIA H200 SXM 141GB (Hopper), HGX H200 node", 8, 140.4, rates(67, 494.7, 989.4, 989.4, 1978.9), 0.6,
+       4800, {450, 3}, {50, 5}},
+  };
+}
+
+ModelConfig gpt(int layers, int hidden, int heads) {
+  ModelConfig m;
+  m.num_layers = layers;
+  m.hidden_size = hidden;
+  m.num_attention_heads = heads;
+  m.ffn_hidden_size = 4 * hidden;
+  m.vocab_size = 50304;  // GPT-2 BPE's 50257, padded to a multiple of 128 as Megatron-LM does
+  m.seq_length = 2048;
+  return m;
+}
+
+ModelConfig megatron(int layers, int hidden, int heads) {
+  ModelConfig m = gpt(layers, hidden, heads);
+  m.vocab_size = 51200;
+  return m;
+}
+
+ModelConfig llama2(int layers, int hidden, int heads, int groups, int ffn) {
+  ModelConfig m;
+  m.num_layers = layers;
+  m.hidden_size = hidden;
+  m.num_attention_heads = heads;
+  m.num_query_groups = groups;
+  m.ffn_hidden_size = ffn;
+  m.vocab_size = 32000;
+  m.seq_length = 4096;
+  m.swiglu = true;
+  m.position_embedding_type = PositionEmbedding::rope;
+  m.untie_embeddings_and_output_weights = true;
+  m.add_bias_linear = false;
+  m.normalization = Normalization::rmsnorm;
+  return m;
+}
+
+std::vector<ModelPreset> make_models() {
+  return {
+      {"gpt3-125m", "GPT-3 Small (Brown et al. 2020, table 2.1)", gpt(12, 768, 12)},
+      {"gpt3-350m", "GPT-3 Medium", gpt(24, 1024, 16)},
+      {"gpt3-760m", "GPT-3 Large", gpt(24, 1536, 16)},
+      {"gpt3-1.3b", "GPT-3 XL (16 heads of 128: the paper's 24 heads do not divide 2048)", gpt(24, 2048, 16)},
+      {"gpt3-2.7b", "GPT-3 2.7B", gpt(32, 2560, 32)},
+      {"gpt3-6.7b", "GPT-3 6.7B", gpt(32, 4096, 32)},
+      {"gpt3-13b", "GPT-3 13B (hidden 5120 as in Megatron-LM; the paper's 5140 does not split into 40 heads)",
+       gpt(40, 5120, 40)},
+      {"gpt3-175b", "GPT-3 175B", gpt(96, 12288, 96)},
+      {"llama2-7b", "Llama 2 7B (Touvron et al. 2023): SwiGLU, RoPE, RMSNorm, untied output", llama2(32, 4096, 32, 32, 11008)},
+      {"llama2-13b", "Llama 2 13B", llama2(40, 5120, 40, 40, 13824)},
+      {"llama2-70b", "Llama 2 70B: grouped-query attention with 8 KV heads", llama2(80, 8192, 64, 8, 28672)},
+      {"megatron-22b", "Megatron 22B (Korthikanti et al. 2022, table 3)", megatron(48, 6144, 64)},
+      {"megatron-530b", "Megatron-Turing 530B (Korthikanti et al. 2022, table 3)", megatron(105, 20480, 128)},
+      {"megatron-1t", "Megatron 1T (Korthikanti et al. 2022, table 3; Narayanan et al. 2021, table 1)",
+       megatron(128, 25600, 160)},
+  };
+}
+
+}  // namespace
+
+const std::vector<GpuPreset>& gpu_presets() {
+  static const std::vector<GpuPreset> presets = make_gpus();
+  return presets;
+}
+
+const std::vector<ModelPreset>& model_presets() {
+  static const std::vector<ModelPreset> presets = make_models();
+  return presets;
+}
+
+const GpuPreset* find_gpu_preset(std::string_view name) {
+  for (const auto& p : gpu_presets())
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+const ModelPreset* find_model_preset(std::string_view name) {
+  for (const auto& p : model_presets())
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+void apply_gpu_preset(const GpuPreset& p, ClusterConfig& c) {
+  c.gpu = p.name;
+  c.gpus_per_node = p.gpus_per_node;
+  c.memory_gib = p.memory_gib;
+  c.peak_tflops = p.peak_tflops;
+  c.compute_efficiency = p.compute_efficiency;
+  c.hbm_bandwidth_gbps = p.hbm_bandwidth_gbps;
+  c.intra_node = p.intra_node;
+  c.inter_node = p.inter_node;
+}
+
+void apply_model_preset(const ModelPreset& p, ModelConfig& m) {
+  m = p.model;
+  m.preset = p.name;
+}
+
+}  // namespace trainsim

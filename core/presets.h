@@ -1,0 +1,40 @@
+// Catalog of GPUs and model shapes from public datasheets and papers. Every figure's
+// source is in docs/presets.md; a scenario may override any field after naming a preset.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/config.h"
+
+namespace trainsim {
+
+struct GpuPreset {
+  std::string name;
+  std::string summary;  // one line for `trainsim presets`
+  // Every ClusterConfig field a GPU determines; num_gpus is left to the scenario.
+  int gpus_per_node;
+  double memory_gib;
+  std::map<DType, double> peak_tflops;
+  double compute_efficiency;
+  double hbm_bandwidth_gbps;
+  LinkConfig intra_node;
+  LinkConfig inter_node;
+};
+
+struct ModelPreset {
+  std::string name;
+  std::string summary;
+  ModelConfig model;
+};
+
+const std::vector<GpuPreset>& gpu_presets();
+const std::vector<ModelPreset>& model_presets();
+const GpuPreset* find_gpu_preset(std::string_view name);
+const ModelPreset* find_model_preset(std::string_view name);
+
+void apply_gpu_preset(const GpuPreset& preset, ClusterConfig& cluster);
+void apply_model_preset(const ModelPreset& preset, ModelConfig& model);
+
+}  // namespace trainsim

@@ -1,0 +1,107 @@
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/report/report.h"
+
+namespace trainsim {
+
+namespace {
+
+std::string human_count(double x) {
+  const char* units[] = {"", "K", "M", "B", "T"};
+  int u = 0;
+  while (std::fabs(x) >= 1000 && u < 4) {
+    x /= 1000;
+    ++u;
+  }
+  return fmt::format("{:.{}f}{}", x, u == 0 ? 0 : (x < 10 ? 2 : 1), units[u]);
+}
+
+std::string seconds(double s) {
+  if (s >= 1) return fmt::format("{:.3f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
+  return fmt::format("{:.1f} us", s * 1e6);
+}
+
+std::string bar(double fraction, int width) {
+  const int full = static_cast<int>(std::lround(std::clamp(fraction, 0.0, 1.0) * width));
+  std::string s;
+  for (int i = 0; i < width; ++i) s += i < full ? "#" : ".";
+  return s;
+}
+
+}  // namespace
+
+std::string format_summary(const Plan& plan, const Result& res) {
+  const auto& c = plan.config;
+  const ModelShape m = plan.shape();
+  std::string o;
+  o += fmt::format("{}{}\n", c.name.empty() ? std::string("scenario") : c.name,
+                   plan.source.empty() ? "" : fmt::format(" ({})", plan.source));
+  if (!c.description.empty()) o += fmt::format("  {}\n", c.description);
+  o += fmt::format("  model    {} parameters{}: {} layers, hidden {}, {} heads, seq {}, vocab {}\n",
+                   human_count(m.total_params()), c.model.preset.empty() ? "" : " (" + c.model.preset + ")", m.L, m.h,
+                   m.a, m.s, m.V);
+  const int nodes = (c.cluster.num_gpus + c.cluster.gpus_per_node - 1) / c.cluster.gpus_per_node;
+  o += fmt::format("  cluster  {} x {} GPUs ({} node{} of {}), {:.1f} GiB each\n", c.cluster.num_gpus,
+                   c.cluster.gpu.empty() ? "custom" : c.cluster.gpu, nodes, nodes > 1 ? "s" : "",
+                   c.cluster.gpus_per_node, c.cluster.memory_gib);
+  o += fmt::format(
+      "  plan     data {} x pipeline {}{} x tensor {}, {} schedule, {} micro-batches of {} per replica (global batch "
+      "{}), ZeRO {}, recompute {}\n",
+      plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp, schedule_name(c.parallelism.schedule),
+      plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
+      recompute_name(c.training.activation_recompute));
+  const auto& pr = c.precision;
+  o += fmt::format("  numerics {} compute, {} master weights, {} grad accumulation, {} all-reduce (divide {}), "
+                   "overflow check {}\n\n",
+                   dtype_name(pr.compute), dtype_name(pr.master_weights), dtype_name(pr.grad_accumulation),
+                   dtype_name(pr.allreduce), pr.allreduce_divide == AllReduceDivide::before ? "before" : "after",
+                   pr.overflow_check == OverflowScope::global ? "global" : "local");
+
+  o += fmt::format("  step time        {:>12}    tokens/s  {:>10}    MFU {:5.1f}%\n", seconds(res.step_time_s),
+                   human_count(res.tokens_per_s), 100 * res.mfu);
+  o += fmt::format("  bubble fraction  {:>11.1f}%    all-reduce {:>9}    exposed communication {}\n",
+                   100 * res.bubble_fraction, seconds(res.allreduce_time_s), seconds(res.exposed_comm_time_s));
+  double worst = 0;
+  int worst_rank = 0;
+  for (const auto& r : res.ranks)
+    if (r.peak_memory_bytes > worst) {
+      worst = r.peak_memory_bytes;
+      worst_rank = r.rank;
+    }
+  const double cap = res.memory_capacity_bytes;
+  if (res.fits_in_memory)
+    o += fmt::format("  memory           fits: peak {:.1f} of {:.1f} GiB (rank {}), {:.1f} GiB headroom\n",
+                     bytes_to_gib(worst), bytes_to_gib(cap), worst_rank, bytes_to_gib(cap - worst));
+  else
+    o += fmt::format("  memory           DOES NOT FIT: rank {} needs {:.1f} GiB of {:.1f} GiB ({:.1f} GiB over)\n",
+                     worst_rank, bytes_to_gib(worst), bytes_to_gib(cap), bytes_to_gib(worst - cap));
+
+  o += fmt::format("\n  {:>4} {:>5} {:>7}  {:>6} {:<20} {:>9} {:>9}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>8}\n", "rank",
+                   "stage", "replica", "util", "", "busy", "idle", "weights", "grads", "optim", "activ", "buffers",
+                   "peak GiB");
+  const std::size_t shown = std::min<std::size_t>(res.ranks.size(), 64);
+  for (std::size_t i = 0; i < shown; ++i) {
+    const auto& r = res.ranks[i];
+    o += fmt::format("  {:>4} {:>5} {:>7}  {:5.1f}% {:<20} {:>9} {:>9}   {:7.2f} {:7.2f} {:7.2f} {:7.2f} {:7.2f} {:>7.2f}{}\n",
+                     r.rank, r.stage, r.replica, 100 * r.utilization, bar(r.utilization, 20), seconds(r.busy_s),
+                     seconds(r.idle_s), bytes_to_gib(r.memory.weights), bytes_to_gib(r.memory.gradients),
+                     bytes_to_gib(r.memory.optimizer), bytes_to_gib(r.memory.activations),
+                     bytes_to_gib(r.memory.buffers), bytes_to_gib(r.peak_memory_bytes),
+                     r.peak_memory_bytes > cap ? " !" : "");
+  }
+  if (shown < res.ranks.size())
+    o += fmt::format("  ... {} more ranks (use --json for all)\n", res.ranks.size() - shown);
+  if (plan.tp > 1) o += fmt::format("  (each rank is a tensor-parallel group of {} GPUs; figures are per GPU)\n", plan.tp);
+
+  if (!res.warnings.empty()) {
+    o += "\nwarnings:\n";
+    for (const auto& w : res.warnings) o += fmt::format("  - {}\n", w);
+  }
+  return o;
+}
+
+}  // namespace trainsim

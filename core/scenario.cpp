@@ -1,0 +1,326 @@
+#include "core/scenario.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+namespace trainsim {
+
+bool Scenario::has_key(const std::string& path) const {
+  return std::find(explicit_keys.begin(), explicit_keys.end(), path) != explicit_keys.end();
+}
+
+Diagnostic Scenario::diagnostic(const std::string& key_path, std::string message) const {
+  // Point at the key itself, else at the closest enclosing section that was written.
+  SourceLocation where;
+  std::string p = key_path;
+  while (!p.empty()) {
+    auto it = locations.find(p);
+    if (it != locations.end()) {
+      where = it->second;
+      break;
+    }
+    auto dot = p.rfind('.');
+    p = dot == std::string::npos ? "" : p.substr(0, dot);
+  }
+  return Diagnostic{file, where, key_path, std::move(message)};
+}
+
+namespace {
+
+SourceLocation location_of(const YAML::Node& n) {
+  const YAML::Mark m = n.Mark();
+  if (m.is_null()) return {};
+  return {m.line + 1, m.column + 1};
+}
+
+std::string describe(const YAML::Node& n) {
+  switch (n.Type()) {
+    case YAML::NodeType::Null: return "nothing";
+    case YAML::NodeType::Map: return "a map";
+    case YAML::NodeType::Sequence: return "a list";
+    case YAML::NodeType::Scalar:
+      return n.Tag() == "!" ? fmt::format("the quoted text \"{}\"", n.Scalar()) : fmt::format("\"{}\"", n.Scalar());
+    default: return "an undefined value";
+  }
+}
+
+bool is_plain_scalar(const YAML::Node& n) { return n.IsScalar() && n.Tag() != "!"; }
+
+std::optional<std::int64_t> to_integer(const std::string& s) {
+  std::int64_t v = 0;
+  const char* b = s.data();
+  const char* e = s.data() + s.size();
+  if (b != e && *b == '+') ++b;
+  auto [ptr, ec] = std::from_chars(b, e, v);
+  if (ec != std::errc() || ptr != e || b == e) return std::nullopt;
+  return v;
+}
+
+std::optional<double> to_real(const std::string& s) {
+  if (s.empty()) return std::nullopt;
+  std::istringstream in(s);
+  in.imbue(std::locale::classic());
+  double v = 0;
+  in >> v;
+  if (in.fail() || !in.eof() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+std::optional<bool> to_boolean(const std::string& s) {
+  std::string l = s;
+  std::transform(l.begin(), l.end(), l.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (l == "true" || l == "yes" || l == "on") return true;
+  if (l == "false" || l == "no" || l == "off") return false;
+  return std::nullopt;
+}
+
+std::string bounds_text(const FieldSpec& f) {
+  const bool has_min = std::isfinite(f.min), has_max = std::isfinite(f.max) && f.max < 1e15;
+  if (has_min && has_max) return fmt::format("between {:g} and {:g}", f.min, f.max);
+  if (has_min) return fmt::format("at least {:g}", f.min);
+  if (has_max) return fmt::format("at most {:g}", f.max);
+  return "";
+}
+
+class Loader {
+ public:
+  explicit Loader(Scenario& sc) : sc_(sc) {}
+
+  void load(const YAML::Node& root) {
+    if (!root.IsDefined() || root.IsNull()) {
+      error("", {}, "the scenario is empty; start from scenarios/postmortem-8x40gb.yaml");
+      return;
+    }
+    if (!root.IsMap()) {
+      error("", location_of(root), fmt::format("a scenario must be a map of sections, got {}", describe(root)));
+      return;
+    }
+    // Presets first, wherever they appear, so that explicit keys override them.
+    for (const char* preset_path : {"model.preset", "cluster.gpu"}) {
+      std::string section(preset_path, std::strchr(preset_path, '.'));
+      std::string key(std::strchr(preset_path, '.') + 1);
+      const YAML::Node sec = root[section];
+      if (sec && sec.IsMap() && sec[key]) apply(*find_field(preset_path), sec[key]);
+    }
+    walk(root, "");
+  }
+
+  std::vector<Diagnostic> errors;
+
+ private:
+  void error(const std::string& path, SourceLocation where, std::string message) {
+    errors.push_back(Diagnostic{sc_.file, where, path, std::move(message)});
+  }
+
+  void walk(const YAML::Node& map, const std::string& prefix) {
+    std::map<std::string, SourceLocation> seen;
+    for (auto it = map.begin(); it != map.end(); ++it) {
+      const YAML::Node& key_node = it->first;
+      const YAML::Node& value = it->second;
+      const SourceLocation key_at = location_of(key_node);
+      if (!key_node.IsScalar()) {
+        error(prefix, key_at, fmt::format("keys must be names, got {}", describe(key_node)));
+        continue;
+      }
+      const std::string key = key_node.Scalar();
+      const std::string path = prefix.empty() ? key : prefix + "." + key;
+      if (auto [prev, fresh] = seen.emplace(key, key_at); !fresh) {
+        error(path, key_at, fmt::format("given twice (first on line {})", prev->second.line));
+        continue;
+      }
+      sc_.locations[path] = key_at;
+
+      if (prefix.empty() && key == "sweep") {
+        load_sweep(value);
+      } else if (const FieldSpec* f = find_field(path)) {
+        if (!f->applies_preset) apply(*f, value);
+      } else if (is_field_section(path)) {
+        if (!value.IsMap()) {
+          error(path, location_of(value), fmt::format("expected a section (a map of keys), got {}", describe(value)));
+          continue;
+        }
+        walk(value, path);
+      } else {
+        unknown_key(prefix, key, key_at);
+      }
+    }
+  }
+
+  void unknown_key(const std::string& prefix, const std::string& key, SourceLocation at) {
+    std::vector<std::string> siblings = section_children(prefix);
+    if (prefix.empty()) siblings.push_back("sweep");
+    std::string hint = closest_match(key, siblings);
+    std::string path = prefix.empty() ? key : prefix + "." + key;
+    std::string msg = "unknown key";
+    if (!hint.empty())
+      msg += fmt::format("; did you mean \"{}\"?", hint);
+    else
+      msg += fmt::format("; {} accepts: {}", prefix.empty() ? "the top level" : prefix, fmt::join(siblings, ", "));
+    error(path, at, msg);
+  }
+
+  // Parses one value against its row of the table; reports and returns nullopt on error.
+  std::optional<FieldValue> parse(const FieldSpec& f, const YAML::Node& v, const std::string& path) {
+    const SourceLocation at = location_of(v);
+    auto fail = [&](std::string what) {
+      error(path, at, std::move(what));
+      return std::optional<FieldValue>{};
+    };
+    auto check_range = [&](double x) {
+      return x >= f.min && x <= f.max;
+    };
+    switch (f.kind) {
+      case FieldKind::integer: {
+        auto x = is_plain_scalar(v) ? to_integer(v.Scalar()) : std::nullopt;
+        if (!x) return fail(fmt::format("expected an integer, got {}", describe(v)));
+        if (!check_range(static_cast<double>(*x))) return fail(fmt::format("must be {}, got {}", bounds_text(f), *x));
+        return FieldValue{*x};
+      }
+      case FieldKind::real: {
+        auto x = is_plain_scalar(v) ? to_real(v.Scalar()) : std::nullopt;
+        if (!x) return fail(fmt::format("expected a number, got {}", describe(v)));
+        if (!check_range(*x)) return fail(fmt::format("must be {}, got {}", bounds_text(f), v.Scalar()));
+        return FieldValue{*x};
+      }
+      case FieldKind::boolean: {
+        auto x = is_plain_scalar(v) ? to_boolean(v.Scalar()) : std::nullopt;
+        if (!x) return fail(fmt::format("expected true or false, got {}", describe(v)));
+        return FieldValue{*x};
+      }
+      case FieldKind::text: {
+        if (!v.IsScalar()) return fail(fmt::format("expected text, got {}", describe(v)));
+        return FieldValue{v.Scalar()};
+      }
+      case FieldKind::choice: {
+        if (!v.IsScalar()) return fail(fmt::format("expected one of {}, got {}", fmt::join(f.choices, ", "), describe(v)));
+        const std::string s = v.Scalar();
+        if (std::find(f.choices.begin(), f.choices.end(), s) == f.choices.end()) {
+          std::string hint = closest_match(s, f.choices);
+          return fail(fmt::format("unknown value \"{}\"; expected one of: {}{}", s, fmt::join(f.choices, ", "),
+                                  hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
+        }
+        return FieldValue{s};
+      }
+      case FieldKind::integer_list: {
+        if (!v.IsSequence()) return fail(fmt::format("expected a list of integers, got {}", describe(v)));
+        IntList out;
+        for (std::size_t i = 0; i < v.size(); ++i) {
+          auto x = is_plain_scalar(v[i]) ? to_integer(v[i].Scalar()) : std::nullopt;
+          if (!x) {
+            error(path, location_of(v[i]), fmt::format("entry {} must be an integer, got {}", i, describe(v[i])));
+            return std::nullopt;
+          }
+          if (!check_range(static_cast<double>(*x))) {
+            error(path, location_of(v[i]), fmt::format("entry {} must be {}, got {}", i, bounds_text(f), *x));
+            return std::nullopt;
+          }
+          out.push_back(*x);
+        }
+        return FieldValue{out};
+      }
+    }
+    return std::nullopt;
+  }
+
+  void apply(const FieldSpec& f, const YAML::Node& v) {
+    auto value = parse(f, v, f.path);
+    if (!value) return;
+    try {
+      f.set(sc_.config, *value);
+      sc_.explicit_keys.push_back(f.path);
+    } catch (const std::invalid_argument& e) {
+      std::string msg = fmt::format("\"{}\": {}", format_field_value(*value), e.what());
+      error(f.path, location_of(v), msg);
+    }
+  }
+
+  void load_sweep(const YAML::Node& node) {
+    if (!node.IsMap()) {
+      error("sweep", location_of(node), fmt::format("expected a map from key paths to lists of values, got {}", describe(node)));
+      return;
+    }
+    std::vector<std::string> all_paths;
+    for (const auto& f : scenario_fields()) all_paths.push_back(f.path);
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const std::string path = it->first.Scalar();
+      const YAML::Node values = it->second;
+      const SourceLocation at = location_of(it->first);
+      const FieldSpec* f = find_field(path);
+      if (!f) {
+        std::string hint = closest_match(path, all_paths);
+        error("sweep." + path, at,
+              fmt::format("not a scenario key{}", hint.empty() ? "; see `trainsim fields`" : fmt::format("; did you mean \"{}\"?", hint)));
+        continue;
+      }
+      if (!values.IsSequence() || values.size() == 0) {
+        error("sweep." + path, location_of(values), fmt::format("expected a non-empty list of values, got {}", describe(values)));
+        continue;
+      }
+      SweepAxis axis{path, {}, at};
+      bool ok = true;
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        auto v = parse(*f, values[i], "sweep." + path);
+        if (!v) {
+          ok = false;
+          continue;
+        }
+        // Presets are checked by name now, so a sweep over GPUs fails here rather than midway.
+        if (f->applies_preset) {
+          ScenarioConfig probe;
+          try {
+            f->set(probe, *v);
+          } catch (const std::invalid_argument& e) {
+            error("sweep." + path, location_of(values[i]), fmt::format("\"{}\": {}", format_field_value(*v), e.what()));
+            ok = false;
+            continue;
+          }
+        }
+        axis.values.push_back(std::move(*v));
+      }
+      if (ok) sc_.sweep.push_back(std::move(axis));
+    }
+  }
+
+  Scenario& sc_;
+};
+
+Scenario load(const std::string& text, const std::string& file_name) {
+  Scenario sc;
+  sc.file = file_name;
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    SourceLocation where;
+    if (!e.mark.is_null()) where = {e.mark.line + 1, e.mark.column + 1};
+    throw ScenarioError({Diagnostic{file_name, where, "", "YAML syntax: " + e.msg}});
+  }
+  Loader loader(sc);
+  loader.load(root);
+  if (!loader.errors.empty()) throw ScenarioError(std::move(loader.errors));
+  return sc;
+}
+
+}  // namespace
+
+Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name) {
+  return load(yaml_text, file_name);
+}
+
+Scenario load_scenario_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ScenarioError({Diagnostic{path, {}, "", "cannot open the file (does it exist and is it readable?)"}});
+  std::ostringstream text;
+  text << in.rdbuf();
+  return load(text.str(), path);
+}
+
+}  // namespace trainsim

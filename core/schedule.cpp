@@ -1,0 +1,434 @@
+#include "core/schedule.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/model_shape.h"
+#include "core/plan.h"
+
+namespace trainsim {
+
+const char* op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::Forward: return "Forward";
+    case OpKind::Backward: return "Backward";
+    case OpKind::BackwardInput: return "BackwardInput";
+    case OpKind::BackwardWeight: return "BackwardWeight";
+    case OpKind::SendActivation: return "SendActivation";
+    case OpKind::RecvActivation: return "RecvActivation";
+    case OpKind::SendGradient: return "SendGradient";
+    case OpKind::RecvGradient: return "RecvGradient";
+    case OpKind::AllReduce: return "AllReduce";
+    case OpKind::ReduceScatter: return "ReduceScatter";
+    case OpKind::AllGather: return "AllGather";
+    case OpKind::OverflowCheck: return "OverflowCheck";
+    case OpKind::OptimizerStep: return "OptimizerStep";
+  }
+  return "?";
+}
+
+bool is_compute(OpKind k) {
+  return k == OpKind::Forward || k == OpKind::Backward || k == OpKind::BackwardInput ||
+         k == OpKind::BackwardWeight || k == OpKind::OptimizerStep;
+}
+bool is_collective(OpKind k) {
+  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::OverflowCheck;
+}
+bool is_send(OpKind k) { return k == OpKind::SendActivation || k == OpKind::SendGradient; }
+bool is_recv(OpKind k) { return k == OpKind::RecvActivation || k == OpKind::RecvGradient; }
+
+StreamKind stream_of(OpKind k) {
+  if (is_collective(k)) return StreamKind::collective;
+  if (is_send(k)) return StreamKind::p2p;
+  return StreamKind::compute;  // compute ops, and receives, which block the compute stream
+}
+
+std::string op_label(const Op& op) {
+  switch (op.kind) {
+    case OpKind::Forward: return fmt::format("F{}", op.microbatch);
+    case OpKind::Backward: return fmt::format("B{}", op.microbatch);
+    case OpKind::BackwardInput: return fmt::format("BI{}", op.microbatch);
+    case OpKind::BackwardWeight: return fmt::format("BW{}", op.microbatch);
+    case OpKind::SendActivation: return fmt::format("send act {}", op.microbatch);
+    case OpKind::RecvActivation: return fmt::format("recv act {}", op.microbatch);
+    case OpKind::SendGradient: return fmt::format("send grad {}", op.microbatch);
+    case OpKind::RecvGradient: return fmt::format("recv grad {}", op.microbatch);
+    case OpKind::AllReduce: return fmt::format("AR b{}", op.bucket);
+    case OpKind::ReduceScatter: return fmt::format("RS b{}", op.bucket);
+    case OpKind::AllGather: return op.microbatch >= 0 ? fmt::format("AG w{}", op.microbatch) : "AG params";
+    case OpKind::OverflowCheck: return "found-inf";
+    case OpKind::OptimizerStep: return "optimizer";
+  }
+  return "?";
+}
+
+std::size_t Schedule::total_ops() const {
+  std::size_t n = 0;
+  for (const auto& r : ranks) n += r.ops.size();
+  return n;
+}
+
+namespace {
+
+// One compute task of a stage's pipeline order; local_chunk in 0..v-1.
+struct Task {
+  OpKind kind;
+  int local_chunk;
+  int microbatch;
+};
+
+std::vector<Task> gpipe_order(int m) {
+  std::vector<Task> t;
+  for (int i = 0; i < m; ++i) t.push_back({OpKind::Forward, 0, i});
+  for (int i = 0; i < m; ++i) t.push_back({OpKind::Backward, 0, i});
+  return t;
+}
+
+// 1F1B (PipeDream-Flush): p-s-1 warm-up forwards, then alternate, then drain.
+std::vector<Task> one_f_one_b_order(int s, int p, int m) {
+  std::vector<Task> t;
+  const int warmup = std::min(p - s - 1, m);
+  for (int i = 0; i < warmup; ++i) t.push_back({OpKind::Forward, 0, i});
+  for (int i = 0; i < m - warmup; ++i) {
+    t.push_back({OpKind::Forward, 0, warmup + i});
+    t.push_back({OpKind::Backward, 0, i});
+  }
+  for (int i = m - warmup; i < m; ++i) t.push_back({OpKind::Backward, 0, i});
+  return t;
+}
+
+// Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): forwards visit chunks in groups
+// of p micro-batches; backwards visit chunks in reverse.
+std::vector<Task> interleaved_order(int s, int p, int m, int v) {
+  const int total = m * v;
+  int warmup = (m == p) ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * p);
+  auto chunk_of = [&](int k, bool forward) {
+    int c = (k % (p * v)) / p;
+    return forward ? c : v - 1 - c;
+  };
+  auto microbatch_of = [&](int k) { return (k / (p * v)) * p + k % p; };
+  std::vector<Task> t;
+  for (int k = 0; k < warmup; ++k) t.push_back({OpKind::Forward, chunk_of(k, true), microbatch_of(k)});
+  for (int k = 0; k < total - warmup; ++k) {
+    const int f = k + warmup;
+    t.push_back({OpKind::Forward, chunk_of(f, true), microbatch_of(f)});
+    t.push_back({OpKind::Backward, chunk_of(k, false), microbatch_of(k)});
+  }
+  for (int k = total - warmup; k < total; ++k) t.push_back({OpKind::Backward, chunk_of(k, false), microbatch_of(k)});
+  return t;
+}
+
+// ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B (input gradient) and W
+// (weight gradient). Stage s defers its first s W passes, so every stage keeps the same
+// number of micro-batches in flight as stage 0 of 1F1B, and the deferred Ws fill the
+// drain bubbles. Bubble: (p-1)(T_F + T_B - T_W) instead of 1F1B's (p-1)(T_F + T_B + T_W).
+std::vector<Task> zb_h1_order(int s, int p, int m) {
+  std::vector<Task> t;
+  const int warmup = std::min(p - s - 1, m);
+  int next_w = 0, bs_done = 0;
+  auto backward = [&](int i) {
+    t.push_back({OpKind::BackwardInput, 0, i});
+    ++bs_done;
+    if (bs_done - next_w > s) t.push_back({OpKind::BackwardWeight, 0, next_w++});
+  };
+  for (int i = 0; i < warmup; ++i) t.push_back({OpKind::Forward, 0, i});
+  for (int i = 0; i < m - warmup; ++i) {
+    t.push_back({OpKind::Forward, 0, warmup + i});
+    backward(i);
+  }
+  for (int i = m - warmup; i < m; ++i) backward(i);
+  while (next_w < m) t.push_back({OpKind::BackwardWeight, 0, next_w++});
+  return t;
+}
+
+std::vector<Task> pipeline_order(ScheduleKind kind, int s, int p, int m, int v) {
+  switch (kind) {
+    case ScheduleKind::gpipe: return gpipe_order(m);
+    case ScheduleKind::one_f_one_b: return one_f_one_b_order(s, p, m);
+    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v);
+    case ScheduleKind::zb_h1: return zb_h1_order(s, p, m);
+  }
+  return {};
+}
+
+class Builder {
+ public:
+  explicit Builder(const Plan& plan) : plan_(plan), shape_(plan.config.model) {
+    const auto& cfg = plan.config;
+    V_ = plan.num_virtual_stages();
+    m_ = plan.num_microbatches;
+    const int e_weights = plan.weight_bytes();
+    act_bytes_ = static_cast<Bytes>(std::llround(static_cast<double>(plan.micro_batch_size) * shape_.s * shape_.h *
+                                                 plan.activation_bytes() / plan.tp));
+    const double bucket = mib_to_bytes(cfg.communication.bucket_size_mib);
+    // Gradient buckets and collective ids, identical for every replica of a stage.
+    for (int vs = 0; vs < V_; ++vs) {
+      const double params = plan.virtual_stage_params(vs) / plan.tp;
+      const Bytes grad = static_cast<Bytes>(std::llround(params * dtype_bytes(cfg.precision.allreduce)));
+      std::vector<Bytes> buckets;
+      if (plan.dp > 1 && grad > 0) {
+        const Bytes b = std::max<Bytes>(1, static_cast<Bytes>(bucket));
+        for (Bytes off = 0; off < grad; off += b) buckets.push_back(std::min(b, grad - off));
+      }
+      chunk_grad_bytes_.push_back(grad);
+      chunk_weight_bytes_.push_back(static_cast<Bytes>(std::llround(params * e_weights)));
+      bucket_bytes_.push_back(std::move(buckets));
+    }
+    const int stage_count = plan.pp;
+    for (int vs = 0; vs < V_; ++vs) {
+      bucket_base_.push_back(static_cast<int>(sched_.collectives.size()));
+      for (Bytes b : bucket_bytes_[vs])
+        sched_.collectives.push_back({zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce,
+                                      CollectivePurpose::gradients, b, stage_members(vs % stage_count)});
+    }
+    if (zero() >= 1 && plan.dp > 1) {
+      param_gather_base_ = static_cast<int>(sched_.collectives.size());
+      for (int vs = 0; vs < V_; ++vs)
+        sched_.collectives.push_back(
+            {OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs], stage_members(vs % stage_count)});
+    }
+    if (needs_overflow_check() && cfg.precision.overflow_check == OverflowScope::global && plan.num_ranks() > 1) {
+      overflow_id_ = static_cast<int>(sched_.collectives.size());
+      std::vector<int> all(plan.num_ranks());
+      for (int r = 0; r < plan.num_ranks(); ++r) all[r] = r;
+      sched_.collectives.push_back({OpKind::AllReduce, CollectivePurpose::overflow, 4, all});
+      sched_.collectives.back().kind = OpKind::OverflowCheck;
+    }
+    if (zero() == 3 && plan.dp > 1) {
+      zero3_base_ = static_cast<int>(sched_.collectives.size());
+      for (int vs = 0; vs < V_; ++vs)
+        for (int mb = 0; mb < m_; ++mb)
+          for (int dir = 0; dir < 2; ++dir)
+            sched_.collectives.push_back({OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs],
+                                          stage_members(vs % stage_count)});
+    }
+  }
+
+  Schedule build() {
+    sched_.kind = plan_.config.parallelism.schedule;
+    sched_.num_stages = plan_.pp;
+    sched_.num_replicas = plan_.dp;
+    sched_.num_chunks = plan_.vpp;
+    sched_.num_microbatches = m_;
+    sched_.num_messages = plan_.dp * std::max(0, V_ - 1) * m_ * 2;
+    sched_.ranks.resize(plan_.num_ranks());
+    for (int r = 0; r < plan_.num_ranks(); ++r) build_rank(r);
+    return std::move(sched_);
+  }
+
+ private:
+  int zero() const { return plan_.dp > 1 ? plan_.config.parallelism.zero_stage : 0; }
+  bool needs_overflow_check() const { return plan_.config.precision.loss_scaling.mode != LossScalingMode::none; }
+
+  std::vector<int> stage_members(int stage) const {
+    std::vector<int> v;
+    for (int d = 0; d < plan_.dp; ++d) v.push_back(plan_.rank_of(stage, d));
+    return v;
+  }
+
+  // Message between virtual stages vs and vs+1 of one replica, per micro-batch and direction.
+  int message_id(int replica, int boundary, int mb, bool gradient) const {
+    return ((replica * (V_ - 1) + boundary) * m_ + mb) * 2 + (gradient ? 1 : 0);
+  }
+  int rank_of_virtual(int vs, int replica) const { return plan_.rank_of(vs % plan_.pp, replica); }
+
+  int push(std::vector<Op>& ops, Op op) {
+    ops.push_back(op);
+    return static_cast<int>(ops.size()) - 1;
+  }
+
+  void build_rank(int r) {
+    RankProgram& prog = sched_.ranks[r];
+    const int s = plan_.stage_of(r), d = plan_.replica_of(r), p = plan_.pp, v = plan_.vpp;
+    prog.rank = r;
+    prog.stage = s;
+    prog.replica = d;
+    auto& ops = prog.ops;
+    const auto tasks = pipeline_order(plan_.config.parallelism.schedule, s, p, m_, v);
+    const bool overlap = plan_.config.communication.overlap_grad_reduce;
+
+    // The task that completes each chunk's gradients: its last B (or W when split).
+    std::vector<int> last_grad_task(v, -1);
+    for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
+      const OpKind k = tasks[i].kind;
+      if (k == OpKind::Backward || k == OpKind::BackwardWeight) last_grad_task[tasks[i].local_chunk] = i;
+    }
+
+    std::vector<int> compute_ops;  // indices of compute ops in program order (ZeRO-3 prefetch)
+    std::vector<int> chunks_done;  // local chunks in the order their gradients complete
+    int last_collective = -1;
+    for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
+      const Task& task = tasks[i];
+      const int vs = task.local_chunk * p + s;
+      const int mb = task.microbatch;
+      const bool fwd = task.kind == OpKind::Forward;
+      const bool needs_weights = task.kind != OpKind::BackwardWeight;
+
+      int gather = -1;
+      if (zero() == 3 && needs_weights) {
+        Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs), mb};
+        ag.channel = zero3_base_ + (vs * m_ + mb) * 2 + (fwd ? 0 : 1);
+        ag.bytes = chunk_weight_bytes_[vs];
+        ag.dep = compute_ops.size() >= 2 ? compute_ops[compute_ops.size() - 2] : -1;  // prefetch one ahead
+        gather = push(ops, ag);
+      }
+      // Receive what this task consumes.
+      if (fwd && vs > 0) {
+        Op rc{OpKind::RecvActivation, static_cast<std::int16_t>(vs), mb};
+        rc.peer = rank_of_virtual(vs - 1, d);
+        rc.channel = message_id(d, vs - 1, mb, false);
+        rc.bytes = act_bytes_;
+        push(ops, rc);
+      } else if ((task.kind == OpKind::Backward || task.kind == OpKind::BackwardInput) && vs < V_ - 1) {
+        Op rc{OpKind::RecvGradient, static_cast<std::int16_t>(vs), mb};
+        rc.peer = rank_of_virtual(vs + 1, d);
+        rc.channel = message_id(d, vs, mb, true);
+        rc.bytes = act_bytes_;
+        push(ops, rc);
+      }
+
+      // The compute itself; the chunk's last gradient-producing task is split at bucket
+      // bounds when reductions overlap with backward, each bucket leaving as soon as it is whole.
+      const auto& buckets = bucket_bytes_[vs];
+      const bool completes_grads = i == last_grad_task[task.local_chunk];
+      int task_end = -1;
+      if (completes_grads && overlap && buckets.size() > 0) {
+        for (std::size_t k = 0; k < buckets.size(); ++k) {
+          Op seg{task.kind, static_cast<std::int16_t>(vs), mb};
+          seg.bucket = static_cast<int>(k);
+          seg.bytes = buckets[k];
+          seg.work = static_cast<double>(buckets[k]) / static_cast<double>(chunk_grad_bytes_[vs]);
+          if (k == 0 && gather >= 0) seg.dep = gather;
+          task_end = push(ops, seg);
+          compute_ops.push_back(task_end);
+          last_collective = push(ops, gradient_collective(vs, static_cast<int>(k), task_end));
+        }
+      } else {
+        Op c{task.kind, static_cast<std::int16_t>(vs), mb};
+        c.dep = gather;
+        task_end = push(ops, c);
+        compute_ops.push_back(task_end);
+      }
+      if (completes_grads) chunks_done.push_back(task.local_chunk);
+
+      // Send what this task produced.
+      if (fwd && vs < V_ - 1) {
+        Op sd{OpKind::SendActivation, static_cast<std::int16_t>(vs), mb};
+        sd.peer = rank_of_virtual(vs + 1, d);
+        sd.channel = message_id(d, vs, mb, false);
+        sd.bytes = act_bytes_;
+        sd.dep = task_end;
+        push(ops, sd);
+      } else if ((task.kind == OpKind::Backward || task.kind == OpKind::BackwardInput) && vs > 0) {
+        Op sd{OpKind::SendGradient, static_cast<std::int16_t>(vs), mb};
+        sd.peer = rank_of_virtual(vs - 1, d);
+        sd.channel = message_id(d, vs - 1, mb, true);
+        sd.bytes = act_bytes_;
+        sd.dep = task_end;
+        push(ops, sd);
+      }
+    }
+    const int last_compute = compute_ops.empty() ? -1 : compute_ops.back();
+
+    // Without overlap, every bucket waits for the whole backward.
+    if (!overlap)
+      for (int j : chunks_done) {
+        const int vs = j * p + s;
+        for (std::size_t k = 0; k < bucket_bytes_[vs].size(); ++k)
+          last_collective = push(ops, gradient_collective(vs, static_cast<int>(k), last_compute));
+      }
+
+    // Loss-scaling found-inf check: a max-reduction over every rank (global) or this rank's own check.
+    int before_step = last_collective;
+    if (needs_overflow_check()) {
+      Op oc{OpKind::OverflowCheck};
+      oc.channel = overflow_id_;  // -1 for a local check: no collective
+      oc.bytes = 4;
+      oc.dep = last_compute;
+      before_step = push(ops, oc);
+    }
+    Op step{OpKind::OptimizerStep};
+    step.dep = before_step;
+    const int step_index = push(ops, step);
+
+    // ZeRO: each replica updated its shard; gather the new parameters.
+    if (zero() >= 1)
+      for (int j = 0; j < v; ++j) {
+        const int vs = j * p + s;
+        Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs)};
+        ag.channel = param_gather_base_ + vs;
+        ag.bytes = chunk_weight_bytes_[vs];
+        ag.dep = step_index;
+        push(ops, ag);
+      }
+  }
+
+  Op gradient_collective(int vs, int bucket, int dep) const {
+    Op op{zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce, static_cast<std::int16_t>(vs)};
+    op.bucket = bucket;
+    op.channel = bucket_base_[vs] + bucket;
+    op.bytes = bucket_bytes_[vs][bucket];
+    op.dep = dep;
+    return op;
+  }
+
+  const Plan& plan_;
+  ModelShape shape_;
+  Schedule sched_;
+  int V_ = 1, m_ = 1;
+  Bytes act_bytes_ = 0;
+  std::vector<Bytes> chunk_grad_bytes_, chunk_weight_bytes_;
+  std::vector<std::vector<Bytes>> bucket_bytes_;
+  std::vector<int> bucket_base_;
+  int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1;
+};
+
+}  // namespace
+
+Schedule build_schedule(const Plan& plan) { return Builder(plan).build(); }
+
+std::string check_schedule(const Schedule& s) {
+  std::vector<int> sends(s.num_messages, 0), recvs(s.num_messages, 0);
+  std::vector<std::vector<int>> arrivals(s.collectives.size());
+  for (const auto& prog : s.ranks) {
+    for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+      const Op& op = prog.ops[i];
+      if (op.dep >= static_cast<int>(i))
+        return fmt::format("rank {} op {} ({}) depends on a later op {}", prog.rank, i, op_label(op), op.dep);
+      if (is_send(op.kind) || is_recv(op.kind)) {
+        if (op.channel < 0 || op.channel >= s.num_messages)
+          return fmt::format("rank {} op {} ({}) has no message id", prog.rank, i, op_label(op));
+        (is_send(op.kind) ? sends : recvs)[op.channel]++;
+        const auto& peer = s.ranks.at(op.peer);
+        const bool found = std::any_of(peer.ops.begin(), peer.ops.end(), [&](const Op& o) {
+          return o.channel == op.channel && (is_send(o.kind) || is_recv(o.kind)) && o.peer == prog.rank &&
+                 is_send(o.kind) != is_send(op.kind);
+        });
+        if (!found) return fmt::format("rank {} op {} ({}) has no partner on rank {}", prog.rank, i, op_label(op), op.peer);
+      } else if (is_collective(op.kind) && op.channel >= 0) {
+        if (op.channel >= static_cast<int>(s.collectives.size()))
+          return fmt::format("rank {} op {} ({}) names collective {} that does not exist", prog.rank, i, op_label(op),
+                             op.channel);
+        if (s.collectives[op.channel].kind != op.kind)
+          return fmt::format("rank {} op {} is a {} but collective {} is a {}", prog.rank, i, op_kind_name(op.kind),
+                             op.channel, op_kind_name(s.collectives[op.channel].kind));
+        arrivals[op.channel].push_back(prog.rank);
+      }
+    }
+  }
+  for (int c = 0; c < s.num_messages; ++c)
+    if (sends[c] != 1 || recvs[c] != 1)
+      return fmt::format("message {} has {} sends and {} receives", c, sends[c], recvs[c]);
+  for (std::size_t c = 0; c < s.collectives.size(); ++c) {
+    auto a = arrivals[c];
+    std::sort(a.begin(), a.end());
+    if (a != s.collectives[c].members)
+      return fmt::format("collective {} ({}) is reached by {} ranks but has {} members", c,
+                         op_kind_name(s.collectives[c].kind), a.size(), s.collectives[c].members.size());
+  }
+  return "";
+}
+
+}  // namespace trainsim

@@ -1,0 +1,97 @@
+// The schedule: for every rank, the ordered program of ops it runs in one training step,
+// and the cross-rank links between them (point-to-point messages, collectives). Both the
+// simulator and the runtime execute exactly this; neither invents its own order.
+//
+// Execution rules, shared by both executors:
+//  * Each op runs on one of the rank's streams (compute, collective, p2p). Ops of one
+//    stream run in program order, one at a time.
+//  * An op also waits for `dep` (another op of the same rank) to end, when set.
+//  * Recv ops wait for the matching Send (same `channel`) to end; they take no time.
+//  * A collective starts when every member rank has reached it (same `channel`).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/units.h"
+
+namespace trainsim {
+
+struct Plan;
+
+enum class OpKind : std::uint8_t {
+  Forward,
+  Backward,        // input and weight gradients together
+  BackwardInput,   // zero-bubble split: gradient w.r.t. the input (on the critical path)
+  BackwardWeight,  // zero-bubble split: gradient w.r.t. the weights (fills bubbles)
+  SendActivation,
+  RecvActivation,
+  SendGradient,
+  RecvGradient,
+  AllReduce,      // data-parallel gradient bucket
+  ReduceScatter,  // ZeRO gradient bucket
+  AllGather,      // ZeRO parameters
+  OverflowCheck,  // loss-scaling found-inf max-reduction (global), or the local check
+  OptimizerStep,
+};
+inline constexpr int kNumOpKinds = 13;
+
+enum class StreamKind : std::uint8_t { compute, collective, p2p };
+inline constexpr int kNumStreams = 3;
+
+const char* op_kind_name(OpKind k);
+StreamKind stream_of(OpKind k);
+bool is_compute(OpKind k);     // Forward, Backward*, OptimizerStep
+bool is_collective(OpKind k);  // AllReduce, ReduceScatter, AllGather, OverflowCheck
+bool is_send(OpKind k);
+bool is_recv(OpKind k);
+
+struct Op {
+  OpKind kind = OpKind::Forward;
+  std::int16_t chunk = -1;        // virtual stage (model chunk) index in 0..p*v-1, or -1
+  std::int32_t microbatch = -1;   // or -1
+  std::int32_t dep = -1;          // op of this rank that must end first, or -1
+  std::int32_t peer = -1;         // p2p: the other rank
+  std::int32_t channel = -1;      // p2p: message id; collectives: collective id
+  std::int32_t bucket = -1;       // gradient bucket, for AllReduce/ReduceScatter and split backwards
+  Bytes bytes = 0;                // message / collective payload per rank
+  double work = 1.0;              // share of the whole op's work (backward split at bucket bounds)
+};
+
+// A short label as in the traces: F3, B3, BI3, BW3, AR b2, ...
+std::string op_label(const Op& op);
+
+struct RankProgram {
+  int rank = 0, stage = 0, replica = 0;
+  std::vector<Op> ops;
+};
+
+enum class CollectivePurpose : std::uint8_t { gradients, parameters, overflow };
+
+struct Collective {
+  OpKind kind = OpKind::AllReduce;
+  CollectivePurpose purpose = CollectivePurpose::gradients;
+  Bytes bytes = 0;           // payload per member
+  std::vector<int> members;  // ranks, ascending
+};
+
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::one_f_one_b;
+  int num_stages = 1, num_replicas = 1, num_chunks = 1, num_microbatches = 1;
+  std::vector<RankProgram> ranks;
+  std::vector<Collective> collectives;
+  int num_messages = 0;
+
+  std::size_t total_ops() const;
+};
+
+// Builds the step's programs from a validated plan.
+Schedule build_schedule(const Plan& plan);
+
+// Checks the structural rules above (every Recv has one Send, collective members agree,
+// deps point backwards); returns an empty string when sound, else the first problem.
+std::string check_schedule(const Schedule& s);
+
+}  // namespace trainsim

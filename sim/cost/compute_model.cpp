@@ -1,0 +1,82 @@
+#include "sim/cost/compute_model.h"
+
+#include "sim/cost/collective_model.h"
+
+namespace trainsim {
+
+RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
+  const ScenarioConfig& cfg = plan.config;
+  const ModelShape m = plan.shape();
+  const int b = plan.micro_batch_size, t = plan.tp, e = plan.activation_bytes();
+  const bool sp = cfg.parallelism.sequence_parallel;
+  const Recompute rc = cfg.training.activation_recompute;
+  const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
+  const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
+  const LinkConfig& link = cfg.cluster.intra_node;
+
+  // One layer, one micro-batch, this rank's 1/t share.
+  const double weight_flops = m.layer_weight_matmul_flops(b) / t;
+  const double core_flops = m.layer_attention_core_flops(b) / t;
+  const double elementwise = m.layer_activation_bytes(b, e, t, sp, Recompute::none);
+  const double tp_allreduce =
+      ring_allreduce_seconds(t, static_cast<double>(b) * m.s * m.h * e, us_to_seconds(link.latency_us),
+                             gbps_to_bytes_per_second(link.bandwidth_gbps));
+  const double layer_fwd = (weight_flops + core_flops) / rate + elementwise / hbm + 2 * tp_allreduce;
+  double layer_bi = (weight_flops + 2 * core_flops) / rate + 2 * elementwise / hbm + 2 * tp_allreduce;
+  if (rc == Recompute::full) layer_bi += layer_fwd;
+  if (rc == Recompute::selective) layer_bi += core_flops / rate;
+  const double layer_bw = weight_flops / rate;
+
+  const double embed = 2.0 * b * m.s * m.h * e / hbm + (t > 1 ? tp_allreduce : 0.0);
+  const double head_flops = m.lm_head_forward_flops(b) / t;
+  const double loss_bytes = 2.0 * 4.0 * b * m.s * static_cast<double>(m.V) / t;  // fp32 logits written and read
+
+  const int V = plan.num_virtual_stages();
+  for (int vs = 0; vs < V; ++vs) {
+    const int layers = plan.layers_per_virtual_stage[vs];
+    ChunkSeconds c;
+    c.forward = layers * layer_fwd;
+    c.backward_input = layers * layer_bi;
+    c.backward_weight = layers * layer_bw;
+    if (vs == 0) {
+      c.forward += embed;
+      c.backward_weight += embed;  // the embedding's gradient is a weight gradient (scatter-add)
+    }
+    if (vs == V - 1) {
+      c.forward += head_flops / rate + loss_bytes / hbm;
+      c.backward_input += head_flops / rate + loss_bytes / hbm;
+      c.backward_weight += head_flops / rate;
+    }
+    chunks_.push_back(c);
+  }
+
+  // Adam touches per parameter: gradient read and zeroed (2g), FP32 master read and
+  // written (8, or 2w without a master copy), both moments read and written (16; SGD's
+  // one momentum 8), and the working copy written (w).
+  const int g = dtype_bytes(cfg.precision.grad_accumulation), w = plan.weight_bytes();
+  const bool master = cfg.precision.master_weights != cfg.precision.compute;
+  const double moments = cfg.training.optimizer == Optimizer::sgd ? 8.0 : 16.0;
+  const double bytes_per_param = 2.0 * g + (master ? 8.0 : 2.0 * w) + moments + (master ? w : 0);
+  const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
+  for (int r = 0; r < plan.num_ranks(); ++r) {
+    const int s = plan.stage_of(r);
+    double params = 0;
+    for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
+    optimizer_.push_back(params / t / shards * bytes_per_param / hbm);
+  }
+}
+
+Tick RooflineComputeModel::duration(const Op& op, int rank) const {
+  double s = 0;
+  switch (op.kind) {
+    case OpKind::Forward: s = chunks_[op.chunk].forward; break;
+    case OpKind::Backward: s = chunks_[op.chunk].backward(); break;
+    case OpKind::BackwardInput: s = chunks_[op.chunk].backward_input; break;
+    case OpKind::BackwardWeight: s = chunks_[op.chunk].backward_weight; break;
+    case OpKind::OptimizerStep: s = optimizer_[rank]; break;
+    default: return 0;
+  }
+  return seconds_to_ticks(s * op.work);
+}
+
+}  // namespace trainsim

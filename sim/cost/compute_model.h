@@ -1,0 +1,38 @@
+// Compute time of forward, backward and optimizer ops, roofline style:
+//   matrix products: FLOPs / (peak rate of the compute format * compute_efficiency)
+//   memory-bound work (activations written and read around the products, embedding
+//   gather, softmax of the loss, optimizer update): bytes / HBM bandwidth
+//   tensor parallelism: two all-reduces of b*s*h activations per layer in forward and two
+//   in backward (Megatron's column/row split), on the intra-node link, not overlapped
+// Backward is twice the forward's matrix products: the input gradient (B) and the weight
+// gradient (W) each repeat the forward's weight products; attention's QK^T and AV have no
+// weights, so both their backward products belong to B. Recompute adds the forward (full)
+// or attention's QK^T and AV (selective) to B. The first stage also runs the embedding,
+// the last the LM head and the loss, so equal layer counts still leave them heavier.
+#pragma once
+
+#include <vector>
+
+#include "core/plan.h"
+#include "sim/cost/cost_models.h"
+
+namespace trainsim {
+
+class RooflineComputeModel final : public ComputeModel {
+ public:
+  explicit RooflineComputeModel(const Plan& plan);
+  Tick duration(const Op& op, int rank) const override;
+
+  struct ChunkSeconds {
+    double forward = 0, backward_input = 0, backward_weight = 0;
+    double backward() const { return backward_input + backward_weight; }
+  };
+  const ChunkSeconds& chunk(int vstage) const { return chunks_.at(vstage); }
+  double optimizer_seconds(int rank) const { return optimizer_.at(rank); }
+
+ private:
+  std::vector<ChunkSeconds> chunks_;
+  std::vector<double> optimizer_;
+};
+
+}  // namespace trainsim

@@ -1,0 +1,38 @@
+// The interfaces the engine prices ops with. Each implementation lives in its own file
+// (compute_model, p2p_model, collective_model) and has its closed form as its test.
+#pragma once
+
+#include "core/schedule.h"
+#include "core/units.h"
+
+namespace trainsim {
+
+// Duration of a compute op (Forward, Backward*, OptimizerStep) on `rank`, for op.work of
+// the whole op.
+class ComputeModel {
+ public:
+  virtual ~ComputeModel() = default;
+  virtual Tick duration(const Op& op, int rank) const = 0;
+};
+
+// Transfer time of one message between two ranks.
+class P2PModel {
+ public:
+  virtual ~P2PModel() = default;
+  virtual Tick duration(int from_rank, int to_rank, Bytes bytes) const = 0;
+};
+
+// Duration of a collective once every member has arrived.
+class CollectiveModel {
+ public:
+  virtual ~CollectiveModel() = default;
+  virtual Tick duration(const Collective& c) const = 0;
+};
+
+struct CostModels {
+  const ComputeModel* compute = nullptr;
+  const P2PModel* p2p = nullptr;
+  const CollectiveModel* collective = nullptr;
+};
+
+}  // namespace trainsim
