@@ -1,1 +1,169 @@
+// The discrete-event engine on hand-built schedules: stream order, dependencies,
+// message arrival, collective rendezvous, determinism, deadlock detection, and many
+// simulations running at once on many threads.
 #include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "sim/simulator.h"
+#include "tests/test_helpers.h"
+
+namespace trainsim {
+namespace {
+
+using testing::FixedCollectives;
+using testing::FixedP2P;
+using testing::UniformCompute;
+
+Op op(OpKind kind, int microbatch = 0) {
+  Op o;
+  o.kind = kind;
+  o.chunk = 0;
+  o.microbatch = microbatch;
+  return o;
+}
+
+// Two ranks: rank 0 computes F (10) and sends it; rank 1 waits for it, computes F, and both
+// all-reduce. The all-reduce starts when the slower member arrives, on both ranks at once.
+std::shared_ptr<Schedule> two_rank_schedule() {
+  auto s = std::make_shared<Schedule>();
+  s->num_messages = 1;
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 1024, {0, 1}});
+  RankProgram r0{0, 0, 0, {}}, r1{1, 1, 0, {}};
+  r0.ops.push_back(op(OpKind::Forward));                 // 0: [0, 10)
+  Op send = op(OpKind::SendActivation);                   // 1: p2p [10, 15)
+  send.peer = 1, send.channel = 0, send.dep = 0;
+  r0.ops.push_back(send);
+  Op ar = op(OpKind::AllReduce);
+  ar.channel = 0, ar.dep = 0, ar.bucket = 0;
+  r0.ops.push_back(ar);                                   // 2: waits for rank 1
+  Op recv = op(OpKind::RecvActivation);
+  recv.peer = 0, recv.channel = 0;
+  r1.ops.push_back(recv);                                 // 0: until 15
+  r1.ops.push_back(op(OpKind::Forward));                  // 1: [15, 25)
+  Op ar1 = ar;
+  ar1.dep = 1;
+  r1.ops.push_back(ar1);                                  // 2: [25, 32) on both
+  s->ranks = {r0, r1};
+  return s;
+}
+
+TEST(Engine, StreamsDependenciesMessagesAndRendezvous) {
+  auto s = two_rank_schedule();
+  ASSERT_EQ(check_schedule(*s), "");
+  const UniformCompute compute(10, 0, 0);
+  const FixedP2P p2p(5);
+  const FixedCollectives coll(7);
+  const Timeline tl = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+  EXPECT_EQ(tl.ops[0][0].start, 0);
+  EXPECT_EQ(tl.ops[0][0].end, 10);
+  EXPECT_EQ(tl.ops[0][1].start, 10);  // the send waits for the forward it carries
+  EXPECT_EQ(tl.ops[0][1].end, 15);
+  EXPECT_EQ(tl.ops[1][0].end, 15);    // the receive ends when the message arrives
+  EXPECT_EQ(tl.ops[1][1].start, 15);
+  EXPECT_EQ(tl.ops[1][1].end, 25);
+  EXPECT_EQ(tl.ops[0][2].start, 25);  // rank 0 arrived at 10 but waits for rank 1
+  EXPECT_EQ(tl.ops[1][2].start, 25);
+  EXPECT_EQ(tl.ops[0][2].end, 32);
+  EXPECT_EQ(tl.ops[1][2].end, 32);
+  EXPECT_EQ(tl.end(), 32);
+}
+
+TEST(Engine, CollectiveStreamOverlapsCompute) {
+  // Rank 0: F, then an all-reduce that depends on F, then another F that does not wait
+  // for the all-reduce: the second F runs while the collective is in flight.
+  auto s = std::make_shared<Schedule>();
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 8, {0}});
+  RankProgram r{0, 0, 0, {}};
+  r.ops.push_back(op(OpKind::Forward));
+  Op ar = op(OpKind::AllReduce);
+  ar.channel = 0, ar.dep = 0;
+  r.ops.push_back(ar);
+  r.ops.push_back(op(OpKind::Forward, 1));
+  s->ranks = {r};
+  const UniformCompute compute(10, 0, 0);
+  const FixedP2P p2p(0);
+  const FixedCollectives coll(30);
+  const Timeline tl = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+  EXPECT_EQ(tl.ops[0][1].start, 10);
+  EXPECT_EQ(tl.ops[0][2].start, 10);
+  EXPECT_EQ(tl.ops[0][2].end, 20);
+  EXPECT_EQ(tl.end(), 40);
+}
+
+TEST(Engine, DeadlockIsReportedNotHung) {
+  // A receive whose message is never sent.
+  auto s = std::make_shared<Schedule>();
+  s->num_messages = 1;
+  RankProgram r{0, 0, 0, {}};
+  Op recv = op(OpKind::RecvActivation);
+  recv.peer = 0, recv.channel = 0;
+  r.ops.push_back(recv);
+  r.ops.push_back(op(OpKind::Forward));
+  s->ranks = {r};
+  EXPECT_NE(check_schedule(*s), "");
+  const UniformCompute compute(10, 0, 0);
+  const FixedP2P p2p(0);
+  const FixedCollectives coll(0);
+  try {
+    simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+    FAIL() << "expected a deadlock report";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 op 0 recv act 0"), std::string::npos) << e.what();
+  }
+}
+
+ScenarioConfig busy_config() {
+  ScenarioConfig c = testing::small_config(4, 16, ScheduleKind::interleaved_1f1b, 2, 2);
+  c.communication.overlap_grad_reduce = true;
+  c.communication.bucket_size_mib = 0.01;
+  c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+  return c;
+}
+
+bool same_timeline(const Timeline& a, const Timeline& b) {
+  if (a.ops.size() != b.ops.size()) return false;
+  for (std::size_t r = 0; r < a.ops.size(); ++r) {
+    if (a.ops[r].size() != b.ops[r].size()) return false;
+    for (std::size_t i = 0; i < a.ops[r].size(); ++i)
+      if (a.ops[r][i].start != b.ops[r][i].start || a.ops[r][i].end != b.ops[r][i].end) return false;
+  }
+  return true;
+}
+
+TEST(Engine, DeterministicAcrossRuns) {
+  const Plan plan = Plan::from_config(busy_config());
+  const Prediction a = predict(plan), b = predict(plan);
+  EXPECT_TRUE(same_timeline(a.timeline, b.timeline));
+}
+
+TEST(Engine, ManySimulationsOnManyThreadsAgreeWithSerial) {
+  std::vector<ScenarioConfig> configs;
+  for (int m : {8, 16, 24})
+    for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1}) {
+      ScenarioConfig c = testing::small_config(4, m, k, 1, 2);
+      c.communication.overlap_grad_reduce = true;
+      configs.push_back(c);
+    }
+  std::vector<Timeline> serial;
+  for (const auto& c : configs) serial.push_back(predict(Plan::from_config(c)).timeline);
+  std::vector<std::future<Timeline>> parallel;
+  for (int round = 0; round < 4; ++round)
+    for (const auto& c : configs)
+      parallel.push_back(std::async(std::launch::async, [c] { return predict(Plan::from_config(c)).timeline; }));
+  for (std::size_t i = 0; i < parallel.size(); ++i)
+    EXPECT_TRUE(same_timeline(parallel[i].get(), serial[i % configs.size()])) << "config " << i % configs.size();
+}
+
+TEST(Engine, TimeIsIntegerPicoseconds) {
+  // 1e6 ops of 1 ps each would be lost by a float clock near 1 s; an integer clock is exact.
+  EXPECT_EQ(seconds_to_ticks(1.0), 1'000'000'000'000);
+  EXPECT_EQ(seconds_to_ticks(1e-12), 1);
+  EXPECT_EQ(seconds_to_ticks(1e-13), 1);  // real work never rounds to zero
+  EXPECT_EQ(seconds_to_ticks(0), 0);
+  EXPECT_DOUBLE_EQ(ticks_to_seconds(seconds_to_ticks(2.5e-6)), 2.5e-6);
+}
+
+}  // namespace
+}  // namespace trainsim

@@ -1,1 +1,108 @@
+// Memory against the published formulas: ZeRO model states and Korthikanti et al.'s
+// per-layer activations; and the schedule walk's peak.
 #include <gtest/gtest.h>
+
+#include "sim/cost/memory_model.h"
+#include "sim/simulator.h"
+#include "tests/test_helpers.h"
+
+namespace trainsim {
+namespace {
+
+Plan zero_plan(int zero, int d) {
+  ScenarioConfig c = testing::small_config(1, 1, ScheduleKind::one_f_one_b, 1, d);
+  c.parallelism.zero_stage = zero;
+  c.precision.compute = DType::fp16;
+  c.precision.master_weights = DType::fp32;
+  c.precision.grad_accumulation = DType::fp16;
+  c.training.optimizer = Optimizer::adam;
+  return Plan::from_config(c);
+}
+
+// Rajbhandari et al. 2020, mixed-precision Adam (K = 12): 16P; 4P + 12P/N; 2P + 14P/N; 16P/N.
+TEST(ModelStates, ZeroPaperFormulas) {
+  const double P = 1e9;
+  for (int N : {2, 4, 64}) {
+    const double expected[4] = {16 * P, 4 * P + 12 * P / N, 2 * P + 14 * P / N, 16 * P / N};
+    for (int zero = 0; zero <= 3; ++zero) {
+      const ModelStateBytes b = model_state_bytes(zero_plan(zero, N), P);
+      EXPECT_NEAR(b.weights + b.gradients + b.optimizer, expected[zero], 1e-3) << "zero " << zero << " N " << N;
+    }
+  }
+  // Without data parallelism nothing is sharded.
+  const ModelStateBytes one = model_state_bytes(zero_plan(3, 1), P);
+  EXPECT_NEAR(one.weights + one.gradients + one.optimizer, 16 * P, 1e-3);
+}
+
+TEST(ModelStates, Fp32TrainingAndFp32GradientBuffers) {
+  ScenarioConfig c = testing::small_config(1, 1, ScheduleKind::one_f_one_b);
+  c.precision.compute = DType::fp32;
+  c.precision.master_weights = DType::fp32;
+  c.precision.grad_accumulation = DType::fp32;
+  const ModelStateBytes fp32 = model_state_bytes(Plan::from_config(c), 1.0);
+  EXPECT_DOUBLE_EQ(fp32.weights + fp32.gradients + fp32.optimizer, 16.0);  // 4 + 4 + 8 (no separate master)
+  c.precision.compute = DType::bf16;
+  const ModelStateBytes main_grad = model_state_bytes(Plan::from_config(c), 1.0);
+  EXPECT_DOUBLE_EQ(main_grad.weights + main_grad.gradients + main_grad.optimizer, 18.0);  // Megatron's main_grad
+}
+
+// Korthikanti et al. 2022, eq. 1-2 and section 4: bytes per layer per micro-batch.
+TEST(Activations, PublishedPerLayerFormulas) {
+  ModelConfig m;
+  m.hidden_size = 6144;
+  m.num_attention_heads = 64;
+  m.seq_length = 2048;
+  const ModelShape shape(m);
+  const double s = 2048, b = 2, h = 6144, a = 64;
+  const double sbh = s * b * h;
+  EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, 1, false, Recompute::none), sbh * (34 + 5 * a * s / h));
+  for (int t : {2, 8}) {
+    EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, t, false, Recompute::none),
+                     sbh * (10 + 24.0 / t + 5 * a * s / (h * t)));
+    EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, t, true, Recompute::none), sbh * (34 + 5 * a * s / h) / t);
+    EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, t, true, Recompute::selective), sbh * 34 / t);
+    EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, t, false, Recompute::selective), sbh * (10 + 24.0 / t));
+  }
+  EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, 1, false, Recompute::full), 2 * sbh);
+}
+
+TEST(Activations, PeakFollowsTheSchedule) {
+  // Middle stages hold p - s micro-batches under 1F1B and m under GPipe.
+  const int p = 4, m = 8;
+  for (ScheduleKind kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe}) {
+    const Plan plan = Plan::from_config(testing::small_config(p, m, kind));
+    const MemoryModel mm(plan);
+    const auto peak = mm.peak_per_rank(build_schedule(plan));
+    for (int s = 1; s < p - 1; ++s) {
+      const int held = kind == ScheduleKind::gpipe ? m : p - s;
+      EXPECT_DOUBLE_EQ(peak[s].activations, held * mm.activations_per_microbatch(s)) << "stage " << s;
+    }
+  }
+}
+
+TEST(Activations, FullRecomputeAddsOneLayerDuringBackward) {
+  ScenarioConfig c = testing::small_config(2, 4, ScheduleKind::gpipe);
+  c.training.activation_recompute = Recompute::full;
+  const Plan plan = Plan::from_config(c);
+  const MemoryModel mm(plan);
+  const auto peak = mm.peak_per_rank(build_schedule(plan));
+  const ModelShape shape = plan.shape();
+  const double one_layer = shape.layer_activation_bytes(1, plan.activation_bytes(), 1, false, Recompute::none);
+  EXPECT_DOUBLE_EQ(peak[0].activations, 4 * mm.activations_per_microbatch(0) + one_layer);
+}
+
+TEST(Fit, OverflowIsReportedWithTheRankAndTheExcess) {
+  ScenarioConfig c = testing::small_config(2, 4, ScheduleKind::gpipe);
+  c.cluster.memory_gib = 0.001;
+  const Plan plan = Plan::from_config(c);
+  const Prediction p = predict(plan);
+  EXPECT_FALSE(p.result.fits_in_memory);
+  bool named = false;
+  for (const auto& w : p.result.warnings) named |= w.find("rank 0 (stage 0, replica 0) needs") != std::string::npos;
+  EXPECT_TRUE(named);
+  c.cluster.memory_gib = 80;
+  EXPECT_TRUE(predict(Plan::from_config(c)).result.fits_in_memory);
+}
+
+}  // namespace
+}  // namespace trainsim

@@ -1,1 +1,173 @@
+// Pipeline schedules against their published closed forms, with uniform stages and free
+// communication (the conditions under which the formulas hold exactly).
 #include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include "core/metrics.h"
+#include "sim/cost/memory_model.h"
+#include "tests/test_helpers.h"
+
+namespace trainsim {
+namespace {
+
+using testing::FreeCollectives;
+using testing::FreeP2P;
+using testing::run_uniform;
+using testing::small_config;
+
+constexpr Tick F = 1000, B = 2000;  // backward twice the forward, as in the compute model
+
+struct Case {
+  int p, m;
+};
+
+Result result_of(const Plan& plan, const Timeline& tl) { return compute_result(plan, tl, {}); }
+
+class BubbleFormula : public ::testing::TestWithParam<std::tuple<ScheduleKind, Case>> {};
+
+// GPipe and 1F1B: step = (m + p - 1)(F + B), so bubble fraction = (p - 1)/(m + p - 1).
+TEST_P(BubbleFormula, GpipeAndOneFOneBMatchClosedForm) {
+  const auto [kind, c] = GetParam();
+  const Plan plan = Plan::from_config(small_config(c.p, c.m, kind));
+  const FreeP2P p2p;
+  const FreeCollectives coll;
+  const Timeline tl = run_uniform(plan, F, B, 0, p2p, coll);
+  EXPECT_EQ(tl.end() - tl.begin(), (c.m + c.p - 1) * (F + B));
+  const Result r = result_of(plan, tl);
+  EXPECT_NEAR(r.bubble_fraction, static_cast<double>(c.p - 1) / (c.m + c.p - 1), 1e-12);
+  for (const auto& rank : r.ranks) EXPECT_NEAR(rank.busy_s, ticks_to_seconds(c.m * (F + B)), 1e-15);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, BubbleFormula,
+                         ::testing::Combine(::testing::Values(ScheduleKind::gpipe, ScheduleKind::one_f_one_b),
+                                            ::testing::Values(Case{1, 1}, Case{2, 1}, Case{2, 8}, Case{4, 4},
+                                                              Case{4, 7}, Case{8, 32}, Case{8, 3}, Case{16, 64})),
+                         [](const auto& info) {
+                           const auto& c = std::get<1>(info.param);
+                           return fmt::format("{}_p{}_m{}",
+                                              std::get<0>(info.param) == ScheduleKind::gpipe ? "gpipe" : "1f1b",
+                                              c.p, c.m);
+                         });
+
+// Interleaved 1F1B divides the bubble time by v: bubble = (p - 1)(F + B)/v, where F and B
+// are a whole stage's times (each of the v chunks takes 1/v of them).
+TEST(Interleaved, BubbleTimeIsOneFOneBOverV) {
+  for (auto [p, v, m] : {std::tuple{2, 2, 4}, {4, 2, 8}, {4, 2, 16}, {4, 4, 8}, {8, 2, 32}, {8, 4, 64}}) {
+    SCOPED_TRACE(fmt::format("p={} v={} m={}", p, v, m));
+    const Plan plan = Plan::from_config(small_config(p, m, ScheduleKind::interleaved_1f1b, v));
+    const FreeP2P p2p;
+    const FreeCollectives coll;
+    const Timeline tl = run_uniform(plan, F / v, B / v, 0, p2p, coll);
+    const Tick step = tl.end() - tl.begin();
+    EXPECT_EQ(step - m * (F + B), (p - 1) * (F + B) / v);
+  }
+}
+
+// ZB-H1 (Qi et al. 2023): bubble (p - 1)(T_F + T_B - T_W), against 1F1B's
+// (p - 1)(T_F + T_B + T_W) when its backward is B + W.
+TEST(ZeroBubbleH1, BubbleMatchesPublishedFormula) {
+  struct Times {
+    Tick f, b, w;
+  };
+  for (Times t : {Times{1000, 1000, 1000}, Times{2000, 1500, 1000}, Times{1000, 1200, 800}})
+    for (auto [p, m] : {std::pair{2, 4}, {4, 8}, {4, 16}, {8, 16}, {8, 64}}) {
+      SCOPED_TRACE(fmt::format("p={} m={} F={} B={} W={}", p, m, t.f, t.b, t.w));
+      const FreeP2P p2p;
+      const FreeCollectives coll;
+      const Plan zb = Plan::from_config(small_config(p, m, ScheduleKind::zb_h1));
+      const Timeline tl = run_uniform(zb, t.f, t.b, t.w, p2p, coll);
+      EXPECT_EQ(tl.end() - tl.begin(), m * (t.f + t.b + t.w) + (p - 1) * (t.f + t.b - t.w));
+
+      const Plan ofob = Plan::from_config(small_config(p, m, ScheduleKind::one_f_one_b));
+      const Timeline base = run_uniform(ofob, t.f, t.b, t.w, p2p, coll);
+      EXPECT_EQ(base.end() - base.begin(), m * (t.f + t.b + t.w) + (p - 1) * (t.f + t.b + t.w));
+    }
+}
+
+// 1F1B keeps at most p - s micro-batches in flight on stage s; GPipe keeps all m; ZB-H1
+// keeps p on every stage (the same peak as 1F1B's first stage).
+TEST(InFlight, OneFOneBHoldsPMinusStageGpipeHoldsM) {
+  for (auto [p, m] : {std::pair{4, 8}, {4, 2}, {8, 32}}) {
+    SCOPED_TRACE(fmt::format("p={} m={}", p, m));
+    const auto one = build_schedule(Plan::from_config(small_config(p, m, ScheduleKind::one_f_one_b)));
+    const auto gp = build_schedule(Plan::from_config(small_config(p, m, ScheduleKind::gpipe)));
+    const auto zb = build_schedule(Plan::from_config(small_config(p, m, ScheduleKind::zb_h1)));
+    const auto in_one = max_in_flight_microbatches(one), in_gp = max_in_flight_microbatches(gp),
+               in_zb = max_in_flight_microbatches(zb);
+    for (int s = 0; s < p; ++s) {
+      EXPECT_EQ(in_one[s], std::min(p - s, m)) << "stage " << s;
+      EXPECT_EQ(in_gp[s], m) << "stage " << s;
+      EXPECT_EQ(in_zb[s], std::min(p, m)) << "stage " << s;
+    }
+  }
+}
+
+// Every schedule, with and without data parallelism, ZeRO and overlap, is structurally
+// sound: each receive has its send, each collective its members, deps point backwards;
+// and every rank runs each (chunk, micro-batch) forward and backward exactly once.
+TEST(Structure, AllSchedulesAreSoundAndComplete) {
+  for (ScheduleKind kind :
+       {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_1f1b, ScheduleKind::zb_h1})
+    for (int d : {1, 2})
+      for (int zero : {0, 1, 3})
+        for (bool overlap : {false, true}) {
+          const int v = kind == ScheduleKind::interleaved_1f1b ? 2 : 1;
+          ScenarioConfig c = small_config(4, 8, kind, v, d);
+          c.parallelism.zero_stage = zero;
+          c.communication.overlap_grad_reduce = overlap;
+          c.communication.bucket_size_mib = 0.01;  // several buckets per chunk
+          c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+          const Plan plan = Plan::from_config(c);
+          const Schedule s = build_schedule(plan);
+          SCOPED_TRACE(fmt::format("{} d={} zero={} overlap={}", schedule_name(kind), d, zero, overlap));
+          EXPECT_EQ(check_schedule(s), "");
+          for (const auto& prog : s.ranks) {
+            std::map<std::tuple<int, int, int>, double> work;  // (kind, chunk, microbatch) -> summed work
+            for (const Op& op : prog.ops)
+              if (op.kind == OpKind::Forward || op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput ||
+                  op.kind == OpKind::BackwardWeight)
+                work[{static_cast<int>(op.kind), op.chunk, op.microbatch}] += op.work;
+            const std::size_t passes = kind == ScheduleKind::zb_h1 ? 3 : 2;
+            EXPECT_EQ(work.size(), passes * v * 8);
+            for (const auto& [key, w] : work) EXPECT_NEAR(w, 1.0, 1e-9);
+            EXPECT_EQ(prog.ops.back().kind == OpKind::OptimizerStep || prog.ops.back().kind == OpKind::AllGather, true);
+          }
+          const Timeline tl = run_uniform(plan, F, B / 2, B / 2, FreeP2P{}, FreeCollectives{});
+          EXPECT_GT(tl.end(), 0);
+        }
+}
+
+// With overlap, a bucket's all-reduce starts as soon as the backward segment producing it
+// ends; without, every bucket waits for the whole backward.
+TEST(Buckets, OverlapStartsReductionsDuringTheLastBackward) {
+  for (bool overlap : {false, true}) {
+    ScenarioConfig c = small_config(1, 4, ScheduleKind::one_f_one_b, 1, 2);
+    c.communication.overlap_grad_reduce = overlap;
+    c.communication.bucket_size_mib = 0.02;
+    const Plan plan = Plan::from_config(c);
+    auto sched = std::make_shared<const Schedule>(build_schedule(plan));
+    const testing::UniformCompute compute(F, B, 0);
+    const testing::FixedCollectives coll(100);
+    const FreeP2P p2p;
+    const Timeline tl = simulate_schedule(sched, CostModels{&compute, &p2p, &coll});
+    Tick last_backward_end = 0, first_reduce_start = -1;
+    int buckets = 0;
+    const auto& ops = sched->ranks[0].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].kind == OpKind::Backward) last_backward_end = std::max(last_backward_end, tl.ops[0][i].end);
+      if (ops[i].kind == OpKind::AllReduce) {
+        ++buckets;
+        if (first_reduce_start < 0) first_reduce_start = tl.ops[0][i].start;
+      }
+    }
+    ASSERT_GT(buckets, 2);
+    if (overlap)
+      EXPECT_LT(first_reduce_start, last_backward_end);
+    else
+      EXPECT_EQ(first_reduce_start, last_backward_end);
+  }
+}
+
+}  // namespace
+}  // namespace trainsim
