@@ -1,1 +1,449 @@
+// Reports: the Chrome trace, the SVG timeline and the result JSON. Every expectation is
+// computed from the schedule, timeline or result the report was written from, never
+// copied from a previous run's output.
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/plan.h"
+#include "core/report/report.h"
+#include "sim/simulator.h"
+
+namespace trainsim {
+namespace {
+
+using json = nlohmann::json;
+
+// A small model that divides into 8 virtual stages, on dp x pp GPUs with m micro-batches.
+ScenarioConfig small_config(ScheduleKind kind, int dp, int pp, int m, int vpp = 1) {
+  ScenarioConfig c;
+  c.name = "report-test";
+  c.model.num_layers = 8;
+  c.model.hidden_size = 1024;
+  c.model.num_attention_heads = 16;
+  c.model.seq_length = 1024;
+  c.cluster.num_gpus = dp * pp;
+  c.cluster.gpus_per_node = std::min(8, dp * pp);
+  c.parallelism.data_parallel_size = dp;
+  c.parallelism.pipeline_parallel_size = pp;
+  c.parallelism.virtual_pipeline_stages = vpp;
+  c.parallelism.schedule = kind;
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = m * dp;
+  return c;
+}
+
+std::string trace_of(const Plan& plan, const Prediction& p) {
+  std::ostringstream o;
+  write_chrome_trace(plan, p.timeline, o);
+  return o.str();
+}
+
+std::string svg_of(const Plan& plan, const Prediction& p) {
+  std::ostringstream o;
+  write_timeline_svg(plan, p.timeline, p.result, o);
+  return o.str();
+}
+
+double to_us(Tick t) { return static_cast<double>(t) / 1e6; }
+
+void expect_close(double got, double want, const std::string& what) {
+  EXPECT_LE(std::fabs(got - want), 1e-6 * std::max(1.0, std::fabs(want))) << what << ": " << got << " vs " << want;
+}
+
+std::size_t count_of(const std::string& text, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + needle.size())) ++n;
+  return n;
+}
+
+// Tags nest and close in order; returns "" or the first problem. Enough XML to catch an
+// unclosed group, a stray '<' from unescaped text, or a misspelled closing tag.
+std::string check_tags(const std::string& doc) {
+  std::vector<std::string> open;
+  for (std::size_t i = doc.find('<'); i != std::string::npos; i = doc.find('<', i + 1)) {
+    const std::size_t close = doc.find('>', i);
+    if (close == std::string::npos) return fmt::format("unterminated tag at {}", i);
+    const std::string tag = doc.substr(i + 1, close - i - 1);
+    if (tag.empty() || tag.find('<') != std::string::npos) return fmt::format("stray '<' at {}", i);
+    if (tag[0] == '/') {
+      if (open.empty() || open.back() != tag.substr(1))
+        return fmt::format("</{}> at {} closes <{}>", tag.substr(1), i, open.empty() ? "" : open.back());
+      open.pop_back();
+    } else if (tag.back() != '/') {
+      open.push_back(tag.substr(0, tag.find_first_of(" \n")));
+    }
+    i = close;
+  }
+  return open.empty() ? "" : fmt::format("<{}> never closed", open.back());
+}
+
+// A schedule of each kind, with data parallelism so that every stream carries ops.
+struct Case {
+  const char* name;
+  ScenarioConfig config;
+};
+std::vector<Case> schedule_cases() {
+  ScenarioConfig overlapped = small_config(ScheduleKind::one_f_one_b, 2, 4, 8);
+  overlapped.communication.overlap_grad_reduce = true;
+  overlapped.communication.bucket_size_mib = 8;  // several buckets, so the last backward is split
+  ScenarioConfig zero = small_config(ScheduleKind::gpipe, 2, 2, 4);
+  zero.parallelism.zero_stage = 1;
+  return {
+      {"gpipe", small_config(ScheduleKind::gpipe, 2, 4, 8)},
+      {"1f1b", small_config(ScheduleKind::one_f_one_b, 2, 4, 8)},
+      {"interleaved", small_config(ScheduleKind::interleaved_1f1b, 2, 4, 8, 2)},
+      {"zb-h1", small_config(ScheduleKind::zb_h1, 2, 4, 8)},
+      {"1f1b-overlap", overlapped},
+      {"gpipe-zero1", zero},
+  };
+}
+
+// ---- Chrome trace ---------------------------------------------------------------------
+
+TEST(ChromeTrace, OneCompleteEventPerOpWithTheTimelinesTimes) {
+  for (const auto& [name, config] : schedule_cases()) {
+    SCOPED_TRACE(name);
+    const Plan plan = Plan::from_config(config);
+    const Prediction p = predict(plan);
+    const json trace = json::parse(trace_of(plan, p));
+    const Schedule& s = *p.schedule;
+    const Tick t0 = p.timeline.begin();
+
+    // Complete events grouped by process, in the order written.
+    std::map<int, std::vector<json>> events;
+    for (const auto& e : trace.at("traceEvents"))
+      if (e.at("ph") == "X") events[e.at("pid").get<int>()].push_back(e);
+
+    std::set<int> pids;
+    for (const auto& [pid, v] : events) pids.insert(pid);
+    std::set<int> ranks;
+    for (const auto& prog : s.ranks) ranks.insert(prog.rank);
+    EXPECT_EQ(pids, ranks);
+
+    for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+      const RankProgram& prog = s.ranks[r];
+      // Every op but a receive that did not wait, in program order.
+      std::vector<std::size_t> expected;
+      for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+        const OpTiming& t = p.timeline.ops[r][i];
+        if (!is_recv(prog.ops[i].kind) || t.end > t.start) expected.push_back(i);
+      }
+      const auto& got = events[prog.rank];
+      ASSERT_EQ(got.size(), expected.size()) << "rank " << prog.rank;
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        const Op& op = prog.ops[expected[k]];
+        const OpTiming& t = p.timeline.ops[r][expected[k]];
+        const json& e = got[k];
+        const std::string label = is_recv(op.kind) ? "wait " + op_label(op) : op_label(op);
+        EXPECT_EQ(e.at("name"), label);
+        EXPECT_EQ(e.at("cat"), op_kind_name(op.kind));
+        EXPECT_EQ(e.at("tid").get<int>(), static_cast<int>(stream_of(op.kind)));
+        expect_close(e.at("ts").get<double>(), to_us(t.start - t0), label + " ts");
+        expect_close(e.at("dur").get<double>(), to_us(t.end - t.start), label + " dur");
+        const json& args = e.at("args");
+        EXPECT_EQ(args.at("stage").get<int>(), prog.stage);
+        EXPECT_EQ(args.at("replica").get<int>(), prog.replica);
+        if (op.microbatch >= 0) {
+          EXPECT_EQ(args.at("microbatch").get<int>(), op.microbatch);
+        }
+        if (op.chunk >= 0) {
+          EXPECT_EQ(args.at("chunk").get<int>(), op.chunk);
+        }
+        if (op.bucket >= 0) {
+          EXPECT_EQ(args.at("bucket").get<int>(), op.bucket);
+        }
+        if (op.bytes > 0) {
+          EXPECT_EQ(args.at("bytes").get<Bytes>(), op.bytes);
+        }
+      }
+    }
+  }
+}
+
+TEST(ChromeTrace, NamesEveryRankAndStream) {
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 2, 4, 8));
+  const Prediction p = predict(plan);
+  const json trace = json::parse(trace_of(plan, p));
+  const Schedule& s = *p.schedule;
+
+  std::map<int, std::string> process_names;
+  std::map<int, int> sort_index;
+  std::map<std::pair<int, int>, std::string> thread_names;
+  std::set<int> tids;
+  for (const auto& e : trace.at("traceEvents")) {
+    const int pid = e.at("pid").get<int>();
+    const int tid = e.at("tid").get<int>();
+    tids.insert(tid);
+    if (e.at("ph") != "M") continue;
+    if (e.at("name") == "process_name") {
+      EXPECT_TRUE(process_names.emplace(pid, e.at("args").at("name")).second) << "pid " << pid << " named twice";
+    } else if (e.at("name") == "process_sort_index") {
+      sort_index[pid] = e.at("args").at("sort_index").get<int>();
+    } else if (e.at("name") == "thread_name") {
+      thread_names[{pid, tid}] = e.at("args").at("name");
+    }
+  }
+  // Every rank of this schedule computes, sends to a neighbour stage and all-reduces.
+  EXPECT_EQ(tids, (std::set<int>{0, 1, 2}));
+  ASSERT_EQ(process_names.size(), s.ranks.size());
+  for (const auto& prog : s.ranks) {
+    EXPECT_EQ(process_names[prog.rank], fmt::format("rank {} (stage {}, replica {})", prog.rank, prog.stage, prog.replica));
+    EXPECT_EQ(sort_index[prog.rank], prog.rank);
+    EXPECT_EQ((thread_names[{prog.rank, 0}]), "compute");
+    EXPECT_EQ((thread_names[{prog.rank, 1}]), "collective");
+    EXPECT_EQ((thread_names[{prog.rank, 2}]), "p2p");
+  }
+}
+
+TEST(ChromeTrace, OtherDataNamesTheRun) {
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::zb_h1, 1, 4, 8));
+  Prediction p = predict(plan);
+  json trace = json::parse(trace_of(plan, p));
+  EXPECT_EQ(trace.at("displayTimeUnit"), "ms");
+  EXPECT_EQ(trace.at("otherData").at("scenario"), plan.config.name);
+  EXPECT_EQ(trace.at("otherData").at("schedule"), std::string(schedule_name(ScheduleKind::zb_h1)));
+  EXPECT_EQ(trace.at("otherData").at("timeline"), "predicted");
+
+  p.timeline.predicted = false;
+  trace = json::parse(trace_of(plan, p));
+  EXPECT_EQ(trace.at("otherData").at("timeline"), "measured");
+}
+
+// A timeline written by hand: ops far shorter than a microsecond keep their length, and a
+// receive is shown only when it waited.
+TEST(ChromeTrace, SubMicrosecondOpsStayFractional) {
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 1, 1, 1));
+  auto s = std::make_shared<Schedule>();
+  s->ranks.resize(1);
+  const auto add = [&](OpKind kind, int mb) {
+    Op op;
+    op.kind = kind;
+    op.microbatch = mb;
+    s->ranks[0].ops.push_back(op);
+  };
+  add(OpKind::RecvActivation, 0);  // message already there: no wait
+  add(OpKind::Forward, 0);
+  add(OpKind::SendActivation, 0);
+  add(OpKind::RecvGradient, 0);  // waits
+  add(OpKind::OptimizerStep, -1);
+  Timeline tl;
+  tl.schedule = s;
+  tl.ops = {{{0, 0}, {0, 300'000}, {300'000, 300'001}, {300'000, 1'234'567'891}, {1'234'567'891, 1'234'567'892}}};
+
+  std::ostringstream o;
+  write_chrome_trace(plan, tl, o);
+  const json trace = json::parse(o.str());
+  std::map<std::string, json> by_name;
+  for (const auto& e : trace.at("traceEvents"))
+    if (e.at("ph") == "X") by_name[e.at("name")] = e;
+  ASSERT_EQ(by_name.size(), 4u);
+  EXPECT_EQ(by_name.count("wait recv act 0"), 0u);
+  EXPECT_DOUBLE_EQ(by_name.at("F0").at("dur").get<double>(), 0.3);
+  EXPECT_DOUBLE_EQ(by_name.at("send act 0").at("dur").get<double>(), 1e-6);  // one picosecond
+  EXPECT_DOUBLE_EQ(by_name.at("wait recv grad 0").at("dur").get<double>(), (1'234'567'891 - 300'000) / 1e6);
+  EXPECT_DOUBLE_EQ(by_name.at("optimizer").at("ts").get<double>(), 1234.567891);
+}
+
+// ---- SVG ------------------------------------------------------------------------------
+
+TEST(TimelineSvg, IsWellFormedWithOneLabelPerRankAndALegend) {
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 2, 4, 8));
+  const Prediction p = predict(plan);
+  const std::string svg = svg_of(plan, p);
+
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  ASSERT_GE(svg.size(), 7u);
+  EXPECT_EQ(svg.substr(svg.size() - 7), "</svg>\n");
+  EXPECT_EQ(check_tags(svg), "");
+  EXPECT_EQ(count_of(svg, "<g"), count_of(svg, "</g>"));
+  EXPECT_NE(svg.find("<title>trainsim timeline: report-test"), std::string::npos);
+
+  for (const auto& r : p.result.ranks) {
+    const std::string label = fmt::format(">rank {}  s {} / d {}  util {:.0f}%<", r.rank, r.stage, r.replica,
+                                          100 * r.utilization);
+    EXPECT_EQ(count_of(svg, label), 1u) << label;
+  }
+  for (const char* entry : {">compute<", ">communication<", ">forward<", ">backward<", ">optimizer step<",
+                            ">idle or waiting<", ">all-reduce<", ">send activation<", ">send gradient<"})
+    EXPECT_NE(svg.find(entry), std::string::npos) << entry;
+  // The title line states the step time and bubble of the result.
+  EXPECT_NE(svg.find(fmt::format("bubble {:.1f}%", 100 * p.result.bubble_fraction)), std::string::npos);
+}
+
+TEST(TimelineSvg, SplitBackwardsAndChunksAreDistinguishable) {
+  {
+    const Plan plan = Plan::from_config(small_config(ScheduleKind::zb_h1, 1, 4, 8));
+    const std::string svg = svg_of(plan, predict(plan));
+    EXPECT_NE(svg.find(">backward (input)<"), std::string::npos);
+    EXPECT_NE(svg.find(">backward (weight)<"), std::string::npos);
+    EXPECT_EQ(svg.find(">backward<"), std::string::npos);  // no unsplit backward in ZB-H1
+    EXPECT_NE(svg.find("class=\"bi\""), std::string::npos);
+    EXPECT_NE(svg.find("class=\"bw\""), std::string::npos);
+  }
+  {
+    const Plan plan = Plan::from_config(small_config(ScheduleKind::interleaved_1f1b, 1, 4, 8, 2));
+    const std::string svg = svg_of(plan, predict(plan));
+    EXPECT_EQ(check_tags(svg), "");
+    // Chunk 0 and chunk 1 of each rank are drawn in different shades.
+    EXPECT_NE(svg.find("<rect class=\"f0\""), std::string::npos);
+    EXPECT_NE(svg.find("<rect class=\"f1\""), std::string::npos);
+    EXPECT_NE(svg.find("<rect class=\"b1\""), std::string::npos);
+  }
+}
+
+TEST(TimelineSvg, WideBoxesCarryTheirMicrobatch) {
+  // Two stages, two micro-batches: every compute op spans a good part of the picture.
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 1, 2, 2));
+  const Prediction p = predict(plan);
+  const std::string svg = svg_of(plan, p);
+  for (const Op& op : p.schedule->ranks[0].ops) {
+    if (op.kind == OpKind::Forward || op.kind == OpKind::Backward) {
+      EXPECT_NE(svg.find(">" + op_label(op) + "</text>"), std::string::npos) << op_label(op);
+      // A picture this small also has hover text on every box.
+      EXPECT_NE(svg.find("<title>rank 0: " + op_label(op) + " |"), std::string::npos) << op_label(op);
+    }
+  }
+}
+
+TEST(TimelineSvg, TimeAxisHasRoundTicksWithinTheStep) {
+  for (const auto& [name, config] : schedule_cases()) {
+    SCOPED_TRACE(name);
+    const Plan plan = Plan::from_config(config);
+    const Prediction p = predict(plan);
+    const std::string svg = svg_of(plan, p);
+    const double step = p.result.step_time_s;
+    const std::string unit = step >= 1 ? "s" : step >= 1e-3 ? "ms" : "us";
+    const double unit_s = unit == "s" ? 1 : unit == "ms" ? 1e-3 : 1e-6;
+
+    // Each tick label is written twice, above and below the rows.
+    const std::regex tick("class=\"ax\"[^>]*>([0-9.]+) ([mu]?s)<");
+    std::vector<double> ticks;
+    for (std::sregex_iterator it(svg.begin(), svg.end(), tick), end; it != end; ++it) {
+      EXPECT_EQ((*it)[2].str(), unit);
+      ticks.push_back(std::stod((*it)[1].str()));
+    }
+    ASSERT_EQ(ticks.size() % 2, 0u);
+    std::vector<double> upper;
+    for (std::size_t i = 0; i < ticks.size(); i += 2) upper.push_back(ticks[i]);
+    ASSERT_GE(upper.size(), 4u);
+    EXPECT_LE(upper.size(), 21u);
+    EXPECT_EQ(upper[0], 0.0);
+    const double spacing = upper[1] - upper[0];
+    const double mantissa = spacing / std::pow(10.0, std::floor(std::log10(spacing) + 1e-9));
+    EXPECT_TRUE(std::fabs(mantissa - 1) < 1e-6 || std::fabs(mantissa - 2) < 1e-6 || std::fabs(mantissa - 5) < 1e-6)
+        << "tick spacing " << spacing;
+    for (std::size_t i = 1; i < upper.size(); ++i) expect_close(upper[i] - upper[i - 1], spacing, "tick spacing");
+    EXPECT_LE(upper.back() * unit_s, step * (1 + 1e-6));
+    EXPECT_GT((upper.back() + spacing) * unit_s, step);  // no round tick left out at the end
+  }
+}
+
+TEST(TimelineSvg, ScenarioNameIsEscaped) {
+  ScenarioConfig c = small_config(ScheduleKind::gpipe, 1, 2, 2);
+  c.name = "a<&>\"b";
+  const Plan plan = Plan::from_config(c);
+  const Prediction p = predict(plan);
+  const std::string svg = svg_of(plan, p);
+  EXPECT_EQ(svg.find("a<&>"), std::string::npos);
+  EXPECT_NE(svg.find("a&lt;&amp;&gt;&quot;b"), std::string::npos);
+  EXPECT_EQ(check_tags(svg), "");
+  // The trace's JSON carries the name as it is.
+  EXPECT_EQ(json::parse(trace_of(plan, p)).at("otherData").at("scenario"), c.name);
+}
+
+TEST(TimelineSvg, DrawsAtMost128RanksAndSaysSo) {
+  ScenarioConfig c = small_config(ScheduleKind::one_f_one_b, 80, 2, 2);
+  const Plan plan = Plan::from_config(c);
+  const Prediction p = predict(plan);
+  ASSERT_EQ(p.schedule->ranks.size(), 160u);
+  const std::string svg = svg_of(plan, p);
+  const std::regex row(">rank ([0-9]+)  s ");
+  std::set<int> drawn;
+  for (std::sregex_iterator it(svg.begin(), svg.end(), row), end; it != end; ++it) drawn.insert(std::stoi((*it)[1]));
+  ASSERT_EQ(drawn.size(), 128u);
+  EXPECT_EQ(*drawn.begin(), 0);
+  EXPECT_EQ(*drawn.rbegin(), 127);
+  EXPECT_NE(svg.find("showing ranks 0-127 of 160"), std::string::npos);
+  EXPECT_NE(svg.find("32 more ranks not drawn"), std::string::npos);
+  EXPECT_EQ(check_tags(svg), "");
+}
+
+TEST(TimelineSvg, BigScheduleStaysSmall) {
+  // 64 ranks with about 1500 ops each: far more boxes than pixels.
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 8, 8, 256));
+  const Prediction p = predict(plan);
+  const std::size_t ops = p.schedule->total_ops();
+  ASSERT_GT(ops, 64u * 1000u);
+  const std::string svg = svg_of(plan, p);
+  EXPECT_EQ(check_tags(svg), "");
+  // No hover text or labels for boxes too many or too narrow to read: the document's
+  // <title> is the only one, and the file stays under one short <rect> per op.
+  EXPECT_EQ(count_of(svg, "<title>"), 1u);
+  EXPECT_LT(svg.size(), ops * 80);
+}
+
+// ---- both -----------------------------------------------------------------------------
+
+TEST(Reports, SameInputGivesByteIdenticalOutput) {
+  for (const auto& [name, config] : schedule_cases()) {
+    SCOPED_TRACE(name);
+    const Plan plan = Plan::from_config(config);
+    const Prediction a = predict(plan);
+    const Prediction b = predict(plan);
+    EXPECT_EQ(trace_of(plan, a), trace_of(plan, b));
+    EXPECT_EQ(svg_of(plan, a), svg_of(plan, b));
+    EXPECT_EQ(result_to_json(a.result).dump(), result_to_json(b.result).dump());
+  }
+}
+
+// ---- result JSON ------------------------------------------------------------------------
+
+TEST(ResultJson, HasEveryDesignFieldAndMemoryAddsUp) {
+  const Plan plan = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 2, 4, 8));
+  const Prediction p = predict(plan);
+  // Through text and back, as a reader of `trainsim simulate --json` sees it.
+  const json j = json::parse(result_to_json(p.result).dump(2));
+
+  for (const char* key : {"step_time_s", "bubble_fraction", "tokens_per_s", "mfu", "allreduce_time_s",
+                          "exposed_comm_time_s"})
+    EXPECT_TRUE(j.contains(key) && j.at(key).is_number()) << key;
+  EXPECT_TRUE(j.at("fits_in_memory").is_boolean());
+  EXPECT_TRUE(j.at("warnings").is_array());
+  for (const auto& w : j.at("warnings")) EXPECT_TRUE(w.is_string());
+  EXPECT_GT(j.at("step_time_s").get<double>(), 0);
+
+  ASSERT_EQ(j.at("ranks").size(), p.schedule->ranks.size());
+  for (std::size_t i = 0; i < j.at("ranks").size(); ++i) {
+    const json& r = j.at("ranks")[i];
+    EXPECT_EQ(r.at("rank").get<int>(), p.schedule->ranks[i].rank);
+    EXPECT_EQ(r.at("stage").get<int>(), p.schedule->ranks[i].stage);
+    EXPECT_EQ(r.at("replica").get<int>(), p.schedule->ranks[i].replica);
+    for (const char* key : {"busy_s", "idle_s", "utilization", "peak_memory_gib"})
+      EXPECT_TRUE(r.contains(key) && r.at(key).is_number()) << key;
+    double parts = 0;
+    for (const char* key : {"weights", "gradients", "optimizer", "activations", "buffers"}) {
+      ASSERT_TRUE(r.at("memory_gib").contains(key)) << key;
+      parts += r.at("memory_gib").at(key).get<double>();
+    }
+    // Each figure is rounded to 6 significant digits: the parts may differ from the peak
+    // by a few units in the 6th digit.
+    const double peak = r.at("peak_memory_gib").get<double>();
+    EXPECT_GT(peak, 0);
+    EXPECT_NEAR(parts, peak, 5e-6 * peak);
+    // busy + idle is the step.
+    expect_close(r.at("busy_s").get<double>() + r.at("idle_s").get<double>(), j.at("step_time_s").get<double>(), "busy+idle");
+  }
+}
+
+}  // namespace
+}  // namespace trainsim
