@@ -29,22 +29,6 @@ const char* op_kind_name(OpKind k) {
   return "?";
 }
 
-bool is_compute(OpKind k) {
-  return k == OpKind::Forward || k == OpKind::Backward || k == OpKind::BackwardInput ||
-         k == OpKind::BackwardWeight || k == OpKind::OptimizerStep;
-}
-bool is_collective(OpKind k) {
-  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::OverflowCheck;
-}
-bool is_send(OpKind k) { return k == OpKind::SendActivation || k == OpKind::SendGradient; }
-bool is_recv(OpKind k) { return k == OpKind::RecvActivation || k == OpKind::RecvGradient; }
-
-StreamKind stream_of(OpKind k) {
-  if (is_collective(k)) return StreamKind::collective;
-  if (is_send(k)) return StreamKind::p2p;
-  return StreamKind::compute;  // compute ops, and receives, which block the compute stream
-}
-
 std::string op_label(const Op& op) {
   switch (op.kind) {
     case OpKind::Forward: return fmt::format("F{}", op.microbatch);

@@ -42,11 +42,22 @@ enum class StreamKind : std::uint8_t { compute, collective, p2p };
 inline constexpr int kNumStreams = 3;
 
 const char* op_kind_name(OpKind k);
-StreamKind stream_of(OpKind k);
-bool is_compute(OpKind k);     // Forward, Backward*, OptimizerStep
-bool is_collective(OpKind k);  // AllReduce, ReduceScatter, AllGather, OverflowCheck
-bool is_send(OpKind k);
-bool is_recv(OpKind k);
+
+// Forward, Backward*, OptimizerStep
+constexpr bool is_compute(OpKind k) {
+  return k == OpKind::Forward || k == OpKind::Backward || k == OpKind::BackwardInput ||
+         k == OpKind::BackwardWeight || k == OpKind::OptimizerStep;
+}
+// AllReduce, ReduceScatter, AllGather, OverflowCheck
+constexpr bool is_collective(OpKind k) {
+  return k == OpKind::AllReduce || k == OpKind::ReduceScatter || k == OpKind::AllGather || k == OpKind::OverflowCheck;
+}
+constexpr bool is_send(OpKind k) { return k == OpKind::SendActivation || k == OpKind::SendGradient; }
+constexpr bool is_recv(OpKind k) { return k == OpKind::RecvActivation || k == OpKind::RecvGradient; }
+// Receives block the compute stream: the op after them needs what they bring.
+constexpr StreamKind stream_of(OpKind k) {
+  return is_collective(k) ? StreamKind::collective : is_send(k) ? StreamKind::p2p : StreamKind::compute;
+}
 
 struct Op {
   OpKind kind = OpKind::Forward;

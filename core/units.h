@@ -21,7 +21,7 @@ inline constexpr double kGB = 1e9;  // bandwidth_gbps keys are in GB/s = 1e9 byt
 // Rounds to the nearest tick; durations of real work are never rounded down to zero.
 inline Tick seconds_to_ticks(double seconds) {
   if (seconds <= 0) return 0;
-  Tick t = static_cast<Tick>(std::llround(seconds * static_cast<double>(kTicksPerSecond)));
+  Tick t = static_cast<Tick>(seconds * static_cast<double>(kTicksPerSecond) + 0.5);  // positive: round half up
   return t > 0 ? t : 1;
 }
 inline double ticks_to_seconds(Tick t) { return static_cast<double>(t) / static_cast<double>(kTicksPerSecond); }

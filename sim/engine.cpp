@@ -8,20 +8,23 @@
 
 namespace trainsim {
 
-Simulation::Simulation(std::shared_ptr<const Schedule> schedule, const CostModels& models)
-    : schedule_(std::move(schedule)) {
+void Simulation::prepare(const CostModels& models) {
   const Schedule& s = *schedule_;
   const int nranks = static_cast<int>(s.ranks.size());
-  const std::size_t nops = s.total_ops();
-  rank_offset_.resize(nranks + 1, 0);
+  rank_offset_.assign(nranks + 1, 0);
   for (int r = 0; r < nranks; ++r) rank_offset_[r + 1] = rank_offset_[r] + static_cast<std::int32_t>(s.ranks[r].ops.size());
+  const std::size_t nops = static_cast<std::size_t>(rank_offset_[nranks]);
   op_.resize(nops);
+  role_.resize(nops);
+  channel_.resize(nops);
   dep_.resize(nops);
   duration_.resize(nops);
-  done_at_.assign(nops, -1);
-  timing_.resize(nops);
+  timing_.assign(nops, OpTiming{0, -1});
   stream_ops_.resize(nops);
-  streams_.resize(static_cast<std::size_t>(nranks) * kNumStreams);
+  streams_.assign(static_cast<std::size_t>(nranks) * kNumStreams, StreamState{});
+  heap_.clear();
+  seq_ = 0;
+  completed_ = 0;
 
   collective_duration_.resize(s.collectives.size());
   for (std::size_t c = 0; c < s.collectives.size(); ++c)
@@ -30,13 +33,19 @@ Simulation::Simulation(std::shared_ptr<const Schedule> schedule, const CostModel
   message_arrival_.assign(s.num_messages, -1);
 
   // Price every op once, then lay out each stream's op ids contiguously.
-  std::vector<std::int32_t> per_stream_count(streams_.size(), 0);
+  per_stream_count_.assign(streams_.size(), 0);
+  auto& per_stream_count = per_stream_count_;
   for (int r = 0; r < nranks; ++r) {
     const auto& ops = s.ranks[r].ops;
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const std::int32_t g = rank_offset_[r] + static_cast<std::int32_t>(i);
       const Op& op = ops[i];
       op_[g] = &op;
+      role_[g] = is_recv(op.kind)                                ? Role::recv
+                 : is_send(op.kind)                              ? Role::send
+                 : is_collective(op.kind) && op.channel >= 0     ? Role::collective
+                                                                 : Role::work;
+      channel_[g] = op.channel;
       dep_[g] = op.dep >= 0 ? rank_offset_[r] + op.dep : -1;
       if (is_compute(op.kind))
         duration_[g] = models.compute->duration(op, r);
@@ -59,7 +68,6 @@ Simulation::Simulation(std::shared_ptr<const Schedule> schedule, const CostModel
       StreamState& st = streams_[r * kNumStreams + static_cast<int>(stream_of(op_[g]->kind))];
       stream_ops_[st.end++] = g;
     }
-  heap_.reserve(streams_.size() + 16);
 }
 
 void Simulation::push(Tick time, std::int32_t stream) {
@@ -80,27 +88,27 @@ void Simulation::try_advance(std::int32_t stream, Tick now) {
   StreamState& st = streams_[stream];
   while (!st.busy && st.cursor < st.end) {
     const std::int32_t g = stream_ops_[st.cursor];
-    const Op& op = *op_[g];
-    if (dep_[g] >= 0 && done_at_[dep_[g]] < 0) return;  // woken when the dependency ends
-    if (is_recv(op.kind)) {
-      if (message_arrival_[op.channel] < 0) return;  // woken when the send ends
+    if (dep_[g] >= 0 && timing_[dep_[g]].end < 0) return;  // woken when the dependency ends
+    const Role role = role_[g];
+    if (role == Role::recv) {
+      if (message_arrival_[channel_[g]] < 0) return;  // woken when the send ends
       timing_[g].start = st.free_at;
       timing_[g].end = now;
-      done_at_[g] = now;
       st.free_at = now;
       ++st.cursor;
       ++completed_;
       continue;
     }
-    if (is_collective(op.kind) && op.channel >= 0) {
+    if (role == Role::collective) {
       if (st.arrived) return;  // waiting for the other members
       st.arrived = true;
-      const Collective& c = schedule_->collectives[op.channel];
-      if (++collective_arrivals_[op.channel] < static_cast<std::int32_t>(c.members.size())) return;
-      for (int member : c.members) {
+      const std::int32_t c = channel_[g];
+      const auto& members = schedule_->collectives[c].members;
+      if (++collective_arrivals_[c] < static_cast<std::int32_t>(members.size())) return;
+      for (int member : members) {
         const std::int32_t ms = member * kNumStreams + static_cast<int>(StreamKind::collective);
         streams_[ms].arrived = false;
-        start(ms, stream_ops_[streams_[ms].cursor], now, collective_duration_[op.channel]);
+        start(ms, stream_ops_[streams_[ms].cursor], now, collective_duration_[c]);
       }
       return;
     }
@@ -111,9 +119,7 @@ void Simulation::try_advance(std::int32_t stream, Tick now) {
 void Simulation::finish(const Event& e) {
   StreamState& st = streams_[e.stream];
   const std::int32_t g = stream_ops_[st.cursor];
-  const Op& op = *op_[g];
   timing_[g].end = e.time;
-  done_at_[g] = e.time;
   st.busy = false;
   st.free_at = e.time;
   ++st.cursor;
@@ -122,13 +128,16 @@ void Simulation::finish(const Event& e) {
   // (their ops may depend on this one), and the receiver of a message.
   const std::int32_t base = st.rank * kNumStreams;
   for (int k = 0; k < kNumStreams; ++k) try_advance(base + k, e.time);
-  if (is_send(op.kind)) {
+  if (role_[g] == Role::send) {
+    const Op& op = *op_[g];
     message_arrival_[op.channel] = e.time;
     try_advance(op.peer * kNumStreams + static_cast<int>(StreamKind::compute), e.time);
   }
 }
 
-Timeline Simulation::run() {
+void Simulation::run(std::shared_ptr<const Schedule> schedule, const CostModels& models, Timeline& t) {
+  schedule_ = std::move(schedule);
+  prepare(models);
   for (std::int32_t st = 0; st < static_cast<std::int32_t>(streams_.size()); ++st) try_advance(st, 0);
   while (!heap_.empty()) {
     std::pop_heap(heap_.begin(), heap_.end(), Later{});
@@ -146,18 +155,25 @@ Timeline Simulation::run() {
       }
     throw std::logic_error(fmt::format("schedule deadlocked after {} of {} ops; blocked at:{}", completed_, op_.size(), blocked));
   }
-  Timeline t;
   t.schedule = schedule_;
   t.predicted = true;
   t.ops.resize(schedule_->ranks.size());
   for (std::size_t r = 0; r < schedule_->ranks.size(); ++r)
     t.ops[r].assign(timing_.begin() + rank_offset_[r], timing_.begin() + rank_offset_[r + 1]);
-  return t;
+}
+
+std::size_t Simulation::footprint_bytes() const {
+  auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
+  return bytes(rank_offset_) + bytes(op_) + bytes(role_) + bytes(channel_) + bytes(dep_) + bytes(duration_) + bytes(timing_) + bytes(per_stream_count_) +
+         bytes(stream_ops_) + bytes(streams_) + bytes(message_arrival_) + bytes(collective_arrivals_) +
+         bytes(collective_duration_) + bytes(heap_);
 }
 
 Timeline simulate_schedule(std::shared_ptr<const Schedule> schedule, const CostModels& models) {
-  Simulation sim(std::move(schedule), models);
-  return sim.run();
+  Simulation sim;
+  Timeline t;
+  sim.run(std::move(schedule), models, t);
+  return t;
 }
 
 }  // namespace trainsim

@@ -20,13 +20,19 @@ namespace trainsim {
 
 class Simulation {
  public:
-  Simulation(std::shared_ptr<const Schedule> schedule, const CostModels& models);
+  Simulation() = default;
   Simulation(const Simulation&) = delete;
   Simulation& operator=(const Simulation&) = delete;
 
-  // Runs the step to completion. Throws std::logic_error naming the blocked ops if the
-  // schedule deadlocks (it never does for schedules from build_schedule).
-  Timeline run();
+  // Runs one step of `schedule` to completion into `out`. Buffers (this object's and
+  // out's) are reused from earlier runs, so a sweep worker that keeps one Simulation and
+  // one Timeline allocates nothing in steady state. Throws std::logic_error naming the
+  // blocked ops if the schedule deadlocks (schedules from build_schedule never do).
+  void run(std::shared_ptr<const Schedule> schedule, const CostModels& models, Timeline& out);
+
+  // Bytes of engine state (excluding the schedule it executes), to check that memory
+  // grows linearly with the number of ops.
+  std::size_t footprint_bytes() const;
 
  private:
   struct Event {
@@ -47,6 +53,7 @@ class Simulation {
     bool arrived = false;  // registered at the collective it is waiting for
   };
 
+  void prepare(const CostModels& models);
   void push(Tick time, std::int32_t stream);
   void try_advance(std::int32_t stream, Tick now);
   void start(std::int32_t stream, std::int32_t op, Tick now, Tick duration);
@@ -55,11 +62,15 @@ class Simulation {
   std::shared_ptr<const Schedule> schedule_;
   // Flattened ops: global id = rank_offset_[rank] + index in the rank's program.
   std::vector<std::int32_t> rank_offset_;
+  // What the event loop reads per op, kept in flat arrays rather than behind Op pointers.
+  enum class Role : std::uint8_t { work, recv, send, collective };
   std::vector<const Op*> op_;
+  std::vector<Role> role_;
+  std::vector<std::int32_t> channel_;
   std::vector<std::int32_t> dep_;  // global id or -1
   std::vector<Tick> duration_;
-  std::vector<Tick> done_at_;      // -1 until the op ends
-  std::vector<OpTiming> timing_;
+  std::vector<OpTiming> timing_;   // end is -1 until the op ends
+  std::vector<std::int32_t> per_stream_count_;
   std::vector<std::int32_t> stream_ops_;  // op ids, grouped by stream, in program order
   std::vector<StreamState> streams_;      // rank * kNumStreams + stream kind
   std::vector<Tick> message_arrival_;     // per message: -1 until its send ends
@@ -70,7 +81,7 @@ class Simulation {
   std::int64_t completed_ = 0;
 };
 
-// Convenience: build and run in one call.
+// Convenience: one run with fresh buffers.
 Timeline simulate_schedule(std::shared_ptr<const Schedule> schedule, const CostModels& models);
 
 }  // namespace trainsim

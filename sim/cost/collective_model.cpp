@@ -1,7 +1,6 @@
 #include "sim/cost/collective_model.h"
 
 #include <cmath>
-#include <map>
 
 namespace trainsim {
 
@@ -37,9 +36,9 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
   const int n = static_cast<int>(members.size());
   if (n <= 1) return 0;
   const auto& cl = plan_.config.cluster;
-  std::map<int, int> per_node;
-  for (int r : members) per_node[plan_.node_of(r)]++;
-  const int nodes = static_cast<int>(per_node.size());
+  // Members are ascending and ranks fill nodes in order, so nodes change monotonically.
+  int nodes = 1;
+  for (int i = 1; i < n; ++i) nodes += plan_.node_of(members[i]) != plan_.node_of(members[i - 1]);
   const LinkConfig& link = nodes > 1 ? cl.inter_node : cl.intra_node;
 
   if (kind == OpKind::OverflowCheck) return 2.0 * std::ceil(std::log2(n)) * alpha(link) + 2.0 * bytes / beta(link);

@@ -1,2 +1,91 @@
+// Simulator speed. Targets (one core of the 2-core CI machine), see docs/performance.md:
+//   1F1B, p=8, m=32, data-parallel all-reduce in buckets: one step simulates in < 50 us
+//   interleaved 1F1B, p=64, m=512, v=2:                    one step simulates in < 20 ms
+//   engine memory linear in the number of ops (bytes_per_op constant across sizes)
+//
+//   build/tests/bench/bench_simulator --benchmark_min_time=0.5
 #include <benchmark/benchmark.h>
+
+#include "core/plan.h"
+#include "core/presets.h"
+#include "sim/cost/collective_model.h"
+#include "sim/cost/compute_model.h"
+#include "sim/cost/p2p_model.h"
+#include "sim/engine.h"
+#include "sim/simulator.h"
+
+namespace {
+
+using namespace trainsim;
+
+ScenarioConfig config(const char* model, int p, int m, int v, int d, ScheduleKind kind) {
+  ScenarioConfig c;
+  apply_model_preset(*find_model_preset(model), c.model);
+  apply_gpu_preset(*find_gpu_preset("h100-80gb"), c.cluster);
+  c.cluster.num_gpus = p * d;
+  c.parallelism.pipeline_parallel_size = p;
+  c.parallelism.data_parallel_size = d;
+  c.parallelism.virtual_pipeline_stages = v;
+  c.parallelism.schedule = kind;
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = m * d;
+  c.communication.overlap_grad_reduce = true;
+  c.communication.bucket_size_mib = 40;
+  return c;
+}
+
+// The engine as a sweep worker uses it: one Simulation and one Timeline reused across
+// runs. Timed: pricing every op with the cost models, the event loop, and the Timeline.
+void simulate_step(benchmark::State& state, const ScenarioConfig& c) {
+  const Plan plan = Plan::from_config(c);
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  const CostModels models{&compute, &p2p, &collective};
+  Simulation sim;
+  Timeline timeline;
+  for (auto _ : state) {
+    sim.run(schedule, models, timeline);
+    benchmark::DoNotOptimize(timeline);
+  }
+  const std::size_t footprint = sim.footprint_bytes();
+  const double ops = static_cast<double>(schedule->total_ops());
+  state.counters["ops"] = ops;
+  state.counters["ops_per_s"] = benchmark::Counter(ops, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["bytes_per_op"] = static_cast<double>(footprint) / ops;
+}
+
+void BM_Simulate_1F1B_p8_m32_dp2(benchmark::State& state) {
+  simulate_step(state, config("gpt3-6.7b", 8, 32, 1, 2, ScheduleKind::one_f_one_b));
+}
+BENCHMARK(BM_Simulate_1F1B_p8_m32_dp2)->Unit(benchmark::kMicrosecond);
+
+void BM_Simulate_Interleaved_p64_m512_v2(benchmark::State& state) {
+  simulate_step(state, config("megatron-1t", 64, 512, 2, 1, ScheduleKind::interleaved_1f1b));
+}
+BENCHMARK(BM_Simulate_Interleaved_p64_m512_v2)->Unit(benchmark::kMillisecond);
+
+// Memory linearity: the same schedule family at growing m; bytes_per_op should not grow.
+void BM_Simulate_1F1B_p8_dp2_by_m(benchmark::State& state) {
+  simulate_step(state, config("gpt3-6.7b", 8, static_cast<int>(state.range(0)), 1, 2, ScheduleKind::one_f_one_b));
+}
+BENCHMARK(BM_Simulate_1F1B_p8_dp2_by_m)->RangeMultiplier(4)->Range(8, 2048)->Unit(benchmark::kMicrosecond);
+
+// Everything `trainsim simulate` does after parsing: schedule, cost models, engine, memory
+// walk and metrics.
+void BM_Predict_1F1B_p8_m32_dp2(benchmark::State& state) {
+  const Plan plan = Plan::from_config(config("gpt3-6.7b", 8, 32, 1, 2, ScheduleKind::one_f_one_b));
+  for (auto _ : state) benchmark::DoNotOptimize(predict(plan));
+}
+BENCHMARK(BM_Predict_1F1B_p8_m32_dp2)->Unit(benchmark::kMicrosecond);
+
+void BM_BuildSchedule_1F1B_p8_m32_dp2(benchmark::State& state) {
+  const Plan plan = Plan::from_config(config("gpt3-6.7b", 8, 32, 1, 2, ScheduleKind::one_f_one_b));
+  for (auto _ : state) benchmark::DoNotOptimize(build_schedule(plan));
+}
+BENCHMARK(BM_BuildSchedule_1F1B_p8_m32_dp2)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
 BENCHMARK_MAIN();
