@@ -24,6 +24,7 @@ enum class AllReduceAlgorithm { ring, hierarchical };
 enum class PositionEmbedding { learned_absolute, rope };
 enum class Optimizer { adam, adamw, sgd };
 enum class Normalization { layernorm, rmsnorm };
+enum class RuntimeBackend { cpu, cuda };
 
 struct ModelConfig {
   std::string preset;  // name from the catalog, or empty
@@ -73,7 +74,7 @@ struct ParallelismConfig {
 
 struct TrainingConfig {
   int micro_batch_size = 1;
-  int global_batch_size = 0;  // 0: one micro-batch per pipeline stage per replica
+  int global_batch_size = 0;  // 0: micro_batch_size * data_parallel_size (one micro-batch per step)
   Recompute activation_recompute = Recompute::none;
   Optimizer optimizer = Optimizer::adam;
 };
@@ -106,7 +107,7 @@ struct CommunicationConfig {
 // What `trainsim run` executes for real (the runtime issue); parsed and checked now so that
 // scenario files can carry it.
 struct RuntimeConfig {
-  std::string backend = "cpu";
+  RuntimeBackend backend = RuntimeBackend::cpu;
   int steps = 20;
   std::int64_t seed = 1;
   int num_layers = 8;

@@ -135,7 +135,6 @@ std::string names_of_models() {
 
 std::vector<FieldSpec> make_fields() {
   std::vector<FieldSpec> t;
-  const auto no_max = kInf;
 
   t.push_back(text("name", FIELD(name), "Short name of the scenario, used in reports"));
   t.push_back(text("description", FIELD(description), "The question this scenario asks, in a sentence or two"));
@@ -147,6 +146,10 @@ std::vector<FieldSpec> make_fields() {
     f.applies_preset = true;
     f.set = [](ScenarioConfig& c, const FieldValue& v) {
       const auto& name = std::get<std::string>(v);
+      if (name.empty()) {  // the default: no preset
+        c.model.preset.clear();
+        return;
+      }
       const ModelPreset* p = find_model_preset(name);
       if (!p) throw std::invalid_argument("unknown model preset; known: " + names_of_models());
       apply_model_preset(*p, c.model);
@@ -182,6 +185,10 @@ std::vector<FieldSpec> make_fields() {
     f.applies_preset = true;
     f.set = [](ScenarioConfig& c, const FieldValue& v) {
       const auto& name = std::get<std::string>(v);
+      if (name.empty()) {  // the default: no preset
+        c.cluster.gpu.clear();
+        return;
+      }
       const GpuPreset* p = find_gpu_preset(name);
       if (!p) throw std::invalid_argument("unknown GPU preset; known: " + names_of_gpus());
       apply_gpu_preset(*p, c.cluster);
@@ -303,7 +310,8 @@ std::vector<FieldSpec> make_fields() {
                      "One ring over all members, or intra-node then inter-node then intra-node"));
 
   // ---- runtime (what `trainsim run` executes) ----------------------------------------
-  t.push_back(text("runtime.backend", FIELD(runtime.backend), "Executor: cpu or cuda"));
+  t.push_back(choice("runtime.backend", FIELD(runtime.backend),
+                     {{"cpu", RuntimeBackend::cpu}, {"cuda", RuntimeBackend::cuda}}, "Executor of `trainsim run`"));
   t.push_back(integer("runtime.steps", FIELD(runtime.steps), 1, 1 << 30, "steps", "Optimizer steps to run"));
   t.push_back(integer("runtime.seed", FIELD(runtime.seed), 0, 9.0e15, "", "Seed for weights and data order"));
   t.push_back(integer("runtime.model.num_layers", FIELD(runtime.num_layers), 1, 4096, "", "Layers of the executed model"));

@@ -1,7 +1,7 @@
 #include "core/diagnostics.h"
 
 #include <algorithm>
-#include <numeric>
+#include <cctype>
 
 #include <fmt/format.h>
 
@@ -21,16 +21,54 @@ std::string join_messages(const std::vector<Diagnostic>& ds) {
   return s;
 }
 
+// Optimal string alignment distance: insertions, deletions, substitutions and swaps of
+// two neighbouring letters ("cdua" is one edit from "cuda", as a typist would count it).
 std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
-  std::iota(prev.begin(), prev.end(), 0);
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i)
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+std::string lowercase(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+bool is_separator(char c) { return c == '-' || c == '_' || c == '.' || c == ' '; }
+
+// The words of a name split at '-', '_', '.' and spaces, sorted.
+std::vector<std::string> sorted_words(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (is_separator(c)) {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
   }
-  return prev[b.size()];
+  if (!cur.empty()) out.push_back(cur);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// True when `part` occurs in `whole` starting and ending at word boundaries.
+bool contains_on_boundaries(const std::string& whole, const std::string& part) {
+  if (part.empty()) return false;
+  for (std::size_t pos = whole.find(part); pos != std::string::npos; pos = whole.find(part, pos + 1)) {
+    const std::size_t end = pos + part.size();
+    const bool starts = pos == 0 || is_separator(whole[pos - 1]);
+    const bool ends = end == whole.size() || is_separator(whole[end]);
+    if (starts && ends) return true;
+  }
+  return false;
 }
 }  // namespace
 
@@ -38,11 +76,12 @@ ScenarioError::ScenarioError(std::vector<Diagnostic> diagnostics)
     : std::runtime_error(join_messages(diagnostics)), diagnostics_(std::move(diagnostics)) {}
 
 std::string closest_match(const std::string& word, const std::vector<std::string>& candidates) {
+  // Case does not count ("Num_GPUs" is a typo of "num_gpus").
+  const std::string w = lowercase(word);
   std::string best;
   std::size_t best_d = std::string::npos;
   for (const auto& c : candidates) {
-    std::size_t d = edit_distance(word, c);
-    // A candidate that contains the word (or vice versa) is a good hint too: "dp" vs "data_parallel_size" is not.
+    std::size_t d = edit_distance(w, lowercase(c));
     if (d < best_d) {
       best_d = d;
       best = c;
@@ -50,7 +89,31 @@ std::string closest_match(const std::string& word, const std::vector<std::string
   }
   // Accept up to a third of the word's length in edits (at least 2), as compilers do for typos.
   std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
-  return best_d <= limit ? best : std::string();
+  if (best_d <= limit) return best;
+
+  // The same words in another order: "1f1b-interleaved" for "interleaved-1f1b".
+  const std::vector<std::string> wt = sorted_words(w);
+  if (wt.size() > 1)
+    for (const auto& c : candidates)
+      if (sorted_words(lowercase(c)) == wt) return c;
+
+  // One contains the other, on word boundaries: "micro_batch_size" for the sweep axis
+  // "training.micro_batch_size". Short words are left out: "dp" is in too many names.
+  constexpr std::size_t kMinContained = 5;
+  best.clear();
+  best_d = std::string::npos;
+  for (const auto& c : candidates) {
+    const std::string lc = lowercase(c);
+    const bool contained = (w.size() >= kMinContained && contains_on_boundaries(lc, w)) ||
+                           (lc.size() >= kMinContained && contains_on_boundaries(w, lc));
+    if (!contained) continue;
+    std::size_t d = edit_distance(w, lc);
+    if (d < best_d) {
+      best_d = d;
+      best = c;
+    }
+  }
+  return best;
 }
 
 }  // namespace trainsim

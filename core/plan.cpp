@@ -35,12 +35,24 @@ namespace {
 class Checker {
  public:
   explicit Checker(const Scenario& sc) : sc_(sc) {}
-  void error(const std::string& key, std::string message) { errors.push_back(sc_.diagnostic(key, std::move(message))); }
+  void error(const std::string& key, std::string message, std::initializer_list<std::string_view> related = {}) {
+    errors.push_back(sc_.diagnostic(key, std::move(message), related));
+  }
   std::vector<Diagnostic> errors;
 
  private:
   const Scenario& sc_;
 };
+
+// What to suggest instead of an unsupported compute format, from what the GPU has.
+std::string supported_alternatives(const ClusterConfig& cl, DType missing) {
+  auto has = [&](DType d) { return cl.peak_tflops.count(d) && cl.peak_tflops.at(d) > 0; };
+  if (missing == DType::bf16 && has(DType::fp16)) return "fp16 with dynamic loss scaling";
+  std::vector<std::string> options;
+  for (DType d : {DType::bf16, DType::fp16})
+    if (d != missing && has(d)) options.emplace_back(dtype_name(d));
+  return options.empty() ? std::string("fp32") : fmt::format("{}", fmt::join(options, " or "));
+}
 
 void check_and_derive(const Scenario& sc, Plan& plan) {
   Checker ck(sc);
@@ -57,7 +69,8 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     ck.error("parallelism.data_parallel_size",
              fmt::format("data_parallel_size({}) * pipeline_parallel_size({}) * tensor_parallel_size({}) = {} != "
                          "num_gpus({})",
-                         d, p, t, static_cast<long long>(d) * p * t, cl.num_gpus));
+                         d, p, t, static_cast<long long>(d) * p * t, cl.num_gpus),
+             {"parallelism.pipeline_parallel_size", "parallelism.tensor_parallel_size", "cluster.num_gpus"});
   if (cl.num_gpus > cl.gpus_per_node && cl.num_gpus % cl.gpus_per_node != 0)
     ck.error("cluster.num_gpus", fmt::format("num_gpus({}) is not a whole number of nodes of gpus_per_node({})",
                                              cl.num_gpus, cl.gpus_per_node));
@@ -123,9 +136,15 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
 
   // ---- batch -----------------------------------------------------------------------
   const int b = c.training.micro_batch_size;
-  const int gb = c.training.global_batch_size > 0 ? c.training.global_batch_size : b * d;
-  const long long per_step = static_cast<long long>(b) * d;
-  if (gb % per_step != 0)
+  const long long per_step = static_cast<long long>(b) * d;  // samples per micro-batch step, all replicas
+  const long long gb = c.training.global_batch_size > 0 ? c.training.global_batch_size : per_step;
+  constexpr long long kMaxBatch = 1 << 30;
+  if (gb > kMaxBatch)
+    ck.error("training.micro_batch_size",
+             fmt::format("micro_batch_size({}) * data_parallel_size({}) = {} samples per step is more than {}", b, d,
+                         gb, kMaxBatch),
+             {"training.global_batch_size", "parallelism.data_parallel_size"});
+  else if (gb % per_step != 0)
     ck.error("training.global_batch_size",
              fmt::format("global_batch_size({}) is not divisible by micro_batch_size({}) * data_parallel_size({}) = {}",
                          gb, b, d, per_step));
@@ -145,15 +164,16 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   auto require_rate = [&](DType dt, const std::string& key) {
     auto it = cl.peak_tflops.find(dt);
     if (it == cl.peak_tflops.end() || it->second <= 0)
-      ck.error(key, fmt::format("{} is not supported by GPU {} (cluster.peak_tflops.{} is 0); use {}", dtype_name(dt),
-                                cl.gpu.empty() ? std::string("of this cluster") : cl.gpu, dtype_name(dt),
-                                dt == DType::bf16 ? "fp16 with dynamic loss scaling" : "bf16 or fp16"));
+      ck.error(key,
+               fmt::format("{} is not supported by GPU {} (cluster.peak_tflops.{} is 0); use {}", dtype_name(dt),
+                           cl.gpu.empty() ? std::string("of this cluster") : cl.gpu, dtype_name(dt),
+                           supported_alternatives(cl, dt)),
+               {"cluster.gpu", fmt::format("cluster.peak_tflops.{}", dtype_name(dt))});
   };
   require_rate(pr.compute, "precision.compute");
   if (pr.allreduce == DType::bf16 && pr.compute != DType::bf16 && cl.peak_tflops.count(DType::bf16) &&
       cl.peak_tflops.at(DType::bf16) <= 0)
     require_rate(DType::bf16, "precision.allreduce");
-  const bool low = pr.compute == DType::fp16 || pr.compute == DType::bf16 || pr.compute == DType::fp8;
   if (pr.master_weights != DType::fp32 && pr.master_weights != pr.compute &&
       !(pr.compute == DType::fp8 && pr.master_weights == DType::bf16))
     ck.error("precision.master_weights",
@@ -186,8 +206,6 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     plan.warnings.push_back(
         "overflow_check: local: each stage and replica decides alone whether to skip a step, so they can skip "
         "different steps and their weights drift apart; use overflow_check: global");
-  if (!low && pr.compute != DType::tf32 && pr.compute != DType::fp32) {
-  }
   if (c.parallelism.zero_stage >= 2 && p > 1)
     plan.warnings.push_back(fmt::format(
         "zero_stage {} with pipeline_parallel_size {}: DeepSpeed refuses this combination (gradients or weights "
@@ -204,7 +222,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.vpp = v;
   plan.num_microbatches = mb;
   plan.micro_batch_size = b;
-  plan.global_batch_size = gb;
+  plan.global_batch_size = static_cast<int>(gb);
 }
 
 }  // namespace
@@ -216,8 +234,7 @@ Plan Plan::from_scenario(const Scenario& scenario) {
 }
 
 Plan Plan::from_config(const ScenarioConfig& config) {
-  Scenario sc;
-  sc.file = "<config>";
+  Scenario sc;  // no file: diagnostics name only the key path
   sc.config = config;
   return from_scenario(sc);
 }

@@ -4,8 +4,9 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
-#include <set>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -17,19 +18,22 @@ bool Scenario::has_key(const std::string& path) const {
   return std::find(explicit_keys.begin(), explicit_keys.end(), path) != explicit_keys.end();
 }
 
-Diagnostic Scenario::diagnostic(const std::string& key_path, std::string message) const {
-  // Point at the key itself, else at the closest enclosing section that was written.
-  SourceLocation where;
-  std::string p = key_path;
-  while (!p.empty()) {
+Diagnostic Scenario::diagnostic(const std::string& key_path, std::string message,
+                                std::initializer_list<std::string_view> related) const {
+  auto written = [&](const std::string& p) -> const SourceLocation* {
     auto it = locations.find(p);
-    if (it != locations.end()) {
-      where = it->second;
-      break;
-    }
+    return it == locations.end() ? nullptr : &it->second;
+  };
+  SourceLocation where;
+  const SourceLocation* found = written(key_path);
+  for (auto it = related.begin(); !found && it != related.end(); ++it) found = written(std::string(*it));
+  // Else the closest enclosing section that was written.
+  for (std::string p = key_path; !found && !p.empty();) {
     auto dot = p.rfind('.');
     p = dot == std::string::npos ? "" : p.substr(0, dot);
+    if (!p.empty()) found = written(p);
   }
+  if (found) where = *found;
   return Diagnostic{file, where, key_path, std::move(message)};
 }
 
@@ -45,7 +49,7 @@ std::string describe(const YAML::Node& n) {
   switch (n.Type()) {
     case YAML::NodeType::Null: return "nothing";
     case YAML::NodeType::Map: return "a map";
-    case YAML::NodeType::Sequence: return "a list";
+    case YAML::NodeType::Sequence: return n.size() == 0 ? "an empty list" : "a list";
     case YAML::NodeType::Scalar:
       return n.Tag() == "!" ? fmt::format("the quoted text \"{}\"", n.Scalar()) : fmt::format("\"{}\"", n.Scalar());
     default: return "an undefined value";
@@ -82,12 +86,36 @@ std::optional<bool> to_boolean(const std::string& s) {
   return std::nullopt;
 }
 
+// Integer bounds are printed in full ("1048576", not "1.04858e+06").
+std::string bound_text(const FieldSpec& f, double x) {
+  const bool integral = f.kind == FieldKind::integer || f.kind == FieldKind::integer_list;
+  if (integral && std::fabs(x) < 1e18) return fmt::format("{:.0f}", x);
+  return fmt::format("{:g}", x);
+}
+
 std::string bounds_text(const FieldSpec& f) {
-  const bool has_min = std::isfinite(f.min), has_max = std::isfinite(f.max) && f.max < 1e15;
-  if (has_min && has_max) return fmt::format("between {:g} and {:g}", f.min, f.max);
-  if (has_min) return fmt::format("at least {:g}", f.min);
-  if (has_max) return fmt::format("at most {:g}", f.max);
+  const bool has_min = std::isfinite(f.min), has_max = std::isfinite(f.max);
+  if (has_min && has_max) return fmt::format("between {} and {}", bound_text(f, f.min), bound_text(f, f.max));
+  if (has_min) return fmt::format("at least {}", bound_text(f, f.min));
+  if (has_max) return fmt::format("at most {}", bound_text(f, f.max));
   return "";
+}
+
+// Digits with an optional sign: an integer, though perhaps too large for 64 bits.
+bool looks_like_integer(const std::string& s) {
+  std::size_t i = (!s.empty() && (s[0] == '+' || s[0] == '-')) ? 1 : 0;
+  if (i == s.size()) return false;
+  for (; i < s.size(); ++i)
+    if (!std::isdigit(static_cast<unsigned char>(s[i]))) return false;
+  return true;
+}
+
+// An empty value (`key:` with nothing after it) has no position of its own: yaml-cpp marks
+// it where the next token starts, often the next line. Point at its key instead.
+SourceLocation value_location(const YAML::Node& v, SourceLocation key_at) {
+  if (v.IsNull()) return key_at;
+  const SourceLocation at = location_of(v);
+  return at.line > 0 ? at : key_at;
 }
 
 class Loader {
@@ -103,28 +131,43 @@ class Loader {
       error("", location_of(root), fmt::format("a scenario must be a map of sections, got {}", describe(root)));
       return;
     }
-    // Presets first, wherever they appear, so that explicit keys override them.
-    for (const char* preset_path : {"model.preset", "cluster.gpu"}) {
-      std::string section(preset_path, std::strchr(preset_path, '.'));
-      std::string key(std::strchr(preset_path, '.') + 1);
-      const YAML::Node sec = root[section];
-      if (sec && sec.IsMap() && sec[key]) apply(*find_field(preset_path), sec[key]);
-    }
     walk(root, "");
+    // Presets first, wherever and however (nested or dotted) they are written, so that
+    // every explicit key overrides them whatever the order of keys in the file.
+    for (const auto& p : pending_)
+      if (p.field->applies_preset) apply(*p.field, p.value, p.key_at);
+    for (const auto& p : pending_)
+      if (!p.field->applies_preset) apply(*p.field, p.value, p.key_at);
   }
 
   std::vector<Diagnostic> errors;
 
  private:
+  struct Pending {
+    const FieldSpec* field;
+    YAML::Node value;
+    SourceLocation key_at;
+  };
+
   void error(const std::string& path, SourceLocation where, std::string message) {
     errors.push_back(Diagnostic{sc_.file, where, path, std::move(message)});
   }
 
+  // Records where each key path was written; false (and an error) when it was written
+  // before, in this map or elsewhere (a dotted key `cluster.num_gpus` and a nested one
+  // name the same field).
+  bool record(const std::string& path, SourceLocation at) {
+    auto [prev, fresh] = sc_.locations.emplace(path, at);
+    if (!fresh) error(path, at, fmt::format("given twice (first on line {})", prev->second.line));
+    return fresh;
+  }
+
   void walk(const YAML::Node& map, const std::string& prefix) {
-    std::map<std::string, SourceLocation> seen;
     for (auto it = map.begin(); it != map.end(); ++it) {
-      const YAML::Node& key_node = it->first;
-      const YAML::Node& value = it->second;
+      // Copies (a Node is a handle): `it->` returns a proxy that dies with the statement, so
+      // a reference to its members would dangle.
+      const YAML::Node key_node = it->first;
+      const YAML::Node value = it->second;
       const SourceLocation key_at = location_of(key_node);
       if (!key_node.IsScalar()) {
         error(prefix, key_at, fmt::format("keys must be names, got {}", describe(key_node)));
@@ -132,19 +175,16 @@ class Loader {
       }
       const std::string key = key_node.Scalar();
       const std::string path = prefix.empty() ? key : prefix + "." + key;
-      if (auto [prev, fresh] = seen.emplace(key, key_at); !fresh) {
-        error(path, key_at, fmt::format("given twice (first on line {})", prev->second.line));
-        continue;
-      }
-      sc_.locations[path] = key_at;
+      if (!record(path, key_at)) continue;
 
       if (prefix.empty() && key == "sweep") {
-        load_sweep(value);
+        load_sweep(value, key_at);
       } else if (const FieldSpec* f = find_field(path)) {
-        if (!f->applies_preset) apply(*f, value);
+        pending_.push_back(Pending{f, value, key_at});
       } else if (is_field_section(path)) {
         if (!value.IsMap()) {
-          error(path, location_of(value), fmt::format("expected a section (a map of keys), got {}", describe(value)));
+          error(path, value_location(value, key_at),
+                fmt::format("expected a section (a map of keys), got {}", describe(value)));
           continue;
         }
         walk(value, path);
@@ -168,8 +208,9 @@ class Loader {
   }
 
   // Parses one value against its row of the table; reports and returns nullopt on error.
-  std::optional<FieldValue> parse(const FieldSpec& f, const YAML::Node& v, const std::string& path) {
-    const SourceLocation at = location_of(v);
+  std::optional<FieldValue> parse(const FieldSpec& f, const YAML::Node& v, const std::string& path,
+                                  SourceLocation key_at) {
+    const SourceLocation at = value_location(v, key_at);
     auto fail = [&](std::string what) {
       error(path, at, std::move(what));
       return std::optional<FieldValue>{};
@@ -180,6 +221,8 @@ class Loader {
     switch (f.kind) {
       case FieldKind::integer: {
         auto x = is_plain_scalar(v) ? to_integer(v.Scalar()) : std::nullopt;
+        if (!x && is_plain_scalar(v) && looks_like_integer(v.Scalar()))
+          return fail(fmt::format("must be {}, got {}", bounds_text(f), v.Scalar()));
         if (!x) return fail(fmt::format("expected an integer, got {}", describe(v)));
         if (!check_range(static_cast<double>(*x))) return fail(fmt::format("must be {}, got {}", bounds_text(f), *x));
         return FieldValue{*x};
@@ -213,13 +256,14 @@ class Loader {
         if (!v.IsSequence()) return fail(fmt::format("expected a list of integers, got {}", describe(v)));
         IntList out;
         for (std::size_t i = 0; i < v.size(); ++i) {
+          const SourceLocation entry_at = value_location(v[i], at);
           auto x = is_plain_scalar(v[i]) ? to_integer(v[i].Scalar()) : std::nullopt;
-          if (!x) {
-            error(path, location_of(v[i]), fmt::format("entry {} must be an integer, got {}", i, describe(v[i])));
+          if (!x && !(is_plain_scalar(v[i]) && looks_like_integer(v[i].Scalar()))) {
+            error(path, entry_at, fmt::format("entry {} must be an integer, got {}", i, describe(v[i])));
             return std::nullopt;
           }
-          if (!check_range(static_cast<double>(*x))) {
-            error(path, location_of(v[i]), fmt::format("entry {} must be {}, got {}", i, bounds_text(f), *x));
+          if (!x || !check_range(static_cast<double>(*x))) {
+            error(path, entry_at, fmt::format("entry {} must be {}, got {}", i, bounds_text(f), v[i].Scalar()));
             return std::nullopt;
           }
           out.push_back(*x);
@@ -230,29 +274,36 @@ class Loader {
     return std::nullopt;
   }
 
-  void apply(const FieldSpec& f, const YAML::Node& v) {
-    auto value = parse(f, v, f.path);
+  void apply(const FieldSpec& f, const YAML::Node& v, SourceLocation key_at) {
+    auto value = parse(f, v, f.path, key_at);
     if (!value) return;
     try {
       f.set(sc_.config, *value);
       sc_.explicit_keys.push_back(f.path);
     } catch (const std::invalid_argument& e) {
       std::string msg = fmt::format("\"{}\": {}", format_field_value(*value), e.what());
-      error(f.path, location_of(v), msg);
+      error(f.path, value_location(v, key_at), msg);
     }
   }
 
-  void load_sweep(const YAML::Node& node) {
+  void load_sweep(const YAML::Node& node, SourceLocation sweep_at) {
     if (!node.IsMap()) {
-      error("sweep", location_of(node), fmt::format("expected a map from key paths to lists of values, got {}", describe(node)));
+      error("sweep", value_location(node, sweep_at),
+            fmt::format("expected a map from key paths to lists of values, got {}", describe(node)));
       return;
     }
     std::vector<std::string> all_paths;
     for (const auto& f : scenario_fields()) all_paths.push_back(f.path);
     for (auto it = node.begin(); it != node.end(); ++it) {
-      const std::string path = it->first.Scalar();
+      const YAML::Node key_node = it->first;
       const YAML::Node values = it->second;
-      const SourceLocation at = location_of(it->first);
+      const SourceLocation at = location_of(key_node);
+      if (!key_node.IsScalar()) {
+        error("sweep", at, fmt::format("keys must be dotted key paths, got {}", describe(key_node)));
+        continue;
+      }
+      const std::string path = key_node.Scalar();
+      if (!record("sweep." + path, at)) continue;
       const FieldSpec* f = find_field(path);
       if (!f) {
         std::string hint = closest_match(path, all_paths);
@@ -261,13 +312,14 @@ class Loader {
         continue;
       }
       if (!values.IsSequence() || values.size() == 0) {
-        error("sweep." + path, location_of(values), fmt::format("expected a non-empty list of values, got {}", describe(values)));
+        error("sweep." + path, value_location(values, at),
+              fmt::format("expected a non-empty list of values, got {}", describe(values)));
         continue;
       }
       SweepAxis axis{path, {}, at};
       bool ok = true;
       for (std::size_t i = 0; i < values.size(); ++i) {
-        auto v = parse(*f, values[i], "sweep." + path);
+        auto v = parse(*f, values[i], "sweep." + path, location_of(values));
         if (!v) {
           ok = false;
           continue;
@@ -278,7 +330,8 @@ class Loader {
           try {
             f->set(probe, *v);
           } catch (const std::invalid_argument& e) {
-            error("sweep." + path, location_of(values[i]), fmt::format("\"{}\": {}", format_field_value(*v), e.what()));
+            error("sweep." + path, value_location(values[i], location_of(values)),
+                  fmt::format("\"{}\": {}", format_field_value(*v), e.what()));
             ok = false;
             continue;
           }
@@ -290,21 +343,32 @@ class Loader {
   }
 
   Scenario& sc_;
+  std::vector<Pending> pending_;
 };
 
 Scenario load(const std::string& text, const std::string& file_name) {
   Scenario sc;
   sc.file = file_name;
-  YAML::Node root;
+  std::vector<YAML::Node> documents;
   try {
-    root = YAML::Load(text);
+    documents = YAML::LoadAll(text);
   } catch (const YAML::Exception& e) {
     SourceLocation where;
     if (!e.mark.is_null()) where = {e.mark.line + 1, e.mark.column + 1};
     throw ScenarioError({Diagnostic{file_name, where, "", "YAML syntax: " + e.msg}});
   }
+  // A second document (after `---`) would otherwise be dropped without a word.
+  if (documents.size() > 1)
+    throw ScenarioError({Diagnostic{file_name, location_of(documents[1]), "",
+                                    fmt::format("the file holds {} YAML documents separated by `---`; a scenario "
+                                                "is one document (put variants in `sweep:` or in separate files)",
+                                                documents.size())}});
   Loader loader(sc);
-  loader.load(root);
+  loader.load(documents.empty() ? YAML::Node() : documents.front());
+  // In the order of the file, as a compiler lists them (presets are applied first).
+  std::stable_sort(loader.errors.begin(), loader.errors.end(), [](const Diagnostic& a, const Diagnostic& b) {
+    return std::pair(a.where.line, a.where.column) < std::pair(b.where.line, b.where.column);
+  });
   if (!loader.errors.empty()) throw ScenarioError(std::move(loader.errors));
   return sc;
 }
@@ -316,10 +380,14 @@ Scenario load_scenario_text(const std::string& yaml_text, const std::string& fil
 }
 
 Scenario load_scenario_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw ScenarioError({Diagnostic{path, {}, "", "is a folder, not a scenario file"}});
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ScenarioError({Diagnostic{path, {}, "", "cannot open the file (does it exist and is it readable?)"}});
   std::ostringstream text;
   text << in.rdbuf();
+  if (in.bad()) throw ScenarioError({Diagnostic{path, {}, "", "cannot read the file"}});
   return load(text.str(), path);
 }
 

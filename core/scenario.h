@@ -2,7 +2,9 @@
 // against the field table and every problem reported with its file, line, column and key.
 #pragma once
 
+#include <initializer_list>
 #include <map>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -29,7 +31,11 @@ struct Scenario {
   std::vector<std::string> explicit_keys;
 
   bool has_key(const std::string& path) const;
-  Diagnostic diagnostic(const std::string& key_path, std::string message) const;
+  // A diagnostic about `key_path`, located at that key if the file wrote it, else at the
+  // first of `related` keys that it wrote (the keys whose values made the default wrong),
+  // else at the closest enclosing section that it wrote.
+  Diagnostic diagnostic(const std::string& key_path, std::string message,
+                        std::initializer_list<std::string_view> related = {}) const;
 };
 
 // Throws ScenarioError listing every problem found (syntax, unknown keys, types, ranges).

@@ -6,7 +6,8 @@
 //  * Each op runs on one of the rank's streams (compute, collective, p2p). Ops of one
 //    stream run in program order, one at a time.
 //  * An op also waits for `dep` (another op of the same rank) to end, when set.
-//  * Recv ops wait for the matching Send (same `channel`) to end; they take no time.
+//  * Recv ops wait for the matching Send (same `channel`) to end; they do no work, and
+//    their Timeline interval is the time the compute stream spent blocked on them.
 //  * A collective starts when every member rank has reached it (same `channel`).
 #pragma once
 

@@ -1,6 +1,7 @@
 #include "sim/engine.h"
 
 #include <algorithm>
+#include <bit>
 #include <stdexcept>
 #include <string>
 
@@ -18,6 +19,7 @@ void Simulation::prepare(const CostModels& models) {
   role_.resize(nops);
   channel_.resize(nops);
   dep_.resize(nops);
+  wakes_.assign(nops, 0);
   duration_.resize(nops);
   timing_.assign(nops, OpTiming{0, -1});
   stream_ops_.resize(nops);
@@ -47,6 +49,7 @@ void Simulation::prepare(const CostModels& models) {
                                                                  : Role::work;
       channel_[g] = op.channel;
       dep_[g] = op.dep >= 0 ? rank_offset_[r] + op.dep : -1;
+      if (op.dep >= 0) wakes_[dep_[g]] |= static_cast<std::uint8_t>(1u << static_cast<int>(stream_of(op.kind)));
       if (is_compute(op.kind))
         duration_[g] = models.compute->duration(op, r);
       else if (is_send(op.kind))
@@ -105,11 +108,14 @@ void Simulation::try_advance(std::int32_t stream, Tick now) {
       const std::int32_t c = channel_[g];
       const auto& members = schedule_->collectives[c].members;
       if (++collective_arrivals_[c] < static_cast<std::int32_t>(members.size())) return;
+      // One event ends the collective on every member.
       for (int member : members) {
-        const std::int32_t ms = member * kNumStreams + static_cast<int>(StreamKind::collective);
-        streams_[ms].arrived = false;
-        start(ms, stream_ops_[streams_[ms].cursor], now, collective_duration_[c]);
+        StreamState& ms = streams_[member * kNumStreams + static_cast<int>(StreamKind::collective)];
+        ms.arrived = false;
+        ms.busy = true;
+        timing_[stream_ops_[ms.cursor]].start = now;
       }
+      push(now + collective_duration_[c], -1 - c);
       return;
     }
     start(stream, g, now, duration_[g]);
@@ -124,10 +130,12 @@ void Simulation::finish(const Event& e) {
   st.free_at = e.time;
   ++st.cursor;
   ++completed_;
-  // Anything this end can release: the rest of this stream, the rank's other streams
-  // (their ops may depend on this one), and the receiver of a message.
+  // Anything this end can release: the rest of this stream, the rank's streams whose ops
+  // depend on this one, and the receiver of a message.
   const std::int32_t base = st.rank * kNumStreams;
-  for (int k = 0; k < kNumStreams; ++k) try_advance(base + k, e.time);
+  try_advance(e.stream, e.time);
+  for (std::uint32_t mask = wakes_[g] & ~(1u << (e.stream - base)); mask != 0; mask &= mask - 1)
+    try_advance(base + std::countr_zero(mask), e.time);
   if (role_[g] == Role::send) {
     const Op& op = *op_[g];
     message_arrival_[op.channel] = e.time;
@@ -143,7 +151,13 @@ void Simulation::run(std::shared_ptr<const Schedule> schedule, const CostModels&
     std::pop_heap(heap_.begin(), heap_.end(), Later{});
     const Event e = heap_.back();
     heap_.pop_back();
-    finish(e);
+    if (e.stream >= 0) {
+      finish(e);
+    } else {
+      const auto& members = schedule_->collectives[-1 - e.stream].members;
+      for (int member : members)
+        finish(Event{e.time, e.seq, member * kNumStreams + static_cast<int>(StreamKind::collective)});
+    }
   }
   if (completed_ != static_cast<std::int64_t>(op_.size())) {
     std::string blocked;
@@ -164,7 +178,7 @@ void Simulation::run(std::shared_ptr<const Schedule> schedule, const CostModels&
 
 std::size_t Simulation::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
-  return bytes(rank_offset_) + bytes(op_) + bytes(role_) + bytes(channel_) + bytes(dep_) + bytes(duration_) + bytes(timing_) + bytes(per_stream_count_) +
+  return bytes(rank_offset_) + bytes(op_) + bytes(role_) + bytes(channel_) + bytes(dep_) + bytes(wakes_) + bytes(duration_) + bytes(timing_) + bytes(per_stream_count_) +
          bytes(stream_ops_) + bytes(streams_) + bytes(message_arrival_) + bytes(collective_arrivals_) +
          bytes(collective_duration_) + bytes(heap_);
 }

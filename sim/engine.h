@@ -38,7 +38,7 @@ class Simulation {
   struct Event {
     Tick time;
     std::uint64_t seq;
-    std::int32_t stream;
+    std::int32_t stream;  // the stream whose op ends, or -1 - c when collective c ends
   };
   struct Later {
     bool operator()(const Event& a, const Event& b) const {
@@ -68,6 +68,7 @@ class Simulation {
   std::vector<Role> role_;
   std::vector<std::int32_t> channel_;
   std::vector<std::int32_t> dep_;  // global id or -1
+  std::vector<std::uint8_t> wakes_;  // bit k: an op on stream k of this rank depends on this op
   std::vector<Tick> duration_;
   std::vector<OpTiming> timing_;   // end is -1 until the op ends
   std::vector<std::int32_t> per_stream_count_;

@@ -63,20 +63,26 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
     double params = 0;
     for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
     optimizer_.push_back(params / t / shards * bytes_per_param / hbm);
+    optimizer_ticks_.push_back(seconds_to_ticks(optimizer_.back()));
   }
+  for (const auto& c : chunks_)
+    chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),
+                            seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});
 }
 
 Tick RooflineComputeModel::duration(const Op& op, int rank) const {
-  double s = 0;
+  int k = 0;
   switch (op.kind) {
-    case OpKind::Forward: s = chunks_[op.chunk].forward; break;
-    case OpKind::Backward: s = chunks_[op.chunk].backward(); break;
-    case OpKind::BackwardInput: s = chunks_[op.chunk].backward_input; break;
-    case OpKind::BackwardWeight: s = chunks_[op.chunk].backward_weight; break;
-    case OpKind::OptimizerStep: s = optimizer_[rank]; break;
+    case OpKind::Forward: k = 0; break;
+    case OpKind::Backward: k = 1; break;
+    case OpKind::BackwardInput: k = 2; break;
+    case OpKind::BackwardWeight: k = 3; break;
+    case OpKind::OptimizerStep: return optimizer_ticks_[rank];
     default: return 0;
   }
-  return seconds_to_ticks(s * op.work);
+  const Tick whole = chunk_ticks_[op.chunk][k];
+  // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
+  return op.work == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * op.work + 0.5);
 }
 
 }  // namespace trainsim

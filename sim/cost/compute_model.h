@@ -11,6 +11,7 @@
 // the last the LM head and the loss, so equal layer counts still leave them heavier.
 #pragma once
 
+#include <array>
 #include <vector>
 
 #include "core/plan.h"
@@ -33,6 +34,10 @@ class RooflineComputeModel final : public ComputeModel {
  private:
   std::vector<ChunkSeconds> chunks_;
   std::vector<double> optimizer_;
+  // The same in ticks, [chunk][Forward, Backward, BackwardInput, BackwardWeight], so pricing
+  // an op is a lookup.
+  std::vector<std::array<Tick, 4>> chunk_ticks_;
+  std::vector<Tick> optimizer_ticks_;
 };
 
 }  // namespace trainsim
