@@ -37,7 +37,7 @@ class Simulation {
  private:
   struct Event {
     Tick time;
-    std::uint64_t seq;
+    std::uint32_t seq;
     std::int32_t stream;  // the stream whose op ends, or -1 - c when collective c ends
   };
   struct Later {
@@ -45,10 +45,23 @@ class Simulation {
       return a.time != b.time ? a.time > b.time : a.seq > b.seq;
     }
   };
+  enum class Role : std::uint8_t { work, recv, send, collective };
+  // Everything the event loop reads and writes about one op, laid out in its stream's
+  // order so that running a stream walks memory forwards.
+  struct Slot {
+    Tick duration = 0;
+    Tick start = 0;
+    Tick end = -1;                   // -1 until the op ends
+    std::int32_t dep = -1;           // slot of the op this one waits for
+    std::int32_t channel = -1;       // message id (recv, send) or collective id
+    std::int32_t receiver = -1;      // send: the compute stream of the receiving rank
+    Role role = Role::work;
+    std::uint8_t wakes = 0;          // bit k: an op on stream k of this rank depends on this one
+  };
   struct StreamState {
     std::int32_t rank = 0;
-    std::int32_t begin = 0, end = 0, cursor = 0;  // range in stream_ops_
-    Tick free_at = 0;                             // when the previous op ended
+    std::int32_t cursor = 0, end = 0;  // range of slots_ still to run
+    Tick free_at = 0;                  // when the previous op ended
     bool busy = false;
     bool arrived = false;  // registered at the collective it is waiting for
   };
@@ -56,29 +69,19 @@ class Simulation {
   void prepare(const CostModels& models);
   void push(Tick time, std::int32_t stream);
   void try_advance(std::int32_t stream, Tick now);
-  void start(std::int32_t stream, std::int32_t op, Tick now, Tick duration);
-  void finish(const Event& e);
+  void finish(std::int32_t stream, Tick now);
 
   std::shared_ptr<const Schedule> schedule_;
-  // Flattened ops: global id = rank_offset_[rank] + index in the rank's program.
-  std::vector<std::int32_t> rank_offset_;
-  // What the event loop reads per op, kept in flat arrays rather than behind Op pointers.
-  enum class Role : std::uint8_t { work, recv, send, collective };
-  std::vector<const Op*> op_;
-  std::vector<Role> role_;
-  std::vector<std::int32_t> channel_;
-  std::vector<std::int32_t> dep_;  // global id or -1
-  std::vector<std::uint8_t> wakes_;  // bit k: an op on stream k of this rank depends on this op
-  std::vector<Tick> duration_;
-  std::vector<OpTiming> timing_;   // end is -1 until the op ends
-  std::vector<std::int32_t> per_stream_count_;
-  std::vector<std::int32_t> stream_ops_;  // op ids, grouped by stream, in program order
-  std::vector<StreamState> streams_;      // rank * kNumStreams + stream kind
-  std::vector<Tick> message_arrival_;     // per message: -1 until its send ends
+  std::vector<std::int32_t> rank_offset_;  // first global op id of each rank
+  std::vector<std::int32_t> slot_of_;      // global op id -> slot
+  std::vector<std::int32_t> stream_fill_;
+  std::vector<Slot> slots_;
+  std::vector<StreamState> streams_;       // rank * kNumStreams + stream kind
+  std::vector<Tick> message_arrival_;      // per message: -1 until its send ends
   std::vector<std::int32_t> collective_arrivals_;
   std::vector<Tick> collective_duration_;
   std::vector<Event> heap_;
-  std::uint64_t seq_ = 0;
+  std::uint32_t seq_ = 0;
   std::int64_t completed_ = 0;
 };
 
