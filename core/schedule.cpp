@@ -39,7 +39,7 @@ std::string op_label(const Op& op) {
     case OpKind::RecvActivation: return fmt::format("recv act {}", op.microbatch);
     case OpKind::SendGradient: return fmt::format("send grad {}", op.microbatch);
     case OpKind::RecvGradient: return fmt::format("recv grad {}", op.microbatch);
-    case OpKind::AllReduce: return fmt::format("AR b{}", op.bucket);
+    case OpKind::AllReduce: return op.bucket >= 0 ? fmt::format("AR b{}", op.bucket) : "AR embedding";
     case OpKind::ReduceScatter: return fmt::format("RS b{}", op.bucket);
     case OpKind::AllGather: return op.microbatch >= 0 ? fmt::format("AG w{}", op.microbatch) : "AG params";
     case OpKind::OverflowCheck: return "found-inf";
@@ -166,6 +166,17 @@ class Builder {
       for (Bytes b : bucket_bytes_[vs])
         sched_.collectives.push_back({zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce,
                                       CollectivePurpose::gradients, b, stage_members(vs % stage_count)});
+    }
+    // Tied embeddings split over a pipeline: the first stage's input embedding and the last
+    // stage's LM head are one parameter, so their gradients are summed across the two
+    // (Megatron-LM's embedding group) before the optimizer step.
+    if (shape_.tied && plan.pp > 1) {
+      embedding_base_ = static_cast<int>(sched_.collectives.size());
+      const Bytes bytes = static_cast<Bytes>(std::llround(static_cast<double>(shape_.V) * shape_.h / plan.tp *
+                                                          dtype_bytes(cfg.precision.allreduce)));
+      for (int d = 0; d < plan.dp; ++d)
+        sched_.collectives.push_back({OpKind::AllReduce, CollectivePurpose::embedding, bytes,
+                                      {plan.rank_of(0, d), plan.rank_of(plan.pp - 1, d)}});
     }
     if (zero() >= 1 && plan.dp > 1) {
       param_gather_base_ = static_cast<int>(sched_.collectives.size());
@@ -324,6 +335,15 @@ class Builder {
           last_collective = push(ops, gradient_collective(vs, static_cast<int>(k), last_compute));
       }
 
+    // The tied embedding's gradient, summed between the first and last stage.
+    if (embedding_base_ >= 0 && (s == 0 || s == p - 1)) {
+      Op ar{OpKind::AllReduce, static_cast<std::int16_t>(s == 0 ? 0 : V_ - 1)};
+      ar.channel = embedding_base_ + d;
+      ar.bytes = sched_.collectives[ar.channel].bytes;
+      ar.dep = last_compute;
+      last_collective = push(ops, ar);
+    }
+
     // Loss-scaling found-inf check: a max-reduction over every rank (global) or this rank's own check.
     int before_step = last_collective;
     if (needs_overflow_check()) {
@@ -366,7 +386,7 @@ class Builder {
   std::vector<Bytes> chunk_grad_bytes_, chunk_weight_bytes_;
   std::vector<std::vector<Bytes>> bucket_bytes_;
   std::vector<int> bucket_base_;
-  int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1;
+  int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1, embedding_base_ = -1;
 };
 
 }  // namespace

@@ -80,7 +80,9 @@ struct RankProgram {
   std::vector<Op> ops;
 };
 
-enum class CollectivePurpose : std::uint8_t { gradients, parameters, overflow };
+// gradients: data-parallel buckets; embedding: the tied word-embedding gradient shared by
+// the first and last stage; parameters: ZeRO gathers; overflow: the found-inf reduction.
+enum class CollectivePurpose : std::uint8_t { gradients, embedding, parameters, overflow };
 
 struct Collective {
   OpKind kind = OpKind::AllReduce;

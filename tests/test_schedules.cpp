@@ -171,3 +171,32 @@ TEST(Buckets, OverlapStartsReductionsDuringTheLastBackward) {
 
 }  // namespace
 }  // namespace trainsim
+
+namespace trainsim {
+namespace {
+
+// Tied embeddings over a pipeline: each replica's first and last stage all-reduce the word
+// embedding's gradient (V h elements in the all-reduce format) before the optimizer step.
+TEST(Embedding, TiedWeightsAreAllReducedBetweenFirstAndLastStage) {
+  ScenarioConfig c = testing::small_config(4, 8, ScheduleKind::one_f_one_b, 1, 2);
+  c.precision.allreduce = DType::fp32;
+  const Plan plan = Plan::from_config(c);
+  const Schedule s = build_schedule(plan);
+  int found = 0;
+  for (const auto& coll : s.collectives)
+    if (coll.purpose == CollectivePurpose::embedding) {
+      ++found;
+      EXPECT_EQ(coll.bytes, 128 * 64 * 4);
+      ASSERT_EQ(coll.members.size(), 2u);
+      EXPECT_EQ(plan.stage_of(coll.members[0]), 0);
+      EXPECT_EQ(plan.stage_of(coll.members[1]), 3);
+      EXPECT_EQ(plan.replica_of(coll.members[0]), plan.replica_of(coll.members[1]));
+    }
+  EXPECT_EQ(found, 2);  // one per replica
+  c.model.untie_embeddings_and_output_weights = true;
+  for (const auto& coll : build_schedule(Plan::from_config(c)).collectives)
+    EXPECT_NE(coll.purpose, CollectivePurpose::embedding);
+}
+
+}  // namespace
+}  // namespace trainsim
