@@ -112,6 +112,14 @@ Result compute_result(const Plan& plan, const Timeline& tl, const std::vector<Me
                 : 0;
 
   res.warnings = plan.warnings;
+  double worst = 0;
+  for (const auto& rr : res.ranks) worst = std::max(worst, rr.peak_memory_bytes);
+  constexpr double kFrameworkGib = 2.0;  // CUDA context, library workspaces, fragmentation
+  if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kFrameworkGib))
+    res.warnings.push_back(fmt::format(
+        "only {:.1f} GiB of headroom on the fullest GPU: the CUDA context, library workspaces and allocator "
+        "fragmentation (not modelled) typically take 0.5-2 GiB",
+        bytes_to_gib(res.memory_capacity_bytes - worst)));
   for (const auto& rr : res.ranks)
     if (rr.peak_memory_bytes > res.memory_capacity_bytes) {
       res.fits_in_memory = false;

@@ -106,3 +106,25 @@ TEST(Fit, OverflowIsReportedWithTheRankAndTheExcess) {
 
 }  // namespace
 }  // namespace trainsim
+
+namespace trainsim {
+namespace {
+
+// The framework's own memory is not modelled, so a plan that fits by less than 2 GiB says so.
+TEST(Fit, ThinHeadroomIsFlagged) {
+  ScenarioConfig c = testing::small_config(2, 4, ScheduleKind::one_f_one_b);
+  const Plan probe = Plan::from_config(c);
+  const double peak = MemoryModel(probe).peak_per_rank(build_schedule(probe))[0].total();
+  auto flagged = [&](double capacity_gib) {
+    c.cluster.memory_gib = capacity_gib;
+    const Result r = predict(Plan::from_config(c)).result;
+    bool found = false;
+    for (const auto& w : r.warnings) found |= w.find("GiB of headroom") != std::string::npos;
+    return found;
+  };
+  EXPECT_TRUE(flagged(bytes_to_gib(peak) + 1.0));
+  EXPECT_FALSE(flagged(bytes_to_gib(peak) + 3.0));
+}
+
+}  // namespace
+}  // namespace trainsim
