@@ -17,7 +17,10 @@ std::string format_diagnostic(const Diagnostic& d) {
 namespace {
 std::string join_messages(const std::vector<Diagnostic>& ds) {
   std::string s;
-  for (const auto& d : ds) s += (s.empty() ? "" : "\n") + format_diagnostic(d);
+  for (const auto& d : ds) {
+    if (!s.empty()) s += '\n';
+    s += format_diagnostic(d);
+  }
   return s;
 }
 

@@ -73,7 +73,7 @@ TEST(Cli, TraceAndSvgAreWrittenAndIdentical) {
   ASSERT_EQ(run(args).status, 0);
   EXPECT_EQ(slurp(d / "t.json"), trace1);
   EXPECT_EQ(slurp(d / "t.svg"), svg1);
-  EXPECT_NO_THROW((void)nlohmann::json::parse(trace1));
+  EXPECT_TRUE(nlohmann::json::accept(trace1));
   EXPECT_EQ(svg1.rfind("<svg", 0) == 0 || svg1.rfind("<?xml", 0) == 0, true);
   EXPECT_FALSE(fs::exists(d / "t.json.tmp"));
 }

@@ -88,10 +88,11 @@ TEST(Fields, EveryFieldRoundTripsThroughYaml) {
       EXPECT_EQ(format_field_value(got), expected == "[3, 4]" ? "[3, 4]" : expected);
     EXPECT_TRUE(sc.has_key(f.path));
     // No other field moved.
-    for (const auto& other : scenario_fields())
-      if (other.path != f.path && !other.applies_preset)
-        EXPECT_EQ(format_field_value(other.get(sc.config)), format_field_value(other.get(ScenarioConfig{})))
-            << other.path << " changed when setting " << f.path;
+    for (const auto& other : scenario_fields()) {
+      if (other.path == f.path || other.applies_preset) continue;
+      EXPECT_EQ(format_field_value(other.get(sc.config)), format_field_value(other.get(ScenarioConfig{})))
+          << other.path << " changed when setting " << f.path;
+    }
   }
 }
 

@@ -34,8 +34,12 @@ TEST(Presets, GpuFiguresAreConsistent) {
     SCOPED_TRACE(g.name);
     // Tensor-core 16-bit rates exceed FP32; fp8 doubles fp16 where present.
     EXPECT_GT(g.peak_tflops.at(DType::fp16), g.peak_tflops.at(DType::fp32));
-    if (g.peak_tflops.at(DType::fp8) > 0) EXPECT_NEAR(g.peak_tflops.at(DType::fp8), 2 * g.peak_tflops.at(DType::fp16), 1);
-    if (g.peak_tflops.at(DType::bf16) > 0) EXPECT_EQ(g.peak_tflops.at(DType::bf16), g.peak_tflops.at(DType::fp16));
+    if (g.peak_tflops.at(DType::fp8) > 0) {
+      EXPECT_NEAR(g.peak_tflops.at(DType::fp8), 2 * g.peak_tflops.at(DType::fp16), 1);
+    }
+    if (g.peak_tflops.at(DType::bf16) > 0) {
+      EXPECT_EQ(g.peak_tflops.at(DType::bf16), g.peak_tflops.at(DType::fp16));
+    }
     EXPECT_GT(g.intra_node.bandwidth_gbps, g.inter_node.bandwidth_gbps);
   }
   // Only Hopper has fp8; Volta has neither bf16 nor tf32.
