@@ -3,7 +3,9 @@
 // simulations running at once on many threads.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <future>
+#include <random>
 #include <thread>
 
 #include "sim/simulator.h"
@@ -163,6 +165,65 @@ TEST(Engine, TimeIsIntegerPicoseconds) {
   EXPECT_EQ(seconds_to_ticks(1e-13), 1);  // real work never rounds to zero
   EXPECT_EQ(seconds_to_ticks(0), 0);
   EXPECT_DOUBLE_EQ(ticks_to_seconds(seconds_to_ticks(2.5e-6)), 2.5e-6);
+}
+
+}  // namespace
+}  // namespace trainsim
+
+namespace trainsim {
+namespace {
+
+// Random valid configurations (fixed seed): the schedule is sound, the step completes, and
+// the result obeys what must hold whatever the costs: every rank's busy time fits in the
+// step, the bubble is a fraction, memory is positive, JSON-able numbers are finite.
+TEST(Engine, RandomValidPlansSimulateSoundly) {
+  std::mt19937 rng(20261120);
+  auto pick = [&](std::initializer_list<int> xs) {
+    std::uniform_int_distribution<std::size_t> u(0, xs.size() - 1);
+    return *(xs.begin() + u(rng));
+  };
+  int simulated = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto kind = static_cast<ScheduleKind>(pick({0, 1, 2, 3}));
+    const int p = pick({1, 2, 4, 8}), d = pick({1, 2, 3}), t = pick({1, 2}), v = kind == ScheduleKind::interleaved_1f1b ? pick({2, 3}) : 1;
+    if (kind == ScheduleKind::interleaved_1f1b && p < 2) continue;
+    const int m = kind == ScheduleKind::interleaved_1f1b ? p * pick({1, 2, 3}) : pick({1, 3, 8, 16});
+    ScenarioConfig c = testing::small_config(p, m, kind, v, d);
+    c.cluster.num_gpus = p * d * t;
+    c.cluster.gpus_per_node = pick({2, 4, 8});
+    if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) continue;
+    c.parallelism.tensor_parallel_size = t;
+    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
+    c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+    c.training.micro_batch_size = pick({1, 2});
+    c.training.global_batch_size = m * d * c.training.micro_batch_size;
+    c.communication.overlap_grad_reduce = pick({0, 1});
+    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
+    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
+    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
+    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
+    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
+    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(kind) << " p=" << p << " d=" << d
+                                      << " t=" << t << " v=" << v << " m=" << m);
+    const Plan plan = Plan::from_config(c);
+    const Prediction pr = predict(plan);
+    ASSERT_EQ(check_schedule(*pr.schedule), "");
+    const Result& r = pr.result;
+    ASSERT_GT(r.step_time_s, 0);
+    EXPECT_GE(r.bubble_fraction, 0);
+    EXPECT_LT(r.bubble_fraction, 1);
+    EXPECT_TRUE(std::isfinite(r.tokens_per_s) && std::isfinite(r.mfu));
+    ASSERT_EQ(r.ranks.size(), static_cast<std::size_t>(p * d));
+    for (const auto& rank : r.ranks) {
+      EXPECT_LE(rank.busy_s, r.step_time_s * (1 + 1e-12));
+      EXPECT_GT(rank.peak_memory_bytes, 0);
+      EXPECT_GE(rank.exposed_comm_s, 0);
+    }
+    ++simulated;
+  }
+  EXPECT_GT(simulated, 200);
 }
 
 }  // namespace

@@ -25,6 +25,24 @@ std::string seconds(double s) {
   return fmt::format("{:.1f} us", s * 1e6);
 }
 
+// Words of `text` on lines of at most `width` characters, each starting with `indent`.
+std::string wrapped(const std::string& text, std::size_t width, const std::string& indent) {
+  std::string out, line;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    const std::size_t j = std::min(text.find(' ', i), text.size());
+    const std::string word = text.substr(i, j - i);
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      out += indent + line + "\n";
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + word;
+    i = j + 1;
+  }
+  if (!line.empty()) out += indent + line + "\n";
+  return out;
+}
+
 std::string bar(double fraction, int width) {
   const int full = static_cast<int>(std::lround(std::clamp(fraction, 0.0, 1.0) * width));
   std::string s;
@@ -40,7 +58,7 @@ std::string format_summary(const Plan& plan, const Result& res) {
   std::string o;
   o += fmt::format("{}{}\n", c.name.empty() ? std::string("scenario") : c.name,
                    plan.source.empty() ? "" : fmt::format(" ({})", plan.source));
-  if (!c.description.empty()) o += fmt::format("  {}\n", c.description);
+  if (!c.description.empty()) o += wrapped(c.description, 96, "  ");
   o += fmt::format("  model    {} parameters{}: {} layers, hidden {}, {} heads, seq {}, vocab {}\n",
                    human_count(m.total_params()), c.model.preset.empty() ? "" : " (" + c.model.preset + ")", m.L, m.h,
                    m.a, m.s, m.V);
