@@ -8,10 +8,15 @@
 
 namespace trainsim {
 
-double Plan::peak_flops(DType d) const {
-  auto it = config.cluster.peak_tflops.find(d);
-  return it == config.cluster.peak_tflops.end() ? 0.0 : tflops_to_flops(it->second);
+namespace {
+// Dense peak of format `d`, 0 when the GPU lacks it (or the scenario left it out).
+double peak_tflops_of(const ClusterConfig& cl, DType d) {
+  auto it = cl.peak_tflops.find(d);
+  return it == cl.peak_tflops.end() ? 0.0 : it->second;
 }
+}  // namespace
+
+double Plan::peak_flops(DType d) const { return tflops_to_flops(peak_tflops_of(config.cluster, d)); }
 
 double Plan::virtual_stage_params(int vs) const {
   const ModelShape m = shape();
@@ -46,7 +51,7 @@ class Checker {
 
 // What to suggest instead of an unsupported compute format, from what the GPU has.
 std::string supported_alternatives(const ClusterConfig& cl, DType missing) {
-  auto has = [&](DType d) { return cl.peak_tflops.count(d) && cl.peak_tflops.at(d) > 0; };
+  auto has = [&](DType d) { return peak_tflops_of(cl, d) > 0; };
   if (missing == DType::bf16 && has(DType::fp16)) return "fp16 with dynamic loss scaling";
   std::vector<std::string> options;
   for (DType d : {DType::bf16, DType::fp16})
@@ -162,8 +167,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
 
   // ---- precision -------------------------------------------------------------------
   auto require_rate = [&](DType dt, const std::string& key) {
-    auto it = cl.peak_tflops.find(dt);
-    if (it == cl.peak_tflops.end() || it->second <= 0)
+    if (peak_tflops_of(cl, dt) <= 0)
       ck.error(key,
                fmt::format("{} is not supported by GPU {} (cluster.peak_tflops.{} is 0); use {}", dtype_name(dt),
                            cl.gpu.empty() ? std::string("of this cluster") : cl.gpu, dtype_name(dt),
@@ -171,9 +175,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                {"cluster.gpu", fmt::format("cluster.peak_tflops.{}", dtype_name(dt))});
   };
   require_rate(pr.compute, "precision.compute");
-  if (pr.allreduce == DType::bf16 && pr.compute != DType::bf16 && cl.peak_tflops.count(DType::bf16) &&
-      cl.peak_tflops.at(DType::bf16) <= 0)
-    require_rate(DType::bf16, "precision.allreduce");
+  if (pr.allreduce == DType::bf16 && pr.compute != DType::bf16) require_rate(DType::bf16, "precision.allreduce");
   if (pr.master_weights != DType::fp32 && pr.master_weights != pr.compute &&
       !(pr.compute == DType::fp8 && pr.master_weights == DType::bf16))
     ck.error("precision.master_weights",

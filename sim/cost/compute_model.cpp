@@ -62,8 +62,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
     const int s = plan.stage_of(r);
     double params = 0;
     for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
-    optimizer_.push_back(params / t / shards * bytes_per_param / hbm);
-    optimizer_ticks_.push_back(seconds_to_ticks(optimizer_.back()));
+    optimizer_ticks_.push_back(seconds_to_ticks(params / t / shards * bytes_per_param / hbm));
   }
   for (const auto& c : chunks_)
     chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),

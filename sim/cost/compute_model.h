@@ -29,13 +29,11 @@ class RooflineComputeModel final : public ComputeModel {
     double backward() const { return backward_input + backward_weight; }
   };
   const ChunkSeconds& chunk(int vstage) const { return chunks_.at(vstage); }
-  double optimizer_seconds(int rank) const { return optimizer_.at(rank); }
 
  private:
   std::vector<ChunkSeconds> chunks_;
-  std::vector<double> optimizer_;
-  // The same in ticks, [chunk][Forward, Backward, BackwardInput, BackwardWeight], so pricing
-  // an op is a lookup.
+  // Pricing an op is a lookup: [chunk][Forward, Backward, BackwardInput, BackwardWeight],
+  // and the optimizer step per rank.
   std::vector<std::array<Tick, 4>> chunk_ticks_;
   std::vector<Tick> optimizer_ticks_;
 };
