@@ -1,0 +1,36 @@
+// The subcommands of `trainsim`, one file each. Every add_*_command registers its options
+// on `app` and returns what to run when the user picked it. Only main.cpp exits the
+// process; commands return an exit code and throw typed errors (ScenarioError: bad input).
+#pragma once
+
+#include <functional>
+#include <ostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace trainsim::cli {
+
+inline constexpr int kExitBadInput = 2;  // the scenario or the arguments are wrong
+inline constexpr int kExitIoError = 3;   // files, or anything else that failed
+inline constexpr int kExitRunFailed = 4; // a run ended early (diverged, NaN): its report was still written
+
+struct Command {
+  CLI::App* sub = nullptr;
+  std::function<int()> run;
+};
+
+Command add_simulate_command(CLI::App& app);
+Command add_fields_command(CLI::App& app);
+Command add_presets_command(CLI::App& app);
+Command add_devices_command(CLI::App& app);
+Command add_sweep_command(CLI::App& app);
+Command add_plan_command(CLI::App& app);
+Command add_run_command(CLI::App& app);
+
+// Writes through a temporary file and renames, so a failed write never leaves half a file.
+void write_file(const std::string& path, const std::function<void(std::ostream&)>& body);
+// write_file, then tells the user on stderr where the file is (and how to open it).
+void write_output(const std::string& path, const std::function<void(std::ostream&)>& body, const std::string& hint = "");
+
+}  // namespace trainsim::cli
