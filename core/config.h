@@ -77,6 +77,13 @@ struct TrainingConfig {
   int global_batch_size = 0;  // 0: micro_batch_size * data_parallel_size (one micro-batch per step)
   Recompute activation_recompute = Recompute::none;
   Optimizer optimizer = Optimizer::adam;
+  // The optimizer's settings; only the runtime uses them (the simulator needs none).
+  double lr = 1e-3;
+  double weight_decay = 0.1;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double clip_grad = 1.0;  // clip by the global gradient norm across all stages; 0: off
 };
 
 struct LossScalingConfig {
@@ -115,7 +122,7 @@ struct RuntimeConfig {
   int num_attention_heads = 4;
   int seq_length = 64;
   int vocab_size = 256;
-  std::string data_path;  // empty: synthetic data
+  std::string data_path;  // empty: the bundled corpus (runtime/data/), unless data_synthetic
   bool data_synthetic = false;
   std::string checkpoint_dir;
   int checkpoint_every_steps = 0;

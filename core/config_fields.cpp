@@ -264,6 +264,14 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(choice("training.optimizer", FIELD(training.optimizer),
                      {{"adam", Optimizer::adam}, {"adamw", Optimizer::adamw}, {"sgd", Optimizer::sgd}},
                      "Optimizer (Adam keeps two FP32 moments per parameter, SGD one momentum)"));
+  t.push_back(real("training.lr", FIELD(training.lr), 0, 10, "", "Learning rate (runtime)"));
+  t.push_back(real("training.weight_decay", FIELD(training.weight_decay), 0, 10, "",
+                   "Weight decay: decoupled for adamw, added to the gradient for adam (runtime; not biases or norms)"));
+  t.push_back(real("training.adam_beta1", FIELD(training.adam_beta1), 0, 0.999999, "", "Adam's first-moment decay"));
+  t.push_back(real("training.adam_beta2", FIELD(training.adam_beta2), 0, 0.999999, "", "Adam's second-moment decay"));
+  t.push_back(real("training.adam_eps", FIELD(training.adam_eps), 1e-30, 1, "", "Adam's denominator epsilon"));
+  t.push_back(real("training.clip_grad", FIELD(training.clip_grad), 0, 1e30, "",
+                   "Clip gradients to this global L2 norm across all stages (runtime); 0: no clipping"));
 
   // ---- precision ---------------------------------------------------------------------
   t.push_back(choice("precision.compute", FIELD(precision.compute),
@@ -320,7 +328,8 @@ std::vector<FieldSpec> make_fields() {
                       "Heads of the executed model"));
   t.push_back(integer("runtime.model.seq_length", FIELD(runtime.seq_length), 1, 1 << 16, "", "Sequence length executed"));
   t.push_back(integer("runtime.model.vocab_size", FIELD(runtime.vocab_size), 1, 1 << 20, "", "Vocabulary executed"));
-  t.push_back(text("runtime.data.path", FIELD(runtime.data_path), "Text corpus (byte-level tokens)", "\"\" (synthetic)"));
+  t.push_back(text("runtime.data.path", FIELD(runtime.data_path), "Text corpus (byte-level tokens), relative to the scenario file",
+                 "\"\" (the bundled corpus, runtime/data/)"));
   t.push_back(boolean("runtime.data.synthetic", FIELD(runtime.data_synthetic), "Generated tokens instead of a file"));
   t.push_back(text("runtime.checkpoint.dir", FIELD(runtime.checkpoint_dir), "Checkpoint folder", "\"\" (none)"));
   t.push_back(integer("runtime.checkpoint.every_steps", FIELD(runtime.checkpoint_every_steps), 0, 1 << 30, "steps",

@@ -21,4 +21,9 @@ Prediction predict(const Plan& plan) {
   return p;
 }
 
+const Prediction& Predictor::predict(const Plan& plan) {
+  last_ = trainsim::predict(plan);
+  return last_;
+}
+
 }  // namespace trainsim

@@ -21,4 +21,15 @@ struct Prediction {
 
 Prediction predict(const Plan& plan);
 
+// Predicts plan after plan on one thread, reusing its buffers between calls: what a sweep
+// worker keeps (one per thread; no state is shared between Predictors).
+class Predictor {
+ public:
+  // The prediction for `plan`; valid until the next call on this Predictor.
+  const Prediction& predict(const Plan& plan);
+
+ private:
+  Prediction last_;
+};
+
 }  // namespace trainsim

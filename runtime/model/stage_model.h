@@ -1,0 +1,125 @@
+// One pipeline stage (model chunk) of the GPT-style decoder the runtime trains: token and
+// position embeddings (first stage), pre-LayerNorm blocks (causal multi-head attention, GELU
+// MLP), final LayerNorm, LM head and cross-entropy (last stage). Each data-parallel replica
+// holds a full pipeline of these; the executor (runtime/executor.h) drives them in the order
+// the schedule says.
+//
+// Mixed precision, as tensor cores and mixed-precision training do it (runtime/numerics/lowp.h):
+//  * master weights FP32; the working copy, activations and gradients flowing between layers
+//    hold values of the compute format;
+//  * matrix products take compute-format inputs and accumulate in FP32, their outputs are
+//    rounded to the compute format; LayerNorm, softmax, GELU and the loss compute in FP32
+//    internally and round what they store or pass on;
+//  * each micro-batch's weight gradients, as produced (compute format), are added into the
+//    accumulation buffer and the sum rounded to grad_accumulation.
+// With compute = fp32 every rounding is the identity, so any cut of the model into stages
+// computes what the whole model does, to FP32 rounding of summation order.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace trainsim::runtime {
+
+struct ModelDims {
+  int num_layers = 8;
+  int hidden_size = 128;
+  int num_heads = 4;
+  int seq_length = 64;
+  int vocab_size = 256;
+  int ffn_hidden_size = 0;       // 0: 4 * hidden_size
+  bool tied_embeddings = true;   // LM head shares the token embedding (GPT-2)
+  int ffn() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
+};
+
+struct StageSpec {
+  ModelDims dims;
+  int first_layer = 0, num_layers = 0;     // blocks [first_layer, first_layer + num_layers)
+  bool has_embedding = false, has_head = false;
+  DType compute = DType::fp32, grad_accumulation = DType::fp32;
+  int micro_batch_size = 1;
+};
+
+// What numerics the stage saw since the last reset (per step): the largest magnitudes, how
+// many values were inf/NaN, and the first tensor that held one.
+struct StageNumerics {
+  double max_abs_activation = 0, max_abs_gradient = 0;
+  std::int64_t nonfinite_activations = 0, nonfinite_gradients = 0;
+  std::string first_nonfinite;  // e.g. "block 3 mlp output (forward, micro-batch 2)"; empty if none
+};
+
+struct ParamInfo {
+  std::string name;   // global name, e.g. "block.3.attn.qkv.weight", "wte" (same on every cut)
+  std::size_t offset = 0, size = 0;  // in master_weights() / gradients()
+  bool decay = true;  // weight decay applies (not to biases, norms)
+};
+
+class StageModel {
+ public:
+  explicit StageModel(const StageSpec& spec);
+  ~StageModel();
+  StageModel(StageModel&&) noexcept;
+  StageModel& operator=(StageModel&&) noexcept;
+
+  const StageSpec& spec() const;
+
+  // Deterministic: each tensor's values depend only on (seed, its global name), so every cut
+  // of the model starts from the weights of the whole one (the last stage's copy of a tied
+  // embedding equals the first stage's). Also refreshes the working copy.
+  void init(std::uint64_t seed);
+
+  // Parameters flattened in gradient-completion order: the units of backward_unit() in the
+  // order backward finishes them (head side first, embedding last), so that after k units a
+  // prefix of gradients() is final (gradients_complete()).
+  std::span<float> master_weights();
+  std::span<float> gradients();
+  const std::vector<ParamInfo>& params() const;
+  void zero_gradients();
+  // Rounds the master weights into the compute-format working copy; after each optimizer step.
+  void refresh_working_weights();
+  // The token embedding's range in master_weights()/gradients() (size 0 when this stage has
+  // none): with tied embeddings split over a pipeline its gradient is summed between the
+  // first and last stage before the optimizer step.
+  ParamInfo token_embedding() const;
+
+  // Activations passed between stages: micro_batch_size * seq_length * hidden_size floats.
+  std::size_t activation_elements() const;
+
+  // Forward of micro-batch `mb` (keeps what backward needs until backward_end/backward_weight).
+  // The first stage reads `tokens`, the others `input`; the last stage reads `targets` and
+  // returns the micro-batch's mean cross-entropy (FP32); others write `output` and return 0.
+  float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input, float* output);
+
+  // Backward in units so the executor can end a step's last backward at gradient-bucket
+  // bounds: begin (the last stage seeds d(loss)/d(logits) times loss_gradient_scale, i.e.
+  // loss scale / micro-batches; the others take grad_output), then backward_units() units,
+  // then end (writes grad_input, except on the first stage, and frees the micro-batch's stash).
+  void backward_begin(int mb, const float* grad_output, float loss_gradient_scale);
+  int backward_units() const;
+  void backward_unit(int mb);  // the next unit; adds its weight gradients into gradients()
+  std::size_t gradients_complete(int mb) const;  // leading elements of gradients() final for mb
+  void backward_end(int mb, float* grad_input);
+
+  // Zero-bubble split (ZB-H1): input gradients now, weight gradients later from the stash.
+  void backward_input(int mb, const float* grad_output, float loss_gradient_scale, float* grad_input);
+  void backward_weight(int mb);
+
+  // Memory held now, in bytes of the formats the values are in (the runtime's accounting):
+  std::size_t master_weight_bytes() const;   // FP32 master
+  std::size_t working_weight_bytes() const;  // compute-format copy (0 when compute is fp32)
+  std::size_t gradient_bytes() const;        // accumulation buffer in grad_accumulation
+  std::size_t activation_bytes() const;      // stashes of micro-batches in flight
+
+  StageNumerics& numerics();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trainsim::runtime
