@@ -6,7 +6,9 @@
 // overwritten by a half-written one.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,10 +38,25 @@ class CheckpointError : public std::runtime_error {
 };
 
 // Writes `dir`/step-<step>.ckpt atomically and points `dir`/latest at it; returns the path.
+// Creates `dir` if missing and keeps older checkpoints. On failure (the folder cannot be
+// created or written, the disk is full) throws CheckpointError; `dir`/latest and the
+// checkpoints already there are left as they were.
 std::string save_checkpoint(const std::string& dir, const Checkpoint& ckpt);
 // Reads `path`, or the latest in `path` when it is a folder. Throws CheckpointError when the
 // file is missing, truncated, corrupt (checksum) or from another format version, and when
 // `expected_fingerprint` (if not empty) differs, saying what differs.
 Checkpoint load_checkpoint(const std::string& path, const std::string& expected_fingerprint = "");
+
+// The file format (all integers little-endian):
+//   "TSCKPT"  u16 format version  u64 payload length  payload  u32 CRC-32 of all bytes before it
+// The payload is a sequence of fields, each a u64 length followed by that many bytes:
+//   fingerprint, step (i64), data_position (u64), seed (u64), rank count (u64), then per rank:
+//   rank (i64), master_weights, first_moment, second_moment (f32 bit patterns),
+//   optimizer_steps (i64), scaler scale (f64 bits), good_steps (i64), hysteresis_left (i64).
+inline constexpr std::uint16_t kCheckpointFormatVersion = 1;
+
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320, as in zlib and PNG). Pass the result of
+// one call as `crc` to continue over more bytes. crc32("123456789") == 0xCBF43926.
+std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc = 0);
 
 }  // namespace trainsim::runtime

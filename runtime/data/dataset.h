@@ -8,6 +8,7 @@
 // so the samples of a step do not depend on how the batch is split.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,18 +34,30 @@ class Dataset {
   std::size_t num_samples() const;  // windows per epoch
   const std::string& source() const { return source_; }
 
+  int seq_length() const { return seq_length_; }
+  std::size_t num_tokens() const { return tokens_.size(); }
+  const std::vector<std::int32_t>& tokens() const { return tokens_; }  // the whole stream
+
   // Micro-batch `microbatch` of `replica` for the global batch starting at `position`.
+  // Throws std::invalid_argument when dp or micro_batch_size < 1, or replica / microbatch
+  // are out of range.
   MicroBatchTokens microbatch(std::uint64_t position, int replica, int microbatch, int dp,
                               int micro_batch_size) const;
 
+  // The window (index into [0, num_samples())) that global sample `sample` reads: epoch
+  // sample / num_samples() visits every window once, in an order fixed by (seed, epoch).
+  std::size_t window_for(std::uint64_t sample) const;
+  // First token of window w (windows are non-overlapping strides of seq_length).
+  std::size_t window_start(std::size_t w) const { return w * static_cast<std::size_t>(seq_length_); }
+
  private:
-  std::vector<std::int32_t> window_start_for(std::uint64_t sample) const;
+  Dataset(std::string source, int vocab_size, int seq_length, std::uint64_t seed,
+          std::vector<std::int32_t> tokens);
   std::string source_;
   int vocab_size_ = 256;
   int seq_length_ = 0;
   std::uint64_t seed_ = 0;
-  std::vector<std::uint8_t> bytes_;    // file contents (byte tokens)
-  std::vector<std::int32_t> tokens_;   // synthetic tokens
+  std::vector<std::int32_t> tokens_;   // byte tokens of the file, or the synthetic stream
 };
 
 // Where the bundled corpus lives (runtime/data/), for defaults and tests.
