@@ -11,9 +11,17 @@
 //    as a ring (reduce-scatter, then all-gather, over members.size() chunks), rounding each
 //    contribution and every partial sum to `wire`, as NCCL reduces in the buffer's type, so
 //    its numerics are those of a ring and not of a naive sum. Every member ends with the
-//    identical result.
+//    identical result. Divide::before multiplies each rounded contribution by 1/n (itself
+//    rounded to `wire`) and rounds the product; Divide::after divides the final sum by n and
+//    rounds the quotient. ReduceOp::max propagates NaN (max(x, NaN) is NaN, unlike fmax): the
+//    global overflow check reduces with max and a NaN on one rank must reach every rank.
+//    Tags are separate name spaces for point-to-point messages and collectives: an
+//    all_reduce with tag T never takes a send with tag T, and the reverse.
 //  * A call that cannot complete (a peer failed, or nothing arrives within the timeout)
-//    throws CommError naming this rank, the op and the peer; it never hangs.
+//    throws CommError naming this rank, the op and the peer; it never hangs. Size
+//    mismatches are CommError too. Arguments that are wrong on their own (a peer outside the
+//    world, members not ascending or not containing this rank, an fp8 wire) throw
+//    std::invalid_argument before anything is sent.
 //  * Calls on one Communicator may come from two threads at once (a rank's compute thread
 //    sends and receives while its communication thread runs collectives), as long as tags
 //    differ.

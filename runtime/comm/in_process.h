@@ -1,5 +1,21 @@
 // The CPU backend's communicator: ranks are threads of one process exchanging through
 // shared mailboxes. The ring all-reduce really passes chunks from member to member.
+//
+// Mailboxes: one per destination rank, each with its own mutex and condition variable (ranks
+// that do not talk never contend). A message is keyed by (source, tag, channel): channel 0
+// for send/recv, 1 + k for step k of a collective, so collectives and point-to-point
+// messages never collide; messages under one key arrive in the order they were sent.
+//
+// Ring all-reduce over n members of an N-element buffer: chunk c holds N/n elements, plus one
+// for the first N%n chunks (chunks may be empty; an empty buffer still synchronizes).
+// Reduce-scatter, steps 0..n-2: the member at position p sends its partial sum of chunk
+// (p-k) mod n to position p+1 and adds its own contribution to chunk (p-k-1) mod n from
+// position p-1; chunk c is therefore summed in the order of positions c, c+1, ..., c-1.
+// All-gather, steps n-1..2n-3: each member forwards the chunk it last received. The received
+// vector is itself what travels on, so a call allocates one chunk (for its first send) and
+// otherwise only moves vectors and copies received chunks into the caller's buffer. Partial sums are computed in fp32 and rounded to the wire format, which for
+// fp16 and bf16 equals the correctly rounded sum in that format (fp32 holds more than twice
+// their significand bits plus two, so the double rounding is harmless).
 #pragma once
 
 #include <chrono>
@@ -18,9 +34,11 @@ class InProcessWorld {
   InProcessWorld& operator=(const InProcessWorld&) = delete;
 
   int world_size() const;
-  // The communicator of `rank`; it refers to this world, which must outlive it.
+  // The communicator of `rank` (any number per rank; they share the rank's mailbox). It
+  // shares this world's state, so it stays usable even if the world is destroyed first.
   std::unique_ptr<Communicator> communicator(int rank);
-  // Bytes held in mailboxes right now and at most so far (messages sent, not yet received).
+  // Bytes held in mailboxes right now and at most so far (messages sent, not yet received),
+  // counted as stored: 4 bytes per element whatever the wire format.
   std::size_t bytes_in_flight() const;
   std::size_t peak_bytes_in_flight() const;
 

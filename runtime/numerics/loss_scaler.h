@@ -2,9 +2,14 @@
 // backoff and hysteresis, following Megatron-LM's DynamicGradScaler:
 //  * a step whose gradients hold inf/NaN is skipped (static and dynamic; never with none);
 //  * dynamic: each overflow uses up one unit of hysteresis; when none is left the scale is
-//    multiplied by backoff_factor (not below 1). An overflow also restarts the growth count.
+//    multiplied by backoff_factor (not below 1, Megatron's min_scale; an initial_scale below
+//    1 starts at 1). An overflow also restarts the growth count.
 //  * dynamic: after growth_interval consecutive good steps the scale is multiplied by
-//    growth_factor and the hysteresis is refilled.
+//    growth_factor and the hysteresis is refilled (a good step alone does not refill it, so
+//    once it is used up every overflow backs off until the next growth).
+//  * none: the scale is 1 and no step is skipped (non-finite gradients are applied).
+// Invalid dynamic/static settings (scale <= 0, growth_interval < 1, growth_factor < 1,
+// backoff_factor outside (0, 1), hysteresis < 1) throw std::invalid_argument.
 #pragma once
 
 #include "core/config.h"

@@ -1,6 +1,11 @@
 // Optimizers on the FP32 master weights of one rank: Adam (L2 weight decay added to the
-// gradient), AdamW (decoupled weight decay, Loshchilov & Hutter) and SGD. Gradients come in
-// already unscaled and averaged; `grad_scale` multiplies them once more (clipping).
+// gradient, so it passes through the moments), AdamW (decoupled weight decay, Loshchilov &
+// Hutter: w -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * w)) and SGD (plain: no
+// momentum, L2 decay added to the gradient; first and second moments stay empty). Adam and
+// AdamW use the bias correction of Kingma & Ba (m_hat = m / (1 - beta1^t), likewise v), with
+// t = steps_taken() after the increment. Element arithmetic is in double; weights and moments
+// are stored in fp32. Gradients come in already unscaled and averaged; `grad_scale`
+// multiplies them once more (clipping).
 #pragma once
 
 #include <cstdint>
