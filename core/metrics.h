@@ -2,6 +2,7 @@
 // communication figures are computed, for predicted and measured timelines alike.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "core/plan.h"
@@ -13,6 +14,19 @@ namespace trainsim {
 // `memory` holds each rank's breakdown at its peak (predicted by the memory model, or
 // measured by the runtime's allocation accounting).
 Result compute_result(const Plan& plan, const Timeline& timeline, const std::vector<MemoryBreakdown>& memory);
+
+// Buffers that compute_result_into reuses between calls (one per sweep worker).
+struct ResultWorkspace {
+  std::vector<OpTiming> compute, collectives, sends, comm, merged_a, merged_b;
+  std::string tail;  // the rank-independent end of the last over-capacity warning
+  double tail_peak = -1;
+};
+
+// The same result into `out`, reusing its storage and `ws`. same_as (optional, one entry per
+// rank): a rank whose program and timings equal those of rank same_as[r] (replicas found
+// identical by the simulator); its per-rank figures are copied instead of recomputed.
+void compute_result_into(const Plan& plan, const Timeline& timeline, const std::vector<MemoryBreakdown>& memory,
+                         Result& out, ResultWorkspace& ws, const std::vector<int>* same_as = nullptr);
 
 // Length of the union of intervals in `a` that no interval of `b` covers.
 Tick uncovered_length(std::vector<OpTiming> a, std::vector<OpTiming> b);

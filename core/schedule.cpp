@@ -139,7 +139,8 @@ std::vector<Task> pipeline_order(ScheduleKind kind, int s, int p, int m, int v) 
 
 class Builder {
  public:
-  explicit Builder(const Plan& plan) : plan_(plan), shape_(plan.config.model) {
+  // Fills `out`, reusing its vectors' storage (a sweep builds schedule after schedule into one).
+  Builder(const Plan& plan, Schedule& out) : plan_(plan), shape_(plan.config.model), sched_(out) {
     const auto& cfg = plan.config;
     V_ = plan.num_virtual_stages();
     m_ = plan.num_microbatches;
@@ -148,60 +149,65 @@ class Builder {
                                                  plan.activation_bytes() / plan.tp));
     const double bucket = mib_to_bytes(cfg.communication.bucket_size_mib);
     // Gradient buckets and collective ids, identical for every replica of a stage.
+    bucket_bytes_.resize(V_);
     for (int vs = 0; vs < V_; ++vs) {
       const double params = plan.virtual_stage_params(vs) / plan.tp;
       const Bytes grad = static_cast<Bytes>(std::llround(params * dtype_bytes(cfg.precision.allreduce)));
-      std::vector<Bytes> buckets;
+      std::vector<Bytes>& buckets = bucket_bytes_[vs];
       if (plan.dp > 1 && grad > 0) {
         const Bytes b = std::max<Bytes>(1, static_cast<Bytes>(bucket));
         for (Bytes off = 0; off < grad; off += b) buckets.push_back(std::min(b, grad - off));
       }
       chunk_grad_bytes_.push_back(grad);
       chunk_weight_bytes_.push_back(static_cast<Bytes>(std::llround(params * e_weights)));
-      bucket_bytes_.push_back(std::move(buckets));
     }
     const int stage_count = plan.pp;
     for (int vs = 0; vs < V_; ++vs) {
-      bucket_base_.push_back(static_cast<int>(sched_.collectives.size()));
+      bucket_base_.push_back(num_collectives_);
       for (Bytes b : bucket_bytes_[vs])
-        sched_.collectives.push_back({zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce,
-                                      CollectivePurpose::gradients, b, stage_members(vs % stage_count)});
+        stage_members(add_collective(zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce,
+                                     CollectivePurpose::gradients, b),
+                      vs % stage_count);
     }
     // Tied embeddings split over a pipeline: the first stage's input embedding and the last
     // stage's LM head are one parameter, so their gradients are summed across the two
     // (Megatron-LM's embedding group) before the optimizer step.
     if (shape_.tied && plan.pp > 1) {
-      embedding_base_ = static_cast<int>(sched_.collectives.size());
+      embedding_base_ = num_collectives_;
       const Bytes bytes = static_cast<Bytes>(std::llround(static_cast<double>(shape_.V) * shape_.h / plan.tp *
                                                           dtype_bytes(cfg.precision.allreduce)));
-      for (int d = 0; d < plan.dp; ++d)
-        sched_.collectives.push_back({OpKind::AllReduce, CollectivePurpose::embedding, bytes,
-                                      {plan.rank_of(0, d), plan.rank_of(plan.pp - 1, d)}});
+      for (int d = 0; d < plan.dp; ++d) {
+        auto& members = add_collective(OpKind::AllReduce, CollectivePurpose::embedding, bytes);
+        members.push_back(plan.rank_of(0, d));
+        members.push_back(plan.rank_of(plan.pp - 1, d));
+      }
     }
     if (zero() >= 1 && plan.dp > 1) {
-      param_gather_base_ = static_cast<int>(sched_.collectives.size());
+      param_gather_base_ = num_collectives_;
       for (int vs = 0; vs < V_; ++vs)
-        sched_.collectives.push_back(
-            {OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs], stage_members(vs % stage_count)});
+        stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs]),
+                      vs % stage_count);
     }
     if (needs_overflow_check() && cfg.precision.overflow_check == OverflowScope::global && plan.num_ranks() > 1) {
-      overflow_id_ = static_cast<int>(sched_.collectives.size());
-      std::vector<int> all(plan.num_ranks());
-      for (int r = 0; r < plan.num_ranks(); ++r) all[r] = r;
-      sched_.collectives.push_back({OpKind::AllReduce, CollectivePurpose::overflow, 4, all});
-      sched_.collectives.back().kind = OpKind::OverflowCheck;
+      overflow_id_ = num_collectives_;
+      auto& all = add_collective(OpKind::OverflowCheck, CollectivePurpose::overflow, 4);
+      for (int r = 0; r < plan.num_ranks(); ++r) all.push_back(r);
     }
     if (zero() == 3 && plan.dp > 1) {
-      zero3_base_ = static_cast<int>(sched_.collectives.size());
+      zero3_base_ = num_collectives_;
       for (int vs = 0; vs < V_; ++vs)
         for (int mb = 0; mb < m_; ++mb)
           for (int dir = 0; dir < 2; ++dir)
-            sched_.collectives.push_back({OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs],
-                                          stage_members(vs % stage_count)});
+            stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs]),
+                          vs % stage_count);
     }
+    sched_.collectives.resize(num_collectives_);
   }
 
-  Schedule build() {
+  // copy_replicas: build replica 0's programs and derive the others from them (they differ
+  // only in the ranks they exchange messages with, the message ids and the embedding
+  // group); otherwise every rank is built on its own. Both give the same schedule.
+  void build(bool copy_replicas) {
     sched_.kind = plan_.config.parallelism.schedule;
     sched_.num_stages = plan_.pp;
     sched_.num_replicas = plan_.dp;
@@ -209,18 +215,50 @@ class Builder {
     sched_.num_microbatches = m_;
     sched_.num_messages = plan_.dp * std::max(0, V_ - 1) * m_ * 2;
     sched_.ranks.resize(plan_.num_ranks());
-    for (int r = 0; r < plan_.num_ranks(); ++r) build_rank(r);
-    return std::move(sched_);
+    for (int r = 0; r < plan_.num_ranks(); ++r) {
+      if (copy_replicas && plan_.replica_of(r) > 0)
+        copy_rank(r);
+      else
+        build_rank(r);
+    }
   }
 
  private:
+  std::vector<int>& add_collective(OpKind kind, CollectivePurpose purpose, Bytes bytes) {
+    if (static_cast<int>(sched_.collectives.size()) <= num_collectives_) sched_.collectives.emplace_back();
+    Collective& c = sched_.collectives[num_collectives_++];
+    c.kind = kind;
+    c.purpose = purpose;
+    c.bytes = bytes;
+    c.members.clear();
+    return c.members;
+  }
+
+  void copy_rank(int r) {
+    const int s = plan_.stage_of(r), d = plan_.replica_of(r);
+    const RankProgram& first = sched_.ranks[plan_.rank_of(s, 0)];
+    RankProgram& prog = sched_.ranks[r];
+    prog.rank = r;
+    prog.stage = s;
+    prog.replica = d;
+    prog.ops = first.ops;
+    // rank_of(stage, d) = rank_of(stage, 0) + d; message_id(d, ...) = message_id(0, ...) + d * (V - 1) * m * 2.
+    const int message_shift = d * (V_ - 1) * m_ * 2;
+    for (Op& op : prog.ops) {
+      if (is_send(op.kind) || is_recv(op.kind)) {
+        op.peer += d;
+        op.channel += message_shift;
+      } else if (op.kind == OpKind::AllReduce && embedding_base_ >= 0 && op.channel == embedding_base_) {
+        op.channel += d;
+      }
+    }
+  }
+
   int zero() const { return plan_.dp > 1 ? plan_.config.parallelism.zero_stage : 0; }
   bool needs_overflow_check() const { return plan_.config.precision.loss_scaling.mode != LossScalingMode::none; }
 
-  std::vector<int> stage_members(int stage) const {
-    std::vector<int> v;
+  void stage_members(std::vector<int>& v, int stage) const {
     for (int d = 0; d < plan_.dp; ++d) v.push_back(plan_.rank_of(stage, d));
-    return v;
   }
 
   // Message between virtual stages vs and vs+1 of one replica, per micro-batch and direction.
@@ -241,6 +279,7 @@ class Builder {
     prog.stage = s;
     prog.replica = d;
     auto& ops = prog.ops;
+    ops.clear();
     const auto tasks = pipeline_order(plan_.config.parallelism.schedule, s, p, m_, v);
     const bool overlap = plan_.config.communication.overlap_grad_reduce;
 
@@ -380,7 +419,8 @@ class Builder {
 
   const Plan& plan_;
   ModelShape shape_;
-  Schedule sched_;
+  Schedule& sched_;
+  int num_collectives_ = 0;
   int V_ = 1, m_ = 1;
   Bytes act_bytes_ = 0;
   std::vector<Bytes> chunk_grad_bytes_, chunk_weight_bytes_;
@@ -391,7 +431,13 @@ class Builder {
 
 }  // namespace
 
-Schedule build_schedule(const Plan& plan) { return Builder(plan).build(); }
+Schedule build_schedule(const Plan& plan) {
+  Schedule s;
+  Builder(plan, s).build(false);
+  return s;
+}
+
+void build_schedule_into(const Plan& plan, Schedule& out) { Builder(plan, out).build(true); }
 
 std::string check_schedule(const Schedule& s) {
   std::vector<int> sends(s.num_messages, 0), recvs(s.num_messages, 0);

@@ -103,6 +103,9 @@ struct Schedule {
 
 // Builds the step's programs from a validated plan.
 Schedule build_schedule(const Plan& plan);
+// The same schedule, built into `out` with its vectors' storage reused (what a sweep
+// worker calls plan after plan). Replicas 1.. are derived from replica 0's programs.
+void build_schedule_into(const Plan& plan, Schedule& out);
 
 // Checks the structural rules above (every Recv has one Send, collective members agree,
 // deps point backwards); returns an empty string when sound, else the first problem.

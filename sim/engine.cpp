@@ -1,191 +1,264 @@
 #include "sim/engine.h"
 
 #include <algorithm>
-#include <bit>
 #include <stdexcept>
 #include <string>
 
 #include <fmt/format.h>
 
+#include "sim/cost/collective_model.h"
+#include "sim/cost/compute_model.h"
+#include "sim/cost/p2p_model.h"
+
 namespace trainsim {
 
 namespace {
-constexpr int stream_index(int rank, StreamKind k) { return rank * kNumStreams + static_cast<int>(k); }
+
+constexpr std::int32_t kCompute = static_cast<std::int32_t>(StreamKind::compute);
+constexpr std::int32_t kCollective = static_cast<std::int32_t>(StreamKind::collective);
+
+// Cost models behind their interfaces (any model, one virtual call per op)...
+struct VirtualModels {
+  const CostModels& m;
+  Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
+  Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
+  Tick collective(const Collective& c) const { return m.collective->duration(c); }
+};
+
+// ...or the default ones by their final types, so the calls are direct and inlined.
+struct DefaultModels {
+  const RooflineComputeModel& c;
+  const LinkP2PModel& p;
+  const NetworkCollectiveModel& k;
+  Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
+  Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
+  Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
+};
+
 }  // namespace
 
-void Simulation::prepare(const CostModels& models) {
+void Simulation::enqueue(std::int32_t stream) {
+  StreamState& st = streams_[stream];
+  if (st.queued) return;
+  st.queued = true;
+  worklist_.push_back(stream);
+}
+
+// Prices collective c and lists its simulated members, the first time a simulated rank
+// reaches it. Consecutive collectives often have the same members (one stage's gradient
+// buckets) and sizes (full buckets): those reuse the previous one's figures. A collective
+// model prices a collective from its kind, bytes and members alone.
+template <class Models>
+void Simulation::prepare_collective(const Models& models, std::int32_t c) {
   const Schedule& s = *schedule_;
-  const int nranks = static_cast<int>(s.ranks.size());
-  rank_offset_.assign(nranks + 1, 0);
-  for (int r = 0; r < nranks; ++r) rank_offset_[r + 1] = rank_offset_[r] + static_cast<std::int32_t>(s.ranks[r].ops.size());
-  const std::size_t nops = static_cast<std::size_t>(rank_offset_[nranks]);
-  slot_of_.resize(nops);
-  slots_.assign(nops, Slot{});
-  streams_.assign(static_cast<std::size_t>(nranks) * kNumStreams, StreamState{});
-  heap_.clear();
-  seq_ = 0;
-  completed_ = 0;
-
-  collective_duration_.resize(s.collectives.size());
-  for (std::size_t c = 0; c < s.collectives.size(); ++c)
-    collective_duration_[c] = models.collective->duration(s.collectives[c]);
-  collective_arrivals_.assign(s.collectives.size(), 0);
-  message_arrival_.assign(s.num_messages, -1);
-
-  // Each stream's ops get consecutive slots, in program order.
-  stream_fill_.assign(streams_.size(), 0);
-  for (int r = 0; r < nranks; ++r)
-    for (const Op& op : s.ranks[r].ops) stream_fill_[stream_index(r, stream_of(op.kind))]++;
-  std::int32_t offset = 0;
-  for (std::size_t st = 0; st < streams_.size(); ++st) {
-    streams_[st].rank = static_cast<std::int32_t>(st / kNumStreams);
-    streams_[st].cursor = offset;
-    offset += stream_fill_[st];
-    streams_[st].end = offset;
-    stream_fill_[st] = streams_[st].cursor;  // from here on: the next free slot of the stream
-  }
-
-  for (int r = 0; r < nranks; ++r) {
-    const auto& ops = s.ranks[r].ops;
-    for (std::size_t i = 0; i < ops.size(); ++i) {
-      const Op& op = ops[i];
-      const StreamKind kind = stream_of(op.kind);
-      const std::int32_t slot = stream_fill_[stream_index(r, kind)]++;
-      slot_of_[rank_offset_[r] + i] = slot;
-      Slot& sl = slots_[slot];
-      sl.channel = op.channel;
-      if (is_compute(op.kind)) {
-        sl.duration = models.compute->duration(op, r);
-      } else if (is_send(op.kind)) {
-        sl.role = Role::send;
-        sl.receiver = stream_index(op.peer, StreamKind::compute);
-        sl.duration = models.p2p->duration(r, op.peer, op.bytes);
-      } else if (is_recv(op.kind)) {
-        sl.role = Role::recv;
-      } else if (is_collective(op.kind) && op.channel >= 0) {
-        sl.role = Role::collective;  // priced per collective above
-      }
-      if (op.dep >= 0) {
-        sl.dep = slot_of_[rank_offset_[r] + op.dep];  // deps point backwards: already placed
-        slots_[sl.dep].wakes |= static_cast<std::uint8_t>(1u << static_cast<int>(kind));
-      }
+  const Collective& col = s.collectives[c];
+  CollectiveState& cs = collectives_[c];
+  const bool same_members = last_priced_ >= 0 && s.collectives[last_priced_].members == col.members;
+  if (same_members) {
+    const Collective& prev = s.collectives[last_priced_];
+    const CollectiveState& ps = collectives_[last_priced_];
+    cs.duration = prev.kind == col.kind && prev.bytes == col.bytes ? ps.duration : models.collective(col);
+    cs.target = ps.target;
+    cs.first = ps.first;
+    cs.count = ps.count;
+  } else {
+    cs.duration = models.collective(col);
+    if (symmetric_) {
+      cs.first = static_cast<std::int32_t>(sim_members_.size());
+      for (int m : col.members)
+        if (simulated_[m]) sim_members_.push_back(m);
+      cs.count = static_cast<std::int32_t>(sim_members_.size()) - cs.first;
+      cs.target = cs.count;
+    } else {
+      cs.target = static_cast<std::int32_t>(col.members.size());
     }
   }
+  last_priced_ = c;
 }
 
-void Simulation::push(Tick time, std::int32_t stream) {
-  heap_.push_back(Event{time, seq_++, stream});
-  std::push_heap(heap_.begin(), heap_.end(), Later{});
-}
-
-// Starts as many ops of `stream` as can start at `now`. Receives whose message is in end
-// at once (they do no work); a collective registers its arrival and starts on every member
-// when the last one arrives.
-void Simulation::try_advance(std::int32_t stream, Tick now) {
-  StreamState& st = streams_[stream];
-  while (!st.busy && st.cursor < st.end) {
-    Slot& sl = slots_[st.cursor];
-    if (sl.dep >= 0 && slots_[sl.dep].end < 0) return;  // woken when the dependency ends
-    switch (sl.role) {
-      case Role::recv:
-        if (message_arrival_[sl.channel] < 0) return;  // woken when the send ends
-        sl.start = st.free_at;  // the interval the stream spent blocked
-        sl.end = now;
-        st.free_at = now;
-        ++st.cursor;
+// Runs `stream` as far as it can go now: each op ends as soon as what it waits for has
+// ended (see the header for the rule per op).
+template <class Models>
+void Simulation::advance(const Models& models, std::int32_t stream, Timeline& out) {
+  const Schedule& s = *schedule_;
+  const std::int32_t r = stream / kNumStreams;
+  const std::int32_t k = stream - r * kNumStreams;
+  const Op* ops = s.ranks[r].ops.data();
+  const auto n = static_cast<std::int32_t>(s.ranks[r].ops.size());
+  OpTiming* times = out.ops[r].data();
+  StreamState* rank_streams = &streams_[static_cast<std::size_t>(r) * kNumStreams];
+  StreamState& st = rank_streams[k];
+  st.waits_dep = false;
+  bool progressed = false;
+  for (;;) {
+    std::int32_t i = st.cursor;
+    while (i < n && static_cast<std::int32_t>(stream_of(ops[i].kind)) != k) ++i;
+    st.cursor = i;
+    if (i == n) break;
+    const Op& op = ops[i];
+    Tick ready = st.free_at;
+    if (op.dep >= 0) {
+      // An op of another stream has ended once that stream's cursor is past it.
+      const std::int32_t d = op.dep;
+      const auto kd = static_cast<std::int32_t>(stream_of(ops[d].kind));
+      if (kd != k && d >= rank_streams[kd].cursor) {
+        st.waits_dep = true;  // woken when its rank's other streams move on
+        break;
+      }
+      ready = std::max(ready, times[d].end);
+    }
+    if (is_recv(op.kind)) {
+      const Tick arrival = message_arrival_[op.channel];
+      if (arrival < 0) break;  // woken when the send ends
+      times[i] = OpTiming{st.free_at, std::max(ready, arrival)};  // the interval the stream spent blocked
+      st.free_at = times[i].end;
+    } else if (is_collective(op.kind) && op.channel >= 0) {
+      if (st.arrived) break;  // waiting for the other members
+      const std::int32_t c = op.channel;
+      CollectiveState& cs = collectives_[c];
+      if (cs.duration < 0) prepare_collective(models, c);
+      st.arrived = true;
+      cs.last_arrival = std::max(cs.last_arrival, ready);
+      if (++cs.arrivals < cs.target) break;
+      // The last member is here: the collective runs on every member at once.
+      const Tick start = cs.last_arrival, end = start + cs.duration;
+      auto end_on = [&](std::int32_t member) {
+        StreamState* ms = &streams_[static_cast<std::size_t>(member) * kNumStreams];
+        StreamState& mc = ms[kCollective];
+        out.ops[member][mc.cursor] = OpTiming{start, end};
+        mc.free_at = end;
+        mc.arrived = false;
+        ++mc.cursor;
         ++completed_;
-        continue;
-      case Role::collective: {
-        if (st.arrived) return;  // waiting for the other members
-        st.arrived = true;
-        const std::int32_t c = sl.channel;
-        const auto& members = schedule_->collectives[c].members;
-        if (++collective_arrivals_[c] < static_cast<std::int32_t>(members.size())) return;
-        // One event ends the collective on every member.
-        for (int member : members) {
-          StreamState& ms = streams_[stream_index(member, StreamKind::collective)];
-          ms.arrived = false;
-          ms.busy = true;
-          slots_[ms.cursor].start = now;
-        }
-        push(now + collective_duration_[c], -1 - c);
-        return;
+        if (member == r) return;
+        enqueue(member * kNumStreams + kCollective);
+        for (std::int32_t kk = 0; kk < kNumStreams; ++kk)
+          if (ms[kk].waits_dep) enqueue(member * kNumStreams + kk);
+      };
+      if (symmetric_) {
+        for (std::int32_t j = cs.first; j < cs.first + cs.count; ++j) end_on(sim_members_[j]);
+      } else {
+        for (int member : s.collectives[c].members) end_on(member);
       }
-      default:
-        st.busy = true;
-        sl.start = now;
-        push(now + sl.duration, stream);
-        return;
+      progressed = true;
+      continue;
+    } else {
+      Tick duration = 0;
+      if (is_compute(op.kind)) duration = models.compute(op, r);
+      else if (is_send(op.kind)) duration = models.p2p(r, op.peer, op.bytes);
+      times[i] = OpTiming{ready, ready + duration};
+      st.free_at = ready + duration;
+      if (is_send(op.kind)) {
+        message_arrival_[op.channel] = st.free_at;
+        if (simulated_[op.peer]) enqueue(op.peer * kNumStreams + kCompute);
+      }
     }
+    st.cursor = i + 1;
+    ++completed_;
+    progressed = true;
   }
+  if (progressed)
+    for (std::int32_t kk = 0; kk < kNumStreams; ++kk)
+      if (kk != k && rank_streams[kk].waits_dep) enqueue(r * kNumStreams + kk);
 }
 
-void Simulation::finish(std::int32_t stream, Tick now) {
-  StreamState& st = streams_[stream];
-  Slot& sl = slots_[st.cursor];
-  sl.end = now;
-  st.busy = false;
-  st.free_at = now;
-  ++st.cursor;
-  ++completed_;
-  // Anything this end can release: the rest of this stream, the rank's streams whose ops
-  // depend on this one, and the receiver of a message.
-  const std::int32_t base = st.rank * kNumStreams;
-  try_advance(stream, now);
-  for (std::uint32_t mask = sl.wakes & ~(1u << (stream - base)); mask != 0; mask &= mask - 1)
-    try_advance(base + std::countr_zero(mask), now);
-  if (sl.role == Role::send) {
-    message_arrival_[sl.channel] = now;
-    try_advance(sl.receiver, now);
+template <class Models>
+void Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmetric) {
+  const Schedule& s = *schedule_;
+  const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  symmetric_ = false;
+  simulated_.assign(nranks, 1);
+  counterpart_.resize(nranks);
+  for (std::int32_t r = 0; r < nranks; ++r) counterpart_[r] = r;
+  if (replica_symmetric) {
+    // Replica 0's rank of each stage; every other rank takes its timings.
+    std::vector<std::int32_t>& of_stage = sim_members_;  // scratch until the run starts
+    of_stage.assign(nranks, -1);
+    bool ok = true;
+    for (std::int32_t r = 0; r < nranks && ok; ++r) {
+      const RankProgram& prog = s.ranks[r];
+      ok = prog.stage >= 0 && prog.stage < nranks && prog.replica >= 0;
+      if (ok && prog.replica == 0) {
+        ok = of_stage[prog.stage] < 0;
+        of_stage[prog.stage] = r;
+      }
+    }
+    for (std::int32_t r = 0; r < nranks && ok; ++r) {
+      const std::int32_t c = of_stage[s.ranks[r].stage];
+      ok = c >= 0 && s.ranks[c].ops.size() == s.ranks[r].ops.size();
+      counterpart_[r] = c;
+      simulated_[r] = c == r;
+    }
+    symmetric_ = ok;
+    if (!ok) {
+      simulated_.assign(nranks, 1);
+      for (std::int32_t r = 0; r < nranks; ++r) counterpart_[r] = r;
+    }
   }
+
+  streams_.assign(static_cast<std::size_t>(nranks) * kNumStreams, StreamState{});
+  message_arrival_.assign(s.num_messages, -1);
+  collectives_.assign(s.collectives.size(), CollectiveState{});
+  sim_members_.clear();
+  last_priced_ = -1;
+  worklist_.clear();
+  completed_ = 0;
+  expected_ = 0;
+  t.ops.resize(nranks);
+  for (std::int32_t r = nranks - 1; r >= 0; --r) {
+    if (!simulated_[r]) continue;
+    t.ops[r].resize(s.ranks[r].ops.size());
+    expected_ += static_cast<std::int64_t>(s.ranks[r].ops.size());
+    for (std::int32_t k = kNumStreams - 1; k >= 0; --k) enqueue(r * kNumStreams + k);
+  }
+  while (!worklist_.empty()) {
+    const std::int32_t stream = worklist_.back();
+    worklist_.pop_back();
+    streams_[stream].queued = false;
+    advance(models, stream, t);
+  }
+  if (completed_ != expected_) {
+    if (symmetric_) return run_impl(models, t, false);  // name every blocked rank
+    report_deadlock();
+  }
+  if (symmetric_)
+    for (std::int32_t r = 0; r < nranks; ++r)
+      if (!simulated_[r]) t.ops[r] = t.ops[counterpart_[r]];
+  t.schedule = schedule_;
+  t.predicted = true;
+}
+
+void Simulation::report_deadlock() const {
+  const Schedule& s = *schedule_;
+  std::string blocked;
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+    const auto& ops = s.ranks[r].ops;
+    for (int k = 0; k < kNumStreams; ++k) {
+      std::size_t i = static_cast<std::size_t>(streams_[r * kNumStreams + k].cursor);
+      while (i < ops.size() && static_cast<int>(stream_of(ops[i].kind)) != k) ++i;
+      if (i < ops.size()) blocked += fmt::format("\n  rank {} op {} {}", r, i, op_label(ops[i]));
+    }
+  }
+  throw std::logic_error(
+      fmt::format("schedule deadlocked after {} of {} ops; blocked at:{}", completed_, expected_, blocked));
 }
 
 void Simulation::run(std::shared_ptr<const Schedule> schedule, const CostModels& models, Timeline& t) {
   schedule_ = std::move(schedule);
-  prepare(models);
-  for (std::int32_t st = 0; st < static_cast<std::int32_t>(streams_.size()); ++st) try_advance(st, 0);
-  while (!heap_.empty()) {
-    std::pop_heap(heap_.begin(), heap_.end(), Later{});
-    const Event e = heap_.back();
-    heap_.pop_back();
-    if (e.stream >= 0) {
-      finish(e.stream, e.time);
-    } else {
-      for (int member : schedule_->collectives[-1 - e.stream].members)
-        finish(stream_index(member, StreamKind::collective), e.time);
-    }
-  }
-  const Schedule& s = *schedule_;
-  if (completed_ != static_cast<std::int64_t>(slots_.size())) {
-    std::string blocked;
-    for (std::size_t r = 0; r < s.ranks.size(); ++r)
-      for (int k = 0; k < kNumStreams; ++k) {
-        const StreamState& st = streams_[stream_index(static_cast<int>(r), static_cast<StreamKind>(k))];
-        if (st.cursor >= st.end) continue;
-        for (std::size_t i = 0; i < s.ranks[r].ops.size(); ++i)
-          if (slot_of_[rank_offset_[r] + i] == st.cursor)
-            blocked += fmt::format("\n  rank {} op {} {}", r, i, op_label(s.ranks[r].ops[i]));
-      }
-    throw std::logic_error(
-        fmt::format("schedule deadlocked after {} of {} ops; blocked at:{}", completed_, slots_.size(), blocked));
-  }
-  t.schedule = schedule_;
-  t.predicted = true;
-  t.ops.resize(s.ranks.size());
-  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
-    auto& out = t.ops[r];
-    out.resize(s.ranks[r].ops.size());
-    for (std::size_t i = 0; i < out.size(); ++i) {
-      const Slot& sl = slots_[slot_of_[rank_offset_[r] + i]];
-      out[i] = OpTiming{sl.start, sl.end};
-    }
-  }
+  run_impl(VirtualModels{models}, t, false);
+}
+
+void Simulation::run(std::shared_ptr<const Schedule> schedule, const RooflineComputeModel& compute,
+                     const LinkP2PModel& p2p, const NetworkCollectiveModel& collective, Timeline& t,
+                     bool replica_symmetric) {
+  schedule_ = std::move(schedule);
+  run_impl(DefaultModels{compute, p2p, collective}, t, replica_symmetric);
 }
 
 std::size_t Simulation::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
-  return bytes(rank_offset_) + bytes(slot_of_) + bytes(stream_fill_) + bytes(slots_) + bytes(streams_) +
-         bytes(message_arrival_) + bytes(collective_arrivals_) + bytes(collective_duration_) + bytes(heap_);
+  return bytes(streams_) + bytes(simulated_) + bytes(message_arrival_) + bytes(collectives_) + bytes(sim_members_) +
+         bytes(worklist_) + bytes(counterpart_);
 }
 
 Timeline simulate_schedule(std::shared_ptr<const Schedule> schedule, const CostModels& models) {

@@ -2,10 +2,18 @@
 // predicted Timeline.
 //
 // State is per rank and stream (compute, collective, p2p), each running its ops in program
-// order. Events are op completions in a binary heap keyed on (time, sequence), so ties
-// resolve in the order events were created and every run is deterministic. Time is an
-// integer number of picoseconds. A Simulation owns all of its state: many can run at once
-// on many threads.
+// order. Time is an integer number of picoseconds. A Simulation owns all of its state:
+// many can run at once on many threads.
+//
+// Nothing in the model is a shared resource that ops queue for (a stream runs one op at a
+// time, in program order; links and collectives are priced per transfer), so every op's
+// start is fixed by the ends of what it waits for, whatever order events are handled in:
+//   start = max(stream free, dep ended)            compute, send, local check
+//   a receive ends at max(stream free, dep ended, its send ended) and spans the wait
+//   a collective starts when its last member arrives (each member: max(stream free, dep ended))
+// The engine therefore evaluates ops in dependency order (a worklist of streams that may
+// advance) rather than popping a time-ordered heap; the timestamps are those of the event
+// order, ties included, and tests/test_engine.cpp checks them against closed forms.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +25,10 @@
 #include "sim/cost/cost_models.h"
 
 namespace trainsim {
+
+class RooflineComputeModel;
+class LinkP2PModel;
+class NetworkCollectiveModel;
 
 class Simulation {
  public:
@@ -30,59 +42,59 @@ class Simulation {
   // blocked ops if the schedule deadlocks (schedules from build_schedule never do).
   void run(std::shared_ptr<const Schedule> schedule, const CostModels& models, Timeline& out);
 
+  // The same with the default cost models, priced without virtual calls. With
+  // `replica_symmetric`, only the ranks of data-parallel replica 0 are simulated and every
+  // other rank gets the timings of the rank with its stage in replica 0. That is exact
+  // only when every replica runs the same programs at the same costs with the same
+  // collective structure: the caller checks it (Predictor does, and tests compare it with
+  // a full run on random plans).
+  void run(std::shared_ptr<const Schedule> schedule, const RooflineComputeModel& compute, const LinkP2PModel& p2p,
+           const NetworkCollectiveModel& collective, Timeline& out, bool replica_symmetric = false);
+
+  // Whether the last run simulated replica 0 alone (asked for, and the schedule had one
+  // replica-0 rank per stage with programs as long as every other replica's).
+  bool last_run_symmetric() const { return symmetric_; }
+
   // Bytes of engine state (excluding the schedule it executes), to check that memory
   // grows linearly with the number of ops.
   std::size_t footprint_bytes() const;
 
  private:
-  struct Event {
-    Tick time;
-    std::uint32_t seq;
-    std::int32_t stream;  // the stream whose op ends, or -1 - c when collective c ends
-  };
-  struct Later {
-    bool operator()(const Event& a, const Event& b) const {
-      return a.time != b.time ? a.time > b.time : a.seq > b.seq;
-    }
-  };
-  enum class Role : std::uint8_t { work, recv, send, collective };
-  // Everything the event loop reads and writes about one op, laid out in its stream's
-  // order so that running a stream walks memory forwards.
-  struct Slot {
-    Tick duration = 0;
-    Tick start = 0;
-    Tick end = -1;                   // -1 until the op ends
-    std::int32_t dep = -1;           // slot of the op this one waits for
-    std::int32_t channel = -1;       // message id (recv, send) or collective id
-    std::int32_t receiver = -1;      // send: the compute stream of the receiving rank
-    Role role = Role::work;
-    std::uint8_t wakes = 0;          // bit k: an op on stream k of this rank depends on this one
-  };
   struct StreamState {
-    std::int32_t rank = 0;
-    std::int32_t cursor = 0, end = 0;  // range of slots_ still to run
-    Tick free_at = 0;                  // when the previous op ended
-    bool busy = false;
-    bool arrived = false;  // registered at the collective it is waiting for
+    std::int32_t cursor = 0;  // next op of this stream in the rank's program (or its size)
+    Tick free_at = 0;         // when the previous op of the stream ended
+    bool arrived = false;     // registered at the collective it is waiting for
+    bool waits_dep = false;   // blocked on an op of another stream of its rank
+    bool queued = false;      // in the worklist
+  };
+  struct CollectiveState {
+    Tick duration = -1;        // -1: not priced yet
+    Tick last_arrival = 0;
+    std::int32_t arrivals = 0;
+    std::int32_t target = 0;   // members that must arrive (simulated members)
+    std::int32_t first = 0, count = 0;  // simulated members: sim_members_[first, first + count)
   };
 
-  void prepare(const CostModels& models);
-  void push(Tick time, std::int32_t stream);
-  void try_advance(std::int32_t stream, Tick now);
-  void finish(std::int32_t stream, Tick now);
+  template <class Models>
+  void run_impl(const Models& models, Timeline& out, bool replica_symmetric);
+  template <class Models>
+  void prepare_collective(const Models& models, std::int32_t c);
+  template <class Models>
+  void advance(const Models& models, std::int32_t stream, Timeline& out);
+  void enqueue(std::int32_t stream);
+  [[noreturn]] void report_deadlock() const;
 
   std::shared_ptr<const Schedule> schedule_;
-  std::vector<std::int32_t> rank_offset_;  // first global op id of each rank
-  std::vector<std::int32_t> slot_of_;      // global op id -> slot
-  std::vector<std::int32_t> stream_fill_;
-  std::vector<Slot> slots_;
   std::vector<StreamState> streams_;       // rank * kNumStreams + stream kind
+  std::vector<std::uint8_t> simulated_;    // per rank
   std::vector<Tick> message_arrival_;      // per message: -1 until its send ends
-  std::vector<std::int32_t> collective_arrivals_;
-  std::vector<Tick> collective_duration_;
-  std::vector<Event> heap_;
-  std::uint32_t seq_ = 0;
-  std::int64_t completed_ = 0;
+  std::vector<CollectiveState> collectives_;
+  std::vector<std::int32_t> sim_members_;  // simulated members of each collective
+  std::vector<std::int32_t> worklist_;
+  std::vector<std::int32_t> counterpart_;  // rank -> the simulated rank whose timings it takes
+  std::int32_t last_priced_ = -1;          // the collective priced last (its neighbours often match it)
+  bool symmetric_ = false;
+  std::int64_t completed_ = 0, expected_ = 0;
 };
 
 // Convenience: one run with fresh buffers.

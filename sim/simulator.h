@@ -19,16 +19,33 @@ struct Prediction {
   Result result;
 };
 
+// The reference path (what `trainsim simulate` runs): fresh buffers, every rank simulated.
 Prediction predict(const Plan& plan);
 
 // Predicts plan after plan on one thread, reusing its buffers between calls: what a sweep
-// worker keeps (one per thread; no state is shared between Predictors).
+// worker keeps (one per thread; no state is shared between Predictors). Gives exactly what
+// predict() gives (tests/test_engine.cpp compares them on random plans), faster:
+//  * the schedule, engine state, Timeline and Result are rebuilt in place;
+//  * replicas 1.. of the schedule are derived from replica 0's programs;
+//  * when every data-parallel replica's messages cross the same kind of link and its
+//    per-replica collectives cost the same, only replica 0 is simulated and the other
+//    replicas take its timings, memory and per-rank figures (the full discrete-event
+//    simulation of one replica; collectives shared between replicas start when replica 0's
+//    members have arrived, as every replica arrives at the same time).
 class Predictor {
  public:
+  Predictor();
+  ~Predictor();
+  Predictor(const Predictor&) = delete;
+  Predictor& operator=(const Predictor&) = delete;
+
   // The prediction for `plan`; valid until the next call on this Predictor.
   const Prediction& predict(const Plan& plan);
 
  private:
+  struct Workspace;
+  std::unique_ptr<Workspace> ws_;
+  std::shared_ptr<Schedule> schedule_;
   Prediction last_;
 };
 

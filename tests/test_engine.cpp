@@ -8,6 +8,9 @@
 #include <random>
 #include <thread>
 
+#include "sim/cost/collective_model.h"
+#include "sim/cost/compute_model.h"
+#include "sim/cost/p2p_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
 
@@ -224,6 +227,167 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     ++simulated;
   }
   EXPECT_GT(simulated, 200);
+}
+
+}  // namespace
+}  // namespace trainsim
+
+namespace trainsim {
+namespace {
+
+bool same_op(const Op& a, const Op& b) {
+  return a.kind == b.kind && a.chunk == b.chunk && a.microbatch == b.microbatch && a.dep == b.dep &&
+         a.peer == b.peer && a.channel == b.channel && a.bucket == b.bucket && a.bytes == b.bytes && a.work == b.work;
+}
+
+void expect_same_schedule(const Schedule& a, const Schedule& b) {
+  EXPECT_EQ(a.kind, b.kind);
+  EXPECT_EQ(a.num_stages, b.num_stages);
+  EXPECT_EQ(a.num_replicas, b.num_replicas);
+  EXPECT_EQ(a.num_chunks, b.num_chunks);
+  EXPECT_EQ(a.num_microbatches, b.num_microbatches);
+  EXPECT_EQ(a.num_messages, b.num_messages);
+  ASSERT_EQ(a.ranks.size(), b.ranks.size());
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    EXPECT_EQ(a.ranks[r].rank, b.ranks[r].rank);
+    EXPECT_EQ(a.ranks[r].stage, b.ranks[r].stage);
+    EXPECT_EQ(a.ranks[r].replica, b.ranks[r].replica);
+    ASSERT_EQ(a.ranks[r].ops.size(), b.ranks[r].ops.size()) << "rank " << r;
+    for (std::size_t i = 0; i < a.ranks[r].ops.size(); ++i)
+      ASSERT_TRUE(same_op(a.ranks[r].ops[i], b.ranks[r].ops[i])) << "rank " << r << " op " << i;
+  }
+  ASSERT_EQ(a.collectives.size(), b.collectives.size());
+  for (std::size_t c = 0; c < a.collectives.size(); ++c) {
+    EXPECT_EQ(a.collectives[c].kind, b.collectives[c].kind);
+    EXPECT_EQ(a.collectives[c].purpose, b.collectives[c].purpose);
+    EXPECT_EQ(a.collectives[c].bytes, b.collectives[c].bytes);
+    EXPECT_EQ(a.collectives[c].members, b.collectives[c].members);
+  }
+}
+
+void expect_same_memory(const MemoryBreakdown& a, const MemoryBreakdown& b) {
+  EXPECT_EQ(a.weights, b.weights);
+  EXPECT_EQ(a.gradients, b.gradients);
+  EXPECT_EQ(a.optimizer, b.optimizer);
+  EXPECT_EQ(a.activations, b.activations);
+  EXPECT_EQ(a.buffers, b.buffers);
+}
+
+// Bit-for-bit: same doubles, same strings.
+void expect_same_result(const Result& a, const Result& b) {
+  EXPECT_EQ(a.step_time_s, b.step_time_s);
+  EXPECT_EQ(a.bubble_fraction, b.bubble_fraction);
+  EXPECT_EQ(a.tokens_per_s, b.tokens_per_s);
+  EXPECT_EQ(a.mfu, b.mfu);
+  EXPECT_EQ(a.allreduce_time_s, b.allreduce_time_s);
+  EXPECT_EQ(a.exposed_comm_time_s, b.exposed_comm_time_s);
+  EXPECT_EQ(a.fits_in_memory, b.fits_in_memory);
+  EXPECT_EQ(a.memory_capacity_bytes, b.memory_capacity_bytes);
+  EXPECT_EQ(a.warnings, b.warnings);
+  ASSERT_EQ(a.ranks.size(), b.ranks.size());
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    const RankResult &x = a.ranks[r], &y = b.ranks[r];
+    EXPECT_EQ(x.rank, y.rank);
+    EXPECT_EQ(x.stage, y.stage);
+    EXPECT_EQ(x.replica, y.replica);
+    EXPECT_EQ(x.busy_s, y.busy_s);
+    EXPECT_EQ(x.idle_s, y.idle_s);
+    EXPECT_EQ(x.utilization, y.utilization);
+    EXPECT_EQ(x.allreduce_s, y.allreduce_s);
+    EXPECT_EQ(x.exposed_comm_s, y.exposed_comm_s);
+    EXPECT_EQ(x.peak_memory_bytes, y.peak_memory_bytes);
+    expect_same_memory(x.memory, y.memory);
+  }
+}
+
+// One Predictor, reused across differently shaped random plans (fixed seed), gives what a
+// fresh predict() gives: schedule, timeline, memory and result, bit for bit. Placements
+// include replicas whose pipeline boundaries fall on different nodes (dp = 3 on 2- and
+// 4-GPU nodes), where only the full simulation is exact.
+TEST(Predictor, ReusedAcrossRandomPlansMatchesPredict) {
+  std::mt19937 rng(20261121);
+  auto pick = [&](std::initializer_list<int> xs) {
+    std::uniform_int_distribution<std::size_t> u(0, xs.size() - 1);
+    return *(xs.begin() + u(rng));
+  };
+  Predictor predictor;
+  int compared = 0, replicated = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto kind = static_cast<ScheduleKind>(pick({0, 1, 2, 3}));
+    const int p = pick({1, 2, 4, 8}), d = pick({1, 2, 3, 4}), t = pick({1, 2});
+    const int v = kind == ScheduleKind::interleaved_1f1b ? pick({2, 3}) : 1;
+    if (kind == ScheduleKind::interleaved_1f1b && p < 2) continue;
+    const int m = kind == ScheduleKind::interleaved_1f1b ? p * pick({1, 2, 3}) : pick({1, 3, 8, 16});
+    ScenarioConfig c = testing::small_config(p, m, kind, v, d);
+    c.cluster.num_gpus = p * d * t;
+    c.cluster.gpus_per_node = pick({1, 2, 4, 8});
+    if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) continue;
+    c.parallelism.tensor_parallel_size = t;
+    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
+    c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+    c.training.micro_batch_size = pick({1, 2});
+    c.training.global_batch_size = m * d * c.training.micro_batch_size;
+    c.communication.overlap_grad_reduce = pick({0, 1});
+    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
+    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
+    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
+    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
+    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
+    c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
+    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(kind) << " p=" << p << " d=" << d
+                                      << " t=" << t << " v=" << v << " m=" << m
+                                      << " gpus_per_node=" << c.cluster.gpus_per_node);
+    const Plan plan = Plan::from_config(c);
+    const Prediction expected = predict(plan);
+    const Prediction& got = predictor.predict(plan);
+    expect_same_schedule(*got.schedule, *expected.schedule);
+    ASSERT_TRUE(same_timeline(got.timeline, expected.timeline));
+    EXPECT_EQ(got.timeline.schedule, got.schedule);
+    ASSERT_EQ(got.memory.size(), expected.memory.size());
+    for (std::size_t r = 0; r < got.memory.size(); ++r) expect_same_memory(got.memory[r], expected.memory[r]);
+    expect_same_result(got.result, expected.result);
+    ++compared;
+    replicated += d > 1;
+  }
+  EXPECT_GT(compared, 250);
+  EXPECT_GT(replicated, 150);
+}
+
+// A prediction kept past the next call stays as it was: the Predictor then builds into
+// fresh storage instead of the schedule someone still holds.
+TEST(Predictor, KeptScheduleIsNotOverwritten) {
+  Predictor predictor;
+  const Plan a = Plan::from_config(testing::small_config(4, 8, ScheduleKind::one_f_one_b, 1, 2));
+  const Plan b = Plan::from_config(testing::small_config(2, 3, ScheduleKind::gpipe, 1, 1));
+  const std::shared_ptr<const Schedule> kept = predictor.predict(a).schedule;
+  const std::size_t ops = kept->total_ops();
+  predictor.predict(b);
+  EXPECT_EQ(kept->total_ops(), ops);
+  expect_same_schedule(*kept, build_schedule(a));
+}
+
+// Replica symmetry in the engine: simulating replica 0 alone and copying gives the full
+// run's timeline when every replica is placed alike (2 stages x 4 replicas on one node).
+TEST(Engine, ReplicaSymmetricRunEqualsFullRun) {
+  ScenarioConfig c = testing::small_config(2, 8, ScheduleKind::one_f_one_b, 1, 4);
+  c.communication.overlap_grad_reduce = true;
+  c.communication.bucket_size_mib = 0.01;
+  c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+  const Plan plan = Plan::from_config(c);
+  auto sched = std::make_shared<const Schedule>(build_schedule(plan));
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  Simulation sim;
+  Timeline full, symmetric;
+  sim.run(sched, compute, p2p, collective, full, false);
+  EXPECT_FALSE(sim.last_run_symmetric());
+  sim.run(sched, compute, p2p, collective, symmetric, true);
+  EXPECT_TRUE(sim.last_run_symmetric());
+  EXPECT_TRUE(same_timeline(full, symmetric));
+  EXPECT_TRUE(same_timeline(full, simulate_schedule(sched, CostModels{&compute, &p2p, &collective})));
 }
 
 }  // namespace

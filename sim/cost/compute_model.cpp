@@ -69,19 +69,4 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
                             seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});
 }
 
-Tick RooflineComputeModel::duration(const Op& op, int rank) const {
-  int k = 0;
-  switch (op.kind) {
-    case OpKind::Forward: k = 0; break;
-    case OpKind::Backward: k = 1; break;
-    case OpKind::BackwardInput: k = 2; break;
-    case OpKind::BackwardWeight: k = 3; break;
-    case OpKind::OptimizerStep: return optimizer_ticks_[rank];
-    default: return 0;
-  }
-  const Tick whole = chunk_ticks_[op.chunk][k];
-  // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
-  return op.work == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * op.work + 0.5);
-}
-
 }  // namespace trainsim

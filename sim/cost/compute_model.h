@@ -22,7 +22,21 @@ namespace trainsim {
 class RooflineComputeModel final : public ComputeModel {
  public:
   explicit RooflineComputeModel(const Plan& plan);
-  Tick duration(const Op& op, int rank) const override;
+  // Pricing an op is a lookup (inline: the engine calls it once per op).
+  Tick duration(const Op& op, int rank) const override {
+    int k = 0;
+    switch (op.kind) {
+      case OpKind::Forward: k = 0; break;
+      case OpKind::Backward: k = 1; break;
+      case OpKind::BackwardInput: k = 2; break;
+      case OpKind::BackwardWeight: k = 3; break;
+      case OpKind::OptimizerStep: return optimizer_ticks_[rank];
+      default: return 0;
+    }
+    const Tick whole = chunk_ticks_[op.chunk][k];
+    // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
+    return op.work == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * op.work + 0.5);
+  }
 
   struct ChunkSeconds {
     double forward = 0, backward_input = 0, backward_weight = 0;

@@ -24,8 +24,8 @@ ModelStateBytes model_state_bytes(const Plan& plan, double params) {
   return b;
 }
 
-MemoryModel::MemoryModel(const Plan& plan) : plan_(plan) {
-  const ModelShape m = plan.shape();
+MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
+  const ModelShape& m = shape_;
   const auto& cfg = plan.config;
   const int b = plan.micro_batch_size, t = plan.tp, e = plan.activation_bytes();
   const bool sp = cfg.parallelism.sequence_parallel;
@@ -43,50 +43,52 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan) {
 }
 
 std::vector<MemoryBreakdown> MemoryModel::peak_per_rank(const Schedule& schedule) const {
-  const auto& cfg = plan_.config;
-  const ModelShape m = plan_.shape();
   std::vector<MemoryBreakdown> out;
-  for (const auto& prog : schedule.ranks) {
-    double params = 0;
-    for (int j = 0; j < plan_.vpp; ++j) params += plan_.virtual_stage_params(j * plan_.pp + prog.stage);
-    params /= plan_.tp;
-    const ModelStateBytes states = model_state_bytes(plan_, params);
-
-    // Communication buffers: activation send/receive, gradient buckets cast to another
-    // format for the all-reduce (double-buffered), ZeRO-3's gathered layer and the next.
-    double buffers = 0;
-    if (plan_.num_virtual_stages() > 1)
-      buffers += 2.0 * plan_.micro_batch_size * m.s * m.h * plan_.activation_bytes() / plan_.tp;
-    if (plan_.dp > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
-      buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
-    if (plan_.dp > 1 && cfg.parallelism.zero_stage == 3)
-      buffers += 2.0 * m.params_per_layer() / plan_.tp * plan_.weight_bytes();
-
-    double live = 0, peak = 0;
-    for (const Op& op : prog.ops) {
-      switch (op.kind) {
-        case OpKind::Forward:
-          live += act_[op.chunk] * op.work;
-          peak = std::max(peak, live);
-          break;
-        case OpKind::Backward:
-          peak = std::max(peak, live + transient_[op.chunk]);
-          live -= act_[op.chunk] * op.work;
-          break;
-        case OpKind::BackwardInput: peak = std::max(peak, live + transient_[op.chunk]); break;
-        case OpKind::BackwardWeight: live -= act_[op.chunk] * op.work; break;
-        default: break;
-      }
-    }
-    MemoryBreakdown b;
-    b.weights = states.weights;
-    b.gradients = states.gradients;
-    b.optimizer = states.optimizer;
-    b.activations = peak;
-    b.buffers = buffers;
-    out.push_back(b);
-  }
+  out.reserve(schedule.ranks.size());
+  for (const auto& prog : schedule.ranks) out.push_back(peak_of(prog));
   return out;
+}
+
+MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
+  const auto& cfg = plan_.config;
+  double params = 0;
+  for (int j = 0; j < plan_.vpp; ++j) params += plan_.virtual_stage_params(j * plan_.pp + prog.stage);
+  params /= plan_.tp;
+  const ModelStateBytes states = model_state_bytes(plan_, params);
+
+  // Communication buffers: activation send/receive, gradient buckets cast to another
+  // format for the all-reduce (double-buffered), ZeRO-3's gathered layer and the next.
+  double buffers = 0;
+  if (plan_.num_virtual_stages() > 1)
+    buffers += 2.0 * plan_.micro_batch_size * shape_.s * shape_.h * plan_.activation_bytes() / plan_.tp;
+  if (plan_.dp > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
+    buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
+  if (plan_.dp > 1 && cfg.parallelism.zero_stage == 3)
+    buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();
+
+  double live = 0, peak = 0;
+  for (const Op& op : prog.ops) {
+    switch (op.kind) {
+      case OpKind::Forward:
+        live += act_[op.chunk] * op.work;
+        peak = std::max(peak, live);
+        break;
+      case OpKind::Backward:
+        peak = std::max(peak, live + transient_[op.chunk]);
+        live -= act_[op.chunk] * op.work;
+        break;
+      case OpKind::BackwardInput: peak = std::max(peak, live + transient_[op.chunk]); break;
+      case OpKind::BackwardWeight: live -= act_[op.chunk] * op.work; break;
+      default: break;
+    }
+  }
+  MemoryBreakdown b;
+  b.weights = states.weights;
+  b.gradients = states.gradients;
+  b.optimizer = states.optimizer;
+  b.activations = peak;
+  b.buffers = buffers;
+  return b;
 }
 
 std::vector<int> max_in_flight_microbatches(const Schedule& schedule) {

@@ -32,9 +32,12 @@ class MemoryModel {
   double activations_per_microbatch(int vstage) const { return act_.at(vstage); }
   // Breakdown at the peak of each rank's walk.
   std::vector<MemoryBreakdown> peak_per_rank(const Schedule& schedule) const;
+  // The same for one rank's program.
+  MemoryBreakdown peak_of(const RankProgram& prog) const;
 
  private:
   const Plan& plan_;
+  ModelShape shape_;
   std::vector<double> act_;       // per virtual stage
   std::vector<double> transient_; // per virtual stage: extra during a backward (full recompute)
 };

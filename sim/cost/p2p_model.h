@@ -10,7 +10,12 @@ namespace trainsim {
 class LinkP2PModel final : public P2PModel {
  public:
   explicit LinkP2PModel(const Plan& plan) : plan_(plan) {}
-  Tick duration(int from_rank, int to_rank, Bytes bytes) const override;
+  Tick duration(int from_rank, int to_rank, Bytes bytes) const override {
+    const auto& cl = plan_.config.cluster;
+    const LinkConfig& link = plan_.same_node(from_rank, to_rank) ? cl.intra_node : cl.inter_node;
+    return seconds_to_ticks(us_to_seconds(link.latency_us) +
+                            static_cast<double>(bytes) / gbps_to_bytes_per_second(link.bandwidth_gbps));
+  }
 
  private:
   const Plan& plan_;

@@ -1,10 +1,13 @@
 // Simulator speed. Targets (one core of the 2-core CI machine), see docs/performance.md:
+//   sweep (BM_Sweep_Predictor): >= 20,000 configurations of 8-64 GPUs per second per core
 //   1F1B, p=8, m=32, data-parallel all-reduce in buckets: one step simulates in < 50 us
 //   interleaved 1F1B, p=64, m=512, v=2:                    one step simulates in < 20 ms
 //   engine memory linear in the number of ops (bytes_per_op constant across sizes)
 //
 //   build/tests/bench/bench_simulator --benchmark_min_time=0.5
 #include <benchmark/benchmark.h>
+
+#include <vector>
 
 #include "core/plan.h"
 #include "core/presets.h"
@@ -85,6 +88,79 @@ void BM_BuildSchedule_1F1B_p8_m32_dp2(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(build_schedule(plan));
 }
 BENCHMARK(BM_BuildSchedule_1F1B_p8_m32_dp2)->Unit(benchmark::kMicrosecond);
+
+
+// ---- Sweep throughput --------------------------------------------------------------------
+// What a sweep worker does per configuration: Plan::from_config, then Predictor::predict
+// (schedule, cost models, discrete-event simulation of every op, memory walk, metrics).
+// Population: every dp x pp factorisation of 8, 16, 32 and 64 GPUs (tp = 1) for
+// gpt3-6.7b, gpt3-13b and llama2-7b on a100-80gb and h100-80gb, micro-batch sizes
+// 1, 2, 4, 8, schedules gpipe, 1f1b and interleaved-1f1b (v = 2), global batch 128, 256 or
+// 512 sequences, kept where the plan is valid and p * m <= 256. Gradients all-reduced in
+// fp32 in Megatron-LM's default buckets of 40M parameters, overlapped with backward.
+std::vector<ScenarioConfig> sweep_population() {
+  std::vector<ScenarioConfig> out;
+  for (const char* model : {"gpt3-6.7b", "gpt3-13b", "llama2-7b"})
+    for (const char* gpu : {"a100-80gb", "h100-80gb"})
+      for (int n : {8, 16, 32, 64})
+        for (int p = 1; p <= n; p *= 2)
+          for (ScheduleKind kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_1f1b})
+            for (int b : {1, 2, 4, 8})
+              for (int gb : {128, 256, 512}) {
+                const int d = n / p, v = kind == ScheduleKind::interleaved_1f1b ? 2 : 1;
+                if (gb % (b * d) != 0) continue;
+                const int m = gb / (b * d);
+                if (p * m > 256) continue;
+                ScenarioConfig c;
+                apply_model_preset(*find_model_preset(model), c.model);
+                apply_gpu_preset(*find_gpu_preset(gpu), c.cluster);
+                if (c.model.num_layers % (p * v) != 0) continue;
+                if (kind == ScheduleKind::interleaved_1f1b && (p < 2 || m % p != 0)) continue;
+                c.cluster.num_gpus = n;
+                c.parallelism.pipeline_parallel_size = p;
+                c.parallelism.data_parallel_size = d;
+                c.parallelism.virtual_pipeline_stages = v;
+                c.parallelism.schedule = kind;
+                c.training.micro_batch_size = b;
+                c.training.global_batch_size = gb;
+                c.communication.overlap_grad_reduce = true;
+                c.communication.bucket_size_mib = 40e6 * 4 / kMiB;
+                out.push_back(c);
+              }
+  return out;
+}
+
+// One iteration predicts the whole population once, on one thread, with one Predictor.
+void BM_Sweep_Predictor(benchmark::State& state) {
+  const std::vector<ScenarioConfig> population = sweep_population();
+  Predictor predictor;
+  double ops = 0;
+  for (const auto& c : population) ops += static_cast<double>(predictor.predict(Plan::from_config(c)).schedule->total_ops());
+  for (auto _ : state) {
+    for (const auto& c : population) {
+      const Plan plan = Plan::from_config(c);
+      const Prediction& p = predictor.predict(plan);
+      benchmark::DoNotOptimize(p.result.step_time_s);
+    }
+  }
+  const double n = static_cast<double>(population.size());
+  state.counters["configs"] = n;
+  state.counters["ops_per_config"] = ops / n;
+  state.counters["configs_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["s_per_config"] =  // printed with an SI prefix: 50u is 50 us
+      benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_Sweep_Predictor)->Unit(benchmark::kMillisecond);
+
+// The same population through Plan::from_config alone (validation and derived figures).
+void BM_Sweep_PlanOnly(benchmark::State& state) {
+  const std::vector<ScenarioConfig> population = sweep_population();
+  for (auto _ : state)
+    for (const auto& c : population) benchmark::DoNotOptimize(Plan::from_config(c).num_microbatches);
+  state.counters["configs_per_s"] =
+      benchmark::Counter(static_cast<double>(population.size()), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_Sweep_PlanOnly)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
