@@ -1,13 +1,72 @@
-// trainsim sweep: placeholder until its issue lands (replaced by the real command).
-#include <stdexcept>
+// trainsim sweep FILE: simulate every configuration of the scenario's `sweep:` axes and rank them.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
 
 #include "cli/commands.h"
+#include "core/scenario.h"
+#include "sim/sweep/report.h"
+#include "sim/sweep/sweep.h"
 
 namespace trainsim::cli {
 
+// A progress bar on stderr when it is a terminal and the work has lasted over a second.
+std::function<void(const SweepProgress&)> terminal_progress() {
+  if (!::isatty(STDERR_FILENO)) return {};
+  auto drawn = std::make_shared<bool>(false);
+  return [drawn](const SweepProgress& p) {
+    const bool finished = p.done >= p.total;
+    if (p.elapsed_s < 1.0 && !*drawn) return;
+    if (finished) {
+      if (*drawn) std::cerr << "\r\033[K" << std::flush;  // leave the terminal clean
+      return;
+    }
+    std::cerr << "\r" << format_progress(p) << "\033[K" << std::flush;
+    *drawn = true;
+  };
+}
+
 Command add_sweep_command(CLI::App& app) {
-  auto* sub = app.add_subcommand("sweep", "(not built yet)");
-  return {sub, [] () -> int { throw std::runtime_error("trainsim sweep is not built yet"); }};
+  struct Options {
+    std::string file, csv, svg;
+    bool json = false;
+    std::size_t top = 10, infeasible = 10;
+    unsigned threads = 0;
+  };
+  auto o = std::make_shared<Options>();
+  auto* sub = app.add_subcommand("sweep", "Simulate every configuration of the scenario's sweep: axes and rank them");
+  sub->add_option("FILE", o->file, "Scenario YAML with a sweep: section (see docs/sweep.md)")->required();
+  sub->add_option("--top", o->top, "Feasible configurations shown in the table")->capture_default_str();
+  sub->add_option("--infeasible", o->infeasible, "Configurations that cannot run shown with their reason")
+      ->capture_default_str();
+  sub->add_flag("--json", o->json, "Print every configuration with its metrics as JSON instead of the table");
+  sub->add_option("--csv", o->csv, "Write every configuration with its metrics as CSV");
+  sub->add_option("--svg", o->svg, "Write a picture: throughput against peak memory per GPU, Pareto front marked");
+  sub->add_option("--threads", o->threads, "Worker threads (default: all cores)")->check(CLI::PositiveNumber);
+  return {sub, [o] {
+            const Scenario scenario = load_scenario_file(o->file);
+            if (scenario.sweep.empty())
+              std::cerr << o->file << ": no sweep: section; evaluating the file's own configuration (see docs/sweep.md; "
+                                      "trainsim plan searches a default space)\n";
+            SweepOptions options;
+            options.threads = o->threads;
+            options.progress = terminal_progress();
+            const SweepResult result = run_sweep(scenario, options);
+            if (o->json) {
+              std::cout << sweep_to_json(result, scenario).dump(2) << "\n";
+            } else {
+              const std::string name = scenario.config.name.empty() ? o->file : scenario.config.name;
+              std::cout << format_sweep_table(result, "sweep of " + name + " (" + o->file + ")", o->top,
+                                              o->infeasible);
+            }
+            std::cout << std::flush;
+            if (!o->csv.empty()) write_output(o->csv, [&](std::ostream& out) { write_sweep_csv(result, out); });
+            if (!o->svg.empty())
+              write_output(o->svg, [&](std::ostream& out) { write_sweep_svg(result, scenario, out); });
+            return 0;
+          }};
 }
 
 }  // namespace trainsim::cli

@@ -14,6 +14,81 @@
 
 namespace trainsim {
 
+namespace {
+
+template <class T>
+ConstraintField int_constraint(std::string key, std::optional<T> SweepConstraints::*member, double min, double max,
+                               std::string help) {
+  ConstraintField c;
+  c.key = std::move(key);
+  c.kind = FieldKind::integer;
+  c.min = min;
+  c.max = max;
+  c.help = std::move(help);
+  c.set = [member](SweepConstraints& s, const FieldValue& v) { s.*member = static_cast<T>(std::get<std::int64_t>(v)); };
+  c.get = [member](const SweepConstraints& s) -> std::optional<FieldValue> {
+    if (!(s.*member)) return std::nullopt;
+    return FieldValue{static_cast<std::int64_t>(*(s.*member))};
+  };
+  return c;
+}
+
+std::vector<ConstraintField> make_constraint_fields() {
+  std::vector<ConstraintField> t;
+  {
+    ConstraintField c;
+    c.key = "max_memory_fraction";
+    c.kind = FieldKind::real;
+    c.min = 0.01;
+    c.max = 1;
+    c.help = "A configuration fits only if its peak memory per GPU is at most this fraction of cluster.memory_gib "
+             "(default 1: the whole GPU)";
+    c.set = [](SweepConstraints& s, const FieldValue& v) { s.max_memory_fraction = std::get<double>(v); };
+    c.get = [](const SweepConstraints& s) -> std::optional<FieldValue> {
+      if (s.max_memory_fraction >= 1) return std::nullopt;
+      return FieldValue{s.max_memory_fraction};
+    };
+    t.push_back(std::move(c));
+  }
+  {
+    ConstraintField c;
+    c.key = "min_memory_headroom_gib";
+    c.kind = FieldKind::real;
+    c.min = 0;
+    c.max = 1e6;
+    c.unit = "GiB";
+    c.help = "Memory each GPU must keep free at its peak (CUDA context, workspaces, fragmentation)";
+    c.set = [](SweepConstraints& s, const FieldValue& v) { s.min_memory_headroom_gib = std::get<double>(v); };
+    c.get = [](const SweepConstraints& s) -> std::optional<FieldValue> {
+      if (!s.min_memory_headroom_gib) return std::nullopt;
+      return FieldValue{*s.min_memory_headroom_gib};
+    };
+    t.push_back(std::move(c));
+  }
+  t.push_back(int_constraint("min_global_batch_size", &SweepConstraints::min_global_batch_size, 1, 1 << 30,
+                             "Smallest global batch (samples per optimizer step) allowed"));
+  t.push_back(int_constraint("max_global_batch_size", &SweepConstraints::max_global_batch_size, 1, 1 << 30,
+                             "Largest global batch (samples per optimizer step) allowed"));
+  t.push_back(int_constraint("max_data_parallel_size", &SweepConstraints::max_data_parallel_size, 1, 1 << 20,
+                             "Largest data_parallel_size allowed"));
+  t.push_back(int_constraint("max_pipeline_parallel_size", &SweepConstraints::max_pipeline_parallel_size, 1, 4096,
+                             "Largest pipeline_parallel_size allowed"));
+  t.push_back(int_constraint("max_tensor_parallel_size", &SweepConstraints::max_tensor_parallel_size, 1, 1024,
+                             "Largest tensor_parallel_size allowed"));
+  t.push_back(int_constraint("max_micro_batch_size", &SweepConstraints::max_micro_batch_size, 1, 1 << 20,
+                             "Largest micro_batch_size allowed"));
+  t.push_back(int_constraint("min_micro_batches", &SweepConstraints::min_micro_batches, 1, 1 << 30,
+                             "Fewest micro-batches per replica per step allowed"));
+  return t;
+}
+
+}  // namespace
+
+const std::vector<ConstraintField>& constraint_fields() {
+  static const std::vector<ConstraintField> fields = make_constraint_fields();
+  return fields;
+}
+
 bool Scenario::has_key(const std::string& path) const {
   return std::find(explicit_keys.begin(), explicit_keys.end(), path) != explicit_keys.end();
 }
@@ -138,6 +213,7 @@ class Loader {
       if (p.field->applies_preset) apply(*p.field, p.value, p.key_at);
     for (const auto& p : pending_)
       if (!p.field->applies_preset) apply(*p.field, p.value, p.key_at);
+    check_generated_axes();
   }
 
   std::vector<Diagnostic> errors;
@@ -179,6 +255,8 @@ class Loader {
 
       if (prefix.empty() && key == "sweep") {
         load_sweep(value, key_at);
+      } else if (prefix.empty() && key == "constraints") {
+        load_constraints(value, key_at);
       } else if (const FieldSpec* f = find_field(path)) {
         pending_.push_back(Pending{f, value, key_at});
       } else if (is_field_section(path)) {
@@ -196,7 +274,10 @@ class Loader {
 
   void unknown_key(const std::string& prefix, const std::string& key, SourceLocation at) {
     std::vector<std::string> siblings = section_children(prefix);
-    if (prefix.empty()) siblings.push_back("sweep");
+    if (prefix.empty()) {
+      siblings.push_back("sweep");
+      siblings.push_back("constraints");  // only `trainsim sweep` and `trainsim plan` read it (docs/sweep.md)
+    }
     std::string hint = closest_match(key, siblings);
     std::string path = prefix.empty() ? key : prefix + "." + key;
     std::string msg = "unknown key";
@@ -304,7 +385,28 @@ class Loader {
       }
       const std::string path = key_node.Scalar();
       if (!record("sweep." + path, at)) continue;
+      if (path == "parallelism") {
+        if (is_plain_scalar(values) && values.Scalar() == "auto") {
+          sc_.sweep.push_back(SweepAxis{path, {}, at, SweepAxisKind::auto_parallelism});
+        } else {
+          error("sweep.parallelism", value_location(values, at),
+                fmt::format("expected auto (every data x pipeline x tensor factorisation of num_gpus), got {}; "
+                            "to list the sizes of one key, sweep it by its dotted path, e.g. "
+                            "parallelism.pipeline_parallel_size: [1, 2, 4]",
+                            describe(values)));
+        }
+        continue;
+      }
       const FieldSpec* f = find_field(path);
+      if (f && is_plain_scalar(values) && values.Scalar() == "auto") {
+        if (path == "training.micro_batch_size")
+          sc_.sweep.push_back(SweepAxis{path, {}, at, SweepAxisKind::auto_micro_batch_size});
+        else
+          error("sweep." + path, value_location(values, at),
+                "auto is generated only for `parallelism` and `training.micro_batch_size`; list this key's values, "
+                "e.g. [a, b, c]");
+        continue;
+      }
       if (!f) {
         std::string hint = closest_match(path, all_paths);
         error("sweep." + path, at,
@@ -339,6 +441,69 @@ class Loader {
         axis.values.push_back(std::move(*v));
       }
       if (ok) sc_.sweep.push_back(std::move(axis));
+    }
+  }
+
+
+  // Generated axes that cannot work with the rest of the file.
+  void check_generated_axes() {
+    auto axis = [&](const std::string& path) -> const SweepAxis* {
+      for (const auto& a : sc_.sweep)
+        if (a.path == path) return &a;
+      return nullptr;
+    };
+    if (const SweepAxis* a = axis("parallelism")) {
+      for (const char* k : {"parallelism.data_parallel_size", "parallelism.pipeline_parallel_size",
+                            "parallelism.tensor_parallel_size"})
+        if (const SweepAxis* b = axis(k))
+          error(std::string("sweep.") + k, b->where,
+                fmt::format("parallelism: auto (line {}) already generates this size; remove one of the two",
+                            a->where.line));
+    }
+    if (const SweepAxis* a = axis("training.micro_batch_size"); a && a->generated()) {
+      if (sc_.config.training.global_batch_size <= 0 && !axis("training.global_batch_size"))
+        error("sweep.training.micro_batch_size", a->where,
+              "auto takes the divisors of global_batch_size / data_parallel_size, but training.global_batch_size "
+              "is not set; set it (or list the micro-batch sizes)");
+    }
+  }
+
+  void load_constraints(const YAML::Node& node, SourceLocation section_at) {
+    if (!node.IsMap()) {
+      error("constraints", value_location(node, section_at),
+            fmt::format("expected a section (a map of keys), got {}", describe(node)));
+      return;
+    }
+    std::vector<std::string> keys;
+    for (const auto& c : constraint_fields()) keys.push_back(c.key);
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const YAML::Node key_node = it->first;
+      const YAML::Node value = it->second;
+      const SourceLocation at = location_of(key_node);
+      if (!key_node.IsScalar()) {
+        error("constraints", at, fmt::format("keys must be names, got {}", describe(key_node)));
+        continue;
+      }
+      const std::string key = key_node.Scalar();
+      const std::string path = "constraints." + key;
+      if (!record(path, at)) continue;
+      const ConstraintField* cf = nullptr;
+      for (const auto& c : constraint_fields())
+        if (c.key == key) cf = &c;
+      if (!cf) {
+        const std::string hint = closest_match(key, keys);
+        error(path, at,
+              hint.empty() ? fmt::format("unknown key; constraints accepts: {}", fmt::join(keys, ", "))
+                           : fmt::format("unknown key; did you mean \"{}\"?", hint));
+        continue;
+      }
+      // Parsed with the loader's own rules, through a field spec with the same bounds.
+      FieldSpec spec;
+      spec.path = path;
+      spec.kind = cf->kind;
+      spec.min = cf->min;
+      spec.max = cf->max;
+      if (auto v = parse(spec, value, path, at)) cf->set(sc_.constraints, *v);
     }
   }
 

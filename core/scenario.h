@@ -2,8 +2,11 @@
 // against the field table and every problem reported with its file, line, column and key.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string_view>
 #include <string>
 #include <vector>
@@ -14,16 +17,49 @@
 
 namespace trainsim {
 
+// An axis of `sweep:`. Most list values of one key; two are generated per configuration:
+//   parallelism: auto                 every (data, pipeline, tensor) factorisation of num_gpus
+//                                     the model allows (sim/sweep/sweep.h says which)
+//   training.micro_batch_size: auto   every divisor of global_batch_size / data_parallel_size
+enum class SweepAxisKind { values, auto_parallelism, auto_micro_batch_size };
+
 struct SweepAxis {
-  std::string path;  // a row of the field table
-  std::vector<FieldValue> values;
+  std::string path;  // a row of the field table ("parallelism" for `parallelism: auto`)
+  std::vector<FieldValue> values;  // empty for generated axes
   SourceLocation where;
+  SweepAxisKind kind = SweepAxisKind::values;
+  bool generated() const { return kind != SweepAxisKind::values; }
 };
+
+// The optional top-level `constraints:` section: what a configuration must meet, besides
+// being valid and fitting in memory, to be ranked by `trainsim sweep` and chosen by
+// `trainsim plan`. Unset entries constrain nothing. Keys, bounds and help text are in
+// constraint_fields(); docs/sweep.md documents them.
+struct SweepConstraints {
+  double max_memory_fraction = 1.0;  // peak per GPU <= fraction * cluster.memory_gib
+  std::optional<double> min_memory_headroom_gib;  // memory_gib - peak per GPU >= this
+  std::optional<std::int64_t> min_global_batch_size, max_global_batch_size;
+  std::optional<std::int64_t> max_data_parallel_size, max_pipeline_parallel_size, max_tensor_parallel_size;
+  std::optional<std::int64_t> max_micro_batch_size;
+  std::optional<std::int64_t> min_micro_batches;  // micro-batches per replica per step
+};
+
+struct ConstraintField {
+  std::string key;  // under `constraints:`, e.g. "max_memory_fraction"
+  FieldKind kind = FieldKind::integer;  // integer or real
+  double min = 0, max = 0;  // inclusive bounds
+  std::string unit, help;
+  std::function<void(SweepConstraints&, const FieldValue&)> set;
+  // The value when set (nullopt: the constraint is off).
+  std::function<std::optional<FieldValue>(const SweepConstraints&)> get;
+};
+const std::vector<ConstraintField>& constraint_fields();
 
 struct Scenario {
   std::string file;  // as given by the user, for messages
   ScenarioConfig config;
   std::vector<SweepAxis> sweep;
+  SweepConstraints constraints;
   // Where each key was written (key path -> location), so that invariant errors found
   // later (Plan::from_config) can point at the offending line. Sections are included.
   std::map<std::string, SourceLocation> locations;

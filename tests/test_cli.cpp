@@ -116,3 +116,86 @@ TEST(Cli, UsageErrorsAreNotSilent) {
 }
 
 }  // namespace
+
+// ---- trainsim run ---------------------------------------------------------------------
+
+namespace {
+
+// A scenario whose runtime section finishes in well under a second.
+fs::path small_run_scenario(const std::string& extra = "") {
+  const fs::path p = temp_dir() / "small.yaml";
+  std::ofstream(p) << "name: small-run\n"
+                      "cluster: {num_gpus: 4, gpus_per_node: 4}\n"
+                      "parallelism: {data_parallel_size: 2, pipeline_parallel_size: 2, schedule: 1f1b}\n"
+                      "training: {micro_batch_size: 1, global_batch_size: 4}\n"
+                      "precision: {compute: bf16}\n"
+                      "runtime:\n"
+                      "  steps: 3\n"
+                      "  model: {num_layers: 4, hidden_size: 32, num_attention_heads: 2, seq_length: 16, vocab_size: 256}\n"
+                   << extra;
+  return p;
+}
+
+}  // namespace
+
+TEST(Cli, RunWritesTheResultFieldsAndPerStepNumerics) {
+  const fs::path dir = temp_dir();
+  const CommandResult r = run("run " + small_run_scenario().string() + " --json --svg " + (dir / "run.svg").string());
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* k : {"step_time_s", "bubble_fraction", "tokens_per_s", "allreduce_time_s", "exposed_comm_time_s",
+                        "ranks", "steps"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  ASSERT_EQ(j["ranks"].size(), 4u);
+  EXPECT_GT(j["ranks"][0]["peak_memory_gib"].get<double>(), 0);
+  ASSERT_EQ(j["steps"].size(), 3u);
+  for (const char* k : {"step", "loss", "grad_norm", "loss_scale", "skipped", "nonfinite_count", "replica_drift"})
+    EXPECT_TRUE(j["steps"][0].contains(k)) << k;
+  EXPECT_NE(slurp(dir / "run.svg").find("Loss per step"), std::string::npos);
+}
+
+TEST(Cli, RunOfTheIncidentReportsWhereItFailed) {
+  // The default scenario as it is: fp16, static scale, fp16 all-reduce summed before
+  // dividing, local overflow checks. It must end with a report, not a crash.
+  const CommandResult r = run("run " + kDefault + " --steps 6");
+  EXPECT_TRUE(r.status == 0 || r.status == 4) << r.err;
+  if (r.status == 4) {
+    EXPECT_NE(r.out.find("RUN FAILED"), std::string::npos);
+    EXPECT_NE(r.out.find("first appeared at step"), std::string::npos) << r.out;
+  }
+  EXPECT_NE(r.out.find("loss"), std::string::npos);
+}
+
+TEST(Cli, RunRefusesACorruptCheckpointAndABadRuntimeSection) {
+  const fs::path dir = temp_dir();
+  const fs::path bad = dir / "bad.ckpt";
+  std::ofstream(bad) << "TSCKPT this is not a checkpoint";
+  CommandResult r = run("run " + small_run_scenario().string() + " --resume " + bad.string());
+  EXPECT_EQ(r.status, 3);
+  EXPECT_NE(r.err.find("bad.ckpt"), std::string::npos) << r.err;
+
+  const fs::path deep = dir / "deep.yaml";
+  std::ofstream(deep) << "cluster: {num_gpus: 8, gpus_per_node: 8}\n"
+                         "parallelism: {pipeline_parallel_size: 8, data_parallel_size: 1}\n"
+                         "training: {micro_batch_size: 1, global_batch_size: 8}\n"
+                         "runtime:\n"
+                         "  model: {num_layers: 4}\n";
+  r = run("run " + deep.string());
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("deep.yaml:5"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("runtime.model.num_layers"), std::string::npos) << r.err;
+}
+
+TEST(Cli, RunResumesFromItsCheckpointWithIdenticalLosses) {
+  const fs::path dir = temp_dir() / "ckpt";
+  const std::string file = small_run_scenario().string();
+  const CommandResult whole = run("run " + file + " --json --steps 4 --checkpoint-dir " + dir.string() +
+                                  " --checkpoint-every 2");
+  ASSERT_EQ(whole.status, 0) << whole.err;
+  const CommandResult rest = run("run " + file + " --json --steps 4 --resume " + (dir / "step-2.ckpt").string());
+  ASSERT_EQ(rest.status, 0) << rest.err;
+  const auto a = nlohmann::json::parse(whole.out)["steps"], b = nlohmann::json::parse(rest.out)["steps"];
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_EQ(b[0]["loss"], a[2]["loss"]);
+  EXPECT_EQ(b[1]["loss"], a[3]["loss"]);
+}

@@ -155,7 +155,7 @@ learning_rate: 0.0001
   expect_at(ds[1], 4, 1, "learning_rate");
   EXPECT_EQ(ds[1].message,
             "unknown key; the top level accepts: name, description, model, cluster, parallelism, training, "
-            "precision, communication, runtime, sweep");
+            "precision, communication, runtime, sweep, constraints");
 }
 
 // ---- wrong types ----------------------------------------------------------------------
@@ -1054,7 +1054,9 @@ TEST(ScenarioLoad, BundledPostmortemLoadsAndValidates) {
   EXPECT_EQ(sc.config.name, "postmortem-8x40gb");
   EXPECT_EQ(sc.config.model.preset, "gpt3-6.7b");
   EXPECT_EQ(sc.config.cluster.gpu, "a100-40gb");
-  EXPECT_TRUE(sc.sweep.empty());
+  // Its search space for `trainsim plan`: every layout of the 8 GPUs, among other axes.
+  ASSERT_FALSE(sc.sweep.empty());
+  EXPECT_EQ(sc.sweep.front().kind, SweepAxisKind::auto_parallelism);
   const Plan plan = Plan::from_scenario(sc);
   EXPECT_EQ(plan.dp, 2);
   EXPECT_EQ(plan.pp, 4);

@@ -100,6 +100,8 @@ class StageModel {
   // loss scale / micro-batches; the others take grad_output), then backward_units() units,
   // then end (writes grad_input, except on the first stage, and frees the micro-batch's stash).
   void backward_begin(int mb, const float* grad_output, float loss_gradient_scale);
+  // The units, in order: the head (LM head and final LayerNorm) on the last stage, each block
+  // from the last to the first, the embedding on the first stage.
   int backward_units() const;
   void backward_unit(int mb);  // the next unit; adds its weight gradients into gradients()
   std::size_t gradients_complete(int mb) const;  // leading elements of gradients() final for mb
@@ -113,9 +115,27 @@ class StageModel {
   std::size_t master_weight_bytes() const;   // FP32 master
   std::size_t working_weight_bytes() const;  // compute-format copy (0 when compute is fp32)
   std::size_t gradient_bytes() const;        // accumulation buffer in grad_accumulation
-  std::size_t activation_bytes() const;      // stashes of micro-batches in flight
+  std::size_t activation_bytes() const;      // stashes of micro-batches in flight (compute-format
+                                             // elements, FP32 statistics; with the gradients a
+                                             // split backward keeps for backward_weight)
 
+  // Reset by assigning {} (per step). Activations are the tensors forward stores or passes on,
+  // gradients those backward passes on plus each parameter's gradient as produced and as
+  // accumulated; first_nonfinite names e.g. "block 3 mlp.fc output (forward, micro-batch 2)",
+  // "logits gradient (backward, micro-batch 0)", "block.3.mlp.fc.weight gradient accumulation
+  // (backward, micro-batch 1)".
   StageNumerics& numerics();
+
+  // Inspection, for tests and debugging: the compute-format working copy of the weights (the
+  // master weights themselves when compute is fp32), and the compute-format tensors kept for
+  // micro-batch `mb`'s backward, by name (empty when none are kept). Spans stay valid until
+  // that micro-batch's backward frees its stash.
+  std::span<const float> working_weights() const;
+  struct NamedTensor {
+    std::string name;
+    std::span<const float> values;
+  };
+  std::vector<NamedTensor> stashed_tensors(int mb) const;
 
  private:
   struct Impl;

@@ -1,0 +1,104 @@
+// The CPU backend's executor: runs the plan's Schedule for real, a rank per thread, and
+// measures it (DESIGN.md "Runtime"). Every rank walks its program from build_schedule:
+// compute ops and receives on its compute thread, collectives on its communication thread
+// (so a bucket's all-reduce overlaps the backward that follows it, as the schedule says),
+// sends inline (they only copy). Every op is timestamped into the same Timeline type the
+// simulator predicts, and the same compute_result turns it into the result fields.
+//
+// Numerics follow the plan's precision settings (runtime/model/stage_model.h for the model):
+//  * the last stage seeds backward with loss_scale / micro-batches, so summed micro-batch
+//    gradients are the scaled mean; replicas all-reduce in precision.allreduce, dividing by
+//    data_parallel_size before or after the sum; tied embeddings are summed between the
+//    first and last stage;
+//  * overflow check `global`: after the reductions, every rank's found-inf flag is
+//    max-reduced over all ranks, so all skip together. `local`: each rank decides from the
+//    gradients it computed itself, before any reduction, and asks no one: stages and
+//    replicas can skip different steps, and a rank that does not skip applies whatever
+//    the reduction brought it;
+//  * the optimizer step unscales in FP32, computes the global gradient norm (a sum over all
+//    ranks of their stage's squares, once per replica; a tied embedding's copy counted
+//    once), clips to training.clip_grad, updates the FP32 master weights (rounded to
+//    precision.master_weights) and refreshes the working copy.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/result.h"
+#include "core/timeline.h"
+#include "runtime/exec/runtime_plan.h"
+
+namespace trainsim::runtime {
+
+// What one rank saw in one step.
+struct RankStepNumerics {
+  int rank = 0, stage = 0, replica = 0;
+  double max_abs_activation = 0, max_abs_gradient = 0;
+  std::int64_t nonfinite_count = 0;  // inf/NaN values among its activations and gradients
+  bool found_nonfinite = false;      // its overflow verdict (after the global reduction, if global)
+  bool skipped = false;
+  double loss_scale = 1;             // the scale this step ran with
+  std::string first_nonfinite;       // the first tensor that held inf/NaN, or ""
+};
+
+// DESIGN.md's per-step numerics (`steps`), plus the detail behind them.
+struct StepRecord {
+  int step = 0;               // 1-based optimizer step
+  double loss = 0;            // mean cross-entropy over the global batch
+  double grad_norm = 0;       // global L2 norm of the unscaled gradients (before clipping)
+  double loss_scale = 1;      // rank 0's scale for this step
+  bool skipped = false;       // rank 0 skipped its update
+  int skipped_ranks = 0;      // ranks that skipped (all or none under a global check)
+  std::int64_t nonfinite_count = 0;
+  double replica_drift = 0;   // max |w(replica d) - w(replica 0)| over all weights after the step
+  std::vector<std::uint64_t> replica_checksums;  // of each replica's master weights, bitwise
+  double step_time_s = 0;
+  std::vector<RankStepNumerics> ranks;
+};
+
+// Why a run ended early, and where it went wrong.
+struct RunFailure {
+  int step = 0;
+  std::string message;  // "loss became NaN at step 7; first non-finite: stage 3 replica 0 ..."
+};
+
+struct RunOptions {
+  int steps = 0;                      // 0: the scenario's runtime.steps
+  std::string data_path;              // empty: the scenario's (resolved by the caller) or the bundled corpus
+  bool synthetic_data = false;
+  std::string checkpoint_dir;         // empty: no checkpoints
+  int checkpoint_every_steps = 0;
+  std::string resume_from;            // a checkpoint file or folder; empty: fresh start
+  bool pin_threads = true;            // pin rank r's compute thread to core r when ranks <= cores
+  std::chrono::milliseconds comm_timeout{std::chrono::seconds(120)};
+  std::function<void(const StepRecord&)> on_step;  // progress, called after every step
+};
+
+struct RunReport {
+  RuntimePlan runtime_plan;
+  std::shared_ptr<const Schedule> schedule;
+  Timeline timeline;                  // the measured step the result describes
+  int timeline_step = 0;              // which one: the median-time step, the first excluded when there are more
+  std::vector<MemoryBreakdown> memory;  // per rank, at its peak over the run
+  Result result;                      // the result fields, measured
+  std::vector<StepRecord> steps;
+  std::optional<RunFailure> failure;
+  std::string data_source;
+  bool threads_pinned = false;
+  int first_step = 1;                 // > 1 when resumed
+  std::vector<std::string> checkpoints;  // written by this run
+};
+
+// Runs the plan. Throws ScenarioError/std::runtime_error for bad setup (data, checkpoint to
+// resume from); a run that goes numerically wrong returns with `failure` set.
+RunReport run_cpu(const RuntimePlan& plan, const RunOptions& options);
+
+// Identifies what a checkpoint belongs to: model, parallel layout, schedule and precision.
+std::string plan_fingerprint(const RuntimePlan& plan);
+
+}  // namespace trainsim::runtime

@@ -1,0 +1,117 @@
+#include "runtime/exec/runtime_plan.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/diagnostics.h"
+
+namespace trainsim::runtime {
+
+namespace {
+
+RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenario) {
+  const RuntimeConfig& rt = scenario_config.runtime;
+  std::vector<Diagnostic> errors;
+  auto error = [&](const std::string& key, std::string message, std::initializer_list<std::string_view> related = {}) {
+    if (scenario)
+      errors.push_back(scenario->diagnostic(key, std::move(message), related));
+    else
+      errors.push_back(Diagnostic{"", {}, key, std::move(message)});
+  };
+
+  RuntimePlan out;
+  ScenarioConfig c = scenario_config;
+  const auto& par = scenario_config.parallelism;
+  const int vstages = par.pipeline_parallel_size * par.virtual_pipeline_stages;
+
+  // The executed model: a GPT-2 style decoder of the runtime section's size.
+  ModelConfig m;
+  m.num_layers = rt.num_layers;
+  m.hidden_size = rt.hidden_size;
+  m.num_attention_heads = rt.num_attention_heads;
+  m.seq_length = rt.seq_length;
+  m.vocab_size = rt.vocab_size;
+  m.ffn_hidden_size = 4 * rt.hidden_size;
+  m.untie_embeddings_and_output_weights = scenario_config.model.untie_embeddings_and_output_weights;
+  c.model = m;
+  out.dims = ModelDims{rt.num_layers, rt.hidden_size, rt.num_attention_heads, rt.seq_length, rt.vocab_size,
+                       4 * rt.hidden_size, !m.untie_embeddings_and_output_weights};
+
+  if (rt.hidden_size % rt.num_attention_heads != 0)
+    error("runtime.model.hidden_size",
+          fmt::format("hidden_size({}) is not divisible by num_attention_heads({})", rt.hidden_size,
+                      rt.num_attention_heads),
+          {"runtime.model.num_attention_heads"});
+  if (rt.num_layers < vstages)
+    error("runtime.model.num_layers",
+          fmt::format("the runtime model has {} layers but the plan has pipeline_parallel_size({}) * "
+                      "virtual_pipeline_stages({}) = {} stages to fill; give runtime.model.num_layers >= {}",
+                      rt.num_layers, par.pipeline_parallel_size, par.virtual_pipeline_stages, vstages, vstages),
+          {"parallelism.pipeline_parallel_size", "parallelism.virtual_pipeline_stages"});
+  if (scenario_config.precision.compute == DType::fp8)
+    error("precision.compute", "the runtime does not emulate fp8 compute; use fp16, bf16, tf32 or fp32");
+  if (!scenario_config.runtime.data_synthetic && rt.vocab_size < 256)
+    error("runtime.model.vocab_size",
+          fmt::format("vocab_size({}) is too small for byte-level text (256 tokens); use 256 or more, or "
+                      "runtime.data.synthetic: true",
+                      rt.vocab_size),
+          {"runtime.data.path"});
+  if (!errors.empty()) throw ScenarioError(std::move(errors));
+
+  // Layers per virtual stage: the scenario's split when it fits the runtime model, else as
+  // even as possible (earlier stages take the remainder).
+  if (par.layers_per_stage.empty() || [&] {
+        int sum = 0;
+        for (int l : par.layers_per_stage) sum += l;
+        return sum != rt.num_layers;
+      }()) {
+    c.parallelism.layers_per_stage.clear();
+    if (rt.num_layers % vstages != 0) {
+      for (int i = 0; i < vstages; ++i)
+        c.parallelism.layers_per_stage.push_back(rt.num_layers / vstages + (i < rt.num_layers % vstages ? 1 : 0));
+      out.notes.push_back(fmt::format("{} runtime layers over {} stages: split {}", rt.num_layers, vstages,
+                                      fmt::join(c.parallelism.layers_per_stage, "/")));
+    }
+    if (!par.layers_per_stage.empty())
+      out.notes.push_back("parallelism.layers_per_stage does not sum to the runtime model's layers; split evenly");
+  }
+
+  // A rank of the schedule is a whole tensor-parallel group: the runtime computes its share
+  // on one thread, so tensor parallelism itself is not executed.
+  if (par.tensor_parallel_size > 1) {
+    out.notes.push_back(fmt::format("tensor_parallel_size {} is not executed: each rank computes its whole "
+                                    "tensor-parallel group's work",
+                                    par.tensor_parallel_size));
+    c.parallelism.tensor_parallel_size = 1;
+    c.parallelism.sequence_parallel = false;
+  }
+  if (par.zero_stage > 0) {
+    out.notes.push_back(fmt::format("ZeRO stage {} is executed as stage 0 (every replica keeps full optimizer "
+                                    "state; sharding is not implemented in the runtime)",
+                                    par.zero_stage));
+    c.parallelism.zero_stage = 0;
+  }
+  if (scenario_config.training.activation_recompute != Recompute::none) {
+    out.notes.push_back("activation recompute is not executed: every stash is kept");
+    c.training.activation_recompute = Recompute::none;
+  }
+  c.cluster.num_gpus = c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size;
+  c.cluster.gpus_per_node = std::max(1, std::min(c.cluster.gpus_per_node, c.cluster.num_gpus));
+  out.plan = scenario ? [&] {
+    Scenario s = *scenario;
+    s.config = c;
+    return Plan::from_scenario(s);
+  }()
+                      : Plan::from_config(c);
+  out.plan.source = scenario ? scenario->file : "";
+  return out;
+}
+
+}  // namespace
+
+RuntimePlan make_runtime_plan(const Scenario& scenario) { return build(scenario.config, &scenario); }
+RuntimePlan make_runtime_plan(const ScenarioConfig& config) { return build(config, nullptr); }
+
+}  // namespace trainsim::runtime

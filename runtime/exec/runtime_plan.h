@@ -1,0 +1,28 @@
+// The plan the runtime executes: the scenario's parallel, schedule and precision settings
+// applied to the small model of its `runtime:` section (scenario models are far too large to
+// train on a CPU). It is an ordinary Plan, so the simulator can predict exactly what the
+// runtime runs (validation), and build_schedule gives the runtime its programs.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/plan.h"
+#include "core/scenario.h"
+#include "runtime/model/stage_model.h"
+
+namespace trainsim::runtime {
+
+struct RuntimePlan {
+  Plan plan;                       // model = the runtime model; parallelism as the scenario says
+  ModelDims dims;                  // the executed decoder
+  std::vector<std::string> notes;  // what the runtime does differently from the scenario, in words
+};
+
+// Throws ScenarioError (located in the file when `scenario` has locations) when the runtime
+// cannot execute the scenario: fewer runtime layers than virtual stages, heads not dividing
+// the width, fp8 compute, ...
+RuntimePlan make_runtime_plan(const Scenario& scenario);
+RuntimePlan make_runtime_plan(const ScenarioConfig& config);
+
+}  // namespace trainsim::runtime

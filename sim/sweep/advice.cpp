@@ -1,0 +1,438 @@
+#include "sim/sweep/advice.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/plan.h"
+#include "core/units.h"
+#include "sim/simulator.h"
+
+namespace trainsim {
+
+namespace {
+
+double rate_of(const ClusterConfig& cl, DType d) {
+  auto it = cl.peak_tflops.find(d);
+  return it == cl.peak_tflops.end() ? 0.0 : it->second;
+}
+
+// Upper case in prose ("FP16"), as papers and vendors write it.
+std::string dt(DType d) {
+  std::string s(dtype_name(d));
+  for (auto& ch : s) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  return s;
+}
+
+// Micro-batches per replica as Plan would derive them (0 when the batch does not divide).
+int microbatches_of(const ScenarioConfig& c) {
+  const long long per_step = static_cast<long long>(c.training.micro_batch_size) * c.parallelism.data_parallel_size;
+  if (per_step <= 0) return 0;
+  const long long gb = c.training.global_batch_size > 0 ? c.training.global_batch_size : per_step;
+  return gb % per_step == 0 ? static_cast<int>(gb / per_step) : 0;
+}
+
+std::string fix_text(const std::vector<std::pair<std::string, FieldValue>>& changes) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : changes) parts.push_back(fmt::format("{}: {}", k, format_field_value(v)));
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+FieldValue text(const char* s) { return FieldValue{std::string(s)}; }
+
+}  // namespace
+
+std::vector<PrecisionIssue> precision_issues(const ScenarioConfig& c) {
+  std::vector<PrecisionIssue> out;
+  const auto& pr = c.precision;
+  const bool has_bf16 = rate_of(c.cluster, DType::bf16) > 0;
+  const bool fp16 = pr.compute == DType::fp16;
+  const int d = c.parallelism.data_parallel_size, p = c.parallelism.pipeline_parallel_size;
+  const std::string gpu = c.cluster.gpu.empty() ? std::string("this GPU") : c.cluster.gpu;
+  auto add = [&](std::string id, std::string problem, std::vector<std::pair<std::string, FieldValue>> changes,
+                 std::string why) {
+    PrecisionIssue i{std::move(id), std::move(problem), fix_text(changes), std::move(why), std::move(changes)};
+    out.push_back(std::move(i));
+  };
+
+  // The format and the loss scale.
+  if (fp16 && pr.loss_scaling.mode != LossScalingMode::dynamic) {
+    const bool none = pr.loss_scaling.mode == LossScalingMode::none;
+    const std::string problem =
+        none ? std::string("FP16 compute without loss scaling: gradients below 6e-8 (FP16's smallest subnormal) "
+                           "underflow to zero")
+             : fmt::format("FP16 with a static loss scale ({:g}): a scale too high overflows to inf on every step "
+                           "and never backs off, one too low lets small gradients underflow",
+                           pr.loss_scaling.initial_scale);
+    if (has_bf16)
+      add(none ? "fp16_no_loss_scaling" : "fp16_static_loss_scaling", problem,
+          {{"precision.compute", text("bf16")}, {"precision.loss_scaling.mode", text("none")}},
+          fmt::format("{} has BF16 at the same peak rate; BF16 keeps FP32's exponent range, so gradients neither "
+                      "overflow nor underflow and no loss scale is needed",
+                      gpu));
+    else
+      add(none ? "fp16_no_loss_scaling" : "fp16_static_loss_scaling", problem,
+          {{"precision.loss_scaling.mode", text("dynamic")}, {"precision.overflow_check", text("global")}},
+          fmt::format("{} has no BF16; a dynamic scale halves after an overflow (the step is skipped everywhere "
+                      "at once with a global check) and grows back after a run of clean steps",
+                      gpu));
+  }
+  if (pr.master_weights != DType::fp32)
+    add("low_precision_master_weights",
+        fmt::format("{} master weights: an update smaller than 2^-{} of a weight rounds away and is lost",
+                    dt(pr.master_weights), pr.master_weights == DType::fp16 ? 11 : 8),
+        {{"precision.master_weights", text("fp32")}},
+        "FP32 master weights keep small updates (mixed precision's standard recipe; 2 more bytes per parameter)");
+
+  // Gradient accumulation over micro-batches.
+  const int m = microbatches_of(c);
+  if ((pr.grad_accumulation == DType::fp16 || pr.grad_accumulation == DType::bf16) && m > 1)
+    add("low_precision_grad_accumulation",
+        fmt::format("{} gradient accumulation over {} micro-batches: each add rounds to {} significant bits, so "
+                    "small contributions vanish as the sum grows",
+                    dt(pr.grad_accumulation), m, pr.grad_accumulation == DType::fp16 ? 11 : 8),
+        {{"precision.grad_accumulation", text("fp32")}},
+        "an FP32 accumulation buffer keeps 24 significant bits through the whole sum (costs 2 more bytes per "
+        "gradient)");
+
+  // The data-parallel all-reduce.
+  if (d > 1 && pr.allreduce == DType::fp16 && pr.allreduce_divide == AllReduceDivide::after)
+    add("allreduce_sum_before_divide",
+        fmt::format("FP16 all-reduce summed before dividing by data_parallel_size({}): partial sums reach {}x a "
+                    "replica's gradient and overflow FP16's 65504 first",
+                    d, d),
+        {{"precision.allreduce", text("fp32")}, {"precision.allreduce_divide", text("before")}},
+        "an FP32 sum of gradients divided first cannot overflow and loses no bits to the sum (it moves twice the "
+        "bytes of FP16)");
+  else if (d > 1 && (pr.allreduce == DType::fp16 || pr.allreduce == DType::bf16))
+    add("low_precision_allreduce",
+        fmt::format("{} all-reduce over {} replicas: every partial sum of the ring rounds to {} significant bits",
+                    dt(pr.allreduce), d, pr.allreduce == DType::fp16 ? 11 : 8),
+        {{"precision.allreduce", text("fp32")}, {"precision.allreduce_divide", text("before")}},
+        "reducing in FP32 keeps the sum exact to 24 bits (it moves twice the bytes of a 16-bit all-reduce)");
+  else if (d > 1 && pr.allreduce_divide == AllReduceDivide::after)
+    add("allreduce_sum_before_divide",
+        fmt::format("all-reduce summed before dividing by data_parallel_size({}): partial sums reach {}x a "
+                    "replica's gradient",
+                    d, d),
+        {{"precision.allreduce_divide", text("before")}}, "dividing first keeps every partial sum in range at no cost");
+
+  // Who decides to skip a step.
+  const bool scaled = fp16 || pr.loss_scaling.mode != LossScalingMode::none;
+  if (pr.overflow_check == OverflowScope::local && (d > 1 || p > 1) && scaled)
+    add("local_overflow_check",
+        fmt::format("overflow checks local to each of {} stage{} x {} replica{}: each decides alone whether to skip "
+                    "a step, so they skip different steps and their weights drift apart",
+                    p, p == 1 ? "" : "s", d, d == 1 ? "" : "s"),
+        {{"precision.overflow_check", text("global")}},
+        "a global check (one tiny all-reduce of a found-inf flag) makes every stage and replica skip the same steps");
+  return out;
+}
+
+void apply_precision_fixes(ScenarioConfig& c) {
+  // Fixes can uncover others (none do today); a few rounds settle any chain.
+  for (int round = 0; round < 4; ++round) {
+    const auto issues = precision_issues(c);
+    if (issues.empty()) return;
+    for (const auto& i : issues)
+      for (const auto& [k, v] : i.changes) find_field(k)->set(c, v);
+  }
+}
+
+std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
+  std::vector<SweepAxis> axes;
+  auto values = [&](const char* path, std::vector<FieldValue> v) {
+    axes.push_back(SweepAxis{path, std::move(v), {}, SweepAxisKind::values});
+  };
+  axes.push_back(SweepAxis{"parallelism", {}, {}, SweepAxisKind::auto_parallelism});
+  if (c.training.global_batch_size > 0)
+    axes.push_back(SweepAxis{"training.micro_batch_size", {}, {}, SweepAxisKind::auto_micro_batch_size});
+  values("parallelism.schedule", {text("gpipe"), text("1f1b"), text("interleaved-1f1b"), text("zb-h1")});
+  values("parallelism.virtual_pipeline_stages", {std::int64_t{1}, std::int64_t{2}});
+  values("training.activation_recompute", {text("none"), text("selective"), text("full")});
+  values("parallelism.zero_stage", {std::int64_t{0}, std::int64_t{1}});
+  values("communication.overlap_grad_reduce", {false, true});
+  return axes;
+}
+
+// ---- explaining the changes ---------------------------------------------------------
+
+namespace {
+
+std::string human_count(double x) {
+  const char* units[] = {"", "K", "M", "B", "T"};
+  int u = 0;
+  while (std::fabs(x) >= 1000 && u < 4) {
+    x /= 1000;
+    ++u;
+  }
+  return fmt::format("{:.{}f}{}", x, u == 0 ? 0 : (x < 10 ? 2 : 1), units[u]);
+}
+
+std::string secs(double s) {
+  if (s >= 1) return fmt::format("{:.2f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.1f} ms", s * 1e3);
+  return fmt::format("{:.1f} us", s * 1e6);
+}
+
+std::string pct(double f) {
+  const double p = 100 * f;
+  return std::fabs(p) >= 10 || p == 0 ? fmt::format("{:.0f}%", p) : fmt::format("{:.1f}%", p);
+}
+
+std::string gib(double bytes) { return fmt::format("{:.1f} GiB", bytes_to_gib(bytes)); }
+
+std::string signed_gib(double bytes) {
+  return fmt::format("{}{:.1f} GiB", bytes >= 0 ? "+" : "-", std::fabs(bytes_to_gib(bytes)));
+}
+
+// Key path without its section for sentences ("precision.loss_scaling.mode" -> "loss_scaling.mode").
+std::string short_key(const std::string& path) {
+  const auto dot = path.find('.');
+  return dot == std::string::npos ? path : path.substr(dot + 1);
+}
+
+// The group a changed key is explained in; lower groups are applied first.
+int group_of(const std::string& key) {
+  static const std::vector<std::pair<int, std::vector<std::string>>> groups = {
+      {0, {"parallelism.data_parallel_size", "parallelism.pipeline_parallel_size",
+           "parallelism.tensor_parallel_size", "parallelism.sequence_parallel", "parallelism.layers_per_stage"}},
+      {1, {"parallelism.schedule", "parallelism.virtual_pipeline_stages", "training.micro_batch_size",
+           "training.global_batch_size"}},
+      {2, {"training.activation_recompute", "parallelism.zero_stage"}},
+  };
+  for (const auto& [g, keys] : groups)
+    if (std::find(keys.begin(), keys.end(), key) != keys.end()) return g;
+  if (key.rfind("communication.", 0) == 0) return 3;
+  if (key.rfind("precision.", 0) == 0) return 4;
+  return 5;
+}
+
+std::vector<std::string> changed_keys(const ScenarioConfig& a, const ScenarioConfig& b) {
+  std::vector<std::string> out;
+  for (const auto& f : scenario_fields())
+    if (f.get && format_field_value(f.get(a)) != format_field_value(f.get(b))) out.push_back(f.path);
+  return out;
+}
+
+std::string describe_change(const std::vector<std::string>& keys, const ScenarioConfig& from, const ScenarioConfig& to,
+                            const SweepRow& before, const SweepRow& after) {
+  std::vector<std::string> parts;
+  for (const auto& k : keys) {
+    const FieldSpec* f = find_field(k);
+    parts.push_back(fmt::format("{} {} -> {}", short_key(k), format_field_value(f->get(from)),
+                                format_field_value(f->get(to))));
+  }
+  if (before.num_microbatches > 0 && after.num_microbatches > 0 && before.num_microbatches != after.num_microbatches)
+    parts.push_back(
+        fmt::format("{} -> {} micro-batches per replica", before.num_microbatches, after.num_microbatches));
+  if (parts.size() <= 2) return fmt::format("{}", fmt::join(parts, " and "));
+  const std::string last = parts.back();
+  parts.pop_back();
+  return fmt::format("{} and {}", fmt::join(parts, ", "), last);
+}
+
+std::string describe_effect(const SweepRow& a, const SweepRow& b) {
+  std::vector<std::string> parts;
+  if (!b.simulated) return fmt::format("{} ({})", sweep_status_name(b.status), b.reason);
+  const SweepMetrics &x = a.metrics, &y = b.metrics;
+  if (!a.simulated) {
+    parts.push_back(fmt::format("now runs: tokens/s {}, bubble {}, peak memory {}", human_count(y.tokens_per_s),
+                                pct(y.bubble_fraction), gib(y.peak_memory_bytes)));
+    return fmt::format("{}", fmt::join(parts, ", "));
+  }
+  if (std::fabs(x.bubble_fraction - y.bubble_fraction) >= 0.005)
+    parts.push_back(fmt::format("bubble {} -> {}", pct(x.bubble_fraction), pct(y.bubble_fraction)));
+  const double step = std::max(x.step_time_s, y.step_time_s);
+  if (std::fabs(x.exposed_comm_time_s - y.exposed_comm_time_s) > std::max(1e-3, 0.01 * step))
+    parts.push_back(fmt::format("exposed communication {} -> {}", secs(x.exposed_comm_time_s),
+                                secs(y.exposed_comm_time_s)));
+  else if (std::fabs(x.allreduce_time_s - y.allreduce_time_s) > std::max(1e-3, 0.01 * step))
+    parts.push_back(fmt::format("all-reduce {} -> {} (hidden under compute)", secs(x.allreduce_time_s),
+                                secs(y.allreduce_time_s)));
+  // Activation memory: per stage when the stages are the same, else the largest stage's.
+  if (x.stages.size() == y.stages.size() && !x.stages.empty()) {
+    std::size_t best = 0;
+    double delta = 0;
+    for (std::size_t s = 0; s < x.stages.size(); ++s) {
+      const double d = y.stages[s].activation_bytes - x.stages[s].activation_bytes;
+      if (std::fabs(d) > std::fabs(delta)) {
+        delta = d;
+        best = s;
+      }
+    }
+    if (std::fabs(delta) >= gib_to_bytes(0.05))
+      parts.push_back(fmt::format("activation memory on stage {} {}", best, signed_gib(delta)));
+  } else {
+    auto largest = [](const SweepMetrics& m) {
+      double v = 0;
+      for (const auto& s : m.stages) v = std::max(v, s.activation_bytes);
+      return v;
+    };
+    if (std::fabs(largest(x) - largest(y)) >= gib_to_bytes(0.05))
+      parts.push_back(fmt::format("activation memory (largest stage) {} -> {}", gib(largest(x)), gib(largest(y))));
+  }
+  if (std::fabs(x.peak_memory_bytes - y.peak_memory_bytes) >= gib_to_bytes(0.05))
+    parts.push_back(fmt::format("peak memory per GPU {} -> {}", gib(x.peak_memory_bytes), gib(y.peak_memory_bytes)));
+  if (a.global_batch_size != b.global_batch_size)
+    parts.push_back(fmt::format("step time {} -> {}", secs(x.step_time_s), secs(y.step_time_s)));
+  const double gain = x.tokens_per_s > 0 ? y.tokens_per_s / x.tokens_per_s - 1 : 0;
+  parts.push_back(fmt::format("tokens/s {} -> {} ({}{:.1f}%)", human_count(x.tokens_per_s), human_count(y.tokens_per_s),
+                              gain >= 0 ? "+" : "", 100 * gain));
+  std::string s = fmt::format("{}", fmt::join(parts, ", "));
+  if (a.status == SweepStatus::out_of_memory && b.status != SweepStatus::out_of_memory) s += "; now fits in memory";
+  if (a.status != SweepStatus::out_of_memory && b.status == SweepStatus::out_of_memory)
+    s += "; " + b.reason.substr(0, b.reason.find(';'));
+  return s;
+}
+
+std::vector<PlanStep> explain(const ScenarioConfig& original, const SweepRow& original_row, const ScenarioConfig& chosen,
+                              const SweepConstraints& constraints) {
+  const std::vector<std::string> keys = changed_keys(original, chosen);
+  std::map<int, std::vector<std::string>> grouped;
+  for (const auto& k : keys) grouped[group_of(k)].push_back(k);
+
+  std::vector<PlanStep> steps;
+  Predictor predictor;
+  ScenarioConfig cur = original;
+  SweepRow cur_row = original_row;
+  std::vector<std::string> pending;
+  std::size_t left = grouped.size();
+  for (const auto& [g, group_keys] : grouped) {
+    --left;
+    pending.insert(pending.end(), group_keys.begin(), group_keys.end());
+    ScenarioConfig next = cur;
+    for (const auto& k : pending) {
+      const FieldSpec* f = find_field(k);
+      f->set(next, f->get(chosen));
+    }
+    SweepConfiguration point;
+    point.config = next;
+    SweepRow row = evaluate_configuration(predictor, point, constraints);
+    // A group that cannot run alone is explained together with the next one.
+    if (!row.simulated && left > 0) continue;
+    PlanStep step;
+    step.keys = pending;
+    step.change = describe_change(pending, cur, next, cur_row, row);
+    step.effect = describe_effect(cur_row, row);
+    step.before = cur_row;
+    step.after = row;
+    step.before.point.values.clear();
+    step.after.point.values.clear();
+    for (const auto& k : pending) {
+      step.before.point.values.emplace_back(k, find_field(k)->get(cur));
+      step.after.point.values.emplace_back(k, find_field(k)->get(next));
+    }
+    steps.push_back(std::move(step));
+    pending.clear();
+    cur = std::move(next);
+    cur_row = std::move(row);
+  }
+  return steps;
+}
+
+}  // namespace
+
+// ---- the fragment ---------------------------------------------------------------------
+
+nlohmann::ordered_json scenario_fragment(const Scenario& original, const ScenarioConfig& chosen) {
+  std::set<std::string> keys(original.explicit_keys.begin(), original.explicit_keys.end());
+  for (const auto& k : changed_keys(original.config, chosen)) keys.insert(k);
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& f : scenario_fields()) {
+    if (!keys.count(f.path) || !f.get) continue;
+    const FieldValue v = f.get(chosen);
+    nlohmann::ordered_json value;
+    std::visit([&](const auto& x) { value = x; }, v);
+    // Nest by the dotted path: sections become maps, as a person writes them.
+    nlohmann::ordered_json* node = &j;
+    std::string rest = f.path;
+    for (auto dot = rest.find('.'); dot != std::string::npos; dot = rest.find('.')) {
+      const std::string section = rest.substr(0, dot);
+      if (!node->contains(section)) (*node)[section] = nlohmann::ordered_json::object();
+      node = &(*node)[section];
+      rest = rest.substr(dot + 1);
+    }
+    (*node)[rest] = value;
+  }
+  if (j.contains("name")) j["name"] = j["name"].get<std::string>() + "-plan";
+  if (j.contains("description"))
+    j["description"] = fmt::format("Chosen by `trainsim plan` from {}{}.", original.file.empty() ? "a scenario" : original.file,
+                                   original.config.name.empty() ? "" : " (" + original.config.name + ")");
+  return j;
+}
+
+namespace {
+
+void emit_yaml(const nlohmann::ordered_json& j, int indent, std::string& out) {
+  const std::string pad(static_cast<std::size_t>(indent), ' ');
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.value().is_object()) {
+      out += fmt::format("{}{}:\n", pad, it.key());
+      emit_yaml(it.value(), indent + 2, out);
+    } else {
+      // JSON scalars and flow lists are YAML; strings stay quoted (JSON escapes are YAML's).
+      out += fmt::format("{}{}: {}\n", pad, it.key(), it.value().dump());
+    }
+  }
+}
+
+}  // namespace
+
+std::string scenario_fragment_yaml(const nlohmann::ordered_json& fragment, const std::string& comment) {
+  std::string out;
+  std::size_t i = 0;
+  while (i < comment.size()) {
+    const std::size_t j = std::min(comment.find('\n', i), comment.size());
+    out += "# " + comment.substr(i, j - i) + "\n";
+    i = j + 1;
+  }
+  emit_yaml(fragment, 0, out);
+  return out;
+}
+
+// ---- the plan -------------------------------------------------------------------------
+
+PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
+  PlanResult plan;
+  plan.scenario = scenario;
+  {
+    Predictor predictor;
+    SweepConfiguration own;
+    own.config = scenario.config;
+    plan.original = evaluate_configuration(predictor, own, scenario.constraints);
+    for (const auto& k : sweep_keys(scenario)) plan.original.point.values.emplace_back(k, find_field(k)->get(own.config));
+  }
+  plan.precision = precision_issues(scenario.config);
+
+  Scenario search = scenario;
+  if (search.sweep.empty()) {
+    search.sweep = default_search_space(scenario.config);
+    plan.default_space = true;
+  }
+  if (options.fix_precision) apply_precision_fixes(search.config);
+  SweepOptions so;
+  so.threads = options.threads;
+  so.progress = options.progress;
+  if (options.fix_precision) so.adjust = [](ScenarioConfig& c) { apply_precision_fixes(c); };
+  plan.sweep = run_sweep(search, so);
+  // The original's row reports the same keys as the candidates.
+  plan.original.point.values.clear();
+  for (const auto& k : plan.sweep.keys) plan.original.point.values.emplace_back(k, find_field(k)->get(scenario.config));
+
+  if (!plan.sweep.ranking.empty()) {
+    plan.chosen = plan.sweep.ranking.front();
+    for (std::size_t i = 1; i < plan.sweep.ranking.size() && plan.runners_up.size() < options.runners_up; ++i)
+      plan.runners_up.push_back(plan.sweep.ranking[i]);
+    const ScenarioConfig& chosen = plan.sweep.rows[*plan.chosen].point.config;
+    plan.steps = explain(scenario.config, plan.original, chosen, scenario.constraints);
+    plan.fragment = scenario_fragment(scenario, chosen);
+  }
+  return plan;
+}
+
+}  // namespace trainsim

@@ -1,0 +1,663 @@
+#include "sim/sweep/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <ostream>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/units.h"
+
+namespace trainsim {
+
+namespace {
+
+// Rounded to 6 significant digits, as the simulate JSON is, so output is stable and readable.
+double r6(double x) {
+  if (x == 0 || !std::isfinite(x)) return x;
+  const double scale = std::pow(10.0, 5 - static_cast<int>(std::floor(std::log10(std::fabs(x)))));
+  return std::round(x * scale) / scale;
+}
+double gib(double bytes) { return r6(bytes_to_gib(bytes)); }
+
+nlohmann::ordered_json value_json(const FieldValue& v) {
+  nlohmann::ordered_json j;
+  std::visit([&](const auto& x) { j = x; }, v);
+  return j;
+}
+
+std::string human_count(double x) {
+  const char* units[] = {"", "K", "M", "B", "T"};
+  int u = 0;
+  while (std::fabs(x) >= 1000 && u < 4) {
+    x /= 1000;
+    ++u;
+  }
+  return fmt::format("{:.{}f}{}", x, u == 0 ? 0 : (x < 10 ? 2 : 1), units[u]);
+}
+
+std::string secs(double s) {
+  if (s >= 1) return fmt::format("{:.3f} s", s);
+  if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
+  return fmt::format("{:.1f} us", s * 1e6);
+}
+
+// Column names for the table: the usual abbreviations, else the key's last part.
+std::string abbreviation(const std::string& key) {
+  static const std::map<std::string, std::string> known = {
+      {"parallelism.data_parallel_size", "dp"},        {"parallelism.pipeline_parallel_size", "pp"},
+      {"parallelism.tensor_parallel_size", "tp"},      {"parallelism.virtual_pipeline_stages", "vpp"},
+      {"parallelism.sequence_parallel", "sp"},         {"parallelism.zero_stage", "zero"},
+      {"training.micro_batch_size", "mbs"},            {"training.global_batch_size", "gbs"},
+      {"training.activation_recompute", "recompute"},  {"communication.overlap_grad_reduce", "overlap"},
+      {"communication.bucket_size_mib", "bucket_mib"}, {"communication.allreduce_algorithm", "allreduce_alg"},
+  };
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  const auto dot = key.rfind('.');
+  return dot == std::string::npos ? key : key.substr(dot + 1);
+}
+
+std::string config_text(const SweepRow& row) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : row.point.values) parts.push_back(abbreviation(k) + "=" + format_field_value(v));
+  return parts.empty() ? std::string("(as written)") : fmt::format("{}", fmt::join(parts, " "));
+}
+
+std::string counts_text(const SweepCounts& c) {
+  std::vector<std::string> parts{fmt::format("{} feasible", c.ok)};
+  if (c.out_of_memory) parts.push_back(fmt::format("{} out of memory", c.out_of_memory));
+  if (c.constraint) parts.push_back(fmt::format("{} outside the constraints", c.constraint));
+  if (c.invalid) parts.push_back(fmt::format("{} invalid", c.invalid));
+  if (c.unsupported_precision) parts.push_back(fmt::format("{} with a precision the GPU lacks", c.unsupported_precision));
+  return fmt::format("{} configuration{}: {}", c.total, c.total == 1 ? "" : "s", fmt::join(parts, ", "));
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string q = "\"";
+  for (char ch : s) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+  return q + "\"";
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) switch (ch) {
+      case '&': o += "&amp;"; break;
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '"': o += "&quot;"; break;
+      default: o += ch;
+    }
+  return o;
+}
+
+nlohmann::ordered_json axes_json(const std::vector<SweepAxis>& axes) {
+  auto out = nlohmann::ordered_json::array();
+  for (const auto& a : axes) {
+    nlohmann::ordered_json j;
+    j["key"] = a.path;
+    if (a.generated()) {
+      j["generated"] = "auto";
+    } else {
+      auto vs = nlohmann::ordered_json::array();
+      for (const auto& v : a.values) vs.push_back(value_json(v));
+      j["values"] = std::move(vs);
+    }
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+nlohmann::ordered_json counts_json(const SweepCounts& c) {
+  return {{"total", c.total},
+          {"ok", c.ok},
+          {"out_of_memory", c.out_of_memory},
+          {"invalid", c.invalid},
+          {"unsupported_precision", c.unsupported_precision},
+          {"constraint", c.constraint}};
+}
+
+nlohmann::ordered_json constraints_json(const SweepConstraints& k) {
+  nlohmann::ordered_json j = nlohmann::ordered_json::object();
+  for (const auto& f : constraint_fields())
+    if (auto v = f.get(k)) j[f.key] = value_json(*v);
+  return j;
+}
+
+std::optional<std::size_t> rank_of(const SweepResult& s, std::size_t index) {
+  auto it = std::find(s.ranking.begin(), s.ranking.end(), index);
+  if (it == s.ranking.end()) return std::nullopt;
+  return static_cast<std::size_t>(it - s.ranking.begin()) + 1;
+}
+
+bool on_front(const SweepResult& s, std::size_t index) {
+  return std::find(s.pareto.begin(), s.pareto.end(), index) != s.pareto.end();
+}
+
+}  // namespace
+
+// ---- table ------------------------------------------------------------------------------
+
+std::string format_sweep_table(const SweepResult& s, const std::string& title, std::size_t top,
+                               std::size_t infeasible) {
+  std::string o = fmt::format("{}\n  {}\n", title, counts_text(s.counts));
+  // Columns: rank, then one per swept key, then the metrics.
+  std::vector<std::string> head{"rank"};
+  for (const auto& k : s.keys) head.push_back(abbreviation(k));
+  const std::vector<std::string> metric_head{"microbatches", "tokens/s", "step time", "bubble", "exposed comm", "peak GiB",
+                                             "headroom GiB"};
+  head.insert(head.end(), metric_head.begin(), metric_head.end());
+  std::vector<std::vector<std::string>> cells;
+  const std::size_t shown = std::min(top, s.ranking.size());
+  for (std::size_t r = 0; r < shown; ++r) {
+    const SweepRow& row = s.rows[s.ranking[r]];
+    std::vector<std::string> c{fmt::format("{}{}", r + 1, on_front(s, s.ranking[r]) ? "*" : "")};
+    for (const auto& [k, v] : row.point.values) c.push_back(format_field_value(v));
+    const SweepMetrics& m = row.metrics;
+    c.push_back(std::to_string(row.num_microbatches));
+    c.push_back(human_count(m.tokens_per_s));
+    c.push_back(secs(m.step_time_s));
+    c.push_back(fmt::format("{:.1f}%", 100 * m.bubble_fraction));
+    c.push_back(secs(m.exposed_comm_time_s));
+    c.push_back(fmt::format("{:.2f}", bytes_to_gib(m.peak_memory_bytes)));
+    c.push_back(fmt::format("{:.2f}", bytes_to_gib(m.headroom_bytes())));
+    cells.push_back(std::move(c));
+  }
+  if (shown > 0) {
+    std::vector<std::size_t> width(head.size());
+    for (std::size_t i = 0; i < head.size(); ++i) width[i] = head[i].size();
+    for (const auto& c : cells)
+      for (std::size_t i = 0; i < c.size(); ++i) width[i] = std::max(width[i], c[i].size());
+    auto line = [&](const std::vector<std::string>& c) {
+      std::string l = " ";
+      for (std::size_t i = 0; i < c.size(); ++i) {
+        l.append(1 + width[i] - c[i].size(), ' ');
+        l.append(c[i]);
+      }
+      return l + "\n";
+    };
+    o += fmt::format("\nbest {} of {} feasible, by tokens/s (* on the Pareto front of tokens/s against peak memory per "
+                     "GPU):\n",
+                     shown, s.ranking.size());
+    o += line(head);
+    for (const auto& c : cells) o += line(c);
+  } else {
+    o += "\nno configuration is feasible.\n";
+  }
+  const std::size_t bad = s.order.size() - s.ranking.size();
+  if (bad > 0 && infeasible > 0) {
+    const std::size_t n = std::min(infeasible, bad);
+    o += fmt::format("\nnot feasible ({} of {}{}):\n", n, bad, n < bad ? "; --csv or --json list them all" : "");
+    for (std::size_t i = 0; i < n; ++i) {
+      const SweepRow& row = s.rows[s.order[s.ranking.size() + i]];
+      o += fmt::format("  {}: {}: {}\n", config_text(row), sweep_status_name(row.status), row.reason);
+    }
+  }
+  return o;
+}
+
+// ---- JSON -------------------------------------------------------------------------------
+
+nlohmann::ordered_json sweep_row_to_json(const SweepRow& row, std::optional<std::size_t> rank, bool pareto) {
+  nlohmann::ordered_json j;
+  j["rank"] = rank ? nlohmann::ordered_json(*rank) : nlohmann::ordered_json();
+  j["index"] = row.point.index;
+  nlohmann::ordered_json cfg = nlohmann::ordered_json::object();
+  for (const auto& [k, v] : row.point.values) cfg[k] = value_json(v);
+  j["config"] = std::move(cfg);
+  j["status"] = std::string(sweep_status_name(row.status));
+  j["reason"] = row.reason;
+  const SweepMetrics& m = row.metrics;
+  auto metric = [&](const char* key, double v) { j[key] = row.simulated ? nlohmann::ordered_json(r6(v)) : nullptr; };
+  metric("step_time_s", m.step_time_s);
+  metric("tokens_per_s", m.tokens_per_s);
+  metric("mfu", m.mfu);
+  metric("bubble_fraction", m.bubble_fraction);
+  metric("allreduce_time_s", m.allreduce_time_s);
+  metric("exposed_comm_time_s", m.exposed_comm_time_s);
+  j["peak_memory_gib"] = row.simulated ? nlohmann::ordered_json(gib(m.peak_memory_bytes)) : nullptr;
+  j["peak_memory_rank"] = row.simulated ? nlohmann::ordered_json(m.peak_memory_rank) : nullptr;
+  j["memory_capacity_gib"] = gib(gib_to_bytes(row.point.config.cluster.memory_gib));
+  j["headroom_gib"] = row.simulated ? nlohmann::ordered_json(gib(m.headroom_bytes())) : nullptr;
+  j["num_microbatches"] = row.num_microbatches > 0 ? nlohmann::ordered_json(row.num_microbatches) : nullptr;
+  j["global_batch_size"] = row.global_batch_size > 0 ? nlohmann::ordered_json(row.global_batch_size) : nullptr;
+  j["pareto"] = pareto;
+  j["warnings"] = row.warnings;
+  return j;
+}
+
+nlohmann::ordered_json sweep_to_json(const SweepResult& s, const Scenario& sc) {
+  nlohmann::ordered_json j;
+  j["scenario"] = sc.file;
+  j["name"] = sc.config.name;
+  j["axes"] = axes_json(sc.sweep);
+  j["constraints"] = constraints_json(sc.constraints);
+  j["counts"] = counts_json(s.counts);
+  j["best"] = s.ranking.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(s.ranking.front());
+  j["pareto"] = s.pareto;
+  auto rows = nlohmann::ordered_json::array();
+  for (std::size_t i : s.order) rows.push_back(sweep_row_to_json(s.rows[i], rank_of(s, i), on_front(s, i)));
+  j["rows"] = std::move(rows);
+  return j;
+}
+
+// ---- CSV --------------------------------------------------------------------------------
+
+void write_sweep_csv(const SweepResult& s, std::ostream& out) {
+  std::vector<std::string> head{"rank", "index"};
+  head.insert(head.end(), s.keys.begin(), s.keys.end());
+  for (const char* h : {"status", "reason", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "allreduce_time_s",
+                        "exposed_comm_time_s", "peak_memory_gib", "peak_memory_rank", "memory_capacity_gib",
+                        "headroom_gib", "num_microbatches", "global_batch_size", "pareto"})
+    head.emplace_back(h);
+  for (std::size_t i = 0; i < head.size(); ++i) out << (i ? "," : "") << csv_field(head[i]);
+  out << "\n";
+  for (std::size_t idx : s.order) {
+    const SweepRow& row = s.rows[idx];
+    std::vector<std::string> c;
+    auto rank = rank_of(s, idx);
+    c.push_back(rank ? std::to_string(*rank) : "");
+    c.push_back(std::to_string(idx));
+    for (const auto& [k, v] : row.point.values) c.push_back(format_field_value(v));
+    c.emplace_back(sweep_status_name(row.status));
+    c.push_back(row.reason);
+    const SweepMetrics& m = row.metrics;
+    auto num = [&](double v) { return row.simulated ? fmt::format("{:.6g}", v) : std::string(); };
+    c.push_back(num(m.step_time_s));
+    c.push_back(num(m.tokens_per_s));
+    c.push_back(num(m.mfu));
+    c.push_back(num(m.bubble_fraction));
+    c.push_back(num(m.allreduce_time_s));
+    c.push_back(num(m.exposed_comm_time_s));
+    c.push_back(num(bytes_to_gib(m.peak_memory_bytes)));
+    c.push_back(row.simulated ? std::to_string(m.peak_memory_rank) : "");
+    c.push_back(fmt::format("{:.6g}", row.point.config.cluster.memory_gib));
+    c.push_back(num(bytes_to_gib(m.headroom_bytes())));
+    c.push_back(row.num_microbatches > 0 ? std::to_string(row.num_microbatches) : "");
+    c.push_back(row.global_batch_size > 0 ? std::to_string(row.global_batch_size) : "");
+    c.push_back(on_front(s, idx) ? "true" : "false");
+    for (std::size_t i = 0; i < c.size(); ++i) out << (i ? "," : "") << csv_field(c[i]);
+    out << "\n";
+  }
+}
+
+// ---- SVG --------------------------------------------------------------------------------
+
+namespace {
+
+// A "nice" tick step (1, 2 or 5 times a power of ten) for about `n` ticks over [0, max].
+double tick_step(double max, int n) {
+  if (max <= 0) return 1;
+  const double raw = max / n;
+  const double p = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0, 10.0})
+    if (m * p >= raw) return m * p;
+  return 10 * p;
+}
+
+std::string tick_label(double v, double step) {
+  const char* unit = "";
+  double scale = 1;
+  if (step >= 1e6) unit = "M", scale = 1e6;
+  else if (step >= 1e3) unit = "K", scale = 1e3;
+  if (v == 0) return "0";
+  const double x = v / scale, st = step / scale;
+  const int decimals = st >= 1 ? 0 : static_cast<int>(std::ceil(-std::log10(st) - 1e-9));
+  return fmt::format("{:.{}f}{}", x, decimals, unit);
+}
+
+}  // namespace
+
+void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out) {
+  constexpr double W = 960, H = 600, left = 90, right = 250, top = 60, bottom = 70;
+  const double pw = W - left - right, ph = H - top - bottom;
+  const double cap_gib = sc.config.cluster.memory_gib;
+  // Capacity of the rows themselves (a swept GPU changes it); the scenario's for the line.
+  double max_feasible_gib = 0, max_gib = 0, max_tps = 0;
+  std::size_t simulated = 0;
+  for (const auto& r : s.rows) {
+    if (!r.simulated) continue;
+    ++simulated;
+    const double g = bytes_to_gib(r.metrics.peak_memory_bytes);
+    max_gib = std::max(max_gib, g);
+    if (r.feasible()) max_feasible_gib = std::max(max_feasible_gib, g);
+    max_tps = std::max(max_tps, r.metrics.tokens_per_s);
+  }
+  // Out-of-memory points far to the right would squeeze the rest: beyond twice the
+  // capacity they are drawn at the edge as arrows.
+  const double x_max_data = std::max({max_feasible_gib, std::min(max_gib, 2 * cap_gib), cap_gib});
+  const double x_step = tick_step(x_max_data * 1.05, 8);
+  const double x_max = std::ceil(x_max_data * 1.05 / x_step) * x_step;
+  const double y_step = tick_step(std::max(max_tps, 1.0) * 1.08, 6);
+  const double y_max = std::ceil(std::max(max_tps, 1.0) * 1.08 / y_step) * y_step;
+  auto X = [&](double g) { return left + pw * std::min(g, x_max) / x_max; };
+  auto Y = [&](double t) { return top + ph * (1 - t / y_max); };
+
+  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" viewBox=\"0 0 {:.0f} "
+                     "{:.0f}\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n",
+                     W, H, W, H);
+  out << fmt::format("<rect width=\"{:.0f}\" height=\"{:.0f}\" fill=\"white\"/>\n", W, H);
+  const std::string name = sc.config.name.empty() ? sc.file : sc.config.name;
+  out << fmt::format("<text x=\"{:.0f}\" y=\"26\" font-size=\"16\" font-weight=\"bold\">{}</text>\n", left,
+                     xml_escape("sweep of " + name + ": throughput against peak memory per GPU"));
+  out << fmt::format("<text x=\"{:.0f}\" y=\"44\" fill=\"#555\">{}</text>\n", left, xml_escape(counts_text(s.counts)));
+
+  // Memory beyond the GPU: shaded.
+  out << fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"#fdecea\"/>\n", X(cap_gib),
+                     top, std::max(0.0, left + pw - X(cap_gib)), ph);
+  // Grid and ticks.
+  for (double v = 0; v <= x_max + 1e-9; v += x_step) {
+    out << fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#eee\"/>\n", X(v), top,
+                       top + ph);
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" fill=\"#333\">{}</text>\n", X(v),
+                       top + ph + 16, tick_label(v, x_step));
+  }
+  for (double v = 0; v <= y_max + 1e-9; v += y_step) {
+    out << fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{2:.1f}\" y2=\"{1:.1f}\" stroke=\"#eee\"/>\n", left,
+                       Y(v), left + pw);
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\" fill=\"#333\">{}</text>\n", left - 6,
+                       Y(v) + 4, tick_label(v, y_step));
+  }
+  out << fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" stroke=\"#888\"/>\n",
+                     left, top, pw, ph);
+  out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">peak memory per GPU (GiB)</text>\n",
+                     left + pw / 2, H - 24);
+  out << fmt::format("<text transform=\"translate(22,{:.1f}) rotate(-90)\" text-anchor=\"middle\">throughput "
+                     "(tokens/s)</text>\n",
+                     top + ph / 2);
+
+  // Memory limits.
+  out << fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#c62828\" "
+                     "stroke-width=\"1.5\" stroke-dasharray=\"6,4\"/>\n",
+                     X(cap_gib), top, top + ph);
+  out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#c62828\">GPU memory {:g} GiB</text>\n", X(cap_gib) + 4,
+                     top + 14, cap_gib);
+  const double frac = sc.constraints.max_memory_fraction;
+  if (frac < 1) {
+    out << fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#ef6c00\" "
+                       "stroke-width=\"1.5\" stroke-dasharray=\"2,3\"/>\n",
+                       X(frac * cap_gib), top, top + ph);
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#ef6c00\" text-anchor=\"end\">limit {:g} x</text>\n",
+                       X(frac * cap_gib) - 4, top + 14, frac);
+  }
+
+  if (sc.constraints.min_memory_headroom_gib && *sc.constraints.min_memory_headroom_gib > 0) {
+    const double at = X(std::max(0.0, cap_gib - *sc.constraints.min_memory_headroom_gib));
+    out << fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#ef6c00\" "
+                       "stroke-width=\"1.5\" stroke-dasharray=\"2,3\"/>\n",
+                       at, top, top + ph);
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#ef6c00\" text-anchor=\"end\">{:g} GiB headroom</text>\n",
+                       at - 4, top + 30, *sc.constraints.min_memory_headroom_gib);
+  }
+
+  // Points, in index order: infeasible first so feasible ones stay on top.
+  auto tooltip = [&](const SweepRow& r) {
+    std::string t = fmt::format("#{} {}\ntokens/s {}, step {}, bubble {:.1f}%, exposed comm {}\npeak {:.2f} GiB (rank {})",
+                                r.point.index, config_text(r), human_count(r.metrics.tokens_per_s),
+                                secs(r.metrics.step_time_s), 100 * r.metrics.bubble_fraction,
+                                secs(r.metrics.exposed_comm_time_s), bytes_to_gib(r.metrics.peak_memory_bytes),
+                                r.metrics.peak_memory_rank);
+    if (!r.reason.empty()) t += "\n" + std::string(sweep_status_name(r.status)) + ": " + r.reason;
+    return "<title>" + xml_escape(t) + "</title>";
+  };
+  for (const auto& r : s.rows) {
+    if (!r.simulated || r.feasible()) continue;
+    const double g = bytes_to_gib(r.metrics.peak_memory_bytes);
+    const double x = X(g), y = Y(r.metrics.tokens_per_s);
+    if (r.status == SweepStatus::out_of_memory) {
+      if (g > x_max)  // beyond the axis: an arrow at the edge
+        out << fmt::format("<g>{}<path d=\"M{:.1f},{:.1f} l-8,-4 v8 z\" fill=\"#c62828\" opacity=\"0.7\"/></g>\n",
+                           tooltip(r), x, y);
+      else
+        out << fmt::format("<g>{0}<path d=\"M{1:.1f},{2:.1f} l8,8 M{3:.1f},{2:.1f} l-8,8\" stroke=\"#c62828\" "
+                           "stroke-width=\"1.6\" opacity=\"0.75\"/></g>\n",
+                           tooltip(r), x - 4, y - 4, x + 4);
+    } else {
+      out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4.5\" fill=\"none\" stroke=\"#ef6c00\" "
+                         "stroke-width=\"1.6\">{}</circle>\n",
+                         x, y, tooltip(r));
+    }
+  }
+  for (const auto& r : s.rows) {
+    if (!r.feasible()) continue;
+    out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"#1565c0\" fill-opacity=\"0.55\">{}</circle>\n",
+                       X(bytes_to_gib(r.metrics.peak_memory_bytes)), Y(r.metrics.tokens_per_s), tooltip(r));
+  }
+  // Pareto front: a staircase (more memory buys more throughput), its points ringed.
+  if (!s.pareto.empty()) {
+    std::string d;
+    for (std::size_t i = 0; i < s.pareto.size(); ++i) {
+      const auto& m = s.rows[s.pareto[i]].metrics;
+      const double x = X(bytes_to_gib(m.peak_memory_bytes)), y = Y(m.tokens_per_s);
+      d += i == 0 ? fmt::format("M{:.1f},{:.1f}", x, y) : fmt::format(" H{:.1f} V{:.1f}", x, y);
+    }
+    out << fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"#2e7d32\" stroke-width=\"2\"/>\n", d);
+    for (std::size_t i : s.pareto) {
+      const auto& m = s.rows[i].metrics;
+      out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"6.5\" fill=\"none\" stroke=\"#2e7d32\" "
+                         "stroke-width=\"2\">{}</circle>\n",
+                         X(bytes_to_gib(m.peak_memory_bytes)), Y(m.tokens_per_s), tooltip(s.rows[i]));
+    }
+  }
+  // The best point, labelled.
+  if (const SweepRow* b = s.best()) {
+    const double x = X(bytes_to_gib(b->metrics.peak_memory_bytes)), y = Y(b->metrics.tokens_per_s);
+    out << fmt::format("<path d=\"M{:.1f},{:.1f} l4,9 l-9,-6 h10 l-9,6 z\" fill=\"#f9a825\" stroke=\"#6d4c00\" "
+                       "stroke-width=\"0.8\">{}</path>\n",
+                       x, y - 7, tooltip(*b));
+  }
+
+  // Legend.
+  const double lx = left + pw + 24;
+  double ly = top + 10;
+  auto legend_text = [&](const std::string& t) {
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", lx + 20, ly + 4, xml_escape(t));
+    ly += 24;
+  };
+  out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"#1565c0\" fill-opacity=\"0.55\"/>\n", lx + 6, ly);
+  legend_text(fmt::format("feasible ({})", s.counts.ok));
+  out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"6.5\" fill=\"none\" stroke=\"#2e7d32\" stroke-width=\"2\"/>\n",
+                     lx + 6, ly);
+  legend_text(fmt::format("Pareto front ({})", s.pareto.size()));
+  out << fmt::format("<path d=\"M{:.1f},{:.1f} l4,9 l-9,-6 h10 l-9,6 z\" fill=\"#f9a825\" stroke=\"#6d4c00\"/>\n", lx + 6,
+                     ly - 7);
+  legend_text("best (max tokens/s)");
+  out << fmt::format("<path d=\"M{0:.1f},{1:.1f} l8,8 M{2:.1f},{1:.1f} l-8,8\" stroke=\"#c62828\" stroke-width=\"1.6\"/>\n",
+                     lx + 2, ly - 4, lx + 10);
+  legend_text(fmt::format("out of memory ({})", s.counts.out_of_memory));
+  out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4.5\" fill=\"none\" stroke=\"#ef6c00\" stroke-width=\"1.6\"/>\n",
+                     lx + 6, ly);
+  legend_text(fmt::format("outside constraints ({})", s.counts.constraint));
+  ly += 6;
+  const std::size_t hidden = s.counts.total - simulated;
+  if (hidden > 0) {
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#555\">not drawn: {} invalid,</text>\n", lx, ly,
+                       s.counts.invalid);
+    ly += 16;
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#555\">{} unsupported precision</text>\n", lx, ly,
+                       s.counts.unsupported_precision);
+    ly += 16;
+  }
+  out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#555\">hover a point for its</text>\n", lx, ly + 6);
+  out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#555\">configuration and figures</text>\n", lx, ly + 22);
+  ly += 58;
+  // The best configuration, spelled out beside the plot rather than over the points.
+  if (const SweepRow* b = s.best()) {
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-weight=\"bold\">best: {} tokens/s</text>\n", lx, ly,
+                       human_count(b->metrics.tokens_per_s));
+    ly += 16;
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#333\">peak {:.1f} GiB, bubble {:.1f}%</text>\n", lx, ly,
+                       bytes_to_gib(b->metrics.peak_memory_bytes), 100 * b->metrics.bubble_fraction);
+    for (const auto& [k, v] : b->point.values) {
+      ly += 15;
+      out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#333\">{} = {}</text>\n", lx + 8, ly,
+                         xml_escape(abbreviation(k)), xml_escape(format_field_value(v)));
+    }
+  }
+  out << "</svg>\n";
+}
+
+std::string format_progress(const SweepProgress& p, int bar_width) {
+  const double f = p.total ? static_cast<double>(p.done) / static_cast<double>(p.total) : 1.0;
+  const int full = static_cast<int>(f * bar_width);
+  std::string bar(static_cast<std::size_t>(full), '#');
+  bar += std::string(static_cast<std::size_t>(bar_width - full), '.');
+  const double rate = p.elapsed_s > 0 ? static_cast<double>(p.done) / p.elapsed_s : 0;
+  std::string left = "--";
+  if (p.done >= p.total) left = "0 s";
+  else if (rate > 0) {
+    const double s = static_cast<double>(p.total - p.done) / rate;
+    left = s >= 60 ? fmt::format("{}m{:02d}s", static_cast<int>(s) / 60, static_cast<int>(s) % 60)
+                   : fmt::format("{:.0f} s", std::ceil(s));
+  }
+  return fmt::format("[{}] {:>{}}/{} configurations  {:.1f}/s  {} left", bar, p.done,
+                     std::to_string(p.total).size(), p.total, rate, left);
+}
+
+// ---- plan -------------------------------------------------------------------------------
+
+namespace {
+
+std::string layout_text(const ScenarioConfig& c, int microbatches) {
+  const auto& p = c.parallelism;
+  std::string s = fmt::format("data {} x pipeline {}{} x tensor {}, {}, ", p.data_parallel_size,
+                              p.pipeline_parallel_size,
+                              p.virtual_pipeline_stages > 1 ? fmt::format(" (v={})", p.virtual_pipeline_stages) : "",
+                              p.tensor_parallel_size, schedule_name(p.schedule));
+  if (microbatches > 0)
+    s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
+  else s += fmt::format("micro-batch size {}", c.training.micro_batch_size);
+  s += fmt::format(", recompute {}, ZeRO {}, overlap {}; {} compute", recompute_name(c.training.activation_recompute),
+                   p.zero_stage, c.communication.overlap_grad_reduce ? "on" : "off", dtype_name(c.precision.compute));
+  return s;
+}
+
+std::string figures_text(const SweepRow& r) {
+  if (!r.simulated) return fmt::format("{}: {}", sweep_status_name(r.status), r.reason);
+  const SweepMetrics& m = r.metrics;
+  std::string s = fmt::format("tokens/s {}, step {}, bubble {:.1f}%, exposed comm {}, peak {:.1f} of {:.1f} GiB",
+                              human_count(m.tokens_per_s), secs(m.step_time_s), 100 * m.bubble_fraction,
+                              secs(m.exposed_comm_time_s), bytes_to_gib(m.peak_memory_bytes),
+                              bytes_to_gib(m.memory_capacity_bytes));
+  if (r.status != SweepStatus::ok) s += fmt::format(" -- {}: {}", sweep_status_name(r.status), r.reason);
+  return s;
+}
+
+}  // namespace
+
+std::string format_plan(const PlanResult& p) {
+  const Scenario& sc = p.scenario;
+  std::string o;
+  o += fmt::format("plan for {}{}\n", sc.config.name.empty() ? std::string("scenario") : sc.config.name,
+                   sc.file.empty() ? "" : fmt::format(" ({})", sc.file));
+  o += fmt::format("  searched {}: {}\n",
+                   p.default_space ? "the default space (no `sweep:` in the file; see docs/sweep.md)" : "the file's sweep",
+                   counts_text(p.sweep.counts));
+  o += fmt::format("\n  as written  {}\n              {}\n", layout_text(sc.config, p.original.num_microbatches),
+                   figures_text(p.original));
+  if (!p.chosen) {
+    o += "\nno configuration in the search space is feasible; the most common reasons:\n";
+    std::map<std::string, std::size_t> reasons;
+    for (const auto& r : p.sweep.rows) ++reasons[std::string(sweep_status_name(r.status))];
+    for (const auto& [k, n] : reasons) o += fmt::format("  {} {}\n", n, k);
+  } else {
+    const SweepRow& c = p.sweep.rows[*p.chosen];
+    o += fmt::format("  chosen      {}\n              {}\n", layout_text(c.point.config, c.num_microbatches),
+                     figures_text(c));
+    if (p.original.simulated && p.original.metrics.tokens_per_s > 0)
+      o += fmt::format("              {:+.0f}% tokens/s against the configuration as written\n",
+                       100 * (c.metrics.tokens_per_s / p.original.metrics.tokens_per_s - 1));
+    constexpr double kMarginGib = 2.0;  // what the simulator's headroom warning names
+    if (bytes_to_gib(c.metrics.headroom_bytes()) < kMarginGib && !sc.constraints.min_memory_headroom_gib)
+      o += fmt::format("              note: only {:.1f} GiB stays free on the fullest GPU; the CUDA context and the "
+                       "allocator typically take 0.5-2 GiB (set constraints: min_memory_headroom_gib: {:g} to keep a "
+                       "margin)\n",
+                       bytes_to_gib(c.metrics.headroom_bytes()), kMarginGib);
+    if (p.steps.empty()) {
+      o += "\nthe configuration as written is already the best one found.\n";
+    } else {
+      o += "\nwhat changes, and what each change buys (predicted, applied in this order):\n";
+      for (std::size_t i = 0; i < p.steps.size(); ++i)
+        o += fmt::format("  {}. {}:\n     {}\n", i + 1, p.steps[i].change, p.steps[i].effect);
+    }
+  }
+  if (!p.precision.empty()) {
+    o += "\nprecision (each fix is part of the chosen configuration):\n";
+    for (const auto& i : p.precision)
+      o += fmt::format("  - {}\n    fix: {}\n    why: {}\n", i.problem, i.fix, i.why);
+  } else {
+    o += "\nprecision: no numerics risk found in the configuration as written.\n";
+  }
+  if (!p.runners_up.empty()) {
+    o += "\nrunners-up:\n";
+    const SweepRow& c = p.sweep.rows[*p.chosen];
+    for (std::size_t k = 0; k < p.runners_up.size(); ++k) {
+      const SweepRow& r = p.sweep.rows[p.runners_up[k]];
+      std::vector<std::string> diff;
+      for (std::size_t i = 0; i < r.point.values.size() && i < c.point.values.size(); ++i)
+        if (format_field_value(r.point.values[i].second) != format_field_value(c.point.values[i].second))
+          diff.push_back(fmt::format("{}={}", abbreviation(r.point.values[i].first),
+                                     format_field_value(r.point.values[i].second)));
+      o += fmt::format("  {}. {:+.2f}% tokens/s, peak {:.1f} GiB, bubble {:.1f}%: {}\n", k + 2,
+                       100 * (r.metrics.tokens_per_s / c.metrics.tokens_per_s - 1),
+                       bytes_to_gib(r.metrics.peak_memory_bytes), 100 * r.metrics.bubble_fraction,
+                       diff.empty() ? config_text(r) : fmt::format("{}", fmt::join(diff, " ")));
+    }
+  }
+  if (p.chosen)
+    o += "\nsave the chosen configuration: trainsim plan FILE --write-scenario chosen.yaml (then trainsim simulate "
+         "chosen.yaml)\n";
+  return o;
+}
+
+nlohmann::ordered_json plan_to_json(const PlanResult& p) {
+  const Scenario& sc = p.scenario;
+  nlohmann::ordered_json j;
+  j["scenario"] = sc.file;
+  j["name"] = sc.config.name;
+  std::vector<SweepAxis> axes = sc.sweep;
+  j["search_space"] = {{"default", p.default_space}};
+  j["search_space"]["axes"] = axes_json(p.default_space ? default_search_space(sc.config) : sc.sweep);
+  j["constraints"] = constraints_json(sc.constraints);
+  j["counts"] = counts_json(p.sweep.counts);
+  j["original"] = sweep_row_to_json(p.original, std::nullopt, false);
+  if (p.chosen)
+    j["chosen"] = sweep_row_to_json(p.sweep.rows[*p.chosen], 1, on_front(p.sweep, *p.chosen));
+  else
+    j["chosen"] = nullptr;
+  auto ru = nlohmann::ordered_json::array();
+  for (std::size_t i = 0; i < p.runners_up.size(); ++i)
+    ru.push_back(sweep_row_to_json(p.sweep.rows[p.runners_up[i]], i + 2, on_front(p.sweep, p.runners_up[i])));
+  j["runners_up"] = std::move(ru);
+  auto steps = nlohmann::ordered_json::array();
+  for (const auto& s : p.steps) {
+    nlohmann::ordered_json e;
+    e["keys"] = s.keys;
+    e["change"] = s.change;
+    e["effect"] = s.effect;
+    e["before"] = sweep_row_to_json(s.before, std::nullopt, false);
+    e["after"] = sweep_row_to_json(s.after, std::nullopt, false);
+    steps.push_back(std::move(e));
+  }
+  j["changes"] = std::move(steps);
+  auto adv = nlohmann::ordered_json::array();
+  for (const auto& i : p.precision) {
+    nlohmann::ordered_json e;
+    e["id"] = i.id;
+    e["problem"] = i.problem;
+    e["fix"] = i.fix;
+    e["why"] = i.why;
+    nlohmann::ordered_json ch = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : i.changes) ch[k] = value_json(v);
+    e["changes"] = std::move(ch);
+    adv.push_back(std::move(e));
+  }
+  j["precision_advice"] = std::move(adv);
+  j["scenario_fragment"] = p.chosen ? p.fragment : nlohmann::ordered_json();
+  return j;
+}
+
+}  // namespace trainsim

@@ -1,0 +1,442 @@
+#include "sim/sweep/sweep.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "core/plan.h"
+#include "core/units.h"
+#include "sim/simulator.h"
+
+namespace trainsim {
+
+namespace {
+
+constexpr const char* kDp = "parallelism.data_parallel_size";
+constexpr const char* kPp = "parallelism.pipeline_parallel_size";
+constexpr const char* kTp = "parallelism.tensor_parallel_size";
+
+const FieldSpec& field(const std::string& path) {
+  const FieldSpec* f = find_field(path);
+  if (!f) throw std::logic_error("no field " + path);
+  return *f;
+}
+
+// Every field's value, as one string: equal strings mean equal configurations.
+std::string fingerprint(const ScenarioConfig& c) {
+  std::string s;
+  for (const auto& f : scenario_fields()) {
+    if (!f.get) continue;
+    s += format_field_value(f.get(c));
+    s += '\x1f';
+  }
+  return s;
+}
+
+struct Partial {
+  ScenarioConfig config;
+  std::string error;
+};
+
+}  // namespace
+
+std::vector<std::int64_t> divisors(std::int64_t n) {
+  std::vector<std::int64_t> small, large;
+  for (std::int64_t i = 1; i * i <= n; ++i)
+    if (n % i == 0) {
+      small.push_back(i);
+      if (i != n / i) large.push_back(n / i);
+    }
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
+}
+
+std::vector<ParallelLayout> auto_parallel_layouts(const ScenarioConfig& c) {
+  std::vector<ParallelLayout> out;
+  const int n = c.cluster.num_gpus;
+  if (n < 1) return out;
+  const int heads = c.model.num_attention_heads;
+  const int groups = c.model.num_query_groups > 0 ? c.model.num_query_groups : heads;
+  for (std::int64_t t : divisors(n)) {
+    if (t > c.cluster.gpus_per_node || heads % t != 0 || groups % t != 0) continue;
+    for (std::int64_t p : divisors(n / t)) {
+      if (p > c.model.num_layers) continue;
+      out.push_back(ParallelLayout{static_cast<int>(n / t / p), static_cast<int>(p), static_cast<int>(t)});
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> sweep_keys(const Scenario& sc) {
+  std::vector<std::string> keys;
+  for (const auto& a : sc.sweep) {
+    if (a.kind == SweepAxisKind::auto_parallelism)
+      keys.insert(keys.end(), {kDp, kPp, kTp});
+    else
+      keys.push_back(a.path);
+  }
+  return keys;
+}
+
+std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
+                                             const std::function<void(ScenarioConfig&)>& adjust) {
+  // Presets first, then the file's own keys again, then the other axes: the loader's order,
+  // so a swept GPU keeps the overrides the file wrote (num_gpus, memory_gib, ...).
+  std::vector<const SweepAxis*> preset_axes, value_axes;
+  bool auto_parallel = false, auto_micro = false;
+  for (const auto& a : sc.sweep) {
+    if (a.kind == SweepAxisKind::auto_parallelism)
+      auto_parallel = true;
+    else if (a.kind == SweepAxisKind::auto_micro_batch_size)
+      auto_micro = true;
+    else if (field(a.path).applies_preset)
+      preset_axes.push_back(&a);
+    else
+      value_axes.push_back(&a);
+  }
+
+  std::vector<Partial> cur{Partial{sc.config, ""}};
+  auto apply = [](Partial& p, const FieldSpec& f, const FieldValue& v) {
+    try {
+      f.set(p.config, v);
+    } catch (const std::invalid_argument& e) {
+      if (p.error.empty()) p.error = fmt::format("{}: \"{}\": {}", f.path, format_field_value(v), e.what());
+    }
+  };
+  auto product = [&](const SweepAxis& axis) {
+    const FieldSpec& f = field(axis.path);
+    std::vector<Partial> next;
+    next.reserve(cur.size() * axis.values.size());
+    for (const auto& p : cur)
+      for (const auto& v : axis.values) {
+        Partial q = p;
+        apply(q, f, v);
+        next.push_back(std::move(q));
+      }
+    cur = std::move(next);
+  };
+  for (const SweepAxis* a : preset_axes) product(*a);
+  if (!preset_axes.empty()) {
+    for (auto& p : cur)
+      for (const auto& key : sc.explicit_keys) {
+        const FieldSpec& f = field(key);
+        if (f.applies_preset) continue;
+        apply(p, f, f.get(sc.config));
+      }
+  }
+  for (const SweepAxis* a : value_axes) product(*a);
+
+  if (auto_parallel) {
+    std::vector<Partial> next;
+    for (const auto& p : cur) {
+      const auto layouts = auto_parallel_layouts(p.config);
+      if (layouts.empty()) {  // nothing fits the rule: the configuration as written, invalid or not
+        next.push_back(p);
+        continue;
+      }
+      for (const auto& l : layouts) {
+        Partial q = p;
+        q.config.parallelism.data_parallel_size = l.dp;
+        q.config.parallelism.pipeline_parallel_size = l.pp;
+        q.config.parallelism.tensor_parallel_size = l.tp;
+        next.push_back(std::move(q));
+      }
+    }
+    cur = std::move(next);
+  }
+  if (auto_micro) {
+    std::vector<Partial> next;
+    for (const auto& p : cur) {
+      const std::int64_t gb = p.config.training.global_batch_size, d = p.config.parallelism.data_parallel_size;
+      if (gb <= 0 || d <= 0 || gb % d != 0) {  // kept as written: Plan states why it cannot run
+        next.push_back(p);
+        continue;
+      }
+      for (std::int64_t b : divisors(gb / d)) {
+        Partial q = p;
+        q.config.training.micro_batch_size = static_cast<int>(b);
+        next.push_back(std::move(q));
+      }
+    }
+    cur = std::move(next);
+  }
+
+  const std::vector<std::string> keys = sweep_keys(sc);
+  std::vector<SweepConfiguration> out;
+  out.reserve(cur.size());
+  std::set<std::string> seen;
+  for (auto& p : cur) {
+    if (adjust) adjust(p.config);
+    if (!seen.insert(fingerprint(p.config) + p.error).second) continue;
+    SweepConfiguration c;
+    c.index = out.size();
+    c.error = std::move(p.error);
+    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
+    c.config = std::move(p.config);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::string_view sweep_status_name(SweepStatus s) {
+  switch (s) {
+    case SweepStatus::ok: return "ok";
+    case SweepStatus::out_of_memory: return "out_of_memory";
+    case SweepStatus::invalid: return "invalid";
+    case SweepStatus::unsupported_precision: return "unsupported_precision";
+    case SweepStatus::constraint: return "constraint";
+  }
+  return "?";
+}
+
+namespace {
+
+double rate_of(const ClusterConfig& cl, DType d) {
+  auto it = cl.peak_tflops.find(d);
+  return it == cl.peak_tflops.end() ? 0.0 : it->second;
+}
+
+// Why the GPU cannot run this configuration's formats; empty when it can.
+std::string unsupported_precision(const ScenarioConfig& c) {
+  const auto& cl = c.cluster;
+  std::vector<std::pair<std::string, DType>> need{{"precision.compute", c.precision.compute}};
+  if (c.precision.allreduce == DType::bf16 && c.precision.compute != DType::bf16)
+    need.emplace_back("precision.allreduce", DType::bf16);
+  for (const auto& [key, d] : need) {
+    if (rate_of(cl, d) > 0) continue;
+    std::vector<std::string> has;
+    for (DType x : kAllDTypes)
+      if (rate_of(cl, x) > 0) has.emplace_back(dtype_name(x));
+    return fmt::format("{}: {} is not supported by GPU {} (cluster.peak_tflops.{} is 0); it has {}", key,
+                       dtype_name(d), cl.gpu.empty() ? std::string("of this cluster") : cl.gpu, dtype_name(d),
+                       has.empty() ? std::string("no format") : fmt::format("{}", fmt::join(has, ", ")));
+  }
+  return "";
+}
+
+std::vector<std::string> constraint_violations(const SweepConstraints& k, const Plan& plan, const SweepMetrics& m) {
+  std::vector<std::string> v;
+  const double cap = m.memory_capacity_bytes;
+  // Out of memory already says more than these two.
+  const bool oom = m.peak_memory_bytes > cap;
+  if (!oom && k.max_memory_fraction < 1 && m.peak_memory_bytes > k.max_memory_fraction * cap)
+    v.push_back(fmt::format("max_memory_fraction: peak {:.2f} GiB on rank {} > {:g} x {:.2f} GiB = {:.2f} GiB (by {:.2f} "
+                            "GiB)",
+                            bytes_to_gib(m.peak_memory_bytes), m.peak_memory_rank, k.max_memory_fraction,
+                            bytes_to_gib(cap), bytes_to_gib(k.max_memory_fraction * cap),
+                            bytes_to_gib(m.peak_memory_bytes - k.max_memory_fraction * cap)));
+  if (!oom && k.min_memory_headroom_gib && bytes_to_gib(m.headroom_bytes()) < *k.min_memory_headroom_gib)
+    v.push_back(fmt::format("min_memory_headroom_gib: {:.2f} GiB free on rank {} < {:g} GiB",
+                            bytes_to_gib(m.headroom_bytes()), m.peak_memory_rank, *k.min_memory_headroom_gib));
+  auto at_most = [&](const std::optional<std::int64_t>& lim, const char* key, const char* what, std::int64_t x) {
+    if (lim && x > *lim) v.push_back(fmt::format("{}: {}({}) > {}", key, what, x, *lim));
+  };
+  auto at_least = [&](const std::optional<std::int64_t>& lim, const char* key, const char* what, std::int64_t x) {
+    if (lim && x < *lim) v.push_back(fmt::format("{}: {}({}) < {}", key, what, x, *lim));
+  };
+  at_least(k.min_global_batch_size, "min_global_batch_size", "global_batch_size", plan.global_batch_size);
+  at_most(k.max_global_batch_size, "max_global_batch_size", "global_batch_size", plan.global_batch_size);
+  at_most(k.max_data_parallel_size, "max_data_parallel_size", "data_parallel_size", plan.dp);
+  at_most(k.max_pipeline_parallel_size, "max_pipeline_parallel_size", "pipeline_parallel_size", plan.pp);
+  at_most(k.max_tensor_parallel_size, "max_tensor_parallel_size", "tensor_parallel_size", plan.tp);
+  at_most(k.max_micro_batch_size, "max_micro_batch_size", "micro_batch_size", plan.micro_batch_size);
+  at_least(k.min_micro_batches, "min_micro_batches", "micro-batches per replica", plan.num_microbatches);
+  return v;
+}
+
+}  // namespace
+
+SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
+                                const SweepConstraints& constraints) {
+  SweepRow row;
+  row.point = point;
+  if (!point.error.empty()) {
+    row.status = SweepStatus::invalid;
+    row.reason = point.error;
+    return row;
+  }
+  if (std::string why = unsupported_precision(point.config); !why.empty()) {
+    row.status = SweepStatus::unsupported_precision;
+    row.reason = std::move(why);
+    return row;
+  }
+  Plan plan;
+  try {
+    plan = Plan::from_config(point.config);
+  } catch (const ScenarioError& e) {
+    row.status = SweepStatus::invalid;
+    std::vector<std::string> parts;
+    for (const auto& d : e.diagnostics())
+      parts.push_back(d.key_path.empty() ? d.message : fmt::format("{}: {}", d.key_path, d.message));
+    row.reason = fmt::format("{}", fmt::join(parts, "; "));
+    return row;
+  }
+  row.num_microbatches = plan.num_microbatches;
+  row.global_batch_size = plan.global_batch_size;
+  try {
+    const Result& r = predictor.predict(plan).result;
+    SweepMetrics& m = row.metrics;
+    m.step_time_s = r.step_time_s;
+    m.tokens_per_s = r.tokens_per_s;
+    m.mfu = r.mfu;
+    m.bubble_fraction = r.bubble_fraction;
+    m.allreduce_time_s = r.allreduce_time_s;
+    m.exposed_comm_time_s = r.exposed_comm_time_s;
+    m.memory_capacity_bytes = r.memory_capacity_bytes;
+    m.stages.resize(static_cast<std::size_t>(plan.pp));
+    for (int s = 0; s < plan.pp; ++s) m.stages[static_cast<std::size_t>(s)].stage = s;
+    const RankResult* worst = nullptr;
+    for (const auto& rr : r.ranks) {
+      if (!worst || rr.peak_memory_bytes > worst->peak_memory_bytes) worst = &rr;
+      if (rr.stage >= 0 && rr.stage < plan.pp) {
+        auto& st = m.stages[static_cast<std::size_t>(rr.stage)];
+        st.peak_bytes = std::max(st.peak_bytes, rr.peak_memory_bytes);
+        st.activation_bytes = std::max(st.activation_bytes, rr.memory.activations);
+      }
+    }
+    if (worst) {
+      m.peak_memory_bytes = worst->peak_memory_bytes;
+      m.peak_memory_rank = worst->rank;
+    }
+    row.warnings = r.warnings;
+    row.simulated = true;
+    std::vector<std::string> reasons;
+    row.status = SweepStatus::ok;
+    if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
+      row.status = SweepStatus::out_of_memory;
+      reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
+                                    "{:.2f} GiB",
+                                    worst->rank, worst->stage, worst->replica,
+                                    bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
+                                    bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
+    }
+    for (auto& v : constraint_violations(constraints, plan, m)) {
+      if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
+      reasons.push_back(std::move(v));
+    }
+    row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+  } catch (const std::exception& e) {
+    row.status = SweepStatus::invalid;
+    row.simulated = false;
+    row.metrics = {};
+    row.reason = fmt::format("the simulation failed: {}", e.what());
+  }
+  return row;
+}
+
+std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
+  std::vector<std::size_t> feasible;
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    if (rows[i].feasible()) feasible.push_back(i);
+  std::sort(feasible.begin(), feasible.end(), [&](std::size_t a, std::size_t b) {
+    const auto &x = rows[a].metrics, &y = rows[b].metrics;
+    if (x.peak_memory_bytes != y.peak_memory_bytes) return x.peak_memory_bytes < y.peak_memory_bytes;
+    if (x.tokens_per_s != y.tokens_per_s) return x.tokens_per_s > y.tokens_per_s;
+    return a < b;
+  });
+  // Groups of equal peak memory, smallest first: a group's best points are on the front
+  // when they beat every point with strictly less memory.
+  std::vector<std::size_t> front;
+  bool any = false;
+  double best_below = 0;
+  for (std::size_t i = 0; i < feasible.size();) {
+    std::size_t j = i;
+    const double peak = rows[feasible[i]].metrics.peak_memory_bytes;
+    const double top = rows[feasible[i]].metrics.tokens_per_s;  // the group's best (sorted)
+    while (j < feasible.size() && rows[feasible[j]].metrics.peak_memory_bytes == peak) ++j;
+    if (!any || top > best_below)
+      for (std::size_t k = i; k < j && rows[feasible[k]].metrics.tokens_per_s == top; ++k) front.push_back(feasible[k]);
+    best_below = any ? std::max(best_below, top) : top;
+    any = true;
+    i = j;
+  }
+  return front;
+}
+
+SweepResult run_configurations(std::vector<SweepConfiguration> points, const SweepConstraints& constraints,
+                               std::vector<std::string> keys, const SweepOptions& options) {
+  SweepResult res;
+  res.keys = std::move(keys);
+  const std::size_t n = points.size();
+  for (std::size_t i = 0; i < n; ++i) points[i].index = i;
+  res.rows.resize(n);
+
+  unsigned threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
+  threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
+  std::atomic<std::size_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  auto worker = [&] {
+    Predictor predictor;  // one per thread: its buffers are reused, nothing is shared
+    for (std::size_t i; (i = next.fetch_add(1)) < n;) {
+      res.rows[i] = evaluate_configuration(predictor, points[i], constraints);
+      if (done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  {
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (unsigned t = 0; t < threads; ++t) pool.emplace_back(worker);
+    std::unique_lock<std::mutex> lock(mu);
+    while (done.load() < n) {
+      cv.wait_for(lock, std::chrono::milliseconds(100));
+      if (options.progress && done.load() < n) options.progress(SweepProgress{done.load(), n, elapsed()});
+    }
+    lock.unlock();
+    for (auto& t : pool) t.join();
+  }
+  if (options.progress) options.progress(SweepProgress{n, n, elapsed()});
+
+  for (std::size_t i = 0; i < n; ++i) {
+    const SweepRow& r = res.rows[i];
+    ++res.counts.total;
+    switch (r.status) {
+      case SweepStatus::ok: ++res.counts.ok; res.ranking.push_back(i); break;
+      case SweepStatus::out_of_memory: ++res.counts.out_of_memory; break;
+      case SweepStatus::invalid: ++res.counts.invalid; break;
+      case SweepStatus::unsupported_precision: ++res.counts.unsupported_precision; break;
+      case SweepStatus::constraint: ++res.counts.constraint; break;
+    }
+  }
+  const auto& rows = res.rows;
+  std::sort(res.ranking.begin(), res.ranking.end(), [&](std::size_t a, std::size_t b) {
+    const auto &x = rows[a].metrics, &y = rows[b].metrics;
+    if (x.tokens_per_s != y.tokens_per_s) return x.tokens_per_s > y.tokens_per_s;
+    if (x.peak_memory_bytes != y.peak_memory_bytes) return x.peak_memory_bytes < y.peak_memory_bytes;
+    return a < b;
+  });
+  std::vector<std::size_t> simulated, other;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (rows[i].feasible()) continue;
+    (rows[i].simulated ? simulated : other).push_back(i);
+  }
+  std::sort(simulated.begin(), simulated.end(), [&](std::size_t a, std::size_t b) {
+    if (rows[a].metrics.tokens_per_s != rows[b].metrics.tokens_per_s)
+      return rows[a].metrics.tokens_per_s > rows[b].metrics.tokens_per_s;
+    return a < b;
+  });
+  res.order = res.ranking;
+  res.order.insert(res.order.end(), simulated.begin(), simulated.end());
+  res.order.insert(res.order.end(), other.begin(), other.end());
+  res.pareto = pareto_front(res.rows);
+  return res;
+}
+
+SweepResult run_sweep(const Scenario& scenario, const SweepOptions& options) {
+  return run_configurations(expand_sweep(scenario, options.adjust), scenario.constraints, sweep_keys(scenario),
+                            options);
+}
+
+}  // namespace trainsim

@@ -1,0 +1,282 @@
+// `trainsim plan`: the chosen configuration is the fastest feasible one, its scenario
+// fragment loads and simulates to the reported figures, each change is explained with its
+// own prediction, and the precision advice names every risk of the bundled incident.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/plan.h"
+#include "core/scenario.h"
+#include "core/units.h"
+#include "sim/simulator.h"
+#include "sim/sweep/advice.h"
+#include "sim/sweep/report.h"
+
+namespace trainsim {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool has_issue(const std::vector<PrecisionIssue>& v, const std::string& id) {
+  for (const auto& i : v)
+    if (i.id == id) return true;
+  return false;
+}
+
+// Every field of two configurations, compared through the field table.
+void expect_same_config(const ScenarioConfig& a, const ScenarioConfig& b) {
+  for (const auto& f : scenario_fields()) {
+    if (!f.get || f.path == "name" || f.path == "description") continue;
+    EXPECT_EQ(format_field_value(f.get(a)), format_field_value(f.get(b))) << f.path;
+  }
+}
+
+// The bundled incident's configuration without its own `sweep:` and `constraints:`.
+std::string postmortem_text() {
+  std::istringstream in(slurp(kDefault));
+  std::string out, line;
+  bool skipping = false;
+  while (std::getline(in, line)) {
+    const bool top_level_key = !line.empty() && line[0] != ' ' && line[0] != '#';
+    if (top_level_key) skipping = line.rfind("sweep:", 0) == 0 || line.rfind("constraints:", 0) == 0;
+    if (!skipping) out += line + "\n";
+  }
+  return out;
+}
+
+// The plan of the bundled incident file as it stands, computed once (a few thousand
+// configurations).
+const PlanResult& default_plan() {
+  static const PlanResult plan = make_plan(load_scenario_file(kDefault));
+  return plan;
+}
+
+TEST(Plan, ChoosesTheFastestFeasibleConfiguration) {
+  const PlanResult& p = default_plan();
+  ASSERT_TRUE(p.chosen.has_value());
+  const SweepRow& chosen = p.sweep.rows[*p.chosen];
+  EXPECT_EQ(chosen.status, SweepStatus::ok);
+  for (const auto& row : p.sweep.rows)
+    if (row.feasible()) {
+      EXPECT_LE(row.metrics.tokens_per_s, chosen.metrics.tokens_per_s);
+    }
+  // Runners-up follow in rank order and are feasible.
+  double prev = chosen.metrics.tokens_per_s;
+  for (std::size_t i : p.runners_up) {
+    EXPECT_TRUE(p.sweep.rows[i].feasible());
+    EXPECT_LE(p.sweep.rows[i].metrics.tokens_per_s, prev);
+    prev = p.sweep.rows[i].metrics.tokens_per_s;
+  }
+  // The incident's own configuration runs (it fits), and the plan is not slower.
+  ASSERT_TRUE(p.original.simulated);
+  EXPECT_GE(chosen.metrics.tokens_per_s, p.original.metrics.tokens_per_s);
+}
+
+TEST(Plan, FragmentRoundTripsAndSimulatesToTheReportedFigures) {
+  const PlanResult& p = default_plan();
+  ASSERT_TRUE(p.chosen.has_value());
+  const SweepRow& chosen = p.sweep.rows[*p.chosen];
+  for (const std::string& text :
+       {p.fragment.dump(2), scenario_fragment_yaml(p.fragment, "chosen\nby a test")}) {
+    const Scenario loaded = load_scenario_text(text, "fragment.yaml");
+    EXPECT_TRUE(loaded.sweep.empty());
+    expect_same_config(loaded.config, chosen.point.config);
+    const Prediction pred = predict(Plan::from_scenario(loaded));
+    EXPECT_NEAR(pred.result.tokens_per_s, chosen.metrics.tokens_per_s, 1e-9 * chosen.metrics.tokens_per_s);
+    EXPECT_NEAR(pred.result.step_time_s, chosen.metrics.step_time_s, 1e-12);
+    EXPECT_NEAR(pred.result.bubble_fraction, chosen.metrics.bubble_fraction, 1e-12);
+    double peak = 0;
+    for (const auto& r : pred.result.ranks) peak = std::max(peak, r.peak_memory_bytes);
+    EXPECT_NEAR(peak, chosen.metrics.peak_memory_bytes, 1.0);
+    EXPECT_TRUE(pred.result.fits_in_memory);
+  }
+}
+
+TEST(Plan, JsonReportsTheChosenFiguresAndTheFragment) {
+  const PlanResult& p = default_plan();
+  const auto j = nlohmann::json::parse(plan_to_json(p).dump());
+  const SweepRow& chosen = p.sweep.rows[*p.chosen];
+  EXPECT_EQ(j["chosen"]["status"], "ok");
+  EXPECT_NEAR(j["chosen"]["tokens_per_s"].get<double>(), chosen.metrics.tokens_per_s,
+              1e-5 * chosen.metrics.tokens_per_s);
+  EXPECT_NEAR(j["chosen"]["peak_memory_gib"].get<double>(), bytes_to_gib(chosen.metrics.peak_memory_bytes), 1e-4);
+  // The fragment in the JSON is a scenario the loader accepts unchanged.
+  const Scenario loaded = load_scenario_text(j["scenario_fragment"].dump(), "from-json.yaml");
+  expect_same_config(loaded.config, chosen.point.config);
+  EXPECT_EQ(j["precision_advice"].size(), p.precision.size());
+  EXPECT_EQ(j["changes"].size(), p.steps.size());
+}
+
+TEST(Plan, StepsLeadFromTheOriginalToTheChosenConfiguration) {
+  const PlanResult& p = default_plan();
+  const SweepRow& chosen = p.sweep.rows[*p.chosen];
+  ASSERT_FALSE(p.steps.empty());
+  ScenarioConfig cur = p.scenario.config;
+  std::set<std::string> keys;
+  for (const auto& s : p.steps) {
+    EXPECT_FALSE(s.change.empty());
+    EXPECT_NE(s.effect.find("tokens/s"), std::string::npos) << s.effect;
+    for (const auto& k : s.keys) {
+      EXPECT_TRUE(keys.insert(k).second) << k << " changed twice";
+      const FieldSpec* f = find_field(k);
+      f->set(cur, f->get(chosen.point.config));
+      // The sentence names the key and its new value.
+      EXPECT_NE(s.change.find(k.substr(k.find('.') + 1)), std::string::npos) << s.change;
+    }
+  }
+  expect_same_config(cur, chosen.point.config);
+  // Each step's prediction is the one after it; the last is the chosen configuration.
+  for (std::size_t i = 1; i < p.steps.size(); ++i)
+    EXPECT_EQ(p.steps[i].before.metrics.tokens_per_s, p.steps[i - 1].after.metrics.tokens_per_s);
+  EXPECT_EQ(p.steps.front().before.metrics.tokens_per_s, p.original.metrics.tokens_per_s);
+  EXPECT_DOUBLE_EQ(p.steps.back().after.metrics.tokens_per_s, chosen.metrics.tokens_per_s);
+}
+
+TEST(PlanAdvice, FlagsEveryPrecisionRiskOfTheIncident) {
+  const PlanResult& p = default_plan();
+  for (const char* id : {"fp16_static_loss_scaling", "low_precision_grad_accumulation", "allreduce_sum_before_divide",
+                         "local_overflow_check"})
+    EXPECT_TRUE(has_issue(p.precision, id)) << id;
+  const std::string text = format_plan(p);
+  for (const char* words : {"static loss scale", "gradient accumulation over 4 micro-batches",
+                            "summed before dividing by data_parallel_size(2)", "overflow checks local",
+                            "precision.compute: bf16", "precision.grad_accumulation: fp32",
+                            "precision.allreduce: fp32", "precision.overflow_check: global"})
+    EXPECT_NE(text.find(words), std::string::npos) << words;
+  // Every issue has a one-line reason, and the chosen configuration has none left.
+  for (const auto& i : p.precision) {
+    EXPECT_FALSE(i.why.empty());
+    EXPECT_EQ(i.why.find('\n'), std::string::npos);
+  }
+  EXPECT_TRUE(precision_issues(p.sweep.rows[*p.chosen].point.config).empty());
+}
+
+TEST(PlanAdvice, WithoutBf16RecommendsDynamicScalingAndAGlobalCheck) {
+  ScenarioConfig c = load_scenario_file(kDefault).config;
+  find_field("cluster.gpu")->set(c, FieldValue{std::string("v100-32gb")});
+  const auto issues = precision_issues(c);
+  ASSERT_TRUE(has_issue(issues, "fp16_static_loss_scaling"));
+  for (const auto& i : issues)
+    for (const auto& [k, v] : i.changes) EXPECT_NE(format_field_value(v), "bf16") << i.id;
+  apply_precision_fixes(c);
+  EXPECT_EQ(c.precision.compute, DType::fp16);
+  EXPECT_EQ(c.precision.loss_scaling.mode, LossScalingMode::dynamic);
+  EXPECT_EQ(c.precision.overflow_check, OverflowScope::global);
+  EXPECT_EQ(c.precision.grad_accumulation, DType::fp32);
+  EXPECT_EQ(c.precision.allreduce, DType::fp32);
+  EXPECT_EQ(c.precision.allreduce_divide, AllReduceDivide::before);
+  EXPECT_TRUE(precision_issues(c).empty());
+  // And the fixed configuration is one the GPU can run.
+  EXPECT_NO_THROW(Plan::from_config(c));
+}
+
+TEST(PlanAdvice, SafeSettingsRaiseNothing) {
+  ScenarioConfig c;  // defaults: bf16, fp32 accumulation and all-reduce, global check
+  c.cluster.num_gpus = 8;
+  c.parallelism.data_parallel_size = 8;
+  EXPECT_TRUE(precision_issues(c).empty());
+}
+
+TEST(Plan, FileSweepAndConstraintsBoundTheChoice) {
+  const Scenario sc = load_scenario_text(postmortem_text() + R"(
+sweep:
+  parallelism: auto
+  parallelism.schedule: [gpipe, 1f1b]
+constraints:
+  max_tensor_parallel_size: 1
+  max_memory_fraction: 0.95
+)",
+                                         "bounded.yaml");
+  const PlanResult p = make_plan(sc, PlanOptions{2, 3, true, {}});
+  EXPECT_FALSE(p.default_space);
+  ASSERT_TRUE(p.chosen.has_value());
+  const SweepRow& c = p.sweep.rows[*p.chosen];
+  EXPECT_EQ(c.point.config.parallelism.tensor_parallel_size, 1);
+  EXPECT_LE(c.metrics.peak_memory_bytes, 0.95 * gib_to_bytes(sc.config.cluster.memory_gib));
+  EXPECT_LE(p.runners_up.size(), 3u);
+}
+
+TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
+  const Scenario sc = load_scenario_text(postmortem_text(), "plain.yaml");
+  ASSERT_TRUE(sc.sweep.empty());
+  const PlanResult p = make_plan(sc);
+  EXPECT_TRUE(p.default_space);
+  ASSERT_TRUE(p.chosen.has_value());
+  // parallelism: auto was searched: more than the file's own layout appears among the rows.
+  std::set<std::tuple<int, int, int>> layouts;
+  for (const auto& row : p.sweep.rows) {
+    const auto& par = row.point.config.parallelism;
+    layouts.emplace(par.data_parallel_size, par.pipeline_parallel_size, par.tensor_parallel_size);
+  }
+  EXPECT_EQ(layouts.size(), auto_parallel_layouts(sc.config).size());
+  for (const auto& row : p.sweep.rows)
+    if (row.feasible()) {
+      EXPECT_LE(row.metrics.tokens_per_s, p.sweep.rows[*p.chosen].metrics.tokens_per_s);
+    }
+}
+
+TEST(Plan, NothingFeasibleGivesNoChoice) {
+  const Scenario sc = load_scenario_text(postmortem_text() + "sweep:\n  cluster.memory_gib: [4]\n", "tiny.yaml");
+  const PlanResult p = make_plan(sc);
+  EXPECT_FALSE(p.chosen.has_value());
+  EXPECT_TRUE(p.steps.empty());
+  const auto j = nlohmann::json::parse(plan_to_json(p).dump());
+  EXPECT_TRUE(j["chosen"].is_null());
+  EXPECT_TRUE(j["scenario_fragment"].is_null());
+  EXPECT_NE(format_plan(p).find("no configuration"), std::string::npos);
+}
+
+// ---- the command ----------------------------------------------------------------------------
+
+std::pair<int, std::string> run(const std::string& args) {
+  const std::string cmd = std::string(TRAINSIM_EXE) + " " + args + " 2>/dev/null";
+  std::string out;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) return {-1, out};
+  char buf[4096];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
+  const int st = ::pclose(pipe);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(PlanCli, WrittenScenarioSimulatesToThePlansFigures) {
+  const fs::path d = fs::temp_directory_path() / ("trainsim_plan_" + std::to_string(::getpid()));
+  fs::create_directories(d);
+  const fs::path chosen = d / "chosen.yaml";
+  auto [status, out] = run("plan --json --threads 2 " + kDefault + " --write-scenario " + chosen.string());
+  ASSERT_EQ(status, 0);
+  const auto plan = nlohmann::json::parse(out);
+  auto [status2, sim] = run("simulate --json " + chosen.string());
+  ASSERT_EQ(status2, 0);
+  const auto result = nlohmann::json::parse(sim);
+  EXPECT_EQ(result["tokens_per_s"], plan["chosen"]["tokens_per_s"]);
+  EXPECT_EQ(result["step_time_s"], plan["chosen"]["step_time_s"]);
+  EXPECT_EQ(result["bubble_fraction"], plan["chosen"]["bubble_fraction"]);
+  // Byte-identical whatever the thread count.
+  EXPECT_EQ(run("plan --json --threads 1 " + kDefault).second, out);
+  auto [status3, text] = run("plan " + kDefault);
+  ASSERT_EQ(status3, 0);
+  EXPECT_NE(text.find("what changes"), std::string::npos);
+  EXPECT_NE(text.find("runners-up"), std::string::npos);
+  fs::remove_all(d);
+}
+
+}  // namespace
+}  // namespace trainsim

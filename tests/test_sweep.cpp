@@ -1,0 +1,627 @@
+// The sweep engine: expanding axes (cartesian products, generated factorisations), the
+// scenario loader's `sweep:` and `constraints:` sections, determinism across thread counts,
+// every infeasibility reason with its numbers, the Pareto front against a brute-force
+// check, and `trainsim sweep` run as a user runs it.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "core/plan.h"
+#include "core/scenario.h"
+#include "core/units.h"
+#include "sim/simulator.h"
+#include "sim/sweep/report.h"
+#include "sim/sweep/sweep.h"
+
+namespace trainsim {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The bundled incident's configuration alone: its own `sweep:` and `constraints:` sections
+// (top-level blocks) are dropped, so tests choose their own.
+std::string postmortem_text() {
+  std::istringstream in(slurp(kDefault));
+  std::string out, line;
+  bool skipping = false;
+  while (std::getline(in, line)) {
+    const bool top_level_key = !line.empty() && line[0] != ' ' && line[0] != '#';
+    if (top_level_key) skipping = line.rfind("sweep:", 0) == 0 || line.rfind("constraints:", 0) == 0;
+    if (!skipping) out += line + "\n";
+  }
+  return out;
+}
+
+// The bundled incident with `extra` (a sweep and constraints) appended.
+Scenario postmortem_with(const std::string& extra) {
+  return load_scenario_text(postmortem_text() + extra, "postmortem+sweep.yaml");
+}
+
+std::vector<Diagnostic> load_errors(const std::string& text) {
+  try {
+    load_scenario_text(text, "t.yaml");
+  } catch (const ScenarioError& e) {
+    return e.diagnostics();
+  }
+  return {};
+}
+
+// ---- expansion ----------------------------------------------------------------------------
+
+TEST(SweepExpand, DivisorsMatchTrialDivision) {
+  for (std::int64_t n = 1; n <= 200; ++n) {
+    std::vector<std::int64_t> want;
+    for (std::int64_t d = 1; d <= n; ++d)
+      if (n % d == 0) want.push_back(d);
+    EXPECT_EQ(divisors(n), want) << n;
+  }
+  EXPECT_TRUE(divisors(0).empty());
+}
+
+// Ordered triples with product n = prod p_i^k_i number prod C(k_i + 2, 2).
+TEST(SweepExpand, FactorisationsOfKnownCountsWhenNothingElseRestricts) {
+  ScenarioConfig c;
+  c.model.num_layers = 1000;
+  c.model.num_attention_heads = 2880;  // 2^6 * 3^2 * 5: divisible by every tp below
+  c.cluster.gpus_per_node = 1 << 20;
+  const std::vector<std::pair<int, std::size_t>> cases = {
+      {1, 1}, {2, 3}, {8, 10}, {12, 18}, {16, 15}, {64, 28}, {36, 36}, {30, 27}};
+  for (auto [n, count] : cases) {
+    c.cluster.num_gpus = n;
+    const auto layouts = auto_parallel_layouts(c);
+    EXPECT_EQ(layouts.size(), count) << n;
+    std::set<std::tuple<int, int, int>> distinct;
+    for (const auto& l : layouts) {
+      EXPECT_EQ(l.dp * l.pp * l.tp, n);
+      distinct.emplace(l.dp, l.pp, l.tp);
+    }
+    EXPECT_EQ(distinct.size(), layouts.size()) << n;
+  }
+}
+
+TEST(SweepExpand, FactorisationsRespectHeadsNodeAndLayersLikeABruteForce) {
+  for (int n : {8, 12, 24, 48}) {
+    for (int heads : {12, 32, 40}) {
+      for (int per_node : {4, 8}) {
+        for (int layers : {2, 6, 40}) {
+          ScenarioConfig c;
+          c.cluster.num_gpus = n;
+          c.cluster.gpus_per_node = per_node;
+          c.model.num_attention_heads = heads;
+          c.model.num_layers = layers;
+          std::set<std::tuple<int, int, int>> want, got;
+          for (int d = 1; d <= n; ++d)
+            for (int p = 1; p <= n; ++p)
+              for (int t = 1; t <= n; ++t)
+                if (d * p * t == n && heads % t == 0 && t <= per_node && p <= layers) want.emplace(d, p, t);
+          for (const auto& l : auto_parallel_layouts(c)) got.emplace(l.dp, l.pp, l.tp);
+          EXPECT_EQ(got, want) << n << " " << heads << " " << per_node << " " << layers;
+        }
+      }
+    }
+  }
+}
+
+TEST(SweepExpand, CartesianProductInFileOrderFirstAxisSlowest) {
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  training.micro_batch_size: [1, 2, 4]
+  precision.compute: [fp16, bf16]
+  communication.overlap_grad_reduce: [false, true]
+)");
+  const auto points = expand_sweep(sc);
+  ASSERT_EQ(points.size(), 3u * 2u * 2u);
+  const std::vector<std::string> keys = {"training.micro_batch_size", "precision.compute",
+                                         "communication.overlap_grad_reduce"};
+  EXPECT_EQ(sweep_keys(sc), keys);
+  std::set<std::string> seen;
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    const auto& p = points[i];
+    EXPECT_EQ(p.index, i);
+    ASSERT_EQ(p.values.size(), 3u);
+    // Values agree with the configuration they describe.
+    EXPECT_EQ(std::get<std::int64_t>(p.values[0].second), p.config.training.micro_batch_size);
+    EXPECT_EQ(std::get<std::string>(p.values[1].second), std::string(dtype_name(p.config.precision.compute)));
+    EXPECT_EQ(std::get<bool>(p.values[2].second), p.config.communication.overlap_grad_reduce);
+    const std::int64_t mbs[] = {1, 2, 4};
+    EXPECT_EQ(p.config.training.micro_batch_size, mbs[i / 4]);
+    EXPECT_EQ(p.config.communication.overlap_grad_reduce, i % 2 == 1);
+    seen.insert(fmt::format("{}", fmt::join(std::vector<std::string>{format_field_value(p.values[0].second),
+                                                                     format_field_value(p.values[1].second),
+                                                                     format_field_value(p.values[2].second)},
+                                           ",")));
+    // Keys that are not swept keep the file's values.
+    EXPECT_EQ(p.config.parallelism.pipeline_parallel_size, 4);
+  }
+  EXPECT_EQ(seen.size(), points.size());
+}
+
+TEST(SweepExpand, GeneratedAxesFollowTheGlobalBatch) {
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  parallelism: auto
+  training.micro_batch_size: auto
+)");
+  const auto points = expand_sweep(sc);
+  // Independent count: for every layout, the divisors of global / dp (when dp divides it).
+  std::size_t want = 0;
+  const int gb = sc.config.training.global_batch_size;
+  for (int d = 1; d <= 8; ++d)
+    for (int p = 1; p <= 8; ++p)
+      for (int t = 1; t <= 8; ++t) {
+        if (d * p * t != 8 || 32 % t != 0) continue;
+        if (gb % d != 0) {
+          ++want;
+          continue;
+        }
+        for (int b = 1; b <= gb / d; ++b) want += (gb / d) % b == 0;
+      }
+  EXPECT_EQ(points.size(), want);
+  for (const auto& pt : points) {
+    const auto& c = pt.config;
+    EXPECT_EQ(c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size *
+                  c.parallelism.tensor_parallel_size,
+              8);
+    EXPECT_EQ(gb % (c.training.micro_batch_size * c.parallelism.data_parallel_size), 0);
+    ASSERT_EQ(pt.values.size(), 4u);
+    EXPECT_EQ(pt.values[0].first, "parallelism.data_parallel_size");
+    EXPECT_EQ(pt.values[3].first, "training.micro_batch_size");
+  }
+}
+
+TEST(SweepExpand, ASweptGpuKeepsTheFilesOverrides) {
+  const Scenario sc = load_scenario_text(R"(
+model: {preset: gpt3-1.3b}
+cluster: {gpu: a100-40gb, num_gpus: 8, memory_gib: 30}
+sweep:
+  cluster.gpu: [a100-80gb, h100-80gb]
+)");
+  const auto points = expand_sweep(sc);
+  ASSERT_EQ(points.size(), 2u);
+  for (const auto& p : points) {
+    EXPECT_EQ(p.config.cluster.memory_gib, 30);  // the file's override, not the preset's 80
+    EXPECT_EQ(p.config.cluster.num_gpus, 8);
+  }
+  EXPECT_EQ(points[1].config.cluster.peak_tflops.at(DType::fp8) > 0, true);  // h100 has fp8
+}
+
+TEST(SweepExpand, ScenarioWithoutAxesIsItsOwnConfiguration) {
+  const Scenario sc = postmortem_with("");
+  ASSERT_TRUE(sc.sweep.empty());
+  const auto points = expand_sweep(sc);
+  ASSERT_EQ(points.size(), 1u);
+  EXPECT_TRUE(points[0].values.empty());
+}
+
+// ---- loader ---------------------------------------------------------------------------------
+
+TEST(SweepLoad, GeneratedAxesAndConstraintsParse) {
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  parallelism: auto
+  training.micro_batch_size: auto
+  parallelism.virtual_pipeline_stages: [1, 2]
+constraints:
+  max_memory_fraction: 0.9
+  min_global_batch_size: 8
+  max_pipeline_parallel_size: 4
+  min_memory_headroom_gib: 1.5
+)");
+  ASSERT_EQ(sc.sweep.size(), 3u);
+  EXPECT_EQ(sc.sweep[0].kind, SweepAxisKind::auto_parallelism);
+  EXPECT_EQ(sc.sweep[1].kind, SweepAxisKind::auto_micro_batch_size);
+  EXPECT_EQ(sc.sweep[2].kind, SweepAxisKind::values);
+  EXPECT_DOUBLE_EQ(sc.constraints.max_memory_fraction, 0.9);
+  EXPECT_EQ(sc.constraints.min_global_batch_size, 8);
+  EXPECT_EQ(sc.constraints.max_pipeline_parallel_size, 4);
+  EXPECT_EQ(sc.constraints.min_memory_headroom_gib, 1.5);
+  EXPECT_FALSE(sc.constraints.max_tensor_parallel_size.has_value());
+}
+
+TEST(SweepLoad, BadGeneratedAxesAndConstraintsAreLocatedErrors) {
+  const auto ds = load_errors(R"(training: {global_batch_size: 16}
+sweep:
+  parallelism: [1, 2]
+  model.num_layers: auto
+constraints:
+  max_memory_fractoin: 0.9
+  max_pipeline_parallel_size: 0
+  min_global_batch_size: many
+)");
+  ASSERT_EQ(ds.size(), 5u);
+  EXPECT_EQ(ds[0].key_path, "sweep.parallelism");
+  EXPECT_NE(ds[0].message.find("expected auto"), std::string::npos) << ds[0].message;
+  EXPECT_EQ(ds[0].where.line, 3);
+  EXPECT_EQ(ds[1].key_path, "sweep.model.num_layers");
+  EXPECT_NE(ds[1].message.find("auto is generated only for"), std::string::npos);
+  EXPECT_EQ(ds[2].key_path, "constraints.max_memory_fractoin");
+  EXPECT_EQ(ds[2].message, "unknown key; did you mean \"max_memory_fraction\"?");
+  EXPECT_EQ(ds[3].key_path, "constraints.max_pipeline_parallel_size");
+  EXPECT_NE(ds[3].message.find("must be between 1 and 4096, got 0"), std::string::npos) << ds[3].message;
+  EXPECT_EQ(ds[4].key_path, "constraints.min_global_batch_size");
+  EXPECT_EQ(ds[4].where.line, 8);
+}
+
+TEST(SweepLoad, AutoConflictsAndMissingGlobalBatchAreErrors) {
+  auto ds = load_errors(R"(sweep:
+  parallelism: auto
+  parallelism.pipeline_parallel_size: [1, 2]
+)");
+  ASSERT_EQ(ds.size(), 1u);
+  EXPECT_EQ(ds[0].key_path, "sweep.parallelism.pipeline_parallel_size");
+  EXPECT_NE(ds[0].message.find("parallelism: auto (line 2) already generates"), std::string::npos);
+  ds = load_errors("sweep:\n  training.micro_batch_size: auto\n");
+  ASSERT_EQ(ds.size(), 1u);
+  EXPECT_NE(ds[0].message.find("training.global_batch_size is not set"), std::string::npos);
+  // Misspelt top-level section: the hint names it.
+  ds = load_errors("constraint:\n  max_memory_fraction: 0.5\n");
+  ASSERT_EQ(ds.size(), 1u);
+  EXPECT_NE(ds[0].message.find("did you mean \"constraints\"?"), std::string::npos) << ds[0].message;
+}
+
+TEST(SweepLoad, EveryConstraintKeyIsDocumented) {
+  const std::string doc = slurp(fs::path(TRAINSIM_SOURCE_DIR) / "docs" / "sweep.md");
+  ASSERT_FALSE(doc.empty());
+  for (const auto& c : constraint_fields()) EXPECT_NE(doc.find("`" + c.key + "`"), std::string::npos) << c.key;
+}
+
+// ---- evaluation -------------------------------------------------------------------------------
+
+SweepRow evaluate(const ScenarioConfig& c, const SweepConstraints& k = {}) {
+  Predictor predictor;
+  SweepConfiguration p;
+  p.config = c;
+  return evaluate_configuration(predictor, p, k);
+}
+
+TEST(SweepEvaluate, FeasibleRowMatchesASimulationOfTheSamePlan) {
+  const Scenario sc = load_scenario_file(kDefault);
+  const SweepRow row = evaluate(sc.config);
+  ASSERT_EQ(row.status, SweepStatus::ok) << row.reason;
+  const Prediction p = predict(Plan::from_config(sc.config));
+  EXPECT_DOUBLE_EQ(row.metrics.tokens_per_s, p.result.tokens_per_s);
+  EXPECT_DOUBLE_EQ(row.metrics.step_time_s, p.result.step_time_s);
+  double peak = 0;
+  for (const auto& r : p.result.ranks) peak = std::max(peak, r.peak_memory_bytes);
+  EXPECT_DOUBLE_EQ(row.metrics.peak_memory_bytes, peak);
+  EXPECT_DOUBLE_EQ(row.metrics.headroom_bytes(), gib_to_bytes(sc.config.cluster.memory_gib) - peak);
+  EXPECT_EQ(row.num_microbatches, 4);
+}
+
+TEST(SweepEvaluate, OutOfMemoryNamesTheRankAndTheExcess) {
+  ScenarioConfig c = load_scenario_file(kDefault).config;
+  c.cluster.memory_gib = 20;
+  const SweepRow row = evaluate(c);
+  ASSERT_EQ(row.status, SweepStatus::out_of_memory);
+  ASSERT_TRUE(row.simulated);
+  const double over = bytes_to_gib(row.metrics.peak_memory_bytes) - 20;
+  ASSERT_GT(over, 0);
+  EXPECT_NE(row.reason.find(fmt::format("out of memory on rank {} ", row.metrics.peak_memory_rank)), std::string::npos)
+      << row.reason;
+  EXPECT_NE(row.reason.find(fmt::format("by {:.2f} GiB", over)), std::string::npos) << row.reason;
+  EXPECT_NE(row.reason.find(fmt::format("needs {:.2f} of 20.00 GiB", bytes_to_gib(row.metrics.peak_memory_bytes))),
+            std::string::npos)
+      << row.reason;
+}
+
+TEST(SweepEvaluate, InvalidStatesTheInvariantWithItsNumbers) {
+  ScenarioConfig c = load_scenario_file(kDefault).config;
+  c.parallelism.data_parallel_size = 8;
+  c.parallelism.pipeline_parallel_size = 1;
+  c.training.micro_batch_size = 4;  // 4 * 8 = 32 does not divide 16
+  const SweepRow row = evaluate(c);
+  ASSERT_EQ(row.status, SweepStatus::invalid);
+  EXPECT_FALSE(row.simulated);
+  EXPECT_NE(row.reason.find("global_batch_size(16) is not divisible by micro_batch_size(4) * data_parallel_size(8) = 32"),
+            std::string::npos)
+      << row.reason;
+}
+
+TEST(SweepEvaluate, UnsupportedPrecisionNamesTheFormatAndTheGpu) {
+  ScenarioConfig c = load_scenario_file(kDefault).config;
+  find_field("cluster.gpu")->set(c, FieldValue{std::string("v100-32gb")});
+  c.precision.compute = DType::bf16;
+  const SweepRow row = evaluate(c);
+  ASSERT_EQ(row.status, SweepStatus::unsupported_precision);
+  EXPECT_NE(row.reason.find("bf16 is not supported by GPU v100-32gb (cluster.peak_tflops.bf16 is 0)"), std::string::npos)
+      << row.reason;
+}
+
+TEST(SweepEvaluate, ConstraintsStateTheLimitAndTheValue) {
+  const ScenarioConfig c = load_scenario_file(kDefault).config;
+  const SweepRow free_row = evaluate(c);
+  ASSERT_EQ(free_row.status, SweepStatus::ok);
+  const double peak_gib = bytes_to_gib(free_row.metrics.peak_memory_bytes);
+
+  SweepConstraints k;
+  k.max_pipeline_parallel_size = 2;
+  k.min_global_batch_size = 32;
+  SweepRow row = evaluate(c, k);
+  ASSERT_EQ(row.status, SweepStatus::constraint);
+  EXPECT_TRUE(row.simulated);
+  EXPECT_NE(row.reason.find("max_pipeline_parallel_size: pipeline_parallel_size(4) > 2"), std::string::npos) << row.reason;
+  EXPECT_NE(row.reason.find("min_global_batch_size: global_batch_size(16) < 32"), std::string::npos) << row.reason;
+
+  // A fraction just under the peak's share of the GPU rules it out; just over, it fits.
+  const double share = peak_gib / c.cluster.memory_gib;
+  SweepConstraints tight;
+  tight.max_memory_fraction = share - 0.01;
+  row = evaluate(c, tight);
+  ASSERT_EQ(row.status, SweepStatus::constraint);
+  EXPECT_NE(row.reason.find(fmt::format("max_memory_fraction: peak {:.2f} GiB", peak_gib)), std::string::npos)
+      << row.reason;
+  SweepConstraints loose;
+  loose.max_memory_fraction = std::min(1.0, share + 0.01);
+  EXPECT_EQ(evaluate(c, loose).status, SweepStatus::ok);
+}
+
+// ---- whole sweeps -----------------------------------------------------------------------------
+
+const char* kSweep = R"(
+sweep:
+  parallelism: auto
+  training.micro_batch_size: auto
+  parallelism.schedule: [gpipe, 1f1b, zb-h1]
+  training.activation_recompute: [none, full]
+  communication.overlap_grad_reduce: [false, true]
+constraints:
+  max_tensor_parallel_size: 4
+)";
+
+TEST(SweepRun, IdenticalOutputWhateverTheThreadCount) {
+  const Scenario sc = postmortem_with(kSweep);
+  std::string first_json, first_csv, first_svg, first_table;
+  for (unsigned threads : {1u, 2u, 5u, 16u}) {
+    SweepOptions o;
+    o.threads = threads;
+    const SweepResult r = run_sweep(sc, o);
+    const std::string json = sweep_to_json(r, sc).dump(2);
+    std::ostringstream csv, svg;
+    write_sweep_csv(r, csv);
+    write_sweep_svg(r, sc, svg);
+    const std::string table = format_sweep_table(r, "t");
+    if (threads == 1) {
+      first_json = json;
+      first_csv = csv.str();
+      first_svg = svg.str();
+      first_table = table;
+      continue;
+    }
+    EXPECT_EQ(json, first_json) << threads;
+    EXPECT_EQ(csv.str(), first_csv) << threads;
+    EXPECT_EQ(svg.str(), first_svg) << threads;
+    EXPECT_EQ(table, first_table) << threads;
+  }
+}
+
+TEST(SweepRun, CountsRankingAndOrderAreConsistent) {
+  const Scenario sc = postmortem_with(kSweep);
+  std::size_t progress_calls = 0, last_done = 0;
+  SweepOptions o;
+  o.threads = 3;
+  o.progress = [&](const SweepProgress& p) {
+    ++progress_calls;
+    EXPECT_GE(p.done, last_done);
+    last_done = p.done;
+  };
+  const SweepResult r = run_sweep(sc, o);
+  EXPECT_GE(progress_calls, 1u);
+  EXPECT_EQ(last_done, r.rows.size());
+  const auto& c = r.counts;
+  EXPECT_EQ(c.total, r.rows.size());
+  EXPECT_EQ(c.ok + c.out_of_memory + c.invalid + c.unsupported_precision + c.constraint, c.total);
+  EXPECT_GT(c.ok, 0u);
+  EXPECT_GT(c.out_of_memory, 0u);
+  EXPECT_GT(c.constraint, 0u);  // tp = 8 is ruled out
+  EXPECT_EQ(r.ranking.size(), c.ok);
+  for (std::size_t i = 0; i < r.rows.size(); ++i) EXPECT_EQ(r.rows[i].point.index, i);
+  for (std::size_t i = 1; i < r.ranking.size(); ++i)
+    EXPECT_GE(r.rows[r.ranking[i - 1]].metrics.tokens_per_s, r.rows[r.ranking[i]].metrics.tokens_per_s);
+  // The best is the maximum over every feasible row.
+  double best = 0;
+  for (const auto& row : r.rows)
+    if (row.feasible()) best = std::max(best, row.metrics.tokens_per_s);
+  ASSERT_NE(r.best(), nullptr);
+  EXPECT_EQ(r.best()->metrics.tokens_per_s, best);
+  // Every row appears once in the report order.
+  std::set<std::size_t> order(r.order.begin(), r.order.end());
+  EXPECT_EQ(order.size(), r.rows.size());
+  for (const auto& row : r.rows) {
+    if (row.status == SweepStatus::constraint) {
+      EXPECT_NE(row.reason.find("max_tensor_parallel_size: tensor_parallel_size(8) > 4"), std::string::npos)
+          << row.reason;
+    }
+    if (row.feasible()) {
+      EXPECT_TRUE(row.reason.empty());
+      EXPECT_LE(row.metrics.peak_memory_bytes, row.metrics.memory_capacity_bytes);
+    }
+  }
+}
+
+// Brute force: a feasible row is on the front iff no feasible row dominates it.
+std::vector<std::size_t> brute_front(const std::vector<SweepRow>& rows) {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i].feasible()) continue;
+    bool dominated = false;
+    for (std::size_t j = 0; j < rows.size() && !dominated; ++j) {
+      if (j == i || !rows[j].feasible()) continue;
+      const auto &a = rows[j].metrics, &b = rows[i].metrics;
+      dominated = a.tokens_per_s >= b.tokens_per_s && a.peak_memory_bytes <= b.peak_memory_bytes &&
+                  (a.tokens_per_s > b.tokens_per_s || a.peak_memory_bytes < b.peak_memory_bytes);
+    }
+    if (!dominated) out.push_back(i);
+  }
+  return out;
+}
+
+TEST(SweepPareto, MatchesBruteForceOnARealSweep) {
+  const SweepResult r = run_sweep(postmortem_with(kSweep));
+  std::vector<std::size_t> got = r.pareto, want = brute_front(r.rows);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, want);
+  EXPECT_FALSE(got.empty());
+  // The best by tokens/s is always on the front.
+  EXPECT_NE(std::find(got.begin(), got.end(), r.ranking.front()), got.end());
+}
+
+TEST(SweepPareto, MatchesBruteForceWithTiesAndInfeasibleRows) {
+  // Values on a small grid so ties in both coordinates are common.
+  std::uint64_t state = 12345;
+  auto next = [&] {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int>((state >> 33) % 6);
+  };
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<SweepRow> rows(static_cast<std::size_t>(1 + trial % 17));
+    for (auto& row : rows) {
+      row.status = next() == 0 ? SweepStatus::out_of_memory : SweepStatus::ok;
+      row.simulated = true;
+      row.metrics.tokens_per_s = 1000.0 * next();
+      row.metrics.peak_memory_bytes = gib_to_bytes(next());
+    }
+    std::vector<std::size_t> got = pareto_front(rows), want = brute_front(rows);
+    for (std::size_t i = 1; i < got.size(); ++i)
+      EXPECT_LE(rows[got[i - 1]].metrics.peak_memory_bytes, rows[got[i]].metrics.peak_memory_bytes);
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, want) << "trial " << trial;
+  }
+}
+
+// ---- reports ----------------------------------------------------------------------------------
+
+TEST(SweepReport, JsonCsvAndSvgHoldEveryConfiguration) {
+  const Scenario sc = postmortem_with(kSweep);
+  const SweepResult r = run_sweep(sc);
+  const auto j = nlohmann::json::parse(sweep_to_json(r, sc).dump());
+  ASSERT_EQ(j["rows"].size(), r.rows.size());
+  EXPECT_EQ(j["counts"]["total"], r.rows.size());
+  std::size_t ranked = 0;
+  for (const auto& row : j["rows"]) {
+    const std::string status = row["status"];
+    EXPECT_TRUE(status == "ok" || status == "out_of_memory" || status == "invalid" ||
+                status == "unsupported_precision" || status == "constraint");
+    EXPECT_EQ(row["config"].size(), sweep_keys(sc).size());
+    if (status == "ok") {
+      ++ranked;
+      EXPECT_EQ(row["rank"], ranked);  // ranked rows come first, in rank order
+      EXPECT_NEAR(row["headroom_gib"].get<double>(),
+                  row["memory_capacity_gib"].get<double>() - row["peak_memory_gib"].get<double>(), 1e-3);
+    } else {
+      EXPECT_TRUE(row["rank"].is_null());
+      EXPECT_FALSE(row["reason"].get<std::string>().empty());
+    }
+    if (status == "invalid") {
+      EXPECT_TRUE(row["tokens_per_s"].is_null());
+    }
+  }
+  EXPECT_EQ(ranked, r.counts.ok);
+
+  std::ostringstream csv;
+  write_sweep_csv(r, csv);
+  std::size_t lines = 0;
+  for (char ch : csv.str()) lines += ch == '\n';
+  EXPECT_EQ(lines, r.rows.size() + 1);
+
+  std::ostringstream svg;
+  write_sweep_svg(r, sc, svg);
+  const std::string s = svg.str();
+  EXPECT_EQ(s.rfind("<svg", 0), 0u);
+  EXPECT_NE(s.find("Pareto front"), std::string::npos);
+  EXPECT_NE(s.find("out of memory"), std::string::npos);
+  std::size_t circles = 0;
+  for (std::size_t pos = 0; (pos = s.find("<circle", pos)) != std::string::npos; ++pos) ++circles;
+  // Feasible points, front rings, constraint points and the legend's three circles.
+  EXPECT_EQ(circles, r.counts.ok + r.pareto.size() + r.counts.constraint + 3);
+}
+
+// ---- the command ------------------------------------------------------------------------------
+
+struct CommandResult {
+  int status = -1;
+  std::string out, err;
+};
+
+fs::path temp_dir() {
+  const fs::path d = fs::temp_directory_path() /
+                     ("trainsim_sweep_" + std::to_string(::getpid()) + "_" +
+                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  fs::create_directories(d);
+  return d;
+}
+
+CommandResult run(const std::string& args) {
+  const fs::path err = temp_dir() / "stderr.txt";
+  const std::string cmd = std::string(TRAINSIM_EXE) + " " + args + " 2>" + err.string();
+  CommandResult r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) return r;
+  char buf[4096];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
+  const int st = ::pclose(pipe);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  r.err = slurp(err);
+  return r;
+}
+
+fs::path write_sweep_file() {
+  const fs::path f = temp_dir() / "sweep.yaml";
+  std::ofstream(f) << postmortem_text() << kSweep;
+  return f;
+}
+
+TEST(SweepCli, BadFilesExitTwoWithNothingOnStdout) {
+  CommandResult r = run("sweep /nonexistent/x.yaml");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.out, "");
+  const fs::path f = temp_dir() / "bad.yaml";
+  std::ofstream(f) << "sweep:\n  parallelism: all\n";
+  r = run("sweep " + f.string());
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find(f.string() + ":2:16: error: sweep.parallelism: expected auto"), std::string::npos) << r.err;
+  r = run("plan " + f.string());
+  EXPECT_EQ(r.status, 2);
+}
+
+TEST(SweepCli, JsonIsByteIdenticalAcrossThreadCountsAndFilesAreWritten) {
+  const fs::path f = write_sweep_file(), d = temp_dir();
+  const CommandResult a = run("sweep --json --threads 1 " + f.string());
+  const CommandResult b = run("sweep --json --threads 4 " + f.string() + " --csv " + (d / "s.csv").string() +
+                              " --svg " + (d / "s.svg").string());
+  ASSERT_EQ(a.status, 0) << a.err;
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_EQ(a.out, b.out);
+  const auto j = nlohmann::json::parse(a.out);
+  EXPECT_EQ(j["rows"].size(), j["counts"]["total"].get<std::size_t>());
+  EXPECT_TRUE(fs::exists(d / "s.csv"));
+  EXPECT_EQ(slurp(d / "s.svg").rfind("<svg", 0), 0u);
+  // stderr is not a terminal here: no progress bar, only the notes about written files.
+  EXPECT_EQ(b.err.find('\r'), std::string::npos);
+  const CommandResult t = run("sweep " + f.string() + " --top 3");
+  ASSERT_EQ(t.status, 0);
+  EXPECT_NE(t.out.find("best 3 of"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("headroom GiB"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trainsim
