@@ -1,7 +1,9 @@
 #include "core/metrics.h"
 
 #include <algorithm>
+#include <charconv>
 #include <iterator>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -76,6 +78,13 @@ void merge_into(std::vector<OpTiming>& v, std::vector<OpTiming>& out) {
   }
 }
 
+// Decimal, as fmt's "{}" writes an int.
+void append_int(std::string& out, int v) {
+  char buf[16];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, r.ptr);
+}
+
 // uncovered_length on merged intervals.
 Tick uncovered_merged(const std::vector<OpTiming>& a, const std::vector<OpTiming>& b) {
   Tick total = 0;
@@ -106,7 +115,28 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
                          Result& res, ResultWorkspace& ws, const std::vector<int>* same_as) {
   const Schedule& s = *tl.schedule;
   const auto& cfg = plan.config;
-  const Tick step = tl.end() - tl.begin();
+  // Twins have their counterpart's timings: the step spans the other ranks' ops (the
+  // timeline may hold no rows for twins).
+  Tick step = 0;
+  if (same_as == nullptr) {
+    step = tl.end() - tl.begin();
+  } else {
+    // Timeline::end() - Timeline::begin() over those ranks.
+    Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
+    bool any = false;
+    for (std::size_t r = 0; r < tl.ops.size(); ++r) {
+      const int twin = (*same_as)[r];
+      if (twin >= 0 && twin < static_cast<int>(r)) continue;
+      const OpTiming* o = tl.ops[r].data();
+      const std::size_t n = tl.ops[r].size();
+      any = any || n > 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        lo = std::min(lo, o[i].start);
+        hi = std::max(hi, o[i].end);
+      }
+    }
+    step = hi - (any ? lo : 0);
+  }
   res.step_time_s = ticks_to_seconds(step);
   res.bubble_fraction = 0;
   res.tokens_per_s = 0;
@@ -130,8 +160,10 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
       ws.collectives.clear();
       ws.sends.clear();
       const OpTiming* times = tl.ops[r].data();
-      for (std::size_t i = 0; i < prog.ops.size(); ++i) {
-        const OpKind kind = prog.ops[i].kind;
+      const Op* ops = prog.ops.data();
+      const std::size_t n = prog.ops.size();
+      for (std::size_t i = 0; i < n; ++i) {
+        const OpKind kind = ops[i].kind;
         const OpTiming& t = times[i];
         if (is_compute(kind)) {
           busy += t.end - t.start;
@@ -213,8 +245,15 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
                        bytes_to_gib(rr.peak_memory_bytes - res.memory_capacity_bytes), cfg.cluster.memory_gib);
         ws.tail_peak = rr.peak_memory_bytes;
       }
+      // "rank {} (stage {}, replica {})" + tail, without a format string per rank.
       std::string& w = next_warning();
-      fmt::format_to(std::back_inserter(w), "rank {} (stage {}, replica {})", rr.rank, rr.stage, rr.replica);
+      w += "rank ";
+      append_int(w, rr.rank);
+      w += " (stage ";
+      append_int(w, rr.stage);
+      w += ", replica ";
+      append_int(w, rr.replica);
+      w += ')';
       w += ws.tail;
     }
   if (res.step_time_s > 0 && res.exposed_comm_time_s > 0.1 * res.step_time_s)

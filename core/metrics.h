@@ -24,7 +24,8 @@ struct ResultWorkspace {
 
 // The same result into `out`, reusing its storage and `ws`. same_as (optional, one entry per
 // rank): a rank whose program and timings equal those of rank same_as[r] (replicas found
-// identical by the simulator); its per-rank figures are copied instead of recomputed.
+// identical by the simulator); its per-rank figures are copied instead of recomputed, and its
+// row of the timeline is not read (it may be empty).
 void compute_result_into(const Plan& plan, const Timeline& timeline, const std::vector<MemoryBreakdown>& memory,
                          Result& out, ResultWorkspace& ws, const std::vector<int>* same_as = nullptr);
 

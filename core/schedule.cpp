@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -63,16 +64,13 @@ struct Task {
   int microbatch;
 };
 
-std::vector<Task> gpipe_order(int m) {
-  std::vector<Task> t;
+void gpipe_order(int m, std::vector<Task>& t) {
   for (int i = 0; i < m; ++i) t.push_back({OpKind::Forward, 0, i});
   for (int i = 0; i < m; ++i) t.push_back({OpKind::Backward, 0, i});
-  return t;
 }
 
 // 1F1B (PipeDream-Flush): p-s-1 warm-up forwards, then alternate, then drain.
-std::vector<Task> one_f_one_b_order(int s, int p, int m) {
-  std::vector<Task> t;
+void one_f_one_b_order(int s, int p, int m, std::vector<Task>& t) {
   const int warmup = std::min(p - s - 1, m);
   for (int i = 0; i < warmup; ++i) t.push_back({OpKind::Forward, 0, i});
   for (int i = 0; i < m - warmup; ++i) {
@@ -80,12 +78,11 @@ std::vector<Task> one_f_one_b_order(int s, int p, int m) {
     t.push_back({OpKind::Backward, 0, i});
   }
   for (int i = m - warmup; i < m; ++i) t.push_back({OpKind::Backward, 0, i});
-  return t;
 }
 
 // Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): forwards visit chunks in groups
 // of p micro-batches; backwards visit chunks in reverse.
-std::vector<Task> interleaved_order(int s, int p, int m, int v) {
+void interleaved_order(int s, int p, int m, int v, std::vector<Task>& t) {
   const int total = m * v;
   int warmup = (m == p) ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * p);
   auto chunk_of = [&](int k, bool forward) {
@@ -93,7 +90,6 @@ std::vector<Task> interleaved_order(int s, int p, int m, int v) {
     return forward ? c : v - 1 - c;
   };
   auto microbatch_of = [&](int k) { return (k / (p * v)) * p + k % p; };
-  std::vector<Task> t;
   for (int k = 0; k < warmup; ++k) t.push_back({OpKind::Forward, chunk_of(k, true), microbatch_of(k)});
   for (int k = 0; k < total - warmup; ++k) {
     const int f = k + warmup;
@@ -101,15 +97,13 @@ std::vector<Task> interleaved_order(int s, int p, int m, int v) {
     t.push_back({OpKind::Backward, chunk_of(k, false), microbatch_of(k)});
   }
   for (int k = total - warmup; k < total; ++k) t.push_back({OpKind::Backward, chunk_of(k, false), microbatch_of(k)});
-  return t;
 }
 
 // ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B (input gradient) and W
 // (weight gradient). Stage s defers its first s W passes, so every stage keeps the same
 // number of micro-batches in flight as stage 0 of 1F1B, and the deferred Ws fill the
 // drain bubbles. Bubble: (p-1)(T_F + T_B - T_W) instead of 1F1B's (p-1)(T_F + T_B + T_W).
-std::vector<Task> zb_h1_order(int s, int p, int m) {
-  std::vector<Task> t;
+void zb_h1_order(int s, int p, int m, std::vector<Task>& t) {
   const int warmup = std::min(p - s - 1, m);
   int next_w = 0, bs_done = 0;
   auto backward = [&](int i) {
@@ -124,17 +118,17 @@ std::vector<Task> zb_h1_order(int s, int p, int m) {
   }
   for (int i = m - warmup; i < m; ++i) backward(i);
   while (next_w < m) t.push_back({OpKind::BackwardWeight, 0, next_w++});
-  return t;
 }
 
-std::vector<Task> pipeline_order(ScheduleKind kind, int s, int p, int m, int v) {
+// Into `t` (cleared first; its storage reused rank after rank).
+void pipeline_order(ScheduleKind kind, int s, int p, int m, int v, std::vector<Task>& t) {
+  t.clear();
   switch (kind) {
-    case ScheduleKind::gpipe: return gpipe_order(m);
-    case ScheduleKind::one_f_one_b: return one_f_one_b_order(s, p, m);
-    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v);
-    case ScheduleKind::zb_h1: return zb_h1_order(s, p, m);
+    case ScheduleKind::gpipe: return gpipe_order(m, t);
+    case ScheduleKind::one_f_one_b: return one_f_one_b_order(s, p, m, t);
+    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v, t);
+    case ScheduleKind::zb_h1: return zb_h1_order(s, p, m, t);
   }
-  return {};
 }
 
 class Builder {
@@ -156,6 +150,7 @@ class Builder {
       std::vector<Bytes>& buckets = bucket_bytes_[vs];
       if (plan.dp > 1 && grad > 0) {
         const Bytes b = std::max<Bytes>(1, static_cast<Bytes>(bucket));
+        buckets.reserve(static_cast<std::size_t>((grad + b - 1) / b));
         for (Bytes off = 0; off < grad; off += b) buckets.push_back(std::min(b, grad - off));
       }
       chunk_grad_bytes_.push_back(grad);
@@ -207,7 +202,8 @@ class Builder {
   // copy_replicas: build replica 0's programs and derive the others from them (they differ
   // only in the ranks they exchange messages with, the message ids and the embedding
   // group); otherwise every rank is built on its own. Both give the same schedule.
-  void build(bool copy_replicas) {
+  // replica0_only: the programs of replicas 1.. are left empty.
+  void build(bool copy_replicas, bool replica0_only = false) {
     sched_.kind = plan_.config.parallelism.schedule;
     sched_.num_stages = plan_.pp;
     sched_.num_replicas = plan_.dp;
@@ -216,7 +212,13 @@ class Builder {
     sched_.num_messages = plan_.dp * std::max(0, V_ - 1) * m_ * 2;
     sched_.ranks.resize(plan_.num_ranks());
     for (int r = 0; r < plan_.num_ranks(); ++r) {
-      if (copy_replicas && plan_.replica_of(r) > 0)
+      if (replica0_only && plan_.replica_of(r) > 0) {
+        RankProgram& prog = sched_.ranks[r];
+        prog.rank = r;
+        prog.stage = plan_.stage_of(r);
+        prog.replica = plan_.replica_of(r);
+        prog.ops.clear();
+      } else if (copy_replicas && plan_.replica_of(r) > 0)
         copy_rank(r);
       else
         build_rank(r);
@@ -257,8 +259,10 @@ class Builder {
   int zero() const { return plan_.dp > 1 ? plan_.config.parallelism.zero_stage : 0; }
   bool needs_overflow_check() const { return plan_.config.precision.loss_scaling.mode != LossScalingMode::none; }
 
+  // The replicas of a stage, ascending: rank_of(stage, d) = rank_of(stage, 0) + d.
   void stage_members(std::vector<int>& v, int stage) const {
-    for (int d = 0; d < plan_.dp; ++d) v.push_back(plan_.rank_of(stage, d));
+    v.resize(plan_.dp);
+    std::iota(v.begin(), v.end(), plan_.rank_of(stage, 0));
   }
 
   // Message between virtual stages vs and vs+1 of one replica, per micro-batch and direction.
@@ -280,18 +284,22 @@ class Builder {
     prog.replica = d;
     auto& ops = prog.ops;
     ops.clear();
-    const auto tasks = pipeline_order(plan_.config.parallelism.schedule, s, p, m_, v);
+    std::vector<Task>& tasks = tasks_;
+    pipeline_order(plan_.config.parallelism.schedule, s, p, m_, v, tasks);
     const bool overlap = plan_.config.communication.overlap_grad_reduce;
 
     // The task that completes each chunk's gradients: its last B (or W when split).
-    std::vector<int> last_grad_task(v, -1);
+    std::vector<int>& last_grad_task = last_grad_task_;
+    last_grad_task.assign(v, -1);
     for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
       const OpKind k = tasks[i].kind;
       if (k == OpKind::Backward || k == OpKind::BackwardWeight) last_grad_task[tasks[i].local_chunk] = i;
     }
 
-    std::vector<int> compute_ops;  // indices of compute ops in program order (ZeRO-3 prefetch)
-    std::vector<int> chunks_done;  // local chunks in the order their gradients complete
+    std::vector<int>& compute_ops = compute_ops_;  // indices of compute ops in program order (ZeRO-3 prefetch)
+    std::vector<int>& chunks_done = chunks_done_;  // local chunks in the order their gradients complete
+    compute_ops.clear();
+    chunks_done.clear();
     int last_collective = -1;
     for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
       const Task& task = tasks[i];
@@ -427,6 +435,9 @@ class Builder {
   std::vector<std::vector<Bytes>> bucket_bytes_;
   std::vector<int> bucket_base_;
   int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1, embedding_base_ = -1;
+  // build_rank's scratch, reused rank after rank.
+  std::vector<Task> tasks_;
+  std::vector<int> last_grad_task_, compute_ops_, chunks_done_;
 };
 
 }  // namespace
@@ -438,6 +449,8 @@ Schedule build_schedule(const Plan& plan) {
 }
 
 void build_schedule_into(const Plan& plan, Schedule& out) { Builder(plan, out).build(true); }
+
+void build_replica0_into(const Plan& plan, Schedule& out) { Builder(plan, out).build(true, true); }
 
 std::string check_schedule(const Schedule& s) {
   std::vector<int> sends(s.num_messages, 0), recvs(s.num_messages, 0);

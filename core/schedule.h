@@ -106,6 +106,12 @@ Schedule build_schedule(const Plan& plan);
 // The same schedule, built into `out` with its vectors' storage reused (what a sweep
 // worker calls plan after plan). Replicas 1.. are derived from replica 0's programs.
 void build_schedule_into(const Plan& plan, Schedule& out);
+// Replica 0's programs only, into `out`: every rank of `out.ranks` gets its rank, stage and
+// replica, but the programs of replicas 1.. are left empty (they would be copies of replica
+// 0's with shifted peers and message ids); collectives and message counts are those of the
+// full schedule. For callers that simulate replica 0 alone (Predictor::evaluate); with
+// dp = 1 it is the full schedule.
+void build_replica0_into(const Plan& plan, Schedule& out);
 
 // Checks the structural rules above (every Recv has one Send, collective members agree,
 // deps point backwards); returns an empty string when sound, else the first problem.

@@ -1,6 +1,7 @@
 #include "sim/engine.h"
 
 #include <algorithm>
+#include <array>
 #include <stdexcept>
 #include <string>
 
@@ -16,6 +17,14 @@ namespace {
 
 constexpr std::int32_t kCompute = static_cast<std::int32_t>(StreamKind::compute);
 constexpr std::int32_t kCollective = static_cast<std::int32_t>(StreamKind::collective);
+
+// stream_of as a table: the scans below read it for every op of a rank, per stream.
+constexpr auto kStreamOf = [] {
+  std::array<std::uint8_t, kNumOpKinds> t{};
+  for (int k = 0; k < kNumOpKinds; ++k) t[k] = static_cast<std::uint8_t>(stream_of(static_cast<OpKind>(k)));
+  return t;
+}();
+std::int32_t stream_index(OpKind k) { return kStreamOf[static_cast<std::uint8_t>(k)]; }
 
 // Cost models behind their interfaces (any model, one virtual call per op)...
 struct VirtualModels {
@@ -92,7 +101,7 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
   bool progressed = false;
   for (;;) {
     std::int32_t i = st.cursor;
-    while (i < n && static_cast<std::int32_t>(stream_of(ops[i].kind)) != k) ++i;
+    while (i < n && stream_index(ops[i].kind) != k) ++i;
     st.cursor = i;
     if (i == n) break;
     const Op& op = ops[i];
@@ -100,7 +109,7 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
     if (op.dep >= 0) {
       // An op of another stream has ended once that stream's cursor is past it.
       const std::int32_t d = op.dep;
-      const auto kd = static_cast<std::int32_t>(stream_of(ops[d].kind));
+      const std::int32_t kd = stream_index(ops[d].kind);
       if (kd != k && d >= rank_streams[kd].cursor) {
         st.waits_dep = true;  // woken when its rank's other streams move on
         break;
@@ -162,8 +171,10 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
       if (kk != k && rank_streams[kk].waits_dep) enqueue(r * kNumStreams + kk);
 }
 
+// materialised = false: replicas 1.. have empty programs (run_replica0); returns false
+// instead of falling back to a full run.
 template <class Models>
-void Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmetric) {
+bool Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmetric, bool materialised) {
   const Schedule& s = *schedule_;
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
   symmetric_ = false;
@@ -185,11 +196,12 @@ void Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmet
     }
     for (std::int32_t r = 0; r < nranks && ok; ++r) {
       const std::int32_t c = of_stage[s.ranks[r].stage];
-      ok = c >= 0 && s.ranks[c].ops.size() == s.ranks[r].ops.size();
+      ok = c >= 0 && (!materialised || s.ranks[c].ops.size() == s.ranks[r].ops.size());
       counterpart_[r] = c;
       simulated_[r] = c == r;
     }
     symmetric_ = ok;
+    if (!ok && !materialised) return false;
     if (!ok) {
       simulated_.assign(nranks, 1);
       for (std::int32_t r = 0; r < nranks; ++r) counterpart_[r] = r;
@@ -206,7 +218,10 @@ void Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmet
   expected_ = 0;
   t.ops.resize(nranks);
   for (std::int32_t r = nranks - 1; r >= 0; --r) {
-    if (!simulated_[r]) continue;
+    if (!simulated_[r]) {
+      if (!materialised) t.ops[r].clear();
+      continue;
+    }
     t.ops[r].resize(s.ranks[r].ops.size());
     expected_ += static_cast<std::int64_t>(s.ranks[r].ops.size());
     for (std::int32_t k = kNumStreams - 1; k >= 0; --k) enqueue(r * kNumStreams + k);
@@ -218,14 +233,19 @@ void Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmet
     advance(models, stream, t);
   }
   if (completed_ != expected_) {
+    if (!materialised) {
+      symmetric_ = false;
+      return false;
+    }
     if (symmetric_) return run_impl(models, t, false);  // name every blocked rank
     report_deadlock();
   }
-  if (symmetric_)
+  if (symmetric_ && materialised)
     for (std::int32_t r = 0; r < nranks; ++r)
       if (!simulated_[r]) t.ops[r] = t.ops[counterpart_[r]];
   t.schedule = schedule_;
   t.predicted = true;
+  return true;
 }
 
 void Simulation::report_deadlock() const {
@@ -253,6 +273,12 @@ void Simulation::run(std::shared_ptr<const Schedule> schedule, const RooflineCom
                      bool replica_symmetric) {
   schedule_ = std::move(schedule);
   run_impl(DefaultModels{compute, p2p, collective}, t, replica_symmetric);
+}
+
+bool Simulation::run_replica0(std::shared_ptr<const Schedule> schedule, const RooflineComputeModel& compute,
+                              const LinkP2PModel& p2p, const NetworkCollectiveModel& collective, Timeline& t) {
+  schedule_ = std::move(schedule);
+  return run_impl(DefaultModels{compute, p2p, collective}, t, true, false);
 }
 
 std::size_t Simulation::footprint_bytes() const {

@@ -51,6 +51,15 @@ class Simulation {
   void run(std::shared_ptr<const Schedule> schedule, const RooflineComputeModel& compute, const LinkP2PModel& p2p,
            const NetworkCollectiveModel& collective, Timeline& out, bool replica_symmetric = false);
 
+  // Replica 0 alone, for a schedule whose replicas 1.. have empty programs
+  // (build_replica0_into) and which the caller has found replica-symmetric as above: the
+  // ranks of replica 0 get their timings in `out`, every other rank an empty row (its
+  // timings are those of its stage's rank in replica 0). Returns false, with `out` not
+  // usable, when the schedule is not shaped for it (not one replica-0 rank per stage) or
+  // replica 0 alone cannot complete; the caller then builds and runs the full schedule.
+  bool run_replica0(std::shared_ptr<const Schedule> schedule, const RooflineComputeModel& compute,
+                    const LinkP2PModel& p2p, const NetworkCollectiveModel& collective, Timeline& out);
+
   // Whether the last run simulated replica 0 alone (asked for, and the schedule had one
   // replica-0 rank per stage with programs as long as every other replica's).
   bool last_run_symmetric() const { return symmetric_; }
@@ -76,7 +85,7 @@ class Simulation {
   };
 
   template <class Models>
-  void run_impl(const Models& models, Timeline& out, bool replica_symmetric);
+  bool run_impl(const Models& models, Timeline& out, bool replica_symmetric, bool materialised = true);
   template <class Models>
   void prepare_collective(const Models& models, std::int32_t c);
   template <class Models>

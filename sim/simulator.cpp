@@ -72,8 +72,37 @@ const Prediction& Predictor::predict(const Plan& plan) {
   const NetworkCollectiveModel collective(plan);
   ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, replicas_symmetric(plan, s, collective));
   last_.schedule = schedule_;
-  const bool symmetric = ws_->sim.last_run_symmetric();
+  finish(plan, ws_->sim.last_run_symmetric());
+  return last_;
+}
 
+const Result& Predictor::evaluate(const Plan& plan) {
+  last_.schedule.reset();
+  last_.timeline.schedule.reset();
+  if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
+  Schedule& s = *schedule_;
+
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  bool symmetric = false;
+  if (plan.dp > 1) {
+    build_replica0_into(plan, s);
+    symmetric = replicas_symmetric(plan, s, collective) &&
+                ws_->sim.run_replica0(schedule_, compute, p2p, collective, last_.timeline);
+  }
+  if (!symmetric) {  // every rank simulated, as predict() does
+    build_schedule_into(plan, s);
+    ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, false);
+  }
+  finish(plan, symmetric);
+  return last_.result;
+}
+
+// Memory and result of the run in last_.timeline. symmetric: replica 0 alone was simulated
+// (replicas 1.. may have no programs or timings: their figures are copied).
+void Predictor::finish(const Plan& plan, bool symmetric) {
+  const Schedule& s = *schedule_;
   // Memory follows the program alone, the same for every replica of a stage.
   const int nranks = static_cast<int>(s.ranks.size());
   const MemoryModel memory(plan);
@@ -86,7 +115,6 @@ const Prediction& Predictor::predict(const Plan& plan) {
     last_.memory[r] = first < r ? last_.memory[first] : memory.peak_of(s.ranks[r]);
   }
   compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr);
-  return last_;
 }
 
 }  // namespace trainsim

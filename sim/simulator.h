@@ -42,7 +42,17 @@ class Predictor {
   // The prediction for `plan`; valid until the next call on this Predictor.
   const Prediction& predict(const Plan& plan);
 
+  // predict(plan).result alone, every field, rank and warning the same (tests/test_engine.cpp
+  // compares them on random plans), for callers that read nothing else (sweeps). When the
+  // replicas are symmetric, the programs and timings of replicas 1.. are never built: only
+  // replica 0's schedule is, and the other ranks' result entries are their stage's entries
+  // in replica 0 with rank and replica set. Valid until the next call on this Predictor;
+  // invalidates the Prediction of an earlier predict().
+  const Result& evaluate(const Plan& plan);
+
  private:
+  void finish(const Plan& plan, bool symmetric);
+
   struct Workspace;
   std::unique_ptr<Workspace> ws_;
   std::shared_ptr<Schedule> schedule_;

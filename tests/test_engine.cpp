@@ -355,6 +355,69 @@ TEST(Predictor, ReusedAcrossRandomPlansMatchesPredict) {
   EXPECT_GT(replicated, 150);
 }
 
+// Predictor::evaluate, the sweep's result-only path, gives predict().result exactly (every
+// field, every rank, the warnings) on the same 400 random plans as above, with one
+// Predictor reused across all of them and switching between evaluate() and predict() now
+// and then (evaluate leaves replicas 1.. without programs or timings; predict must not see
+// them stale). Covers replica-symmetric plans (only replica 0 built), asymmetric
+// placements (dp = 3 on 2- and 4-GPU nodes: full path) and plans that do not fit.
+TEST(Predictor, EvaluateMatchesPredictResultOnRandomPlans) {
+  std::mt19937 rng(20261121);
+  auto pick = [&](std::initializer_list<int> xs) {
+    std::uniform_int_distribution<std::size_t> u(0, xs.size() - 1);
+    return *(xs.begin() + u(rng));
+  };
+  Predictor predictor;
+  int compared = 0, replicated = 0, asymmetric = 0, not_fitting = 0, mixed = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto kind = static_cast<ScheduleKind>(pick({0, 1, 2, 3}));
+    const int p = pick({1, 2, 4, 8}), d = pick({1, 2, 3, 4}), t = pick({1, 2});
+    const int v = kind == ScheduleKind::interleaved_1f1b ? pick({2, 3}) : 1;
+    if (kind == ScheduleKind::interleaved_1f1b && p < 2) continue;
+    const int m = kind == ScheduleKind::interleaved_1f1b ? p * pick({1, 2, 3}) : pick({1, 3, 8, 16});
+    ScenarioConfig c = testing::small_config(p, m, kind, v, d);
+    c.cluster.num_gpus = p * d * t;
+    c.cluster.gpus_per_node = pick({1, 2, 4, 8});
+    if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) continue;
+    c.parallelism.tensor_parallel_size = t;
+    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
+    c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+    c.training.micro_batch_size = pick({1, 2});
+    c.training.global_batch_size = m * d * c.training.micro_batch_size;
+    c.communication.overlap_grad_reduce = pick({0, 1});
+    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
+    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
+    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
+    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
+    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
+    c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
+    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(kind) << " p=" << p << " d=" << d
+                                      << " t=" << t << " v=" << v << " m=" << m
+                                      << " gpus_per_node=" << c.cluster.gpus_per_node);
+    const Plan plan = Plan::from_config(c);
+    const Prediction expected = predict(plan);
+    if (trial % 7 == 3) {  // a full prediction in between: evaluate must not leave it stale
+      const Prediction& full = predictor.predict(plan);
+      ASSERT_TRUE(same_timeline(full.timeline, expected.timeline));
+      expect_same_result(full.result, expected.result);
+      ++mixed;
+    }
+    const Result& got = predictor.evaluate(plan);
+    expect_same_result(got, expected.result);
+    ++compared;
+    replicated += d > 1;
+    asymmetric += d == 3 && c.cluster.gpus_per_node > 1 && c.cluster.gpus_per_node < p * d * t;
+    not_fitting += !expected.result.fits_in_memory;
+  }
+  EXPECT_GT(compared, 250);
+  EXPECT_GT(replicated, 150);
+  EXPECT_GT(asymmetric, 10);
+  EXPECT_GT(not_fitting, 50);
+  EXPECT_GT(mixed, 20);
+}
+
 // A prediction kept past the next call stays as it was: the Predictor then builds into
 // fresh storage instead of the schedule someone still holds.
 TEST(Predictor, KeptScheduleIsNotOverwritten) {

@@ -281,7 +281,7 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
   row.num_microbatches = plan.num_microbatches;
   row.global_batch_size = plan.global_batch_size;
   try {
-    const Result& r = predictor.predict(plan).result;
+    const Result& r = predictor.evaluate(plan);
     SweepMetrics& m = row.metrics;
     m.step_time_s = r.step_time_s;
     m.tokens_per_s = r.tokens_per_s;

@@ -1,5 +1,6 @@
 // Simulator speed. Targets (one core of the 2-core CI machine), see docs/performance.md:
-//   sweep (BM_Sweep_Predictor): >= 20,000 configurations of 8-64 GPUs per second per core
+//   sweep (BM_Sweep_Evaluate, the path sweeps run): >= 20,000 configurations of 8-64 GPUs
+//   per second per core
 //   1F1B, p=8, m=32, data-parallel all-reduce in buckets: one step simulates in < 50 us
 //   interleaved 1F1B, p=64, m=512, v=2:                    one step simulates in < 20 ms
 //   engine memory linear in the number of ops (bytes_per_op constant across sizes)
@@ -91,7 +92,7 @@ BENCHMARK(BM_BuildSchedule_1F1B_p8_m32_dp2)->Unit(benchmark::kMicrosecond);
 
 
 // ---- Sweep throughput --------------------------------------------------------------------
-// What a sweep worker does per configuration: Plan::from_config, then Predictor::predict
+// BM_Sweep_Predictor: Plan::from_config, then the full Predictor::predict
 // (schedule, cost models, discrete-event simulation of every op, memory walk, metrics).
 // Population: every dp x pp factorisation of 8, 16, 32 and 64 GPUs (tp = 1) for
 // gpt3-6.7b, gpt3-13b and llama2-7b on a100-80gb and h100-80gb, micro-batch sizes
@@ -151,6 +152,30 @@ void BM_Sweep_Predictor(benchmark::State& state) {
       benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 BENCHMARK(BM_Sweep_Predictor)->Unit(benchmark::kMillisecond);
+
+// The figure: what a sweep worker really does per configuration (sim/sweep/sweep.cpp),
+// Plan::from_config then Predictor::evaluate, the result-only path (replica 0 alone built
+// and simulated when the replicas are symmetric). Same population, one thread, one Predictor.
+void BM_Sweep_Evaluate(benchmark::State& state) {
+  const std::vector<ScenarioConfig> population = sweep_population();
+  Predictor predictor;
+  double ops = 0;
+  for (const auto& c : population) ops += static_cast<double>(predictor.predict(Plan::from_config(c)).schedule->total_ops());
+  for (auto _ : state) {
+    for (const auto& c : population) {
+      const Plan plan = Plan::from_config(c);
+      const Result& r = predictor.evaluate(plan);
+      benchmark::DoNotOptimize(r.step_time_s);
+    }
+  }
+  const double n = static_cast<double>(population.size());
+  state.counters["configs"] = n;
+  state.counters["ops_per_config"] = ops / n;  // of the full schedule, as in BM_Sweep_Predictor
+  state.counters["configs_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["s_per_config"] =
+      benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_Sweep_Evaluate)->Unit(benchmark::kMillisecond);
 
 // The same population through Plan::from_config alone (validation and derived figures).
 void BM_Sweep_PlanOnly(benchmark::State& state) {
