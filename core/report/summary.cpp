@@ -3,11 +3,10 @@
 
 #include <fmt/format.h>
 
+#include "core/report/format.h"
 #include "core/report/report.h"
 
 namespace trainsim {
-
-namespace {
 
 std::string human_count(double x) {
   const char* units[] = {"", "K", "M", "B", "T"};
@@ -19,11 +18,20 @@ std::string human_count(double x) {
   return fmt::format("{:.{}f}{}", x, u == 0 ? 0 : (x < 10 ? 2 : 1), units[u]);
 }
 
-std::string seconds(double s) {
+std::string format_seconds(double s) {
   if (s >= 1) return fmt::format("{:.3f} s", s);
   if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
   return fmt::format("{:.1f} us", s * 1e6);
 }
+
+std::string text_bar(double fraction, int width) {
+  const int full = static_cast<int>(std::lround(std::clamp(fraction, 0.0, 1.0) * width));
+  std::string s;
+  for (int i = 0; i < width; ++i) s += i < full ? "#" : ".";
+  return s;
+}
+
+namespace {
 
 // Words of `text` on lines of at most `width` characters, each starting with `indent`.
 std::string wrapped(const std::string& text, std::size_t width, const std::string& indent) {
@@ -43,12 +51,6 @@ std::string wrapped(const std::string& text, std::size_t width, const std::strin
   return out;
 }
 
-std::string bar(double fraction, int width) {
-  const int full = static_cast<int>(std::lround(std::clamp(fraction, 0.0, 1.0) * width));
-  std::string s;
-  for (int i = 0; i < width; ++i) s += i < full ? "#" : ".";
-  return s;
-}
 
 }  // namespace
 
@@ -79,10 +81,10 @@ std::string format_summary(const Plan& plan, const Result& res) {
                    dtype_name(pr.allreduce), pr.allreduce_divide == AllReduceDivide::before ? "before" : "after",
                    pr.overflow_check == OverflowScope::global ? "global" : "local");
 
-  o += fmt::format("  step time        {:>12}    tokens/s  {:>10}    MFU {:5.1f}%\n", seconds(res.step_time_s),
+  o += fmt::format("  step time        {:>12}    tokens/s  {:>10}    MFU {:5.1f}%\n", format_seconds(res.step_time_s),
                    human_count(res.tokens_per_s), 100 * res.mfu);
   o += fmt::format("  bubble fraction  {:>11.1f}%    all-reduce {:>9}    exposed communication {}\n",
-                   100 * res.bubble_fraction, seconds(res.allreduce_time_s), seconds(res.exposed_comm_time_s));
+                   100 * res.bubble_fraction, format_seconds(res.allreduce_time_s), format_seconds(res.exposed_comm_time_s));
   double worst = 0;
   int worst_rank = 0;
   for (const auto& r : res.ranks)
@@ -105,8 +107,8 @@ std::string format_summary(const Plan& plan, const Result& res) {
   for (std::size_t i = 0; i < shown; ++i) {
     const auto& r = res.ranks[i];
     o += fmt::format("  {:>4} {:>5} {:>7}  {:5.1f}% {:<20} {:>9} {:>9}   {:7.2f} {:7.2f} {:7.2f} {:7.2f} {:7.2f} {:>7.2f}{}\n",
-                     r.rank, r.stage, r.replica, 100 * r.utilization, bar(r.utilization, 20), seconds(r.busy_s),
-                     seconds(r.idle_s), bytes_to_gib(r.memory.weights), bytes_to_gib(r.memory.gradients),
+                     r.rank, r.stage, r.replica, 100 * r.utilization, text_bar(r.utilization, 20), format_seconds(r.busy_s),
+                     format_seconds(r.idle_s), bytes_to_gib(r.memory.weights), bytes_to_gib(r.memory.gradients),
                      bytes_to_gib(r.memory.optimizer), bytes_to_gib(r.memory.activations),
                      bytes_to_gib(r.memory.buffers), bytes_to_gib(r.peak_memory_bytes),
                      r.peak_memory_bytes > cap ? " !" : "");

@@ -7,17 +7,12 @@
 
 #include <fmt/format.h>
 
+#include "core/report/format.h"
 #include "core/report/report.h"
 
 namespace trainsim::runtime {
 
 namespace {
-
-std::string seconds(double s) {
-  if (s >= 1) return fmt::format("{:.3f} s", s);
-  if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
-  return fmt::format("{:.1f} us", s * 1e6);
-}
 
 std::string xml_escape(const std::string& s) {
   std::string o;
@@ -32,11 +27,6 @@ std::string xml_escape(const std::string& s) {
 }
 
 double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
-
-std::string bar(double fraction, int width) {
-  const int full = static_cast<int>(std::lround(std::clamp(fraction, 0.0, 1.0) * width));
-  return std::string(full, '#') + std::string(width - full, '.');
-}
 
 // One character per step, its height the loss between the run's lowest and highest.
 std::string sparkline(const std::vector<StepRecord>& steps) {
@@ -96,17 +86,17 @@ std::string format_run_summary(const RunReport& rep) {
                    rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
 
   const double tokens = static_cast<double>(plan.global_batch_size) * d.seq_length;
-  o += fmt::format("  step time        {:>10}  (step {}, the median)   tokens/s {:>10.0f}\n", seconds(res.step_time_s),
+  o += fmt::format("  step time        {:>10}  (step {}, the median)   tokens/s {:>10.0f}\n", format_seconds(res.step_time_s),
                    rep.timeline_step, res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
   o += fmt::format("  bubble fraction  {:>9.1f}%   all-reduce {:>10}   exposed communication {}\n",
-                   100 * res.bubble_fraction, seconds(res.allreduce_time_s), seconds(res.exposed_comm_time_s));
+                   100 * res.bubble_fraction, format_seconds(res.allreduce_time_s), format_seconds(res.exposed_comm_time_s));
   o += fmt::format("\n  {:>4} {:>5} {:>7}  {:>6} {:<20} {:>9} {:>9}   {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}\n", "rank",
                    "stage", "replica", "util", "", "busy", "idle", "weights", "grads", "optim", "activ", "buffers",
                    "peak MiB");
   for (const auto& r : res.ranks)
     o += fmt::format("  {:>4} {:>5} {:>7}  {:5.1f}% {:<20} {:>9} {:>9}   {:8.2f} {:8.2f} {:8.2f} {:8.2f} {:8.2f} {:9.2f}\n",
-                     r.rank, r.stage, r.replica, 100 * r.utilization, bar(r.utilization, 20), seconds(r.busy_s),
-                     seconds(r.idle_s), mib(r.memory.weights), mib(r.memory.gradients), mib(r.memory.optimizer),
+                     r.rank, r.stage, r.replica, 100 * r.utilization, text_bar(r.utilization, 20), format_seconds(r.busy_s),
+                     format_seconds(r.idle_s), mib(r.memory.weights), mib(r.memory.gradients), mib(r.memory.optimizer),
                      mib(r.memory.activations), mib(r.memory.buffers), mib(r.peak_memory_bytes));
 
   o += fmt::format("\n  loss {}  {} -> {}\n", sparkline(rep.steps), rep.steps.empty() ? "-" : number(rep.steps.front().loss),
@@ -117,7 +107,7 @@ std::string format_run_summary(const RunReport& rep) {
     o += fmt::format("  {:>5} {:>9} {:>10} {:>10} {:>8} {:>9} {:>12} {:>9}\n", s.step, number(s.loss),
                      number(s.grad_norm), number(s.loss_scale),
                      s.skipped_ranks == 0 ? "-" : s.skipped_ranks == plan.num_ranks() ? "all" : fmt::format("{} ranks", s.skipped_ranks),
-                     s.nonfinite_count, number(s.replica_drift), seconds(s.step_time_s));
+                     s.nonfinite_count, number(s.replica_drift), format_seconds(s.step_time_s));
   int skipped = 0;
   bool drift = false;
   for (const auto& s : rep.steps) {

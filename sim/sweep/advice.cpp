@@ -1,3 +1,4 @@
+#include "core/report/format.h"
 #include "sim/sweep/advice.h"
 
 #include <algorithm>
@@ -162,16 +163,6 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
 // ---- explaining the changes ---------------------------------------------------------
 
 namespace {
-
-std::string human_count(double x) {
-  const char* units[] = {"", "K", "M", "B", "T"};
-  int u = 0;
-  while (std::fabs(x) >= 1000 && u < 4) {
-    x /= 1000;
-    ++u;
-  }
-  return fmt::format("{:.{}f}{}", x, u == 0 ? 0 : (x < 10 ? 2 : 1), units[u]);
-}
 
 std::string secs(double s) {
   if (s >= 1) return fmt::format("{:.2f} s", s);

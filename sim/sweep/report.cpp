@@ -1,3 +1,4 @@
+#include "core/report/format.h"
 #include "sim/sweep/report.h"
 
 #include <algorithm>
@@ -26,22 +27,6 @@ nlohmann::ordered_json value_json(const FieldValue& v) {
   nlohmann::ordered_json j;
   std::visit([&](const auto& x) { j = x; }, v);
   return j;
-}
-
-std::string human_count(double x) {
-  const char* units[] = {"", "K", "M", "B", "T"};
-  int u = 0;
-  while (std::fabs(x) >= 1000 && u < 4) {
-    x /= 1000;
-    ++u;
-  }
-  return fmt::format("{:.{}f}{}", x, u == 0 ? 0 : (x < 10 ? 2 : 1), units[u]);
-}
-
-std::string secs(double s) {
-  if (s >= 1) return fmt::format("{:.3f} s", s);
-  if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
-  return fmt::format("{:.1f} us", s * 1e6);
 }
 
 // Column names for the table: the usual abbreviations, else the key's last part.
@@ -159,9 +144,9 @@ std::string format_sweep_table(const SweepResult& s, const std::string& title, s
     const SweepMetrics& m = row.metrics;
     c.push_back(std::to_string(row.num_microbatches));
     c.push_back(human_count(m.tokens_per_s));
-    c.push_back(secs(m.step_time_s));
+    c.push_back(format_seconds(m.step_time_s));
     c.push_back(fmt::format("{:.1f}%", 100 * m.bubble_fraction));
-    c.push_back(secs(m.exposed_comm_time_s));
+    c.push_back(format_seconds(m.exposed_comm_time_s));
     c.push_back(fmt::format("{:.2f}", bytes_to_gib(m.peak_memory_bytes)));
     c.push_back(fmt::format("{:.2f}", bytes_to_gib(m.headroom_bytes())));
     cells.push_back(std::move(c));
@@ -397,8 +382,8 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
   auto tooltip = [&](const SweepRow& r) {
     std::string t = fmt::format("#{} {}\ntokens/s {}, step {}, bubble {:.1f}%, exposed comm {}\npeak {:.2f} GiB (rank {})",
                                 r.point.index, config_text(r), human_count(r.metrics.tokens_per_s),
-                                secs(r.metrics.step_time_s), 100 * r.metrics.bubble_fraction,
-                                secs(r.metrics.exposed_comm_time_s), bytes_to_gib(r.metrics.peak_memory_bytes),
+                                format_seconds(r.metrics.step_time_s), 100 * r.metrics.bubble_fraction,
+                                format_seconds(r.metrics.exposed_comm_time_s), bytes_to_gib(r.metrics.peak_memory_bytes),
                                 r.metrics.peak_memory_rank);
     if (!r.reason.empty()) t += "\n" + std::string(sweep_status_name(r.status)) + ": " + r.reason;
     return "<title>" + xml_escape(t) + "</title>";
@@ -539,8 +524,8 @@ std::string figures_text(const SweepRow& r) {
   if (!r.simulated) return fmt::format("{}: {}", sweep_status_name(r.status), r.reason);
   const SweepMetrics& m = r.metrics;
   std::string s = fmt::format("tokens/s {}, step {}, bubble {:.1f}%, exposed comm {}, peak {:.1f} of {:.1f} GiB",
-                              human_count(m.tokens_per_s), secs(m.step_time_s), 100 * m.bubble_fraction,
-                              secs(m.exposed_comm_time_s), bytes_to_gib(m.peak_memory_bytes),
+                              human_count(m.tokens_per_s), format_seconds(m.step_time_s), 100 * m.bubble_fraction,
+                              format_seconds(m.exposed_comm_time_s), bytes_to_gib(m.peak_memory_bytes),
                               bytes_to_gib(m.memory_capacity_bytes));
   if (r.status != SweepStatus::ok) s += fmt::format(" -- {}: {}", sweep_status_name(r.status), r.reason);
   return s;

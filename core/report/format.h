@@ -1,0 +1,16 @@
+// Number formats shared by every text report (simulate, sweep, plan, run), so the same
+// figure reads the same everywhere.
+#pragma once
+
+#include <string>
+
+namespace trainsim {
+
+// 12.7K, 1.35B: three significant figures with a K/M/B/T suffix.
+std::string human_count(double x);
+// 2.581 s, 14.50 ms, 3.2 us.
+std::string format_seconds(double s);
+// "#####....." : `fraction` of `width` characters filled.
+std::string text_bar(double fraction, int width);
+
+}  // namespace trainsim
