@@ -44,24 +44,6 @@ std::vector<OpTiming> merged(std::vector<OpTiming> v) {
 }
 }  // namespace
 
-Tick uncovered_length(std::vector<OpTiming> a, std::vector<OpTiming> b) {
-  a = merged(std::move(a));
-  b = merged(std::move(b));
-  Tick total = 0;
-  std::size_t j = 0;
-  for (const auto& x : a) {
-    Tick cursor = x.start;
-    while (j < b.size() && b[j].end <= cursor) ++j;
-    for (std::size_t k = j; k < b.size() && b[k].start < x.end; ++k) {
-      if (b[k].start > cursor) total += b[k].start - cursor;
-      cursor = std::max(cursor, b[k].end);
-      if (cursor >= x.end) break;
-    }
-    if (cursor < x.end) total += x.end - cursor;
-  }
-  return total;
-}
-
 namespace {
 
 // Sorted, merged intervals into `out` (input sorted by start, or sorted here).
@@ -103,6 +85,10 @@ Tick uncovered_merged(const std::vector<OpTiming>& a, const std::vector<OpTiming
 }
 
 }  // namespace
+
+Tick uncovered_length(std::vector<OpTiming> a, std::vector<OpTiming> b) {
+  return uncovered_merged(merged(std::move(a)), merged(std::move(b)));
+}
 
 Result compute_result(const Plan& plan, const Timeline& tl, const std::vector<MemoryBreakdown>& memory) {
   Result res;

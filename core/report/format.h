@@ -12,5 +12,7 @@ std::string human_count(double x);
 std::string format_seconds(double s);
 // "#####....." : `fraction` of `width` characters filled.
 std::string text_bar(double fraction, int width);
+// Rounded to 6 significant digits, as every JSON report writes figures: stable and readable.
+double round6(double x);
 
 }  // namespace trainsim

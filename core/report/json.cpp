@@ -1,17 +1,19 @@
 #include <cmath>
 
+#include "core/report/format.h"
 #include "core/report/report.h"
 
 namespace trainsim {
 
-namespace {
-// Rounded to 6 significant digits so that output is stable and readable.
-double r6(double x) {
+double round6(double x) {
   if (x == 0 || !std::isfinite(x)) return x;
   const double scale = std::pow(10.0, 5 - static_cast<int>(std::floor(std::log10(std::fabs(x)))));
   return std::round(x * scale) / scale;
 }
-double gib(double bytes) { return r6(bytes_to_gib(bytes)); }
+
+namespace {
+double r6(double x) { return round6(x); }
+double gib(double bytes) { return round6(bytes_to_gib(bytes)); }
 }  // namespace
 
 nlohmann::ordered_json result_to_json(const Result& res) {

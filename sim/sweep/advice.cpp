@@ -1,4 +1,3 @@
-#include "core/report/format.h"
 #include "sim/sweep/advice.h"
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/plan.h"
+#include "core/report/format.h"
 #include "core/units.h"
 #include "sim/simulator.h"
 

@@ -1,4 +1,3 @@
-#include "core/report/format.h"
 #include "sim/sweep/report.h"
 
 #include <algorithm>
@@ -9,19 +8,15 @@
 
 #include <fmt/format.h>
 
+#include "core/report/format.h"
 #include "core/units.h"
 
 namespace trainsim {
 
 namespace {
 
-// Rounded to 6 significant digits, as the simulate JSON is, so output is stable and readable.
-double r6(double x) {
-  if (x == 0 || !std::isfinite(x)) return x;
-  const double scale = std::pow(10.0, 5 - static_cast<int>(std::floor(std::log10(std::fabs(x)))));
-  return std::round(x * scale) / scale;
-}
-double gib(double bytes) { return r6(bytes_to_gib(bytes)); }
+double r6(double x) { return round6(x); }
+double gib(double bytes) { return round6(bytes_to_gib(bytes)); }
 
 nlohmann::ordered_json value_json(const FieldValue& v) {
   nlohmann::ordered_json j;
