@@ -1,0 +1,154 @@
+// Private to the kernels' .cu files: error checks, the storage formats and their dispatch, and
+// the warp and block reductions every row kernel uses. Not part of the public interface.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace trainsim::cuda::detail {
+
+// ---------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
+}
+
+// After every launch: a bad configuration (grid, block, shared memory) is reported here at once;
+// a fault while the kernel runs is reported by the next synchronising call.
+inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+inline const char* dtype_label(DType d) {
+  switch (d) {
+    case DType::fp32: return "fp32";
+    case DType::tf32: return "tf32";
+    case DType::fp16: return "fp16";
+    case DType::bf16: return "bf16";
+    case DType::fp8: return "fp8";
+  }
+  return "?";
+}
+
+inline void require(bool ok, const char* kernel, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(kernel) + ": " + what);
+}
+
+// ---------------------------------------------------------------------------------------
+// Storage formats: load into fp32, store from fp32 with round-to-nearest-even.
+// __float2half_rn and __float2bfloat16_rn are IEEE RNE with overflow to inf and NaN kept, the
+// rounding runtime/numerics/lowp.h emulates.
+// ---------------------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Calls f(Type<T>{}) with T the storage type of `dt`; other formats are refused.
+template <class T>
+struct Type {
+  using type = T;
+};
+
+template <class F>
+void dispatch(DType dt, const char* kernel, F&& f) {
+  switch (dt) {
+    case DType::fp32: f(Type<float>{}); return;
+    case DType::fp16: f(Type<__half>{}); return;
+    case DType::bf16: f(Type<__nv_bfloat16>{}); return;
+    case DType::tf32:
+    case DType::fp8: break;
+  }
+  throw std::invalid_argument(std::string(kernel) + ": storage format must be fp32, fp16 or bf16, got " +
+                              dtype_label(dt) + " (tf32 is a matrix-product mode, see kernels/gemm.h)");
+}
+
+// ---------------------------------------------------------------------------------------
+// Launch shapes
+// ---------------------------------------------------------------------------------------
+inline constexpr int kElementwiseThreads = 256;
+inline constexpr int kRowsPerBlock = 8;  // warp-per-row kernels: 8 warps, 8 rows per block
+
+// Blocks for a grid-stride loop over n elements: enough to fill any current GPU several times
+// over, few enough that each thread does a handful of elements. Never 0.
+inline unsigned elementwise_blocks(std::size_t n) {
+  const std::size_t want = (n + kElementwiseThreads - 1) / kElementwiseThreads;
+  const std::size_t cap = 1u << 16;
+  return static_cast<unsigned>(want == 0 ? 1 : (want < cap ? want : cap));
+}
+
+inline unsigned row_blocks(std::size_t rows) {
+  return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
+// ---------------------------------------------------------------------------------------
+// Reductions. Butterfly (xor) shuffles: every lane ends with the same value, because each step
+// adds the same two partials on both partner lanes and fp addition is commutative; the order of
+// the additions is fixed, so results do not vary run to run.
+// ---------------------------------------------------------------------------------------
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+template <class S>
+__device__ __forceinline__ S warp_sum(S v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// Block-wide sum / max for blockDim.x a multiple of 32 (at most 1024); every thread of the block
+// must call it, and every thread gets the result. `shared` holds 32 values; the trailing barrier
+// lets the caller reuse it at once.
+template <class S>
+__device__ S block_sum(S v, S* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_sum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  S total = lane < warps ? shared[lane] : S(0);
+  total = warp_sum(total);  // every warp sums the partials itself, in the same order
+  __syncthreads();
+  return total;
+}
+
+__device__ inline float block_max(float v, float* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_max(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float m = lane < warps ? shared[lane] : -INFINITY;
+  m = warp_max(m);
+  __syncthreads();
+  return m;
+}
+
+}  // namespace trainsim::cuda::detail

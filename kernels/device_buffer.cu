@@ -1,0 +1,160 @@
+#include "kernels/device_buffer.h"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "kernels/common.cuh"
+
+namespace trainsim::cuda {
+
+using detail::check_cuda;
+
+bool device_available(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    if (why) *why = cudaGetErrorString(err);
+    cudaGetLastError();  // clear it, so later calls start clean
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+void synchronize() { check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (an earlier kernel failed?)"); }
+
+void copy_to_device(void* dst, const void* src, std::size_t bytes) {
+  check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy host to device");
+}
+
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy device to host");
+}
+
+void fill_zero(void* dst, std::size_t bytes) { check_cuda(cudaMemset(dst, 0, bytes), "cudaMemset"); }
+
+// ---------------------------------------------------------------------------------------
+// DeviceBuffer
+// ---------------------------------------------------------------------------------------
+DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  check_cuda(cudaMalloc(&ptr_, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_) cudaFree(ptr_);
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void DeviceBuffer::upload(const void* src, std::size_t bytes) {
+  if (bytes > bytes_)
+    throw std::invalid_argument("DeviceBuffer::upload: " + std::to_string(bytes) + " bytes into a buffer of " +
+                                std::to_string(bytes_));
+  if (bytes) copy_to_device(ptr_, src, bytes);
+}
+
+void DeviceBuffer::download(void* dst, std::size_t bytes) const {
+  if (bytes > bytes_)
+    throw std::invalid_argument("DeviceBuffer::download: " + std::to_string(bytes) + " bytes from a buffer of " +
+                                std::to_string(bytes_));
+  if (bytes) copy_to_host(dst, ptr_, bytes);
+}
+
+// ---------------------------------------------------------------------------------------
+// Stream
+// ---------------------------------------------------------------------------------------
+Stream::Stream() {
+  cudaStream_t s = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  stream_ = s;
+}
+
+Stream::~Stream() {
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+Stream::Stream(Stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+
+void Stream::synchronize() const {
+  check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize (a kernel failed?)");
+}
+
+// ---------------------------------------------------------------------------------------
+// EventTimer
+// ---------------------------------------------------------------------------------------
+EventTimer::EventTimer() {
+  cudaEvent_t a = nullptr, b = nullptr;
+  check_cuda(cudaEventCreate(&a), "cudaEventCreate");
+  const cudaError_t err = cudaEventCreate(&b);
+  if (err != cudaSuccess) {
+    cudaEventDestroy(a);
+    check_cuda(err, "cudaEventCreate");
+  }
+  start_ = a;
+  stop_ = b;
+}
+
+EventTimer::~EventTimer() {
+  cudaEventDestroy(static_cast<cudaEvent_t>(start_));
+  cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
+}
+
+void EventTimer::start(void* stream) {
+  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(start_), static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+}
+
+void EventTimer::stop(void* stream) {
+  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(stop_), static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+}
+
+double EventTimer::elapsed_seconds() const {
+  check_cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)), "cudaEventSynchronize (a kernel failed?)");
+  float ms = 0;
+  check_cuda(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)),
+             "cudaEventElapsedTime");
+  return static_cast<double>(ms) * 1e-3;
+}
+
+// ---------------------------------------------------------------------------------------
+// Device memory system
+// ---------------------------------------------------------------------------------------
+DeviceMemoryInfo device_memory_info(int device) {
+  DeviceMemoryInfo info;
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  info.name = prop.name;
+  info.multiprocessors = prop.multiProcessorCount;
+  check_cuda(cudaDeviceGetAttribute(&info.memory_clock_khz, cudaDevAttrMemoryClockRate, device),
+             "cudaDeviceGetAttribute(cudaDevAttrMemoryClockRate)");
+  check_cuda(cudaDeviceGetAttribute(&info.bus_width_bits, cudaDevAttrGlobalMemoryBusWidth, device),
+             "cudaDeviceGetAttribute(cudaDevAttrGlobalMemoryBusWidth)");
+  info.peak_bandwidth_bytes_per_s = 2.0 * info.memory_clock_khz * 1e3 * (info.bus_width_bits / 8.0);
+  return info;
+}
+
+}  // namespace trainsim::cuda

@@ -1,0 +1,91 @@
+// Device memory, streams and event timing for code compiled with plain g++ (tests, benchmarks,
+// the CUDA backend's host side). No CUDA types cross this header: streams are `void*`
+// (cudaStream_t). Every call that fails throws std::runtime_error saying what failed.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace trainsim::cuda {
+
+// True when a CUDA device can be used; otherwise false, with the reason in *why (when given):
+// "no CUDA-capable device is detected", a driver/runtime mismatch, ... Never throws.
+bool device_available(std::string* why = nullptr);
+
+// Waits for all work on the device; reports errors raised by kernels since the last check.
+void synchronize();
+
+void copy_to_device(void* dst, const void* src, std::size_t bytes);
+void copy_to_host(void* dst, const void* src, std::size_t bytes);
+void fill_zero(void* dst, std::size_t bytes);
+
+// An owned device allocation (cudaMalloc), freed on destruction. Move-only.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return ptr_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t bytes() const { return bytes_; }
+  void upload(const void* src, std::size_t bytes);    // bytes <= this->bytes()
+  void download(void* dst, std::size_t bytes) const;  // bytes <= this->bytes()
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// A non-blocking CUDA stream, destroyed with the object. Move-only.
+class Stream {
+ public:
+  Stream();
+  ~Stream();
+  Stream(Stream&& other) noexcept;
+  Stream& operator=(Stream&& other) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  void* get() const { return stream_; }
+  void synchronize() const;
+
+ private:
+  void* stream_ = nullptr;
+};
+
+// GPU time between two points of a stream, measured with CUDA events.
+class EventTimer {
+ public:
+  EventTimer();
+  ~EventTimer();
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+  void start(void* stream);
+  void stop(void* stream);
+  double elapsed_seconds() const;  // waits for the stop event
+
+ private:
+  void* start_ = nullptr;
+  void* stop_ = nullptr;
+};
+
+// The device's memory system, from cudaDeviceGetAttribute: peak bandwidth = 2 (double data rate)
+// x memory clock x bus width. (cudaDeviceProp::memoryClockRate is gone in CUDA 13; the attribute
+// cudaDevAttrMemoryClockRate remains.)
+struct DeviceMemoryInfo {
+  std::string name;
+  int memory_clock_khz = 0;
+  int bus_width_bits = 0;
+  double peak_bandwidth_bytes_per_s = 0;
+  int multiprocessors = 0;
+};
+DeviceMemoryInfo device_memory_info(int device = 0);
+
+}  // namespace trainsim::cuda

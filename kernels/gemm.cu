@@ -1,0 +1,174 @@
+// cuBLAS wrapper (see gemm.h for the precision contract). Row-major products are issued as the
+// column-major products cuBLAS computes: a row-major (r, c) matrix with row stride ld is, read
+// column-major, its (c, r) transpose with leading dimension ld. So row-major C = op(A) op(B) is
+// column-major C^T = op(B)^T op(A)^T: cuBLAS is called with the operands swapped (B first),
+// m = N, n = M, and each operand's transpose flag as given.
+#include "kernels/gemm.h"
+
+#include <cublas_v2.h>
+
+#include <string>
+#include <utility>
+
+#include "kernels/common.cuh"
+
+namespace trainsim::cuda {
+
+using namespace detail;
+
+namespace {
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("cuBLAS error in ") + what + ": " + cublasGetStatusName(status) + " (" +
+                             cublasGetStatusString(status) + ")");
+}
+
+// The format the elements of `d` are stored in (tf32 is stored as fp32).
+DType storage_of(DType d) { return d == DType::tf32 ? DType::fp32 : d; }
+
+cudaDataType_t data_type(DType d, const char* what) {
+  switch (storage_of(d)) {
+    case DType::fp32: return CUDA_R_32F;
+    case DType::fp16: return CUDA_R_16F;
+    case DType::bf16: return CUDA_R_16BF;
+    default: break;
+  }
+  throw std::invalid_argument(std::string(what) + ": matrix products take fp32, tf32, fp16 or bf16, got " +
+                              dtype_label(d));
+}
+
+cublasComputeType_t compute_type(DType ab) {
+  return ab == DType::tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
+void check_formats(const char* what, DType ab, DType c) {
+  data_type(ab, what);
+  if (!(c == DType::fp32 || c == storage_of(ab)))
+    throw std::invalid_argument(std::string(what) + ": the output of a " + dtype_label(ab) + " product is fp32 or " +
+                                dtype_label(storage_of(ab)) + ", got " + dtype_label(c));
+}
+
+void check_shape(const char* what, int M, int N, int K, bool trans_a, bool trans_b, int lda, int ldb, int ldc) {
+  if (M <= 0 || N <= 0 || K <= 0)
+    throw std::invalid_argument(std::string(what) + ": M, N, K must be positive, got " + std::to_string(M) + ", " +
+                                std::to_string(N) + ", " + std::to_string(K));
+  const int min_lda = trans_a ? M : K, min_ldb = trans_b ? K : N;
+  if (lda < min_lda || ldb < min_ldb || ldc < N)
+    throw std::invalid_argument(std::string(what) + ": row strides too small: lda " + std::to_string(lda) +
+                                " (>= " + std::to_string(min_lda) + "), ldb " + std::to_string(ldb) +
+                                " (>= " + std::to_string(min_ldb) + "), ldc " + std::to_string(ldc) +
+                                " (>= " + std::to_string(N) + ")");
+}
+
+// Grid-stride, one thread per element of y (rows, OC): y[r, c] = b[c] (a copy, no rounding).
+template <class T>
+__global__ void broadcast_rows_kernel(T* y, const T* b, int OC, std::size_t total) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    y[i] = b[i % OC];
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// GemmContext
+// ---------------------------------------------------------------------------------------
+struct GemmContext::Impl {
+  cublasHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  cudaStream_t stream = nullptr;
+
+  ~Impl() {
+    if (handle) cublasDestroy(handle);
+    if (workspace) cudaFree(workspace);
+  }
+  // cublasSetStream resets the handle to cuBLAS's default workspace pool, so ours is set again.
+  void bind(cudaStream_t s) {
+    check_cublas(cublasSetStream(handle, s), "cublasSetStream");
+    if (workspace) check_cublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
+    stream = s;
+  }
+};
+
+GemmContext::GemmContext(void* stream, std::size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
+  check_cublas(cublasCreate(&impl_->handle), "cublasCreate (is a CUDA device present?)");
+  if (workspace_bytes > 0) {
+    check_cuda(cudaMalloc(&impl_->workspace, workspace_bytes), "cudaMalloc of the cuBLAS workspace");
+    impl_->workspace_bytes = workspace_bytes;
+  }
+  // Default math (no TF32 unless the compute type asks for it), and reductions kept in the fp32
+  // accumulator type rather than a 16-bit output type.
+  check_cublas(cublasSetMathMode(
+                   impl_->handle,
+                   static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+               "cublasSetMathMode");
+  impl_->bind(as_stream(stream));
+}
+
+GemmContext::~GemmContext() = default;
+GemmContext::GemmContext(GemmContext&&) noexcept = default;
+GemmContext& GemmContext::operator=(GemmContext&&) noexcept = default;
+
+void GemmContext::set_stream(void* stream) { impl_->bind(as_stream(stream)); }
+void* GemmContext::stream() const { return impl_->stream; }
+
+// ---------------------------------------------------------------------------------------
+// Products
+// ---------------------------------------------------------------------------------------
+void gemm(GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const void* A, int lda,
+          const void* B, int ldb, float beta, void* C, int ldc, DType ab, DType c) {
+  const char* what = "gemm";
+  check_formats(what, ab, c);
+  check_shape(what, M, N, K, trans_a, trans_b, lda, ldb, ldc);
+  const cudaDataType_t t_ab = data_type(ab, what), t_c = data_type(c, what);
+  check_cublas(
+      cublasGemmEx(ctx.impl().handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+                   &alpha, B, t_ab, ldb, A, t_ab, lda, &beta, C, t_c, ldc, compute_type(ab), CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
+}
+
+void gemm_strided_batched(GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const void* A,
+                          int lda, long long stride_a, const void* B, int ldb, long long stride_b, float beta, void* C,
+                          int ldc, long long stride_c, int batch, DType ab, DType c) {
+  const char* what = "gemm_strided_batched";
+  check_formats(what, ab, c);
+  check_shape(what, M, N, K, trans_a, trans_b, lda, ldb, ldc);
+  if (batch <= 0) throw std::invalid_argument(std::string(what) + ": batch must be positive");
+  const cudaDataType_t t_ab = data_type(ab, what), t_c = data_type(c, what);
+  check_cublas(cublasGemmStridedBatchedEx(ctx.impl().handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                          trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, t_ab, ldb, stride_b,
+                                          A, t_ab, lda, stride_a, &beta, C, t_c, ldc, stride_c, batch, compute_type(ab),
+                                          CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx");
+}
+
+void linear_forward(GemmContext& ctx, void* y, const void* x, const void* w, const void* b, int N, int in, int out,
+                    DType dt) {
+  const DType st = storage_of(dt);
+  float beta = 0.0f;
+  if (b) {
+    const std::size_t total = static_cast<std::size_t>(N) * out;
+    dispatch(st, "linear_forward (bias)", [&](auto tag) {
+      using S = typename decltype(tag)::type;
+      broadcast_rows_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, ctx.impl().stream>>>(
+          static_cast<S*>(y), static_cast<const S*>(b), out, total);
+    });
+    check_launch("linear_forward (bias broadcast)");
+    beta = 1.0f;
+  }
+  gemm(ctx, false, true, N, out, in, 1.0f, x, in, w, in, beta, y, out, dt, st);
+}
+
+void linear_backward_input(GemmContext& ctx, void* dx, const void* dy, const void* w, int N, int in, int out,
+                           DType dt) {
+  gemm(ctx, false, false, N, in, out, 1.0f, dy, out, w, in, 0.0f, dx, in, dt, storage_of(dt));
+}
+
+void linear_backward_weight(GemmContext& ctx, void* dw, DType dw_dt, const void* dy, const void* x, int N, int in,
+                            int out, DType dt, bool accumulate) {
+  gemm(ctx, true, false, out, in, N, 1.0f, dy, out, x, in, accumulate ? 1.0f : 0.0f, dw, in, dt, dw_dt);
+}
+
+}  // namespace trainsim::cuda

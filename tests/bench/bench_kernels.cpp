@@ -1,0 +1,489 @@
+// The CUDA kernels' speed (kernels/kernels.h, kernels/gemm.h), on the device:
+//  * every kernel at the runtime's shape (tests/bench/cpu-step.yaml's model) and at a
+//    GPT-2-small shape (B 8, T 1024, C 768, 12 heads, vocabulary 50304), with fp32 and bf16
+//    storage, timed with CUDA events (manual time). Counters: bytes (the least traffic the kernel
+//    must move to and from memory: each input read once, each output written once),
+//    bytes_per_s, and fraction_of_hbm against the device's peak, 2 x memory clock x bus width
+//    (kernels/device_buffer.h). Kernels whose data fit in L2 (the runtime shape) can exceed 1;
+//  * matrix products at the model's shapes in fp32, tf32, fp16 and bf16: tflops.
+// Without a CUDA device every benchmark reports "no CUDA device" (SkipWithError).
+//
+//   build/tests/bench/bench_kernels --benchmark_min_time=0.2
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/device_buffer.h"
+#include "kernels/gemm.h"
+#include "kernels/kernels.h"
+
+namespace {
+
+using namespace trainsim;
+using namespace trainsim::cuda;
+
+struct Shape {
+  const char* name;
+  int B, T, C, H, V, layers;
+  int N() const { return B * T; }
+  // GPT-2 parameters: embeddings, per block 12 C^2 + 13 C, final LayerNorm (tied LM head).
+  std::size_t params() const {
+    const std::size_t c = C;
+    return std::size_t(V) * c + std::size_t(T) * c + std::size_t(layers) * (12 * c * c + 13 * c) + 2 * c;
+  }
+};
+const Shape kShapes[] = {
+    {"runtime", 8, 128, 256, 8, 256, 8},    // tests/bench/cpu-step.yaml
+    {"gpt2", 8, 1024, 768, 12, 50304, 12},  // GPT-2 small, vocabulary padded to a multiple of 64
+};
+const DType kStorage[] = {DType::fp32, DType::bf16};
+const DType kGemmTypes[] = {DType::fp32, DType::tf32, DType::fp16, DType::bf16};
+
+const char* label(DType d) {
+  switch (d) {
+    case DType::fp32: return "fp32";
+    case DType::tf32: return "tf32";
+    case DType::fp16: return "fp16";
+    case DType::bf16: return "bf16";
+    case DType::fp8: return "fp8";
+  }
+  return "?";
+}
+double bytes_of(DType d) { return d == DType::fp16 || d == DType::bf16 ? 2.0 : 4.0; }
+
+struct DeviceState {
+  bool ok = false;
+  std::string why;
+  DeviceMemoryInfo memory;
+};
+const DeviceState& device() {
+  static const DeviceState d = [] {
+    DeviceState s;
+    s.ok = device_available(&s.why);
+    if (s.ok) s.memory = device_memory_info(0);
+    return s;
+  }();
+  return d;
+}
+
+// n elements of `dt`, normal(0, sd): a 1M-element pattern drawn on the host, tiled on the device.
+DeviceBuffer random_buffer(DType dt, std::size_t n, float sd, std::uint32_t seed) {
+  const std::size_t chunk = std::min<std::size_t>(n, std::size_t(1) << 20);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> host(chunk);
+  for (float& x : host) x = nd(rng);
+  DeviceBuffer pattern(chunk * 4), out(n * static_cast<std::size_t>(bytes_of(dt)));
+  pattern.upload(host.data(), chunk * 4);
+  for (std::size_t off = 0; off < n; off += chunk)
+    cast(out.as<std::uint8_t>() + off * static_cast<std::size_t>(bytes_of(dt)), dt, pattern.data(), DType::fp32,
+         std::min(chunk, n - off), nullptr);
+  synchronize();
+  return out;
+}
+
+DeviceBuffer random_ids(std::size_t n, int V, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> ud(0, V - 1);
+  std::vector<std::int32_t> host(n);
+  for (auto& x : host) x = ud(rng);
+  DeviceBuffer d(n * 4);
+  d.upload(host.data(), n * 4);
+  return d;
+}
+
+DeviceBuffer constant_floats(std::size_t n, float value) {
+  std::vector<float> host(n, value);
+  DeviceBuffer d(n * 4);
+  d.upload(host.data(), n * 4);
+  return d;
+}
+
+// Times `launch` on `stream` with CUDA events, one measurement per iteration (after one warm-up
+// launch), and reports bandwidth for `bytes` moved per launch (and flops when given).
+template <class Launch>
+void run_timed(benchmark::State& state, const Stream& stream, double bytes, double flops, Launch&& launch) {
+  launch();
+  stream.synchronize();
+  EventTimer timer;
+  double total = 0;
+  for (auto _ : state) {
+    timer.start(stream.get());
+    launch();
+    timer.stop(stream.get());
+    const double s = timer.elapsed_seconds();
+    state.SetIterationTime(s);
+    total += s;
+  }
+  const double per_s = static_cast<double>(state.iterations()) / total;
+  if (bytes > 0) {
+    state.counters["bytes"] = bytes;
+    state.counters["bytes_per_s"] = bytes * per_s;
+    state.counters["fraction_of_hbm"] = bytes * per_s / device().memory.peak_bandwidth_bytes_per_s;
+  }
+  if (flops > 0) state.counters["tflops"] = flops * per_s * 1e-12;
+}
+
+// The common frame: skip without a device, read the arguments, label, catch launcher errors.
+template <class Body>
+void with_device(benchmark::State& state, Body&& body) {
+  if (!device().ok) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  try {
+    body();
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+const Shape& shape_arg(const benchmark::State& state) { return kShapes[state.range(0)]; }
+DType storage_arg(const benchmark::State& state) { return kStorage[state.range(1)]; }
+void set_label(benchmark::State& state, const Shape& s, DType dt) {
+  state.SetLabel(std::string(s.name) + " " + label(dt) + " (peak " +
+                 std::to_string(static_cast<int>(device().memory.peak_bandwidth_bytes_per_s * 1e-9)) + " GB/s)");
+}
+
+void StorageArgs(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < 2; ++s)
+    for (int d = 0; d < 2; ++d) b->Args({s, d});
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------
+void BM_EmbeddingForward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t nc = std::size_t(s.N()) * s.C;
+    auto wte = random_buffer(dt, std::size_t(s.V) * s.C, 0.02f, 1),
+         wpe = random_buffer(dt, std::size_t(s.T) * s.C, 0.02f, 2);
+    auto tok = random_ids(s.N(), s.V, 3);
+    DeviceBuffer out(nc * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, 3.0 * nc * bytes_of(dt) + 4.0 * s.N(), 0, [&] {
+      embedding_forward(out.data(), tok.as<std::int32_t>(), wte.data(), wpe.data(), s.B, s.T, s.C, s.V, dt, st.get());
+    });
+  });
+}
+BENCHMARK(BM_EmbeddingForward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_EmbeddingBackward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t nc = std::size_t(s.N()) * s.C;
+    auto dout = random_buffer(dt, nc, 1.0f, 4), tok = random_ids(s.N(), s.V, 5);
+    auto dwte = random_buffer(DType::fp32, std::size_t(s.V) * s.C, 0.01f, 6);
+    auto dwpe = random_buffer(DType::fp32, std::size_t(s.T) * s.C, 0.01f, 7);
+    Stream st;
+    const double touched_rows = std::min(s.N(), s.V) + s.T;  // read and written in fp32
+    run_timed(state, st, nc * bytes_of(dt) + 8.0 * touched_rows * s.C + 4.0 * s.N(), 0, [&] {
+      embedding_backward(dwte.as<float>(), dwpe.as<float>(), dout.data(), tok.as<std::int32_t>(), s.B, s.T, s.C, s.V,
+                         dt, st.get());
+    });
+  });
+}
+BENCHMARK(BM_EmbeddingBackward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_LayerNormForward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t nc = std::size_t(s.N()) * s.C;
+    auto x = random_buffer(dt, nc, 1.0f, 8), g = random_buffer(dt, s.C, 1.0f, 9), b = random_buffer(dt, s.C, 1.0f, 10);
+    DeviceBuffer out(nc * static_cast<std::size_t>(bytes_of(dt))), mean(s.N() * 4), rstd(s.N() * 4);
+    Stream st;
+    run_timed(state, st, 2.0 * nc * bytes_of(dt) + 8.0 * s.N(), 0, [&] {
+      layernorm_forward(out.data(), mean.as<float>(), rstd.as<float>(), x.data(), g.data(), b.data(), s.N(), s.C, dt,
+                        st.get());
+    });
+  });
+}
+BENCHMARK(BM_LayerNormForward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_LayerNormBackwardInput(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t nc = std::size_t(s.N()) * s.C;
+    auto x = random_buffer(dt, nc, 1.0f, 11), dy = random_buffer(dt, nc, 1.0f, 12),
+         g = random_buffer(dt, s.C, 1.0f, 13);
+    auto dres = random_buffer(dt, nc, 1.0f, 14);
+    auto mean = constant_floats(s.N(), 0.0f), rstd = constant_floats(s.N(), 1.0f);
+    DeviceBuffer dx(nc * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, 4.0 * nc * bytes_of(dt) + 8.0 * s.N(), 0, [&] {
+      layernorm_backward_input(dx.data(), dy.data(), x.data(), mean.as<float>(), rstd.as<float>(), g.data(),
+                               dres.data(), s.N(), s.C, dt, st.get());
+    });
+  });
+}
+BENCHMARK(BM_LayerNormBackwardInput)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_LayerNormBackwardWeight(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t nc = std::size_t(s.N()) * s.C;
+    auto x = random_buffer(dt, nc, 1.0f, 15), dy = random_buffer(dt, nc, 1.0f, 16);
+    auto mean = constant_floats(s.N(), 0.0f), rstd = constant_floats(s.N(), 1.0f);
+    auto dg = constant_floats(s.C, 0.0f), db = constant_floats(s.C, 0.0f);
+    Stream st;
+    run_timed(state, st, 2.0 * nc * bytes_of(dt) + 8.0 * s.N() + 16.0 * s.C, 0, [&] {
+      layernorm_backward_weight(dg.as<float>(), db.as<float>(), dy.data(), x.data(), mean.as<float>(), rstd.as<float>(),
+                                s.N(), s.C, dt, st.get());
+    });
+  });
+}
+BENCHMARK(BM_LayerNormBackwardWeight)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_BiasBackward(benchmark::State& state) {  // the qkv projection's bias (3C columns)
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const int oc = 3 * s.C;
+    auto dy = random_buffer(dt, std::size_t(s.N()) * oc, 1.0f, 17);
+    auto db = constant_floats(oc, 0.0f);
+    Stream st;
+    run_timed(state, st, double(s.N()) * oc * bytes_of(dt) + 8.0 * oc, 0,
+              [&] { bias_backward(db.as<float>(), dy.data(), s.N(), oc, dt, st.get()); });
+  });
+}
+BENCHMARK(BM_BiasBackward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GeluForward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = std::size_t(s.N()) * 4 * s.C;
+    auto x = random_buffer(dt, n, 1.0f, 18);
+    DeviceBuffer y(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, 2.0 * n * bytes_of(dt), 0, [&] { gelu_forward(y.data(), x.data(), n, dt, st.get()); });
+  });
+}
+BENCHMARK(BM_GeluForward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GeluBackward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = std::size_t(s.N()) * 4 * s.C;
+    auto x = random_buffer(dt, n, 1.0f, 19), dy = random_buffer(dt, n, 1.0f, 20);
+    DeviceBuffer dx(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, 3.0 * n * bytes_of(dt), 0,
+              [&] { gelu_backward(dx.data(), x.data(), dy.data(), n, dt, st.get()); });
+  });
+}
+BENCHMARK(BM_GeluBackward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// Causal: the rows read only keys j <= i (half of each matrix), and write every element.
+void BM_CausalSoftmaxForward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const int bh = s.B * s.H;
+    const std::size_t n = std::size_t(bh) * s.T * s.T;
+    auto scores = random_buffer(dt, n, 2.0f, 21);
+    DeviceBuffer probs(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    const double tri = double(bh) * s.T * (s.T + 1) / 2.0;
+    run_timed(state, st, (tri + double(n)) * bytes_of(dt), 0,
+              [&] { causal_softmax_forward(probs.data(), scores.data(), bh, s.T, 1.0f, dt, st.get()); });
+  });
+}
+BENCHMARK(BM_CausalSoftmaxForward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_CausalSoftmaxBackward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const int bh = s.B * s.H;
+    const std::size_t n = std::size_t(bh) * s.T * s.T;
+    auto probs = random_buffer(dt, n, 0.01f, 22), dprobs = random_buffer(dt, n, 1.0f, 23);
+    DeviceBuffer ds(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    const double tri = double(bh) * s.T * (s.T + 1) / 2.0;
+    run_timed(state, st, (2.0 * tri + double(n)) * bytes_of(dt), 0,
+              [&] { causal_softmax_backward(ds.data(), probs.data(), dprobs.data(), bh, s.T, 0.125f, dt, st.get()); });
+  });
+}
+BENCHMARK(BM_CausalSoftmaxBackward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_CrossEntropyForward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = std::size_t(s.N()) * s.V;
+    auto logits = random_buffer(dt, n, 2.0f, 24), targets = random_ids(s.N(), s.V, 25);
+    DeviceBuffer losses(s.N() * 4), lse(s.N() * 4);
+    Stream st;
+    run_timed(state, st, n * bytes_of(dt) + 12.0 * s.N(), 0, [&] {
+      cross_entropy_forward(losses.as<float>(), lse.as<float>(), logits.data(), targets.as<std::int32_t>(), s.N(), s.V,
+                            dt, st.get());
+    });
+  });
+}
+BENCHMARK(BM_CrossEntropyForward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_CrossEntropyBackward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = std::size_t(s.N()) * s.V;
+    auto logits = random_buffer(dt, n, 2.0f, 26), targets = random_ids(s.N(), s.V, 27);
+    auto lse = constant_floats(s.N(), 12.0f);
+    DeviceBuffer dlogits(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, 2.0 * n * bytes_of(dt) + 8.0 * s.N(), 0, [&] {
+      cross_entropy_backward(dlogits.data(), logits.data(), lse.as<float>(), targets.as<std::int32_t>(), s.N(), s.V,
+                             1.0f / s.N(), dt, st.get());
+    });
+  });
+}
+BENCHMARK(BM_CrossEntropyBackward)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ResidualAdd(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = std::size_t(s.N()) * s.C;
+    auto a = random_buffer(dt, n, 1.0f, 28), b = random_buffer(dt, n, 1.0f, 29);
+    DeviceBuffer out(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, 3.0 * n * bytes_of(dt), 0,
+              [&] { residual_add(out.data(), a.data(), b.data(), n, dt, st.get()); });
+  });
+}
+BENCHMARK(BM_ResidualAdd)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The optimizer step's kernels over the whole model's parameters (one stage holding all layers).
+void BM_CastMasterToWorking(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = s.params();
+    auto master = random_buffer(DType::fp32, n, 0.02f, 30);
+    DeviceBuffer working(n * static_cast<std::size_t>(bytes_of(dt)));
+    Stream st;
+    run_timed(state, st, n * (4.0 + bytes_of(dt)), 0,
+              [&] { cast(working.data(), dt, master.data(), DType::fp32, n, st.get()); });
+  });
+}
+BENCHMARK(BM_CastMasterToWorking)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_UnscaleAndCheck(benchmark::State& state) {  // gradients in the accumulation format
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = s.params();
+    auto grads = random_buffer(dt, n, 1.0f, 31);
+    DeviceBuffer flag(sizeof(int));
+    fill_zero(flag.data(), sizeof(int));
+    Stream st;
+    // inv_scale 1 keeps the values unchanged from one iteration to the next.
+    run_timed(state, st, 2.0 * n * bytes_of(dt), 0,
+              [&] { unscale_and_check(grads.data(), n, 1.0f, flag.as<int>(), dt, st.get()); });
+  });
+}
+BENCHMARK(BM_UnscaleAndCheck)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_SquaredNorm(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = s.params();
+    auto grads = random_buffer(dt, n, 1.0f, 32);
+    DeviceBuffer out(8), scratch(kReductionScratchDoubles * 8);
+    Stream st;
+    run_timed(state, st, n * bytes_of(dt), 0,
+              [&] { squared_norm(out.as<double>(), grads.data(), n, dt, scratch.as<double>(), false, st.get()); });
+  });
+}
+BENCHMARK(BM_SquaredNorm)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// AdamW: reads master, m, v (fp32), the gradient (fp32 here) and the decay mask; writes master,
+// m, v and the working copy in the storage format.
+void BM_AdamW(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = shape_arg(state);
+    const DType dt = storage_arg(state);
+    set_label(state, s, dt);
+    const std::size_t n = s.params();
+    auto master = random_buffer(DType::fp32, n, 0.02f, 33), grads = random_buffer(DType::fp32, n, 0.01f, 34);
+    DeviceBuffer m(n * 4), v(n * 4), mask(n), working(n * static_cast<std::size_t>(bytes_of(dt)));
+    fill_zero(m.data(), n * 4);
+    fill_zero(v.data(), n * 4);
+    fill_zero(mask.data(), n);
+    Stream st;
+    AdamParams p;
+    run_timed(state, st, n * (3 * 4.0 + 4.0 + 1.0 + 3 * 4.0 + bytes_of(dt)), 0, [&] {
+      adam_update(master.as<float>(), m.as<float>(), v.as<float>(), grads.data(), DType::fp32, mask.as<std::uint8_t>(),
+                  working.data(), dt, n, p, st.get());
+    });
+  });
+}
+BENCHMARK(BM_AdamW)->Apply(StorageArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// ---------------------------------------------------------------------------------------
+// Matrix products: the forward of each linear layer at the model's shapes.
+// ---------------------------------------------------------------------------------------
+struct Linear {
+  const char* name;
+  int in_mult, out_mult;  // in = in_mult * C, out = out_mult * C (0: the vocabulary)
+};
+const Linear kLinears[] = {{"qkv", 1, 3}, {"attn.proj", 1, 1}, {"mlp.fc", 1, 4}, {"mlp.proj", 4, 1}, {"lm_head", 1, 0}};
+
+void GemmArgs(benchmark::internal::Benchmark* b) {
+  for (int s = 0; s < 2; ++s)
+    for (int d = 0; d < 4; ++d)
+      for (int l = 0; l < 5; ++l) b->Args({s, d, l});
+}
+
+void BM_LinearForward(benchmark::State& state) {
+  with_device(state, [&] {
+    const Shape& s = kShapes[state.range(0)];
+    const DType dt = kGemmTypes[state.range(1)];
+    const Linear& lin = kLinears[state.range(2)];
+    const int in = lin.in_mult * s.C, out = lin.out_mult ? lin.out_mult * s.C : s.V, N = s.N();
+    const DType st_dt = dt == DType::tf32 ? DType::fp32 : dt;
+    state.SetLabel(std::string(s.name) + " " + label(dt) + " " + lin.name + " (" + std::to_string(N) + " x " +
+                   std::to_string(in) + " -> " + std::to_string(out) + ")");
+    auto x = random_buffer(st_dt, std::size_t(N) * in, 1.0f, 40),
+         w = random_buffer(st_dt, std::size_t(out) * in, 0.02f, 41);
+    DeviceBuffer y(std::size_t(N) * out * static_cast<std::size_t>(bytes_of(st_dt)));
+    Stream st;
+    GemmContext ctx(st.get());
+    run_timed(state, st, 0, 2.0 * N * in * out,
+              [&] { linear_forward(ctx, y.data(), x.data(), w.data(), nullptr, N, in, out, dt); });
+  });
+}
+BENCHMARK(BM_LinearForward)->Apply(GemmArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
