@@ -8,12 +8,15 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
 
 namespace trainsim {
+
+struct HardwareProfile;  // core/hardware_profile.h
 
 enum class ScheduleKind { gpipe, one_f_one_b, interleaved_1f1b, zb_h1 };
 enum class Recompute { none, selective, full };
@@ -40,6 +43,10 @@ struct ModelConfig {
   bool untie_embeddings_and_output_weights = false;
   bool add_bias_linear = true;
   Normalization normalization = Normalization::layernorm;
+  // Dropout probabilities (Megatron's --hidden-dropout, --attention-dropout). Only whether they
+  // are zero matters here: a dropout keeps a 1-byte mask per element for backward.
+  double hidden_dropout = 0.1;
+  double attention_dropout = 0.1;
 };
 
 struct LinkConfig {
@@ -59,6 +66,11 @@ struct ClusterConfig {
   double hbm_bandwidth_gbps = 2039;
   LinkConfig intra_node{300, 3};
   LinkConfig inter_node{25, 6};
+  // A hardware profile measured by `trainsim calibrate` (path as written; relative to the
+  // scenario's folder), applied like a GPU preset; the cost models then price each kernel at
+  // its measured rate (core/hardware_profile.h).
+  std::string profile;
+  std::shared_ptr<const HardwareProfile> calibrated;
 };
 
 struct ParallelismConfig {

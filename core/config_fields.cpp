@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/hardware_profile.h"
 #include "core/presets.h"
 
 namespace trainsim {
@@ -177,6 +178,11 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(choice("model.normalization", FIELD(model.normalization),
                      {{"layernorm", Normalization::layernorm}, {"rmsnorm", Normalization::rmsnorm}},
                      "LayerNorm (scale and shift) or RMSNorm (scale only)"));
+  t.push_back(real("model.hidden_dropout", FIELD(model.hidden_dropout), 0, 1, "",
+                   "Dropout after attention and MLP; when above 0 each keeps a 1-byte mask of s*b*h for backward"));
+  t.push_back(real("model.attention_dropout", FIELD(model.attention_dropout), 0, 1, "",
+                   "Dropout of the attention probabilities; when above 0 it keeps a 1-byte mask and its output "
+                   "(a*s*s*b each)"));
 
   // ---- cluster -----------------------------------------------------------------------
   {
@@ -192,6 +198,27 @@ std::vector<FieldSpec> make_fields() {
       const GpuPreset* p = find_gpu_preset(name);
       if (!p) throw std::invalid_argument("unknown GPU preset; known: " + names_of_gpus());
       apply_gpu_preset(*p, c.cluster);
+    };
+    t.push_back(std::move(f));
+  }
+  {
+    FieldSpec f = text("cluster.profile", FIELD(cluster.profile),
+                       "Hardware profile written by `trainsim calibrate` (a file; relative to the scenario's folder), "
+                       "applied like cluster.gpu; any cluster key below overrides it");
+    f.applies_preset = true;
+    f.is_path = true;
+    f.set = [](ScenarioConfig& c, const FieldValue& v) {
+      const auto& path = std::get<std::string>(v);
+      c.cluster.profile = path;
+      c.cluster.calibrated.reset();
+      if (path.empty()) return;
+      try {
+        auto p = std::make_shared<HardwareProfile>(load_profile(path));
+        apply_profile(*p, c.cluster);
+        c.cluster.calibrated = std::move(p);
+      } catch (const std::runtime_error& e) {
+        throw std::invalid_argument(e.what());
+      }
     };
     t.push_back(std::move(f));
   }

@@ -30,6 +30,7 @@ struct FieldSpec {
   double max = std::numeric_limits<double>::infinity();
   std::string default_note;  // shown instead of the default value when it is derived
   bool applies_preset = false;  // model.preset / cluster.gpu: applied before every other key
+  bool is_path = false;         // a file path: a relative one is taken from the scenario's folder
   // Setter and getter. The setter may throw std::invalid_argument with a message that
   // names what is accepted (unknown preset names, for instance).
   std::function<void(ScenarioConfig&, const FieldValue&)> set;

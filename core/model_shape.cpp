@@ -14,7 +14,9 @@ ModelShape::ModelShape(const ModelConfig& m)
       learned_positions(m.position_embedding_type == PositionEmbedding::learned_absolute),
       tied(!m.untie_embeddings_and_output_weights),
       bias(m.add_bias_linear),
-      layernorm(m.normalization == Normalization::layernorm) {}
+      layernorm(m.normalization == Normalization::layernorm),
+      hidden_dropout(m.hidden_dropout > 0),
+      attention_dropout(m.attention_dropout > 0) {}
 
 double ModelShape::params_per_layer() const {
   const double H = h, kv = static_cast<double>(h) / a * kv_heads, F = f;
@@ -67,7 +69,7 @@ double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recomput
   if (r == Recompute::full) return e * sbh / (sp ? t : 1);  // the layer's input only
   // Replicated across tensor-parallel ranks unless sequence parallel: the two norms' inputs,
   // the QKV and MLP inputs (e bytes each) and two 1-byte dropout masks.
-  const double replicated = (2 * e + e + e) * sbh + 2 * sbh;
+  const double replicated = (2 * e + e + e) * sbh + (hidden_dropout ? 2 * sbh : 0.0);
   // Split over t: Q and K (and V) for QK^T, the projection input, the MLP activations
   // (GELU in/out: 2 f/h e, SwiGLU gate, up and product: 3 f/h e), plus the s^2 terms:
   // softmax output (e), its dropout mask (1) and the dropout output (e).
@@ -75,7 +77,7 @@ double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recomput
   const double proj_in = e * sbh;
   const double mlp = (swiglu ? 3.0 : 2.0) * ffn_ratio * e * sbh;
   double split = qkv + proj_in + mlp;
-  if (r == Recompute::none) split += (2.0 * e + 1.0) * as2b;
+  if (r == Recompute::none) split += (attention_dropout ? 2.0 * e + 1.0 : e) * as2b;
   return (sp ? replicated / t : replicated) + split / t;
 }
 

@@ -5,7 +5,9 @@
 //       s b h (34 + 5 a s / h)                                        (Korthikanti et al. 2022, eq. 1)
 //   with t-way tensor parallelism: s b h (10 + 24/t + 5 a s / (h t)); with sequence
 //   parallelism: s b h (34 + 5 a s / h) / t; selective recompute drops the 5as/h term;
-//   full recompute keeps only each layer's input (2 s b h).
+//   full recompute keeps only each layer's input (2 s b h). Without dropout the masks (2 s b h
+//   bytes, a s^2 b bytes) and attention dropout's output (2 a s^2 b) are not kept: 16-bit,
+//   s b h (32 + 2 a s / h), which is what the runtime's decoder keeps.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +41,7 @@ struct ModelShape {
 
   int h, a, kv_heads, f, V, s, L;
   bool swiglu, learned_positions, tied, bias, layernorm;
+  bool hidden_dropout, attention_dropout;  // > 0: their masks (and attention's output) are kept
 };
 
 }  // namespace trainsim

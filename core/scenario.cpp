@@ -358,6 +358,11 @@ class Loader {
   void apply(const FieldSpec& f, const YAML::Node& v, SourceLocation key_at) {
     auto value = parse(f, v, f.path, key_at);
     if (!value) return;
+    if (f.is_path) {
+      auto& path = std::get<std::string>(*value);
+      if (!path.empty() && std::filesystem::path(path).is_relative() && !sc_.file.empty() && sc_.file.front() != '<')
+        path = (std::filesystem::path(sc_.file).parent_path() / path).lexically_normal().string();
+    }
     try {
       f.set(sc_.config, *value);
       sc_.explicit_keys.push_back(f.path);

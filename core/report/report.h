@@ -5,6 +5,8 @@
 
 #include <iosfwd>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -28,6 +30,16 @@ void write_chrome_trace(const Plan& plan, const Timeline& timeline, std::ostream
 
 // A self-contained SVG: one row per rank, forward, backward, communication and idle time
 // in distinguishable colours, with a time axis and a legend.
-void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result& result, std::ostream& out);
+// `time_span`: the width of the time axis (0: the timeline's own), so that two pictures can
+// share one scale.
+void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result& result, std::ostream& out,
+                        Tick time_span = 0);
+// Several SVGs from write_timeline_svg (or any with width and height on their first line)
+// one above the other, in one document.
+void stack_svgs(const std::vector<std::string>& svgs, std::ostream& out);
+// Several timelines of one plan in one trace, each rank of timeline k as process
+// k * 1000 + rank, named after its label ("predicted", "measured"), on one time origin each.
+void write_chrome_traces(const Plan& plan, const std::vector<std::pair<std::string, const Timeline*>>& timelines,
+                         std::ostream& out);
 
 }  // namespace trainsim

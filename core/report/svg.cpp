@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <ostream>
+#include <regex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -208,11 +209,12 @@ void legend_line(std::string& o, double y, const char* heading, const std::vecto
 
 }  // namespace
 
-void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result& result, std::ostream& out) {
+void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result& result, std::ostream& out,
+                        Tick time_span) {
   const Schedule& s = *timeline.schedule;
   const auto& cfg = plan.config;
   const Tick t0 = timeline.begin();
-  const Tick span = std::max<Tick>(timeline.end() - t0, 1);
+  const Tick span = std::max<Tick>(time_span > 0 ? time_span : timeline.end() - t0, 1);
   const double span_s = ticks_to_seconds(span);
   const double px_per_tick = kPlotWidth / static_cast<double>(span);
   auto x_of = [&](Tick t) { return kLeft + static_cast<double>(t - t0) * px_per_tick; };
@@ -372,6 +374,31 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
                      axis_bottom_y + 22, nranks - rows);
   o += "</svg>\n";
   out << o;
+}
+
+void stack_svgs(const std::vector<std::string>& svgs, std::ostream& out) {
+  // Each part is a whole <svg> document from this file; its size is on its first line.
+  static const std::regex size(R"re(width="([0-9.]+)" height="([0-9.]+)")re");
+  double width = 0, height = 0;
+  std::vector<double> heights;
+  for (const std::string& part : svgs) {
+    std::smatch m;
+    const std::string first = part.substr(0, part.find('\n'));
+    if (!std::regex_search(first, m, size)) throw std::invalid_argument("stack_svgs: a part has no width and height");
+    width = std::max(width, std::stod(m[1]));
+    heights.push_back(std::stod(m[2]));
+    height += heights.back();
+  }
+  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0:.0f}\" height=\"{1:.0f}\" "
+                     "viewBox=\"0 0 {0:.0f} {1:.0f}\">\n",
+                     width, height);
+  double y = 0;
+  for (std::size_t i = 0; i < svgs.size(); ++i) {
+    // A nested <svg> is placed by its x and y attributes.
+    out << fmt::format("<svg x=\"0\" y=\"{:.0f}\"", y) << svgs[i].substr(svgs[i].find("<svg") + 4);
+    y += heights[i];
+  }
+  out << "</svg>\n";
 }
 
 }  // namespace trainsim

@@ -59,25 +59,22 @@ ojson op_args(const Plan& plan, const RankProgram& prog, const Op& op) {
 
 }  // namespace
 
-void write_chrome_trace(const Plan& plan, const Timeline& timeline, std::ostream& out) {
+namespace {
+
+// The events of one timeline: ranks as processes pid_base + rank, named with `label` when given.
+template <class Emit>
+void emit_timeline(const Plan& plan, const Timeline& timeline, const std::string& label, int pid_base, Emit&& emit) {
   const Schedule& s = *timeline.schedule;
   // Timestamps count from the step's first op, so predicted and measured traces line up.
   const Tick t0 = timeline.begin();
-
-  out << "{\"traceEvents\":[\n";
-  bool first = true;
-  auto emit = [&](const ojson& e) {
-    out << (first ? "" : ",\n") << e.dump();
-    first = false;
-  };
-
   for (std::size_t r = 0; r < s.ranks.size(); ++r) {
     const RankProgram& prog = s.ranks[r];
     const auto& times = timeline.ops.at(r);
-    const int pid = prog.rank;
+    const int pid = pid_base + prog.rank;
     emit(metadata("process_name", pid, 0,
-                  {{"name", fmt::format("rank {} (stage {}, replica {})", prog.rank, prog.stage, prog.replica)}}));
-    emit(metadata("process_sort_index", pid, 0, {{"sort_index", prog.rank}}));
+                  {{"name", fmt::format("{}rank {} (stage {}, replica {})", label.empty() ? "" : label + " ",
+                                        prog.rank, prog.stage, prog.replica)}}));
+    emit(metadata("process_sort_index", pid, 0, {{"sort_index", pid}}));
 
     // Name only the streams this rank uses, so Perfetto shows no empty tracks.
     bool used[kNumStreams] = {};
@@ -107,19 +104,49 @@ void write_chrome_trace(const Plan& plan, const Timeline& timeline, std::ostream
       emit(e);
     }
   }
-  out << "\n],\n";
+}
 
+ojson plan_facts(const Plan& plan, const Schedule& s, const char* timeline_kind) {
   ojson other;
   other["scenario"] = plan.config.name;
   if (!plan.source.empty()) other["source"] = plan.source;
   other["schedule"] = std::string(schedule_name(s.kind));
-  other["timeline"] = timeline.predicted ? "predicted" : "measured";
+  if (timeline_kind) other["timeline"] = timeline_kind;
   other["data_parallel_size"] = plan.dp;
   other["pipeline_parallel_size"] = plan.pp;
   other["tensor_parallel_size"] = plan.tp;
   other["virtual_pipeline_stages"] = plan.vpp;
   other["num_microbatches"] = plan.num_microbatches;
-  other["step_time_s"] = ticks_to_seconds(timeline.end() - t0);
+  return other;
+}
+
+}  // namespace
+
+void write_chrome_trace(const Plan& plan, const Timeline& timeline, std::ostream& out) {
+  out << "{\"traceEvents\":[\n";
+  bool first = true;
+  emit_timeline(plan, timeline, "", 0, [&](const ojson& e) {
+    out << (first ? "" : ",\n") << e.dump();
+    first = false;
+  });
+  out << "\n],\n";
+  ojson other = plan_facts(plan, *timeline.schedule, timeline.predicted ? "predicted" : "measured");
+  other["step_time_s"] = ticks_to_seconds(timeline.end() - timeline.begin());
+  out << "\"displayTimeUnit\":\"ms\",\n\"otherData\":" << other.dump() << "\n}\n";
+}
+
+void write_chrome_traces(const Plan& plan, const std::vector<std::pair<std::string, const Timeline*>>& timelines,
+                         std::ostream& out) {
+  out << "{\"traceEvents\":[\n";
+  bool first = true;
+  for (std::size_t k = 0; k < timelines.size(); ++k)
+    emit_timeline(plan, *timelines[k].second, timelines[k].first, static_cast<int>(k) * 1000, [&](const ojson& e) {
+      out << (first ? "" : ",\n") << e.dump();
+      first = false;
+    });
+  out << "\n],\n";
+  ojson other = timelines.empty() ? ojson::object() : plan_facts(plan, *timelines.front().second->schedule, nullptr);
+  for (const auto& [label, t] : timelines) other[label + "_step_time_s"] = ticks_to_seconds(t->end() - t->begin());
   out << "\"displayTimeUnit\":\"ms\",\n\"otherData\":" << other.dump() << "\n}\n";
 }
 

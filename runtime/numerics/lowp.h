@@ -65,4 +65,15 @@ std::int64_t round_inplace(DType d, std::span<float> xs);
 // |round(x) - x| <= u·|x| for x in the normal range.
 double unit_roundoff(DType d);
 
+// What a pass over a tensor saw: the largest magnitude (inf counts, NaN does not) and how many
+// values are inf or NaN.
+struct Scan {
+  float max_abs = 0;
+  std::int64_t nonfinite = 0;
+};
+Scan scan(const float* x, std::size_t n);
+// Rounds n values in place to `d` (fp32: unchanged), then scans them: the one pass every
+// tensor a layer produces goes through (runtime/model/stage_model.cpp).
+Scan round_and_scan(DType d, float* x, std::size_t n);
+
 }  // namespace trainsim::runtime

@@ -11,6 +11,7 @@
 // Bandwidths reported the way nccl-tests does: algbw = S/t, busbw = algbw * 2(n-1)/n.
 #pragma once
 
+#include "core/hardware_profile.h"
 #include "core/plan.h"
 #include "sim/cost/cost_models.h"
 

@@ -1,11 +1,58 @@
 #include "sim/cost/compute_model.h"
 
 #include "sim/cost/collective_model.h"
+#include "core/kernel_inventory.h"
 
 namespace trainsim {
 
+namespace {
+
+// Seconds of a list of kernels at the profile's measured rates; a kernel it did not measure
+// at the roofline (FLOPs at peak times efficiency, bytes at memory bandwidth).
+double kernels_seconds(const std::vector<KernelWork>& ws, const HardwareProfile& profile, double flops_per_s,
+                       double bytes_per_s) {
+  double total = 0;
+  for (const KernelWork& w : ws) {
+    double t = profile.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
+    if (t < 0) t = w.shape.is_matmul() ? w.shape.flops() / flops_per_s : w.bytes / bytes_per_s;
+    total += w.count * t;
+  }
+  return total;
+}
+
+}  // namespace
+
+void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwareProfile& profile) {
+  const ScenarioConfig& cfg = plan.config;
+  const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
+  const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
+  const int storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
+  for (const ChunkKernels& k : chunk_kernels(plan, storage)) {
+    ChunkSeconds c;
+    c.forward = kernels_seconds(k.forward, profile, rate, hbm);
+    c.backward_input = kernels_seconds(k.backward_input, profile, rate, hbm);
+    c.backward_weight = kernels_seconds(k.backward_weight, profile, rate, hbm);
+    chunks_.push_back(c);
+  }
+  const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
+  for (int r = 0; r < plan.num_ranks(); ++r) {
+    const int s = plan.stage_of(r);
+    double params = 0;
+    for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
+    optimizer_ticks_.push_back(
+        seconds_to_ticks(kernels_seconds(optimizer_kernels(plan, params / plan.tp / shards), profile, rate, hbm)));
+  }
+}
+
 RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   const ScenarioConfig& cfg = plan.config;
+  if (cfg.cluster.calibrated) {
+    price_from_profile(plan, *cfg.cluster.calibrated);
+    for (const auto& c : chunks_)
+      chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),
+                              seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});
+    return;
+  }
   const ModelShape m = plan.shape();
   const int b = plan.micro_batch_size, t = plan.tp, e = plan.activation_bytes();
   const bool sp = cfg.parallelism.sequence_parallel;

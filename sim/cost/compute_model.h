@@ -1,4 +1,7 @@
-// Compute time of forward, backward and optimizer ops, roofline style:
+// Compute time of forward, backward and optimizer ops. With a calibrated hardware profile
+// (cluster.profile) every kernel of the op (core/kernel_inventory.h) is priced at its measured
+// time at its shape, tensor parallelism's all-reduces excepted (a calibrated backend runs
+// none). Otherwise roofline style:
 //   matrix products: FLOPs / (peak rate of the compute format * compute_efficiency)
 //   memory-bound work (activations written and read around the products, embedding
 //   gather, softmax of the loss, optimizer update): bytes / HBM bandwidth
@@ -14,6 +17,7 @@
 #include <array>
 #include <vector>
 
+#include "core/hardware_profile.h"
 #include "core/plan.h"
 #include "sim/cost/cost_models.h"
 
@@ -45,6 +49,8 @@ class RooflineComputeModel final : public ComputeModel {
   const ChunkSeconds& chunk(int vstage) const { return chunks_.at(vstage); }
 
  private:
+  void price_from_profile(const Plan& plan, const HardwareProfile& profile);
+
   std::vector<ChunkSeconds> chunks_;
   // Pricing an op is a lookup: [chunk][Forward, Backward, BackwardInput, BackwardWeight],
   // and the optimizer step per rank.

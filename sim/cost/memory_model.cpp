@@ -39,6 +39,14 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     act_.push_back(a);
     // Full recompute rebuilds one layer's activations at a time during backward.
     transient_.push_back(rc == Recompute::full && plan.layers_per_virtual_stage[vs] > 0 ? full_layer : 0.0);
+    // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
+    // first and second products and both norms (dW = dY^T X needs dY); per stage the
+    // gradient at its input, and on the last the logits' and the final norm's.
+    const double qkv = m.h + 2.0 * m.h / m.a * m.kv_heads, mlp_in = (m.swiglu ? 2.0 : 1.0) * m.f;
+    double w = plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s * (qkv + m.h + mlp_in + m.h + 2.0 * m.h) / t;
+    w += e * static_cast<double>(b) * m.s * m.h;
+    if (vs == V - 1) w += e * static_cast<double>(b) * m.s * (static_cast<double>(m.V) / t + m.h);
+    weight_pass_.push_back(w);
   }
 }
 
@@ -77,8 +85,12 @@ MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
         peak = std::max(peak, live + transient_[op.chunk]);
         live -= act_[op.chunk] * op.work;
         break;
-      case OpKind::BackwardInput: peak = std::max(peak, live + transient_[op.chunk]); break;
-      case OpKind::BackwardWeight: live -= act_[op.chunk] * op.work; break;
+      case OpKind::BackwardInput:
+        peak = std::max(peak, live + transient_[op.chunk]);
+        live += weight_pass_[op.chunk] * op.work;
+        peak = std::max(peak, live);
+        break;
+      case OpKind::BackwardWeight: live -= (act_[op.chunk] + weight_pass_[op.chunk]) * op.work; break;
       default: break;
     }
   }

@@ -40,6 +40,9 @@ class MemoryModel {
   ModelShape shape_;
   std::vector<double> act_;       // per virtual stage
   std::vector<double> transient_; // per virtual stage: extra during a backward (full recompute)
+  // Per virtual stage: what a split backward keeps from its input pass for its weight pass
+  // (zero-bubble schedules): the gradients at the outputs of the layers that hold weights.
+  std::vector<double> weight_pass_;
 };
 
 // Largest number of micro-batches whose activations a rank holds at once, per rank.

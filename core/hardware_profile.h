@@ -1,0 +1,87 @@
+// A hardware profile: a backend's own rates, measured by `trainsim calibrate` (DESIGN.md
+// "Validation"), which a scenario names with `cluster.profile: FILE` like a GPU preset.
+//
+// It holds what the cost models need and a datasheet cannot give:
+//   kernels     the time of every kernel of the model's step at the model's own shapes: matrix
+//               products (rate quoted in TFLOP/s on their FLOPs) and memory-bound kernels
+//               (layer norms, GELU, residual adds, loss, embedding, optimizer; quoted in GB/s
+//               on the bytes the kernel inventory says they move, core/kernel_inventory.h)
+//   p2p         latency + bytes / bandwidth of one message between two ranks
+//   allreduce   per group size n: latency + bus bytes / bus bandwidth, bus bytes = S 2(n-1)/n
+//               (the nccl-tests convention, so busbw is comparable across group sizes)
+// A kernel the profile lacks at a shape is priced from the nearest measured shape of the same
+// kernel (same rate, scaled by work); a kernel it lacks entirely falls back to the cluster's
+// peak rates (compute_model.h).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/dtype.h"
+
+namespace trainsim {
+
+// The work one kernel launch does: a matrix product (m x k) * (k x n), `batch` times, or a
+// memory-bound kernel over `elements` elements moving `bytes` bytes.
+struct KernelShape {
+  long m = 0, n = 0, k = 0, batch = 1;
+  long elements = 0;
+  double flops() const { return 2.0 * static_cast<double>(m) * n * k * batch; }
+  bool is_matmul() const { return m > 0; }
+  friend bool operator==(const KernelShape&, const KernelShape&) = default;
+};
+
+struct KernelRate {
+  std::string kernel;  // "linear.forward", "attention.backward", "layernorm.forward", "adam", ...
+  DType dtype = DType::fp32;
+  KernelShape shape;
+  double bytes = 0;    // memory-bound kernels: bytes moved per launch (the inventory's count)
+  double seconds = 0;  // measured time per launch
+  // TFLOP/s for matrix products, GB/s for memory-bound kernels.
+  double rate() const;
+};
+
+struct LinkFit {
+  double latency_us = 0;
+  double bandwidth_gbps = 0;  // GB/s (1e9 bytes/s)
+  double seconds(double bytes) const;
+};
+
+struct HardwareProfile {
+  std::string name;      // what scenarios and reports call it
+  std::string backend;   // cpu | cuda
+  std::string device;    // "Intel Xeon ..., 2 cores" or the GPU's name
+  std::string measured;  // ISO date and time of the calibration
+  std::string scenario;  // the scenario whose shapes were measured
+  double memory_gib = 0;  // memory per rank (cpu: the machine's memory divided by the ranks it can pin)
+  int ranks_per_node = 1;  // cpu: cores; cuda: GPUs
+  // The CPU backend holds every tensor in fp32 and rounds to fp16/bf16 in an extra pass; the
+  // CUDA backend stores the low-precision format itself.
+  bool emulated_low_precision = false;
+  std::vector<KernelRate> kernels;
+  LinkFit p2p;
+  std::map<int, LinkFit> allreduce;  // by group size
+
+  // Seconds for one launch of `kernel` at `shape`, or a negative number when the profile has
+  // no measurement of that kernel in `dtype`.
+  double kernel_seconds(const std::string& kernel, DType dtype, const KernelShape& shape, double bytes) const;
+  // Ring all-reduce of `bytes` over n ranks from the fit of group size n, or of the nearest
+  // measured size with the latency scaled by (n-1) as a ring's is. 0 when n <= 1.
+  double allreduce_seconds(int n, double bytes) const;
+  // Best measured matrix-product rate in `dtype` (TFLOP/s), 0 if none.
+  double best_matmul_tflops(DType dtype) const;
+};
+
+// YAML round trip. load_profile throws ScenarioError-style std::runtime_error with the file
+// and line on a bad file.
+HardwareProfile load_profile(const std::string& path);
+std::string profile_to_yaml(const HardwareProfile& p);
+
+// What naming the profile does to a cluster, like a GPU preset: peak rates from the best
+// measured matrix products (efficiency 1: the rates are achieved ones), memory bandwidth from
+// the memory-bound kernels, both links from the point-to-point fit, memory per rank.
+void apply_profile(const HardwareProfile& p, ClusterConfig& cluster);
+
+}  // namespace trainsim

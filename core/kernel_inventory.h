@@ -1,0 +1,56 @@
+// The kernels one op of the schedule launches, with their shapes: what the calibrated compute
+// model prices (compute_model.h) and what `trainsim calibrate` measures (runtime/calibrate/),
+// so both sides name the same work and count its bytes the same way.
+//
+// The inventory follows the GPT-2 decoder as the runtime executes it
+// (runtime/model/stage_model.cpp), per micro-batch of b samples (N = b s rows, C hidden,
+// F ffn, H heads of hs = C/H, V vocabulary):
+//   block forward   layernorm, qkv (N x 3C x C), attention core (QK^T, softmax, AV), projection
+//                   (N x C x C), residual add, layernorm, fc (N x F x C), GELU, projection
+//                   (N x C x F), residual add
+//   block backward  input gradients: the four products' transposes, attention's four
+//                   products, GELU and both layernorms' input gradients; weight gradients: the
+//                   four dW products (out x in x N) and the layernorms' weights, then adding
+//                   into the accumulation buffer
+//   embedding       gather (forward), scatter-add of the token and position rows (weight pass)
+//   head            final layernorm, logits (N x V x C), cross-entropy; and their gradients
+//   optimizer step  gradient norm, Adam/AdamW or SGD over the rank's parameters, master
+//                   rounding, working-copy refresh
+// Every tensor a layer produces is checked for inf/NaN (and, in a low-precision format,
+// rounded to it) in one pass: the `round` kernel over its elements.
+// Memory-bound kernels count bytes as elements x `storage` bytes, each element read and
+// written as the kernel does; matrix products count 2 m n k FLOPs per batch entry.
+// Variants the runtime does not execute (SwiGLU, grouped-query attention, RMSNorm, rotary
+// positions) are priced as their nearest GPT-2 counterpart with their own shapes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/hardware_profile.h"
+#include "core/plan.h"
+
+namespace trainsim {
+
+struct KernelWork {
+  std::string kernel;  // as in KernelRate::kernel
+  DType dtype = DType::fp32;
+  KernelShape shape;
+  double bytes = 0;    // memory-bound kernels
+  int count = 1;       // launches of this exact kernel and shape in the op
+};
+
+struct ChunkKernels {
+  std::vector<KernelWork> forward, backward_input, backward_weight;
+};
+
+// `storage`: bytes per element the backend holds activations in (the CPU backend keeps fp32
+// and rounds; the CUDA backend stores the compute format).
+std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage);
+// The optimizer step of a rank holding `params` parameters.
+std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
+
+// Every distinct (kernel, dtype, shape) in the plan's inventory, once: what calibration measures.
+std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage);
+
+}  // namespace trainsim
