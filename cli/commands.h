@@ -27,6 +27,8 @@ Command add_devices_command(CLI::App& app);
 Command add_sweep_command(CLI::App& app);
 Command add_plan_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
+Command add_calibrate_command(CLI::App& app);
+Command add_validate_command(CLI::App& app);
 
 // Writes through a temporary file and renames, so a failed write never leaves half a file.
 void write_file(const std::string& path, const std::function<void(std::ostream&)>& body);

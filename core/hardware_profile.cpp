@@ -21,6 +21,21 @@ double LinkFit::seconds(double bytes) const {
   return us_to_seconds(latency_us) + (bandwidth_gbps > 0 ? bytes / gbps_to_bytes_per_second(bandwidth_gbps) : 0.0);
 }
 
+double SizeTable::seconds(double bytes) const {
+  if (rows.empty()) return 0;
+  if (bytes <= rows.front().first) return rows.front().second;
+  if (bytes >= rows.back().first) return rows.back().second * bytes / rows.back().first;
+  const auto hi = std::lower_bound(rows.begin(), rows.end(), bytes,
+                                   [](const std::pair<double, double>& r, double b) { return r.first < b; });
+  const auto lo = hi - 1;
+  const double f = std::log(bytes / lo->first) / std::log(hi->first / lo->first);
+  return std::exp(std::log(lo->second) + f * (std::log(hi->second) - std::log(lo->second)));
+}
+
+double HardwareProfile::p2p_seconds(double bytes) const {
+  return p2p_table.rows.empty() ? p2p.seconds(bytes) : p2p_table.seconds(bytes);
+}
+
 double HardwareProfile::kernel_seconds(const std::string& kernel, DType dtype, const KernelShape& shape,
                                        double bytes) const {
   const KernelRate* nearest = nullptr;
@@ -40,7 +55,10 @@ double HardwareProfile::kernel_seconds(const std::string& kernel, DType dtype, c
 }
 
 double HardwareProfile::allreduce_seconds(int n, double bytes) const {
-  if (n <= 1 || allreduce.empty()) return 0;
+  if (n <= 1) return 0;
+  if (auto t = allreduce_tables.find(n); t != allreduce_tables.end() && !t->second.rows.empty())
+    return t->second.seconds(bytes);
+  if (allreduce.empty()) return 0;
   const double bus = bytes * 2.0 * (n - 1) / n;
   auto it = allreduce.find(n);
   if (it != allreduce.end()) return it->second.seconds(bus);
@@ -107,6 +125,27 @@ LinkFit link_of(const std::string& path, const YAML::Node& n) {
   return LinkFit{get<double>(path, n, "latency_us", 0), get<double>(path, n, "bandwidth_gbps", 0)};
 }
 
+// `table: [[bytes, us], ...]`
+SizeTable table_of(const std::string& path, const YAML::Node& n) {
+  SizeTable t;
+  if (const YAML::Node rows = n["table"]) {
+    for (const YAML::Node& r : rows) {
+      if (!r.IsSequence() || r.size() != 2)
+        throw std::runtime_error(fmt::format("{}: a table row is [bytes, us]", where(path, r)));
+      t.rows.emplace_back(r[0].as<double>(), r[1].as<double>() * 1e-6);
+    }
+    std::sort(t.rows.begin(), t.rows.end());
+  }
+  return t;
+}
+
+void emit_table(YAML::Emitter& out, const SizeTable& t) {
+  if (t.rows.empty()) return;
+  out << YAML::Key << "table" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+  for (const auto& [bytes, s] : t.rows) out << YAML::Flow << YAML::BeginSeq << bytes << s * 1e6 << YAML::EndSeq;
+  out << YAML::EndSeq;
+}
+
 }  // namespace
 
 HardwareProfile load_profile(const std::string& path) {
@@ -145,9 +184,19 @@ HardwareProfile load_profile(const std::string& path) {
       throw std::runtime_error(fmt::format("{}: kernel {} has no positive time (us)", where(path, k), r.kernel));
     p.kernels.push_back(std::move(r));
   }
-  if (root["p2p"]) p.p2p = link_of(path, root["p2p"]);
+  if (const YAML::Node c = root["composition"])
+    p.composition = Composition{get<double>(path, c, "forward", 1), get<double>(path, c, "backward", 1)};
+  if (const YAML::Node f = root["core_factors"]) p.core_factors = f.as<std::vector<double>>();
+  if (root["p2p"]) {
+    p.p2p = link_of(path, root["p2p"]);
+    p.p2p_table = table_of(path, root["p2p"]);
+  }
   if (const YAML::Node ar = root["allreduce"])
-    for (const YAML::Node& g : ar) p.allreduce[get<int>(path, g, "ranks", 0)] = link_of(path, g);
+    for (const YAML::Node& g : ar) {
+      const int n = get<int>(path, g, "ranks", 0);
+      p.allreduce[n] = link_of(path, g);
+      if (g["table"]) p.allreduce_tables[n] = table_of(path, g);
+    }
   return p;
 }
 
@@ -162,14 +211,21 @@ std::string profile_to_yaml(const HardwareProfile& p) {
   out << YAML::Key << "memory_gib" << YAML::Value << p.memory_gib;
   out << YAML::Key << "ranks_per_node" << YAML::Value << p.ranks_per_node;
   out << YAML::Key << "emulated_low_precision" << YAML::Value << p.emulated_low_precision;
-  out << YAML::Key << "p2p" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "latency_us"
-      << YAML::Value << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps
+  out << YAML::Key << "composition" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "forward"
+      << YAML::Value << p.composition.forward << YAML::Key << "backward" << YAML::Value << p.composition.backward
       << YAML::EndMap;
+  if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
+  out << YAML::Key << "p2p" << YAML::Value << YAML::BeginMap << YAML::Key << "latency_us" << YAML::Value
+      << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps;
+  emit_table(out, p.p2p_table);
+  out << YAML::EndMap;
   out << YAML::Key << "allreduce" << YAML::Value << YAML::BeginSeq;
-  for (const auto& [n, f] : p.allreduce)
-    out << YAML::Flow << YAML::BeginMap << YAML::Key << "ranks" << YAML::Value << n << YAML::Key << "latency_us"
-        << YAML::Value << f.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << f.bandwidth_gbps
-        << YAML::EndMap;
+  for (const auto& [n, f] : p.allreduce) {
+    out << YAML::BeginMap << YAML::Key << "ranks" << YAML::Value << n << YAML::Key << "latency_us" << YAML::Value
+        << f.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << f.bandwidth_gbps;
+    if (auto t = p.allreduce_tables.find(n); t != p.allreduce_tables.end()) emit_table(out, t->second);
+    out << YAML::EndMap;
+  }
   out << YAML::EndSeq;
   out << YAML::Key << "kernels" << YAML::Value << YAML::BeginSeq;
   for (const KernelRate& k : p.kernels) {

@@ -43,9 +43,24 @@ struct KernelRate {
   double rate() const;
 };
 
+// How kernels compose inside a layer: the runtime's own blocks, timed whole, against the sum
+// of their kernels timed one by one. Kernels in sequence share caches and memory traffic in
+// ways isolated timings cannot show; the cost models scale forward and backward ops by these.
+struct Composition {
+  double forward = 1, backward = 1;
+};
+
 struct LinkFit {
   double latency_us = 0;
   double bandwidth_gbps = 0;  // GB/s (1e9 bytes/s)
+  double seconds(double bytes) const;
+};
+
+// Measured times by size (bytes ascending), as the nccl-tests style table printed them:
+// interpolated log-log between sizes, by the last row's bandwidth beyond the largest and at
+// the smallest row's time below it.
+struct SizeTable {
+  std::vector<std::pair<double, double>> rows;  // (bytes, seconds)
   double seconds(double bytes) const;
 };
 
@@ -61,14 +76,28 @@ struct HardwareProfile {
   // CUDA backend stores the low-precision format itself.
   bool emulated_low_precision = false;
   std::vector<KernelRate> kernels;
+  Composition composition;
+  // Per core (rank r runs pinned on core r): its compute time against the calibration core's
+  // alone, measured with every core busy at once as in a run, so it holds both a core that
+  // is slower than the others (a busy neighbour on a shared host) and what running side by
+  // side costs (shared cache and memory bandwidth). Empty: all 1.
+  std::vector<double> core_factors;
+  double core_factor(int rank) const {
+    return core_factors.empty() ? 1.0 : core_factors[static_cast<std::size_t>(rank) % core_factors.size()];
+  }
   LinkFit p2p;
   std::map<int, LinkFit> allreduce;  // by group size
+  // The measurements the fits came from; where present they price instead of the fits.
+  SizeTable p2p_table;
+  std::map<int, SizeTable> allreduce_tables;
+  // One message between two ranks.
+  double p2p_seconds(double bytes) const;
 
   // Seconds for one launch of `kernel` at `shape`, or a negative number when the profile has
   // no measurement of that kernel in `dtype`.
   double kernel_seconds(const std::string& kernel, DType dtype, const KernelShape& shape, double bytes) const;
-  // Ring all-reduce of `bytes` over n ranks from the fit of group size n, or of the nearest
-  // measured size with the latency scaled by (n-1) as a ring's is. 0 when n <= 1.
+  // Ring all-reduce of `bytes` over n ranks from the table of group size n, else its fit, else
+  // the nearest measured size's fit with the latency scaled by (n-1) as a ring's is. 0 when n <= 1.
   double allreduce_seconds(int n, double bytes) const;
   // Best measured matrix-product rate in `dtype` (TFLOP/s), 0 if none.
   double best_matmul_tflops(DType dtype) const;

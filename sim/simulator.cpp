@@ -39,6 +39,8 @@ namespace {
 // replica has its own embedding group, whose two ranks may or may not share a node.
 bool replicas_symmetric(const Plan& plan, const Schedule& s, const NetworkCollectiveModel& collective) {
   if (plan.dp <= 1) return false;
+  // A calibrated profile may price each rank's core differently.
+  if (const auto& p = plan.config.cluster.calibrated; p && !p->core_factors.empty()) return false;
   const int p = plan.pp;
   for (int st = 0; st < p; ++st) {
     const int next = (st + 1) % p;  // interleaving also sends from the last stage to the first

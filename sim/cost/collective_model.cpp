@@ -41,7 +41,7 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
   for (int i = 1; i < n; ++i) nodes += plan_.node_of(members[i]) != plan_.node_of(members[i - 1]);
   const LinkConfig& link = nodes > 1 ? cl.inter_node : cl.intra_node;
 
-  if (const auto& profile = cl.calibrated; profile && !profile->allreduce.empty()) {
+  if (const auto& profile = cl.calibrated; profile && (!profile->allreduce.empty() || !profile->allreduce_tables.empty())) {
     // Measured: the fit for this group size (the found-inf flag is a 4-byte all-reduce).
     const double full = profile->allreduce_seconds(n, bytes);
     return kind == OpKind::ReduceScatter || kind == OpKind::AllGather ? full / 2 : full;

@@ -29,9 +29,10 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   const int storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
   for (const ChunkKernels& k : chunk_kernels(plan, storage)) {
     ChunkSeconds c;
-    c.forward = kernels_seconds(k.forward, profile, rate, hbm);
-    c.backward_input = kernels_seconds(k.backward_input, profile, rate, hbm);
-    c.backward_weight = kernels_seconds(k.backward_weight, profile, rate, hbm);
+    const Composition& in_layer = profile.composition;
+    c.forward = in_layer.forward * kernels_seconds(k.forward, profile, rate, hbm);
+    c.backward_input = in_layer.backward * kernels_seconds(k.backward_input, profile, rate, hbm);
+    c.backward_weight = in_layer.backward * kernels_seconds(k.backward_weight, profile, rate, hbm);
     chunks_.push_back(c);
   }
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
@@ -39,9 +40,11 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     const int s = plan.stage_of(r);
     double params = 0;
     for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
-    optimizer_ticks_.push_back(
-        seconds_to_ticks(kernels_seconds(optimizer_kernels(plan, params / plan.tp / shards), profile, rate, hbm)));
+    optimizer_ticks_.push_back(seconds_to_ticks(profile.core_factor(r) * kernels_seconds(
+        optimizer_kernels(plan, params / plan.tp / shards), profile, rate, hbm)));
   }
+  if (!profile.core_factors.empty())
+    for (int r = 0; r < plan.num_ranks(); ++r) rank_factors_.push_back(profile.core_factor(r));
 }
 
 RooflineComputeModel::RooflineComputeModel(const Plan& plan) {

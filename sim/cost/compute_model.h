@@ -39,7 +39,8 @@ class RooflineComputeModel final : public ComputeModel {
     }
     const Tick whole = chunk_ticks_[op.chunk][k];
     // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
-    return op.work == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * op.work + 0.5);
+    const double share = op.work * (rank_factors_.empty() ? 1.0 : rank_factors_[rank]);
+    return share == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * share + 0.5);
   }
 
   struct ChunkSeconds {
@@ -56,6 +57,7 @@ class RooflineComputeModel final : public ComputeModel {
   // and the optimizer step per rank.
   std::vector<std::array<Tick, 4>> chunk_ticks_;
   std::vector<Tick> optimizer_ticks_;
+  std::vector<double> rank_factors_;  // a calibrated profile's per-core factors, by rank; empty: all 1
 };
 
 }  // namespace trainsim

@@ -1,0 +1,76 @@
+// trainsim calibrate FILE --backend cpu: measure the backend's own rates at the shapes of the
+// scenario's runtime plan into a hardware profile (core/hardware_profile.h) that scenarios
+// name with `cluster.profile: FILE`, and print the communication table as nccl-tests does.
+#include <unistd.h>
+
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/scenario.h"
+#include "runtime/calibrate/calibrate.h"
+#include "runtime/exec/runtime_plan.h"
+
+namespace trainsim::cli {
+
+Command add_calibrate_command(CLI::App& app) {
+  struct Options {
+    std::string file, backend = "cpu", out, name;
+    std::vector<int> ranks;
+    double max_mib = 64;
+  };
+  auto o = std::make_shared<Options>();
+  auto* sub = app.add_subcommand(
+      "calibrate", "Measure the backend's matrix-product, memory-bound kernel and communication rates at the "
+                   "scenario's runtime shapes into a hardware profile (cluster.profile)");
+  sub->add_option("FILE", o->file, "Scenario YAML whose runtime plan's kernels are measured")->required();
+  sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_option("-o,--out", o->out, "Write the profile here (default: print it)");
+  sub->add_option("--name", o->name, "The profile's name (default: cpu-<scenario name>)");
+  sub->add_option("--ranks", o->ranks, "All-reduce group sizes to measure (default: 2 up to the cores, doubling)");
+  sub->add_option("--max-mib", o->max_mib, "Largest collective buffer, MiB (default 64, as nccl-tests -e 64M)")
+      ->check(CLI::PositiveNumber);
+  return {sub, [o] {
+            if (o->backend == "cuda")
+              throw std::runtime_error("the CUDA backend is not built yet; calibrate with --backend cpu");
+            const Scenario scenario = load_scenario_file(o->file);
+            const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
+            runtime::CalibrateOptions co;
+            co.comm.max_bytes = static_cast<std::size_t>(o->max_mib * (1 << 20));
+            co.comm.group_sizes = o->ranks;
+            if (co.comm.group_sizes.empty()) {
+              const int cores = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+              for (int n = 2; n <= cores; n *= 2) co.comm.group_sizes.push_back(n);
+            }
+            co.progress = [](const std::string& s) { std::cerr << "calibrate: " << s << "\n"; };
+            runtime::CommBenchResult comm;
+            const HardwareProfile p =
+                runtime::calibrate_cpu(rp, o->name.empty() ? "cpu-" + scenario.config.name : o->name, co, &comm);
+            std::cout << runtime::format_comm_table(comm);
+            std::cout << fmt::format("\n# {} kernels of {} measured on {} (one core, pinned)\n", p.kernels.size(),
+                                     scenario.config.name, p.device);
+            std::cout << fmt::format("# {:<26} {:>6} {:>32} {:>10} {:>12}\n", "kernel", "dtype", "shape", "time(us)",
+                                     "rate");
+            for (const KernelRate& k : p.kernels) {
+              const std::string shape =
+                  k.shape.is_matmul()
+                      ? fmt::format("{}x{}x{}{}", k.shape.m, k.shape.n, k.shape.k,
+                                    k.shape.batch > 1 ? fmt::format(" x{}", k.shape.batch) : "")
+                      : fmt::format("{} elements", k.shape.elements);
+              std::cout << fmt::format("  {:<26} {:>6} {:>32} {:>10.1f} {:>8.2f} {}\n", k.kernel, dtype_name(k.dtype),
+                                       shape, k.seconds * 1e6, k.shape.is_matmul() ? k.rate() * 1e3 : k.rate(),
+                                       k.shape.is_matmul() ? "GFLOP/s" : "GB/s");
+            }
+            if (o->out.empty())
+              std::cout << "\n" << profile_to_yaml(p);
+            else
+              write_output(o->out, [&](std::ostream& out) { out << profile_to_yaml(p); },
+                           "name it in a scenario with `cluster: {profile: " + o->out + "}`");
+            return 0;
+          }};
+}
+
+}  // namespace trainsim::cli

@@ -1,0 +1,81 @@
+// trainsim validate FILE: calibrate, predict the runtime plan with the profile, run it, and
+// print predicted vs measured with the error of each (validation/validate.h).
+// trainsim validate --baselines DIR: the regression check over validation/baselines/.
+#include <unistd.h>
+
+#include <filesystem>
+#include <iostream>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/scenario.h"
+#include "validation/baselines.h"
+#include "validation/validate.h"
+
+namespace trainsim::cli {
+
+Command add_validate_command(CLI::App& app) {
+  struct Options {
+    std::string file, backend = "cpu", profile, trace, svg, baselines;
+    int steps = 0;
+    bool json = false, synthetic = false, update = false;
+  };
+  auto o = std::make_shared<Options>();
+  auto* sub = app.add_subcommand(
+      "validate", "Predict the scenario's runtime plan with a calibrated profile, run it, and compare the two");
+  sub->add_option("FILE", o->file, "Scenario YAML (its runtime section says what runs)");
+  sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_option("--profile", o->profile, "A profile from `trainsim calibrate` (default: calibrate now)");
+  sub->add_option("--steps", o->steps, "Optimizer steps to run (default: runtime.steps)")->check(CLI::PositiveNumber);
+  sub->add_flag("--json", o->json, "Print {\"predicted\", \"measured\", \"error\", \"numerics\"} instead of the table");
+  sub->add_option("--trace", o->trace, "Write the predicted and the measured timelines as one Perfetto trace");
+  sub->add_option("--svg", o->svg, "Write the predicted timeline above the measured one");
+  sub->add_flag("--synthetic", o->synthetic, "Train on synthetic tokens instead of the corpus");
+  sub->add_option("--baselines", o->baselines,
+                  "Re-run every plan of this folder (validation/baselines) and check its errors against the "
+                  "accepted ones");
+  sub->add_flag("--update", o->update, "With --baselines: accept the errors measured now");
+  return {sub, [o] {
+            if (o->backend == "cuda")
+              throw std::runtime_error("the CUDA backend is not built yet; validate with --backend cpu");
+            auto progress = [](const std::string& s) {
+              if (isatty(STDERR_FILENO)) std::cerr << "validate: " << s << "\n";
+            };
+            if (!o->baselines.empty()) {
+              if (!o->file.empty()) throw CLI::ValidationError("FILE", "give either FILE or --baselines, not both");
+              validation::BaselineOptions bo;
+              bo.update = o->update;
+              bo.progress = [](const std::string& s) { std::cerr << s << "\n"; };
+              const validation::BaselineReport r = validation::check_baselines(o->baselines, bo);
+              std::cout << validation::format_baseline_report(r);
+              return r.passed ? 0 : kExitRunFailed;
+            }
+            if (o->file.empty()) throw CLI::RequiredError("FILE");
+            const Scenario scenario = load_scenario_file(o->file);
+            validation::ValidateOptions vo;
+            vo.profile_path = o->profile;
+            vo.steps = o->steps;
+            vo.synthetic_data = o->synthetic;
+            if (!scenario.config.runtime.data_path.empty()) {
+              const auto beside =
+                  std::filesystem::path(o->file).parent_path() / scenario.config.runtime.data_path;
+              vo.data_path = std::filesystem::exists(beside) ? beside.string() : scenario.config.runtime.data_path;
+            }
+            vo.progress = progress;
+            const validation::Validation v = validation::validate(scenario, vo);
+            if (o->json)
+              std::cout << validation::validation_to_json(v).dump(2) << "\n";
+            else
+              std::cout << validation::format_validation(v);
+            if (!o->trace.empty())
+              write_output(o->trace, [&](std::ostream& out) { validation::write_validation_trace(v, out); },
+                           "open in https://ui.perfetto.dev");
+            if (!o->svg.empty())
+              write_output(o->svg, [&](std::ostream& out) { validation::write_validation_svg(v, out); });
+            return v.measured.failure ? kExitRunFailed : 0;
+          }};
+}
+
+}  // namespace trainsim::cli

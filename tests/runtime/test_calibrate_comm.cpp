@@ -1,0 +1,346 @@
+// The communication benchmarks of `trainsim calibrate` (runtime/calibrate/comm_bench.h): the
+// latency/bandwidth fit against its closed form, a small run's rows against the nccl-tests
+// definitions (exact data, busbw = algbw * 2(n-1)/n, doubling sizes), the table's shape, and
+// the #wrong check on a corrupted buffer. No timing assertions: the machine is noisy.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/calibrate/comm_bench.h"
+
+namespace trainsim::runtime {
+namespace {
+
+// Points on t = alpha + x / beta for x = 8 B .. 64 MiB, doubling.
+std::vector<std::pair<double, double>> synthetic(double alpha_s, double beta_bps, double noise = 0,
+                                                 std::uint32_t seed = 1) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> u(-noise, noise);
+  std::vector<std::pair<double, double>> pts;
+  for (double x = 8; x <= double(64 << 20); x *= 2) pts.emplace_back(x, (alpha_s + x / beta_bps) * (1 + u(gen)));
+  return pts;
+}
+
+// ---------------------------------------------------------------------------------------
+// The fit
+// ---------------------------------------------------------------------------------------
+
+TEST(CalibrateCommFit, RecoversLatencyAndBandwidthExactlyFromTheFormula) {
+  for (const auto& [alpha_us, beta_gbps] : {std::pair{5.0, 10.0}, std::pair{0.3, 200.0}, std::pair{50.0, 0.5}}) {
+    const LinkFit f = fit_latency_bandwidth(synthetic(alpha_us * 1e-6, beta_gbps * 1e9));
+    EXPECT_NEAR(f.latency_us, alpha_us, 1e-9 * alpha_us) << alpha_us << " us, " << beta_gbps << " GB/s";
+    EXPECT_NEAR(f.bandwidth_gbps, beta_gbps, 1e-9 * beta_gbps) << alpha_us << " us, " << beta_gbps << " GB/s";
+  }
+  // Two points determine the line.
+  const LinkFit two = fit_latency_bandwidth({{1000.0, 2e-6 + 1000.0 / 4e9}, {1e6, 2e-6 + 1e6 / 4e9}});
+  EXPECT_NEAR(two.latency_us, 2.0, 1e-9);
+  EXPECT_NEAR(two.bandwidth_gbps, 4.0, 1e-9);
+}
+
+TEST(CalibrateCommFit, OnePercentNoiseStaysWithinAFewPercent) {
+  for (std::uint32_t seed = 1; seed <= 20; ++seed) {
+    const LinkFit f = fit_latency_bandwidth(synthetic(5e-6, 10e9, 0.01, seed));
+    EXPECT_NEAR(f.latency_us, 5.0, 0.03 * 5.0) << "seed " << seed;
+    EXPECT_NEAR(f.bandwidth_gbps, 10.0, 0.03 * 10.0) << "seed " << seed;
+  }
+}
+
+TEST(CalibrateCommFit, WeighsSmallSizesAsMuchAsLargeOnes) {
+  // An ordinary least-squares fit is dominated by the largest times and gets the latency of
+  // a 1 us link wrong by far more than 1 us when the big sizes carry 1% noise; in relative
+  // error every size counts, so the latency comes out within a few percent.
+  auto pts = synthetic(1e-6, 10e9);
+  for (std::size_t i = 0; i < pts.size(); ++i) pts[i].second *= (i % 2 == 0 ? 1.01 : 0.99);
+  const LinkFit f = fit_latency_bandwidth(pts);
+  EXPECT_NEAR(f.latency_us, 1.0, 0.03);
+  EXPECT_NEAR(f.bandwidth_gbps, 10.0, 0.3);
+}
+
+TEST(CalibrateCommFit, KeepsParametersPhysical) {
+  // Times that fall with size: no bandwidth to measure, latency = the (weighted) mean time.
+  const LinkFit flat = fit_latency_bandwidth({{8.0, 2e-6}, {16.0, 2e-6}, {32.0, 2e-6}});
+  EXPECT_NEAR(flat.latency_us, 2.0, 1e-12);
+  EXPECT_TRUE(std::isinf(flat.bandwidth_gbps));
+  // Pure bandwidth with noise that would make the intercept negative: refit through 0.
+  const LinkFit origin = fit_latency_bandwidth({{1e3, 0.9e-6}, {1e6, 1e-3}, {2e6, 2e-3}});
+  EXPECT_EQ(origin.latency_us, 0.0);
+  EXPECT_GT(origin.bandwidth_gbps, 0.0);
+}
+
+TEST(CalibrateCommFit, RejectsPointsItCannotFit) {
+  EXPECT_THROW(fit_latency_bandwidth({}), std::invalid_argument);
+  EXPECT_THROW(fit_latency_bandwidth({{8.0, 1e-6}}), std::invalid_argument);
+  EXPECT_THROW(fit_latency_bandwidth({{8.0, 1e-6}, {8.0, 2e-6}}), std::invalid_argument);
+  EXPECT_THROW(fit_latency_bandwidth({{8.0, 1e-6}, {16.0, 0.0}}), std::invalid_argument);
+  EXPECT_THROW(fit_latency_bandwidth({{-8.0, 1e-6}, {16.0, 1e-6}}), std::invalid_argument);
+  EXPECT_THROW(fit_latency_bandwidth({{8.0, std::numeric_limits<double>::quiet_NaN()}, {16.0, 1e-6}}),
+               std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------
+// #wrong
+// ---------------------------------------------------------------------------------------
+
+TEST(CalibrateCommWrong, CountsEveryCorruptedElement) {
+  std::vector<float> expected(1000);
+  for (std::size_t i = 0; i < expected.size(); ++i) expected[i] = float(3 * (i % 7 + 1));
+  std::vector<float> got = expected;
+  EXPECT_EQ(count_wrong(got, expected), 0);
+  got[0] += 1;                                          // off by one
+  got[17] = std::nextafter(got[17], 1e9f);              // off by one ulp
+  got[500] = std::numeric_limits<float>::quiet_NaN();   // NaN never matches
+  got[999] = -got[999];                                 // sign
+  EXPECT_EQ(count_wrong(got, expected), 4);
+  std::swap(got[1], got[2]);                            // misplaced chunk elements differ (3*2 vs 3*3)
+  EXPECT_EQ(count_wrong(got, expected), 6);
+  EXPECT_THROW(count_wrong(std::span<const float>(got).first(10), expected), std::invalid_argument);
+}
+
+// ---------------------------------------------------------------------------------------
+// A small run
+// ---------------------------------------------------------------------------------------
+
+CommBenchOptions small_options() {
+  CommBenchOptions o;
+  o.group_sizes = {2, 3};
+  o.min_bytes = 8;
+  o.max_bytes = 1 << 20;
+  o.warmup_iters = 1;
+  o.iters = 3;
+  return o;
+}
+
+void expect_rows_follow_the_definitions(const CommBenchResult& r, const CommBenchOptions& o, int element_bytes) {
+  ASSERT_FALSE(r.rows.empty());
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const CollectiveRow& row = r.rows[i];
+    SCOPED_TRACE(row.op + " ranks " + std::to_string(row.ranks) + " bytes " + std::to_string(row.bytes));
+    EXPECT_EQ(row.wrong, 0);
+    EXPECT_GT(row.time_us, 0.0);
+    EXPECT_GT(row.algbw_gbps, 0.0);
+    EXPECT_GE(row.iters, 1);
+    EXPECT_DOUBLE_EQ(row.algbw_gbps, double(row.bytes) / (row.time_us * 1e-6) / 1e9);
+    if (row.op == "sendrecv") {
+      EXPECT_EQ(row.ranks, 2);
+      EXPECT_EQ(row.redop, "none");
+      EXPECT_EQ(row.type, "float");
+      EXPECT_EQ(row.count * 4, row.bytes);
+      EXPECT_EQ(row.busbw_gbps, row.algbw_gbps);
+    } else {
+      ASSERT_EQ(row.op, "all_reduce");
+      EXPECT_EQ(row.count * std::size_t(element_bytes), row.bytes);
+      const int n = row.ranks;
+      EXPECT_EQ(row.busbw_gbps, row.algbw_gbps * (2.0 * (n - 1) / n));
+    }
+    const bool section_start = i == 0 || r.rows[i - 1].op != row.op || r.rows[i - 1].ranks != row.ranks ||
+                               r.rows[i - 1].redop != row.redop;
+    if (section_start)
+      EXPECT_EQ(row.bytes, o.min_bytes);
+    else
+      EXPECT_EQ(row.bytes, 2 * r.rows[i - 1].bytes);
+  }
+}
+
+TEST(CalibrateCommBench, SmallRunIsExactAndFollowsNcclTestsDefinitions) {
+  CommBenchOptions o = small_options();
+  std::vector<CollectiveRow> streamed;
+  o.on_row = [&](const CollectiveRow& row) { streamed.push_back(row); };
+  const CommBenchResult r = bench_in_process_comm(o);
+
+  // 8 B .. 1 MiB doubling: 18 sizes per section; sections: sendrecv, all_reduce on 2, on 3.
+  constexpr std::size_t kSizes = 18;
+  ASSERT_EQ(r.rows.size(), 3 * kSizes);
+  expect_rows_follow_the_definitions(r, o, 4);
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const CollectiveRow& row = r.rows[i];
+    EXPECT_EQ(row.op, i < kSizes ? "sendrecv" : "all_reduce");
+    if (i >= kSizes) {
+      EXPECT_EQ(row.ranks, i < 2 * kSizes ? 2 : 3);
+      EXPECT_EQ(row.redop, "sum");
+      EXPECT_EQ(row.type, "float");
+    }
+    EXPECT_EQ(row.iters, 3);
+    EXPECT_EQ(row.warmup_iters, 1);
+  }
+  EXPECT_EQ(r.rows.back().bytes, std::size_t(1) << 20);
+
+  // Streamed in order, identical to the result.
+  ASSERT_EQ(streamed.size(), r.rows.size());
+  for (std::size_t i = 0; i < streamed.size(); ++i) {
+    EXPECT_EQ(streamed[i].bytes, r.rows[i].bytes);
+    EXPECT_EQ(streamed[i].time_us, r.rows[i].time_us);
+  }
+
+  // Fits exist and are physical (values not asserted: timing is noise here).
+  EXPECT_GE(r.p2p.latency_us, 0.0);
+  EXPECT_GT(r.p2p.bandwidth_gbps, 0.0);
+  ASSERT_EQ(r.allreduce.size(), 2u);
+  for (int n : {2, 3}) {
+    ASSERT_TRUE(r.allreduce.count(n)) << n;
+    EXPECT_GE(r.allreduce.at(n).latency_us, 0.0);
+    EXPECT_GT(r.allreduce.at(n).bandwidth_gbps, 0.0);
+  }
+}
+
+TEST(CalibrateCommBench, LowPrecisionWiresAndMaxAreCheckedExactly) {
+  // bf16 holds integers only up to 256: 10 ranks sum exactly with a shorter element
+  // pattern, 23 with equal rank weights.
+  for (DType wire : {DType::bf16, DType::fp16, DType::tf32}) {
+    CommBenchOptions o;
+    o.group_sizes = {5, 10, 23};
+    o.min_bytes = 16;
+    o.max_bytes = 64 << 10;
+    o.warmup_iters = 0;
+    o.iters = 2;
+    o.wire = wire;
+    o.sendrecv = false;
+    o.redops = {ReduceOp::sum, ReduceOp::max};
+    const CommBenchResult r = bench_in_process_comm(o);
+    SCOPED_TRACE(nccl_type_name(wire));
+    ASSERT_EQ(r.rows.size(), 3u * 2u * 13u);
+    expect_rows_follow_the_definitions(r, o, dtype_bytes(wire));
+    for (const CollectiveRow& row : r.rows) EXPECT_EQ(row.type, nccl_type_name(wire));
+    EXPECT_EQ(r.rows.front().redop, "sum");
+    EXPECT_EQ(r.rows.back().redop, "max");
+  }
+  EXPECT_EQ(nccl_type_name(DType::bf16), "bfloat16");
+  EXPECT_EQ(nccl_type_name(DType::fp16), "half");
+  EXPECT_EQ(nccl_type_name(DType::fp32), "float");
+}
+
+TEST(CalibrateCommBench, BigBuffersRunFewerCalls) {
+  CommBenchOptions o;
+  o.sendrecv = false;
+  o.min_bytes = 16 << 20;
+  o.max_bytes = 32 << 20;
+  o.warmup_iters = 5;
+  o.iters = 6;
+  o.group_sizes = {2};
+  const CommBenchResult r = bench_in_process_comm(o);
+  ASSERT_EQ(r.rows.size(), 2u);
+  for (const CollectiveRow& row : r.rows) {
+    // min(iters, max(2, 64 MiB / bytes)) and min(warmup_iters, max(1, 32 MiB / bytes)).
+    EXPECT_EQ(row.iters, std::min(6, std::max<int>(2, int((64u << 20) / row.bytes)))) << row.bytes;
+    EXPECT_EQ(row.warmup_iters, std::min(5, std::max<int>(1, int((32u << 20) / row.bytes)))) << row.bytes;
+    EXPECT_EQ(row.wrong, 0);
+  }
+}
+
+TEST(CalibrateCommBench, RejectsOptionsItCannotRun) {
+  auto run = [](auto edit) {
+    CommBenchOptions o = small_options();
+    o.max_bytes = 64;
+    edit(o);
+    return bench_in_process_comm(o);
+  };
+  EXPECT_THROW(run([](CommBenchOptions& o) { o.group_sizes = {1}; }), std::invalid_argument);
+  EXPECT_THROW(run([](CommBenchOptions& o) { o.group_sizes = {2, 2}; }), std::invalid_argument);
+  EXPECT_THROW(run([](CommBenchOptions& o) { o.min_bytes = 2; }), std::invalid_argument);
+  EXPECT_THROW(run([](CommBenchOptions& o) { o.max_bytes = 4; }), std::invalid_argument);
+  EXPECT_THROW(run([](CommBenchOptions& o) { o.iters = 0; }), std::invalid_argument);
+  EXPECT_THROW(run([](CommBenchOptions& o) { o.wire = DType::fp8; }), std::invalid_argument);
+  EXPECT_THROW(run([](CommBenchOptions& o) {
+                 o.wire = DType::bf16;
+                 o.group_sizes = {200};
+               }),
+               std::invalid_argument);
+  try {
+    run([](CommBenchOptions& o) { o.group_sizes = {4, 1}; });
+    FAIL() << "group size 1 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("group size 1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CalibrateCommBench, AFailingCallbackStopsTheRunWithoutHanging) {
+  CommBenchOptions o = small_options();
+  o.group_sizes = {3};
+  int seen = 0;
+  o.on_row = [&](const CollectiveRow& row) {
+    if (row.op == "all_reduce" && ++seen == 2) throw std::runtime_error("disk full");
+  };
+  try {
+    bench_in_process_comm(o);
+    FAIL() << "the callback's exception was swallowed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "disk full");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The table
+// ---------------------------------------------------------------------------------------
+
+std::vector<std::string> split(const std::string& line) {
+  std::istringstream in(line);
+  std::vector<std::string> words;
+  for (std::string w; in >> w;) words.push_back(w);
+  return words;
+}
+
+TEST(CalibrateCommTable, PrintsNcclTestsColumnsAndParsesBack) {
+  CommBenchOptions o = small_options();
+  o.max_bytes = 4096;
+  const CommBenchResult r = bench_in_process_comm(o);
+  const std::string table = format_comm_table(r);
+
+  const std::vector<std::string> header = {"#",           "size",        "count",  "type", "redop", "time(us)",
+                                           "algbw(GB/s)", "busbw(GB/s)", "#wrong"};
+  std::istringstream in(table);
+  std::vector<std::vector<std::string>> data;
+  int headers = 0, avg = 0, fits = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto words = split(line);
+    if (words.empty()) continue;
+    if (words == header) ++headers;
+    if (line.rfind("# Avg bus bandwidth", 0) == 0) ++avg;
+    if (line.find("# fit t = latency") == 0 && line.find(" us, bandwidth ") != std::string::npos) ++fits;
+    if (words[0] != "#") data.push_back(words);
+  }
+  EXPECT_EQ(headers, 3) << table;  // sendrecv, all_reduce on 2, on 3
+  EXPECT_EQ(avg, 3) << table;
+  EXPECT_EQ(fits, 3) << table;
+  EXPECT_NE(table.find("# Out of bounds values : 0 OK"), std::string::npos) << table;
+
+  ASSERT_EQ(data.size(), r.rows.size()) << table;
+  for (std::size_t i = 0; i < data.size(); ++i) {
+    const CollectiveRow& row = r.rows[i];
+    ASSERT_EQ(data[i].size(), 8u) << table;
+    EXPECT_EQ(std::stoull(data[i][0]), row.bytes);
+    EXPECT_EQ(std::stoull(data[i][1]), row.count);
+    EXPECT_EQ(data[i][2], row.type);
+    EXPECT_EQ(data[i][3], row.redop);
+    EXPECT_NEAR(std::stod(data[i][4]), row.time_us, 0.006 + 5e-4 * row.time_us);
+    EXPECT_NEAR(std::stod(data[i][5]), row.algbw_gbps, 0.006);
+    EXPECT_NEAR(std::stod(data[i][6]), row.busbw_gbps, 0.006);
+    EXPECT_EQ(std::stoll(data[i][7]), row.wrong);
+  }
+}
+
+TEST(CalibrateCommTable, ReportsWrongElementsAndMissingFits) {
+  CommBenchResult r;
+  CollectiveRow row;
+  row.op = "all_reduce";
+  row.ranks = 2;
+  row.bytes = 8;
+  row.count = 2;
+  row.time_us = 10;
+  row.algbw_gbps = 8e-4;
+  row.busbw_gbps = 8e-4;
+  row.wrong = 2;
+  r.rows.push_back(row);
+  const std::string table = format_comm_table(r);
+  EXPECT_NE(table.find("# Out of bounds values : 2 FAILED"), std::string::npos) << table;
+  EXPECT_NE(table.find("not fitted"), std::string::npos) << table;
+}
+
+}  // namespace
+}  // namespace trainsim::runtime

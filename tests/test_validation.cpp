@@ -1,0 +1,232 @@
+// Hardware profiles, the kernel inventory, the calibrated cost models and the validation
+// reports: closed forms and round trips (the measured side is tests/runtime/ and the
+// `validation` CTest label).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/hardware_profile.h"
+#include "core/kernel_inventory.h"
+#include "core/model_shape.h"
+#include "core/report/report.h"
+#include "core/scenario.h"
+#include "runtime/exec/executor.h"
+#include "sim/cost/compute_model.h"
+#include "sim/simulator.h"
+#include "tests/test_helpers.h"
+
+namespace trainsim {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A runtime-sized plan: the decoder the CPU backend executes.
+ScenarioConfig runtime_sized(int pp, int dp, ScheduleKind kind, DType compute) {
+  ScenarioConfig c;
+  c.name = "validation-test";
+  c.model = ModelConfig{};
+  c.model.num_layers = 4;
+  c.model.hidden_size = 128;
+  c.model.num_attention_heads = 4;
+  c.model.seq_length = 64;
+  c.model.vocab_size = 256;
+  c.model.hidden_dropout = c.model.attention_dropout = 0;
+  c.cluster.num_gpus = c.cluster.gpus_per_node = pp * dp;
+  c.parallelism.pipeline_parallel_size = pp;
+  c.parallelism.data_parallel_size = dp;
+  c.parallelism.schedule = kind;
+  c.training.micro_batch_size = 2;
+  c.training.global_batch_size = 2 * dp * 4;
+  c.precision.compute = compute;
+  c.precision.grad_accumulation = DType::fp32;
+  c.precision.allreduce = DType::fp32;
+  c.precision.loss_scaling.mode = LossScalingMode::none;
+  return c;
+}
+
+// Every kernel of the plan at one rate: matrix products at `tflops`, memory-bound ones at `gbps`.
+HardwareProfile uniform_profile(const Plan& plan, double tflops, double gbps) {
+  HardwareProfile p;
+  p.name = "uniform";
+  p.backend = "cpu";
+  p.emulated_low_precision = true;
+  for (const KernelWork& w : distinct_kernels(plan, 4)) {
+    KernelRate r{w.kernel, w.dtype, w.shape, w.bytes, 0};
+    r.seconds = w.shape.is_matmul() ? w.shape.flops() / (tflops * 1e12) : w.bytes / (gbps * 1e9);
+    p.kernels.push_back(r);
+  }
+  p.p2p = {5, 10};
+  p.allreduce[2] = {10, 2};
+  return p;
+}
+
+double matmul_flops(const std::vector<KernelWork>& ws) {
+  double f = 0;
+  for (const auto& w : ws) f += w.shape.is_matmul() ? w.count * w.shape.flops() : 0.0;
+  return f;
+}
+
+TEST(KernelInventory, ForwardProductsAreNarayanansFlopsPerLayer) {
+  // 24 b s h^2 + 4 b s^2 h per layer (Narayanan et al. 2021), from the inventory's shapes.
+  const Plan plan = Plan::from_config(runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::fp32));
+  const auto chunks = chunk_kernels(plan, 4);
+  ASSERT_EQ(chunks.size(), 1u);
+  const ModelShape m = plan.shape();
+  const double layers = plan.layers_per_virtual_stage[0];
+  const double expected = layers * m.layer_forward_flops(plan.micro_batch_size) + m.lm_head_forward_flops(plan.micro_batch_size);
+  EXPECT_DOUBLE_EQ(matmul_flops(chunks[0].forward), expected);
+  // Backward does the forward's products twice: input and weight gradients; attention's four
+  // products all belong to the input pass.
+  EXPECT_DOUBLE_EQ(matmul_flops(chunks[0].backward_input) + matmul_flops(chunks[0].backward_weight), 2 * expected);
+}
+
+TEST(KernelInventory, StagesSplitTheWorkWithoutLosingAny) {
+  const Plan one = Plan::from_config(runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::bf16));
+  const Plan two = Plan::from_config(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::bf16));
+  double f1 = 0, f2 = 0;
+  for (const auto& c : chunk_kernels(one, 4)) f1 += matmul_flops(c.forward);
+  for (const auto& c : chunk_kernels(two, 4)) f2 += matmul_flops(c.forward);
+  EXPECT_DOUBLE_EQ(f1, f2);
+}
+
+TEST(CalibratedCompute, OpTimeIsTheSumOfItsKernelsAtTheirRates) {
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
+  const Plan bare = Plan::from_config(c);
+  const double tflops = 0.05, gbps = 10;
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(uniform_profile(bare, tflops, gbps));
+  const Plan plan = Plan::from_config(c);
+  const RooflineComputeModel model(plan);
+  const auto chunks = chunk_kernels(plan, 4);
+  for (int vs = 0; vs < 2; ++vs) {
+    double flops = 0, bytes = 0;
+    for (const auto& w : chunks[vs].forward) (w.shape.is_matmul() ? flops : bytes) += w.count * (w.shape.is_matmul() ? w.shape.flops() : w.bytes);
+    EXPECT_NEAR(model.chunk(vs).forward, flops / (tflops * 1e12) + bytes / (gbps * 1e9), 1e-12) << "stage " << vs;
+  }
+  // The last stage holds the LM head: heavier than the first with equal layers.
+  EXPECT_GT(model.chunk(1).forward, model.chunk(0).forward);
+}
+
+TEST(HardwareProfile, KernelLookupExactThenNearestScaledByWork) {
+  HardwareProfile p;
+  KernelRate a{"linear.forward", DType::fp32, {}, 0, 2e-3};
+  a.shape.m = 256, a.shape.n = 384, a.shape.k = 128;
+  p.kernels.push_back(a);
+  EXPECT_DOUBLE_EQ(p.kernel_seconds("linear.forward", DType::fp32, a.shape, 0), 2e-3);
+  KernelShape twice = a.shape;
+  twice.m = 512;  // twice the FLOPs at the same rate
+  EXPECT_DOUBLE_EQ(p.kernel_seconds("linear.forward", DType::fp32, twice, 0), 4e-3);
+  EXPECT_LT(p.kernel_seconds("linear.forward", DType::bf16, a.shape, 0), 0);  // not measured in bf16
+  EXPECT_LT(p.kernel_seconds("gelu.forward", DType::fp32, a.shape, 0), 0);
+}
+
+TEST(HardwareProfile, AllReduceUsesItsGroupSizeFitOrScalesTheNearestRing) {
+  HardwareProfile p;
+  p.allreduce[2] = {10, 4};  // 10 us, 4 GB/s bus bandwidth
+  const double S = 1e6;
+  EXPECT_NEAR(p.allreduce_seconds(2, S), 10e-6 + S * 2 * 1 / 2 / 4e9, 1e-15);
+  // 4 ranks from the 2-rank fit: latency per ring step (3 vs 1), the same bus bandwidth.
+  EXPECT_NEAR(p.allreduce_seconds(4, S), 30e-6 + S * 2 * 3 / 4 / 4e9, 1e-15);
+  EXPECT_EQ(p.allreduce_seconds(1, S), 0);
+}
+
+TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
+  const Plan plan = Plan::from_config(runtime_sized(2, 1, ScheduleKind::gpipe, DType::bf16));
+  HardwareProfile p = uniform_profile(plan, 0.08, 12.5);
+  p.device = "test CPU, 2 cores";
+  p.measured = "2026-11-21T10:00:00";
+  p.memory_gib = 11.5;
+  p.ranks_per_node = 2;
+  p.allreduce[4] = {55, 1.0};
+  const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
+  fs::create_directories(dir);
+  std::ofstream(dir / "p.yaml") << profile_to_yaml(p);
+  const HardwareProfile q = load_profile((dir / "p.yaml").string());
+  fs::remove_all(dir);
+  EXPECT_EQ(q.name, p.name);
+  EXPECT_EQ(q.device, p.device);
+  EXPECT_EQ(q.memory_gib, p.memory_gib);
+  EXPECT_EQ(q.emulated_low_precision, true);
+  ASSERT_EQ(q.kernels.size(), p.kernels.size());
+  for (std::size_t i = 0; i < p.kernels.size(); ++i) {
+    EXPECT_EQ(q.kernels[i].kernel, p.kernels[i].kernel);
+    EXPECT_EQ(q.kernels[i].shape, p.kernels[i].shape);
+    EXPECT_EQ(q.kernels[i].dtype, p.kernels[i].dtype);
+    EXPECT_NEAR(q.kernels[i].seconds, p.kernels[i].seconds, 1e-9 * p.kernels[i].seconds + 1e-15);
+  }
+  ASSERT_EQ(q.allreduce.size(), 2u);
+  EXPECT_EQ(q.allreduce.at(4).latency_us, 55);
+  EXPECT_EQ(q.p2p.bandwidth_gbps, 10);
+}
+
+TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {
+  const Plan plan = Plan::from_config(runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::fp32));
+  const fs::path dir = fs::temp_directory_path() / "trainsim_profile_scenario";
+  fs::create_directories(dir / "profiles");
+  std::ofstream(dir / "profiles" / "cpu.yaml") << profile_to_yaml(uniform_profile(plan, 0.07, 9));
+  std::ofstream(dir / "s.yaml") << "name: s\ncluster: {profile: profiles/cpu.yaml, num_gpus: 1}\n";
+  const Scenario s = load_scenario_file((dir / "s.yaml").string());
+  ASSERT_TRUE(s.config.cluster.calibrated);
+  EXPECT_NEAR(s.config.cluster.peak_tflops.at(DType::fp32), 0.07, 1e-9);
+  EXPECT_EQ(s.config.cluster.peak_tflops.at(DType::fp8), 0);  // not measured: not available
+  EXPECT_EQ(s.config.cluster.compute_efficiency, 1.0);
+  std::ofstream(dir / "bad.yaml") << "name: s\ncluster: {profile: profiles/missing.yaml}\n";
+  EXPECT_THROW(load_scenario_file((dir / "bad.yaml").string()), ScenarioError);
+  fs::remove_all(dir);
+}
+
+// The memory model against the runtime's own accounting, on the plans the runtime executes:
+// both count the same tensors (no dropout), so they agree to within the small buffers the
+// model does not place exactly.
+TEST(MemoryModel, PredictsTheRuntimesPeakPerRank) {
+  for (auto kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1}) {
+    for (DType dt : {DType::fp32, DType::bf16}) {
+      const ScenarioConfig c = runtime_sized(2, 1, kind, dt);
+      ScenarioConfig rc = c;
+      rc.runtime.num_layers = 4, rc.runtime.hidden_size = 128, rc.runtime.num_attention_heads = 4;
+      rc.runtime.seq_length = 64, rc.runtime.vocab_size = 256, rc.runtime.data_synthetic = true;
+      const runtime::RuntimePlan rp = runtime::make_runtime_plan(rc);
+      runtime::RunOptions o;
+      o.steps = 1;
+      o.synthetic_data = true;
+      o.pin_threads = false;
+      const runtime::RunReport run = runtime::run_cpu(rp, o);
+      const Prediction pred = predict(rp.plan);
+      for (std::size_t r = 0; r < run.result.ranks.size(); ++r) {
+        const double m = run.result.ranks[r].peak_memory_bytes, p = pred.result.ranks[r].peak_memory_bytes;
+        EXPECT_NEAR(p / m - 1, 0, 0.05) << schedule_name(kind) << " " << dtype_name(dt) << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(Reports, TwoTimelinesInOneTraceAndOneSvg) {
+  const Plan plan = Plan::from_config(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32));
+  const Prediction a = predict(plan);
+  Timeline b = a.timeline;
+  b.predicted = false;
+  std::ostringstream trace;
+  write_chrome_traces(plan, {{"predicted", &a.timeline}, {"measured", &b}}, trace);
+  const auto j = nlohmann::json::parse(trace.str());
+  int first = 0, second = 0;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "X") (e["pid"].get<int>() >= 1000 ? second : first)++;
+  EXPECT_GT(first, 0);
+  EXPECT_EQ(first, second);
+  std::ostringstream s1, s2, both;
+  write_timeline_svg(plan, a.timeline, a.result, s1);
+  write_timeline_svg(plan, b, a.result, s2);
+  stack_svgs({s1.str(), s2.str()}, both);
+  const std::string svg = both.str();
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  std::size_t nested = 0;
+  for (std::size_t at = svg.find("<svg x=\"0\" y="); at != std::string::npos; at = svg.find("<svg x=\"0\" y=", at + 1))
+    ++nested;
+  EXPECT_EQ(nested, 2u);
+}
+
+}  // namespace
+}  // namespace trainsim

@@ -1,0 +1,51 @@
+// The regression check over validation/baselines/: small plans that run in seconds on the CPU
+// backend, each with its accepted prediction errors and tolerances (accepted.yaml). Each is
+// validated again (calibrate, predict, run); a plan fails when an error moved further from its
+// accepted value than its tolerance in `attempts` validations in a row (one slow stretch of a
+// shared machine is not a drift of the model; a drift misses every time), and the set fails
+// when it drifts from the targets:
+//   step time   median |error| over the set: target targets.step_time_median (5%)
+//   bubble      median and largest |error|: target targets.bubble_abs (0.03)
+//   peak memory every rank's |error| <= targets.peak_memory (5%)
+// Memory is deterministic and gated at its target; step time and bubble are reported against
+// their targets and gated at twice them (a shared machine scatters a set's medians around the
+// targets; a drift of the model goes beyond).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace trainsim::validation {
+
+struct BaselineOptions {
+  bool update = false;          // accept the median errors of `attempts` validations of each plan
+  int attempts = 3;
+  std::function<void(const std::string&)> progress;
+};
+
+struct BaselineOutcome {
+  std::string file;
+  double step_time_error = 0, bubble_error = 0, memory_error = 0, allreduce_error = 0;
+  double accepted_step = 0, accepted_bubble = 0, accepted_memory = 0;
+  double tolerance_step = 0, tolerance_bubble = 0, tolerance_memory = 0;
+  double machine_drift = 0;
+  int attempts = 1;
+  bool stable = true;
+  std::vector<std::string> failures;
+};
+
+struct BaselineReport {
+  std::vector<BaselineOutcome> plans;
+  double median_step_error = 0, median_bubble_error = 0, max_bubble_error = 0, max_memory_error = 0;
+  double target_step = 0.05, target_bubble = 0.03, target_memory = 0.05;
+  std::vector<std::string> failures;  // set-level
+  bool passed = true;
+  bool updated = false;  // --update: accepted.yaml now holds these errors
+  double seconds = 0;
+};
+
+BaselineReport check_baselines(const std::string& folder, const BaselineOptions& options);
+std::string format_baseline_report(const BaselineReport& r);
+
+}  // namespace trainsim::validation

@@ -1,0 +1,238 @@
+#include "validation/validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+#include <regex>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/report/format.h"
+#include "core/report/report.h"
+#include "runtime/exec/run_report.h"
+
+namespace trainsim::validation {
+
+namespace {
+
+double relative(double predicted, double measured) {
+  return measured != 0 ? (predicted - measured) / measured : (predicted == 0 ? 0.0 : INFINITY);
+}
+
+// The plan the simulator predicts: the executed plan with the profile applied like a preset.
+Plan calibrated_plan(const runtime::RuntimePlan& rp, const HardwareProfile& profile) {
+  ScenarioConfig c = rp.plan.config;
+  apply_profile(profile, c.cluster);
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(profile);
+  c.cluster.profile = profile.name;
+  Plan plan = Plan::from_config(c);
+  plan.source = rp.plan.source;
+  return plan;
+}
+
+// Group sizes the plan's collectives use: the data-parallel groups and every rank (the
+// global overflow check and gradient norm).
+std::vector<int> collective_group_sizes(const Plan& plan) {
+  std::vector<int> g;
+  for (int n : {plan.dp, plan.num_ranks(), plan.pp > 1 ? 2 : 1})
+    if (n >= 2 && std::find(g.begin(), g.end(), n) == g.end()) g.push_back(n);
+  std::sort(g.begin(), g.end());
+  return g;
+}
+
+}  // namespace
+
+NumericsSummary summarize_numerics(const runtime::RunReport& r) {
+  NumericsSummary s;
+  s.steps = static_cast<int>(r.steps.size());
+  for (const auto& st : r.steps) {
+    s.skipped_steps += st.skipped ? 1 : 0;
+    s.max_replica_drift = std::max(s.max_replica_drift, st.replica_drift);
+    if (!s.first_nan_step && (!std::isfinite(st.loss) || st.nonfinite_count > 0)) {
+      s.first_nan_step = st.step;
+      for (const auto& rk : st.ranks)
+        if (!rk.first_nonfinite.empty()) {
+          s.first_nan_where = fmt::format("stage {} replica {}: {}", rk.stage, rk.replica, rk.first_nonfinite);
+          break;
+        }
+    }
+  }
+  if (!r.steps.empty()) {
+    s.final_loss_scale = r.steps.back().loss_scale;
+    s.first_loss = r.steps.front().loss;
+    s.last_loss = r.steps.back().loss;
+  }
+  if (r.failure) s.failure = r.failure->message;
+  s.stable = !r.failure && s.skipped_steps == 0 && s.first_nan_step == 0 && s.max_replica_drift == 0;
+  return s;
+}
+
+Validation validate(const Scenario& scenario, const ValidateOptions& o) {
+  Validation v;
+  v.plan = runtime::make_runtime_plan(scenario);
+  auto say = [&](const std::string& s) {
+    if (o.progress) o.progress(s);
+  };
+
+  runtime::CalibrateOptions co = o.calibrate;
+  if (co.comm.group_sizes.empty()) co.comm.group_sizes = collective_group_sizes(v.plan.plan);
+  co.communication = co.communication && !co.comm.group_sizes.empty();
+  // The runtime model's gradient buffers are a few MiB: larger collectives only cost time.
+  co.comm.max_bytes = std::min<std::size_t>(co.comm.max_bytes, 8u << 20);
+  runtime::RunOptions ro;
+  ro.steps = o.steps;
+  ro.synthetic_data = o.synthetic_data || scenario.config.runtime.data_synthetic;
+  ro.data_path = o.data_path;
+
+  if (!o.profile_path.empty()) {
+    say("loading the hardware profile " + o.profile_path);
+    v.profile = load_profile(o.profile_path);
+    say("running");
+    v.measured = runtime::run_cpu(v.plan, ro);
+  } else {
+    // Calibrate before the run and between its steps, so that the kernels' rates and the
+    // run come from the same stretch of a machine whose speed may wander.
+    say("calibrating the CPU backend at the plan's shapes");
+    co.progress = o.progress;
+    v.profile = runtime::describe_cpu_profile(v.plan, "cpu-" + scenario.config.name);
+    runtime::calibrate_communication(v.profile, co);
+    runtime::KernelCalibrator kernels(v.plan, co);
+    kernels.run_until_settled();
+    const int before = kernels.passes_done();
+    ro.on_step = [&](const runtime::StepRecord&) { kernels.run_passes(o.passes_between_steps); };
+    say("running, with calibration passes between steps");
+    v.measured = runtime::run_cpu(v.plan, ro);
+    v.profile.kernels = kernels.rates();
+    v.profile.composition = kernels.composition();
+    v.profile.core_factors = kernels.core_factors();
+    v.machine_drift = kernels.speed_change(before);
+  }
+  v.numerics = summarize_numerics(v.measured);
+
+  say("predicting");
+  const Plan plan = calibrated_plan(v.plan, v.profile);
+  v.predicted = predict(plan);
+  return v;
+}
+
+std::vector<MetricError> errors_of(const Validation& v) {
+  const Result& p = v.predicted.result;
+  const Result& m = v.measured.result;
+  std::vector<MetricError> e;
+  e.push_back({"step_time_s", p.step_time_s, m.step_time_s, relative(p.step_time_s, m.step_time_s), true});
+  e.push_back({"bubble_fraction", p.bubble_fraction, m.bubble_fraction, p.bubble_fraction - m.bubble_fraction, false});
+  e.push_back({"allreduce_time_s", p.allreduce_time_s, m.allreduce_time_s,
+               relative(p.allreduce_time_s, m.allreduce_time_s), true});
+  for (std::size_t r = 0; r < std::min(p.ranks.size(), m.ranks.size()); ++r) {
+    const RankResult &a = p.ranks[r], &b = m.ranks[r];
+    e.push_back({fmt::format("rank {} utilization", r), a.utilization, b.utilization, a.utilization - b.utilization,
+                 false});
+    e.push_back({fmt::format("rank {} peak_memory", r), a.peak_memory_bytes, b.peak_memory_bytes,
+                 relative(a.peak_memory_bytes, b.peak_memory_bytes), true});
+  }
+  return e;
+}
+
+double peak_memory_error(const Validation& v) {
+  double worst = 0;
+  for (const MetricError& e : errors_of(v))
+    if (e.metric.find("peak_memory") != std::string::npos && std::abs(e.error) > std::abs(worst)) worst = e.error;
+  return worst;
+}
+
+std::string format_validation(const Validation& v) {
+  const Plan& plan = v.plan.plan;
+  std::ostringstream out;
+  out << fmt::format("{} — predicted with the calibrated profile vs measured on the CPU backend\n",
+                     plan.config.name);
+  out << fmt::format("  profile  {} ({}, measured {}): {} kernels, in-layer composition x{:.2f} forward, x{:.2f} "
+                     "backward{}\n",
+                     v.profile.name, v.profile.device, v.profile.measured, v.profile.kernels.size(),
+                     v.profile.composition.forward, v.profile.composition.backward,
+                     v.profile.core_factors.empty()
+                         ? std::string()
+                         : fmt::format(", cores x{:.2f}", fmt::join(v.profile.core_factors, "/x")));
+  out << fmt::format("  plan     data {} x pipeline {}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
+                     plan.pp, schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
+                     plan.micro_batch_size, dtype_name(plan.config.precision.compute));
+  out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n\n",
+                     100 * v.machine_drift);
+  out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", "", "predicted", "measured", "error");
+  auto seconds = [](double s) { return format_seconds(s); };
+  for (const MetricError& e : errors_of(v)) {
+    const bool memory = e.metric.find("memory") != std::string::npos;
+    const bool time = e.metric.find("_s") != std::string::npos;
+    std::string a, b;
+    if (memory)
+      a = fmt::format("{:.2f} MiB", e.predicted / (1 << 20)), b = fmt::format("{:.2f} MiB", e.measured / (1 << 20));
+    else if (time)
+      a = seconds(e.predicted), b = seconds(e.measured);
+    else
+      a = fmt::format("{:.1f}%", 100 * e.predicted), b = fmt::format("{:.1f}%", 100 * e.measured);
+    const std::string err = e.relative ? (std::isfinite(e.error) ? fmt::format("{:+.1f}%", 100 * e.error) : "n/a")
+                                       : fmt::format("{:+.3f}", e.error);
+    out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", e.metric, a, b, err);
+  }
+  const NumericsSummary& n = v.numerics;
+  out << fmt::format("\n  numerics {} over {} steps: loss {:.3f} -> {:.3f}, {} skipped, final loss scale {:g}, "
+                     "max replica drift {:.3g}\n",
+                     n.stable ? "stable" : "UNSTABLE", n.steps, n.first_loss, n.last_loss, n.skipped_steps,
+                     n.final_loss_scale, n.max_replica_drift);
+  if (n.first_nan_step)
+    out << fmt::format("           first inf/NaN at step {}, {}\n", n.first_nan_step, n.first_nan_where);
+  if (!n.failure.empty()) out << "           " << n.failure << "\n";
+  for (const auto& note : v.plan.notes) out << "  note     runtime: " << note << "\n";
+  return out.str();
+}
+
+nlohmann::ordered_json validation_to_json(const Validation& v) {
+  nlohmann::ordered_json j;
+  j["scenario"] = v.plan.plan.config.name;
+  j["profile"] = v.profile.name;
+  j["predicted"] = result_to_json(v.predicted.result);
+  j["measured"] = runtime::run_to_json(v.measured);
+  nlohmann::ordered_json err;
+  for (const MetricError& e : errors_of(v)) {
+    if (e.metric.rfind("rank ", 0) == 0) continue;
+    err[e.metric] = std::isfinite(e.error) ? nlohmann::ordered_json(round6(e.error)) : nlohmann::ordered_json(nullptr);
+  }
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  const auto all = errors_of(v);
+  for (std::size_t r = 0; r < v.predicted.result.ranks.size(); ++r) {
+    nlohmann::ordered_json x;
+    x["rank"] = r;
+    for (const MetricError& e : all)
+      if (e.metric.rfind(fmt::format("rank {} ", r), 0) == 0)
+        x[e.metric.substr(e.metric.find(' ', 5) + 1)] = round6(e.error);
+    ranks.push_back(x);
+  }
+  err["ranks"] = ranks;
+  j["error"] = err;
+  const NumericsSummary& n = v.numerics;
+  j["numerics"] = {{"stable", n.stable},
+                   {"steps", n.steps},
+                   {"skipped_steps", n.skipped_steps},
+                   {"first_nan_step", n.first_nan_step ? nlohmann::ordered_json(n.first_nan_step) : nullptr},
+                   {"first_nan_where", n.first_nan_where},
+                   {"final_loss_scale", n.final_loss_scale},
+                   {"max_replica_drift", n.max_replica_drift}};
+  j["machine_drift"] = round6(v.machine_drift);
+  return j;
+}
+
+void write_validation_trace(const Validation& v, std::ostream& out) {
+  write_chrome_traces(v.plan.plan, {{"predicted", &v.predicted.timeline}, {"measured", &v.measured.timeline}}, out);
+}
+
+void write_validation_svg(const Validation& v, std::ostream& out) {
+  const Tick span = std::max(v.predicted.timeline.end() - v.predicted.timeline.begin(),
+                             v.measured.timeline.end() - v.measured.timeline.begin());
+  std::ostringstream a, b;
+  write_timeline_svg(v.plan.plan, v.predicted.timeline, v.predicted.result, a, span);
+  write_timeline_svg(v.plan.plan, v.measured.timeline, v.measured.result, b, span);
+  stack_svgs({a.str(), b.str()}, out);
+}
+
+}  // namespace trainsim::validation

@@ -1,0 +1,86 @@
+// `trainsim validate`: predict a scenario's runtime plan with a calibrated hardware profile,
+// run the same plan on the backend, and put the two side by side (DESIGN.md "Validation").
+//
+// The prediction sees only the profile and the schedule, never the run's measurements. Without
+// a profile given, the kernels are calibrated in round-robin passes before the run and
+// between its steps (outside the measured steps), so that rates and run come from the same
+// stretch of time on a machine whose speed wanders (shared hosts do, by tens of percent over
+// seconds); `machine_drift`, the change of the passes' time during the run against before
+// it, says how much the machine moved.
+//
+// Errors: relative ((predicted - measured) / measured) for times and memory, absolute
+// (predicted - measured) for fractions (bubble, utilization).
+#pragma once
+
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/hardware_profile.h"
+#include "core/scenario.h"
+#include "runtime/calibrate/calibrate.h"
+#include "runtime/exec/executor.h"
+#include "sim/simulator.h"
+
+namespace trainsim::validation {
+
+struct ValidateOptions {
+  std::string profile_path;  // empty: calibrate now, at the plan's shapes
+  int steps = 0;             // 0: the scenario's runtime.steps
+  bool synthetic_data = false;
+  std::string data_path;     // resolved by the caller; empty: the bundled corpus
+  runtime::CalibrateOptions calibrate;
+  int passes_between_steps = 2;  // kernel calibration passes run between the run's steps
+  std::function<void(const std::string&)> progress;
+};
+
+// What the run's numerics came to (DESIGN.md's `steps`, summarised).
+struct NumericsSummary {
+  bool stable = true;         // every step finite, none skipped, loss not diverged
+  int steps = 0;
+  int skipped_steps = 0;      // steps rank 0 skipped
+  int first_nan_step = 0;     // 0: none
+  std::string first_nan_where;  // "stage 3 replica 0: block 7 mlp.fc output (forward, micro-batch 2)"
+  double final_loss_scale = 1;
+  double max_replica_drift = 0;
+  double first_loss = 0, last_loss = 0;
+  std::string failure;        // the run's failure message, if it ended early
+};
+
+struct Validation {
+  runtime::RuntimePlan plan;  // the executed plan, with the profile applied for prediction
+  HardwareProfile profile;
+  Prediction predicted;
+  runtime::RunReport measured;
+  NumericsSummary numerics;
+  double machine_drift = 0;   // calibration passes during the run against before it, - 1 (0 with a given profile)
+};
+
+// Calibrates (or loads the profile), predicts, runs, compares. Throws ScenarioError for a
+// scenario the runtime cannot execute.
+Validation validate(const Scenario& scenario, const ValidateOptions& options);
+
+// The errors, as DESIGN.md names the fields: step_time_s, bubble_fraction, allreduce_time_s
+// (relative or absolute as above), and per rank utilization and peak_memory.
+struct MetricError {
+  std::string metric;  // "step_time_s", "bubble_fraction", "rank 1 utilization", ...
+  double predicted = 0, measured = 0, error = 0;
+  bool relative = true;
+};
+std::vector<MetricError> errors_of(const Validation& v);
+double peak_memory_error(const Validation& v);  // largest relative error of any rank's peak
+
+std::string format_validation(const Validation& v);
+// {"predicted": <result>, "measured": <result + steps>, "error": {...}, "numerics": {...}, ...}
+nlohmann::ordered_json validation_to_json(const Validation& v);
+// Both timelines in one Perfetto trace: predicted ranks first, then measured ones.
+void write_validation_trace(const Validation& v, std::ostream& out);
+// The predicted timeline above the measured one, on one time axis.
+void write_validation_svg(const Validation& v, std::ostream& out);
+
+NumericsSummary summarize_numerics(const runtime::RunReport& r);
+
+}  // namespace trainsim::validation
