@@ -29,6 +29,7 @@ Command add_plan_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_calibrate_command(CLI::App& app);
 Command add_validate_command(CLI::App& app);
+Command add_prove_command(CLI::App& app);
 
 // Writes through a temporary file and renames, so a failed write never leaves half a file.
 void write_file(const std::string& path, const std::function<void(std::ostream&)>& body);

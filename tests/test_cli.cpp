@@ -3,50 +3,17 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include <cstdio>
+#include "tests/command_helpers.h"
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <sys/wait.h>
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct CommandResult {
-  int status = -1;
-  std::string out, err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-fs::path temp_dir() {
-  const fs::path d = fs::temp_directory_path() /
-                     ("trainsim_cli_" + std::to_string(::getpid()) + "_" +
-                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  fs::create_directories(d);
-  return d;
-}
-
-CommandResult run(const std::string& args) {
-  const fs::path err = temp_dir() / "stderr.txt";
-  const std::string cmd = std::string(TRAINSIM_EXE) + " " + args + " 2>" + err.string();
-  CommandResult r;
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
-  const int st = ::pclose(pipe);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  r.err = slurp(err);
-  return r;
-}
+using namespace trainsim::testing;
 
 const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
 
@@ -198,4 +165,96 @@ TEST(Cli, RunResumesFromItsCheckpointWithIdenticalLosses) {
   ASSERT_EQ(b.size(), 2u);
   EXPECT_EQ(b[0]["loss"], a[2]["loss"]);
   EXPECT_EQ(b[1]["loss"], a[3]["loss"]);
+}
+
+namespace {
+
+// A two-stage plan of a tiny model: validated in about a second. `cluster` replaces the
+// cluster line (to name a profile).
+fs::path tiny_scenario(const fs::path& dir, const std::string& cluster = "cluster: {num_gpus: 2, gpus_per_node: 2}") {
+  const fs::path f = dir / "tiny.yaml";
+  std::ofstream(f) << "name: tiny\n" << cluster << "\n"
+                   << "parallelism: {pipeline_parallel_size: 2, schedule: 1f1b}\n"
+                      "training: {micro_batch_size: 2, global_batch_size: 8}\n"
+                      "precision: {compute: fp32, grad_accumulation: fp32, allreduce: fp32, loss_scaling: {mode: none}}\n"
+                      "runtime:\n  steps: 3\n"
+                      "  model: {num_layers: 2, hidden_size: 64, num_attention_heads: 2, seq_length: 32, vocab_size: 256}\n"
+                      "  data: {synthetic: true}\n";
+  return f;
+}
+
+}  // namespace
+
+TEST(Cli, ValidatePrintsPredictedMeasuredAndTheirErrors) {
+  const fs::path dir = temp_dir();
+  const fs::path f = tiny_scenario(dir);
+  const CommandResult r = run("validate " + f.string() + " --json --trace " + (dir / "t.json").string() + " --svg " +
+                              (dir / "t.svg").string());
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* k : {"predicted", "measured", "error", "numerics", "machine_drift"}) EXPECT_TRUE(j.contains(k)) << k;
+  for (const char* k : {"step_time_s", "bubble_fraction", "allreduce_time_s", "ranks"})
+    EXPECT_TRUE(j["error"].contains(k)) << k;
+  ASSERT_EQ(j["predicted"]["ranks"].size(), 2u);
+  ASSERT_EQ(j["measured"]["ranks"].size(), 2u);
+  // The error is what the two sides say it is.
+  const double p = j["predicted"]["step_time_s"], m = j["measured"]["step_time_s"];
+  EXPECT_NEAR(j["error"]["step_time_s"].get<double>(), (p - m) / m, 1e-4);
+  EXPECT_TRUE(j["numerics"]["stable"].get<bool>());
+  EXPECT_EQ(j["measured"]["steps"].size(), 3u);
+  // One trace with both timelines (measured ranks from process 1000), one SVG with both pictures.
+  const auto trace = nlohmann::json::parse(slurp(dir / "t.json"));
+  int predicted = 0, measured = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") (e["pid"].get<int>() >= 1000 ? measured : predicted)++;
+  EXPECT_GT(predicted, 0);
+  EXPECT_GT(measured, 0);
+  const std::string svg = slurp(dir / "t.svg");
+  EXPECT_NE(svg.find("predicted |"), std::string::npos);
+  EXPECT_NE(svg.find("measured |"), std::string::npos);
+}
+
+TEST(Cli, CalibrateWritesAProfileThatAScenarioNamesLikeAPreset) {
+  const fs::path dir = temp_dir();
+  const fs::path f = tiny_scenario(dir);
+  const CommandResult c = run("calibrate " + f.string() + " --max-mib 1 -o " + (dir / "cpu.yaml").string());
+  ASSERT_EQ(c.status, 0) << c.err;
+  // The communication table as nccl-tests prints it, with its data check; then the kernels.
+  for (const char* s : {"#wrong", "busbw", "all_reduce", "sendrecv", "Out of bounds values : 0 OK", "linear.forward"})
+    EXPECT_NE(c.out.find(s), std::string::npos) << s;
+  // A scenario beside the profile names it by a relative path, like a GPU preset.
+  fs::create_directories(dir / "named");
+  fs::copy_file(dir / "cpu.yaml", dir / "named" / "cpu.yaml");
+  const fs::path named = tiny_scenario(dir / "named", "cluster: {profile: cpu.yaml, num_gpus: 2}");
+  const CommandResult s = run("simulate " + named.string() + " --json");
+  ASSERT_EQ(s.status, 0) << s.err;
+  EXPECT_GT(nlohmann::json::parse(s.out)["step_time_s"].get<double>(), 0);
+  const CommandResult v = run("validate " + f.string() + " --profile " + (dir / "cpu.yaml").string() + " --json");
+  ASSERT_EQ(v.status, 0) << v.err;
+  EXPECT_EQ(nlohmann::json::parse(v.out)["profile"], "cpu-tiny");
+  // A profile that is not there is a located scenario error, not a crash.
+  const fs::path missing = tiny_scenario(dir / "named", "cluster: {profile: nowhere.yaml, num_gpus: 2}");
+  const CommandResult e = run("simulate " + missing.string());
+  EXPECT_EQ(e.status, 2);
+  EXPECT_NE(e.err.find("cluster.profile"), std::string::npos) << e.err;
+}
+
+TEST(Cli, ProveTellsTheIncidentAndWritesItsReport) {
+  const fs::path dir = temp_dir() / "report";
+  const CommandResult r = run("prove " + kDefault + " --steps 3 --report " + dir.string());
+  ASSERT_EQ(r.status, 0) << r.err;
+  // The original fails numerically (FP16, static scale, sum before divide); the redesign does not.
+  const std::size_t redesign = r.out.find("\nredesign\n"), changes = r.out.find("\nwhat the plan changed");
+  ASSERT_NE(redesign, std::string::npos);
+  ASSERT_NE(changes, std::string::npos);
+  EXPECT_NE(r.out.substr(0, redesign).find("UNSTABLE"), std::string::npos);
+  EXPECT_EQ(r.out.substr(redesign, changes - redesign).find("UNSTABLE"), std::string::npos);
+  const std::string md = slurp(dir / "report.md");
+  for (const char* s : {"## Verdict", "## The original", "## The redesign", "| step time |", "| bubble |"})
+    EXPECT_NE(md.find(s), std::string::npos) << s;
+  // Every picture the report shows is there.
+  for (std::size_t at = md.find("]("); at != std::string::npos; at = md.find("](", at + 1)) {
+    const std::string name = md.substr(at + 2, md.find(')', at) - at - 2);
+    EXPECT_TRUE(fs::exists(dir / name)) << name;
+  }
 }

@@ -3,6 +3,8 @@
 // every infeasibility reason with its numbers, the Pareto front against a brute-force
 // check, and `trainsim sweep` run as a user runs it.
 #include <gtest/gtest.h>
+
+#include "tests/command_helpers.h"
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -11,7 +13,6 @@
 #include <fstream>
 #include <set>
 #include <sstream>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -30,12 +31,7 @@ namespace fs = std::filesystem;
 
 const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using trainsim::testing::slurp;
 
 // The bundled incident's configuration alone: its own `sweep:` and `constraints:` sections
 // (top-level blocks) are dropped, so tests choose their own.
@@ -556,33 +552,9 @@ TEST(SweepReport, JsonCsvAndSvgHoldEveryConfiguration) {
 
 // ---- the command ------------------------------------------------------------------------------
 
-struct CommandResult {
-  int status = -1;
-  std::string out, err;
-};
-
-fs::path temp_dir() {
-  const fs::path d = fs::temp_directory_path() /
-                     ("trainsim_sweep_" + std::to_string(::getpid()) + "_" +
-                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  fs::create_directories(d);
-  return d;
-}
-
-CommandResult run(const std::string& args) {
-  const fs::path err = temp_dir() / "stderr.txt";
-  const std::string cmd = std::string(TRAINSIM_EXE) + " " + args + " 2>" + err.string();
-  CommandResult r;
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.out.append(buf, n);
-  const int st = ::pclose(pipe);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  r.err = slurp(err);
-  return r;
-}
+using trainsim::testing::CommandResult;
+using trainsim::testing::run;
+using trainsim::testing::temp_dir;
 
 fs::path write_sweep_file() {
   const fs::path f = temp_dir() / "sweep.yaml";

@@ -49,6 +49,7 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   s.steps = static_cast<int>(r.steps.size());
   for (const auto& st : r.steps) {
     s.skipped_steps += st.skipped ? 1 : 0;
+    s.split_skips += st.skipped_ranks > 0 && st.skipped_ranks < static_cast<int>(st.ranks.size()) ? 1 : 0;
     s.max_replica_drift = std::max(s.max_replica_drift, st.replica_drift);
     if (!s.first_nan_step && (!std::isfinite(st.loss) || st.nonfinite_count > 0)) {
       s.first_nan_step = st.step;
@@ -65,7 +66,7 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
     s.last_loss = r.steps.back().loss;
   }
   if (r.failure) s.failure = r.failure->message;
-  s.stable = !r.failure && s.skipped_steps == 0 && s.first_nan_step == 0 && s.max_replica_drift == 0;
+  s.stable = !r.failure && s.skipped_steps == 0 && s.split_skips == 0 && s.first_nan_step == 0 && s.max_replica_drift == 0;
   return s;
 }
 
@@ -112,8 +113,21 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   v.numerics = summarize_numerics(v.measured);
 
   say("predicting");
-  const Plan plan = calibrated_plan(v.plan, v.profile);
-  v.predicted = predict(plan);
+  v.predicted = predict(calibrated_plan(v.plan, v.profile));
+  // More ranks than cores: ranks share the cores, and a compute op stretches by how many ranks
+  // are busy per core. Processor sharing, averaged over the step: every rank's compute scales by
+  // (ranks x mean utilization) / cores, the utilization taken from the prediction itself until
+  // it settles (a few rounds).
+  const int cores = std::max(1, v.profile.ranks_per_node);
+  const int ranks = v.plan.plan.num_ranks();
+  if (ranks > cores && v.profile.core_factors.empty()) {
+    for (int round = 0; round < 4; ++round) {
+      const double busy = ranks * (1.0 - v.predicted.result.bubble_fraction) / cores;
+      v.profile.core_factors.assign(ranks, std::max(1.0, busy));
+      v.predicted = predict(calibrated_plan(v.plan, v.profile));
+    }
+    v.oversubscribed = true;
+  }
   return v;
 }
 
@@ -157,6 +171,10 @@ std::string format_validation(const Validation& v) {
   out << fmt::format("  plan     data {} x pipeline {}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
                      plan.pp, schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
                      plan.micro_batch_size, dtype_name(plan.config.precision.compute));
+  if (v.oversubscribed)
+    out << fmt::format("  cores    {} ranks share {} cores: compute scaled x{:.2f} (busy ranks per core, from the "
+                       "prediction)\n",
+                       v.plan.plan.num_ranks(), v.profile.ranks_per_node, v.profile.core_factor(0));
   out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n\n",
                      100 * v.machine_drift);
   out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", "", "predicted", "measured", "error");

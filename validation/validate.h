@@ -42,6 +42,7 @@ struct NumericsSummary {
   bool stable = true;         // every step finite, none skipped, loss not diverged
   int steps = 0;
   int skipped_steps = 0;      // steps rank 0 skipped
+  int split_skips = 0;        // steps some ranks skipped and others applied (a local overflow check)
   int first_nan_step = 0;     // 0: none
   std::string first_nan_where;  // "stage 3 replica 0: block 7 mlp.fc output (forward, micro-batch 2)"
   double final_loss_scale = 1;
@@ -56,6 +57,7 @@ struct Validation {
   Prediction predicted;
   runtime::RunReport measured;
   NumericsSummary numerics;
+  bool oversubscribed = false;  // more ranks than cores: compute priced with processor sharing
   double machine_drift = 0;   // calibration passes during the run against before it, - 1 (0 with a given profile)
 };
 

@@ -1,0 +1,44 @@
+// trainsim prove FILE: plan the scenario, then validate the original and the redesign on the
+// CPU backend, and tell what was predicted and what was measured (validation/incident.h).
+#include <unistd.h>
+
+#include <iostream>
+#include <memory>
+
+#include "cli/commands.h"
+#include "core/scenario.h"
+#include "validation/incident.h"
+
+namespace trainsim::cli {
+
+Command add_prove_command(CLI::App& app) {
+  struct Options {
+    std::string file, report, backend = "cpu";
+    int steps = 0;
+  };
+  auto o = std::make_shared<Options>();
+  auto* sub = app.add_subcommand(
+      "prove", "Plan the scenario, run the original and the redesign at the runtime's scaled size, and compare "
+               "prediction with measurement (utilization, bubble, numerics)");
+  sub->add_option("FILE", o->file, "Scenario YAML (the bundled incident: scenarios/postmortem-8x40gb.yaml)")->required();
+  sub->add_option("--report", o->report, "Write DIR/report.md with its tables and pictures");
+  sub->add_option("--steps", o->steps, "Optimizer steps per run (default: runtime.steps)")->check(CLI::PositiveNumber);
+  sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  return {sub, [o] {
+            if (o->backend == "cuda")
+              throw std::runtime_error("the CUDA backend is not built yet; prove with --backend cpu");
+            const Scenario scenario = load_scenario_file(o->file);
+            validation::ProveOptions po;
+            po.steps = o->steps;
+            po.progress = [](const std::string& s) { std::cerr << "prove: " << s << "\n"; };
+            const validation::IncidentReport r = validation::prove(scenario, po);
+            std::cout << validation::format_incident(r) << std::flush;
+            if (!o->report.empty()) {
+              const auto files = validation::write_incident_report(r, o->report);
+              std::cerr << "wrote " << o->report << "/report.md and " << files.size() - 1 << " pictures\n";
+            }
+            return 0;
+          }};
+}
+
+}  // namespace trainsim::cli
