@@ -31,16 +31,7 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-inline const char* dtype_label(DType d) {
-  switch (d) {
-    case DType::fp32: return "fp32";
-    case DType::tf32: return "tf32";
-    case DType::fp16: return "fp16";
-    case DType::bf16: return "bf16";
-    case DType::fp8: return "fp8";
-  }
-  return "?";
-}
+inline std::string dtype_label(DType d) { return std::string(dtype_name(d)); }
 
 inline void require(bool ok, const char* kernel, const std::string& what) {
   if (!ok) throw std::invalid_argument(std::string(kernel) + ": " + what);

@@ -45,17 +45,8 @@ const Shape kShapes[] = {
 const DType kStorage[] = {DType::fp32, DType::bf16};
 const DType kGemmTypes[] = {DType::fp32, DType::tf32, DType::fp16, DType::bf16};
 
-const char* label(DType d) {
-  switch (d) {
-    case DType::fp32: return "fp32";
-    case DType::tf32: return "tf32";
-    case DType::fp16: return "fp16";
-    case DType::bf16: return "bf16";
-    case DType::fp8: return "fp8";
-  }
-  return "?";
-}
-double bytes_of(DType d) { return d == DType::fp16 || d == DType::bf16 ? 2.0 : 4.0; }
+std::string label(DType d) { return std::string(dtype_name(d)); }
+double bytes_of(DType d) { return dtype_bytes(d); }  // tf32 is stored as fp32
 
 struct DeviceState {
   bool ok = false;
