@@ -114,7 +114,7 @@ struct Rank {
   std::vector<std::vector<float>> act_in, act_out, grad_out, grad_in;  // [chunk * m + mb]
   std::vector<int> units_done;                                         // [chunk * m + mb]
   std::vector<OpTiming> timing;
-  std::vector<Tick> arrival;          // collectives: when this rank reached them
+  std::vector<Tick> arrival;          // collectives: when this rank's communication thread started them
   Completion completion;
   std::int64_t local_nonfinite = 0;   // in its own gradients, before any reduction
   bool found_nonfinite = false;
@@ -356,7 +356,6 @@ class Engine {
       for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
         const Op& op = ops[i];
         if (is_collective(op.kind)) {
-          rk.arrival[i] = now();
           enqueue(rk, i);
           continue;
         }
@@ -414,7 +413,12 @@ class Engine {
         // Collective ops wait for their producing compute op (deps point backwards, and the
         // compute thread queued this op only after reaching it in program order).
         if (op.dep >= 0) rk.completion.wait(op.dep);
+        // This rank reaches the collective when its communication thread can start it: its
+        // producer done and the collectives queued before it finished, as the simulator's
+        // communication stream does. (When the compute thread passed it in program order is
+        // earlier, and would charge the wait for this rank's own stream to the others.)
         const Tick start = now();
+        rk.arrival[i] = start;
         run_collective(rk, op);
         rk.timing[i] = {start, now()};
         rk.completion.mark(i);
