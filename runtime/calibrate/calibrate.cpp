@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "runtime/calibrate/cache.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
 #include "runtime/numerics/lowp.h"
@@ -39,16 +40,6 @@ std::vector<float> random_floats(std::size_t n, std::mt19937& rng, float scale =
   return v;
 }
 
-// Writes over a buffer twice the size of this core's L2 cache, so that the next launch finds
-// its operands in the shared L3 or memory, as it does inside a training step where the layers
-// before it have just streamed megabytes of their own through the cache.
-void evict_core_cache() {
-  static std::vector<float> junk = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return std::vector<float>(static_cast<std::size_t>(2 * (l2 > 0 ? l2 : 2 << 20) / sizeof(float)), 1.0f);
-  }();
-  for (float& x : junk) x += 1.0f;
-}
 
 // Times one kernel of the inventory with the runtime's implementation of it.
 class KernelTimer {
