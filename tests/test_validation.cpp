@@ -230,3 +230,115 @@ TEST(Reports, TwoTimelinesInOneTraceAndOneSvg) {
 
 }  // namespace
 }  // namespace trainsim
+
+// ---- the baselines' regression check, with validations whose errors the test chooses -------
+
+#include "validation/baselines.h"
+
+namespace trainsim {
+namespace {
+
+// A validation whose step time is off by `step`, bubble by `bubble`, peak memory by `memory`.
+validation::Validation with_errors(double step, double bubble, double memory) {
+  validation::Validation v;
+  Result m;
+  m.step_time_s = 1.0;
+  m.bubble_fraction = 0.2;
+  m.ranks.resize(2);
+  for (auto& r : m.ranks) r.utilization = 0.8, r.peak_memory_bytes = 1 << 20;
+  Result p = m;
+  p.step_time_s = 1.0 + step;
+  p.bubble_fraction = 0.2 + bubble;
+  for (auto& r : p.ranks) r.peak_memory_bytes = (1 << 20) * (1 + memory);
+  v.predicted.result = p;
+  v.measured.result = m;
+  return v;
+}
+
+struct BaselineFolder {
+  fs::path dir = fs::temp_directory_path() / ("trainsim_baselines_" + std::to_string(::getpid()));
+  explicit BaselineFolder(const std::string& accepted) {
+    fs::create_directories(dir);
+    for (const char* f : {"a.yaml", "b.yaml"})
+      std::ofstream(dir / f) << "name: " << f << "\ncluster: {num_gpus: 1}\n";
+    std::ofstream(dir / "accepted.yaml") << accepted;
+  }
+  ~BaselineFolder() { fs::remove_all(dir); }
+};
+
+const char* kAccepted =
+    "targets: {step_time_median: 0.05, bubble_abs: 0.03, peak_memory: 0.05}\n"
+    "baselines:\n"
+    "  - file: a.yaml\n"
+    "    step_time: {accepted: 0, tolerance: 0.15}\n"
+    "    bubble_fraction: {accepted: 0, tolerance: 0.06}\n"
+    "    peak_memory: {accepted: 0.01, tolerance: 0.01}\n"
+    "  - file: b.yaml\n";
+
+TEST(Baselines, WithinToleranceAndTargetsPassesFirstTime) {
+  BaselineFolder f(kAccepted);
+  validation::BaselineOptions o;
+  o.validate_plan = [](const Scenario&) { return with_errors(0.02, 0.01, 0.008); };
+  const auto r = validation::check_baselines(f.dir.string(), o);
+  EXPECT_TRUE(r.passed) << validation::format_baseline_report(r);
+  ASSERT_EQ(r.plans.size(), 2u);
+  EXPECT_EQ(r.plans[0].attempts, 1);
+  EXPECT_NEAR(r.median_step_error, 0.02, 1e-12);
+  EXPECT_NEAR(r.max_memory_error, 0.008, 1e-12);
+}
+
+TEST(Baselines, OneSlowRunIsRetriedADriftFailsEveryAttempt) {
+  BaselineFolder f(kAccepted);
+  validation::BaselineOptions o;
+  int calls = 0;
+  o.validate_plan = [&](const Scenario& s) {
+    ++calls;
+    // a.yaml: off once, then back; b.yaml (default tolerance 0.15): always 30% off.
+    if (s.config.name == "a.yaml") return calls == 1 ? with_errors(0.4, 0, 0.005) : with_errors(0.01, 0, 0.005);
+    return with_errors(0.3, 0, 0.005);
+  };
+  const auto r = validation::check_baselines(f.dir.string(), o);
+  EXPECT_FALSE(r.passed);
+  EXPECT_EQ(r.plans[0].attempts, 2);
+  EXPECT_TRUE(r.plans[0].failures.empty());
+  EXPECT_EQ(r.plans[1].attempts, 3);
+  ASSERT_EQ(r.plans[1].failures.size(), 1u);
+  EXPECT_NE(r.plans[1].failures[0].find("step time"), std::string::npos);
+}
+
+TEST(Baselines, MemoryBeyondItsTargetFailsTheSet) {
+  BaselineFolder f(kAccepted);
+  validation::BaselineOptions o;
+  // Within a.yaml's tolerance of its accepted 1% is not enough when the set's target is 5%:
+  // b.yaml has the default memory tolerance around 0 and misses too.
+  o.validate_plan = [](const Scenario&) { return with_errors(0, 0, 0.06); };
+  const auto r = validation::check_baselines(f.dir.string(), o);
+  EXPECT_FALSE(r.passed);
+  bool target = false;
+  for (const auto& m : r.failures) target |= m.find("peak-memory") != std::string::npos;
+  EXPECT_TRUE(target) << validation::format_baseline_report(r);
+}
+
+TEST(Baselines, UpdateAcceptsTheMedianOfItsAttempts) {
+  BaselineFolder f(kAccepted);
+  validation::BaselineOptions o;
+  o.update = true;
+  int calls = 0;
+  const double steps[] = {0.10, -0.02, 0.03, 0.04, 0.05, 0.06};
+  o.validate_plan = [&](const Scenario&) { return with_errors(steps[calls++], 0.0, 0.0); };
+  const auto r = validation::check_baselines(f.dir.string(), o);
+  EXPECT_TRUE(r.updated);
+  EXPECT_EQ(calls, 6);
+  EXPECT_NEAR(r.plans[0].step_time_error, 0.03, 1e-12);  // median of 0.10, -0.02, 0.03
+  EXPECT_NEAR(r.plans[1].step_time_error, 0.05, 1e-12);
+  // Read back: the accepted values are the medians.
+  o.update = false;
+  o.validate_plan = [](const Scenario&) { return with_errors(0.03, 0.0, 0.0); };
+  const auto again = validation::check_baselines(f.dir.string(), o);
+  ASSERT_EQ(again.plans.size(), 2u);
+  EXPECT_NEAR(again.plans[0].accepted_step, 0.03, 1e-4);
+  EXPECT_NEAR(again.plans[1].accepted_step, 0.05, 1e-4);
+}
+
+}  // namespace
+}  // namespace trainsim

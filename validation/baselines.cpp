@@ -72,9 +72,11 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
     std::vector<double> seen_step, seen_bubble;  // --update accepts the median of `attempts` validations
     for (;; ++out.attempts) {
       if (options.progress) options.progress(fmt::format("validate {} (attempt {})", out.file, out.attempts));
-      ValidateOptions vo;
-      vo.calibrate.comm.max_bytes = 4u << 20;
-      const Validation v = validate(scenario, vo);
+      const Validation v = options.validate_plan ? options.validate_plan(scenario) : [&] {
+        ValidateOptions vo;
+        vo.calibrate.comm.max_bytes = 4u << 20;
+        return validate(scenario, vo);
+      }();
       const auto errors = errors_of(v);
       out.step_time_error = errors[0].error;
       out.bubble_error = errors[1].error;

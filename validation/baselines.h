@@ -16,11 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "validation/validate.h"
+
 namespace trainsim::validation {
 
 struct BaselineOptions {
   bool update = false;          // accept the median errors of `attempts` validations of each plan
   int attempts = 3;
+  // How one plan is validated (tests replace it); empty: validate() with the calibration the
+  // baselines use.
+  std::function<Validation(const Scenario&)> validate_plan;
   std::function<void(const std::string&)> progress;
 };
 
