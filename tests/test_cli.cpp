@@ -222,6 +222,10 @@ TEST(Cli, CalibrateWritesAProfileThatAScenarioNamesLikeAPreset) {
   // The communication table as nccl-tests prints it, with its data check; then the kernels.
   for (const char* s : {"#wrong", "busbw", "all_reduce", "sendrecv", "Out of bounds values : 0 OK", "linear.forward"})
     EXPECT_NE(c.out.find(s), std::string::npos) << s;
+  // Measured in every format the CPU backend runs, whatever the scenario's own.
+  const std::string profile = slurp(dir / "cpu.yaml");
+  for (const char* d : {"dtype: fp32", "dtype: tf32", "dtype: fp16", "dtype: bf16"})
+    EXPECT_NE(profile.find(d), std::string::npos) << d;
   // A scenario beside the profile names it by a relative path, like a GPU preset.
   fs::create_directories(dir / "named");
   fs::copy_file(dir / "cpu.yaml", dir / "named" / "cpu.yaml");

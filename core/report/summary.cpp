@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "core/report/format.h"
+#include "core/hardware_profile.h"
 #include "core/report/report.h"
 
 namespace trainsim {
@@ -65,9 +66,13 @@ std::string format_summary(const Plan& plan, const Result& res) {
                    human_count(m.total_params()), c.model.preset.empty() ? "" : " (" + c.model.preset + ")", m.L, m.h,
                    m.a, m.s, m.V);
   const int nodes = (c.cluster.num_gpus + c.cluster.gpus_per_node - 1) / c.cluster.gpus_per_node;
-  o += fmt::format("  cluster  {} x {} GPUs ({} node{} of {}), {:.1f} GiB each\n", c.cluster.num_gpus,
-                   c.cluster.gpu.empty() ? "custom" : c.cluster.gpu, nodes, nodes > 1 ? "s" : "",
-                   c.cluster.gpus_per_node, c.cluster.memory_gib);
+  if (const auto& p = c.cluster.calibrated)
+    o += fmt::format("  cluster  {} ranks priced by the calibrated profile {} ({}: {}, measured {}), {:.1f} GiB each\n",
+                     c.cluster.num_gpus, p->name, p->backend, p->device, p->measured, c.cluster.memory_gib);
+  else
+    o += fmt::format("  cluster  {} x {} GPUs ({} node{} of {}), {:.1f} GiB each\n", c.cluster.num_gpus,
+                     c.cluster.gpu.empty() ? "custom" : c.cluster.gpu, nodes, nodes > 1 ? "s" : "",
+                     c.cluster.gpus_per_node, c.cluster.memory_gib);
   o += fmt::format(
       "  plan     data {} x pipeline {}{} x tensor {}, {} schedule, {} micro-batches of {} per replica (global batch "
       "{}), ZeRO {}, recompute {}\n",

@@ -484,6 +484,20 @@ HardwareProfile calibrate_cpu(const RuntimePlan& plan, const std::string& name, 
   p.kernels = kernels.rates();
   p.composition = kernels.composition();
   p.core_factors = kernels.core_factors();
+  // The other formats the backend runs, so that a scenario naming this profile may compute
+  // in any of them: the same shapes with the rounding of that format.
+  for (DType d : options.precisions) {
+    if (d == plan.plan.config.precision.compute) continue;
+    RuntimePlan other = plan;
+    ScenarioConfig c = plan.plan.config;
+    c.precision.compute = d;
+    other.plan = Plan::from_config(c);
+    KernelCalibrator k(other, options);
+    if (options.progress)
+      options.progress(fmt::format("timing {} kernels in {}", k.num_kernels(), dtype_name(d)));
+    k.run_until_settled();
+    for (const KernelRate& r : k.rates()) p.kernels.push_back(r);
+  }
   calibrate_communication(p, options, comm_table);
   return p;
 }

@@ -33,6 +33,9 @@ struct CalibrateOptions {
   // check (KernelCalibrator::composition) measures how kernels really compose in a layer.
   bool cold_cache = false;
   bool communication = true;  // also run the point-to-point and all-reduce benchmarks
+  // calibrate_cpu: compute formats measured besides the plan's own (the CPU backend emulates
+  // them all by rounding; fp8 it does not run). validate measures only the plan's.
+  std::vector<DType> precisions = {DType::fp32, DType::tf32, DType::fp16, DType::bf16};
   CommBenchOptions comm;
   std::function<void(const std::string&)> progress;  // a line per kernel group measured
 };
