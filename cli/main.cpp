@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
     std::cerr << fmt::format("{} error{} in the scenario; nothing was done\n", e.diagnostics().size(),
                              e.diagnostics().size() == 1 ? "" : "s");
     return kExitBadInput;
+  } catch (const CLI::Error& e) {  // arguments that only make sense together, checked by a command
+    std::cerr << "error: " << e.what() << "\nRun with --help for more information.\n";
+    return kExitBadInput;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return kExitIoError;

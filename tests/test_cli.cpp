@@ -80,6 +80,13 @@ TEST(Cli, UsageErrorsAreNotSilent) {
   const CommandResult r = run("simulate");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("FILE"), std::string::npos) << r.err;
+  // Arguments a command checks itself are bad input too (exit 2), with nothing on stdout.
+  for (const char* args : {"validate", "validate x.yaml --baselines y"}) {
+    const CommandResult v = run(args);
+    EXPECT_EQ(v.status, 2) << args;
+    EXPECT_EQ(v.out, "") << args;
+    EXPECT_NE(v.err.find("FILE"), std::string::npos) << v.err;
+  }
 }
 
 }  // namespace
