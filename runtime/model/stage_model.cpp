@@ -400,23 +400,30 @@ void StageModel::Impl::refresh_working() {
            false, -1);
 }
 
+void check_forward_arguments(const StageSpec& spec, const char* who, const std::int32_t* tokens,
+                             const std::int32_t* targets, bool has_input) {
+  const std::size_t n = static_cast<std::size_t>(spec.micro_batch_size) * spec.dims.seq_length;
+  const int V = spec.dims.vocab_size;
+  auto check_ids = [&](const std::int32_t* ids, const char* what) {
+    if (!ids) throw std::invalid_argument(std::string(who) + ": this stage needs " + what);
+    for (std::size_t i = 0; i < n; ++i)
+      if (ids[i] < 0 || ids[i] >= V)
+        throw std::out_of_range(std::string(who) + ": " + what + "[" + std::to_string(i) + "] = " +
+                                std::to_string(ids[i]) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+  };
+  if (spec.has_embedding)
+    check_ids(tokens, "tokens");
+  else if (!has_input)
+    throw std::invalid_argument(std::string(who) + ": this stage needs an input activation");
+  if (spec.has_head) check_ids(targets, "targets");
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------
 float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input,
                                 float* output) {
-  auto check_ids = [&](const std::int32_t* ids, const char* what) {
-    if (!ids) throw std::invalid_argument(std::string("StageModel::forward: this stage needs ") + what);
-    for (std::size_t i = 0; i < N; ++i)
-      if (ids[i] < 0 || ids[i] >= V)
-        throw std::out_of_range(std::string("StageModel::forward: ") + what + "[" + std::to_string(i) + "] = " +
-                                std::to_string(ids[i]) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
-  };
-  if (spec.has_embedding)
-    check_ids(tokens, "tokens");
-  else if (!input)
-    throw std::invalid_argument("StageModel::forward: this stage needs an input activation");
-  if (spec.has_head) check_ids(targets, "targets");
+  check_forward_arguments(spec, "StageModel::forward", tokens, targets, input != nullptr);
 
   Slot& sl = slot(mb);
   if (sl.stash)

@@ -59,6 +59,13 @@ struct ParamInfo {
   bool decay = true;  // weight decay applies (not to biases, norms)
 };
 
+// The arguments a stage's forward needs, checked (every backend's stage model calls it):
+// tokens on the first stage, an input activation on the others, targets on the last; token ids
+// inside the vocabulary. `who` names the caller in the exceptions (std::invalid_argument,
+// std::out_of_range).
+void check_forward_arguments(const StageSpec& spec, const char* who, const std::int32_t* tokens,
+                             const std::int32_t* targets, bool has_input);
+
 class StageModel {
  public:
   explicit StageModel(const StageSpec& spec);

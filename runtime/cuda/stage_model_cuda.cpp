@@ -1,0 +1,704 @@
+// The CUDA stage model (stage_model_cuda.h). Host code only: it owns device buffers and calls
+// the launchers of kernels/kernels.h and kernels/gemm.h in the order
+// runtime/model/stage_model.cpp calls layers.h, step by step, so that file is the reference for
+// every line here (the same names: stash, backward, units, commit, wgrad_*).
+//
+// Storage: every tensor the CPU model rounds to the compute format (its finish() calls) is a
+// device buffer in that format, written by the kernel or product that makes it (one rounding of
+// the FP32 result: kernels.h and gemm.h contracts). Attention follows kernels.h's split of the
+// 1/sqrt(hs) scale: alpha of the scores product in the forward (softmax scale 1), and the
+// softmax backward's `scale` in the backward, which is where layers.h applies it.
+#include "runtime/cuda/stage_model_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "kernels/device_buffer.h"
+#include "kernels/gemm.h"
+#include "kernels/kernels.h"
+#include "runtime/cuda/stream_ops.h"
+
+namespace trainsim::runtime::cuda {
+
+namespace k = ::trainsim::cuda;  // the kernels (not this namespace)
+using k::DeviceBuffer;
+
+namespace {
+
+// The StageModel checks, then the formats the kernels store.
+const StageSpec& checked(const StageSpec& s) {
+  for (DType t : {s.compute, s.grad_accumulation})
+    if (!(t == DType::fp32 || t == DType::fp16 || t == DType::bf16))
+      throw std::invalid_argument(std::string("CudaStageModel: compute and grad_accumulation must be fp32, fp16 or "
+                                              "bf16 (the formats the CUDA kernels store), got compute ") +
+                                  std::string(dtype_name(s.compute)) + ", grad_accumulation " +
+                                  std::string(dtype_name(s.grad_accumulation)));
+  return s;
+}
+
+// Element i of a buffer of `bytes`-sized elements.
+void* at(void* base, std::size_t i, std::size_t bytes) { return static_cast<char*>(base) + i * bytes; }
+const void* at(const void* base, std::size_t i, std::size_t bytes) {
+  return static_cast<const char*>(base) + i * bytes;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// State (mirrors StageModel::Impl)
+// ---------------------------------------------------------------------------------------
+struct CudaStageModel::Impl {
+  struct BlockParams {
+    int ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
+  };
+  // What a block's forward keeps for its backward (compute format, except the fp32 statistics).
+  struct BlockStash {
+    DeviceBuffer ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (N,C) (N,3C) (B,H,T,T) (N,C)x3 (N,F)x2
+    DeviceBuffer mean1, rstd1, mean2, rstd2;               // (N) fp32
+  };
+  struct Stash {
+    DeviceBuffer tokens, targets;  // (N) int32
+    std::vector<DeviceBuffer> x;   // residual stream: x[0] stage input, x[l+1] block l's output
+    std::vector<BlockStash> blocks;
+    DeviceBuffer lnf, logits;        // (N,C) (N,V)
+    DeviceBuffer meanf, rstdf, lse;  // (N) fp32
+  };
+  // Gradients a block's weight gradients read: shared scratch (the unsplit backward only).
+  struct BlockGrads {
+    DeviceBuffer dfc, dln2, dx1, dqkv, dln1;  // (N,F) (N,C) (N,C) (N,3C) (N,C)
+  };
+  struct Backward {
+    DeviceBuffer dlogits, dlnf;      // (N,V) (N,C), last stage
+    std::vector<DeviceBuffer> dres;  // residual-stream gradient, positions alternating (pos % size)
+    void* res(int pos) { return dres[static_cast<std::size_t>(pos) % dres.size()].data(); }
+  };
+  struct Slot {
+    std::unique_ptr<Stash> stash;
+    std::unique_ptr<Backward> backward;
+    int units_done = 0;
+    bool complete = false;
+  };
+  enum class UnitKind { head, block, embedding };
+  struct Unit {
+    UnitKind kind;
+    int block = -1;  // local block index
+    std::size_t grads_end = 0;
+  };
+
+  StageSpec spec;
+  DType dt;            // compute (storage) format
+  DType gacc;          // grad_accumulation format
+  std::size_t eb;      // bytes of a compute-format element
+  int B, T, C, H, F, V, L;
+  std::size_t N;
+
+  std::vector<ParamInfo> params;
+  std::vector<BlockParams> blocks;
+  int wte = -1, wpe = -1, lnf_w = -1, lnf_b = -1, head_w = -1;
+  std::vector<Unit> units;
+  std::size_t total = 0, largest = 0;
+  bool fast_grads;
+
+  void* stream;
+  k::GemmContext gemm;
+  DeviceBuffer master, working, grads;
+
+  std::vector<Slot> slots;
+  std::vector<std::unique_ptr<Stash>> free_stashes;
+  std::vector<std::unique_ptr<Backward>> free_backwards;
+
+  // Scratch shared by all micro-batches (a forward or a unit is queued whole before another).
+  BlockGrads shared_grads;
+  DeviceBuffer tmp, dgelu, datt, attn_scratch;  // (N,C) (N,F) (N,C) (B,H,T,T): scores, then d(probs)
+  DeviceBuffer wscratch, bscratch, gscratch;    // fp32 produced gradients; their compute-format copy
+  DeviceBuffer losses, loss_sum, reduce_scratch;
+
+  Impl(const StageSpec& s, void* st);
+
+  // -- parameters --
+  const void* w(int p) const {
+    return at(dt == DType::fp32 ? master.data() : working.data(), params[p].offset, eb);
+  }
+  void* g(int p) { return at(grads.data(), params[p].offset, static_cast<std::size_t>(dtype_bytes(gacc))); }
+  float* g32(int p) { return static_cast<float*>(g(p)); }  // fast_grads only: the buffer is fp32
+
+  DeviceBuffer act(std::size_t elements) const { return DeviceBuffer(elements * eb); }
+  static DeviceBuffer f32(std::size_t elements) { return DeviceBuffer(elements * sizeof(float)); }
+  void* row(const DeviceBuffer& b, std::size_t i) const { return at(b.data(), i, eb); }
+
+  Slot& slot(int mb) {
+    if (mb < 0) throw std::invalid_argument("micro-batch index " + std::to_string(mb) + " is negative");
+    if (static_cast<std::size_t>(mb) >= slots.size()) slots.resize(static_cast<std::size_t>(mb) + 1);
+    return slots[static_cast<std::size_t>(mb)];
+  }
+  std::unique_ptr<Stash> take_stash();
+  std::unique_ptr<Backward> take_backward();
+  void release(Slot& s) {
+    free_stashes.push_back(std::move(s.stash));
+    free_backwards.push_back(std::move(s.backward));
+    s.complete = true;
+  }
+
+  float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
+  void block_forward(int li, Stash& s);
+  void attention_forward(BlockStash& st);
+  void begin(int mb, const void* grad_output, float scale);
+  void unit_input(const Unit& u, Stash& s, Backward& b);
+  void unit_weight(const Unit& u, Stash& s, Backward& b);
+  void block_backward_input(int li, Stash& s, Backward& b);
+  void block_backward_weight(int li, Stash& s, Backward& b);
+  void attention_backward(void* dqkv, const void* dout, const BlockStash& st);
+
+  void commit(int p, const float* produced);
+  void wgrad_linear(int pw, int pb, const void* dy, const void* x, int in, int out);
+  void wgrad_layernorm(int pw, int pb, const void* dy, const void* x, const float* mean, const float* rstd);
+  void wgrad_embedding(const void* dx, const std::int32_t* tokens);
+
+  void refresh_working() {
+    if (dt != DType::fp32) k::cast(working.data(), dt, master.data(), DType::fp32, total, stream);
+  }
+};
+
+CudaStageModel::Impl::Impl(const StageSpec& s, void* st)
+    : spec(checked(s)),
+      dt(s.compute),
+      gacc(s.grad_accumulation),
+      eb(static_cast<std::size_t>(dtype_bytes(s.compute))),
+      // The CPU model validates the spec (before any device call) and is the one source of the
+      // parameter list and layout.
+      params(StageModel(s).params()),
+      stream(st),
+      gemm(st) {
+  const ModelDims& d = s.dims;
+  B = s.micro_batch_size;
+  T = d.seq_length;
+  C = d.hidden_size;
+  H = d.num_heads;
+  F = d.ffn();
+  V = d.vocab_size;
+  L = s.num_layers;
+  N = static_cast<std::size_t>(B) * T;
+
+  auto index = [&](const std::string& name) {
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].name == name) return static_cast<int>(i);
+    throw std::logic_error("CudaStageModel: StageModel has no parameter " + name);
+  };
+  auto end_of = [&](int p) { return params[p].offset + params[p].size; };
+  // Units in StageModel's order: head, blocks from last to first, embedding.
+  if (s.has_head) {
+    head_w = index(d.tied_embeddings ? "wte" : "lm_head.weight");
+    lnf_w = index("lnf.weight");
+    lnf_b = index("lnf.bias");
+    units.push_back({UnitKind::head, -1, end_of(lnf_b)});
+  }
+  blocks.resize(static_cast<std::size_t>(L));
+  for (int li = L - 1; li >= 0; --li) {
+    const std::string pre = "block." + std::to_string(s.first_layer + li) + ".";
+    BlockParams& bp = blocks[static_cast<std::size_t>(li)];
+    bp.mlp_proj_w = index(pre + "mlp.proj.weight");
+    bp.mlp_proj_b = index(pre + "mlp.proj.bias");
+    bp.fc_w = index(pre + "mlp.fc.weight");
+    bp.fc_b = index(pre + "mlp.fc.bias");
+    bp.ln2_w = index(pre + "ln2.weight");
+    bp.ln2_b = index(pre + "ln2.bias");
+    bp.attn_proj_w = index(pre + "attn.proj.weight");
+    bp.attn_proj_b = index(pre + "attn.proj.bias");
+    bp.qkv_w = index(pre + "attn.qkv.weight");
+    bp.qkv_b = index(pre + "attn.qkv.bias");
+    bp.ln1_w = index(pre + "ln1.weight");
+    bp.ln1_b = index(pre + "ln1.bias");
+    units.push_back({UnitKind::block, li, end_of(bp.ln1_b)});
+  }
+  if (s.has_embedding) {
+    wte = index("wte");
+    wpe = index("wpe");
+    units.push_back({UnitKind::embedding, -1, end_of(wpe)});
+  }
+  for (const ParamInfo& p : params) {
+    total = std::max(total, p.offset + p.size);
+    largest = std::max(largest, p.size);
+  }
+
+  master = f32(total);
+  grads = DeviceBuffer(total * static_cast<std::size_t>(dtype_bytes(gacc)));
+  if (dt != DType::fp32) working = act(total);
+  fast_grads = dt == DType::fp32 && gacc == DType::fp32;
+
+  const std::size_t nc = N * C, nf = N * F;
+  tmp = act(nc);
+  dgelu = act(nf);
+  datt = act(nc);
+  attn_scratch = act(static_cast<std::size_t>(B) * H * T * T);
+  if (!fast_grads) {
+    const std::size_t scratch = std::max(largest, static_cast<std::size_t>(T) * C);
+    wscratch = f32(scratch);
+    bscratch = f32(scratch);
+    gscratch = act(scratch);
+  }
+  shared_grads = {act(nf), act(nc), act(nc), act(3 * nc), act(nc)};
+  if (s.has_head) {
+    losses = f32(N);
+    loss_sum = DeviceBuffer(sizeof(double));
+    reduce_scratch = DeviceBuffer(k::kReductionScratchDoubles * sizeof(double));
+  }
+  fill_zero(grads.data(), grads.bytes(), stream);
+}
+
+std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::take_stash() {
+  if (!free_stashes.empty()) {
+    auto s = std::move(free_stashes.back());
+    free_stashes.pop_back();
+    return s;
+  }
+  auto s = std::make_unique<Stash>();
+  const std::size_t nc = N * C, n = N;
+  if (spec.has_embedding) s->tokens = DeviceBuffer(n * sizeof(std::int32_t));
+  if (spec.has_head) {
+    s->targets = DeviceBuffer(n * sizeof(std::int32_t));
+    s->lnf = act(nc);
+    s->logits = act(n * V);
+    s->meanf = f32(n);
+    s->rstdf = f32(n);
+    s->lse = f32(n);
+  }
+  for (int i = 0; i <= L; ++i) s->x.push_back(act(nc));
+  s->blocks.resize(static_cast<std::size_t>(L));
+  for (BlockStash& b : s->blocks) {
+    b.ln1 = act(nc);
+    b.qkv = act(3 * nc);
+    b.probs = act(static_cast<std::size_t>(B) * H * T * T);
+    b.att = act(nc);
+    b.x1 = act(nc);
+    b.ln2 = act(nc);
+    b.fc = act(n * F);
+    b.gelu = act(n * F);
+    b.mean1 = f32(n);
+    b.rstd1 = f32(n);
+    b.mean2 = f32(n);
+    b.rstd2 = f32(n);
+  }
+  return s;
+}
+
+std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::take_backward() {
+  if (!free_backwards.empty()) {
+    auto b = std::move(free_backwards.back());
+    free_backwards.pop_back();
+    return b;
+  }
+  auto b = std::make_unique<Backward>();
+  const std::size_t nc = N * C;
+  if (spec.has_head) {
+    b->dlogits = act(N * V);
+    b->dlnf = act(nc);
+  }
+  for (int i = 0; i < std::min(L + 1, 2); ++i) b->dres.push_back(act(nc));
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------
+float CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
+                                    void* output) {
+  check_forward_arguments(spec, "CudaStageModel::forward", tokens, targets, input != nullptr);
+
+  Slot& sl = slot(mb);
+  if (sl.stash)
+    throw std::logic_error("CudaStageModel::forward: micro-batch " + std::to_string(mb) +
+                           " already has a forward waiting for its backward");
+  sl.stash = take_stash();
+  sl.units_done = 0;
+  sl.complete = false;
+  Stash& s = *sl.stash;
+  const std::size_t nc = N * C;
+
+  void* x0 = s.x[0].data();
+  if (spec.has_embedding) {
+    copy_host_to_device(s.tokens.data(), tokens, N * sizeof(std::int32_t), stream);
+    k::embedding_forward(x0, s.tokens.as<std::int32_t>(), w(wte), w(wpe), B, T, C, V, dt, stream);
+  } else {
+    copy_device_to_device(x0, input, nc * eb, stream);  // already in the compute format
+  }
+  for (int li = 0; li < L; ++li) block_forward(li, s);
+  const void* xl = s.x[static_cast<std::size_t>(L)].data();
+  if (!spec.has_head) {
+    if (output) copy_device_to_device(output, xl, nc * eb, stream);
+    return 0;
+  }
+  copy_host_to_device(s.targets.data(), targets, N * sizeof(std::int32_t), stream);
+  k::layernorm_forward(s.lnf.data(), s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b),
+                       static_cast<int>(N), C, dt, stream);
+  k::linear_forward(gemm, s.logits.data(), s.lnf.data(), w(head_w), nullptr, static_cast<int>(N), C, V, dt);
+  k::cross_entropy_forward(losses.as<float>(), s.lse.as<float>(), s.logits.data(), s.targets.as<std::int32_t>(),
+                           static_cast<int>(N), V, dt, stream);
+  // layers::cross_entropy_forward: the rows' losses summed in double, divided by N, as float.
+  k::sum(loss_sum.as<double>(), losses.as<float>(), N, reduce_scratch.as<double>(), false, stream);
+  double sum = 0;
+  copy_device_to_host(&sum, loss_sum.data(), sizeof(double), stream);
+  synchronize(stream);
+  return static_cast<float>(sum / static_cast<double>(N));
+}
+
+void CudaStageModel::Impl::block_forward(int li, Stash& s) {
+  const BlockParams& p = blocks[static_cast<std::size_t>(li)];
+  BlockStash& b = s.blocks[static_cast<std::size_t>(li)];
+  const int n = static_cast<int>(N);
+  const std::size_t nc = N * C, nf = N * F;
+  const void* x0 = s.x[static_cast<std::size_t>(li)].data();
+  void* x2 = s.x[static_cast<std::size_t>(li) + 1].data();
+
+  k::layernorm_forward(b.ln1.data(), b.mean1.as<float>(), b.rstd1.as<float>(), x0, w(p.ln1_w), w(p.ln1_b), n, C, dt,
+                       stream);
+  k::linear_forward(gemm, b.qkv.data(), b.ln1.data(), w(p.qkv_w), w(p.qkv_b), n, C, 3 * C, dt);
+  attention_forward(b);
+  k::linear_forward(gemm, tmp.data(), b.att.data(), w(p.attn_proj_w), w(p.attn_proj_b), n, C, C, dt);
+  k::residual_add(b.x1.data(), x0, tmp.data(), nc, dt, stream);
+  k::layernorm_forward(b.ln2.data(), b.mean2.as<float>(), b.rstd2.as<float>(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), n,
+                       C, dt, stream);
+  k::linear_forward(gemm, b.fc.data(), b.ln2.data(), w(p.fc_w), w(p.fc_b), n, C, F, dt);
+  k::gelu_forward(b.gelu.data(), b.fc.data(), nf, dt, stream);
+  k::linear_forward(gemm, tmp.data(), b.gelu.data(), w(p.mlp_proj_w), w(p.mlp_proj_b), n, F, C, dt);
+  k::residual_add(x2, b.x1.data(), tmp.data(), nc, dt, stream);
+}
+
+// layers::attention_forward, per (b, h), heads as the batch of one strided product per row b:
+//   scores = (1/sqrt(hs)) q k^T   (alpha; rounded to dt), probs = causal softmax(scores) (scale 1),
+//   att    = probs v              (heads side by side in (T, C)).
+// q, k, v of head h start at qkv + b*T*3C + {0, C, 2C} + h*hs, row stride 3C (gemm.h).
+void CudaStageModel::Impl::attention_forward(BlockStash& st) {
+  const int hs = C / H, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));  // as layers.h: S(1) / sqrt(S(hs))
+  const long long TT = static_cast<long long>(T) * T;
+  for (int b = 0; b < B; ++b) {
+    const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
+    void* s = row(attn_scratch, static_cast<std::size_t>(b) * H * TT);
+    k::gemm_strided_batched(gemm, false, true, T, T, hs, scale, q, C3, hs, at(q, C, eb), C3, hs, 0.0f, s, T, TT, H, dt,
+                            dt);
+  }
+  k::causal_softmax_forward(st.probs.data(), attn_scratch.data(), B * H, T, 1.0f, dt, stream);
+  for (int b = 0; b < B; ++b) {
+    const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
+    const void* p = row(st.probs, static_cast<std::size_t>(b) * H * TT);
+    k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, p, T, TT, at(q, 2 * static_cast<std::size_t>(C), eb),
+                            C3, hs, 0.0f, row(st.att, static_cast<std::size_t>(b) * T * C), C, hs, H, dt, dt);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------------------
+void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale) {
+  Slot& sl = slot(mb);
+  if (!sl.stash)
+    throw std::logic_error("CudaStageModel: backward of micro-batch " + std::to_string(mb) + " without its forward");
+  if (sl.backward)
+    throw std::logic_error("CudaStageModel: backward of micro-batch " + std::to_string(mb) + " has already begun");
+  if (!spec.has_head && !grad_output)
+    throw std::invalid_argument("CudaStageModel: this stage's backward needs grad_output");
+  sl.backward = take_backward();
+  sl.units_done = 0;
+  Stash& s = *sl.stash;
+  Backward& b = *sl.backward;
+  if (spec.has_head)
+    k::cross_entropy_backward(b.dlogits.data(), s.logits.data(), s.lse.as<float>(), s.targets.as<std::int32_t>(),
+                              static_cast<int>(N), V, scale / static_cast<float>(N), dt, stream);
+  else
+    copy_device_to_device(b.res(L), grad_output, N * C * eb, stream);  // already in the compute format
+}
+
+void CudaStageModel::Impl::unit_input(const Unit& u, Stash& s, Backward& b) {
+  switch (u.kind) {
+    case UnitKind::head:
+      k::linear_backward_input(gemm, b.dlnf.data(), b.dlogits.data(), w(head_w), static_cast<int>(N), C, V, dt);
+      k::layernorm_backward_input(b.res(L), b.dlnf.data(), s.x[static_cast<std::size_t>(L)].data(), s.meanf.as<float>(),
+                                  s.rstdf.as<float>(), w(lnf_w), nullptr, static_cast<int>(N), C, dt, stream);
+      break;
+    case UnitKind::block:
+      block_backward_input(u.block, s, b);
+      break;
+    case UnitKind::embedding:
+      break;  // no input gradient below the embedding
+  }
+}
+
+void CudaStageModel::Impl::unit_weight(const Unit& u, Stash& s, Backward& b) {
+  switch (u.kind) {
+    case UnitKind::head:
+      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, V);
+      wgrad_layernorm(lnf_w, lnf_b, b.dlnf.data(), s.x[static_cast<std::size_t>(L)].data(), s.meanf.as<float>(),
+                      s.rstdf.as<float>());
+      break;
+    case UnitKind::block:
+      block_backward_weight(u.block, s, b);
+      break;
+    case UnitKind::embedding:
+      wgrad_embedding(b.res(0), s.tokens.as<std::int32_t>());
+      break;
+  }
+}
+
+void CudaStageModel::Impl::block_backward_input(int li, Stash& s, Backward& b) {
+  const BlockParams& p = blocks[static_cast<std::size_t>(li)];
+  const BlockStash& st = s.blocks[static_cast<std::size_t>(li)];
+  BlockGrads& g = shared_grads;
+  const int n = static_cast<int>(N);
+  const std::size_t nf = N * F;
+  const void* dx2 = b.res(li + 1);  // gradient of the block's output
+  void* dx0 = b.res(li);            // gradient of its input
+
+  k::linear_backward_input(gemm, dgelu.data(), dx2, w(p.mlp_proj_w), n, F, C, dt);
+  k::gelu_backward(g.dfc.data(), st.fc.data(), dgelu.data(), nf, dt, stream);
+  k::linear_backward_input(gemm, g.dln2.data(), g.dfc.data(), w(p.fc_w), n, C, F, dt);
+  k::layernorm_backward_input(g.dx1.data(), g.dln2.data(), st.x1.data(), st.mean2.as<float>(), st.rstd2.as<float>(),
+                              w(p.ln2_w), dx2, n, C, dt, stream);
+  k::linear_backward_input(gemm, datt.data(), g.dx1.data(), w(p.attn_proj_w), n, C, C, dt);
+  attention_backward(g.dqkv.data(), datt.data(), st);
+  k::linear_backward_input(gemm, g.dln1.data(), g.dqkv.data(), w(p.qkv_w), n, C, 3 * C, dt);
+  k::layernorm_backward_input(dx0, g.dln1.data(), s.x[static_cast<std::size_t>(li)].data(), st.mean1.as<float>(),
+                              st.rstd1.as<float>(), w(p.ln1_w), g.dx1.data(), n, C, dt, stream);
+}
+
+// layers::attention_backward, per (b, h), with the same strided products:
+//   dprobs  = dout v^T                                    (rounded to dt)
+//   dscores = probs * (dprobs - rowdot) * (1/sqrt(hs))    causal_softmax_backward, in place
+//   dq = dscores k, dk = dscores^T q, dv = probs^T dout   (into dqkv, row stride 3C)
+void CudaStageModel::Impl::attention_backward(void* dqkv, const void* dout, const BlockStash& st) {
+  const int hs = C / H, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  const long long TT = static_cast<long long>(T) * T;
+  const std::size_t c = static_cast<std::size_t>(C);
+  for (int b = 0; b < B; ++b) {
+    const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
+    const void* dy = at(dout, static_cast<std::size_t>(b) * T * C, eb);
+    void* dp = row(attn_scratch, static_cast<std::size_t>(b) * H * TT);
+    k::gemm_strided_batched(gemm, false, true, T, T, hs, 1.0f, dy, C, hs, at(q, 2 * c, eb), C3, hs, 0.0f, dp, T, TT, H,
+                            dt, dt);
+  }
+  k::causal_softmax_backward(attn_scratch.data(), st.probs.data(), attn_scratch.data(), B * H, T, scale, dt, stream);
+  for (int b = 0; b < B; ++b) {
+    const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
+    const void* p = row(st.probs, static_cast<std::size_t>(b) * H * TT);
+    const void* ds = row(attn_scratch, static_cast<std::size_t>(b) * H * TT);
+    const void* dy = at(dout, static_cast<std::size_t>(b) * T * C, eb);
+    void* dq = at(dqkv, static_cast<std::size_t>(b) * T * C3, eb);
+    k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, ds, T, TT, at(q, c, eb), C3, hs, 0.0f, dq, C3, hs, H,
+                            dt, dt);
+    k::gemm_strided_batched(gemm, true, false, T, hs, T, 1.0f, ds, T, TT, q, C3, hs, 0.0f, at(dq, c, eb), C3, hs, H,
+                            dt, dt);
+    k::gemm_strided_batched(gemm, true, false, T, hs, T, 1.0f, p, T, TT, dy, C, hs, 0.0f, at(dq, 2 * c, eb), C3, hs,
+                            H, dt, dt);
+  }
+}
+
+void CudaStageModel::Impl::block_backward_weight(int li, Stash& s, Backward& b) {
+  const BlockParams& p = blocks[static_cast<std::size_t>(li)];
+  const BlockStash& st = s.blocks[static_cast<std::size_t>(li)];
+  const BlockGrads& g = shared_grads;
+  wgrad_linear(p.mlp_proj_w, p.mlp_proj_b, b.res(li + 1), st.gelu.data(), F, C);
+  wgrad_linear(p.fc_w, p.fc_b, g.dfc.data(), st.ln2.data(), C, F);
+  wgrad_layernorm(p.ln2_w, p.ln2_b, g.dln2.data(), st.x1.data(), st.mean2.as<float>(), st.rstd2.as<float>());
+  wgrad_linear(p.attn_proj_w, p.attn_proj_b, g.dx1.data(), st.att.data(), C, C);
+  wgrad_linear(p.qkv_w, p.qkv_b, g.dqkv.data(), st.ln1.data(), C, 3 * C);
+  wgrad_layernorm(p.ln1_w, p.ln1_b, g.dln1.data(), s.x[static_cast<std::size_t>(li)].data(), st.mean1.as<float>(),
+                  st.rstd1.as<float>());
+}
+
+// One micro-batch's gradient of parameter p, produced in fp32: rounded to the compute format,
+// added into the accumulation buffer, the sum rounded to grad_accumulation (StageModel's commit).
+void CudaStageModel::Impl::commit(int p, const float* produced) {
+  const std::size_t n = params[p].size;
+  if (dt == DType::fp32) {
+    k::accumulate(g(p), gacc, produced, DType::fp32, n, stream);
+  } else {
+    k::cast(gscratch.data(), dt, produced, DType::fp32, n, stream);
+    k::accumulate(g(p), gacc, gscratch.data(), dt, n, stream);
+  }
+}
+
+void CudaStageModel::Impl::wgrad_linear(int pw, int pb, const void* dy, const void* x, int in, int out) {
+  const int n = static_cast<int>(N);
+  if (fast_grads) {
+    k::linear_backward_weight(gemm, g32(pw), DType::fp32, dy, x, n, in, out, dt, true);
+    if (pb >= 0) k::bias_backward(g32(pb), dy, n, out, dt, stream);
+    return;
+  }
+  k::linear_backward_weight(gemm, wscratch.data(), DType::fp32, dy, x, n, in, out, dt, false);
+  commit(pw, wscratch.as<float>());
+  if (pb >= 0) {
+    fill_zero(bscratch.data(), static_cast<std::size_t>(out) * sizeof(float), stream);
+    k::bias_backward(bscratch.as<float>(), dy, n, out, dt, stream);
+    commit(pb, bscratch.as<float>());
+  }
+}
+
+void CudaStageModel::Impl::wgrad_layernorm(int pw, int pb, const void* dy, const void* x, const float* mean,
+                                           const float* rstd) {
+  const int n = static_cast<int>(N);
+  if (fast_grads) {
+    k::layernorm_backward_weight(g32(pw), g32(pb), dy, x, mean, rstd, n, C, dt, stream);
+    return;
+  }
+  fill_zero(wscratch.data(), static_cast<std::size_t>(C) * sizeof(float), stream);
+  fill_zero(bscratch.data(), static_cast<std::size_t>(C) * sizeof(float), stream);
+  k::layernorm_backward_weight(wscratch.as<float>(), bscratch.as<float>(), dy, x, mean, rstd, n, C, dt, stream);
+  commit(pw, wscratch.as<float>());
+  commit(pb, bscratch.as<float>());
+}
+
+void CudaStageModel::Impl::wgrad_embedding(const void* dx, const std::int32_t* tokens) {
+  if (fast_grads) {
+    k::embedding_backward(g32(wte), g32(wpe), dx, tokens, B, T, C, V, dt, stream);
+    return;
+  }
+  fill_zero(wscratch.data(), params[wte].size * sizeof(float), stream);
+  fill_zero(bscratch.data(), params[wpe].size * sizeof(float), stream);
+  k::embedding_backward(wscratch.as<float>(), bscratch.as<float>(), dx, tokens, B, T, C, V, dt, stream);
+  commit(wte, wscratch.as<float>());
+  commit(wpe, bscratch.as<float>());
+}
+
+// ---------------------------------------------------------------------------------------
+// CudaStageModel
+// ---------------------------------------------------------------------------------------
+CudaStageModel::CudaStageModel(const StageSpec& spec, void* stream) : impl_(std::make_unique<Impl>(spec, stream)) {}
+CudaStageModel::~CudaStageModel() = default;
+CudaStageModel::CudaStageModel(CudaStageModel&&) noexcept = default;
+CudaStageModel& CudaStageModel::operator=(CudaStageModel&&) noexcept = default;
+
+const StageSpec& CudaStageModel::spec() const { return impl_->spec; }
+void* CudaStageModel::stream() const { return impl_->stream; }
+
+void CudaStageModel::init(std::uint64_t seed) {
+  StageModel reference(impl_->spec);
+  reference.init(seed);
+  const std::span<float> w = reference.master_weights();
+  set_master_weights(std::vector<float>(w.begin(), w.end()));
+}
+
+void CudaStageModel::set_master_weights(const std::vector<float>& weights) {
+  Impl& m = *impl_;
+  if (weights.size() != m.total)
+    throw std::invalid_argument("CudaStageModel::set_master_weights: " + std::to_string(weights.size()) +
+                                " values for " + std::to_string(m.total) + " parameters");
+  copy_host_to_device(m.master.data(), weights.data(), m.total * sizeof(float), m.stream);
+  m.refresh_working();
+  synchronize(m.stream);  // `weights` may go away when this returns
+}
+
+const std::vector<ParamInfo>& CudaStageModel::params() const { return impl_->params; }
+std::size_t CudaStageModel::num_parameters() const { return impl_->total; }
+
+ParamInfo CudaStageModel::token_embedding() const {
+  if (impl_->wte < 0) return ParamInfo{"", 0, 0, true};
+  return impl_->params[impl_->wte];
+}
+
+void CudaStageModel::zero_gradients() { fill_zero(impl_->grads.data(), impl_->grads.bytes(), impl_->stream); }
+void CudaStageModel::refresh_working_weights() { impl_->refresh_working(); }
+
+float* CudaStageModel::master_weights_device() { return impl_->master.as<float>(); }
+void* CudaStageModel::gradients_device() { return impl_->grads.data(); }
+DType CudaStageModel::gradient_format() const { return impl_->gacc; }
+const void* CudaStageModel::working_weights_device() const {
+  return impl_->dt == DType::fp32 ? impl_->master.data() : impl_->working.data();
+}
+
+std::vector<float> CudaStageModel::master_weights_to_host() const {
+  const Impl& m = *impl_;
+  std::vector<float> out(m.total);
+  copy_device_to_host(out.data(), m.master.data(), m.total * sizeof(float), m.stream);
+  synchronize(m.stream);
+  return out;
+}
+
+std::vector<float> CudaStageModel::gradients_to_host() const {
+  const Impl& m = *impl_;
+  std::vector<float> out(m.total);
+  DeviceBuffer wide;  // the gradients converted to fp32, when they are stored narrower
+  if (m.gacc == DType::fp32) {
+    copy_device_to_host(out.data(), m.grads.data(), m.total * sizeof(float), m.stream);
+  } else {
+    wide = DeviceBuffer(m.total * sizeof(float));
+    k::cast(wide.data(), DType::fp32, m.grads.data(), m.gacc, m.total, m.stream);
+    copy_device_to_host(out.data(), wide.data(), m.total * sizeof(float), m.stream);
+  }
+  synchronize(m.stream);  // also before `wide` is freed
+  return out;
+}
+
+std::size_t CudaStageModel::activation_elements() const { return impl_->N * impl_->C; }
+DType CudaStageModel::activation_format() const { return impl_->dt; }
+
+float CudaStageModel::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
+                              void* output) {
+  return impl_->forward(mb, tokens, targets, input, output);
+}
+
+void CudaStageModel::backward_begin(int mb, const void* grad_output, float loss_gradient_scale) {
+  impl_->begin(mb, grad_output, loss_gradient_scale);
+}
+
+int CudaStageModel::backward_units() const { return static_cast<int>(impl_->units.size()); }
+
+void CudaStageModel::backward_unit(int mb) {
+  Impl& m = *impl_;
+  Impl::Slot& sl = m.slot(mb);
+  if (!sl.backward)
+    throw std::logic_error("CudaStageModel::backward_unit: micro-batch " + std::to_string(mb) +
+                           " has no backward_begin");
+  if (sl.units_done >= static_cast<int>(m.units.size()))
+    throw std::logic_error("CudaStageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
+                           std::to_string(m.units.size()) + " units");
+  const Impl::Unit& u = m.units[static_cast<std::size_t>(sl.units_done)];
+  m.unit_input(u, *sl.stash, *sl.backward);
+  m.unit_weight(u, *sl.stash, *sl.backward);
+  ++sl.units_done;
+}
+
+std::size_t CudaStageModel::gradients_complete(int mb) const {
+  const Impl& m = *impl_;
+  if (mb < 0 || static_cast<std::size_t>(mb) >= m.slots.size()) return 0;
+  const Impl::Slot& sl = m.slots[static_cast<std::size_t>(mb)];
+  if (sl.complete) return m.total;
+  return sl.units_done > 0 ? m.units[static_cast<std::size_t>(sl.units_done) - 1].grads_end : 0;
+}
+
+void CudaStageModel::backward_end(int mb, void* grad_input) {
+  Impl& m = *impl_;
+  Impl::Slot& sl = m.slot(mb);
+  if (!sl.backward || sl.units_done != static_cast<int>(m.units.size()))
+    throw std::logic_error("CudaStageModel::backward_end: micro-batch " + std::to_string(mb) + " has done " +
+                           std::to_string(sl.units_done) + " of " + std::to_string(m.units.size()) +
+                           " backward units");
+  if (!m.spec.has_embedding && grad_input)
+    copy_device_to_device(grad_input, sl.backward->res(0), m.N * m.C * m.eb, m.stream);
+  m.release(sl);
+}
+
+std::size_t CudaStageModel::activation_bytes() const {
+  std::size_t bytes = 0;
+  for (const Impl::Slot& sl : impl_->slots) {
+    if (sl.stash) {
+      const Impl::Stash& s = *sl.stash;
+      bytes += s.tokens.bytes() + s.targets.bytes() + s.lnf.bytes() + s.logits.bytes() + s.meanf.bytes() +
+               s.rstdf.bytes() + s.lse.bytes();
+      for (const DeviceBuffer& x : s.x) bytes += x.bytes();
+      for (const Impl::BlockStash& b : s.blocks)
+        bytes += b.ln1.bytes() + b.qkv.bytes() + b.probs.bytes() + b.att.bytes() + b.x1.bytes() + b.ln2.bytes() +
+                 b.fc.bytes() + b.gelu.bytes() + b.mean1.bytes() + b.rstd1.bytes() + b.mean2.bytes() + b.rstd2.bytes();
+    }
+    if (sl.backward) {
+      const Impl::Backward& b = *sl.backward;
+      bytes += b.dlogits.bytes() + b.dlnf.bytes();
+      for (const DeviceBuffer& r : b.dres) bytes += r.bytes();
+    }
+  }
+  return bytes;
+}
+
+}  // namespace trainsim::runtime::cuda

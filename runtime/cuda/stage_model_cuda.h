@@ -1,0 +1,115 @@
+// The CUDA backend's pipeline stage: the device counterpart of runtime/model/stage_model.h's
+// StageModel, for the CUDA executor. Same StageSpec, same parameters in the same order and
+// layout (params(), so gradients compare element by element with the CPU model's), same call
+// sequence (forward, then backward_begin / backward_unit x backward_units() / backward_end), same
+// per-micro-batch stashes and the same mixed-precision rules, computed with the launchers of
+// kernels/kernels.h and the cuBLAS products of kernels/gemm.h. Plain C++: no CUDA type crosses
+// this header (STYLE.md habit 7); streams are `void*` (cudaStream_t).
+//
+// Where values live:
+//  * weights: FP32 master weights on the device, and a working copy in the compute format
+//    (refresh_working_weights(); the master itself when compute is fp32);
+//  * gradients: one device buffer in the grad_accumulation format, params() offsets;
+//  * activations passed between stages (forward's input/output, backward's grad_output /
+//    grad_input) are DEVICE pointers to activation_elements() elements stored in the compute
+//    format (activation_format(): 4 bytes for fp32, 2 for fp16/bf16) — what a send to the
+//    neighbouring stage carries. tokens and targets are HOST pointers (B*T int32 each).
+//
+// Mixed precision, as StageModel (stage_model.h) and lowp.h define it: every tensor a layer
+// produces is stored in the compute format, i.e. rounded once (round-to-nearest-even) from the
+// FP32 result of the kernel or product that made it — the device stores in the format what the
+// CPU model stores as rounded floats; LayerNorm statistics, the log-sum-exp and the losses are
+// FP32 as on the CPU. Each micro-batch's weight gradients are produced in FP32, rounded to the
+// compute format and added into the accumulation buffer (kernels.h accumulate), except with
+// compute = grad_accumulation = fp32, where, as on the CPU, products accumulate straight into it.
+// Compute formats: fp32, fp16, bf16 (tf32 and fp8 are refused: the kernels do not store them).
+//
+// What it does not do yet (the CPU model does): the zero-bubble split (backward_input /
+// backward_weight), the per-step StageNumerics scans, and stashed_tensors() inspection.
+//
+// Work is queued on `stream`; calls return before the device finishes, except forward on the
+// last stage (it reads the loss back) and the *_to_host copies (they wait for the stream). Not
+// thread-safe; one model per stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/dtype.h"
+#include "runtime/model/stage_model.h"
+
+namespace trainsim::runtime::cuda {
+
+class CudaStageModel {
+ public:
+  // Validates the spec as StageModel does, and refuses compute or grad_accumulation formats the
+  // kernels do not store (tf32, fp8), before touching the device (std::invalid_argument). Then
+  // allocates the weights, gradients and scratch on the current device.
+  explicit CudaStageModel(const StageSpec& spec, void* stream = nullptr);
+  ~CudaStageModel();
+  CudaStageModel(CudaStageModel&&) noexcept;
+  CudaStageModel& operator=(CudaStageModel&&) noexcept;
+  CudaStageModel(const CudaStageModel&) = delete;
+  CudaStageModel& operator=(const CudaStageModel&) = delete;
+
+  const StageSpec& spec() const;
+  void* stream() const;
+
+  // Initialises a CPU StageModel of the same spec with `seed` and copies its master weights to
+  // the device, so both start from identical weights; refreshes the working copy.
+  void init(std::uint64_t seed);
+  // Replaces the master weights (params() layout, e.g. from a checkpoint) and refreshes the
+  // working copy. weights.size() must equal the parameter count.
+  void set_master_weights(const std::vector<float>& weights);
+
+  // Parameters in gradient-completion order, exactly StageModel::params() for the same spec.
+  const std::vector<ParamInfo>& params() const;
+  std::size_t num_parameters() const;
+  ParamInfo token_embedding() const;  // size 0 when this stage has none
+
+  void zero_gradients();
+  // Rounds the master weights into the compute-format working copy; after each optimizer step.
+  void refresh_working_weights();
+
+  // Device buffers, for the executor (optimizer, all-reduce): params() layout.
+  float* master_weights_device();                 // fp32
+  void* gradients_device();                       // gradient_format()
+  DType gradient_format() const;                  // spec().grad_accumulation
+  const void* working_weights_device() const;     // compute format (the master when fp32)
+  // Copies for tests and checkpoints (wait for the stream).
+  std::vector<float> master_weights_to_host() const;
+  std::vector<float> gradients_to_host() const;   // converted to float from gradient_format()
+
+  // Activations passed between stages: micro_batch_size * seq_length * hidden_size elements in
+  // activation_format() (= spec().compute).
+  std::size_t activation_elements() const;
+  DType activation_format() const;
+
+  // Forward of micro-batch `mb` (keeps what backward needs until backward_end). The first stage
+  // reads `tokens` (host), the others `input` (device, activation_format()); the last stage reads
+  // `targets` (host) and returns the micro-batch's mean cross-entropy (waits for the stream);
+  // the others write `output` (device, may be null) and return 0.
+  float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
+
+  // As StageModel: begin (the last stage seeds d(loss)/d(logits) times loss_gradient_scale, the
+  // others take grad_output, a device pointer in activation_format()), then backward_units()
+  // units (head, blocks from last to first, embedding), each adding its weight gradients into
+  // gradients(), then end (writes grad_input, a device pointer, except on the first stage; may be
+  // null; frees the micro-batch's stash for reuse).
+  void backward_begin(int mb, const void* grad_output, float loss_gradient_scale);
+  int backward_units() const;
+  void backward_unit(int mb);
+  std::size_t gradients_complete(int mb) const;  // leading elements of gradients() final for mb
+  void backward_end(int mb, void* grad_input);
+
+  // Device bytes of the stashes (and backward buffers) of micro-batches in flight.
+  std::size_t activation_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trainsim::runtime::cuda
