@@ -55,19 +55,6 @@ std::string precision_line(const PrecisionConfig& p) {
                                                                        : fmt::format("static {:g}", p.loss_scaling.initial_scale));
 }
 
-std::string loss_text(double x) { return std::isfinite(x) ? fmt::format("{:.3f}", x) : std::isnan(x) ? "NaN" : "inf"; }
-
-std::string numerics_line(const NumericsSummary& n) {
-  std::string s = fmt::format("{} steps, loss {} -> {}", n.steps, loss_text(n.first_loss), loss_text(n.last_loss));
-  if (n.skipped_steps) s += fmt::format(", {} skipped", n.skipped_steps);
-  if (n.split_skips)
-    s += fmt::format(", {} step{} skipped by some ranks and applied by others", n.split_skips, n.split_skips > 1 ? "s" : "");
-  if (n.first_nan_step) s += fmt::format(", first inf/NaN at step {} ({})", n.first_nan_step, n.first_nan_where);
-  if (n.max_replica_drift > 0) s += fmt::format(", replicas drifted apart by up to {:.3g}", n.max_replica_drift);
-  s += fmt::format(", final loss scale {:g}", n.final_loss_scale);
-  return s + (n.stable ? ": stable" : ": UNSTABLE");
-}
-
 ConfigurationStory tell(const std::string& label, Scenario scenario, const ProveOptions& o) {
   ConfigurationStory c;
   c.label = label;
@@ -96,16 +83,16 @@ std::vector<std::string> findings(const IncidentReport& r) {
       pct(am.max), pct(utilization(a.scaled.predicted.result).mean)));
   const NumericsSummary& an = a.scaled.numerics;
   if (!an.stable)
-    f.push_back("Its numerics failed as the incident did: " + numerics_line(an) + ".");
+    f.push_back("Its numerics failed as the incident did: " + describe_numerics(an) + ".");
   else
-    f.push_back("Its numerics stayed stable in this run: " + numerics_line(an) + ".");
+    f.push_back("Its numerics stayed stable in this run: " + describe_numerics(an) + ".");
   f.push_back(fmt::format(
       "The redesign was predicted at {} tokens/s against {} ({:+.0f}%), busy {} on average ({} to {}); run at the "
       "scaled size its ranks were measured busy {} ({} to {}).",
       human_count(b.full.result.tokens_per_s), human_count(a.full.result.tokens_per_s),
       100 * (b.full.result.tokens_per_s / a.full.result.tokens_per_s - 1), pct(bp.mean), pct(bp.min), pct(bp.max),
       pct(bm.mean), pct(bm.min), pct(bm.max)));
-  f.push_back("Its numerics: " + numerics_line(b.scaled.numerics) + ".");
+  f.push_back("Its numerics: " + describe_numerics(b.scaled.numerics) + ".");
   if (bm.mean > am.mean && b.scaled.numerics.stable && !an.stable)
     f.push_back("Measured, the redesign is busier and its loss is stable where the original's was not: the redesign "
                 "holds.");
@@ -186,7 +173,7 @@ std::string format_incident(const IncidentReport& r) {
     o << c->label << "\n";
     describe(o, *c, false);
     table(o, *c, false);
-    o << "  numerics   " << numerics_line(c->scaled.numerics) << "\n\n";
+    o << "  numerics   " << describe_numerics(c->scaled.numerics) << "\n\n";
   }
   o << "what the plan changed\n";
   for (const auto& s : r.plan.steps) o << "  " << s.change << ": " << s.effect << "\n";
@@ -238,7 +225,7 @@ std::vector<std::string> write_incident_report(const IncidentReport& r, const st
     describe(md, *c, true);
     md << "\n";
     table(md, *c, true);
-    md << "\n**Numerics of the scaled run**: " << numerics_line(c->scaled.numerics) << ".\n";
+    md << "\n**Numerics of the scaled run**: " << describe_numerics(c->scaled.numerics) << ".\n";
     if (!c->scaled.numerics.failure.empty()) md << "The run ended early: " << c->scaled.numerics.failure << ".\n";
     md << "\n**Prediction against measurement at the scaled size** (`trainsim validate`):\n\n```\n"
        << format_validation(c->scaled) << "```\n";

@@ -42,7 +42,23 @@ std::vector<int> collective_group_sizes(const Plan& plan) {
   return g;
 }
 
+std::string loss_text(double x) { return std::isfinite(x) ? fmt::format("{:.3f}", x) : std::isnan(x) ? "NaN" : "inf"; }
+
 }  // namespace
+
+std::string describe_numerics(const NumericsSummary& n) {
+  std::string s = fmt::format("{} steps, loss {} -> {}", n.steps, loss_text(n.first_loss), loss_text(n.last_loss));
+  if (n.skipped_steps) s += fmt::format(", {} skipped", n.skipped_steps);
+  if (n.unguarded_steps)
+    s += fmt::format(", inf/NaN reached the weights in {} step{} (the overflow check did not stop it)", n.unguarded_steps,
+                     n.unguarded_steps > 1 ? "s" : "");
+  if (n.split_skips)
+    s += fmt::format(", {} step{} skipped by some ranks and applied by others", n.split_skips, n.split_skips > 1 ? "s" : "");
+  if (n.first_nan_step) s += fmt::format(", first inf/NaN at step {} ({})", n.first_nan_step, n.first_nan_where);
+  if (n.max_replica_drift > 0) s += fmt::format(", replicas drifted apart by up to {:.3g}", n.max_replica_drift);
+  s += fmt::format(", final loss scale {:g}", n.final_loss_scale);
+  return s + (n.stable ? ": stable" : ": UNSTABLE");
+}
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   NumericsSummary s;
@@ -50,6 +66,7 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   for (const auto& st : r.steps) {
     s.skipped_steps += st.skipped ? 1 : 0;
     s.split_skips += st.skipped_ranks > 0 && st.skipped_ranks < static_cast<int>(st.ranks.size()) ? 1 : 0;
+    s.unguarded_steps += st.nonfinite_count > 0 && st.skipped_ranks < static_cast<int>(st.ranks.size()) ? 1 : 0;
     s.max_replica_drift = std::max(s.max_replica_drift, st.replica_drift);
     if (!s.first_nan_step && (!std::isfinite(st.loss) || st.nonfinite_count > 0)) {
       s.first_nan_step = st.step;
@@ -66,7 +83,7 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
     s.last_loss = r.steps.back().loss;
   }
   if (r.failure) s.failure = r.failure->message;
-  s.stable = !r.failure && s.skipped_steps == 0 && s.split_skips == 0 && s.first_nan_step == 0 && s.max_replica_drift == 0;
+  s.stable = !r.failure && s.skipped_steps == 0 && s.split_skips == 0 && s.unguarded_steps == 0 && s.first_nan_step == 0 && s.max_replica_drift == 0;
   return s;
 }
 
@@ -194,12 +211,7 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", e.metric, a, b, err);
   }
   const NumericsSummary& n = v.numerics;
-  out << fmt::format("\n  numerics {} over {} steps: loss {:.3f} -> {:.3f}, {} skipped, final loss scale {:g}, "
-                     "max replica drift {:.3g}\n",
-                     n.stable ? "stable" : "UNSTABLE", n.steps, n.first_loss, n.last_loss, n.skipped_steps,
-                     n.final_loss_scale, n.max_replica_drift);
-  if (n.first_nan_step)
-    out << fmt::format("           first inf/NaN at step {}, {}\n", n.first_nan_step, n.first_nan_where);
+  out << "\n  numerics " << describe_numerics(n) << "\n";
   if (!n.failure.empty()) out << "           " << n.failure << "\n";
   for (const auto& note : v.plan.notes) out << "  note     runtime: " << note << "\n";
   return out.str();
@@ -232,6 +244,8 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
   j["numerics"] = {{"stable", n.stable},
                    {"steps", n.steps},
                    {"skipped_steps", n.skipped_steps},
+                   {"split_skip_steps", n.split_skips},
+                   {"unguarded_nonfinite_steps", n.unguarded_steps},
                    {"first_nan_step", n.first_nan_step ? nlohmann::ordered_json(n.first_nan_step) : nullptr},
                    {"first_nan_where", n.first_nan_where},
                    {"final_loss_scale", n.final_loss_scale},

@@ -43,6 +43,7 @@ struct NumericsSummary {
   int steps = 0;
   int skipped_steps = 0;      // steps rank 0 skipped
   int split_skips = 0;        // steps some ranks skipped and others applied (a local overflow check)
+  int unguarded_steps = 0;    // steps with inf/NaN that some rank applied anyway (the check missed them)
   int first_nan_step = 0;     // 0: none
   std::string first_nan_where;  // "stage 3 replica 0: block 7 mlp.fc output (forward, micro-batch 2)"
   double final_loss_scale = 1;
@@ -84,5 +85,7 @@ void write_validation_trace(const Validation& v, std::ostream& out);
 void write_validation_svg(const Validation& v, std::ostream& out);
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r);
+// One line: steps, loss, skips, where inf/NaN first appeared, drift, final scale, verdict.
+std::string describe_numerics(const NumericsSummary& n);
 
 }  // namespace trainsim::validation
