@@ -109,6 +109,18 @@ AddrList resolve(const LaunchEnv& env, bool passive, int& err) {
 
 enum class Io { ok, timeout, closed, error };
 
+// Waits until fd is ready for `events` (poll), or returns Io::timeout at the deadline.
+Io wait_ready(int fd, short events, Clock::time_point deadline, int& err) {
+  pollfd pfd{fd, events, 0};
+  const int ms = remaining_ms(deadline);
+  if (ms == 0) return Io::timeout;
+  if (::poll(&pfd, 1, ms) < 0 && errno != EINTR) {
+    err = errno;
+    return Io::error;
+  }
+  return Io::ok;
+}
+
 // Reads exactly n bytes before `deadline`. On Io::error, `err` holds errno.
 Io read_exact(int fd, std::uint8_t* p, std::size_t n, Clock::time_point deadline, int& err) {
   while (n > 0) {
@@ -124,13 +136,7 @@ Io read_exact(int fd, std::uint8_t* p, std::size_t n, Clock::time_point deadline
       err = errno;
       return err == ECONNRESET ? Io::closed : Io::error;
     }
-    pollfd pfd{fd, POLLIN, 0};
-    const int ms = remaining_ms(deadline);
-    if (ms == 0) return Io::timeout;
-    if (::poll(&pfd, 1, ms) < 0 && errno != EINTR) {
-      err = errno;
-      return Io::error;
-    }
+    if (const Io w = wait_ready(fd, POLLIN, deadline, err); w != Io::ok) return w;
   }
   return Io::ok;
 }
@@ -149,13 +155,7 @@ Io write_all(int fd, const std::uint8_t* p, std::size_t n, Clock::time_point dea
       err = errno;
       return (err == EPIPE || err == ECONNRESET) ? Io::closed : Io::error;
     }
-    pollfd pfd{fd, POLLOUT, 0};
-    const int ms = remaining_ms(deadline);
-    if (ms == 0) return Io::timeout;
-    if (::poll(&pfd, 1, ms) < 0 && errno != EINTR) {
-      err = errno;
-      return Io::error;
-    }
+    if (const Io w = wait_ready(fd, POLLOUT, deadline, err); w != Io::ok) return w;
   }
   return Io::ok;
 }
