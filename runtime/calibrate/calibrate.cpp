@@ -20,7 +20,6 @@
 
 #include <fmt/format.h>
 
-#include "runtime/calibrate/cache.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
 #include "runtime/numerics/lowp.h"
@@ -49,7 +48,6 @@ class KernelTimer {
     B_ = plan.plan.micro_batch_size;
     T_ = d.seq_length;
     C_ = d.hidden_size;
-    H_ = d.num_heads;
     V_ = d.vocab_size;
   }
 
@@ -206,7 +204,7 @@ class KernelTimer {
   const RuntimePlan& plan_;
   const CalibrateOptions& o_;
   std::mt19937 rng_;
-  int B_, T_, C_, H_, V_;
+  int B_, T_, C_, V_;
   double sink_ = 0;
 };
 
@@ -359,10 +357,7 @@ void KernelCalibrator::run_passes(int passes) {
     for (int p = 0; p < passes; ++p) {
       double total = 0;
       for (std::size_t i = 0; i < s_->calls.size(); ++i) {
-        if (options_.cold_cache)
-          evict_core_cache();
-        else
-          s_->calls[i]();  // warm: its operands in cache, as a kernel finds what the one before it wrote
+        s_->calls[i]();  // untimed: its operands in cache, as a kernel finds what the one before it wrote
         const auto a = Clock::now();
         s_->calls[i]();
         const double t = std::chrono::duration<double>(Clock::now() - a).count();

@@ -28,10 +28,6 @@ struct CalibrateOptions {
   int min_passes = 9, max_passes = 200;
   double min_seconds = 0.6;
   bool pin = true;            // time on core 0, as rank 0's compute thread runs
-  // Evict the core's L2 before each launch (operands from L3) instead of running each kernel
-  // once untimed just before its timed launch (operands in cache). Either way the composition
-  // check (KernelCalibrator::composition) measures how kernels really compose in a layer.
-  bool cold_cache = false;
   bool communication = true;  // also run the point-to-point and all-reduce benchmarks
   // calibrate_cpu: compute formats measured besides the plan's own (the CPU backend emulates
   // them all by rounding; fp8 it does not run). validate measures only the plan's.
