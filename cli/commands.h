@@ -31,9 +31,8 @@ Command add_calibrate_command(CLI::App& app);
 Command add_validate_command(CLI::App& app);
 Command add_prove_command(CLI::App& app);
 
-// Writes through a temporary file and renames, so a failed write never leaves half a file.
-void write_file(const std::string& path, const std::function<void(std::ostream&)>& body);
-// write_file, then tells the user on stderr where the file is (and how to open it).
+// core/report/write_file.h's write_file (whole or not at all), then tells the user on stderr
+// where the file is (and how to open it).
 void write_output(const std::string& path, const std::function<void(std::ostream&)>& body, const std::string& hint = "");
 
 }  // namespace trainsim::cli

@@ -1,7 +1,5 @@
 // trainsim: predict, sweep, run and validate training configurations.
 // Only this file exits the process; commands (cli/cmd_*.cpp) return exit codes and throw.
-#include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <vector>
 
@@ -10,24 +8,12 @@
 
 #include "cli/commands.h"
 #include "core/diagnostics.h"
+#include "core/report/write_file.h"
 
 namespace trainsim::cli {
 
-void write_file(const std::string& path, const std::function<void(std::ostream&)>& body) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    if (!out) throw std::runtime_error(fmt::format("cannot write {} (does the folder exist?)", path));
-    body(out);
-    out.flush();
-    if (!out) throw std::runtime_error(fmt::format("writing {} failed", path));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error(fmt::format("cannot rename {} to {}", tmp, path));
-}
-
 void write_output(const std::string& path, const std::function<void(std::ostream&)>& body, const std::string& hint) {
-  write_file(path, body);
+  trainsim::write_file(path, body);
   std::cerr << fmt::format("wrote {}{}\n", path, hint.empty() ? "" : " (" + hint + ")");
 }
 

@@ -18,6 +18,7 @@
 #include "sim/cost/compute_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
+#include "validation/baselines.h"
 
 namespace trainsim {
 namespace {
@@ -232,8 +233,6 @@ TEST(Reports, TwoTimelinesInOneTraceAndOneSvg) {
 }  // namespace trainsim
 
 // ---- the baselines' regression check, with validations whose errors the test chooses -------
-
-#include "validation/baselines.h"
 
 namespace trainsim {
 namespace {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <numeric>
 #include <sstream>
 #include <stdexcept>
@@ -13,6 +12,7 @@
 
 #include "core/report/format.h"
 #include "core/report/report.h"
+#include "core/report/write_file.h"
 #include "runtime/exec/run_report.h"
 
 namespace trainsim::validation {
@@ -60,7 +60,8 @@ ConfigurationStory tell(const std::string& label, Scenario scenario, const Prove
   c.label = label;
   c.scenario = std::move(scenario);
   if (o.progress) o.progress(label + ": predicting at full size");
-  c.full = predict(Plan::from_scenario(c.scenario));
+  c.plan = Plan::from_scenario(c.scenario);
+  c.full = predict(c.plan);
   ValidateOptions vo;
   vo.steps = o.steps;
   vo.progress = [&](const std::string& s) {
@@ -131,7 +132,7 @@ void table(std::ostream& o, const ConfigurationStory& c, bool markdown) {
 }
 
 void describe(std::ostream& o, const ConfigurationStory& c, bool markdown) {
-  const Plan full = Plan::from_scenario(c.scenario);
+  const Plan& full = c.plan;
   const runtime::RuntimePlan& rp = c.scaled.plan;
   const auto& d = rp.dims;
   if (markdown) {
@@ -187,19 +188,12 @@ std::vector<std::string> write_incident_report(const IncidentReport& r, const st
   fs::create_directories(dir);
   std::vector<std::string> written;
   auto file = [&](const std::string& name, const std::function<void(std::ostream&)>& body) {
-    const fs::path p = fs::path(dir) / name;
-    const fs::path tmp = p.string() + ".tmp";
-    {
-      std::ofstream out(tmp);
-      if (!out) throw std::runtime_error("cannot write " + tmp.string());
-      body(out);
-      if (!out) throw std::runtime_error("failed writing " + tmp.string());
-    }
-    fs::rename(tmp, p);
-    written.push_back(p.string());
+    const std::string p = (fs::path(dir) / name).string();
+    write_file(p, body);
+    written.push_back(p);
   };
   for (const ConfigurationStory* c : {&r.original, &r.redesign}) {
-    const Plan full = Plan::from_scenario(c->scenario);
+    const Plan& full = c->plan;
     file(c->label + "-full-predicted.svg",
          [&](std::ostream& out) { write_timeline_svg(full, c->full.timeline, c->full.result, out); });
     file(c->label + "-scaled-predicted-vs-measured.svg",

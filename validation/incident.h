@@ -27,7 +27,8 @@ struct ProveOptions {
 struct ConfigurationStory {
   std::string label;    // "original" / "redesign"
   Scenario scenario;    // as run (the redesign: the plan's fragment)
-  Prediction full;      // at full size, with the scenario's GPU
+  Plan plan;            // the scenario's plan at full size
+  Prediction full;      // predicted at full size, with the scenario's GPU
   Validation scaled;    // calibrated prediction and measurement at the runtime's size
 };
 

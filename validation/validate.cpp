@@ -26,7 +26,6 @@ Plan calibrated_plan(const runtime::RuntimePlan& rp, const HardwareProfile& prof
   ScenarioConfig c = rp.plan.config;
   apply_profile(profile, c.cluster);
   c.cluster.calibrated = std::make_shared<HardwareProfile>(profile);
-  c.cluster.profile = profile.name;
   Plan plan = Plan::from_config(c);
   plan.source = rp.plan.source;
   return plan;
@@ -223,13 +222,13 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
   j["profile"] = v.profile.name;
   j["predicted"] = result_to_json(v.predicted.result);
   j["measured"] = runtime::run_to_json(v.measured);
+  const std::vector<MetricError> all = errors_of(v);
   nlohmann::ordered_json err;
-  for (const MetricError& e : errors_of(v)) {
+  for (const MetricError& e : all) {
     if (e.metric.rfind("rank ", 0) == 0) continue;
     err[e.metric] = std::isfinite(e.error) ? nlohmann::ordered_json(round6(e.error)) : nlohmann::ordered_json(nullptr);
   }
   nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
-  const auto all = errors_of(v);
   for (std::size_t r = 0; r < v.predicted.result.ranks.size(); ++r) {
     nlohmann::ordered_json x;
     x["rank"] = r;

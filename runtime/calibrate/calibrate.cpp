@@ -69,6 +69,8 @@ class KernelTimer {
       return launch([=, this] { layers::linear_backward_weight(dw.data(), db.data(), dy.data(), x.data(), s.k, s.n, s.m, true); });
     }
     if (k == "attention.forward" || k == "attention.backward") {
+      // The inventory counts attention's products per head and sample: 2 forward (QK^T, AV),
+      // 4 backward; the launch itself covers all heads of the micro-batch.
       const int heads = static_cast<int>(s.batch / (k == "attention.forward" ? 2 : 4) / B_);
       const int C = heads * static_cast<int>(s.k);
       auto qkv = floats(static_cast<std::size_t>(B_) * T_ * 3 * C), out = floats(static_cast<std::size_t>(B_) * T_ * C);
