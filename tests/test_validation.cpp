@@ -11,6 +11,7 @@
 
 #include "core/hardware_profile.h"
 #include "core/kernel_inventory.h"
+#include "core/median.h"
 #include "core/model_shape.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
@@ -69,6 +70,14 @@ double matmul_flops(const std::vector<KernelWork>& ws) {
   double f = 0;
   for (const auto& w : ws) f += w.shape.is_matmul() ? w.count * w.shape.flops() : 0.0;
   return f;
+}
+
+TEST(Median, MiddleValueOrMeanOfTheTwoMiddleOnes) {
+  EXPECT_EQ(median({}), 0);
+  EXPECT_EQ(median({5}), 5);
+  EXPECT_EQ(median({9, 1, 4}), 4);
+  EXPECT_EQ(median({4, 1, 3, 2}), 2.5);
+  EXPECT_EQ(median({7, 7, 1, 100}), 7);
 }
 
 TEST(KernelInventory, ForwardProductsAreNarayanansFlopsPerLayer) {

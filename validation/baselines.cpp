@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include "core/median.h"
 #include "core/scenario.h"
 #include "validation/validate.h"
 
@@ -29,12 +30,6 @@ Accepted read(const YAML::Node& n, double default_tolerance) {
   return a;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 }  // namespace
 

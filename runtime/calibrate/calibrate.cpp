@@ -20,11 +20,12 @@
 
 #include <fmt/format.h>
 
+#include "core/kernel_inventory.h"
+#include "core/median.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
-#include "core/kernel_inventory.h"
 
 namespace trainsim::runtime {
 
@@ -238,11 +239,6 @@ void on_core0(bool pin, F&& body) {
   if (failed) std::rethrow_exception(failed);
 }
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
-}
 
 double machine_memory_gib() {
   const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
@@ -380,9 +376,9 @@ std::vector<double> KernelCalibrator::core_factors() const {
   if (s_->stages.size() <= 1) return {};
   std::vector<double> alone;
   for (std::size_t i = 0; i < s_->stage_forward.size(); ++i) alone.push_back(s_->stage_forward[i] + s_->stage_backward[i]);
-  const double base = median_of(alone);
+  const double base = median(alone);
   std::vector<double> out;
-  for (const auto& v : s_->core_seconds) out.push_back(median_of(v) / base);
+  for (const auto& v : s_->core_seconds) out.push_back(median(v) / base);
   return out;
 }
 
@@ -408,8 +404,8 @@ Composition KernelCalibrator::composition() const {
   };
   Composition out;
   const double f = priced(middle.forward), b = priced(middle.backward_input) + priced(middle.backward_weight);
-  out.forward = f > 0 ? median_of(s_->stage_forward) / f : 1;
-  out.backward = b > 0 ? median_of(s_->stage_backward) / b : 1;
+  out.forward = f > 0 ? median(s_->stage_forward) / f : 1;
+  out.backward = b > 0 ? median(s_->stage_backward) / b : 1;
   return out;
 }
 
@@ -437,8 +433,8 @@ std::vector<KernelRate> KernelCalibrator::rates() const {
 double KernelCalibrator::speed_change(int first_passes) const {
   const auto& t = s_->pass_seconds;
   if (first_passes <= 0 || static_cast<std::size_t>(first_passes) >= t.size()) return 0;
-  const double before = median_of({t.begin(), t.begin() + first_passes});
-  const double after = median_of({t.begin() + first_passes, t.end()});
+  const double before = median({t.begin(), t.begin() + first_passes});
+  const double after = median({t.begin() + first_passes, t.end()});
   return after / before - 1;
 }
 

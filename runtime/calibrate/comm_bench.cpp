@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "core/median.h"
 #include "runtime/comm/in_process.h"
 
 namespace trainsim::runtime {
@@ -82,11 +83,6 @@ void fill(std::span<float> buf, float weight, int period) {
   }
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t m = v.size() / 2;
-  return v.size() % 2 == 1 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
 
 // Runs body(rank, comm, barrier) on one thread per rank of a fresh world of n. The first
 // failure aborts the world (so ranks blocked in a call throw instead of waiting) and drops
