@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/comm/arguments.h"
+#include "runtime/comm/mailbox.h"
 #include "runtime/numerics/lowp.h"
 
 namespace trainsim::runtime {
@@ -25,58 +27,18 @@ namespace {
 // step k of a collective with tag T travels on (T, channel 1 + k), so no collective step
 // can ever be taken for a user's point-to-point message or for another step, whatever the
 // tags the caller picks.
-struct Key {
-  int source;
-  std::uint64_t tag;
-  std::uint32_t channel;
-  auto operator<=>(const Key&) const = default;
-};
+using Key = MailKey;
 constexpr std::uint32_t kPointToPoint = 0;
-
-// One destination rank's mailbox: its own lock, so ranks that do not talk to each other
-// never contend. Messages with the same key are delivered in the order they were sent.
-struct Inbox {
-  std::mutex mu;
-  std::condition_variable arrived;
-  std::map<Key, std::deque<std::vector<float>>> messages;
-};
 
 std::string ms_text(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
 
-// The world's state, shared by its communicators (which keep it alive).
-struct WorldState {
-  WorldState(int n, std::chrono::milliseconds t) : world_size(n), timeout(t), inboxes(static_cast<std::size_t>(n)) {}
-
-  const int world_size;
-  const std::chrono::milliseconds timeout;
-  std::vector<Inbox> inboxes;  // indexed by destination rank; never resized
-
-  std::atomic<bool> aborted{false};
-  std::mutex abort_mu;
-  std::string abort_reason;  // written once, under abort_mu, before `aborted` is set
+// The world's state, shared by its communicators (which keep it alive): the mailboxes and
+// the bytes they hold.
+struct WorldState : Mailboxes<std::vector<float>> {
+  using Mailboxes::Mailboxes;
 
   std::atomic<std::size_t> in_flight{0};
   std::atomic<std::size_t> peak{0};
-
-  std::string reason() {
-    std::lock_guard lock(abort_mu);
-    return abort_reason;
-  }
-
-  void abort(const std::string& why) {
-    {
-      std::lock_guard lock(abort_mu);
-      if (aborted.load()) return;  // the first reason wins
-      abort_reason = why;
-      aborted.store(true);
-    }
-    // Taking each inbox's lock before notifying guarantees that a waiter is either already
-    // asleep (and is woken) or has not yet checked `aborted` (and will see it).
-    for (Inbox& box : inboxes) {
-      { std::lock_guard lock(box.mu); }
-      box.arrived.notify_all();
-    }
-  }
 
   void add_bytes(std::size_t b) {
     const std::size_t now = in_flight.fetch_add(b) + b;
@@ -111,7 +73,7 @@ class InProcessCommunicator final : public Communicator {
   InProcessCommunicator(std::shared_ptr<WorldState> shared, int rank) : s_(std::move(shared)), rank_(rank) {}
 
   int rank() const override { return rank_; }
-  int world_size() const override { return s_->world_size; }
+  int world_size() const override { return s_->world_size(); }
 
   void send(int peer, std::uint64_t tag, std::span<const float> data) override {
     check_peer(peer, "send to");
@@ -142,67 +104,28 @@ class InProcessCommunicator final : public Communicator {
 
   template <typename Op>
   void throw_if_aborted(Op&& op) const {
-    if (s_->aborted.load()) throw CommError(prefix() + op() + ": aborted: " + s_->reason());
+    s_->throw_if_aborted(prefix(), op);
   }
 
-  void check_peer(int peer, const char* what) const {
-    if (peer < 0 || peer >= s_->world_size)
-      throw std::invalid_argument(prefix() + what + " rank " + std::to_string(peer) + ": no such rank (world size " +
-                                  std::to_string(s_->world_size) + ")");
-  }
+  void check_peer(int peer, const char* what) const { runtime::check_peer(prefix(), peer, s_->world_size(), what); }
 
   // Returns this rank's position among `members`.
   int check_members(std::span<const int> members, std::uint64_t tag) const {
-    const std::string where = prefix() + "all_reduce tag " + std::to_string(tag) + ": ";
-    int me = -1;
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      if (members[i] < 0 || members[i] >= s_->world_size)
-        throw std::invalid_argument(where + "member " + std::to_string(members[i]) + " is not a rank (world size " +
-                                    std::to_string(s_->world_size) + ")");
-      if (i > 0 && members[i] <= members[i - 1])
-        throw std::invalid_argument(where + "members must be strictly ascending, got " +
-                                    std::to_string(members[i - 1]) + " then " + std::to_string(members[i]));
-      if (members[i] == rank_) me = static_cast<int>(i);
-    }
-    if (me < 0) throw std::invalid_argument(where + "this rank is not among the members");
-    return me;
+    return member_position(prefix(), members, rank_, s_->world_size(), tag);
   }
 
-  // Moves `msg` into `dst`'s mailbox; never waits for the receiver.
+  // Moves `msg` into `dst`'s mailbox; never waits for the receiver. Bytes are counted before
+  // the message is visible, so a receiver never subtracts them first.
   void post(int dst, Key key, std::vector<float>&& msg) {
-    Inbox& box = s_->inboxes[static_cast<std::size_t>(dst)];
-    const std::size_t bytes = msg.size() * sizeof(float);
-    {
-      std::lock_guard lock(box.mu);
-      box.messages[key].push_back(std::move(msg));
-      s_->add_bytes(bytes);
-    }
-    box.arrived.notify_all();
+    s_->add_bytes(msg.size() * sizeof(float));
+    s_->post(dst, key, std::move(msg));
   }
 
   // Waits for the first message under `key` in this rank's mailbox and moves it out. `op`
   // describes the call for errors ("recv from rank 1 tag 7").
   template <typename Op>
   std::vector<float> take(Key key, Op&& op) {
-    Inbox& box = s_->inboxes[static_cast<std::size_t>(rank_)];
-    const auto deadline = std::chrono::steady_clock::now() + s_->timeout;
-    std::unique_lock lock(box.mu);
-    auto it = box.messages.end();
-    const bool ready = box.arrived.wait_until(lock, deadline, [&] {
-      if (s_->aborted.load()) return true;
-      it = box.messages.find(key);
-      return it != box.messages.end();
-    });
-    if (s_->aborted.load()) {
-      lock.unlock();
-      throw_if_aborted(op);
-    }
-    if (!ready)
-      throw CommError(prefix() + op() + ": timed out after " + ms_text(s_->timeout) + " waiting for rank " +
-                      std::to_string(key.source));
-    std::vector<float> msg = std::move(it->second.front());
-    it->second.pop_front();
-    if (it->second.empty()) box.messages.erase(it);
+    std::vector<float> msg = s_->take(rank_, key, prefix(), op);
     s_->in_flight.fetch_sub(msg.size() * sizeof(float));
     return msg;
   }
@@ -311,12 +234,12 @@ InProcessWorld::InProcessWorld(int world_size, std::chrono::milliseconds timeout
 
 InProcessWorld::~InProcessWorld() = default;
 
-int InProcessWorld::world_size() const { return shared_->world_size; }
+int InProcessWorld::world_size() const { return shared_->world_size(); }
 
 std::unique_ptr<Communicator> InProcessWorld::communicator(int rank) {
-  if (rank < 0 || rank >= shared_->world_size)
+  if (rank < 0 || rank >= shared_->world_size())
     throw std::invalid_argument("InProcessWorld: no rank " + std::to_string(rank) + " in a world of " +
-                                std::to_string(shared_->world_size));
+                                std::to_string(shared_->world_size()));
   return std::make_unique<InProcessCommunicator>(shared_, rank);
 }
 

@@ -21,6 +21,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/comm/in_process.h"
 #include "runtime/data/dataset.h"
+#include "runtime/exec/step_common.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/loss_scaler.h"
 #include "runtime/numerics/optimizer.h"
@@ -35,66 +36,11 @@ Tick ticks_since(Clock::time_point epoch, Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t - epoch).count() * 1000;
 }
 
-// Tags: point-to-point messages and collectives of step `step` live in separate ranges, so
-// nothing of one step can be mistaken for another's.
-constexpr std::uint64_t kCollectiveTag = 1ull << 62;
-std::uint64_t message_tag(int step, int channel) {
-  return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint32_t>(channel);
-}
-std::uint64_t collective_tag(int step, int id) { return kCollectiveTag | message_tag(step, id); }
-
 std::int64_t count_nonfinite(std::span<const float> xs) {
   std::int64_t n = 0;
   for (float x : xs) n += !std::isfinite(x);
   return n;
 }
-
-std::uint64_t fnv1a(std::uint64_t h, std::span<const float> xs) {
-  for (float x : xs) {
-    std::uint32_t u;
-    std::memcpy(&u, &x, 4);
-    for (int b = 0; b < 4; ++b) {
-      h ^= (u >> (8 * b)) & 0xffu;
-      h *= 1099511628211ull;
-    }
-  }
-  return h;
-}
-
-// A completion flag per op, waited on by the thread that needs it.
-class Completion {
- public:
-  void reset(std::size_t n) {
-    std::lock_guard lock(mu_);
-    done_.assign(n, 0);
-    error_ = nullptr;
-  }
-  void mark(std::size_t i) {
-    {
-      std::lock_guard lock(mu_);
-      done_[i] = 1;
-    }
-    cv_.notify_all();
-  }
-  void fail(std::exception_ptr e) {
-    {
-      std::lock_guard lock(mu_);
-      if (!error_) error_ = e;
-    }
-    cv_.notify_all();
-  }
-  void wait(std::size_t i) {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return done_[i] || error_; });
-    if (error_) std::rethrow_exception(error_);
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<char> done_;
-  std::exception_ptr error_;
-};
 
 struct Shared;
 
@@ -115,7 +61,7 @@ struct Rank {
   std::vector<int> units_done;                                         // [chunk * m + mb]
   std::vector<OpTiming> timing;
   std::vector<Tick> arrival;          // collectives: when this rank's communication thread started them
-  Completion completion;
+  OpCompletion completion;
   std::int64_t local_nonfinite = 0;   // in its own gradients, before any reduction
   bool found_nonfinite = false;
   double loss_sum = 0;
@@ -149,41 +95,9 @@ struct Shared {
   std::uint64_t data_position = 0;
   Clock::time_point epoch;
   std::vector<std::vector<std::pair<std::size_t, std::size_t>>> bucket_ranges;  // [vstage][bucket] in gradient elements
-  std::vector<int> collective_index;  // per collective: -1, or bucket index for gradient buckets
 };
 
 DType compute_dtype(const Plan& plan) { return plan.config.precision.compute; }
-
-// Gradient buckets of a virtual stage as element ranges of its gradient buffer: the
-// schedule sizes them in bytes of the scenario's all-reduce format; the same fractions of
-// the executed model's buffer are reduced together.
-void compute_bucket_ranges(Shared& sh, const std::vector<std::size_t>& grad_elems_per_vstage) {
-  sh.bucket_ranges.assign(sh.V, {});
-  sh.collective_index.assign(sh.schedule->collectives.size(), -1);
-  std::vector<std::vector<int>> ids(sh.V);
-  // Gradient collectives are created per virtual stage in bucket order (see core/schedule.cpp);
-  // recover each one's (vstage, bucket) from the programs.
-  for (const auto& prog : sh.schedule->ranks)
-    for (const Op& op : prog.ops)
-      if ((op.kind == OpKind::AllReduce || op.kind == OpKind::ReduceScatter) && op.bucket >= 0) {
-        auto& v = ids[op.chunk];
-        if (static_cast<int>(v.size()) <= op.bucket) v.resize(op.bucket + 1, -1);
-        v[op.bucket] = op.channel;
-      }
-  for (int vs = 0; vs < sh.V; ++vs) {
-    double total = 0;
-    for (int id : ids[vs]) total += static_cast<double>(sh.schedule->collectives[id].bytes);
-    double cum = 0;
-    const auto n = static_cast<double>(grad_elems_per_vstage[vs]);
-    for (std::size_t k = 0; k < ids[vs].size(); ++k) {
-      const auto lo = static_cast<std::size_t>(std::llround(n * cum / total));
-      cum += static_cast<double>(sh.schedule->collectives[ids[vs][k]].bytes);
-      const auto hi = k + 1 == ids[vs].size() ? grad_elems_per_vstage[vs] : static_cast<std::size_t>(std::llround(n * cum / total));
-      sh.bucket_ranges[vs].push_back({lo, hi});
-      sh.collective_index[ids[vs][k]] = static_cast<int>(k);
-    }
-  }
-}
 
 class Engine {
  public:
@@ -201,17 +115,7 @@ class Engine {
     sh_.V = plan_.num_virtual_stages();
 
     const auto& cfg = plan_.config;
-    OptimizerSettings os;
-    os.kind = cfg.training.optimizer;
-    os.learning_rate = cfg.training.lr;
-    os.beta1 = cfg.training.adam_beta1;
-    os.beta2 = cfg.training.adam_beta2;
-    os.eps = cfg.training.adam_eps;
-    os.weight_decay = cfg.training.weight_decay;
-
-    // Layers before each virtual stage.
-    std::vector<int> first_layer(sh_.V, 0);
-    for (int vs = 1; vs < sh_.V; ++vs) first_layer[vs] = first_layer[vs - 1] + plan_.layers_per_virtual_stage[vs - 1];
+    const OptimizerSettings os = optimizer_settings(cfg);
 
     std::vector<std::size_t> grad_elems(sh_.V, 0);
     ranks_.resize(plan_.num_ranks());
@@ -225,16 +129,7 @@ class Engine {
       rk->comm = world_.communicator(r);
       for (int j = 0; j < sh_.vpp; ++j) {
         const int vs = j * sh_.pp + rk->stage;
-        StageSpec spec;
-        spec.dims = rp_.dims;
-        spec.first_layer = first_layer[vs];
-        spec.num_layers = plan_.layers_per_virtual_stage[vs];
-        spec.has_embedding = vs == 0;
-        spec.has_head = vs == sh_.V - 1;
-        spec.compute = cfg.precision.compute;
-        spec.grad_accumulation = cfg.precision.grad_accumulation;
-        spec.micro_batch_size = plan_.micro_batch_size;
-        rk->chunks.emplace_back(spec);
+        rk->chunks.emplace_back(stage_spec(rp_, vs));
         StageModel& model = rk->chunks.back();
         model.init(static_cast<std::uint64_t>(cfg.runtime.seed));
         round_master(model);
@@ -249,7 +144,8 @@ class Engine {
       rk->timing.resize(rk->program->ops.size());
       rk->arrival.assign(rk->program->ops.size(), -1);
     }
-    compute_bucket_ranges(sh_, grad_elems);
+    GradientBuckets buckets = gradient_buckets(*schedule_, sh_.V, grad_elems);
+    sh_.bucket_ranges = std::move(buckets.ranges);
 
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     pinned_ = options.pin_threads && plan_.num_ranks() <= cores;
@@ -274,7 +170,7 @@ class Engine {
   }
 
   std::uint64_t replica_checksum(int replica) {
-    std::uint64_t h = 1469598103934665603ull;
+    std::uint64_t h = kFnvOffset;
     for (int s = 0; s < sh_.pp; ++s)
       for (auto& c : ranks_[plan_.rank_of(s, replica)]->chunks)
         h = fnv1a(h, c.master_weights());
@@ -286,16 +182,8 @@ class Engine {
     for (int s = 0; s < sh_.pp; ++s)
       for (int d = 1; d < sh_.dp; ++d)
         for (int j = 0; j < sh_.vpp; ++j) {
-          auto a = ranks_[plan_.rank_of(s, 0)]->chunks[j].master_weights();
-          auto b = ranks_[plan_.rank_of(s, d)]->chunks[j].master_weights();
-          for (std::size_t i = 0; i < a.size(); ++i) {
-            std::uint32_t ua, ub;
-            std::memcpy(&ua, &a[i], 4);
-            std::memcpy(&ub, &b[i], 4);
-            if (ua == ub) continue;
-            const double diff = std::fabs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
-            drift = std::max(drift, std::isnan(diff) ? INFINITY : diff);
-          }
+          drift = std::max(drift, weight_difference(ranks_[plan_.rank_of(s, 0)]->chunks[j].master_weights(),
+                                                    ranks_[plan_.rank_of(s, d)]->chunks[j].master_weights()));
         }
     return drift;
   }
@@ -671,19 +559,6 @@ class Engine {
   friend RunReport run_cpu(const RuntimePlan&, const RunOptions&);
 };
 
-Dataset open_data(const RuntimePlan& rp, const RunOptions& options, std::string& source) {
-  const auto& rt = rp.plan.config.runtime;
-  const int seq = rp.dims.seq_length;
-  const auto seed = static_cast<std::uint64_t>(rt.seed);
-  if (options.synthetic_data) {
-    source = fmt::format("synthetic (order-2 Markov chain over {} tokens, seed {})", rp.dims.vocab_size, seed);
-    return Dataset::synthetic(rp.dims.vocab_size, std::size_t{1} << 20, seq, seed);
-  }
-  const std::string path = options.data_path.empty() ? bundled_corpus_path() : options.data_path;
-  source = path;
-  return Dataset::from_file(path, seq, seed);
-}
-
 }  // namespace
 
 std::string plan_fingerprint(const RuntimePlan& rp) {
@@ -704,10 +579,11 @@ std::string plan_fingerprint(const RuntimePlan& rp) {
 RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
   RunReport report;
   report.runtime_plan = rp;
-  const Dataset data = open_data(rp, options, report.data_source);
+  const Dataset data = open_run_data(rp, options, report.data_source);
   Engine engine(report.runtime_plan, data, options);
   report.schedule = engine.schedule();
   report.threads_pinned = engine.pinned();
+  report.execution = fmt::format("cpu: {} rank threads{}", engine.num_ranks(), engine.pinned() ? ", pinned to cores 0.." + std::to_string(engine.num_ranks() - 1) : "");
   const Plan& plan = report.runtime_plan.plan;
   const int steps = options.steps > 0 ? options.steps : plan.config.runtime.steps;
   const std::string fingerprint = plan_fingerprint(rp);
@@ -742,7 +618,7 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
 
   const std::uint64_t samples_per_step = static_cast<std::uint64_t>(plan.global_batch_size);
   std::vector<Timeline> timelines;
-  double first_loss = NAN;
+  LossWatch loss_watch;
   std::optional<std::string> first_trouble;  // where inf/NaN first showed up, for the failure report
   for (int step = first; step <= steps; ++step) {
     const auto t0 = Clock::now();
@@ -761,25 +637,13 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
       }
     if (report.failure) break;
 
-    Timeline tl;
-    tl.schedule = report.schedule;
-    tl.predicted = false;
-    tl.ops.resize(engine.num_ranks());
-    for (int r = 0; r < engine.num_ranks(); ++r) tl.ops[r] = engine.rank(r).timing;
-    // A collective starts when its last member reaches it (as the simulator defines it).
-    std::vector<Tick> last_arrival(report.schedule->collectives.size(), -1);
+    std::vector<std::vector<OpTiming>> timing;
+    std::vector<std::vector<Tick>> arrival;
     for (int r = 0; r < engine.num_ranks(); ++r) {
-      const auto& ops = report.schedule->ranks[r].ops;
-      for (std::size_t i = 0; i < ops.size(); ++i)
-        if (ops[i].channel >= 0 && is_collective(ops[i].kind))
-          last_arrival[ops[i].channel] = std::max(last_arrival[ops[i].channel], engine.rank(r).arrival[i]);
+      timing.push_back(engine.rank(r).timing);
+      arrival.push_back(engine.rank(r).arrival);
     }
-    for (int r = 0; r < engine.num_ranks(); ++r) {
-      const auto& ops = report.schedule->ranks[r].ops;
-      for (std::size_t i = 0; i < ops.size(); ++i)
-        if (ops[i].channel >= 0 && is_collective(ops[i].kind))
-          tl.ops[r][i].start = std::min(tl.ops[r][i].end, std::max(tl.ops[r][i].start, last_arrival[ops[i].channel]));
-    }
+    Timeline tl = measured_timeline(report.schedule, timing, arrival);
     timelines.push_back(std::move(tl));
 
     StepRecord rec;
@@ -824,17 +688,9 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
     if (options.on_step) options.on_step(rec);
     report.steps.push_back(rec);
 
-    if (std::isnan(first_loss)) first_loss = rec.loss;
     if (!first_trouble && !first_bad_what.empty())
       first_trouble = fmt::format("non-finite values first appeared at step {}, in {}", step, first_bad_what);
-    const std::string origin = first_trouble ? "; " + *first_trouble : "";
-    if (!std::isfinite(rec.loss))
-      report.failure = RunFailure{step, fmt::format("loss became {} at step {}{}", std::isnan(rec.loss) ? "NaN" : "infinite",
-                                                    step, origin)};
-    else if (step > first + 2 && rec.loss > 3 * first_loss)
-      report.failure = RunFailure{step, fmt::format("loss diverged at step {}: {:.3f}, more than 3x the first step's "
-                                                    "{:.3f}{}",
-                                                    step, rec.loss, first_loss, origin)};
+    report.failure = loss_watch.check(rec, first, first_trouble.value_or(""));
 
     if (!options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
         (step % options.checkpoint_every_steps == 0 || step == steps) && !report.failure) {
@@ -863,16 +719,8 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
     if (report.failure) break;
   }
 
-  // The step the result describes: the median by time, leaving out the first (warm-up:
-  // first touches of memory) when there are others.
-  if (!timelines.empty()) {
-    std::vector<int> idx;
-    for (int i = timelines.size() > 1 ? 1 : 0; i < static_cast<int>(timelines.size()); ++i) idx.push_back(i);
-    std::sort(idx.begin(), idx.end(), [&](int a, int b) {
-      return report.steps[a].step_time_s < report.steps[b].step_time_s ||
-             (report.steps[a].step_time_s == report.steps[b].step_time_s && a < b);
-    });
-    const int chosen = idx[idx.size() / 2];
+  // The step the result describes: the median by time (step_common.h).
+  if (const int chosen = median_step_index(report.steps); chosen >= 0) {
     report.timeline = timelines[chosen];
     report.timeline_step = report.steps[chosen].step;
   } else {

@@ -90,6 +90,7 @@ struct RunReport {
   std::optional<RunFailure> failure;
   std::string data_source;
   bool threads_pinned = false;
+  std::string execution;              // how it ran, in words: "cpu: 4 rank threads, ...", "cuda: ..."
   int first_step = 1;                 // > 1 when resumed
   std::vector<std::string> checkpoints;  // written by this run
 };

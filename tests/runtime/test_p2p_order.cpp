@@ -1,0 +1,96 @@
+// The schedule properties the CUDA backend's communicators rely on (device_communicator.h):
+//  * NCCL pairs sends with receives by order, not by tag: for every pair of ranks (A, B), the
+//    messages A sends to B must come in the order B receives them from A, in every schedule;
+//  * NCCL splits one communicator per all-reduce member set: reduction_groups lists each set
+//    the executors reduce over exactly once, world included.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "core/schedule.h"
+#include "runtime/exec/runtime_plan.h"
+#include "runtime/exec/step_common.h"
+
+namespace trainsim::runtime {
+namespace {
+
+ScenarioConfig config(int dp, int pp, ScheduleKind schedule, int vpp, int global_batch) {
+  ScenarioConfig c;
+  c.name = "p2p-order";
+  c.cluster.num_gpus = dp * pp;
+  c.cluster.gpus_per_node = 8;
+  c.parallelism.data_parallel_size = dp;
+  c.parallelism.pipeline_parallel_size = pp;
+  c.parallelism.virtual_pipeline_stages = vpp;
+  c.parallelism.schedule = schedule;
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = global_batch;
+  c.runtime.num_layers = 16;
+  c.runtime.hidden_size = 32;
+  c.runtime.num_attention_heads = 2;
+  c.runtime.seq_length = 16;
+  c.runtime.vocab_size = 64;
+  c.runtime.data_synthetic = true;
+  return c;
+}
+
+struct Layout {
+  int dp, pp, vpp;
+  ScheduleKind schedule;
+  int global_batch;
+};
+
+class P2pOrder : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(P2pOrder, SendsFromAToBComeInTheOrderBReceivesThem) {
+  const Layout l = GetParam();
+  const RuntimePlan rp = make_runtime_plan(config(l.dp, l.pp, l.schedule, l.vpp, l.global_batch));
+  const Schedule s = build_schedule(rp.plan);
+  // (from, to) -> channels in program order, as sent by `from` and as received by `to`.
+  std::map<std::pair<int, int>, std::vector<int>> sent, received;
+  int messages = 0;
+  for (int r = 0; r < static_cast<int>(s.ranks.size()); ++r)
+    for (const Op& op : s.ranks[r].ops) {
+      if (op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient) {
+        sent[{r, op.peer}].push_back(op.channel);
+        ++messages;
+      }
+      if (op.kind == OpKind::RecvActivation || op.kind == OpKind::RecvGradient)
+        received[{op.peer, r}].push_back(op.channel);
+    }
+  if (l.pp > 1) {
+    EXPECT_GT(messages, 0);
+  }
+  EXPECT_EQ(sent, received) << schedule_name(l.schedule) << " dp" << l.dp << " pp" << l.pp << " v" << l.vpp;
+}
+
+INSTANTIATE_TEST_SUITE_P(EverySchedule, P2pOrder,
+                         ::testing::Values(Layout{1, 2, 1, ScheduleKind::gpipe, 8},
+                                           Layout{1, 4, 1, ScheduleKind::gpipe, 8},
+                                           Layout{2, 2, 1, ScheduleKind::one_f_one_b, 8},
+                                           Layout{1, 4, 1, ScheduleKind::one_f_one_b, 3},
+                                           Layout{1, 4, 1, ScheduleKind::one_f_one_b, 16},
+                                           Layout{1, 2, 2, ScheduleKind::interleaved_1f1b, 8},
+                                           Layout{1, 4, 2, ScheduleKind::interleaved_1f1b, 8},
+                                           Layout{2, 4, 4, ScheduleKind::interleaved_1f1b, 16},
+                                           Layout{1, 4, 1, ScheduleKind::zb_h1, 8},
+                                           Layout{2, 2, 1, ScheduleKind::zb_h1, 4}));
+
+TEST(ReductionGroups, EveryMemberSetOnceWorldLast) {
+  const RuntimePlan rp = make_runtime_plan(config(2, 2, ScheduleKind::one_f_one_b, 1, 8));
+  const Schedule s = build_schedule(rp.plan);
+  const auto groups = reduction_groups(s, 4);
+  std::set<std::vector<int>> unique(groups.begin(), groups.end());
+  EXPECT_EQ(unique.size(), groups.size());
+  for (const Collective& c : s.collectives) EXPECT_TRUE(unique.count(c.members)) << "missing a collective's members";
+  EXPECT_TRUE(unique.count(std::vector<int>{0, 1, 2, 3}));
+  // dp2 x pp2, tied embeddings: a replica group per stage (ranks s*dp + d), the tied pair per
+  // replica (stage 0 and stage 1 of the replica), and the world.
+  EXPECT_TRUE(unique.count(std::vector<int>{0, 1}));
+  EXPECT_TRUE(unique.count(std::vector<int>{2, 3}));
+}
+
+}  // namespace
+}  // namespace trainsim::runtime
