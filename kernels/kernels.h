@@ -175,4 +175,11 @@ void sgd_update(float* master, const void* grads, DType grad_dt, const std::uint
                 DType working_dt, std::size_t n, double learning_rate, double weight_decay, float grad_scale,
                 void* stream);
 
+// ---------------------------------------------------------------------------------------
+// Scaling
+// ---------------------------------------------------------------------------------------
+// x = x * factor in place: one fp32 multiply, rounded once to dt (the NCCL communicator's
+// Divide::after, factor = 1/n).
+void scale_inplace(void* x, std::size_t n, float factor, DType dt, void* stream);
+
 }  // namespace trainsim::cuda

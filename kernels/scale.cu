@@ -1,0 +1,34 @@
+// In-place multiplication by a scalar: the NCCL communicator's Divide::after (a sum divided by
+// the number of members, runtime/cuda/nccl_communicator.h). CPU reference: x = round_to(dt,
+// x * factor) (runtime/numerics/lowp.h); tests: tests/cuda/test_nccl_communicator.cpp.
+#include "kernels/common.cuh"
+#include "kernels/kernels.h"
+
+namespace trainsim::cuda {
+
+using namespace detail;
+
+namespace {
+
+// Grid-stride, one thread per element: one fp32 multiply, rounded once to T.
+template <class T>
+__global__ void scale_kernel(T* x, std::size_t n, float factor) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    x[i] = from_float<T>(to_float(x[i]) * factor);
+}
+
+}  // namespace
+
+void scale_inplace(void* x, std::size_t n, float factor, DType dt, void* stream) {
+  const char* name = "scale_inplace";
+  if (n == 0) return;
+  require(x != nullptr, name, "x is null with n = " + std::to_string(n));
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    scale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(static_cast<S*>(x), n, factor);
+  });
+  check_launch(name);
+}
+
+}  // namespace trainsim::cuda

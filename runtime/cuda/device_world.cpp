@@ -1,0 +1,232 @@
+#include "runtime/cuda/device_world.h"
+
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/collective.h"
+#include "runtime/comm/arguments.h"
+#include "runtime/comm/mailbox.h"
+
+namespace trainsim::runtime::cuda {
+
+namespace {
+
+// Channels of the mailbox key: point-to-point messages (keyed by source only, paired by order),
+// a collective's contributions, its "done reading" events, and host gathers.
+constexpr std::uint32_t kPointToPoint = 0, kContribution = 1, kDone = 2, kGather = 3;
+
+void check(cudaError_t err, const std::string& what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+std::size_t element_bytes(DType dt, const std::string& who) {
+  switch (dt) {
+    case DType::fp32: return 4;
+    case DType::fp16:
+    case DType::bf16: return 2;
+    default: break;
+  }
+  throw std::invalid_argument(who + "the single-GPU world moves fp32, fp16 or bf16 buffers, got " +
+                              std::string(dtype_name(dt)));
+}
+
+// An event recorded on a stream; destroyed with its last holder (the sender and every reader
+// hold it until they have queued their wait on it).
+std::shared_ptr<void> record_event(void* stream, const std::string& what) {
+  cudaEvent_t ev = nullptr;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
+  std::shared_ptr<void> owned(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+  check(cudaEventRecord(ev, as_stream(stream)), what + ": cudaEventRecord");
+  return owned;
+}
+
+void wait_event(void* stream, const std::shared_ptr<void>& ev, const std::string& what) {
+  check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(ev.get()), 0), what + ": cudaStreamWaitEvent");
+}
+
+struct DeviceMessage {
+  std::uint64_t tag = 0;
+  std::size_t count = 0;
+  DType dt = DType::fp32;
+  void* staging = nullptr;       // device; freed by the receiver (point-to-point) or the owner (collective)
+  std::shared_ptr<void> ready;   // cudaEvent_t: the staging buffer is written / has been read
+  std::vector<std::uint8_t> blob;  // gather_host only
+};
+
+struct WorldState : Mailboxes<DeviceMessage> {
+  using Mailboxes::Mailboxes;
+};
+
+class DeviceWorldCommunicator final : public DeviceCommunicator {
+ public:
+  DeviceWorldCommunicator(std::shared_ptr<WorldState> s, int rank) : s_(std::move(s)), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return s_->world_size(); }
+  std::string describe() const override {
+    return "single-GPU world: " + std::to_string(s_->world_size()) + " ranks on one device, exchanging through device memory";
+  }
+
+  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, void* stream) override {
+    check_peer(prefix(), peer, s_->world_size(), "send to");
+    const std::string what = prefix() + "send to rank " + std::to_string(peer) + " tag " + std::to_string(tag);
+    const std::size_t bytes = count * element_bytes(dt, prefix());
+    s_->throw_if_aborted(prefix(), [&] { return what.substr(prefix().size()); });
+    DeviceMessage msg;
+    msg.tag = tag;
+    msg.count = count;
+    msg.dt = dt;
+    msg.staging = stage(data, bytes, stream, what);
+    msg.ready = record_event(stream, what);
+    s_->post(peer, MailKey{rank_, 0, kPointToPoint}, std::move(msg));
+  }
+
+  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) override {
+    check_peer(prefix(), peer, s_->world_size(), "recv from");
+    const std::size_t bytes = count * element_bytes(dt, prefix());
+    auto op = [&] { return "recv from rank " + std::to_string(peer) + " tag " + std::to_string(tag); };
+    DeviceMessage msg = s_->take(rank_, MailKey{peer, 0, kPointToPoint}, prefix(), op);
+    if (msg.tag != tag || msg.count != count || msg.dt != dt)
+      throw CommError(prefix() + op() + ": the next message from rank " + std::to_string(peer) + " is tag " +
+                      std::to_string(msg.tag) + ", " + std::to_string(msg.count) + " " + std::string(dtype_name(msg.dt)) +
+                      " elements; this recv expects " + std::to_string(count) + " " + std::string(dtype_name(dt)) +
+                      " (sends and receives between two ranks must come in the same order)");
+    const std::string what = prefix() + op();
+    wait_event(stream, msg.ready, what);
+    if (bytes > 0) {
+      check(cudaMemcpyAsync(data, msg.staging, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)),
+            what + ": cudaMemcpyAsync");
+      check(cudaFreeAsync(msg.staging, as_stream(stream)), what + ": cudaFreeAsync");
+    }
+  }
+
+  // Sends are buffered: nothing needs to progress together.
+  void group_begin() override {}
+  void group_end() override {}
+
+  void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                  ReduceOp op, Divide divide, void* stream) override {
+    const int me = member_position(prefix(), members, rank_, s_->world_size(), tag);
+    const int n = static_cast<int>(members.size());
+    if (n > trainsim::cuda::kMaxRingMembers)
+      throw std::invalid_argument(prefix() + "all_reduce over " + std::to_string(n) + " members: the single-GPU world "
+                                  "reduces at most " + std::to_string(trainsim::cuda::kMaxRingMembers));
+    const std::size_t bytes = count * element_bytes(dt, prefix());
+    const std::string what = prefix() + "all_reduce tag " + std::to_string(tag);
+    s_->throw_if_aborted(prefix(), [&] { return what.substr(prefix().size()); });
+    // One member, or nothing to reduce: x * round(1/1) and x / 1 are x.
+    if (n == 1 || count == 0) return;
+
+    DeviceMessage mine;
+    mine.tag = tag;
+    mine.count = count;
+    mine.dt = dt;
+    mine.staging = stage(data, bytes, stream, what);
+    mine.ready = record_event(stream, what);
+    void* const my_staging = mine.staging;
+    for (int k = 0; k < n; ++k)
+      if (k != me) s_->post(members[k], MailKey{rank_, tag, kContribution}, DeviceMessage(mine));
+
+    std::vector<const void*> inputs(static_cast<std::size_t>(n));
+    inputs[me] = my_staging;
+    for (int k = 0; k < n; ++k) {
+      if (k == me) continue;
+      auto peer_op = [&] { return "all_reduce tag " + std::to_string(tag) + " (contribution of rank " + std::to_string(members[k]) + ")"; };
+      DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kContribution}, prefix(), peer_op);
+      if (m.count != count || m.dt != dt)
+        throw CommError(prefix() + peer_op() + ": rank " + std::to_string(members[k]) + " reduces " +
+                        std::to_string(m.count) + " " + std::string(dtype_name(m.dt)) + " elements, this rank " +
+                        std::to_string(count) + " " + std::string(dtype_name(dt)) + " (members disagree on the buffer)");
+      wait_event(stream, m.ready, what);
+      inputs[k] = m.staging;
+    }
+    trainsim::cuda::ring_reduce(data, inputs.data(), n, count, dt,
+                                op == ReduceOp::max ? trainsim::cuda::MemberReduce::max : trainsim::cuda::MemberReduce::sum,
+                                divide == Divide::before, divide == Divide::after, stream);
+
+    // Free this member's staging once every member has read it.
+    DeviceMessage done;
+    done.tag = tag;
+    done.ready = record_event(stream, what);
+    for (int k = 0; k < n; ++k)
+      if (k != me) s_->post(members[k], MailKey{rank_, tag, kDone}, DeviceMessage(done));
+    for (int k = 0; k < n; ++k) {
+      if (k == me) continue;
+      auto peer_op = [&] { return "all_reduce tag " + std::to_string(tag) + " (completion of rank " + std::to_string(members[k]) + ")"; };
+      DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kDone}, prefix(), peer_op);
+      wait_event(stream, m.ready, what);
+    }
+    check(cudaFreeAsync(my_staging, as_stream(stream)), what + ": cudaFreeAsync");
+  }
+
+  std::vector<std::vector<std::uint8_t>> gather_host(std::span<const std::uint8_t> blob) override {
+    const std::uint64_t round = gathers_++;
+    const int n = s_->world_size();
+    for (int r = 0; r < n; ++r) {
+      if (r == rank_) continue;
+      DeviceMessage m;
+      m.blob.assign(blob.begin(), blob.end());
+      s_->post(r, MailKey{rank_, round, kGather}, std::move(m));
+    }
+    std::vector<std::vector<std::uint8_t>> all(static_cast<std::size_t>(n));
+    all[static_cast<std::size_t>(rank_)].assign(blob.begin(), blob.end());
+    for (int r = 0; r < n; ++r) {
+      if (r == rank_) continue;
+      auto op = [&] { return "gather_host round " + std::to_string(round) + " (rank " + std::to_string(r) + ")"; };
+      all[static_cast<std::size_t>(r)] = std::move(s_->take(rank_, MailKey{r, round, kGather}, prefix(), op).blob);
+    }
+    return all;
+  }
+
+  void abort(const std::string& reason) override { s_->abort(reason); }
+
+ private:
+  std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
+
+  // A stream-ordered copy of `bytes` of `data` into a fresh device buffer.
+  static void* stage(const void* data, std::size_t bytes, void* stream, const std::string& what) {
+    if (bytes == 0) return nullptr;
+    void* staging = nullptr;
+    check(cudaMallocAsync(&staging, bytes, as_stream(stream)), what + ": cudaMallocAsync of " + std::to_string(bytes) + " bytes");
+    check(cudaMemcpyAsync(staging, data, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)), what + ": cudaMemcpyAsync");
+    return staging;
+  }
+
+  std::shared_ptr<WorldState> s_;
+  int rank_;
+  std::uint64_t gathers_ = 0;
+};
+
+}  // namespace
+
+struct DeviceWorld::Shared : WorldState {
+  using WorldState::WorldState;
+};
+
+DeviceWorld::DeviceWorld(int world_size, std::chrono::milliseconds timeout) {
+  if (world_size < 1)
+    throw std::invalid_argument("DeviceWorld: world_size must be at least 1, got " + std::to_string(world_size));
+  if (timeout.count() <= 0)
+    throw std::invalid_argument("DeviceWorld: timeout must be positive, got " + std::to_string(timeout.count()) + " ms");
+  shared_ = std::make_shared<Shared>(world_size, timeout);
+}
+
+DeviceWorld::~DeviceWorld() = default;
+
+int DeviceWorld::world_size() const { return shared_->world_size(); }
+
+std::unique_ptr<DeviceCommunicator> DeviceWorld::communicator(int rank) {
+  if (rank < 0 || rank >= shared_->world_size())
+    throw std::invalid_argument("DeviceWorld: no rank " + std::to_string(rank) + " in a world of " +
+                                std::to_string(shared_->world_size()));
+  return std::make_unique<DeviceWorldCommunicator>(shared_, rank);
+}
+
+}  // namespace trainsim::runtime::cuda

@@ -1,0 +1,686 @@
+// NcclCommunicator (nccl_communicator.h): DeviceCommunicator over NCCL, one process per GPU.
+#include "runtime/cuda/nccl_communicator.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include "kernels/kernels.h"
+#include "runtime/comm/arguments.h"
+#include "runtime/launch/rendezvous.h"
+
+namespace trainsim::runtime::cuda {
+namespace {
+
+// "{0,1,2}"; long lists end with the count of the ranks left out, so messages stay one line.
+std::string ranks_text(std::span<const int> ranks) {
+  constexpr std::size_t kShown = 16;
+  std::string s = "{";
+  for (std::size_t i = 0; i < ranks.size() && i < kShown; ++i) {
+    if (i > 0) s += ',';
+    s += std::to_string(ranks[i]);
+  }
+  if (ranks.size() > kShown) s += ",... (" + std::to_string(ranks.size()) + " ranks)";
+  return s + "}";
+}
+
+// NCCL_VERSION(X,Y,Z) is X*1000+Y*100+Z up to 2.8 and X*10000+Y*100+Z from 2.9 on.
+std::string nccl_version_text(int code) {
+  const int major = code >= 10000 ? code / 10000 : code / 1000;
+  const int minor = code >= 10000 ? (code % 10000) / 100 : (code % 1000) / 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
+}
+
+ncclDataType_t nccl_type(DType dt, const std::string& where) {
+  switch (dt) {
+    case DType::fp32: return ncclFloat;
+    case DType::fp16: return ncclHalf;
+    case DType::bf16: return ncclBfloat16;
+    case DType::tf32:
+    case DType::fp8: break;
+  }
+  throw std::invalid_argument(where + ": buffers must hold fp32, fp16 or bf16, got " + std::string(dtype_name(dt)) +
+                              " (cast to the wire format first)");
+}
+
+std::string count_text(std::size_t count, DType dt) { return std::to_string(count) + " " + std::string(dtype_name(dt)); }
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Lets the map of sub-communicators be searched with the caller's span, without a copy.
+struct RanksLess {
+  using is_transparent = void;
+  bool operator()(std::span<const int> a, std::span<const int> b) const {
+    return std::lexicographical_compare(a.begin(), a.end(), b.begin(), b.end());
+  }
+};
+
+void check_world(int rank, int world_size, const char* who) {
+  if (world_size < 1)
+    throw std::invalid_argument(std::string(who) + ": world size must be at least 1, got " +
+                                std::to_string(world_size));
+  if (rank < 0 || rank >= world_size)
+    throw std::invalid_argument(std::string(who) + ": rank " + std::to_string(rank) + " is outside [0, " +
+                                std::to_string(world_size) + ")");
+}
+
+void check_timeout(std::chrono::milliseconds timeout, const char* who) {
+  if (timeout <= std::chrono::milliseconds(0))
+    throw std::invalid_argument(std::string(who) + ": timeout must be positive, got " +
+                                std::to_string(timeout.count()) + " ms");
+}
+
+void check_groups(const std::vector<std::vector<int>>& groups, int world_size, const char* who) {
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& members = groups[g];
+    const std::string where = std::string(who) + ": group " + std::to_string(g) + " " + ranks_text(members);
+    if (members.empty()) throw std::invalid_argument(where + " is empty");
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (members[i] < 0 || members[i] >= world_size)
+        throw std::invalid_argument(where + ": " + std::to_string(members[i]) + " is not a rank (world size " +
+                                    std::to_string(world_size) + ")");
+      if (i > 0 && members[i] <= members[i - 1])
+        throw std::invalid_argument(where + ": members must be strictly ascending");
+    }
+  }
+}
+
+// Host staging memory for gather_host: page-locked, so the copies are asynchronous and the host
+// waits for them by polling rather than inside the CUDA call.
+struct PinnedFree {
+  void operator()(void* p) const { cudaFreeHost(p); }
+};
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+
+}  // namespace
+
+struct NcclCommunicator::Impl {
+  Impl(int rank_, int world_size_, int device_) : rank(rank_), world_size(world_size_), device(device_) {}
+  ~Impl();
+
+  const int rank, world_size, device;
+  std::string device_name;
+  int nccl_version = 0;
+
+  // Handles are written only during construction and never reset; after `aborted` is set they
+  // are dangling and nothing touches them (every use checks the flag first).
+  ncclComm_t world = nullptr;
+  std::map<std::vector<int>, ncclComm_t, RanksLess> subgroups;  // by member list
+  std::string groups_text;                                      // for "no communicator for members" errors
+
+  cudaStream_t gather_stream = nullptr;
+  std::unique_ptr<void, DeviceFree> device_scratch;
+  std::size_t device_scratch_bytes = 0;
+  std::unique_ptr<void, PinnedFree> pinned_scratch;
+  std::size_t pinned_scratch_bytes = 0;
+
+  // Work that must follow the launch of the enclosing group (see the header, "Groups").
+  int group_depth = 0;
+  struct DeferredScale {
+    void* data;
+    std::size_t count;
+    float factor;
+    DType dt;
+    void* stream;
+    std::string op;
+  };
+  std::vector<DeferredScale> deferred_scales;
+  std::vector<std::pair<ncclRedOp_t, ncclComm_t>> deferred_op_destroys;
+
+  // abort_mutex orders setting `aborted` against polling the communicators
+  // (ncclCommGetAsyncError, ncclGetLastError), so a poll never reads a communicator that
+  // ncclCommAbort is freeing.
+  mutable std::mutex abort_mutex;
+  std::string abort_reason;
+  std::atomic<bool> aborted{false};
+
+  // Last member: built once everything it may touch exists, and reset first in ~Impl so no
+  // timeout handler runs while the communicators are being torn down.
+  std::unique_ptr<Watchdog> watchdog;
+
+  std::string who() const { return "rank " + std::to_string(rank) + ": "; }
+
+  void throw_if_aborted() const {
+    if (!aborted.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(abort_mutex);
+    throw CommError(abort_reason);
+  }
+
+  void make_current() const {
+    const cudaError_t err = cudaSetDevice(device);
+    if (err != cudaSuccess)
+      throw CommError(who() + "cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(err));
+  }
+
+  void abort(const std::string& reason) {
+    {
+      std::lock_guard lock(abort_mutex);
+      if (aborted.load(std::memory_order_acquire)) return;
+      abort_reason = reason.empty() ? who() + "aborted" : reason;
+      aborted.store(true, std::memory_order_release);
+    }
+    // Outside the lock: ncclCommAbort may wait for the device, and a waiting thread must still be
+    // able to read the reason and throw. Once the flag is set under the lock, no poll or error
+    // report touches a communicator again, so nothing reads them while they are freed.
+    (void)cudaSetDevice(device);  // the watchdog's thread has never chosen one
+    // Results ignored: an abort that fails leaves nothing else to try.
+    for (auto& [members, comm] : subgroups) (void)ncclCommAbort(comm);
+    if (world != nullptr) (void)ncclCommAbort(world);
+  }
+
+  // Throws CommError for a failed NCCL call. A communicator whose call failed for any reason but
+  // its arguments is unusable (NCCL's documented error classes), so it is aborted first; when an
+  // abort already happened (the watchdog's, say, making this call return), its reason is the cause.
+  void check(ncclResult_t res, ncclComm_t comm, const std::string& op) {
+    if (res == ncclSuccess) return;
+    std::string message = who() + op + ": " + ncclGetErrorString(res);
+    {
+      std::lock_guard lock(abort_mutex);
+      if (aborted.load(std::memory_order_acquire)) throw CommError(abort_reason + " (then " + message + ")");
+      const char* last = ncclGetLastError(comm);
+      if (last != nullptr && *last != '\0') message += " (" + std::string(last) + ")";
+    }
+    if (res != ncclInvalidArgument && res != ncclInvalidUsage) abort(message);
+    throw CommError(message);
+  }
+
+  void check_cuda(cudaError_t err, const std::string& op) {
+    if (err == cudaSuccess) return;
+    const std::string message = who() + op + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+    abort(message);
+    throw CommError(message);
+  }
+
+  // Keeps a communicator NCCL just returned, unless an abort came first: then nobody else will
+  // abort it.
+  void adopt(ncclComm_t comm, const std::vector<int>* members) {
+    std::lock_guard lock(abort_mutex);
+    if (aborted.load(std::memory_order_acquire)) {
+      (void)ncclCommAbort(comm);
+      throw CommError(abort_reason);
+    }
+    if (members == nullptr)
+      world = comm;
+    else
+      subgroups.emplace(*members, comm);
+  }
+
+  // The first communicator in an error state, described; nullopt when all are healthy or an
+  // abort already happened (the caller's throw_if_aborted reports that).
+  std::optional<std::string> first_async_error() const {
+    std::lock_guard lock(abort_mutex);
+    if (aborted.load(std::memory_order_acquire)) return std::nullopt;
+    auto failed = [](ncclComm_t comm) -> std::optional<std::string> {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t res = ncclCommGetAsyncError(comm, &state);
+      if (res != ncclSuccess) state = res;
+      if (state == ncclSuccess || state == ncclInProgress) return std::nullopt;
+      std::string text = ncclGetErrorString(state);
+      const char* last = ncclGetLastError(comm);
+      if (last != nullptr && *last != '\0') text += " (" + std::string(last) + ")";
+      return text;
+    };
+    if (world != nullptr)
+      if (auto e = failed(world)) return "the world communicator failed: " + *e;
+    for (const auto& [members, comm] : subgroups)
+      if (auto e = failed(comm)) return "the communicator of members " + ranks_text(members) + " failed: " + *e;
+    return std::nullopt;
+  }
+
+  // Spins until `stream` is idle (see the header, "Waiting").
+  void wait(cudaStream_t stream, const std::string& what) {
+    auto guard = watchdog->guard(what);
+    for (int spin = 0;; ++spin) {
+      throw_if_aborted();
+      const cudaError_t state = cudaStreamQuery(stream);
+      if (state == cudaSuccess) return;
+      if (state != cudaErrorNotReady) check_cuda(state, what + ": the stream reported an error");
+      if (auto failure = first_async_error()) {
+        const std::string message = who() + what + ": " + *failure;
+        abort(message);
+        throw CommError(message);
+      }
+      // A few yields keep short waits short; then sleep, so a long wait costs no core.
+      if (spin < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  // A watchdog guard for a call that launches work now; calls inside a group only record, and
+  // group_end is guarded instead.
+  std::optional<Watchdog::Guard> guard_if_launching(const std::string& op) {
+    std::optional<Watchdog::Guard> guard;
+    if (group_depth == 0) guard.emplace(watchdog->guard(op));
+    return guard;
+  }
+
+  void scale(void* data, std::size_t count, float factor, DType dt, void* stream, const std::string& op) {
+    try {
+      ::trainsim::cuda::scale_inplace(data, count, factor, dt, stream);
+    } catch (const std::exception& e) {
+      const std::string message = who() + op + ": " + e.what();
+      abort(message);
+      throw CommError(message);
+    }
+  }
+
+  void init(std::span<const std::uint8_t> unique_id, const std::vector<std::vector<int>>& groups);
+  ncclComm_t communicator_for(std::span<const int> members, std::uint64_t tag) const;
+  void ensure_scratch(std::size_t device_bytes, std::size_t pinned_bytes);
+};
+
+NcclCommunicator::Impl::~Impl() {
+  watchdog.reset();
+  (void)cudaSetDevice(device);
+  // While an exception unwinds, this rank has stopped taking part: a collective destroy would
+  // wait for peers that may never come, so abort (local) instead.
+  if (!aborted.load(std::memory_order_acquire) && std::uncaught_exceptions() > 0)
+    abort(who() + "communicator destroyed while an exception was propagating");
+  // An unclosed group holds recorded calls that were never launched; NCCL refuses to destroy
+  // a communicator inside a group, and launching them now could wait for peers.
+  if (!aborted.load(std::memory_order_acquire) && group_depth > 0)
+    abort(who() + "communicator destroyed inside group_begin/group_end");
+  if (aborted.load(std::memory_order_acquire)) {
+    // The handles are gone. Device and pinned memory are left to the process's exit: freeing
+    // them synchronises the device, which a kernel still spinning after the abort could stall.
+    (void)device_scratch.release();
+    (void)pinned_scratch.release();
+  } else {
+    for (auto& [op, comm] : deferred_op_destroys) (void)ncclRedOpDestroy(op, comm);
+    for (auto& [members, comm] : subgroups) (void)ncclCommDestroy(comm);
+    if (world != nullptr) (void)ncclCommDestroy(world);
+  }
+  if (gather_stream != nullptr) (void)cudaStreamDestroy(gather_stream);
+}
+
+void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
+                                  const std::vector<std::vector<int>>& groups) {
+  make_current();
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  device_name = prop.name;
+  check(ncclGetVersion(&nccl_version), nullptr, "ncclGetVersion");
+  check_cuda(cudaStreamCreateWithFlags(&gather_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+
+  ncclUniqueId id;
+  std::memcpy(&id, unique_id.data(), sizeof id);
+  {
+    const std::string op = "ncclCommInitRank (" + std::to_string(world_size) + " ranks, GPU " +
+                           std::to_string(device) + ")";
+    auto guard = watchdog->guard(op);
+    ncclComm_t comm = nullptr;
+    check(ncclCommInitRank(&comm, world_size, id, rank), nullptr, op);
+    adopt(comm, nullptr);
+  }
+
+  // Distinct member sets that need a communicator of their own: not the world (it has one) and
+  // not a single rank (an all-reduce over oneself is the identity and needs none).
+  std::vector<std::vector<int>> distinct;
+  for (const auto& g : groups) {
+    if (!groups_text.empty()) groups_text += ' ';
+    groups_text += ranks_text(g);
+    if (g.size() == static_cast<std::size_t>(world_size) || g.size() == 1) continue;
+    if (std::find(distinct.begin(), distinct.end(), g) == distinct.end()) distinct.push_back(g);
+  }
+  // First fit into layers of disjoint sets, one ncclCommSplit per layer. Every rank computes the
+  // same layers from the same list, so they call the same splits in the same order.
+  std::vector<std::vector<std::size_t>> layers;
+  std::vector<std::vector<char>> used;  // per layer: rank taken
+  for (std::size_t g = 0; g < distinct.size(); ++g) {
+    std::size_t layer = 0;
+    for (; layer < layers.size(); ++layer) {
+      const auto& taken = used[layer];
+      if (std::none_of(distinct[g].begin(), distinct[g].end(), [&](int r) { return taken[static_cast<std::size_t>(r)]; }))
+        break;
+    }
+    if (layer == layers.size()) {
+      layers.emplace_back();
+      used.emplace_back(static_cast<std::size_t>(world_size), 0);
+    }
+    layers[layer].push_back(g);
+    for (int r : distinct[g]) used[layer][static_cast<std::size_t>(r)] = 1;
+  }
+  for (std::size_t layer = 0; layer < layers.size(); ++layer) {
+    int color = NCCL_SPLIT_NOCOLOR;
+    std::string sets;
+    for (std::size_t j = 0; j < layers[layer].size(); ++j) {
+      const auto& members = distinct[layers[layer][j]];
+      if (j > 0) sets += ' ';
+      sets += ranks_text(members);
+      if (std::binary_search(members.begin(), members.end(), rank)) color = static_cast<int>(j);
+    }
+    const std::string op = "ncclCommSplit (split " + std::to_string(layer + 1) + " of " +
+                           std::to_string(layers.size()) + ": members " + sets + ")";
+    throw_if_aborted();
+    auto guard = watchdog->guard(op);
+    ncclComm_t comm = nullptr;
+    check(ncclCommSplit(world, color, rank, &comm, nullptr), world, op);
+    if (color != NCCL_SPLIT_NOCOLOR) adopt(comm, &distinct[layers[layer][static_cast<std::size_t>(color)]]);
+  }
+}
+
+ncclComm_t NcclCommunicator::Impl::communicator_for(std::span<const int> members, std::uint64_t tag) const {
+  if (members.size() == static_cast<std::size_t>(world_size)) return world;
+  if (members.size() == 1) return nullptr;
+  const auto it = subgroups.find(members);
+  if (it == subgroups.end())
+    throw std::invalid_argument(who() + "all_reduce tag " + std::to_string(tag) + ": no communicator for members " +
+                                ranks_text(members) + "; NcclCommunicator::create was given " +
+                                (groups_text.empty() ? std::string("no groups") : groups_text));
+  return it->second;
+}
+
+void NcclCommunicator::Impl::ensure_scratch(std::size_t device_bytes, std::size_t pinned_bytes) {
+  if (device_bytes > device_scratch_bytes) {
+    device_scratch.reset();
+    device_scratch_bytes = 0;
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, device_bytes), "gather_host: cudaMalloc of " + std::to_string(device_bytes) + " bytes");
+    device_scratch.reset(p);
+    device_scratch_bytes = device_bytes;
+  }
+  if (pinned_bytes > pinned_scratch_bytes) {
+    pinned_scratch.reset();
+    pinned_scratch_bytes = 0;
+    void* p = nullptr;
+    check_cuda(cudaMallocHost(&p, pinned_bytes),
+               "gather_host: cudaMallocHost of " + std::to_string(pinned_bytes) + " bytes");
+    pinned_scratch.reset(p);
+    pinned_scratch_bytes = pinned_bytes;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Construction
+// ---------------------------------------------------------------------------------------
+
+NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NcclCommunicator::~NcclCommunicator() = default;
+
+std::vector<std::uint8_t> NcclCommunicator::make_unique_id() {
+  ncclUniqueId id;
+  const ncclResult_t res = ncclGetUniqueId(&id);
+  if (res != ncclSuccess)
+    throw CommError(std::string("ncclGetUniqueId: ") + ncclGetErrorString(res) + " (" + ncclGetLastError(nullptr) +
+                    ")");
+  std::vector<std::uint8_t> bytes(sizeof id);
+  std::memcpy(bytes.data(), &id, sizeof id);
+  return bytes;
+}
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::create(const LaunchEnv& env,
+                                                           const std::vector<std::vector<int>>& groups,
+                                                           std::chrono::milliseconds timeout) {
+  const char* who = "NcclCommunicator::create";
+  check_world(env.rank, env.world_size, who);
+  if (env.local_rank < 0)
+    throw std::invalid_argument(std::string(who) + ": local rank must not be negative, got " +
+                                std::to_string(env.local_rank));
+  check_timeout(timeout, who);
+  check_groups(groups, env.world_size, who);
+
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess || devices == 0)
+    throw CommError("rank " + std::to_string(env.rank) + ": no usable CUDA device (" +
+                    (err != cudaSuccess ? std::string(cudaGetErrorString(err)) : std::string("none visible")) + ")");
+  const int device = env.local_rank % devices;
+
+  std::vector<std::uint8_t> id;
+  if (env.rank == 0) id = make_unique_id();
+  const std::vector<std::uint8_t> shared = broadcast_from_rank0(env, id, timeout);
+  return init_from_id(shared, env.rank, env.world_size, device, groups, timeout);
+}
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::init_from_id(std::span<const std::uint8_t> unique_id, int rank,
+                                                                 int world_size, int device,
+                                                                 const std::vector<std::vector<int>>& groups,
+                                                                 std::chrono::milliseconds timeout) {
+  const char* who = "NcclCommunicator::init_from_id";
+  check_world(rank, world_size, who);
+  check_timeout(timeout, who);
+  check_groups(groups, world_size, who);
+  if (unique_id.size() != sizeof(ncclUniqueId))
+    throw std::invalid_argument(std::string(who) + ": the unique id must be " + std::to_string(sizeof(ncclUniqueId)) +
+                                " bytes (ncclUniqueId), got " + std::to_string(unique_id.size()));
+  if (device < 0) throw std::invalid_argument(std::string(who) + ": device must not be negative");
+
+  auto impl = std::make_unique<Impl>(rank, world_size, device);
+  Impl* raw = impl.get();
+  impl->watchdog = std::make_unique<Watchdog>(rank, timeout, [raw](const std::string& message) { raw->abort(message); });
+  impl->init(unique_id, groups);
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(std::move(impl)));
+}
+
+// ---------------------------------------------------------------------------------------
+// DeviceCommunicator
+// ---------------------------------------------------------------------------------------
+
+int NcclCommunicator::rank() const { return impl_->rank; }
+int NcclCommunicator::world_size() const { return impl_->world_size; }
+int NcclCommunicator::device() const { return impl_->device; }
+bool NcclCommunicator::aborted() const { return impl_->aborted.load(std::memory_order_acquire); }
+Watchdog& NcclCommunicator::watchdog() { return *impl_->watchdog; }
+
+std::string NcclCommunicator::describe() const {
+  return "NCCL " + nccl_version_text(impl_->nccl_version) + ", rank " + std::to_string(impl_->rank) + " of " +
+         std::to_string(impl_->world_size) + ", GPU " + std::to_string(impl_->device) + " (" + impl_->device_name +
+         ")";
+}
+
+void NcclCommunicator::send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt,
+                            void* stream) {
+  Impl& m = *impl_;
+  check_peer(m.who(), peer, m.world_size, "send to");
+  const std::string op = "send tag " + std::to_string(tag) + " (peer " + std::to_string(peer) + ", " +
+                         count_text(count, dt) + ")";
+  const ncclDataType_t type = nccl_type(dt, m.who() + op);
+  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + op + ": data is null");
+  m.throw_if_aborted();
+  m.make_current();
+  auto guard = m.guard_if_launching(op);
+  m.check(ncclSend(data, count, type, peer, m.world, as_stream(stream)), m.world, op);
+}
+
+void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) {
+  Impl& m = *impl_;
+  check_peer(m.who(), peer, m.world_size, "recv from");
+  const std::string op = "recv tag " + std::to_string(tag) + " (peer " + std::to_string(peer) + ", " +
+                         count_text(count, dt) + ")";
+  const ncclDataType_t type = nccl_type(dt, m.who() + op);
+  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + op + ": data is null");
+  m.throw_if_aborted();
+  m.make_current();
+  auto guard = m.guard_if_launching(op);
+  m.check(ncclRecv(data, count, type, peer, m.world, as_stream(stream)), m.world, op);
+}
+
+void NcclCommunicator::group_begin() {
+  Impl& m = *impl_;
+  m.throw_if_aborted();
+  m.make_current();
+  m.check(ncclGroupStart(), m.world, "group_begin (ncclGroupStart)");
+  ++m.group_depth;
+}
+
+void NcclCommunicator::group_end() {
+  Impl& m = *impl_;
+  if (m.group_depth == 0) throw std::logic_error(m.who() + "group_end without group_begin");
+  --m.group_depth;
+  m.throw_if_aborted();
+  m.make_current();
+  if (m.group_depth > 0) {
+    m.check(ncclGroupEnd(), m.world, "group_end (nested, ncclGroupEnd)");
+    return;
+  }
+  auto scales = std::move(m.deferred_scales);
+  auto op_destroys = std::move(m.deferred_op_destroys);
+  m.deferred_scales.clear();
+  m.deferred_op_destroys.clear();
+  const std::string op = "group_end (ncclGroupEnd)";
+  {
+    auto guard = m.watchdog->guard(op);
+    const ncclResult_t res = ncclGroupEnd();
+    if (res != ncclSuccess && !m.aborted.load(std::memory_order_acquire))
+      for (auto& [redop, comm] : op_destroys) (void)ncclRedOpDestroy(redop, comm);
+    m.check(res, m.world, op);
+  }
+  for (auto& [redop, comm] : op_destroys) m.check(ncclRedOpDestroy(redop, comm), comm, op + ": ncclRedOpDestroy");
+  for (const auto& s : scales) m.scale(s.data, s.count, s.factor, s.dt, s.stream, s.op);
+}
+
+void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members,
+                                  std::uint64_t tag, ReduceOp op, Divide divide, void* stream) {
+  Impl& m = *impl_;
+  member_position(m.who(), members, m.rank, m.world_size, tag);
+  const std::string what = "all_reduce tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
+                           count_text(count, dt) + ", " + (op == ReduceOp::sum ? "sum" : "max") +
+                           (divide == Divide::before ? ", divide before" : divide == Divide::after ? ", divide after" : "") +
+                           ")";
+  const ncclDataType_t type = nccl_type(dt, m.who() + what);
+  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + what + ": data is null");
+  const ncclComm_t comm = m.communicator_for(members, tag);
+  m.throw_if_aborted();
+  // Over oneself every op and divide is the identity (x * round(1/1) = x), and so is no data.
+  if (comm == nullptr || count == 0) return;
+  m.make_current();
+
+  const int n = static_cast<int>(members.size());
+  // Divide::before on a sum: NCCL multiplies each contribution by the scalar, in the buffer's
+  // type. On a max, dividing before or after is the same monotone rounding of the max, done after.
+  const bool premultiply = divide == Divide::before && op == ReduceOp::sum;
+  const float inverse = 1.0f / static_cast<float>(n);
+  // The scalar 1/n in the buffer's type, the value the in-process communicator uses.
+  const __half inverse_fp16 = __float2half_rn(inverse);
+  const __nv_bfloat16 inverse_bf16 = __float2bfloat16_rn(inverse);
+  float post_factor = 1.0f;
+  if (divide == Divide::after) post_factor = inverse;
+  if (divide == Divide::before && op == ReduceOp::max)
+    post_factor = dt == DType::fp16 ? __half2float(inverse_fp16)
+                  : dt == DType::bf16 ? __bfloat162float(inverse_bf16)
+                                      : inverse;
+
+  auto guard = m.guard_if_launching(what);
+  ncclRedOp_t redop = op == ReduceOp::max ? ncclMax : ncclSum;
+  if (premultiply) {
+    float scalar_fp32 = inverse;
+    __half scalar_fp16 = inverse_fp16;
+    __nv_bfloat16 scalar_bf16 = inverse_bf16;
+    void* scalar = dt == DType::fp16   ? static_cast<void*>(&scalar_fp16)
+                   : dt == DType::bf16 ? static_cast<void*>(&scalar_bf16)
+                                       : static_cast<void*>(&scalar_fp32);
+    m.check(ncclRedOpCreatePreMulSum(&redop, scalar, type, ncclScalarHostImmediate, comm), comm,
+            what + ": ncclRedOpCreatePreMulSum");
+  }
+  const ncclResult_t res = ncclAllReduce(data, data, count, type, redop, comm, as_stream(stream));
+  if (premultiply) {
+    if (m.group_depth > 0 && res == ncclSuccess) {
+      // NCCL may read the operator until the group is launched: destroyed after group_end.
+      m.deferred_op_destroys.emplace_back(redop, comm);
+    } else if (res != ncclSuccess) {
+      if (!m.aborted.load(std::memory_order_acquire)) (void)ncclRedOpDestroy(redop, comm);
+    } else {
+      m.check(ncclRedOpDestroy(redop, comm), comm, what + ": ncclRedOpDestroy");
+    }
+  }
+  m.check(res, comm, what);
+  if (post_factor != 1.0f) {
+    if (m.group_depth > 0)
+      m.deferred_scales.push_back({data, count, post_factor, dt, stream, what});
+    else
+      m.scale(data, count, post_factor, dt, stream, what);
+  }
+}
+
+std::vector<std::vector<std::uint8_t>> NcclCommunicator::gather_host(std::span<const std::uint8_t> mine) {
+  Impl& m = *impl_;
+  if (m.group_depth > 0)
+    throw std::logic_error(m.who() + "gather_host inside group_begin/group_end: it waits for its own result");
+  m.throw_if_aborted();
+  m.make_current();
+  const std::size_t world = static_cast<std::size_t>(m.world_size);
+  const std::string what = "gather_host (" + std::to_string(mine.size()) + " bytes from this rank)";
+  // The whole call, not only its waits: growing the scratch buffers frees the old ones, and
+  // cudaFree waits for the device, where a collective may hang on a failed peer.
+  auto guard = m.watchdog->guard(what);
+
+  // 1. Every rank's size, as int64 (ncclAllGather of one element per rank).
+  m.ensure_scratch((1 + world) * sizeof(std::int64_t), (1 + world) * sizeof(std::int64_t));
+  auto* size_host = static_cast<std::int64_t*>(m.pinned_scratch.get());
+  auto* size_device = static_cast<std::int64_t*>(m.device_scratch.get());
+  size_host[0] = static_cast<std::int64_t>(mine.size());
+  m.check_cuda(cudaMemcpyAsync(size_device, size_host, sizeof(std::int64_t), cudaMemcpyHostToDevice, m.gather_stream),
+               what + ": cudaMemcpyAsync of the size");
+  {
+    const std::string op = what + ": ncclAllGather of the sizes";
+    auto guard = m.watchdog->guard(op);
+    m.check(ncclAllGather(size_device, size_device + 1, 1, ncclInt64, m.world, m.gather_stream), m.world, op);
+  }
+  m.check_cuda(cudaMemcpyAsync(size_host + 1, size_device + 1, world * sizeof(std::int64_t), cudaMemcpyDeviceToHost,
+                               m.gather_stream),
+               what + ": cudaMemcpyAsync of the sizes");
+  m.wait(m.gather_stream, what + ": sizes");
+  std::vector<std::size_t> sizes(world);
+  std::size_t longest = 0;
+  for (std::size_t r = 0; r < world; ++r) {
+    if (size_host[1 + r] < 0)
+      throw CommError(m.who() + what + ": rank " + std::to_string(r) + " reported a negative size " +
+                      std::to_string(size_host[1 + r]));
+    sizes[r] = static_cast<std::size_t>(size_host[1 + r]);
+    longest = std::max(longest, sizes[r]);
+  }
+  if (sizes[static_cast<std::size_t>(m.rank)] != mine.size())
+    throw CommError(m.who() + what + ": the gathered size of this rank is " +
+                    std::to_string(sizes[static_cast<std::size_t>(m.rank)]) + ", not " + std::to_string(mine.size()));
+  std::vector<std::vector<std::uint8_t>> all(world);
+  if (longest == 0) return all;
+
+  // 2. The blobs, each padded to the longest: [this rank's blob | every rank's, by rank] on the
+  // device; the host buffer holds this rank's blob on the way in and every blob on the way out
+  // (stream order: the upload has read it before the download writes it).
+  m.ensure_scratch(longest * (1 + world), longest * world);
+  auto* host = static_cast<std::uint8_t*>(m.pinned_scratch.get());
+  auto* send = static_cast<std::uint8_t*>(m.device_scratch.get());
+  std::uint8_t* gathered = send + longest;
+  if (!mine.empty()) std::memcpy(host, mine.data(), mine.size());
+  std::memset(host + mine.size(), 0, longest - mine.size());
+  m.check_cuda(cudaMemcpyAsync(send, host, longest, cudaMemcpyHostToDevice, m.gather_stream),
+               what + ": cudaMemcpyAsync of the blob");
+  {
+    const std::string op = what + ": ncclAllGather of " + std::to_string(longest) + " bytes per rank";
+    auto guard = m.watchdog->guard(op);
+    m.check(ncclAllGather(send, gathered, longest, ncclUint8, m.world, m.gather_stream), m.world, op);
+  }
+  m.check_cuda(cudaMemcpyAsync(host, gathered, longest * world, cudaMemcpyDeviceToHost, m.gather_stream),
+               what + ": cudaMemcpyAsync of the blobs");
+  m.wait(m.gather_stream, what + ": blobs");
+  for (std::size_t r = 0; r < world; ++r) all[r].assign(host + r * longest, host + r * longest + sizes[r]);
+  return all;
+}
+
+void NcclCommunicator::abort(const std::string& reason) { impl_->abort(reason); }
+
+void NcclCommunicator::synchronize(void* stream, const std::string& what) {
+  Impl& m = *impl_;
+  m.throw_if_aborted();
+  m.make_current();
+  m.wait(as_stream(stream), what);
+}
+
+}  // namespace trainsim::runtime::cuda
