@@ -12,6 +12,10 @@
 #include "core/scenario.h"
 #include "runtime/exec/executor.h"
 #include "runtime/exec/run_report.h"
+#include "runtime/launch/launch_env.h"
+#if TRAINSIM_HAVE_CUDA
+#include "runtime/cuda/executor_cuda.h"
+#endif
 
 namespace trainsim::cli {
 
@@ -29,16 +33,51 @@ std::string resolve_data_path(const std::string& scenario_file, const std::strin
 
 }  // namespace
 
+runtime::RunReport run_on_backend(const runtime::RuntimePlan& rp, const runtime::RunOptions& options,
+                                  const BackendChoice& backend) {
+  if (backend.name != "cuda") return runtime::run_cpu(rp, options);
+#if TRAINSIM_HAVE_CUDA
+  runtime::cuda::CudaRunOptions cuda;
+  cuda.sm_sharing = backend.sm_sharing == "green"    ? runtime::cuda::SmSharing::green_contexts
+                    : backend.sm_sharing == "shared" ? runtime::cuda::SmSharing::shared
+                                                     : runtime::cuda::SmSharing::automatic;
+  cuda.device = backend.device;
+  // Started by torchrun, mpirun or srun with more than one process: one rank per process over
+  // NCCL. Otherwise every rank of the plan shares one GPU in this process.
+  const runtime::LaunchEnv env = runtime::launch_env_from();
+  if (env.world_size > 1) cuda.launch = env;
+  return runtime::cuda::run_cuda(rp, options, cuda);
+#else
+  throw std::runtime_error("this trainsim was built without CUDA (no nvcc at configure time); run with --backend cpu");
+#endif
+}
+
+bool prints_output(const BackendChoice& backend) {
+  if (backend.name != "cuda") return true;
+  return runtime::launch_env_from().rank == 0;  // one process per GPU: rank 0 reports
+}
+
+void add_backend_options(CLI::App* sub, BackendChoice& backend) {
+  sub->add_option("--backend", backend.name, "cpu (threads, Eigen) or cuda (cuBLAS, our kernels; NCCL under a launcher)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_option("--sm-sharing", backend.sm_sharing,
+                  "cuda, all ranks on one GPU: split the SMs between ranks with green contexts (green), let ranks "
+                  "share every SM (shared), or green where the driver allows it (auto)")
+      ->check(CLI::IsMember({"auto", "green", "shared"}));
+  sub->add_option("--device", backend.device, "cuda, all ranks on one GPU: which GPU")->check(CLI::NonNegativeNumber);
+}
+
 Command add_run_command(CLI::App& app) {
   struct Options {
-    std::string file, backend = "cpu", trace, svg, resume, checkpoint_dir;
+    std::string file, trace, svg, resume, checkpoint_dir;
+    BackendChoice backend;
     int steps = 0, checkpoint_every = -1;
     bool json = false, synthetic = false, no_pin = false;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand("run", "Execute the scenario's plan for real (the runtime section's model) and measure it");
   sub->add_option("FILE", o->file, "Scenario YAML")->required();
-  sub->add_option("--backend", o->backend, "cpu (threads, Eigen) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  add_backend_options(sub, o->backend);
   sub->add_option("--steps", o->steps, "Optimizer steps (default: runtime.steps)")->check(CLI::PositiveNumber);
   sub->add_flag("--json", o->json, "Print the measured result object with per-step numerics instead of the summary");
   sub->add_option("--trace", o->trace, "Write a Chrome/Perfetto trace of the measured step");
@@ -48,12 +87,11 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--checkpoint-every", o->checkpoint_every, "Steps between checkpoints (default: runtime.checkpoint.every_steps)");
   sub->add_flag("--synthetic", o->synthetic, "Train on synthetic tokens instead of the corpus");
   sub->add_flag("--no-pin", o->no_pin, "Do not pin rank threads to cores");
-  return {sub, [o] {
+  return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
-            const RuntimeBackend backend =
-                o->backend == "cuda" ? RuntimeBackend::cuda : scenario.config.runtime.backend;
-            if (backend == RuntimeBackend::cuda)
-              throw std::runtime_error("the CUDA backend is not built yet; run with --backend cpu");
+            BackendChoice backend = o->backend;
+            if (sub->count("--backend") == 0 && scenario.config.runtime.backend == RuntimeBackend::cuda)
+              backend.name = "cuda";
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             const auto& rt = scenario.config.runtime;
 
@@ -67,14 +105,16 @@ Command add_run_command(CLI::App& app) {
             opt.resume_from = o->resume;
             opt.pin_threads = !o->no_pin;
             const int total = o->steps > 0 ? o->steps : rt.steps;
-            if (isatty(STDERR_FILENO))
+            const bool prints = prints_output(backend);
+            if (prints && isatty(STDERR_FILENO))
               opt.on_step = [total](const runtime::StepRecord& s) {
                 std::cerr << fmt::format("\rstep {:>4}/{}  loss {:8.4f}  scale {:>8g}  {:6.1f} ms{}", s.step, total, s.loss,
                                          s.loss_scale, s.step_time_s * 1e3, s.skipped_ranks ? "  (skipped)" : "          ")
                           << std::flush;
               };
-            const runtime::RunReport report = runtime::run_cpu(rp, opt);
-            if (isatty(STDERR_FILENO)) std::cerr << "\n";
+            const runtime::RunReport report = run_on_backend(rp, opt, backend);
+            if (prints && isatty(STDERR_FILENO)) std::cerr << "\n";
+            if (!prints) return report.failure ? kExitRunFailed : 0;
 
             if (o->json)
               std::cout << runtime::run_to_json(report).dump(2) << "\n";

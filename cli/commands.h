@@ -31,6 +31,29 @@ Command add_calibrate_command(CLI::App& app);
 Command add_validate_command(CLI::App& app);
 Command add_prove_command(CLI::App& app);
 
+// The backend a run, calibration or validation uses, from --backend, --sm-sharing, --device.
+struct BackendChoice {
+  std::string name = "cpu";           // cpu or cuda
+  std::string sm_sharing = "auto";    // cuda, every rank on one GPU: auto, green or shared
+  int device = 0;                     // cuda, every rank on one GPU
+};
+void add_backend_options(CLI::App* sub, BackendChoice& backend);
+}  // namespace trainsim::cli
+
+namespace trainsim::runtime {
+struct RuntimePlan;
+struct RunOptions;
+struct RunReport;
+}  // namespace trainsim::runtime
+
+namespace trainsim::cli {
+// Runs on the chosen backend. cuda under a launcher (torchrun, mpirun, srun with more than one
+// process) runs this process's rank over NCCL; otherwise every rank shares one GPU.
+runtime::RunReport run_on_backend(const runtime::RuntimePlan& rp, const runtime::RunOptions& options,
+                                  const BackendChoice& backend);
+// False on every process but rank 0 of a multi-process CUDA run: one report, not one per GPU.
+bool prints_output(const BackendChoice& backend);
+
 // core/report/write_file.h's write_file (whole or not at all), then tells the user on stderr
 // where the file is (and how to open it).
 void write_output(const std::string& path, const std::function<void(std::ostream&)>& body, const std::string& hint = "");

@@ -1,0 +1,58 @@
+// The CUDA backend's executor: the plan's Schedule on NVIDIA GPUs (DESIGN.md "Runtime"), with the
+// CPU executor's semantics (runtime/exec/executor.h: numerics, overflow checks, optimizer,
+// report) and its measurements taken with CUDA events.
+//
+// Two ways to place ranks:
+//  * one GPU, every rank (CudaRunOptions::launch empty): all ranks in this process, a host
+//    thread pair per rank, each rank with its own compute, communication and send streams,
+//    the SMs split between ranks with green contexts where the driver has them
+//    (runtime/cuda/sm_partition.h), exchanging through device memory (device_world.h);
+//  * one process per GPU (launch set, from torchrun/mpirun/srun variables): this process runs
+//    rank launch->rank over NCCL (nccl_communicator.h); every process gathers every rank's
+//    step record, so each holds the whole report (rank 0 prints it).
+//
+// Per rank: compute ops (forward, backward segments, receives, the optimizer step) are queued
+// on the compute stream by the compute thread; collectives on the communication stream by the
+// communication thread, which waits (on the device, through events) for the backward segment
+// that completes a bucket, so bucket all-reduces overlap the backward that follows, as the
+// schedule says; sends on the send stream, after an event on the compute stream, so a send
+// never holds up the compute that follows it. The host threads run ahead of the device and
+// only wait for one another's *queuing* (an event must be recorded before a stream can wait on
+// it); the device does the real waiting. The last stage's forward reads its loss back, and the
+// optimizer step reads the gradient norm and the overflow verdict, so those are host syncs.
+//
+// Timing: every op records a CUDA event before and after itself on the stream it runs on;
+// times are measured from an event recorded on the rank's compute stream when the step starts.
+// A collective's start event is recorded after its stream waited for its producer, so its time
+// is when this rank reached it; the Timeline then starts a collective when its last member
+// reaches it, as the CPU executor and the simulator do.
+//
+// Numerics, as the CPU executor (same StepRecord): overflow flags per rank before and after each
+// gradient all-reduce (so a report can say "the bf16 all-reduce of gradient bucket 0" made the
+// first inf/NaN), the largest |activation| sent and |gradient| returned, and inf/NaN counts.
+//
+// Not yet: the zero-bubble split (ZB-H1 is refused with a clear error: CudaStageModel has no
+// backward_input/backward_weight), checkpoints and resume (refused), master weights stored in
+// a format other than fp32 (rounded with two casts, see optimizer_step).
+#pragma once
+
+#include <optional>
+
+#include "runtime/cuda/sm_partition.h"
+#include "runtime/exec/executor.h"
+#include "runtime/launch/launch_env.h"
+
+namespace trainsim::runtime::cuda {
+
+struct CudaRunOptions {
+  SmSharing sm_sharing = SmSharing::automatic;  // one GPU, every rank
+  std::optional<LaunchEnv> launch;              // set: one process per GPU over NCCL
+  int device = 0;                               // one GPU, every rank: which
+};
+
+// Throws std::invalid_argument for a plan the CUDA backend cannot run (ZB-H1, checkpoints,
+// formats the kernels do not store), std::runtime_error when no device can be used (saying
+// why); a run that goes numerically wrong returns with `failure` set, as run_cpu.
+RunReport run_cuda(const RuntimePlan& plan, const RunOptions& options, const CudaRunOptions& cuda);
+
+}  // namespace trainsim::runtime::cuda

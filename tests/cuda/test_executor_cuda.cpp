@@ -1,0 +1,183 @@
+// The CUDA executor (runtime/cuda/executor_cuda.h) against the CPU executor, the reference: the
+// same plan, seed and data must train the same model.
+//
+// Tolerances. Both backends start from identical weights and compute the same function with the
+// same roundings; they differ in the order of FP32 summation inside matrix products and
+// reductions (tests/cuda/test_stage_model_cuda.cpp derives 1e-5 relative for a stage's loss).
+//  * fp32: the first step's loss to 1e-5 relative; after Adam steps (lr 3e-3; an update of
+//    ~lr per weight whatever the gradient's size, so gradient differences of ~1e-4 relative
+//    move weights by ~1e-4 lr) the loss to 1e-4 relative over three steps;
+//  * bf16 (u = 2^-8): one rounding flip per tensor changes a loss by O(u) relative; three steps,
+//    2^-5 relative.
+// A wrong stream dependency (a collective reading gradients before the backward wrote them, a
+// receive before the send) or a wrong bucket gives errors of order one, far above these.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "core/metrics.h"
+#include "cuda_test_helpers.h"
+#include "runtime/cuda/executor_cuda.h"
+#include "runtime/exec/executor.h"
+#include "runtime/exec/runtime_plan.h"
+
+namespace trainsim::runtime::cuda {
+namespace {
+
+ScenarioConfig small_config(int dp, int pp, ScheduleKind schedule, int vpp = 1) {
+  ScenarioConfig c;
+  c.name = "cuda-test";
+  c.cluster.num_gpus = dp * pp;
+  c.cluster.gpus_per_node = 8;
+  c.parallelism.data_parallel_size = dp;
+  c.parallelism.pipeline_parallel_size = pp;
+  c.parallelism.virtual_pipeline_stages = vpp;
+  c.parallelism.schedule = schedule;
+  c.training.micro_batch_size = 2;
+  c.training.global_batch_size = 16;
+  c.training.optimizer = Optimizer::adamw;
+  c.training.lr = 3e-3;
+  c.training.clip_grad = 1.0;
+  c.precision.compute = DType::fp32;
+  c.precision.grad_accumulation = DType::fp32;
+  c.precision.allreduce = DType::fp32;
+  c.precision.loss_scaling.mode = LossScalingMode::none;
+  c.runtime.num_layers = 8;
+  c.runtime.hidden_size = 64;
+  c.runtime.num_attention_heads = 4;
+  c.runtime.seq_length = 32;
+  c.runtime.vocab_size = 96;
+  c.runtime.data_synthetic = true;
+  c.runtime.steps = 3;
+  c.runtime.seed = 11;
+  return c;
+}
+
+RunOptions options() {
+  RunOptions o;
+  o.synthetic_data = true;
+  o.pin_threads = false;
+  return o;
+}
+
+RunReport on_cpu(const ScenarioConfig& c) { return run_cpu(make_runtime_plan(c), options()); }
+RunReport on_gpu(const ScenarioConfig& c, SmSharing sharing = SmSharing::automatic) {
+  CudaRunOptions cuda;
+  cuda.sm_sharing = sharing;
+  return run_cuda(make_runtime_plan(c), options(), cuda);
+}
+
+void expect_tracks(const RunReport& cpu, const RunReport& gpu, double first_tol, double later_tol) {
+  ASSERT_FALSE(cpu.failure) << cpu.failure->message;
+  ASSERT_FALSE(gpu.failure) << gpu.failure->message;
+  ASSERT_EQ(cpu.steps.size(), gpu.steps.size());
+  for (std::size_t i = 0; i < cpu.steps.size(); ++i) {
+    const double tol = i == 0 ? first_tol : later_tol;
+    EXPECT_NEAR(gpu.steps[i].loss, cpu.steps[i].loss, tol * std::fabs(cpu.steps[i].loss)) << "step " << i + 1;
+    EXPECT_NEAR(gpu.steps[i].grad_norm, cpu.steps[i].grad_norm, 10 * tol * cpu.steps[i].grad_norm) << "step " << i + 1;
+  }
+  EXPECT_LT(gpu.steps.back().loss, gpu.steps.front().loss) << "and it trains";
+}
+
+TEST(CudaExecutor, RefusesWhatItCannotRunBeforeTouchingTheDevice) {
+  const RuntimePlan zb = make_runtime_plan(small_config(1, 2, ScheduleKind::zb_h1));
+  try {
+    run_cuda(zb, options(), {});
+    FAIL() << "zb-h1 ran";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("zb-h1"), std::string::npos) << e.what();
+  }
+  RunOptions with_checkpoints = options();
+  with_checkpoints.checkpoint_dir = "/tmp/never-written";
+  EXPECT_THROW(run_cuda(make_runtime_plan(small_config(1, 1, ScheduleKind::one_f_one_b)), with_checkpoints, {}),
+               std::invalid_argument);
+}
+
+TEST(CudaExecutor, OneRankTracksTheCpuInFp32) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const ScenarioConfig c = small_config(1, 1, ScheduleKind::one_f_one_b);
+  expect_tracks(on_cpu(c), on_gpu(c), 1e-5, 1e-4);
+}
+
+TEST(CudaExecutor, DataAndPipelineParallelTrackTheCpuAndReplicasStayIdentical) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
+  const RunReport gpu = on_gpu(c, SmSharing::shared);
+  expect_tracks(on_cpu(c), gpu, 1e-5, 1e-4);
+  for (const auto& s : gpu.steps) {
+    EXPECT_EQ(s.replica_checksums[0], s.replica_checksums[1]) << "step " << s.step;
+    EXPECT_EQ(s.replica_drift, 0.0);
+  }
+  EXPECT_NE(gpu.execution.find("single-GPU world"), std::string::npos) << gpu.execution;
+}
+
+TEST(CudaExecutor, InterleavedAndGpipeOnGreenContextsTrackTheCpu) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  for (const ScenarioConfig& c :
+       {small_config(1, 2, ScheduleKind::interleaved_1f1b, 2), small_config(2, 2, ScheduleKind::gpipe)}) {
+    const RunReport gpu = on_gpu(c, SmSharing::automatic);
+    expect_tracks(on_cpu(c), gpu, 1e-5, 1e-4);
+    EXPECT_NE(gpu.execution.find("SMs"), std::string::npos) << "says which SM mode ran: " << gpu.execution;
+  }
+}
+
+TEST(CudaExecutor, Bf16TracksTheCpuWithinTheFormat) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
+  c.precision.compute = DType::bf16;
+  c.precision.allreduce = DType::bf16;
+  expect_tracks(on_cpu(c), on_gpu(c), std::ldexp(1.0, -5), std::ldexp(1.0, -5));
+}
+
+TEST(CudaExecutor, Fp16OverflowIsFoundNamedAndSkippedTogether) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
+  c.precision.compute = DType::fp16;
+  c.precision.loss_scaling.mode = LossScalingMode::static_scale;
+  c.precision.loss_scaling.initial_scale = std::ldexp(1.0, 40);
+  const RunReport r = on_gpu(c);
+  for (const auto& s : r.steps) {
+    EXPECT_GT(s.nonfinite_count, 0) << "scaled fp16 gradients overflow";
+    EXPECT_EQ(s.skipped_ranks, 4) << "every rank skips under the global check";
+  }
+  EXPECT_EQ(r.steps.front().replica_checksums, r.steps.back().replica_checksums) << "no update was applied";
+  bool named = false;
+  for (const auto& rk : r.steps.front().ranks) named = named || !rk.first_nonfinite.empty();
+  EXPECT_TRUE(named);
+}
+
+TEST(CudaExecutor, MeasuredTimelineFollowsTheSchedule) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const RunReport r = on_gpu(small_config(2, 2, ScheduleKind::one_f_one_b));
+  const Schedule& s = *r.schedule;
+  ASSERT_EQ(r.timeline.ops.size(), s.ranks.size());
+  for (std::size_t rank = 0; rank < s.ranks.size(); ++rank) {
+    Tick last_compute_end = 0;
+    for (std::size_t i = 0; i < s.ranks[rank].ops.size(); ++i) {
+      const Op& op = s.ranks[rank].ops[i];
+      const OpTiming t = r.timeline.ops[rank][i];
+      EXPECT_GE(t.start, 0);
+      EXPECT_LE(t.start, t.end) << op_label(op);
+      // Compute ops (sends end on the send stream) run one at a time, in program order.
+      if (stream_of(op.kind) == StreamKind::compute && !is_send(op.kind)) {
+        EXPECT_GE(t.start, last_compute_end) << op_label(op);
+        last_compute_end = t.end;
+      }
+      // Events resolve to about half a microsecond.
+      if (op.dep >= 0) {
+        EXPECT_GE(t.start, r.timeline.ops[rank][op.dep].end - 1'000'000) << op_label(op);
+      }
+    }
+  }
+  const Result again = compute_result(r.runtime_plan.plan, r.timeline, r.memory);
+  EXPECT_EQ(again.step_time_s, r.result.step_time_s);
+  EXPECT_GT(r.result.step_time_s, 0);
+  for (const auto& rank : r.result.ranks) {
+    EXPECT_GT(rank.utilization, 0);
+    EXPECT_LE(rank.utilization, 1);
+  }
+}
+
+}  // namespace
+}  // namespace trainsim::runtime::cuda
