@@ -35,7 +35,8 @@ Command add_calibrate_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   return {sub, [o] {
             if (o->backend == "cuda")
-              throw std::runtime_error("the CUDA backend is not built yet; calibrate with --backend cpu");
+              throw std::runtime_error("calibrate runs on the CPU backend only for now: the CUDA backend runs plans "
+                                       "(trainsim run --backend cuda) but has no kernel calibration yet; calibrate with --backend cpu");
             const Scenario scenario = load_scenario_file(o->file);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             runtime::CalibrateOptions co;

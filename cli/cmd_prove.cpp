@@ -26,7 +26,8 @@ Command add_prove_command(CLI::App& app) {
   sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   return {sub, [o] {
             if (o->backend == "cuda")
-              throw std::runtime_error("the CUDA backend is not built yet; prove with --backend cpu");
+              throw std::runtime_error("prove runs on the CPU backend only for now: the CUDA backend runs plans "
+                                       "(trainsim run --backend cuda) but has no kernel calibration yet; prove with --backend cpu");
             const Scenario scenario = load_scenario_file(o->file);
             validation::ProveOptions po;
             po.steps = o->steps;

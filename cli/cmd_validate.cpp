@@ -39,7 +39,8 @@ Command add_validate_command(CLI::App& app) {
   sub->add_flag("--update", o->update, "With --baselines: accept the errors measured now");
   return {sub, [o] {
             if (o->backend == "cuda")
-              throw std::runtime_error("the CUDA backend is not built yet; validate with --backend cpu");
+              throw std::runtime_error("validate runs on the CPU backend only for now: the CUDA backend runs plans "
+                                       "(trainsim run --backend cuda) but has no kernel calibration yet; validate with --backend cpu");
             auto progress = [](const std::string& s) {
               if (isatty(STDERR_FILENO)) std::cerr << "validate: " << s << "\n";
             };

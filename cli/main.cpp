@@ -45,6 +45,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::Error& e) {  // arguments that only make sense together, checked by a command
     std::cerr << "error: " << e.what() << "\nRun with --help for more information.\n";
     return kExitBadInput;
+  } catch (const std::invalid_argument& e) {  // a plan the chosen backend cannot run, and the like
+    std::cerr << "error: " << e.what() << "\n";
+    return kExitBadInput;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return kExitIoError;

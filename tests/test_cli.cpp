@@ -128,6 +128,31 @@ TEST(Cli, RunWritesTheResultFieldsAndPerStepNumerics) {
   EXPECT_NE(slurp(dir / "run.svg").find("Loss per step"), std::string::npos);
 }
 
+TEST(Cli, RunOnTheCudaBackendRunsOrSaysWhyNot) {
+  const CommandResult r = run("run " + small_run_scenario().string() + " --backend cuda --steps 2");
+  if (r.status == 0) {
+    EXPECT_NE(r.out.find("measured on the CUDA backend"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("single-GPU world"), std::string::npos) << "says which mode ran:\n" << r.out;
+  } else {
+    EXPECT_EQ(r.status, 3) << r.err;
+    EXPECT_TRUE(r.err.find("needs a GPU") != std::string::npos || r.err.find("built without CUDA") != std::string::npos)
+        << r.err;
+    EXPECT_TRUE(r.out.empty()) << "no half report: " << r.out;
+  }
+  // What the CUDA backend cannot run is refused as bad input before any device work.
+  const fs::path zb_file = temp_dir() / "zb.yaml";
+  std::ofstream(zb_file) << "cluster: {num_gpus: 2, gpus_per_node: 2}\n"
+                            "parallelism: {pipeline_parallel_size: 2, schedule: zb-h1}\n"
+                            "training: {micro_batch_size: 1, global_batch_size: 4}\n"
+                            "runtime:\n"
+                            "  model: {num_layers: 4, hidden_size: 32, num_attention_heads: 2, seq_length: 16, vocab_size: 256}\n";
+  const CommandResult refused = run("run " + zb_file.string() + " --backend cuda");
+  if (refused.err.find("built without CUDA") == std::string::npos) {
+    EXPECT_EQ(refused.status, 2) << refused.err;
+    EXPECT_NE(refused.err.find("zb-h1"), std::string::npos) << refused.err;
+  }
+}
+
 TEST(Cli, RunOfTheIncidentReportsWhereItFailed) {
   // The default scenario as it is: fp16, static scale, fp16 all-reduce summed before
   // dividing, local overflow checks. It must end with a report, not a crash.
