@@ -139,18 +139,15 @@ TEST(Cli, RunOnTheCudaBackendRunsOrSaysWhyNot) {
         << r.err;
     EXPECT_TRUE(r.out.empty()) << "no half report: " << r.out;
   }
-  // What the CUDA backend cannot run is refused as bad input before any device work.
-  const fs::path zb_file = temp_dir() / "zb.yaml";
-  std::ofstream(zb_file) << "cluster: {num_gpus: 2, gpus_per_node: 2}\n"
-                            "parallelism: {pipeline_parallel_size: 2, schedule: zb-h1}\n"
-                            "training: {micro_batch_size: 1, global_batch_size: 4}\n"
-                            "runtime:\n"
-                            "  model: {num_layers: 4, hidden_size: 32, num_attention_heads: 2, seq_length: 16, vocab_size: 256}\n";
-  const CommandResult refused = run("run " + zb_file.string() + " --backend cuda");
+  // What the CUDA backend cannot run yet is refused as bad input before any device work.
+  const fs::path ck = temp_dir() / "ck";
+  const CommandResult refused = run("run " + small_run_scenario().string() + " --backend cuda --checkpoint-dir " +
+                                    ck.string() + " --checkpoint-every 1");
   if (refused.err.find("built without CUDA") == std::string::npos) {
     EXPECT_EQ(refused.status, 2) << refused.err;
-    EXPECT_NE(refused.err.find("zb-h1"), std::string::npos) << refused.err;
+    EXPECT_NE(refused.err.find("checkpoints"), std::string::npos) << refused.err;
   }
+  EXPECT_FALSE(fs::exists(ck)) << "nothing written";
 }
 
 TEST(Cli, RunOfTheIncidentReportsWhereItFailed) {

@@ -241,9 +241,6 @@ void check_supported(const Plan& plan, const RunOptions& options) {
   if (!options.checkpoint_dir.empty() || !options.resume_from.empty())
     throw std::invalid_argument("the CUDA backend does not write or resume checkpoints yet; run without "
                                 "--checkpoint-dir / --resume, or with --backend cpu");
-  if (plan.config.parallelism.schedule == ScheduleKind::zb_h1)
-    throw std::invalid_argument("the CUDA backend does not run zb-h1 yet: its stage model has no split backward "
-                                "(backward_input / backward_weight); run it with --backend cpu");
   for (DType t : {pr.compute, pr.grad_accumulation, pr.allreduce})
     if (!(t == DType::fp32 || t == DType::fp16 || t == DType::bf16))
       throw std::invalid_argument(fmt::format("the CUDA backend stores and reduces fp32, fp16 or bf16; precision "
@@ -625,6 +622,20 @@ class Engine {
         return;
       }
       case OpKind::Backward: backward(rk, index, op); return;
+      case OpKind::BackwardInput: {
+        CudaStageModel& model = rk.chunks[local_chunk(op)];
+        const bool last = vs == V_ - 1;
+        void* gin = vs == 0 ? nullptr : alloc(rk, rk.grad_in[slot(op)], cs);
+        model.backward_input(op.microbatch, last ? nullptr : rk.grad_out[slot(op)], loss_gradient_scale(rk), gin);
+        if (gin) k::scan_tensor(scan_of(rk, index), gin, act_elems(rk), act_format(), cs);
+        if (!last) release(rk, rk.grad_out[slot(op)], cs);
+        return;
+      }
+      case OpKind::BackwardWeight:
+        // Split at bucket bounds only in name: the weight pass runs whole in its first segment
+        // (as the CPU executor).
+        if (op.bucket <= 0) rk.chunks[local_chunk(op)].backward_weight(op.microbatch);
+        return;
       case OpKind::OptimizerStep: optimizer_step(rk, index); return;
       default: break;
     }
@@ -861,12 +872,13 @@ class Engine {
       std::string what;
       const double max_abs = k::scan_max_abs(scans[i]);
       if (op.kind == OpKind::Forward) s.max_abs_activation = std::max(s.max_abs_activation, max_abs);
-      if (op.kind == OpKind::Backward || op.kind == OpKind::OptimizerStep)
+      if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::OptimizerStep)
         s.max_abs_gradient = std::max(s.max_abs_gradient, max_abs);
       s.nonfinite += static_cast<std::int64_t>(scans[i].nonfinite);
       if (scans[i].nonfinite > 0)
         what = op.kind == OpKind::Forward    ? fmt::format("forward output of micro-batch {}", op.microbatch)
-               : op.kind == OpKind::Backward ? fmt::format("input gradient of micro-batch {}", op.microbatch)
+               : op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput
+                   ? fmt::format("input gradient of micro-batch {}", op.microbatch)
                                              : std::string("the accumulated weight gradients");
       if (op.kind == OpKind::AllReduce && flags[rk.flags_at.before(i)] == 0 && flags[rk.flags_at.after(i)] != 0)
         what = fmt::format("{} all-reduce of {}", dtype_name(plan_.config.precision.allreduce),

@@ -31,9 +31,8 @@
 // gradient all-reduce (so a report can say "the bf16 all-reduce of gradient bucket 0" made the
 // first inf/NaN), the largest |activation| sent and |gradient| returned, and inf/NaN counts.
 //
-// Not yet: the zero-bubble split (ZB-H1 is refused with a clear error: CudaStageModel has no
-// backward_input/backward_weight), checkpoints and resume (refused), master weights stored in
-// a format other than fp32 (rounded with two casts, see optimizer_step).
+// Not yet: checkpoints and resume (refused with a clear error). Master weights held in a format
+// other than fp32 are rounded to it with two casts after every update (round_master).
 #pragma once
 
 #include <optional>
@@ -50,8 +49,8 @@ struct CudaRunOptions {
   int device = 0;                               // one GPU, every rank: which
 };
 
-// Throws std::invalid_argument for a plan the CUDA backend cannot run (ZB-H1, checkpoints,
-// formats the kernels do not store), std::runtime_error when no device can be used (saying
+// Throws std::invalid_argument for what the CUDA backend cannot run (checkpoints, formats the
+// kernels do not store), std::runtime_error when no device can be used (saying
 // why); a run that goes numerically wrong returns with `failure` set, as run_cpu.
 RunReport run_cuda(const RuntimePlan& plan, const RunOptions& options, const CudaRunOptions& cuda);
 

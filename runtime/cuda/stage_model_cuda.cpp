@@ -66,13 +66,16 @@ struct CudaStageModel::Impl {
     DeviceBuffer lnf, logits;        // (N,C) (N,V)
     DeviceBuffer meanf, rstdf, lse;  // (N) fp32
   };
-  // Gradients a block's weight gradients read: shared scratch (the unsplit backward only).
+  // Gradients a block's weight gradients read: shared scratch in the unsplit backward, kept per
+  // micro-batch between backward_input and backward_weight in the split one.
   struct BlockGrads {
     DeviceBuffer dfc, dln2, dx1, dqkv, dln1;  // (N,F) (N,C) (N,C) (N,3C) (N,C)
   };
   struct Backward {
+    bool split = false, inputs_done = false;
     DeviceBuffer dlogits, dlnf;      // (N,V) (N,C), last stage
-    std::vector<DeviceBuffer> dres;  // residual-stream gradient, positions alternating (pos % size)
+    std::vector<DeviceBuffer> dres;  // residual-stream gradient: positions alternating (pos % size), all L+1 when split
+    std::vector<BlockGrads> blocks;  // split only: every block's, for its weight pass
     void* res(int pos) { return dres[static_cast<std::size_t>(pos) % dres.size()].data(); }
   };
   struct Slot {
@@ -135,7 +138,7 @@ struct CudaStageModel::Impl {
     return slots[static_cast<std::size_t>(mb)];
   }
   std::unique_ptr<Stash> take_stash();
-  std::unique_ptr<Backward> take_backward();
+  std::unique_ptr<Backward> take_backward(bool split);
   void release(Slot& s) {
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
@@ -145,7 +148,7 @@ struct CudaStageModel::Impl {
   float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
   void block_forward(int li, Stash& s);
   void attention_forward(BlockStash& st);
-  void begin(int mb, const void* grad_output, float scale);
+  void begin(int mb, const void* grad_output, float scale, bool split);
   void unit_input(const Unit& u, Stash& s, Backward& b);
   void unit_weight(const Unit& u, Stash& s, Backward& b);
   void block_backward_input(int li, Stash& s, Backward& b);
@@ -284,19 +287,25 @@ std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::take_stash() 
   return s;
 }
 
-std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::take_backward() {
-  if (!free_backwards.empty()) {
-    auto b = std::move(free_backwards.back());
-    free_backwards.pop_back();
-    return b;
-  }
+std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::take_backward(bool split) {
+  // Reuse one of the same kind (the split kind holds every position and block).
+  for (auto it = free_backwards.begin(); it != free_backwards.end(); ++it)
+    if ((*it)->split == split) {
+      auto b = std::move(*it);
+      free_backwards.erase(it);
+      b->inputs_done = false;
+      return b;
+    }
   auto b = std::make_unique<Backward>();
-  const std::size_t nc = N * C;
+  b->split = split;
+  const std::size_t nc = N * C, nf = N * F;
   if (spec.has_head) {
     b->dlogits = act(N * V);
     b->dlnf = act(nc);
   }
-  for (int i = 0; i < std::min(L + 1, 2); ++i) b->dres.push_back(act(nc));
+  for (int i = 0; i < (split ? L + 1 : std::min(L + 1, 2)); ++i) b->dres.push_back(act(nc));
+  if (split)
+    for (int i = 0; i < L; ++i) b->blocks.push_back({act(nf), act(nc), act(nc), act(3 * nc), act(nc)});
   return b;
 }
 
@@ -392,7 +401,7 @@ void CudaStageModel::Impl::attention_forward(BlockStash& st) {
 // ---------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------
-void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale) {
+void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale, bool split) {
   Slot& sl = slot(mb);
   if (!sl.stash)
     throw std::logic_error("CudaStageModel: backward of micro-batch " + std::to_string(mb) + " without its forward");
@@ -400,7 +409,7 @@ void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale) {
     throw std::logic_error("CudaStageModel: backward of micro-batch " + std::to_string(mb) + " has already begun");
   if (!spec.has_head && !grad_output)
     throw std::invalid_argument("CudaStageModel: this stage's backward needs grad_output");
-  sl.backward = take_backward();
+  sl.backward = take_backward(split);
   sl.units_done = 0;
   Stash& s = *sl.stash;
   Backward& b = *sl.backward;
@@ -445,7 +454,7 @@ void CudaStageModel::Impl::unit_weight(const Unit& u, Stash& s, Backward& b) {
 void CudaStageModel::Impl::block_backward_input(int li, Stash& s, Backward& b) {
   const BlockParams& p = blocks[static_cast<std::size_t>(li)];
   const BlockStash& st = s.blocks[static_cast<std::size_t>(li)];
-  BlockGrads& g = shared_grads;
+  BlockGrads& g = b.split ? b.blocks[static_cast<std::size_t>(li)] : shared_grads;
   const int n = static_cast<int>(N);
   const std::size_t nf = N * F;
   const void* dx2 = b.res(li + 1);  // gradient of the block's output
@@ -498,7 +507,7 @@ void CudaStageModel::Impl::attention_backward(void* dqkv, const void* dout, cons
 void CudaStageModel::Impl::block_backward_weight(int li, Stash& s, Backward& b) {
   const BlockParams& p = blocks[static_cast<std::size_t>(li)];
   const BlockStash& st = s.blocks[static_cast<std::size_t>(li)];
-  const BlockGrads& g = shared_grads;
+  const BlockGrads& g = b.split ? b.blocks[static_cast<std::size_t>(li)] : shared_grads;
   wgrad_linear(p.mlp_proj_w, p.mlp_proj_b, b.res(li + 1), st.gelu.data(), F, C);
   wgrad_linear(p.fc_w, p.fc_b, g.dfc.data(), st.ln2.data(), C, F);
   wgrad_layernorm(p.ln2_w, p.ln2_b, g.dln2.data(), st.x1.data(), st.mean2.as<float>(), st.rstd2.as<float>());
@@ -640,7 +649,30 @@ float CudaStageModel::forward(int mb, const std::int32_t* tokens, const std::int
 }
 
 void CudaStageModel::backward_begin(int mb, const void* grad_output, float loss_gradient_scale) {
-  impl_->begin(mb, grad_output, loss_gradient_scale);
+  impl_->begin(mb, grad_output, loss_gradient_scale, false);
+}
+
+// The zero-bubble split, as StageModel: every unit's input gradient now (grad_input for the
+// previous stage), every unit's weight gradients later.
+void CudaStageModel::backward_input(int mb, const void* grad_output, float loss_gradient_scale, void* grad_input) {
+  Impl& m = *impl_;
+  m.begin(mb, grad_output, loss_gradient_scale, true);
+  Impl::Slot& sl = m.slot(mb);
+  for (const Impl::Unit& u : m.units) m.unit_input(u, *sl.stash, *sl.backward);
+  sl.backward->inputs_done = true;
+  if (!m.spec.has_embedding && grad_input)
+    copy_device_to_device(grad_input, sl.backward->res(0), m.N * m.C * m.eb, m.stream);
+}
+
+void CudaStageModel::backward_weight(int mb) {
+  Impl& m = *impl_;
+  Impl::Slot& sl = m.slot(mb);
+  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done)
+    throw std::logic_error("CudaStageModel::backward_weight: micro-batch " + std::to_string(mb) +
+                           " has no backward_input");
+  for (const Impl::Unit& u : m.units) m.unit_weight(u, *sl.stash, *sl.backward);
+  sl.units_done = static_cast<int>(m.units.size());
+  m.release(sl);
 }
 
 int CudaStageModel::backward_units() const { return static_cast<int>(impl_->units.size()); }
@@ -696,6 +728,8 @@ std::size_t CudaStageModel::activation_bytes() const {
       const Impl::Backward& b = *sl.backward;
       bytes += b.dlogits.bytes() + b.dlnf.bytes();
       for (const DeviceBuffer& r : b.dres) bytes += r.bytes();
+      for (const Impl::BlockGrads& g : b.blocks)
+        bytes += g.dfc.bytes() + g.dln2.bytes() + g.dx1.bytes() + g.dqkv.bytes() + g.dln1.bytes();
     }
   }
   return bytes;

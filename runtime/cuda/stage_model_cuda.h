@@ -24,8 +24,8 @@
 // compute = grad_accumulation = fp32, where, as on the CPU, products accumulate straight into it.
 // Compute formats: fp32, fp16, bf16 (tf32 and fp8 are refused: the kernels do not store them).
 //
-// What it does not do yet (the CPU model does): the zero-bubble split (backward_input /
-// backward_weight), the per-step StageNumerics scans, and stashed_tensors() inspection.
+// What it does not do yet (the CPU model does): the per-step StageNumerics scans (the executor
+// scans what passes between stages instead) and stashed_tensors() inspection.
 //
 // Work is queued on `stream`; calls return before the device finishes, except forward on the
 // last stage (it reads the loss back) and the *_to_host copies (they wait for the stream). Not
@@ -103,6 +103,12 @@ class CudaStageModel {
   void backward_unit(int mb);
   std::size_t gradients_complete(int mb) const;  // leading elements of gradients() final for mb
   void backward_end(int mb, void* grad_input);
+
+  // The zero-bubble split (ZB-H1), as StageModel: backward_input runs every unit's input
+  // gradient and writes grad_input (device, may be null); backward_weight later adds every
+  // unit's weight gradients (kept per micro-batch in between) and frees the stash.
+  void backward_input(int mb, const void* grad_output, float loss_gradient_scale, void* grad_input);
+  void backward_weight(int mb);
 
   // Device bytes of the stashes (and backward buffers) of micro-batches in flight.
   std::size_t activation_bytes() const;

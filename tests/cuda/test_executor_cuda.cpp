@@ -81,17 +81,23 @@ void expect_tracks(const RunReport& cpu, const RunReport& gpu, double first_tol,
 }
 
 TEST(CudaExecutor, RefusesWhatItCannotRunBeforeTouchingTheDevice) {
-  const RuntimePlan zb = make_runtime_plan(small_config(1, 2, ScheduleKind::zb_h1));
-  try {
-    run_cuda(zb, options(), {});
-    FAIL() << "zb-h1 ran";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("zb-h1"), std::string::npos) << e.what();
-  }
   RunOptions with_checkpoints = options();
   with_checkpoints.checkpoint_dir = "/tmp/never-written";
-  EXPECT_THROW(run_cuda(make_runtime_plan(small_config(1, 1, ScheduleKind::one_f_one_b)), with_checkpoints, {}),
-               std::invalid_argument);
+  try {
+    run_cuda(make_runtime_plan(small_config(1, 1, ScheduleKind::one_f_one_b)), with_checkpoints, {});
+    FAIL() << "ran with checkpoints";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoints"), std::string::npos) << e.what();
+  }
+  ScenarioConfig tf32_wire = small_config(1, 1, ScheduleKind::one_f_one_b);
+  tf32_wire.precision.allreduce = DType::tf32;
+  EXPECT_THROW(run_cuda(make_runtime_plan(tf32_wire), options(), {}), std::invalid_argument);
+}
+
+TEST(CudaExecutor, ZeroBubbleSplitTracksTheCpu) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const ScenarioConfig c = small_config(2, 2, ScheduleKind::zb_h1);
+  expect_tracks(on_cpu(c), on_gpu(c), 1e-5, 1e-4);
 }
 
 TEST(CudaExecutor, OneRankTracksTheCpuInFp32) {
