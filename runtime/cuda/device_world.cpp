@@ -76,9 +76,10 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
 
   void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, void* stream) override {
     check_peer(prefix(), peer, s_->world_size(), "send to");
-    const std::string what = prefix() + "send to rank " + std::to_string(peer) + " tag " + std::to_string(tag);
+    const std::string op = "send to rank " + std::to_string(peer) + " tag " + std::to_string(tag);
+    const std::string what = prefix() + op;
     const std::size_t bytes = count * element_bytes(dt, prefix());
-    s_->throw_if_aborted(prefix(), [&] { return what.substr(prefix().size()); });
+    s_->throw_if_aborted(prefix(), [&] { return op; });
     DeviceMessage msg;
     msg.tag = tag;
     msg.count = count;
@@ -119,8 +120,9 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
       throw std::invalid_argument(prefix() + "all_reduce over " + std::to_string(n) + " members: the single-GPU world "
                                   "reduces at most " + std::to_string(trainsim::cuda::kMaxRingMembers));
     const std::size_t bytes = count * element_bytes(dt, prefix());
-    const std::string what = prefix() + "all_reduce tag " + std::to_string(tag);
-    s_->throw_if_aborted(prefix(), [&] { return what.substr(prefix().size()); });
+    const std::string op_text = "all_reduce tag " + std::to_string(tag);
+    const std::string what = prefix() + op_text;
+    s_->throw_if_aborted(prefix(), [&] { return op_text; });
     // One member, or nothing to reduce: x * round(1/1) and x / 1 are x.
     if (n == 1 || count == 0) return;
 

@@ -225,13 +225,13 @@ struct CudaRank {
   double scale_used = 1;
   std::exception_ptr error, comm_error;
 
+  std::vector<std::vector<float>> master_copy;  // this step's master weights on the host, per chunk
+
   std::size_t buffer_elements = 0;
   double peak_bytes = 0;
   MemoryBreakdown peak;
 
-  std::mutex q_mu;
-  std::condition_variable q_cv;
-  std::deque<int> queue;  // collective op indices; -1 stops the communication thread
+  CollectiveQueue collectives;  // to the communication thread
   std::thread comm_thread;
 };
 
@@ -391,12 +391,6 @@ class Engine {
     return all;
   }
 
-  std::vector<float> master_weights(int rank, int chunk) {
-    CudaRank& rk = *ranks_[rank];
-    partition_->make_current(rk.partition_index);
-    return rk.chunks[chunk].master_weights_to_host();
-  }
-
   // Max |w(replica d) - w(replica 0)|, when every rank is in this process; -1 otherwise.
   double replica_drift() {
     if (!all_local_) return -1;
@@ -404,8 +398,8 @@ class Engine {
     for (int s = 0; s < pp_; ++s)
       for (int d = 1; d < dp_; ++d)
         for (int j = 0; j < vpp_; ++j)
-          drift = std::max(drift, weight_difference(master_weights(plan_.rank_of(s, 0), j),
-                                                    master_weights(plan_.rank_of(s, d), j)));
+          drift = std::max(drift, weight_difference(ranks_[plan_.rank_of(s, 0)]->master_copy[j],
+                                                    ranks_[plan_.rank_of(s, d)]->master_copy[j]));
     return drift;
   }
 
@@ -472,7 +466,7 @@ class Engine {
       for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
         const Op& op = ops[i];
         if (is_collective(op.kind)) {
-          enqueue(rk, i);
+          rk.collectives.push(i);
           continue;
         }
         if (op.dep >= 0 && is_collective(ops[op.dep].kind)) wait_for(rk, op.dep, cs);
@@ -491,7 +485,7 @@ class Engine {
       rk.queued.fail(rk.error);
       abort_world(rk);
     }
-    enqueue(rk, -1);
+    rk.collectives.push(-1);
     rk.comm_thread.join();
     if (!rk.error) rk.error = rk.comm_error;
   }
@@ -513,14 +507,6 @@ class Engine {
     rk.comm->abort(fmt::format("rank {} failed: {}", rk.rank, what));
   }
 
-  void enqueue(CudaRank& rk, int op) {
-    {
-      std::lock_guard lock(rk.q_mu);
-      rk.queue.push_back(op);
-    }
-    rk.q_cv.notify_one();
-  }
-
   void comm_main(CudaRank& rk) {
     void* st = rk.streams.comm;
     try {
@@ -530,13 +516,7 @@ class Engine {
       rk.queued.fail(rk.comm_error);
     }
     for (;;) {
-      int i;
-      {
-        std::unique_lock lock(rk.q_mu);
-        rk.q_cv.wait(lock, [&] { return !rk.queue.empty(); });
-        i = rk.queue.front();
-        rk.queue.pop_front();
-      }
+      const int i = rk.collectives.pop();
       if (i < 0) return;
       if (rk.comm_error) continue;  // failed: drain the queue until the compute thread stops it
       const Op& op = rk.program->ops[i];
@@ -895,8 +875,13 @@ class Engine {
     s.skipped = rk.skipped;
     s.found_nonfinite = rk.found_nonfinite;
     s.scale_used = rk.scale_used;
+    // One download of the master weights per step: the checksum, and the drift between replicas.
     std::uint64_t h = kFnvOffset;
-    for (auto& c : rk.chunks) h = fnv1a(h, c.master_weights_to_host());
+    rk.master_copy.clear();
+    for (auto& c : rk.chunks) {
+      rk.master_copy.push_back(c.master_weights_to_host());
+      h = fnv1a(h, rk.master_copy.back());
+    }
     s.weights_hash = h;
     return s;
   }

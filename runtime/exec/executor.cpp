@@ -80,9 +80,7 @@ struct Rank {
   MemoryBreakdown peak;
 
   // Communication thread.
-  std::mutex q_mu;
-  std::condition_variable q_cv;
-  std::deque<int> queue;  // op indices; -1 stops the thread
+  CollectiveQueue collectives;  // to the communication thread
   std::thread comm_thread;
 };
 
@@ -244,7 +242,7 @@ class Engine {
       for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
         const Op& op = ops[i];
         if (is_collective(op.kind)) {
-          enqueue(rk, i);
+          rk.collectives.push(i);
           continue;
         }
         if (op.dep >= 0 && is_collective(ops[op.dep].kind)) rk.completion.wait(op.dep);
@@ -260,7 +258,7 @@ class Engine {
       rk.completion.fail(rk.error);
       world_abort(rk);
     }
-    enqueue(rk, -1);
+    rk.collectives.push(-1);
     rk.comm_thread.join();
     if (!rk.error) rk.error = rk.comm_error;
   }
@@ -278,23 +276,9 @@ class Engine {
     rk.comm->abort(fmt::format("rank {} failed: {}", rk.rank, what));
   }
 
-  void enqueue(Rank& rk, int op) {
-    {
-      std::lock_guard lock(rk.q_mu);
-      rk.queue.push_back(op);
-    }
-    rk.q_cv.notify_one();
-  }
-
   void comm_main(Rank& rk) {
     for (;;) {
-      int i;
-      {
-        std::unique_lock lock(rk.q_mu);
-        rk.q_cv.wait(lock, [&] { return !rk.queue.empty(); });
-        i = rk.queue.front();
-        rk.queue.pop_front();
-      }
+      const int i = rk.collectives.pop();
       if (i < 0) return;
       const Op& op = rk.program->ops[i];
       try {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <mutex>
 #include <span>
@@ -115,6 +116,31 @@ class OpCompletion {
   std::condition_variable cv_;
   std::vector<char> done_;
   std::exception_ptr error_;
+};
+
+// The ops a rank's compute thread hands its communication thread, in program order; -1 stops it.
+class CollectiveQueue {
+ public:
+  void push(int op) {
+    {
+      std::lock_guard lock(mu_);
+      ops_.push_back(op);
+    }
+    cv_.notify_one();
+  }
+  // Waits for the next op.
+  int pop() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !ops_.empty(); });
+    const int op = ops_.front();
+    ops_.pop_front();
+    return op;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<int> ops_;
 };
 
 // The step a report describes: the median by time, leaving out the first (warm-up: first
