@@ -42,23 +42,52 @@ void fill_zero(void* dst, std::size_t bytes) { check_cuda(cudaMemset(dst, 0, byt
 // ---------------------------------------------------------------------------------------
 // DeviceBuffer
 // ---------------------------------------------------------------------------------------
+namespace {
+thread_local MemoryAccount* g_account = nullptr;
+}  // namespace
+
+void MemoryAccount::charge(std::size_t bytes) {
+  const std::size_t now = current_.fetch_add(bytes) + bytes;
+  std::size_t seen = peak_.load();
+  while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+  }
+}
+
+void MemoryAccount::refund(std::size_t bytes) { current_.fetch_sub(bytes); }
+
+AccountScope::AccountScope(MemoryAccount* account) : previous_(std::exchange(g_account, account)) {}
+AccountScope::~AccountScope() { g_account = previous_; }
+MemoryAccount* current_account() { return g_account; }
+
 DeviceBuffer::DeviceBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
   check_cuda(cudaMalloc(&ptr_, bytes), ("cudaMalloc of " + std::to_string(bytes) + " bytes").c_str());
+  account_ = g_account;
+  if (account_) account_->charge(bytes);
 }
 
-DeviceBuffer::~DeviceBuffer() {
-  if (ptr_) cudaFree(ptr_);
+void DeviceBuffer::release() {
+  if (!ptr_) return;
+  cudaFree(ptr_);
+  if (account_) account_->refund(bytes_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+  account_ = nullptr;
 }
+
+DeviceBuffer::~DeviceBuffer() { release(); }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+    : ptr_(std::exchange(other.ptr_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      account_(std::exchange(other.account_, nullptr)) {}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
-    if (ptr_) cudaFree(ptr_);
+    release();
     ptr_ = std::exchange(other.ptr_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
+    account_ = std::exchange(other.account_, nullptr);
   }
   return *this;
 }

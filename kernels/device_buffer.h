@@ -3,6 +3,7 @@
 // (cudaStream_t). Every call that fails throws std::runtime_error saying what failed.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <string>
 
@@ -19,7 +20,38 @@ void copy_to_device(void* dst, const void* src, std::size_t bytes);
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
 void fill_zero(void* dst, std::size_t bytes);
 
-// An owned device allocation (cudaMalloc), freed on destruction. Move-only.
+// Device memory charged to one owner: the CUDA backend gives each rank one. While an
+// AccountScope for it is active on a thread, every DeviceBuffer and cuBLAS workspace
+// (gemm.h GemmContext) allocated on that thread is charged to it, at the cudaMalloc, and
+// refunded at the cudaFree, whichever thread frees it. Thread-safe.
+class MemoryAccount {
+ public:
+  void charge(std::size_t bytes);
+  void refund(std::size_t bytes);
+  std::size_t current() const { return current_.load(); }
+  std::size_t peak() const { return peak_.load(); }  // since construction or reset_peak()
+  void reset_peak() { peak_.store(current_.load()); }
+
+ private:
+  std::atomic<std::size_t> current_{0}, peak_{0};
+};
+
+// Makes `account` the one this thread's allocations are charged to, until destroyed (then the
+// previous one again). nullptr: charge no one.
+class AccountScope {
+ public:
+  explicit AccountScope(MemoryAccount* account);
+  ~AccountScope();
+  AccountScope(const AccountScope&) = delete;
+  AccountScope& operator=(const AccountScope&) = delete;
+
+ private:
+  MemoryAccount* previous_;
+};
+MemoryAccount* current_account();  // this thread's, or nullptr
+
+// An owned device allocation (cudaMalloc), freed on destruction, charged to the thread's
+// current MemoryAccount (if any) while it lives. Move-only.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -40,8 +72,11 @@ class DeviceBuffer {
   void download(void* dst, std::size_t bytes) const;  // bytes <= this->bytes()
 
  private:
+  void release();
+
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
+  MemoryAccount* account_ = nullptr;
 };
 
 // A non-blocking CUDA stream, destroyed with the object. Move-only.

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "kernels/common.cuh"
+#include "kernels/device_buffer.h"
 
 namespace trainsim::cuda {
 
@@ -79,10 +80,14 @@ struct GemmContext::Impl {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
+  MemoryAccount* account = nullptr;  // charged for the workspace (device_buffer.h)
 
   ~Impl() {
     if (handle) cublasDestroy(handle);
-    if (workspace) cudaFree(workspace);
+    if (workspace) {
+      cudaFree(workspace);
+      if (account) account->refund(workspace_bytes);
+    }
   }
   // cublasSetStream resets the handle to cuBLAS's default workspace pool, so ours is set again.
   void bind(cudaStream_t s) {
@@ -97,6 +102,8 @@ GemmContext::GemmContext(void* stream, std::size_t workspace_bytes) : impl_(std:
   if (workspace_bytes > 0) {
     check_cuda(cudaMalloc(&impl_->workspace, workspace_bytes), "cudaMalloc of the cuBLAS workspace");
     impl_->workspace_bytes = workspace_bytes;
+    impl_->account = current_account();
+    if (impl_->account) impl_->account->charge(workspace_bytes);
   }
   // Default math (no TF32 unless the compute type asks for it), and reductions kept in the fp32
   // accumulator type rather than a 16-bit output type.

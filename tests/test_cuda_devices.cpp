@@ -1,7 +1,16 @@
 // The CUDA target: built wherever nvcc exists; device checks skip when no GPU is present.
+// Also the allocators a rank's peak memory is read from: the account its DeviceBuffers and
+// cuBLAS workspaces are charged to, and its stream-ordered pool.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "kernels/device_buffer.h"
 #include "kernels/device_info.h"
+#include "kernels/gemm.h"
+#include "runtime/cuda/stream_ops.h"
 
 namespace trainsim {
 namespace {
@@ -23,6 +32,62 @@ TEST(Cuda, DevicesAreOnesWeBuildFor) {
     // Kernels are compiled for sm_80 and sm_90 (CMAKE_CUDA_ARCHITECTURES).
     EXPECT_GE(d.compute_capability_major * 10 + d.compute_capability_minor, 80);
   }
+}
+
+TEST(Cuda, DeviceBuffersAreChargedToTheAllocatingThreadsAccountUntilFreed) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  cuda::MemoryAccount account;
+  constexpr std::size_t workspace = 1u << 20;
+  {
+    cuda::AccountScope scope(&account);
+    cuda::DeviceBuffer a(1000);
+    EXPECT_EQ(account.current(), 1000u);
+    cuda::DeviceBuffer moved = std::move(a);  // the charge moves with the allocation
+    EXPECT_EQ(account.current(), 1000u);
+    {
+      cuda::AccountScope nobody(nullptr);
+      cuda::DeviceBuffer uncharged(500);
+      EXPECT_EQ(account.current(), 1000u);
+    }
+    cuda::GemmContext gemm(nullptr, workspace);
+    EXPECT_EQ(account.current(), 1000u + workspace);
+    // Freed on another thread: refunded to the account it was charged to.
+    std::thread([b = std::move(moved)]() mutable { b = cuda::DeviceBuffer(); }).join();
+    EXPECT_EQ(account.current(), workspace);
+  }
+  EXPECT_EQ(cuda::current_account(), nullptr);
+  EXPECT_EQ(account.current(), 0u);
+  EXPECT_EQ(account.peak(), 1000u + workspace);
+  account.reset_peak();
+  EXPECT_EQ(account.peak(), 0u);
+}
+
+TEST(Cuda, APoolsHighWaterMarkIsTheMostHandedOutAtOnce) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  cuda::Stream stream;
+  runtime::cuda::MemoryPool pool(0);
+  constexpr std::size_t mib = 1u << 20;
+  void* a = pool.allocate(8 * mib, stream.get(), "a");
+  void* b = pool.allocate(4 * mib, stream.get(), "b");
+  pool.free(a, stream.get());
+  void* c = pool.allocate(2 * mib, stream.get(), "c");
+  stream.synchronize();
+  // 12 MiB at once (a and b); c came after a was freed. The pool rounds to its granularity.
+  EXPECT_GE(pool.used_high(), 12 * mib);
+  EXPECT_LT(pool.used_high(), 14 * mib);
+  EXPECT_GE(pool.reserved_high(), pool.used_high());
+  pool.free(b, stream.get());
+  pool.free(c, stream.get());
+  stream.synchronize();
+  pool.reset_high();
+  void* d = pool.allocate(mib, stream.get(), "d");
+  stream.synchronize();
+  EXPECT_GE(pool.used_high(), mib);
+  EXPECT_LT(pool.used_high(), 12 * mib) << "reset between steps";
+  pool.free(d, stream.get());
+  stream.synchronize();
 }
 
 }  // namespace

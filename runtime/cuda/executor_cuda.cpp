@@ -80,6 +80,7 @@ struct RankSummary {
   std::string first_nonfinite;
   std::uint64_t weights_hash = 0;
   MemoryBreakdown peak;
+  std::uint64_t allocated_peak = 0;  // bytes, from the allocators: its DeviceBuffers' peak + its pool's
   std::string error;  // non-empty: this rank failed
 };
 
@@ -149,6 +150,7 @@ std::vector<std::uint8_t> serialize(const RankSummary& s) {
   w.str(s.first_nonfinite);
   w.pod(s.weights_hash);
   w.pod(s.peak);
+  w.pod(s.allocated_peak);
   w.str(s.error);
   return std::move(w.bytes);
 }
@@ -171,6 +173,7 @@ RankSummary deserialize(const std::vector<std::uint8_t>& bytes) {
   s.first_nonfinite = r.str();
   s.weights_hash = r.pod<std::uint64_t>();
   s.peak = r.pod<MemoryBreakdown>();
+  s.allocated_peak = r.pod<std::uint64_t>();
   s.error = r.str();
   return s;
 }
@@ -194,6 +197,10 @@ struct Scalars {
 };
 
 struct CudaRank {
+  // Declared first, destroyed last: every device allocation of the rank is charged to `memory`
+  // (persistent buffers, stashes, cuBLAS workspaces) or comes from `pool` (what is in flight).
+  k::MemoryAccount memory;
+  std::unique_ptr<MemoryPool> pool;
   int rank = 0, stage = 0, replica = 0;
   const RankProgram* program = nullptr;
   std::unique_ptr<DeviceCommunicator> comm;
@@ -298,8 +305,11 @@ class Engine {
       rk.program = &schedule_->ranks[rk.rank];
       rk.partition_index = all_local_ ? rk.rank : 0;
       rk.streams = partition_->streams(rk.partition_index);
-      // Everything this rank creates (events, cuBLAS handles, buffers) belongs to its context.
+      // Everything this rank creates (events, cuBLAS handles, buffers) belongs to its context
+      // and is charged to its account.
       partition_->make_current(rk.partition_index);
+      k::AccountScope charge(&rk.memory);
+      rk.pool = std::make_unique<MemoryPool>(current_device());
       rk.epoch = std::make_unique<Event>();
       for (int j = 0; j < vpp_; ++j) {
         const int vs = j * pp_ + rk.stage;
@@ -425,6 +435,8 @@ class Engine {
 
   void prepare_step(CudaRank& rk, int step) {
     rk.step = step;
+    rk.memory.reset_peak();
+    rk.pool->reset_high();
     rk.batches.clear();
     const bool needs_data = rk.stage == 0 || rk.stage == pp_ - 1 || vpp_ > 1;
     if (needs_data)
@@ -450,6 +462,7 @@ class Engine {
 
   void rank_main(CudaRank& rk) {
     void* cs = rk.streams.compute;
+    k::AccountScope charge(&rk.memory);  // stashes are made on first use
     try {
       partition_->make_current(rk.partition_index);
       // Every stream of the rank starts the step at its epoch.
@@ -509,6 +522,7 @@ class Engine {
 
   void comm_main(CudaRank& rk) {
     void* st = rk.streams.comm;
+    k::AccountScope charge(&rk.memory);
     try {
       partition_->make_current(rk.partition_index);
     } catch (...) {
@@ -542,13 +556,13 @@ class Engine {
 
   void* alloc(CudaRank& rk, void*& buf, void* stream) {
     const std::size_t bytes = act_elems(rk) * dtype_bytes(act_format());
-    check(cudaMallocAsync(&buf, bytes, S(stream)), fmt::format("rank {}: cudaMallocAsync of {} bytes", rk.rank, bytes));
+    buf = rk.pool->allocate(bytes, stream, fmt::format("rank {}: a buffer in flight", rk.rank));
     rk.buffer_elements += act_elems(rk);
     return buf;
   }
   void release(CudaRank& rk, void*& buf, void* stream) {
     if (!buf) return;
-    check(cudaFreeAsync(buf, S(stream)), "cudaFreeAsync");
+    rk.pool->free(buf, stream);
     rk.buffer_elements -= act_elems(rk);
     buf = nullptr;
   }
@@ -685,13 +699,13 @@ class Engine {
           rk.comm->all_reduce(grads, count, gdt, c.members, tag, ReduceOp::sum, divide, st);
         } else {
           // NCCL reduces in the buffer's type: cast to the wire format and back.
-          void* wire = nullptr;
-          const std::size_t bytes = count * dtype_bytes(pr.allreduce);
-          check(cudaMallocAsync(&wire, std::max<std::size_t>(bytes, 1), S(st)), "cudaMallocAsync(wire)");
+          void* wire = rk.pool->allocate(count * dtype_bytes(pr.allreduce), st,
+                                         fmt::format("rank {}: the all-reduce's {} copy", rk.rank,
+                                                     dtype_name(pr.allreduce)));
           k::cast(wire, pr.allreduce, grads, gdt, count, st);
           rk.comm->all_reduce(wire, count, pr.allreduce, c.members, tag, ReduceOp::sum, divide, st);
           k::cast(grads, gdt, wire, pr.allreduce, count, st);
-          check(cudaFreeAsync(wire, S(st)), "cudaFreeAsync(wire)");
+          rk.pool->free(wire, st);
         }
         k::unscale_and_check(grads, count, 1.0f, flag(rk, rk.flags_at.after(i)), gdt, st);
         return;
@@ -834,6 +848,9 @@ class Engine {
       }
       return s;
     }
+    // A rank's account only grows within a step (stashes are kept for reuse), so its peak is
+    // its size at the end, reached no later than the pool's peak except on the first step.
+    s.allocated_peak = rk.memory.peak() + rk.pool->used_high();
     const auto& ops = rk.program->ops;
     s.timing.resize(ops.size());
     s.arrival.assign(ops.size(), -1);
@@ -920,6 +937,7 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
 
   std::vector<Timeline> timelines;
   std::vector<MemoryBreakdown> peaks(engine.world());
+  std::vector<double> allocated(engine.world(), 0.0);
   LossWatch loss_watch;
   std::optional<std::string> first_trouble;
   for (int step = 1; step <= steps; ++step) {
@@ -970,6 +988,7 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
         first_bad_what = s.first_nonfinite;
       }
       if (s.peak.total() > peaks[r].total()) peaks[r] = s.peak;
+      allocated[r] = std::max(allocated[r], static_cast<double>(s.allocated_peak));
       rec.ranks.push_back(std::move(n));
     }
     rec.loss = loss_count > 0 ? loss_sum / loss_count : NAN;
@@ -1009,6 +1028,7 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
     for (int r = 0; r < engine.world(); ++r) report.timeline.ops[r].assign(report.schedule->ranks[r].ops.size(), {});
   }
   report.memory = peaks;
+  report.allocated_peak_bytes = allocated;
   report.result = compute_result(plan, report.timeline, report.memory);
   report.result.mfu = 0;  // against the scenario's GPU, not necessarily this one: not claimed
   for (const auto& n : rp.notes) report.result.warnings.push_back("runtime: " + n);

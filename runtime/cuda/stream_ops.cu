@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -48,6 +50,63 @@ void fill_zero(void* dst, std::size_t bytes, void* stream) {
 
 void synchronize(void* stream) {
   check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize (an earlier kernel on the stream failed?)");
+}
+
+namespace {
+cudaMemPool_t as_pool(void* p) { return static_cast<cudaMemPool_t>(p); }
+std::size_t pool_attribute(void* pool, cudaMemPoolAttr attr, const char* what) {
+  std::uint64_t v = 0;
+  check(cudaMemPoolGetAttribute(as_pool(pool), attr, &v), what);
+  return static_cast<std::size_t>(v);
+}
+}  // namespace
+
+MemoryPool::MemoryPool(int device) {
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  check(cudaMemPoolCreate(&pool, &props), "cudaMemPoolCreate on device " + std::to_string(device));
+  pool_ = pool;
+  std::uint64_t keep_everything = UINT64_MAX;
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything),
+        "cudaMemPoolSetAttribute(release threshold)");
+}
+
+MemoryPool::~MemoryPool() {
+  if (pool_) cudaMemPoolDestroy(as_pool(pool_));
+}
+
+void* MemoryPool::allocate(std::size_t bytes, void* stream, const std::string& what) {
+  void* p = nullptr;
+  check(cudaMallocFromPoolAsync(&p, bytes == 0 ? 1 : bytes, as_pool(pool_), as_stream(stream)),
+        what + ": cudaMallocFromPoolAsync of " + std::to_string(bytes) + " bytes");
+  return p;
+}
+
+void MemoryPool::free(void* p, void* stream) {
+  if (p) check(cudaFreeAsync(p, as_stream(stream)), "cudaFreeAsync");
+}
+
+std::size_t MemoryPool::used_high() const {
+  return std::max(used_floor_, pool_attribute(pool_, cudaMemPoolAttrUsedMemHigh, "cudaMemPoolGetAttribute(used high)"));
+}
+
+std::size_t MemoryPool::reserved_high() const {
+  return std::max(reserved_floor_,
+                  pool_attribute(pool_, cudaMemPoolAttrReservedMemHigh, "cudaMemPoolGetAttribute(reserved high)"));
+}
+
+void MemoryPool::reset_high() {
+  // The runtime API resets a high-water mark only "to zero"; whether it then reads 0 or what is
+  // in use until the next allocation is not said, so what is in use now is kept as its floor.
+  used_floor_ = pool_attribute(pool_, cudaMemPoolAttrUsedMemCurrent, "cudaMemPoolGetAttribute(used)");
+  reserved_floor_ = pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent, "cudaMemPoolGetAttribute(reserved)");
+  std::uint64_t zero = 0;
+  check(cudaMemPoolSetAttribute(as_pool(pool_), cudaMemPoolAttrUsedMemHigh, &zero), "reset the pool's used high mark");
+  check(cudaMemPoolSetAttribute(as_pool(pool_), cudaMemPoolAttrReservedMemHigh, &zero),
+        "reset the pool's reserved high mark");
 }
 
 }  // namespace trainsim::runtime::cuda

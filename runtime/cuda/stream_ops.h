@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 namespace trainsim::runtime::cuda {
 
@@ -21,5 +22,30 @@ void copy_device_to_device(void* dst, const void* src, std::size_t bytes, void* 
 void fill_zero(void* dst, std::size_t bytes, void* stream);
 // Waits for the work queued on `stream`; reports an error a kernel on it raised.
 void synchronize(void* stream);
+
+// One rank's pool for stream-ordered allocations (cudaMemPoolCreate on `device`): the
+// activations and gradients in flight between ops, wire-format copies for an all-reduce. Its
+// memory stays reserved between steps (release threshold: all of it), so a step's
+// cudaMallocFromPoolAsync never goes back to the driver. used_high() is the allocator's own
+// high-water mark of bytes handed out (cudaMemPoolAttrUsedMemHigh): a free counts once the
+// stream it was queued on reaches it, so this is the peak on the device's timeline.
+class MemoryPool {
+ public:
+  explicit MemoryPool(int device);
+  ~MemoryPool();
+  MemoryPool(const MemoryPool&) = delete;
+  MemoryPool& operator=(const MemoryPool&) = delete;
+
+  // Throws std::runtime_error naming `what` and the size when the pool cannot grow.
+  void* allocate(std::size_t bytes, void* stream, const std::string& what);
+  void free(void* p, void* stream);
+  std::size_t used_high() const;
+  std::size_t reserved_high() const;  // cudaMemPoolAttrReservedMemHigh: what the pool took from the device
+  void reset_high();                  // both marks down to what is in use (reserved) now
+
+ private:
+  void* pool_ = nullptr;  // cudaMemPool_t
+  std::size_t used_floor_ = 0, reserved_floor_ = 0;
+};
 
 }  // namespace trainsim::runtime::cuda

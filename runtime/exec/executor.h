@@ -85,6 +85,10 @@ struct RunReport {
   Timeline timeline;                  // the measured step the result describes
   int timeline_step = 0;              // which one: the median-time step, the first excluded when there are more
   std::vector<MemoryBreakdown> memory;  // per rank, at its peak over the run
+  // Per rank, the device memory its allocators handed out at its peak step (CUDA backend: the
+  // rank's charged cudaMallocs plus its stream-ordered pool's high-water mark); empty on the CPU,
+  // where ranks share one heap and `memory` is the only account.
+  std::vector<double> allocated_peak_bytes;
   Result result;                      // the result fields, measured
   std::vector<StepRecord> steps;
   std::optional<RunFailure> failure;

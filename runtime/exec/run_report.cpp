@@ -95,14 +95,19 @@ std::string format_run_summary(const RunReport& rep) {
                    rep.timeline_step, res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
   o += fmt::format("  bubble fraction  {:>9.1f}%   all-reduce {:>10}   exposed communication {}\n",
                    100 * res.bubble_fraction, format_seconds(res.allreduce_time_s), format_seconds(res.exposed_comm_time_s));
-  o += fmt::format("\n  {:>4} {:>5} {:>7}  {:>6} {:<20} {:>9} {:>9}   {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}\n", "rank",
+  // On the GPU the allocators' own peak follows the accounted one: the difference is cuBLAS
+  // workspaces, scratch and the pool's rounding.
+  const bool allocated = rep.allocated_peak_bytes.size() == res.ranks.size() && !res.ranks.empty();
+  o += fmt::format("\n  {:>4} {:>5} {:>7}  {:>6} {:<20} {:>9} {:>9}   {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}{}\n", "rank",
                    "stage", "replica", "util", "", "busy", "idle", "weights", "grads", "optim", "activ", "buffers",
-                   "peak MiB");
-  for (const auto& r : res.ranks)
-    o += fmt::format("  {:>4} {:>5} {:>7}  {:5.1f}% {:<20} {:>9} {:>9}   {:8.2f} {:8.2f} {:8.2f} {:8.2f} {:8.2f} {:9.2f}\n",
+                   "peak MiB", allocated ? fmt::format(" {:>10}", "alloc MiB") : "");
+  for (const auto& r : res.ranks) {
+    o += fmt::format("  {:>4} {:>5} {:>7}  {:5.1f}% {:<20} {:>9} {:>9}   {:8.2f} {:8.2f} {:8.2f} {:8.2f} {:8.2f} {:9.2f}{}\n",
                      r.rank, r.stage, r.replica, 100 * r.utilization, text_bar(r.utilization, 20), format_seconds(r.busy_s),
                      format_seconds(r.idle_s), mib(r.memory.weights), mib(r.memory.gradients), mib(r.memory.optimizer),
-                     mib(r.memory.activations), mib(r.memory.buffers), mib(r.peak_memory_bytes));
+                     mib(r.memory.activations), mib(r.memory.buffers), mib(r.peak_memory_bytes),
+                     allocated ? fmt::format(" {:10.2f}", mib(rep.allocated_peak_bytes[static_cast<std::size_t>(r.rank)])) : "");
+  }
 
   o += fmt::format("\n  loss {}  {} -> {}\n", sparkline(rep.steps), rep.steps.empty() ? "-" : number(rep.steps.front().loss),
                    rep.steps.empty() ? "-" : number(rep.steps.back().loss));
@@ -179,6 +184,7 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
               {"measured_step", rep.timeline_step},
               {"threads_pinned", rep.threads_pinned},
               {"first_step", rep.first_step}};
+  if (!rep.allocated_peak_bytes.empty()) j["run"]["allocated_peak_bytes"] = rep.allocated_peak_bytes;
   if (rep.failure) j["failure"] = {{"step", rep.failure->step}, {"message", rep.failure->message}};
   return j;
 }

@@ -153,6 +153,29 @@ TEST(CudaExecutor, Fp16OverflowIsFoundNamedAndSkippedTogether) {
   EXPECT_TRUE(named);
 }
 
+// Every byte the report accounts for (weights, gradients, moments, stashes, buffers in flight)
+// is a real allocation, so the allocators' peak is at least that; and GPipe, which keeps every
+// micro-batch's stash, must show twice the micro-batches' stashes in the allocators too.
+TEST(CudaExecutor, AllocatorPeakCoversTheAccountedMemoryAndGrowsWithStashes) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  ScenarioConfig c = small_config(1, 2, ScheduleKind::gpipe);
+  c.training.global_batch_size = 8;
+  const RunReport four = on_gpu(c);
+  c.training.global_batch_size = 16;
+  const RunReport eight = on_gpu(c);
+  for (const RunReport* r : {&four, &eight}) {
+    ASSERT_FALSE(r->failure) << r->failure->message;
+    ASSERT_EQ(r->allocated_peak_bytes.size(), 2u);
+    for (std::size_t rank = 0; rank < 2; ++rank)
+      EXPECT_GE(r->allocated_peak_bytes[rank], r->memory[rank].total()) << "rank " << rank;
+  }
+  for (std::size_t rank = 0; rank < 2; ++rank) {
+    const double more_stashes = eight.memory[rank].activations - four.memory[rank].activations;
+    EXPECT_GT(more_stashes, 0);
+    EXPECT_GE(eight.allocated_peak_bytes[rank] - four.allocated_peak_bytes[rank], more_stashes) << "rank " << rank;
+  }
+}
+
 TEST(CudaExecutor, MeasuredTimelineFollowsTheSchedule) {
   TRAINSIM_SKIP_WITHOUT_DEVICE();
   const RunReport r = on_gpu(small_config(2, 2, ScheduleKind::one_f_one_b));

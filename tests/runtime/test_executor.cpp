@@ -14,6 +14,7 @@
 
 #include "core/metrics.h"
 #include "runtime/exec/executor.h"
+#include "runtime/exec/run_report.h"
 #include "runtime/exec/runtime_plan.h"
 
 namespace trainsim::runtime {
@@ -271,8 +272,6 @@ TEST(Executor, MemoryAccountingFollowsParametersAndStashes) {
   const RunReport gpipe = run(c);
   c.parallelism.schedule = ScheduleKind::one_f_one_b;
   const RunReport ofob = run(c);
-  const auto& spec_model = gpipe.runtime_plan.dims;
-  (void)spec_model;
   for (std::size_t r = 0; r < gpipe.memory.size(); ++r) {
     // Adam keeps two FP32 moments per FP32 master weight: optimizer bytes = 2 x weights
     // (compute is fp32, so there is no separate working copy).
@@ -281,6 +280,20 @@ TEST(Executor, MemoryAccountingFollowsParametersAndStashes) {
   }
   // GPipe keeps all 16 micro-batches' stashes on stage 0, 1F1B at most 4.
   EXPECT_GT(gpipe.memory[0].activations, 3 * ofob.memory[0].activations);
+}
+
+// The allocators' peaks (a CUDA run's) get a column beside the accounted peak and a JSON field;
+// a CPU run, which has none, shows neither.
+TEST(Executor, AllocatorPeaksAreShownOnlyWhenMeasured) {
+  RunReport r = run(small_config(1, 2, ScheduleKind::one_f_one_b));
+  EXPECT_EQ(format_run_summary(r).find("alloc MiB"), std::string::npos);
+  EXPECT_FALSE(run_to_json(r)["run"].contains("allocated_peak_bytes"));
+  r.allocated_peak_bytes = {3.0 * 1024 * 1024, 12.5 * 1024 * 1024};
+  const std::string summary = format_run_summary(r);
+  ASSERT_NE(summary.find("alloc MiB"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("      3.00\n"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("     12.50\n"), std::string::npos) << summary;
+  EXPECT_EQ(run_to_json(r)["run"]["allocated_peak_bytes"][1].get<double>(), 12.5 * 1024 * 1024);
 }
 
 }  // namespace
