@@ -277,7 +277,8 @@ class Engine {
       if (cuda.launch->world_size != world)
         throw std::invalid_argument(fmt::format("the launcher started {} processes, the plan has {} ranks (dp {} x pp {})",
                                                 cuda.launch->world_size, world, dp_, pp_));
-      auto comm = NcclCommunicator::create(*cuda.launch, reduction_groups(*schedule_, world), timeout);
+      auto comm = NcclCommunicator::create(*cuda.launch, reduction_groups(*schedule_, world), timeout,
+                                           p2p_links(*schedule_));
       nccl_ = comm.get();
       partition_ = std::make_unique<SmPartition>(1, SmSharing::shared, current_device());
       local.push_back(cuda.launch->rank);

@@ -82,6 +82,17 @@ void check_timeout(std::chrono::milliseconds timeout, const char* who) {
                                 std::to_string(timeout.count()) + " ms");
 }
 
+void check_links(const std::vector<NcclLink>& links, int world_size, const char* who) {
+  for (std::size_t i = 0; i < links.size(); ++i) {
+    const auto [from, to] = links[i];
+    const std::string where = std::string(who) + ": link " + std::to_string(i) + " (" + std::to_string(from) +
+                              " -> " + std::to_string(to) + ")";
+    if (from < 0 || from >= world_size || to < 0 || to >= world_size)
+      throw std::invalid_argument(where + ": not a pair of ranks (world size " + std::to_string(world_size) + ")");
+    if (from == to) throw std::invalid_argument(where + ": a rank sends to itself on the world communicator");
+  }
+}
+
 void check_groups(const std::vector<std::vector<int>>& groups, int world_size, const char* who) {
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const auto& members = groups[g];
@@ -121,6 +132,18 @@ struct NcclCommunicator::Impl {
   ncclComm_t world = nullptr;
   std::map<std::vector<int>, ncclComm_t, RanksLess> subgroups;  // by member list
   std::string groups_text;                                      // for "no communicator for members" errors
+  std::map<NcclLink, ncclComm_t> links;                         // by (from, to): that direction's sends
+
+  // Every communicator this rank holds, world last (a null entry: an abort came first).
+  template <class F>
+  void for_each_comm(F&& f) const {
+    for (const auto& [members, comm] : subgroups)
+      if (comm != nullptr) f(comm, "the communicator of members " + ranks_text(members));
+    for (const auto& [link, comm] : links)
+      if (comm != nullptr)
+        f(comm, "the communicator of sends " + std::to_string(link.first) + " -> " + std::to_string(link.second));
+    if (world != nullptr) f(world, std::string("the world communicator"));
+  }
 
   cudaStream_t gather_stream = nullptr;
   std::unique_ptr<void, DeviceFree> device_scratch;
@@ -178,8 +201,7 @@ struct NcclCommunicator::Impl {
     // report touches a communicator again, so nothing reads them while they are freed.
     (void)cudaSetDevice(device);  // the watchdog's thread has never chosen one
     // Results ignored: an abort that fails leaves nothing else to try.
-    for (auto& [members, comm] : subgroups) (void)ncclCommAbort(comm);
-    if (world != nullptr) (void)ncclCommAbort(world);
+    for_each_comm([](ncclComm_t comm, const std::string&) { (void)ncclCommAbort(comm); });
   }
 
   // Throws CommError for a failed NCCL call. A communicator whose call failed for any reason but
@@ -205,18 +227,15 @@ struct NcclCommunicator::Impl {
     throw CommError(message);
   }
 
-  // Keeps a communicator NCCL just returned, unless an abort came first: then nobody else will
-  // abort it.
-  void adopt(ncclComm_t comm, const std::vector<int>* members) {
+  // Keeps a communicator NCCL just returned in `slot`, unless an abort came first: then nobody
+  // else will abort it.
+  void adopt(ncclComm_t comm, ncclComm_t& slot) {
     std::lock_guard lock(abort_mutex);
     if (aborted.load(std::memory_order_acquire)) {
       (void)ncclCommAbort(comm);
       throw CommError(abort_reason);
     }
-    if (members == nullptr)
-      world = comm;
-    else
-      subgroups.emplace(*members, comm);
+    slot = comm;
   }
 
   // The first communicator in an error state, described; nullopt when all are healthy or an
@@ -234,11 +253,12 @@ struct NcclCommunicator::Impl {
       if (last != nullptr && *last != '\0') text += " (" + std::string(last) + ")";
       return text;
     };
-    if (world != nullptr)
-      if (auto e = failed(world)) return "the world communicator failed: " + *e;
-    for (const auto& [members, comm] : subgroups)
-      if (auto e = failed(comm)) return "the communicator of members " + ranks_text(members) + " failed: " + *e;
-    return std::nullopt;
+    std::optional<std::string> first;
+    for_each_comm([&](ncclComm_t comm, const std::string& name) {
+      if (!first)
+        if (auto e = failed(comm)) first = name + " failed: " + *e;
+    });
+    return first;
   }
 
   // Spins until `stream` is idle (see the header, "Waiting").
@@ -280,8 +300,16 @@ struct NcclCommunicator::Impl {
     }
   }
 
-  void init(std::span<const std::uint8_t> unique_id, const std::vector<std::vector<int>>& groups);
+  void init(std::span<const std::uint8_t> unique_id, const std::vector<std::vector<int>>& groups,
+            const std::vector<NcclLink>& wanted_links);
   ncclComm_t communicator_for(std::span<const int> members, std::uint64_t tag) const;
+  // The communicator of the sends from `from` to `to`, and `peer`'s rank in it: the link's own
+  // when create() was given it (two members, ranked by world rank), else the world's.
+  std::pair<ncclComm_t, int> p2p_communicator(int from, int to, int peer) const {
+    const auto it = links.find({from, to});
+    if (it == links.end()) return {world, peer};
+    return {it->second, peer == std::min(from, to) ? 0 : 1};
+  }
   void ensure_scratch(std::size_t device_bytes, std::size_t pinned_bytes);
 };
 
@@ -303,14 +331,14 @@ NcclCommunicator::Impl::~Impl() {
     (void)pinned_scratch.release();
   } else {
     for (auto& [op, comm] : deferred_op_destroys) (void)ncclRedOpDestroy(op, comm);
-    for (auto& [members, comm] : subgroups) (void)ncclCommDestroy(comm);
-    if (world != nullptr) (void)ncclCommDestroy(world);
+    for_each_comm([](ncclComm_t comm, const std::string&) { (void)ncclCommDestroy(comm); });
   }
   if (gather_stream != nullptr) (void)cudaStreamDestroy(gather_stream);
 }
 
 void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
-                                  const std::vector<std::vector<int>>& groups) {
+                                  const std::vector<std::vector<int>>& groups,
+                                  const std::vector<NcclLink>& wanted_links) {
   make_current();
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
@@ -326,7 +354,7 @@ void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
     auto guard = watchdog->guard(op);
     ncclComm_t comm = nullptr;
     check(ncclCommInitRank(&comm, world_size, id, rank), nullptr, op);
-    adopt(comm, nullptr);
+    adopt(comm, world);
   }
 
   // Distinct member sets that need a communicator of their own: not the world (it has one) and
@@ -337,6 +365,15 @@ void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
     groups_text += ranks_text(g);
     if (g.size() == static_cast<std::size_t>(world_size) || g.size() == 1) continue;
     if (std::find(distinct.begin(), distinct.end(), g) == distinct.end()) distinct.push_back(g);
+  }
+  // Then one set per distinct link: both directions of a pair have the same members, and each its
+  // own communicator.
+  const std::size_t first_link = distinct.size();
+  std::vector<NcclLink> link_of;
+  for (const NcclLink& l : wanted_links) {
+    if (std::find(link_of.begin(), link_of.end(), l) != link_of.end()) continue;
+    link_of.push_back(l);
+    distinct.push_back({std::min(l.first, l.second), std::max(l.first, l.second)});
   }
   // First fit into layers of disjoint sets, one ncclCommSplit per layer. Every rank computes the
   // same layers from the same list, so they call the same splits in the same order.
@@ -371,7 +408,9 @@ void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
     auto guard = watchdog->guard(op);
     ncclComm_t comm = nullptr;
     check(ncclCommSplit(world, color, rank, &comm, nullptr), world, op);
-    if (color != NCCL_SPLIT_NOCOLOR) adopt(comm, &distinct[layers[layer][static_cast<std::size_t>(color)]]);
+    if (color == NCCL_SPLIT_NOCOLOR) continue;
+    const std::size_t set = layers[layer][static_cast<std::size_t>(color)];
+    adopt(comm, set < first_link ? subgroups[distinct[set]] : links[link_of[set - first_link]]);
   }
 }
 
@@ -426,7 +465,8 @@ std::vector<std::uint8_t> NcclCommunicator::make_unique_id() {
 
 std::unique_ptr<NcclCommunicator> NcclCommunicator::create(const LaunchEnv& env,
                                                            const std::vector<std::vector<int>>& groups,
-                                                           std::chrono::milliseconds timeout) {
+                                                           std::chrono::milliseconds timeout,
+                                                           const std::vector<NcclLink>& links) {
   const char* who = "NcclCommunicator::create";
   check_world(env.rank, env.world_size, who);
   if (env.local_rank < 0)
@@ -434,6 +474,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(const LaunchEnv& env,
                                 std::to_string(env.local_rank));
   check_timeout(timeout, who);
   check_groups(groups, env.world_size, who);
+  check_links(links, env.world_size, who);
 
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
@@ -445,17 +486,19 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::create(const LaunchEnv& env,
   std::vector<std::uint8_t> id;
   if (env.rank == 0) id = make_unique_id();
   const std::vector<std::uint8_t> shared = broadcast_from_rank0(env, id, timeout);
-  return init_from_id(shared, env.rank, env.world_size, device, groups, timeout);
+  return init_from_id(shared, env.rank, env.world_size, device, groups, timeout, links);
 }
 
 std::unique_ptr<NcclCommunicator> NcclCommunicator::init_from_id(std::span<const std::uint8_t> unique_id, int rank,
                                                                  int world_size, int device,
                                                                  const std::vector<std::vector<int>>& groups,
-                                                                 std::chrono::milliseconds timeout) {
+                                                                 std::chrono::milliseconds timeout,
+                                                                 const std::vector<NcclLink>& links) {
   const char* who = "NcclCommunicator::init_from_id";
   check_world(rank, world_size, who);
   check_timeout(timeout, who);
   check_groups(groups, world_size, who);
+  check_links(links, world_size, who);
   if (unique_id.size() != sizeof(ncclUniqueId))
     throw std::invalid_argument(std::string(who) + ": the unique id must be " + std::to_string(sizeof(ncclUniqueId)) +
                                 " bytes (ncclUniqueId), got " + std::to_string(unique_id.size()));
@@ -464,7 +507,7 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::init_from_id(std::span<const
   auto impl = std::make_unique<Impl>(rank, world_size, device);
   Impl* raw = impl.get();
   impl->watchdog = std::make_unique<Watchdog>(rank, timeout, [raw](const std::string& message) { raw->abort(message); });
-  impl->init(unique_id, groups);
+  impl->init(unique_id, groups, links);
   return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(std::move(impl)));
 }
 
@@ -495,7 +538,8 @@ void NcclCommunicator::send(int peer, std::uint64_t tag, const void* data, std::
   m.throw_if_aborted();
   m.make_current();
   auto guard = m.guard_if_launching(op);
-  m.check(ncclSend(data, count, type, peer, m.world, as_stream(stream)), m.world, op);
+  const auto [comm, comm_peer] = m.p2p_communicator(m.rank, peer, peer);
+  m.check(ncclSend(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
 }
 
 void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) {
@@ -508,7 +552,8 @@ void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t
   m.throw_if_aborted();
   m.make_current();
   auto guard = m.guard_if_launching(op);
-  m.check(ncclRecv(data, count, type, peer, m.world, as_stream(stream)), m.world, op);
+  const auto [comm, comm_peer] = m.p2p_communicator(peer, m.rank, peer);
+  m.check(ncclRecv(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
 }
 
 void NcclCommunicator::group_begin() {

@@ -4,13 +4,25 @@
 // NCCL type crosses this header; streams are `void*` (cudaStream_t).
 //
 // Communicators. One world communicator (ncclCommInitRank over every rank), used for
-// send/recv, gather_host and all-reduces over the whole world; and one sub-communicator per
-// distinct member set given to create(), split from the world (ncclCommSplit, key = rank, so a
-// member's rank in it is its position in `members`). A set of one rank needs none: an all-reduce
-// over oneself is the identity and returns at once. Splits are collectives over the world: every
-// rank must pass the same list in the same order. Member sets that share no rank are split
-// together in one call (first-fit, in list order), so data-parallel groups of all stages cost one
-// split, not one per stage.
+// gather_host, all-reduces over the whole world and sends/receives on links given none; one
+// sub-communicator per distinct all-reduce member set given to create(); and one per directed
+// link (from, to) given to create(), which carries the sends from `from` to `to` and nothing
+// else. Sub- and link communicators are split from the world (ncclCommSplit, key = rank, so a
+// member's rank in one is its position in the ascending member list). A set of one rank needs
+// none: an all-reduce over oneself is the identity and returns at once. Splits are collectives
+// over the world: every rank must pass the same lists in the same order. Sets that share no rank
+// are split together in one call (first-fit, in list order), so data-parallel groups of all
+// stages cost one split, not one per stage, and a pipeline's links about four.
+//
+// Why a communicator per direction. NCCL runs the operations of one communicator in the order
+// the host issued them, whatever their streams, and a send larger than NCCL's buffers completes
+// only once the peer's receive runs. One-forward-one-backward issues, on stage 0, "send
+// activation 1" before "receive gradient 0", and on stage 1 "send gradient 0" before "receive
+// activation 1": over one communicator per pair both sends wait for receives queued behind the
+// other's send, a deadlock, unless every exchange is grouped. With one communicator per
+// direction each carries sends of one rank to one peer, paired in the order the peer receives
+// them (tests/runtime/test_p2p_order.cpp), and the step completes for every schedule
+// (tests/runtime/test_stream_deadlock.cpp models the streams and proves it).
 //
 // Numerics (device_communicator.h's contract): all_reduce reduces in the buffer's type, as NCCL
 // does. Divide::before is NCCL's PreMulSum with the scalar 1/n rounded to that type (each
@@ -43,10 +55,15 @@
 // the wait throws that. Construction (init and splits) is guarded too; NCCL's blocking
 // ncclCommInitRank cannot be interrupted before it returns a handle, but every later step can.
 //
-// Threads. One thread issues the communication calls of a rank (NCCL communicators are not
-// thread-safe); abort() and watchdog() may be used from any thread. Each call makes the
-// communicator's GPU current on the calling thread (cudaSetDevice), so the issuing thread need
-// not be the one that created it.
+// Threads. A communicator takes calls from one thread at a time (NCCL's rule), and a group's
+// calls from one thread; different communicators may be driven from different threads. The
+// CUDA executor issues sends and receives (link communicators) from a rank's compute thread and
+// all-reduces (member-set communicators; the world's) from its communication thread, and the
+// world's gradient-norm all-reduce only after that thread has issued all of its calls. NCCL
+// documents concurrent communicators as safe while their kernels fit on the GPU together and
+// nothing synchronises the device mid-step: NCCL kernels take few SMs, and a step allocates
+// only from stream-ordered pools. abort() and watchdog() may be used from any thread. Each call
+// makes the communicator's GPU current on the calling thread (cudaSetDevice).
 //
 // Destruction. Normally ncclCommDestroy on every communicator (NCCL documents it as a collective
 // among the ranks of one node: every process destroys its communicator at the end of a run).
@@ -60,6 +77,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/comm/device_communicator.h"
@@ -68,16 +86,21 @@
 
 namespace trainsim::runtime::cuda {
 
+using NcclLink = std::pair<int, int>;  // (from, to): the sends of rank `from` to rank `to`
+
 class NcclCommunicator final : public DeviceCommunicator {
  public:
   // Rank 0 makes the unique id, broadcast_from_rank0 hands it to every rank (within `timeout`),
   // then init_from_id below with device env.local_rank % (visible GPUs). `groups` are the
   // distinct all-reduce member sets the caller will use (each strictly ascending ranks of the
-  // world; the whole world and repeats are allowed and cost nothing), identical on every rank.
-  // Throws std::invalid_argument for a bad env, group or timeout before any network or device
-  // activity; RendezvousError when the id cannot be shared; CommError when CUDA or NCCL fails.
+  // world; the whole world and repeats are allowed and cost nothing), `links` the directed
+  // pairs that get a communicator of their own (from != to; repeats allowed), both identical on
+  // every rank. Throws std::invalid_argument for a bad env, group, link or timeout before any
+  // network or device activity; RendezvousError when the id cannot be shared; CommError when
+  // CUDA or NCCL fails.
   static std::unique_ptr<NcclCommunicator> create(const LaunchEnv& env, const std::vector<std::vector<int>>& groups,
-                                                  std::chrono::milliseconds timeout);
+                                                  std::chrono::milliseconds timeout,
+                                                  const std::vector<NcclLink>& links = {});
 
   // The same from a unique id shared some other way (tests, or a launcher that has its own
   // broadcast): `unique_id` is make_unique_id()'s bytes from one process, the same on every rank.
@@ -86,7 +109,8 @@ class NcclCommunicator final : public DeviceCommunicator {
   static std::unique_ptr<NcclCommunicator> init_from_id(std::span<const std::uint8_t> unique_id, int rank,
                                                         int world_size, int device,
                                                         const std::vector<std::vector<int>>& groups,
-                                                        std::chrono::milliseconds timeout);
+                                                        std::chrono::milliseconds timeout,
+                                                        const std::vector<NcclLink>& links = {});
   static std::vector<std::uint8_t> make_unique_id();  // ncclGetUniqueId; CommError on failure
 
   ~NcclCommunicator() override;

@@ -78,6 +78,16 @@ std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, int wor
   return groups;
 }
 
+std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule) {
+  std::vector<std::pair<int, int>> links;
+  for (int r = 0; r < static_cast<int>(schedule.ranks.size()); ++r)
+    for (const Op& op : schedule.ranks[r].ops)
+      if (is_send(op.kind)) links.emplace_back(r, op.peer);
+  std::sort(links.begin(), links.end());
+  links.erase(std::unique(links.begin(), links.end()), links.end());
+  return links;
+}
+
 Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::vector<std::vector<OpTiming>>& timing,
                            const std::vector<std::vector<Tick>>& arrival) {
   Timeline tl;

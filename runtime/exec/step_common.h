@@ -53,6 +53,10 @@ OptimizerSettings optimizer_settings(const ScenarioConfig& config);
 // communicator must be able to reduce over (NCCL splits a communicator per set).
 std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, int world_size);
 
+// Every directed pair (from, to) such that `from` sends to `to` in the step, ascending, each
+// once: NCCL gives each its own communicator (nccl_communicator.h says why).
+std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule);
+
 // The measured Timeline of one step from every rank's op timings and, for collectives, when
 // each rank reached them: a collective starts when its last member reaches it (as the
 // simulator defines it).

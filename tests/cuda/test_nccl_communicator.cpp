@@ -176,6 +176,12 @@ TEST(NcclCommunicatorArguments, CreateRefusesBadArgumentsBeforeTouchingTheDevice
   negative_local.local_rank = -1;
   expect_throw_with<std::invalid_argument>([&] { create(negative_local, {}, seconds(1)); }, "local rank");
 
+  expect_throw_with<std::invalid_argument>(
+      [&] { (void)NcclCommunicator::create(four, {}, seconds(1), {{0, 1}, {2, 2}}); },
+      "link 1 (2 -> 2): a rank sends to itself");
+  expect_throw_with<std::invalid_argument>(
+      [&] { (void)NcclCommunicator::create(four, {}, seconds(1), {{3, 4}}); }, "link 0 (3 -> 4): not a pair of ranks");
+
   const std::vector<std::uint8_t> short_id(5, 1);
   expect_throw_with<std::invalid_argument>(
       [&] { (void)NcclCommunicator::init_from_id(short_id, 0, 2, 0, {}, seconds(1)); }, "got 5");
@@ -565,7 +571,9 @@ void run_ranks_role() {
   const LaunchEnv env = launch_env_from();
   const int n = env.world_size, me = env.rank;
   const auto sets = member_sets(n);
-  auto comm = NcclCommunicator::create(env, sets, seconds(120));
+  // Both directions between ranks 0 and 1 on communicators of their own, as the executor's
+  // pipeline links; every other pair on the world communicator.
+  auto comm = NcclCommunicator::create(env, sets, seconds(120), {{0, 1}, {1, 0}});
   EXPECT_NE(comm->describe().find("rank " + std::to_string(me) + " of " + std::to_string(n)), std::string::npos)
       << comm->describe();
   k::Stream stream;
@@ -641,6 +649,27 @@ void run_ranks_role() {
     comm->synchronize(s, "pair recv");
     expect_identical(download(in, pair_count, DType::fp32, s),
                      random_values(pair_count, seed_of(DType::fp32, pair_count, 0, 60), DType::fp32), "pair");
+  }
+
+  // A pipeline's exchange, ungrouped, as one-forward-one-backward issues it: rank 0 sends an
+  // activation and then receives a gradient, rank 1 sends its gradient first. Each send is larger
+  // than NCCL's buffers, so it completes only when the peer's receive runs: over one communicator
+  // per pair (issue order) this deadlocks; over a communicator per direction it must complete.
+  {
+    const std::size_t big = std::size_t{16} << 20;  // 64 MiB of fp32
+    const int other = 1 - me;
+    if (me <= 1) {
+      k::Stream sends;  // the executor's send stream; receives on the compute stream `s`
+      k::DeviceBuffer out = upload(random_values(big, seed_of(DType::fp32, big, me, 70), DType::fp32), DType::fp32, s);
+      k::DeviceBuffer in(big * sizeof(float));
+      comm->synchronize(s, "pipeline upload");
+      comm->send(other, 7, out.data(), big, DType::fp32, sends.get());
+      comm->recv(other, 8, in.data(), big, DType::fp32, s);
+      comm->synchronize(sends.get(), "pipeline send");
+      comm->synchronize(s, "pipeline recv");
+      expect_identical(download(in, big, DType::fp32, s),
+                       random_values(big, seed_of(DType::fp32, big, other, 70), DType::fp32), "pipeline exchange");
+    }
   }
 
   // gather_host: sizes differ by rank, rank 0's is empty the second time.

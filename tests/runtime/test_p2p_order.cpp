@@ -2,9 +2,11 @@
 //  * NCCL pairs sends with receives by order, not by tag: for every pair of ranks (A, B), the
 //    messages A sends to B must come in the order B receives them from A, in every schedule;
 //  * NCCL splits one communicator per all-reduce member set: reduction_groups lists each set
-//    the executors reduce over exactly once, world included.
+//    the executors reduce over exactly once, world included;
+//  * and one per direction of every pipeline link: p2p_links lists each (from, to) once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <tuple>
@@ -90,6 +92,37 @@ TEST(ReductionGroups, EveryMemberSetOnceWorldLast) {
   // replica (stage 0 and stage 1 of the replica), and the world.
   EXPECT_TRUE(unique.count(std::vector<int>{0, 1}));
   EXPECT_TRUE(unique.count(std::vector<int>{2, 3}));
+}
+
+TEST(P2pLinks, BothDirectionsOfEveryPipelineNeighbourOnce) {
+  // dp2 x pp4, 1F1B: replica d's stage s sends activations to s+1 and gradients to s-1.
+  const RuntimePlan rp = make_runtime_plan(config(2, 4, ScheduleKind::one_f_one_b, 1, 16));
+  const Schedule s = build_schedule(rp.plan);
+  std::vector<std::pair<int, int>> expected;
+  for (int d = 0; d < 2; ++d)
+    for (int st = 0; st + 1 < 4; ++st) {
+      expected.emplace_back(rp.plan.rank_of(st, d), rp.plan.rank_of(st + 1, d));
+      expected.emplace_back(rp.plan.rank_of(st + 1, d), rp.plan.rank_of(st, d));
+    }
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(p2p_links(s), expected);
+}
+
+TEST(P2pLinks, InterleavingAddsTheWrapFromLastStageToFirst) {
+  const RuntimePlan rp = make_runtime_plan(config(1, 4, ScheduleKind::interleaved_1f1b, 2, 8));
+  const auto links = p2p_links(build_schedule(rp.plan));
+  EXPECT_TRUE(std::is_sorted(links.begin(), links.end()));
+  EXPECT_EQ(std::adjacent_find(links.begin(), links.end()), links.end()) << "each once";
+  // Virtual stage 3 (rank 3) feeds virtual stage 4 (rank 0), and its gradient comes back.
+  EXPECT_NE(std::find(links.begin(), links.end(), std::pair{3, 0}), links.end());
+  EXPECT_NE(std::find(links.begin(), links.end(), std::pair{0, 3}), links.end());
+  EXPECT_EQ(links.size(), 8u) << "four neighbours in a ring, both ways";
+  for (const auto& [from, to] : links) EXPECT_NE(from, to);
+}
+
+TEST(P2pLinks, NoneWithoutAPipeline) {
+  const RuntimePlan rp = make_runtime_plan(config(4, 1, ScheduleKind::one_f_one_b, 1, 8));
+  EXPECT_TRUE(p2p_links(build_schedule(rp.plan)).empty());
 }
 
 }  // namespace
