@@ -139,15 +139,35 @@ TEST(Cli, RunOnTheCudaBackendRunsOrSaysWhyNot) {
         << r.err;
     EXPECT_TRUE(r.out.empty()) << "no half report: " << r.out;
   }
-  // What the CUDA backend cannot run yet is refused as bad input before any device work.
+  // Checkpoints: written where a GPU ran the steps, in the CPU backend's format (the CPU backend
+  // continues from one); nothing written where no GPU could run them.
   const fs::path ck = temp_dir() / "ck";
-  const CommandResult refused = run("run " + small_run_scenario().string() + " --backend cuda --checkpoint-dir " +
-                                    ck.string() + " --checkpoint-every 1");
+  const CommandResult with_checkpoints = run("run " + small_run_scenario().string() +
+                                             " --backend cuda --steps 2 --checkpoint-every 1 --checkpoint-dir " +
+                                             ck.string());
+  if (r.status == 0) {
+    ASSERT_EQ(with_checkpoints.status, 0) << with_checkpoints.err;
+    EXPECT_TRUE(fs::exists(ck / "latest"));
+    const CommandResult continued = run("run " + small_run_scenario().string() + " --resume " + ck.string());
+    EXPECT_EQ(continued.status, 0) << continued.err;
+    EXPECT_NE(continued.out.find("steps 3..3"), std::string::npos) << continued.out;
+  } else {
+    EXPECT_EQ(with_checkpoints.status, r.status) << with_checkpoints.err;
+    EXPECT_FALSE(fs::exists(ck)) << "nothing written";
+  }
+  // What the CUDA backend cannot run is refused as bad input before any device work: its
+  // kernels store and reduce fp32, fp16 and bf16, not a tf32 wire format.
+  const fs::path tf32 = temp_dir() / "tf32-wire.yaml";
+  {
+    std::string text = slurp(small_run_scenario());
+    text.replace(text.find("{compute: bf16}"), 15, "{compute: bf16, allreduce: tf32}");
+    std::ofstream(tf32) << text;
+  }
+  const CommandResult refused = run("run " + tf32.string() + " --backend cuda");
   if (refused.err.find("built without CUDA") == std::string::npos) {
     EXPECT_EQ(refused.status, 2) << refused.err;
-    EXPECT_NE(refused.err.find("checkpoints"), std::string::npos) << refused.err;
+    EXPECT_NE(refused.err.find("tf32"), std::string::npos) << refused.err;
   }
-  EXPECT_FALSE(fs::exists(ck)) << "nothing written";
 }
 
 TEST(Cli, RunOfTheIncidentReportsWhereItFailed) {

@@ -24,6 +24,7 @@
 #include "runtime/cuda/device_world.h"
 #include "runtime/cuda/nccl_communicator.h"
 #include "runtime/cuda/stage_model_cuda.h"
+#include "runtime/checkpoint.h"
 #include "runtime/cuda/stream_ops.h"
 #include "runtime/exec/step_common.h"
 #include "runtime/numerics/loss_scaler.h"
@@ -94,7 +95,8 @@ class Writer {
   template <class T>
   void vec(const std::vector<T>& v) {
     pod<std::uint64_t>(v.size());
-    for (const T& x : v) pod(x);
+    const auto* p = reinterpret_cast<const std::uint8_t*>(v.data());
+    bytes.insert(bytes.end(), p, p + v.size() * sizeof(T));
   }
   void str(const std::string& s) {
     pod<std::uint64_t>(s.size());
@@ -116,8 +118,11 @@ class Reader {
   }
   template <class T>
   std::vector<T> vec() {
-    std::vector<T> v(pod<std::uint64_t>());
-    for (T& x : v) x = pod<T>();
+    const auto n = pod<std::uint64_t>();
+    if (n > (b_.size() - at_) / sizeof(T)) throw std::runtime_error("CUDA executor: a rank's step record is truncated");
+    std::vector<T> v(n);
+    std::memcpy(v.data(), b_.data() + at_, n * sizeof(T));
+    at_ += n * sizeof(T);
     return v;
   }
   std::string str() {
@@ -242,12 +247,37 @@ struct CudaRank {
   std::thread comm_thread;
 };
 
-// What the CUDA backend cannot run yet, refused before any device work.
-void check_supported(const Plan& plan, const RunOptions& options) {
+// A rank's part of a checkpoint, on its way to the process that writes the file.
+std::vector<std::uint8_t> serialize(const RankCheckpoint& c) {
+  Writer w;
+  w.pod<std::int64_t>(c.rank);
+  w.vec(c.master_weights);
+  w.vec(c.first_moment);
+  w.vec(c.second_moment);
+  w.pod(c.optimizer_steps);
+  w.pod(c.scaler.scale);
+  w.pod<std::int64_t>(c.scaler.good_steps);
+  w.pod<std::int64_t>(c.scaler.hysteresis_left);
+  return std::move(w.bytes);
+}
+
+RankCheckpoint deserialize_checkpoint(const std::vector<std::uint8_t>& bytes) {
+  Reader r(bytes);
+  RankCheckpoint c;
+  c.rank = static_cast<int>(r.pod<std::int64_t>());
+  c.master_weights = r.vec<float>();
+  c.first_moment = r.vec<float>();
+  c.second_moment = r.vec<float>();
+  c.optimizer_steps = r.pod<std::int64_t>();
+  c.scaler.scale = r.pod<double>();
+  c.scaler.good_steps = static_cast<int>(r.pod<std::int64_t>());
+  c.scaler.hysteresis_left = static_cast<int>(r.pod<std::int64_t>());
+  return c;
+}
+
+// What the CUDA backend cannot run, refused before any device work.
+void check_supported(const Plan& plan) {
   const auto& pr = plan.config.precision;
-  if (!options.checkpoint_dir.empty() || !options.resume_from.empty())
-    throw std::invalid_argument("the CUDA backend does not write or resume checkpoints yet; run without "
-                                "--checkpoint-dir / --resume, or with --backend cpu");
   for (DType t : {pr.compute, pr.grad_accumulation, pr.allreduce})
     if (!(t == DType::fp32 || t == DType::fp16 || t == DType::bf16))
       throw std::invalid_argument(fmt::format("the CUDA backend stores and reduces fp32, fp16 or bf16; precision "
@@ -412,6 +442,74 @@ class Engine {
           drift = std::max(drift, weight_difference(ranks_[plan_.rank_of(s, 0)]->master_copy[j],
                                                     ranks_[plan_.rank_of(s, d)]->master_copy[j]));
     return drift;
+  }
+
+  // Every rank's state for a checkpoint, by rank, after a step that succeeded: its master weights
+  // (as summarize downloaded them), moments, optimizer steps and loss scaler. With one process
+  // per GPU every process takes part (gather_host) and gets all of them.
+  std::vector<RankCheckpoint> checkpoint_state() {
+    std::vector<RankCheckpoint> mine;
+    for (auto& rk : ranks_) {
+      partition_->make_current(rk->partition_index);
+      RankCheckpoint rc;
+      rc.rank = rk->rank;
+      for (std::size_t j = 0; j < rk->chunks.size(); ++j) {
+        const std::vector<float>& w = rk->master_copy[j];
+        rc.master_weights.insert(rc.master_weights.end(), w.begin(), w.end());
+        const auto& opt = rk->optimizers[j];
+        if (opt.m.bytes() > 0) {
+          for (auto [from, to] : {std::pair{&opt.m, &rc.first_moment}, std::pair{&opt.v, &rc.second_moment}}) {
+            const std::size_t at = to->size();
+            to->resize(at + w.size());
+            copy_device_to_host(to->data() + at, from->data(), w.size() * sizeof(float), rk->streams.compute);
+          }
+        }
+        rc.optimizer_steps = opt.steps;
+      }
+      synchronize(rk->streams.compute);
+      rc.scaler = rk->scaler->state();
+      mine.push_back(std::move(rc));
+    }
+    if (all_local_) return mine;
+    std::vector<RankCheckpoint> all;
+    for (const auto& blob : ranks_[0]->comm->gather_host(serialize(mine[0]))) all.push_back(deserialize_checkpoint(blob));
+    return all;
+  }
+
+  // The process that writes files (checkpoints): the one holding rank 0.
+  bool holds_rank_zero() const { return ranks_[0]->rank == 0; }
+
+  // Loads this process's ranks from `ck` (a CPU or CUDA checkpoint of the same plan).
+  void restore(const Checkpoint& ck) {
+    if (static_cast<int>(ck.ranks.size()) != world())
+      throw CheckpointError(fmt::format("checkpoint has {} ranks, the plan {}", ck.ranks.size(), world()));
+    for (auto& rk : ranks_) {
+      const auto rc = std::find_if(ck.ranks.begin(), ck.ranks.end(),
+                                   [&](const RankCheckpoint& c) { return c.rank == rk->rank; });
+      if (rc == ck.ranks.end()) throw CheckpointError(fmt::format("checkpoint holds no rank {}", rk->rank));
+      partition_->make_current(rk->partition_index);
+      void* cs = rk->streams.compute;
+      std::size_t off = 0;
+      for (std::size_t j = 0; j < rk->chunks.size(); ++j) {
+        CudaStageModel& model = rk->chunks[j];
+        auto& opt = rk->optimizers[j];
+        const std::size_t n = model.num_parameters();
+        if (off + n > rc->master_weights.size())
+          throw CheckpointError(fmt::format("checkpoint rank {} holds fewer weights than the model", rc->rank));
+        copy_host_to_device(model.master_weights_device(), rc->master_weights.data() + off, n * sizeof(float), cs);
+        if (opt.m.bytes() > 0 && !rc->first_moment.empty()) {
+          if (off + n > rc->first_moment.size() || off + n > rc->second_moment.size())
+            throw CheckpointError(fmt::format("checkpoint rank {} holds fewer moments than the model", rc->rank));
+          copy_host_to_device(opt.m.data(), rc->first_moment.data() + off, n * sizeof(float), cs);
+          copy_host_to_device(opt.v.data(), rc->second_moment.data() + off, n * sizeof(float), cs);
+        }
+        opt.steps = rc->optimizer_steps;
+        model.refresh_working_weights();
+        off += n;
+      }
+      rk->scaler->restore(rc->scaler);
+      synchronize(cs);
+    }
   }
 
  private:
@@ -922,7 +1020,7 @@ class Engine {
 }  // namespace
 
 RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaRunOptions& cuda) {
-  check_supported(rp.plan, options);
+  check_supported(rp.plan);
   std::string why;
   if (!k::device_available(&why)) throw std::runtime_error("the CUDA backend needs a GPU: " + why);
 
@@ -935,13 +1033,23 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
   const Plan& plan = report.runtime_plan.plan;
   const int steps = options.steps > 0 ? options.steps : plan.config.runtime.steps;
   const auto samples_per_step = static_cast<std::uint64_t>(plan.global_batch_size);
+  const std::string fingerprint = plan_fingerprint(report.runtime_plan);
+
+  // The same checkpoint format and fingerprint as the CPU backend: either resumes the other's.
+  int first = 1;
+  if (!options.resume_from.empty()) {
+    const Checkpoint ck = load_checkpoint(options.resume_from, fingerprint);
+    engine.restore(ck);
+    first = ck.step + 1;
+  }
+  report.first_step = first;
 
   std::vector<Timeline> timelines;
   std::vector<MemoryBreakdown> peaks(engine.world());
   std::vector<double> allocated(engine.world(), 0.0);
   LossWatch loss_watch;
   std::optional<std::string> first_trouble;
-  for (int step = 1; step <= steps; ++step) {
+  for (int step = first; step <= steps; ++step) {
     double seconds = 0;
     const std::vector<RankSummary> ranks =
         engine.run_step(step, static_cast<std::uint64_t>(step - 1) * samples_per_step, seconds);
@@ -1015,7 +1123,18 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
     report.steps.push_back(rec);
     if (!first_trouble && !first_bad_what.empty())
       first_trouble = fmt::format("non-finite values first appeared at step {}, in {}", step, first_bad_what);
-    report.failure = loss_watch.check(rec, 1, first_trouble.value_or(""));
+    report.failure = loss_watch.check(rec, first, first_trouble.value_or(""));
+
+    if (!options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
+        (step % options.checkpoint_every_steps == 0 || step == steps) && !report.failure) {
+      Checkpoint ck;
+      ck.fingerprint = fingerprint;
+      ck.step = step;
+      ck.data_position = static_cast<std::uint64_t>(step) * samples_per_step;
+      ck.seed = static_cast<std::uint64_t>(plan.config.runtime.seed);
+      ck.ranks = engine.checkpoint_state();
+      if (engine.holds_rank_zero()) report.checkpoints.push_back(save_checkpoint(options.checkpoint_dir, ck));
+    }
     if (report.failure) break;
   }
 

@@ -31,8 +31,15 @@
 // gradient all-reduce (so a report can say "the bf16 all-reduce of gradient bucket 0" made the
 // first inf/NaN), the largest |activation| sent and |gradient| returned, and inf/NaN counts.
 //
-// Not yet: checkpoints and resume (refused with a clear error). Master weights held in a format
-// other than fp32 are rounded to it with two casts after every update (round_master).
+// Checkpoints are the CPU backend's (runtime/checkpoint.h): same file, same plan fingerprint, so
+// either backend resumes the other's. With one process per GPU every process gathers every
+// rank's state (gather_host) and the one holding rank 0 writes the file; on resume every process
+// reads it (a path all nodes see) and loads its own ranks. Master weights held in a format other
+// than fp32 are rounded to it with two casts after every update (round_master).
+//
+// Memory: each rank's DeviceBuffers and cuBLAS workspaces are charged to its MemoryAccount, and
+// its buffers in flight come from its own cudaMemPool; RunReport::allocated_peak_bytes is the
+// sum of the two peaks, beside the accounted breakdown in RunReport::memory.
 #pragma once
 
 #include <optional>
@@ -49,8 +56,8 @@ struct CudaRunOptions {
   int device = 0;                               // one GPU, every rank: which
 };
 
-// Throws std::invalid_argument for what the CUDA backend cannot run (checkpoints, formats the
-// kernels do not store), std::runtime_error when no device can be used (saying
+// Throws std::invalid_argument for what the CUDA backend cannot run (formats the kernels do not
+// store), CheckpointError for a checkpoint that cannot be resumed, std::runtime_error when no device can be used (saying
 // why); a run that goes numerically wrong returns with `failure` set, as run_cpu.
 RunReport run_cuda(const RuntimePlan& plan, const RunOptions& options, const CudaRunOptions& cuda);
 

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <map>
 
 #include "core/metrics.h"
@@ -81,14 +82,6 @@ void expect_tracks(const RunReport& cpu, const RunReport& gpu, double first_tol,
 }
 
 TEST(CudaExecutor, RefusesWhatItCannotRunBeforeTouchingTheDevice) {
-  RunOptions with_checkpoints = options();
-  with_checkpoints.checkpoint_dir = "/tmp/never-written";
-  try {
-    run_cuda(make_runtime_plan(small_config(1, 1, ScheduleKind::one_f_one_b)), with_checkpoints, {});
-    FAIL() << "ran with checkpoints";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("checkpoints"), std::string::npos) << e.what();
-  }
   ScenarioConfig tf32_wire = small_config(1, 1, ScheduleKind::one_f_one_b);
   tf32_wire.precision.allreduce = DType::tf32;
   EXPECT_THROW(run_cuda(make_runtime_plan(tf32_wire), options(), {}), std::invalid_argument);
@@ -174,6 +167,51 @@ TEST(CudaExecutor, AllocatorPeakCoversTheAccountedMemoryAndGrowsWithStashes) {
     EXPECT_GT(more_stashes, 0);
     EXPECT_GE(eight.allocated_peak_bytes[rank] - four.allocated_peak_bytes[rank], more_stashes) << "rank " << rank;
   }
+}
+
+// Checkpoint at step 2 of 4, resume: steps 3 and 4 again, bit for bit (the backend is
+// deterministic: no floating-point atomics). And the format is the CPU backend's: a CPU
+// checkpoint continues on the GPU as the CPU itself continues, within the fp32 tolerance.
+TEST(CudaExecutor, CheckpointResumeIsBitwiseAndCrossesBackends) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const auto dir = std::filesystem::temp_directory_path() / "trainsim_cuda_resume";
+  std::filesystem::remove_all(dir);
+  ScenarioConfig c = small_config(2, 2, ScheduleKind::interleaved_1f1b, 2);
+  c.precision.compute = DType::bf16;
+  c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+  c.runtime.steps = 4;
+  RunOptions opt = options();
+  opt.checkpoint_dir = (dir / "gpu").string();
+  opt.checkpoint_every_steps = 2;
+  CudaRunOptions cuda;
+  const RunReport whole = run_cuda(make_runtime_plan(c), opt, cuda);
+  ASSERT_FALSE(whole.failure) << whole.failure->message;
+  ASSERT_EQ(whole.checkpoints.size(), 2u);
+
+  RunOptions resume = options();
+  resume.resume_from = whole.checkpoints[0];
+  const RunReport rest = run_cuda(make_runtime_plan(c), resume, cuda);
+  ASSERT_EQ(rest.first_step, 3);
+  ASSERT_EQ(rest.steps.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(rest.steps[i].loss, whole.steps[i + 2].loss) << "bitwise, step " << i + 3;
+    EXPECT_EQ(rest.steps[i].replica_checksums, whole.steps[i + 2].replica_checksums);
+  }
+
+  ScenarioConfig f = small_config(1, 2, ScheduleKind::one_f_one_b);
+  f.runtime.steps = 4;
+  RunOptions cpu_opt = options();
+  cpu_opt.checkpoint_dir = (dir / "cpu").string();
+  cpu_opt.checkpoint_every_steps = 2;
+  const RunReport cpu = run_cpu(make_runtime_plan(f), cpu_opt);
+  ASSERT_FALSE(cpu.failure);
+  RunOptions from_cpu = options();
+  from_cpu.resume_from = cpu.checkpoints[0];
+  const RunReport gpu_rest = run_cuda(make_runtime_plan(f), from_cpu, cuda);
+  ASSERT_EQ(gpu_rest.steps.size(), 2u);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_NEAR(gpu_rest.steps[i].loss, cpu.steps[i + 2].loss, 1e-4 * std::fabs(cpu.steps[i + 2].loss));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(CudaExecutor, MeasuredTimelineFollowsTheSchedule) {
