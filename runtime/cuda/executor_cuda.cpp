@@ -347,6 +347,8 @@ class Engine {
         rk.chunks.emplace_back(stage_spec(rp_, vs), rk.streams.compute);
         CudaStageModel& model = rk.chunks.back();
         model.init(static_cast<std::uint64_t>(cfg.runtime.seed));
+        const InFlight most = in_flight(*rk.program, vs);
+        model.reserve(most.stashes, most.backwards, most.split_backwards, vs == V_ - 1 ? m_ : 0);
         CudaRank::OptimizerBuffers opt;
         const std::size_t n = model.num_parameters();
         if (os.kind != Optimizer::sgd) {
@@ -602,6 +604,16 @@ class Engine {
     if (!rk.error) rk.error = rk.comm_error;
   }
 
+  // Waits on the host for `stream` mid-step. Over NCCL the stream may hold a receive or an
+  // all-reduce waiting for a peer that died: the communicator polls under its watchdog
+  // instead of blocking in CUDA, so that becomes an error naming the rank and the op.
+  void wait_idle(CudaRank& rk, void* stream, const std::string& what) {
+    if (nccl_)
+      nccl_->synchronize(stream, fmt::format("rank {}, step {}: {}", rk.rank, rk.step, what));
+    else
+      synchronize(stream);
+  }
+
   // Makes `stream` wait for op `dep` of this rank, once its thread has queued it.
   void wait_for(CudaRank& rk, int dep, void* stream) {
     rk.queued.wait(dep);
@@ -703,15 +715,10 @@ class Engine {
         const bool last = vs == V_ - 1;
         void* out = last ? nullptr : alloc(rk, rk.act_out[slot(op)], cs);
         const void* in = vs == 0 ? nullptr : rk.act_in[slot(op)];
-        const float loss = model.forward(op.microbatch, vs == 0 ? batch->tokens.data() : nullptr,
-                                         last ? batch->targets.data() : nullptr, in, out);
+        model.forward(op.microbatch, vs == 0 ? batch->tokens.data() : nullptr, last ? batch->targets.data() : nullptr,
+                      in, out);
         if (vs > 0) release(rk, rk.act_in[slot(op)], cs);
-        if (last) {
-          rk.loss_sum += loss;
-          ++rk.loss_count;
-        } else {
-          k::scan_tensor(scan_of(rk, index), out, act_elems(rk), act_format(), cs);
-        }
+        if (!last) k::scan_tensor(scan_of(rk, index), out, act_elems(rk), act_format(), cs);
         return;
       }
       case OpKind::Backward: backward(rk, index, op); return;
@@ -870,7 +877,7 @@ class Engine {
     copy_device_to_host(&host, sc, sizeof(Scalars), cs);
     std::vector<int> flags(rk.flags_at.count());
     copy_device_to_host(flags.data(), rk.flags.data(), flags.size() * sizeof(int), cs);
-    synchronize(cs);
+    wait_idle(rk, cs, "the optimizer step's overflow verdict and squared norm");
     float total = static_cast<float>(host.sumsq / dp_);
     copy_host_to_device(&sc->norm, &total, sizeof(float), cs);
     std::vector<int> everyone(world());
@@ -879,7 +886,7 @@ class Engine {
                         collective_tag(rk.step, static_cast<int>(schedule_->collectives.size())), ReduceOp::sum,
                         Divide::none, cs);
     copy_device_to_host(&total, &sc->norm, sizeof(float), cs);
-    synchronize(cs);
+    wait_idle(rk, cs, "the gradient norm's all-reduce");
     rk.grad_norm = std::sqrt(static_cast<double>(total));
 
     if (overflow_op >= 0)
@@ -985,6 +992,13 @@ class Engine {
         s.first_nonfinite = fmt::format("{} (stage {}, replica {})", what, rk.stage, rk.replica);
       }
     }
+    // The last stage's losses, read once the step's streams are idle.
+    for (std::size_t j = 0; j < rk.chunks.size(); ++j)
+      if (static_cast<int>(j) * pp_ + rk.stage == V_ - 1)
+        for (float loss : rk.chunks[j].losses(m_)) {
+          rk.loss_sum += loss;
+          ++rk.loss_count;
+        }
     s.loss_sum = rk.loss_sum;
     s.loss_count = rk.loss_count;
     s.grad_norm = rk.grad_norm;

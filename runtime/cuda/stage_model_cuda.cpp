@@ -117,7 +117,9 @@ struct CudaStageModel::Impl {
   BlockGrads shared_grads;
   DeviceBuffer tmp, dgelu, datt, attn_scratch;  // (N,C) (N,F) (N,C) (B,H,T,T): scores, then d(probs)
   DeviceBuffer wscratch, bscratch, gscratch;    // fp32 produced gradients; their compute-format copy
-  DeviceBuffer losses, loss_sum, reduce_scratch;
+  DeviceBuffer losses, reduce_scratch;
+  DeviceBuffer mb_loss_sums;  // per micro-batch: its rows' losses summed, in double
+  std::size_t loss_slots = 0;
 
   Impl(const StageSpec& s, void* st);
 
@@ -137,15 +139,19 @@ struct CudaStageModel::Impl {
     if (static_cast<std::size_t>(mb) >= slots.size()) slots.resize(static_cast<std::size_t>(mb) + 1);
     return slots[static_cast<std::size_t>(mb)];
   }
-  std::unique_ptr<Stash> take_stash();
-  std::unique_ptr<Backward> take_backward(bool split);
+  std::unique_ptr<Stash> take_stash();  // a free one, or a new one
+  std::unique_ptr<Stash> new_stash();
+  std::unique_ptr<Backward> take_backward(bool split);  // a free one of the kind, or a new one
+  std::unique_ptr<Backward> new_backward(bool split);
   void release(Slot& s) {
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
     s.complete = true;
   }
 
-  float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
+  void forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
+  // Room for micro-batch losses 0..count-1, the ones already there kept.
+  void ensure_loss_slots(std::size_t count);
   void block_forward(int li, Stash& s);
   void attention_forward(BlockStash& st);
   void begin(int mb, const void* grad_output, float scale, bool split);
@@ -245,7 +251,6 @@ CudaStageModel::Impl::Impl(const StageSpec& s, void* st)
   shared_grads = {act(nf), act(nc), act(nc), act(3 * nc), act(nc)};
   if (s.has_head) {
     losses = f32(N);
-    loss_sum = DeviceBuffer(sizeof(double));
     reduce_scratch = DeviceBuffer(k::kReductionScratchDoubles * sizeof(double));
   }
   fill_zero(grads.data(), grads.bytes(), stream);
@@ -257,6 +262,10 @@ std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::take_stash() 
     free_stashes.pop_back();
     return s;
   }
+  return new_stash();
+}
+
+std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::new_stash() {
   auto s = std::make_unique<Stash>();
   const std::size_t nc = N * C, n = N;
   if (spec.has_embedding) s->tokens = DeviceBuffer(n * sizeof(std::int32_t));
@@ -296,6 +305,10 @@ std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::take_backw
       b->inputs_done = false;
       return b;
     }
+  return new_backward(split);
+}
+
+std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::new_backward(bool split) {
   auto b = std::make_unique<Backward>();
   b->split = split;
   const std::size_t nc = N * C, nf = N * F;
@@ -312,8 +325,18 @@ std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::take_backw
 // ---------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------
-float CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
-                                    void* output) {
+void CudaStageModel::Impl::ensure_loss_slots(std::size_t count) {
+  if (count <= loss_slots) return;
+  const std::size_t slots = std::max(count, 2 * loss_slots);
+  DeviceBuffer grown(slots * sizeof(double));
+  copy_device_to_device(grown.data(), mb_loss_sums.data(), loss_slots * sizeof(double), stream);
+  synchronize(stream);  // before the old buffer is freed
+  mb_loss_sums = std::move(grown);
+  loss_slots = slots;
+}
+
+void CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
+                                   void* output) {
   check_forward_arguments(spec, "CudaStageModel::forward", tokens, targets, input != nullptr);
 
   Slot& sl = slot(mb);
@@ -337,7 +360,7 @@ float CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const st
   const void* xl = s.x[static_cast<std::size_t>(L)].data();
   if (!spec.has_head) {
     if (output) copy_device_to_device(output, xl, nc * eb, stream);
-    return 0;
+    return;
   }
   copy_host_to_device(s.targets.data(), targets, N * sizeof(std::int32_t), stream);
   k::layernorm_forward(s.lnf.data(), s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b),
@@ -345,12 +368,10 @@ float CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const st
   k::linear_forward(gemm, s.logits.data(), s.lnf.data(), w(head_w), nullptr, static_cast<int>(N), C, V, dt);
   k::cross_entropy_forward(losses.as<float>(), s.lse.as<float>(), s.logits.data(), s.targets.as<std::int32_t>(),
                            static_cast<int>(N), V, dt, stream);
-  // layers::cross_entropy_forward: the rows' losses summed in double, divided by N, as float.
-  k::sum(loss_sum.as<double>(), losses.as<float>(), N, reduce_scratch.as<double>(), false, stream);
-  double sum = 0;
-  copy_device_to_host(&sum, loss_sum.data(), sizeof(double), stream);
-  synchronize(stream);
-  return static_cast<float>(sum / static_cast<double>(N));
+  // layers::cross_entropy_forward: the rows' losses summed in double (divided by N, as float,
+  // when read: losses()). Left on the device: a read here would stall the host every micro-batch.
+  ensure_loss_slots(static_cast<std::size_t>(mb) + 1);
+  k::sum(mb_loss_sums.as<double>() + mb, losses.as<float>(), N, reduce_scratch.as<double>(), false, stream);
 }
 
 void CudaStageModel::Impl::block_forward(int li, Stash& s) {
@@ -643,9 +664,39 @@ std::vector<float> CudaStageModel::gradients_to_host() const {
 std::size_t CudaStageModel::activation_elements() const { return impl_->N * impl_->C; }
 DType CudaStageModel::activation_format() const { return impl_->dt; }
 
-float CudaStageModel::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
-                              void* output) {
-  return impl_->forward(mb, tokens, targets, input, output);
+void CudaStageModel::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
+                             void* output) {
+  impl_->forward(mb, tokens, targets, input, output);
+}
+
+std::vector<float> CudaStageModel::losses(int count) const {
+  const Impl& m = *impl_;
+  if (!m.spec.has_head) throw std::logic_error("CudaStageModel::losses: only the last stage computes a loss");
+  if (count < 0 || static_cast<std::size_t>(count) > m.loss_slots)
+    throw std::invalid_argument("CudaStageModel::losses: " + std::to_string(count) + " micro-batches asked, " +
+                                std::to_string(m.loss_slots) + " have room");
+  std::vector<double> sums(static_cast<std::size_t>(count));
+  copy_device_to_host(sums.data(), m.mb_loss_sums.data(), sums.size() * sizeof(double), m.stream);
+  synchronize(m.stream);
+  std::vector<float> out;
+  for (double sum : sums) out.push_back(static_cast<float>(sum / static_cast<double>(m.N)));
+  return out;
+}
+
+void CudaStageModel::reserve(int stashes, int backwards, int split_backwards, int micro_batches) {
+  Impl& m = *impl_;
+  const auto make = [](std::size_t want, std::size_t have, auto&& one) {
+    for (std::size_t i = have; i < want; ++i) one();
+  };
+  std::size_t split = 0;
+  for (const auto& b : m.free_backwards) split += b->split ? 1 : 0;
+  make(static_cast<std::size_t>(std::max(stashes, 0)), m.free_stashes.size(),
+       [&] { m.free_stashes.push_back(m.new_stash()); });
+  make(static_cast<std::size_t>(std::max(backwards, 0)), m.free_backwards.size() - split,
+       [&] { m.free_backwards.push_back(m.new_backward(false)); });
+  make(static_cast<std::size_t>(std::max(split_backwards, 0)), split,
+       [&] { m.free_backwards.push_back(m.new_backward(true)); });
+  if (m.spec.has_head) m.ensure_loss_slots(static_cast<std::size_t>(std::max(micro_batches, 0)));
 }
 
 void CudaStageModel::backward_begin(int mb, const void* grad_output, float loss_gradient_scale) {

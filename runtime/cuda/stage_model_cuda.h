@@ -89,9 +89,19 @@ class CudaStageModel {
 
   // Forward of micro-batch `mb` (keeps what backward needs until backward_end). The first stage
   // reads `tokens` (host), the others `input` (device, activation_format()); the last stage reads
-  // `targets` (host) and returns the micro-batch's mean cross-entropy (waits for the stream);
-  // the others write `output` (device, may be null) and return 0.
-  float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
+  // `targets` (host) and keeps the micro-batch's loss on the device (losses()); the others write
+  // `output` (device, may be null). Queues work only: never waits for the stream.
+  void forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
+  // The last stage's mean cross-entropy of micro-batches 0..count-1, from their latest forwards
+  // (as StageModel::forward returns it: rows summed in double, divided, rounded to float). Waits
+  // for the stream.
+  std::vector<float> losses(int count) const;
+
+  // Allocates now what forwards and backwards would otherwise allocate on first use (cudaMalloc
+  // synchronises with the device, and a step may have NCCL kernels waiting on peers): room for
+  // `stashes` micro-batches in flight, `backwards` whole and `split_backwards` zero-bubble
+  // backwards in flight, and `micro_batches` losses.
+  void reserve(int stashes, int backwards, int split_backwards, int micro_batches);
 
   // As StageModel: begin (the last stage seeds d(loss)/d(logits) times loss_gradient_scale, the
   // others take grad_output, a device pointer in activation_format()), then backward_units()

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -76,6 +77,50 @@ std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, int wor
   for (int r = 0; r < world_size; ++r) everyone[r] = r;
   add(everyone);
   return groups;
+}
+
+InFlight in_flight(const RankProgram& program, int chunk) {
+  // Per micro-batch: [forward, backward end] for its stash, [backward begin, backward end] for its
+  // backward, as op indices; -1 where it has none.
+  struct Span {
+    int forward = -1, begin = -1, end = -1;
+    bool split = false;
+  };
+  std::map<int, Span> spans;
+  const auto& ops = program.ops;
+  for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
+    const Op& op = ops[i];
+    if (op.chunk != chunk) continue;
+    Span& s = spans[op.microbatch];
+    switch (op.kind) {
+      case OpKind::Forward: s.forward = i; break;
+      case OpKind::Backward:
+        if (s.begin < 0) s.begin = i;
+        s.end = i;  // the last segment ends it
+        break;
+      case OpKind::BackwardInput:
+        s.begin = i;
+        s.split = true;
+        break;
+      case OpKind::BackwardWeight:
+        if (op.bucket <= 0) s.end = i;  // the weight pass runs whole in its first segment
+        break;
+      default: break;
+    }
+  }
+  InFlight most;
+  for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
+    InFlight now;
+    for (const auto& [mb, s] : spans) {
+      const auto covers = [&](int from) { return from >= 0 && from <= i && (s.end < 0 || i <= s.end); };
+      now.stashes += covers(s.forward) ? 1 : 0;
+      if (covers(s.begin)) ++(s.split ? now.split_backwards : now.backwards);
+    }
+    most.stashes = std::max(most.stashes, now.stashes);
+    most.backwards = std::max(most.backwards, now.backwards);
+    most.split_backwards = std::max(most.split_backwards, now.split_backwards);
+  }
+  return most;
 }
 
 std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule) {

@@ -53,6 +53,16 @@ OptimizerSettings optimizer_settings(const ScenarioConfig& config);
 // communicator must be able to reduce over (NCCL splits a communicator per set).
 std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, int world_size);
 
+// What one chunk (virtual stage `chunk`) of a rank holds at once during a step, from its
+// program: forward stashes (a micro-batch's Forward to the op that ends its backward: the final
+// Backward segment, or the BackwardWeight that runs the weight pass), whole backwards in progress
+// (first Backward segment to last) and zero-bubble ones (BackwardInput to BackwardWeight). What
+// a device executor allocates before the first step.
+struct InFlight {
+  int stashes = 0, backwards = 0, split_backwards = 0;
+};
+InFlight in_flight(const RankProgram& program, int chunk);
+
 // Every directed pair (from, to) such that `from` sends to `to` in the step, ascending, each
 // once: NCCL gives each its own communicator (nccl_communicator.h says why).
 std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule);

@@ -3,7 +3,10 @@
 //    messages A sends to B must come in the order B receives them from A, in every schedule;
 //  * NCCL splits one communicator per all-reduce member set: reduction_groups lists each set
 //    the executors reduce over exactly once, world included;
-//  * and one per direction of every pipeline link: p2p_links lists each (from, to) once.
+//  * and one per direction of every pipeline link: p2p_links lists each (from, to) once;
+//  * the device stage model allocates its stashes before the first step, as many as in_flight
+//    counts: GPipe keeps every micro-batch's, 1F1B at most pp - stage, ZB-H1's weight passes
+//    keep split backwards alive past their input passes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -118,6 +121,33 @@ TEST(P2pLinks, InterleavingAddsTheWrapFromLastStageToFirst) {
   EXPECT_NE(std::find(links.begin(), links.end(), std::pair{0, 3}), links.end());
   EXPECT_EQ(links.size(), 8u) << "four neighbours in a ring, both ways";
   for (const auto& [from, to] : links) EXPECT_NE(from, to);
+}
+
+TEST(InFlight, StashesFollowTheScheduleKind) {
+  const Schedule gpipe = build_schedule(make_runtime_plan(config(1, 2, ScheduleKind::gpipe, 1, 8)).plan);
+  for (int stage = 0; stage < 2; ++stage) {
+    const InFlight f = in_flight(gpipe.ranks[stage], stage);
+    EXPECT_EQ(f.stashes, 8) << "GPipe: all eight forwards before any backward";
+    EXPECT_EQ(f.backwards, 1);
+    EXPECT_EQ(f.split_backwards, 0);
+  }
+  const RuntimePlan rp = make_runtime_plan(config(1, 4, ScheduleKind::one_f_one_b, 1, 8));
+  const Schedule ofob = build_schedule(rp.plan);
+  for (int stage = 0; stage < 4; ++stage) {
+    const InFlight f = in_flight(ofob.ranks[rp.plan.rank_of(stage, 0)], stage);
+    EXPECT_EQ(f.stashes, 4 - stage) << "1F1B stage " << stage;
+    EXPECT_EQ(f.backwards, 1);
+  }
+  const Schedule zb = build_schedule(make_runtime_plan(config(1, 4, ScheduleKind::zb_h1, 1, 8)).plan);
+  for (int stage = 0; stage < 4; ++stage) {
+    const InFlight f = in_flight(zb.ranks[stage], stage);
+    EXPECT_GE(f.split_backwards, 1) << "stage " << stage;
+    EXPECT_EQ(f.backwards, 0);
+    EXPECT_GE(f.stashes, 4 - stage);
+    EXPECT_LE(f.stashes, 8);
+  }
+  // A chunk the rank does not hold holds nothing.
+  EXPECT_EQ(in_flight(ofob.ranks[0], 3).stashes, 0);
 }
 
 TEST(P2pLinks, NoneWithoutAPipeline) {
