@@ -1062,7 +1062,6 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
   std::vector<MemoryBreakdown> peaks(engine.world());
   std::vector<double> allocated(engine.world(), 0.0);
   LossWatch loss_watch;
-  std::optional<std::string> first_trouble;
   for (int step = first; step <= steps; ++step) {
     double seconds = 0;
     const std::vector<RankSummary> ranks =
@@ -1082,18 +1081,11 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
     }
     timelines.push_back(measured_timeline(report.schedule, timing, arrival));
 
-    StepRecord rec;
-    rec.step = step;
-    rec.step_time_s = seconds;
-    double loss_sum = 0;
-    int loss_count = 0;
-    Tick first_bad = -1;
-    std::string first_bad_what;
+    std::vector<RankStep> steps_of_ranks;
     for (int r = 0; r < engine.world(); ++r) {
       const RankSummary& s = ranks[r];
-      loss_sum += s.loss_sum;
-      loss_count += s.loss_count;
-      RankStepNumerics n;
+      RankStep rs;
+      RankStepNumerics& n = rs.numerics;
       n.rank = r;
       n.stage = plan.stage_of(r);
       n.replica = plan.replica_of(r);
@@ -1104,20 +1096,16 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
       n.skipped = s.skipped != 0;
       n.loss_scale = s.scale_used;
       n.first_nonfinite = s.first_nonfinite;
-      rec.nonfinite_count += n.nonfinite_count;
-      rec.skipped_ranks += n.skipped ? 1 : 0;
-      if (s.first_nonfinite_at >= 0 && (first_bad < 0 || s.first_nonfinite_at < first_bad)) {
-        first_bad = s.first_nonfinite_at;
-        first_bad_what = s.first_nonfinite;
-      }
+      rs.loss_sum = s.loss_sum;
+      rs.loss_count = s.loss_count;
+      rs.grad_norm = s.grad_norm;
+      rs.first_nonfinite_at = s.first_nonfinite_at;
+      steps_of_ranks.push_back(std::move(rs));
       if (s.peak.total() > peaks[r].total()) peaks[r] = s.peak;
       allocated[r] = std::max(allocated[r], static_cast<double>(s.allocated_peak));
-      rec.ranks.push_back(std::move(n));
     }
-    rec.loss = loss_count > 0 ? loss_sum / loss_count : NAN;
-    rec.grad_norm = ranks[0].grad_norm;
-    rec.loss_scale = ranks[0].scale_used;
-    rec.skipped = ranks[0].skipped != 0;
+    std::string first_nonfinite;
+    StepRecord rec = step_record(step, seconds, steps_of_ranks, &first_nonfinite);
     // A replica's checksum: FNV-1a over its ranks' weight hashes, stage by stage.
     for (int d = 0; d < plan.dp; ++d) {
       std::uint64_t h = kFnvOffset;
@@ -1135,9 +1123,7 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
                             : INFINITY;  // replicas differ; by how much is only known when all ranks are here
     if (options.on_step) options.on_step(rec);
     report.steps.push_back(rec);
-    if (!first_trouble && !first_bad_what.empty())
-      first_trouble = fmt::format("non-finite values first appeared at step {}, in {}", step, first_bad_what);
-    report.failure = loss_watch.check(rec, first, first_trouble.value_or(""));
+    report.failure = loss_watch.check(rec, first, first_nonfinite);
 
     if (!options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
         (step % options.checkpoint_every_steps == 0 || step == steps) && !report.failure) {

@@ -603,7 +603,6 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
   const std::uint64_t samples_per_step = static_cast<std::uint64_t>(plan.global_batch_size);
   std::vector<Timeline> timelines;
   LossWatch loss_watch;
-  std::optional<std::string> first_trouble;  // where inf/NaN first showed up, for the failure report
   for (int step = first; step <= steps; ++step) {
     const auto t0 = Clock::now();
     engine.run_step(step, static_cast<std::uint64_t>(step - 1) * samples_per_step);
@@ -630,18 +629,11 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
     Timeline tl = measured_timeline(report.schedule, timing, arrival);
     timelines.push_back(std::move(tl));
 
-    StepRecord rec;
-    rec.step = step;
-    rec.step_time_s = seconds;
-    double loss_sum = 0;
-    int loss_count = 0;
-    Tick first_bad = -1;
-    std::string first_bad_what;
+    std::vector<RankStep> ranks;
     for (int r = 0; r < engine.num_ranks(); ++r) {
       Rank& rk = engine.rank(r);
-      loss_sum += rk.loss_sum;
-      loss_count += rk.loss_count;
-      RankStepNumerics n;
+      RankStep rs;
+      RankStepNumerics& n = rs.numerics;
       n.rank = r;
       n.stage = rk.stage;
       n.replica = rk.replica;
@@ -655,26 +647,20 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
       n.skipped = rk.skipped;
       n.loss_scale = rk.scale_used;
       n.first_nonfinite = rk.first_nonfinite;
-      rec.nonfinite_count += n.nonfinite_count;
-      rec.skipped_ranks += rk.skipped ? 1 : 0;
-      if (rk.first_nonfinite_at >= 0 && (first_bad < 0 || rk.first_nonfinite_at < first_bad)) {
-        first_bad = rk.first_nonfinite_at;
-        first_bad_what = rk.first_nonfinite;
-      }
-      rec.ranks.push_back(std::move(n));
+      rs.loss_sum = rk.loss_sum;
+      rs.loss_count = rk.loss_count;
+      rs.grad_norm = rk.grad_norm;
+      rs.first_nonfinite_at = rk.first_nonfinite_at;
+      ranks.push_back(std::move(rs));
     }
-    rec.loss = loss_count > 0 ? loss_sum / loss_count : NAN;
-    rec.grad_norm = engine.rank(0).grad_norm;
-    rec.loss_scale = engine.rank(0).scale_used;
-    rec.skipped = engine.rank(0).skipped;
+    std::string first_nonfinite;
+    StepRecord rec = step_record(step, seconds, ranks, &first_nonfinite);
     for (int d = 0; d < plan.dp; ++d) rec.replica_checksums.push_back(engine.replica_checksum(d));
     rec.replica_drift = engine.replica_drift();
     if (options.on_step) options.on_step(rec);
     report.steps.push_back(rec);
 
-    if (!first_trouble && !first_bad_what.empty())
-      first_trouble = fmt::format("non-finite values first appeared at step {}, in {}", step, first_bad_what);
-    report.failure = loss_watch.check(rec, first, first_trouble.value_or(""));
+    report.failure = loss_watch.check(rec, first, first_nonfinite);
 
     if (!options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
         (step % options.checkpoint_every_steps == 0 || step == steps) && !report.failure) {

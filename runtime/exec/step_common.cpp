@@ -156,12 +156,44 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
   return tl;
 }
 
-std::optional<RunFailure> LossWatch::check(const StepRecord& rec, int first_step, const std::string& first_trouble) {
+StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ranks, std::string* first_nonfinite) {
+  StepRecord rec;
+  rec.step = step;
+  rec.step_time_s = seconds;
+  double loss_sum = 0;
+  int loss_count = 0;
+  Tick first_bad = -1;
+  std::string first_bad_what;
+  for (const RankStep& r : ranks) {
+    loss_sum += r.loss_sum;
+    loss_count += r.loss_count;
+    rec.nonfinite_count += r.numerics.nonfinite_count;
+    rec.skipped_ranks += r.numerics.skipped ? 1 : 0;
+    if (r.first_nonfinite_at >= 0 && (first_bad < 0 || r.first_nonfinite_at < first_bad)) {
+      first_bad = r.first_nonfinite_at;
+      first_bad_what = r.numerics.first_nonfinite;
+    }
+    rec.ranks.push_back(r.numerics);
+  }
+  rec.loss = loss_count > 0 ? loss_sum / loss_count : NAN;
+  if (!ranks.empty()) {
+    rec.grad_norm = ranks[0].grad_norm;
+    rec.loss_scale = ranks[0].numerics.loss_scale;
+    rec.skipped = ranks[0].numerics.skipped;
+  }
+  if (first_nonfinite) *first_nonfinite = first_bad_what;
+  return rec;
+}
+
+std::optional<RunFailure> LossWatch::check(const StepRecord& rec, int first_step,
+                                           const std::string& step_first_nonfinite) {
   if (!have_first_ || std::isnan(first_loss_)) {
     first_loss_ = rec.loss;
     have_first_ = true;
   }
-  const std::string origin = first_trouble.empty() ? "" : "; " + first_trouble;
+  if (first_trouble_.empty() && !step_first_nonfinite.empty())
+    first_trouble_ = fmt::format("non-finite values first appeared at step {}, in {}", rec.step, step_first_nonfinite);
+  const std::string origin = first_trouble_.empty() ? "" : "; " + first_trouble_;
   if (!std::isfinite(rec.loss))
     return RunFailure{rec.step, fmt::format("loss became {} at step {}{}", std::isnan(rec.loss) ? "NaN" : "infinite",
                                             rec.step, origin)};

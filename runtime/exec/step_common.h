@@ -77,15 +77,31 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
 // says which, in words.
 Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::string& source);
 
+// One rank's step as either executor saw it; step_record folds every rank's into the StepRecord.
+struct RankStep {
+  RankStepNumerics numerics;
+  double loss_sum = 0;           // the last stage's micro-batch losses, summed
+  int loss_count = 0;
+  double grad_norm = 0;          // the global norm (every rank computes the same)
+  Tick first_nonfinite_at = -1;  // when numerics.first_nonfinite was produced (the step's clock)
+};
+
+// The step's record from every rank's, by rank: the mean loss, counts, rank 0's norm, scale and
+// verdict. Replica checksums and drift are the caller's (each backend reads weights its own
+// way). *first_nonfinite: where inf/NaN appeared first in time this step, or "".
+StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ranks, std::string* first_nonfinite);
+
 // Ends a run that went numerically wrong: loss not finite, or more than 3x the first step's
-// after two steps. `origin` says where inf/NaN first appeared (may be empty).
+// after two steps. The failure says where inf/NaN first appeared in the run (step_record's
+// first_nonfinite, passed every step; the earliest is kept).
 class LossWatch {
  public:
-  std::optional<RunFailure> check(const StepRecord& rec, int first_step, const std::string& first_trouble);
+  std::optional<RunFailure> check(const StepRecord& rec, int first_step, const std::string& step_first_nonfinite);
 
  private:
   double first_loss_ = -1;
   bool have_first_ = false;
+  std::string first_trouble_;
 };
 
 // FNV-1a over the bits of `xs`, continuing from `h` (start: kFnvOffset): replica checksums.

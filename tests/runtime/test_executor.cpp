@@ -16,6 +16,7 @@
 #include "runtime/exec/executor.h"
 #include "runtime/exec/run_report.h"
 #include "runtime/exec/runtime_plan.h"
+#include "runtime/exec/step_common.h"
 
 namespace trainsim::runtime {
 namespace {
@@ -280,6 +281,42 @@ TEST(Executor, MemoryAccountingFollowsParametersAndStashes) {
   }
   // GPipe keeps all 16 micro-batches' stashes on stage 0, 1F1B at most 4.
   EXPECT_GT(gpipe.memory[0].activations, 3 * ofob.memory[0].activations);
+}
+
+// Both executors fold their ranks' steps with step_record: the mean loss over every
+// micro-batch of the last stages, counts over all ranks, rank 0's verdict, and the inf/NaN that
+// came first in time (not first by rank).
+TEST(Executor, StepRecordFoldsRanksAndNamesTheEarliestNonFinite) {
+  std::vector<RankStep> ranks(3);
+  for (int r = 0; r < 3; ++r) {
+    ranks[r].numerics.rank = r;
+    ranks[r].numerics.loss_scale = 1024;
+    ranks[r].grad_norm = 2.5;
+  }
+  ranks[1].loss_sum = 6.0;  // two micro-batches of replica 0's last stage
+  ranks[1].loss_count = 2;
+  ranks[2].loss_sum = 5.0;  // one of replica 1's
+  ranks[2].loss_count = 1;
+  ranks[0].numerics.skipped = ranks[2].numerics.skipped = true;
+  ranks[0].numerics.nonfinite_count = 4;
+  ranks[2].numerics.nonfinite_count = 1;
+  ranks[0].numerics.first_nonfinite = "later";
+  ranks[0].first_nonfinite_at = 900;
+  ranks[2].numerics.first_nonfinite = "earlier";
+  ranks[2].first_nonfinite_at = 100;
+  std::string first;
+  const StepRecord rec = step_record(7, 0.25, ranks, &first);
+  EXPECT_EQ(rec.step, 7);
+  EXPECT_EQ(rec.step_time_s, 0.25);
+  EXPECT_DOUBLE_EQ(rec.loss, 11.0 / 3);
+  EXPECT_EQ(rec.nonfinite_count, 5);
+  EXPECT_EQ(rec.skipped_ranks, 2);
+  EXPECT_TRUE(rec.skipped);
+  EXPECT_EQ(rec.grad_norm, 2.5);
+  EXPECT_EQ(rec.loss_scale, 1024);
+  EXPECT_EQ(rec.ranks.size(), 3u);
+  EXPECT_EQ(first, "earlier");
+  EXPECT_TRUE(std::isnan(step_record(1, 0, {}, nullptr).loss)) << "no loss measured is not a loss of 0";
 }
 
 // The allocators' peaks (a CUDA run's) get a column beside the accounted peak and a JSON field;
