@@ -22,35 +22,20 @@
 #include "runtime/cuda/executor_cuda.h"
 #include "runtime/exec/executor.h"
 #include "runtime/exec/runtime_plan.h"
+#include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime::cuda {
 namespace {
 
+// Wider than the CPU tests' model (hidden 64, 4 heads, 32 tokens), two samples per micro-batch.
 ScenarioConfig small_config(int dp, int pp, ScheduleKind schedule, int vpp = 1) {
-  ScenarioConfig c;
-  c.name = "cuda-test";
-  c.cluster.num_gpus = dp * pp;
-  c.cluster.gpus_per_node = 8;
-  c.parallelism.data_parallel_size = dp;
-  c.parallelism.pipeline_parallel_size = pp;
-  c.parallelism.virtual_pipeline_stages = vpp;
-  c.parallelism.schedule = schedule;
+  ScenarioConfig c = testing::tiny_training(dp, pp, schedule, vpp);
   c.training.micro_batch_size = 2;
   c.training.global_batch_size = 16;
-  c.training.optimizer = Optimizer::adamw;
-  c.training.lr = 3e-3;
-  c.training.clip_grad = 1.0;
-  c.precision.compute = DType::fp32;
-  c.precision.grad_accumulation = DType::fp32;
-  c.precision.allreduce = DType::fp32;
-  c.precision.loss_scaling.mode = LossScalingMode::none;
-  c.runtime.num_layers = 8;
   c.runtime.hidden_size = 64;
   c.runtime.num_attention_heads = 4;
   c.runtime.seq_length = 32;
   c.runtime.vocab_size = 96;
-  c.runtime.data_synthetic = true;
-  c.runtime.steps = 3;
   c.runtime.seed = 11;
   return c;
 }

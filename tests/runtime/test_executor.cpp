@@ -17,37 +17,13 @@
 #include "runtime/exec/run_report.h"
 #include "runtime/exec/runtime_plan.h"
 #include "runtime/exec/step_common.h"
+#include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {
 namespace {
 
 ScenarioConfig small_config(int dp, int pp, ScheduleKind schedule, int vpp = 1) {
-  ScenarioConfig c;
-  c.name = "test";
-  c.cluster.num_gpus = dp * pp;
-  c.cluster.gpus_per_node = 8;
-  c.parallelism.data_parallel_size = dp;
-  c.parallelism.pipeline_parallel_size = pp;
-  c.parallelism.virtual_pipeline_stages = vpp;
-  c.parallelism.schedule = schedule;
-  c.training.micro_batch_size = 1;
-  c.training.global_batch_size = 8;
-  c.training.optimizer = Optimizer::adamw;
-  c.training.lr = 3e-3;
-  c.training.clip_grad = 1.0;
-  c.precision.compute = DType::fp32;
-  c.precision.grad_accumulation = DType::fp32;
-  c.precision.allreduce = DType::fp32;
-  c.precision.loss_scaling.mode = LossScalingMode::none;
-  c.runtime.num_layers = 8;
-  c.runtime.hidden_size = 32;
-  c.runtime.num_attention_heads = 2;
-  c.runtime.seq_length = 16;
-  c.runtime.vocab_size = 64;
-  c.runtime.data_synthetic = true;
-  c.runtime.steps = 3;
-  c.runtime.seed = 7;
-  return c;
+  return testing::tiny_training(dp, pp, schedule, vpp);
 }
 
 RunReport run(const ScenarioConfig& c, RunOptions opt = {}) {

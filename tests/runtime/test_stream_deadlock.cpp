@@ -62,29 +62,14 @@
 #include "core/diagnostics.h"
 #include "core/schedule.h"
 #include "runtime/exec/runtime_plan.h"
+#include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {
 namespace {
 
-// As tests/runtime/test_p2p_order.cpp; 48 layers divide every pp * vpp used below.
+// 48 layers divide every pp * vpp used below.
 ScenarioConfig config(int dp, int pp, ScheduleKind schedule, int vpp, int global_batch) {
-  ScenarioConfig c;
-  c.name = "stream-deadlock";
-  c.cluster.num_gpus = dp * pp;
-  c.cluster.gpus_per_node = 8;
-  c.parallelism.data_parallel_size = dp;
-  c.parallelism.pipeline_parallel_size = pp;
-  c.parallelism.virtual_pipeline_stages = vpp;
-  c.parallelism.schedule = schedule;
-  c.training.micro_batch_size = 1;
-  c.training.global_batch_size = global_batch;
-  c.runtime.num_layers = 48;
-  c.runtime.hidden_size = 32;
-  c.runtime.num_attention_heads = 2;
-  c.runtime.seq_length = 16;
-  c.runtime.vocab_size = 64;
-  c.runtime.data_synthetic = true;
-  return c;
+  return testing::tiny_plan(dp, pp, schedule, vpp, global_batch, 48);
 }
 
 Schedule schedule_of(const ScenarioConfig& c) { return build_schedule(make_runtime_plan(c).plan); }
