@@ -317,6 +317,7 @@ class Engine {
     } else {
       partition_ = std::make_unique<SmPartition>(world, cuda.sm_sharing, cuda.device);
       world_ = std::make_unique<DeviceWorld>(world, timeout);
+      keep_default_pool_memory(cuda.device);  // where the world stages its messages
       for (int r = 0; r < world; ++r) {
         local.push_back(r);
         ranks_.push_back(std::make_unique<CudaRank>());

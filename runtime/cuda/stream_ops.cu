@@ -61,6 +61,14 @@ std::size_t pool_attribute(void* pool, cudaMemPoolAttr attr, const char* what) {
 }
 }  // namespace
 
+void keep_default_pool_memory(int device) {
+  cudaMemPool_t pool = nullptr;
+  check(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool of device " + std::to_string(device));
+  std::uint64_t keep_everything = UINT64_MAX;
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything),
+        "cudaMemPoolSetAttribute(default pool's release threshold)");
+}
+
 MemoryPool::MemoryPool(int device) {
   cudaMemPoolProps props{};
   props.allocType = cudaMemAllocationTypePinned;

@@ -23,6 +23,11 @@ void fill_zero(void* dst, std::size_t bytes, void* stream);
 // Waits for the work queued on `stream`; reports an error a kernel on it raised.
 void synchronize(void* stream);
 
+// Makes `device`'s default pool (cudaMallocAsync without a pool) keep freed memory instead of
+// returning it to the driver at every synchronisation (its release threshold is 0 by default):
+// the single-GPU world stages every message there.
+void keep_default_pool_memory(int device);
+
 // One rank's pool for stream-ordered allocations (cudaMemPoolCreate on `device`): the
 // activations and gradients in flight between ops, wire-format copies for an all-reduce. Its
 // memory stays reserved between steps (release threshold: all of it), so a step's
