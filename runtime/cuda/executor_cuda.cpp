@@ -230,8 +230,6 @@ struct CudaRank {
   std::vector<void*> act_in, act_out, grad_out, grad_in;  // [chunk * m + mb], stream-ordered allocations
   std::vector<int> units_done;
   OpCompletion queued;  // op i is queued on its stream (its end event recorded)
-  double loss_sum = 0;
-  int loss_count = 0;
   double grad_norm = 0;
   bool skipped = false, found_nonfinite = false;
   double scale_used = 1;
@@ -552,8 +550,6 @@ class Engine {
     fill_zero(rk.flags.data(), rk.flags.bytes(), rk.streams.compute);
     fill_zero(rk.scans.data(), rk.scans.bytes(), rk.streams.compute);
     rk.queued.reset(rk.program->ops.size());
-    rk.loss_sum = 0;
-    rk.loss_count = 0;
     rk.grad_norm = 0;
     rk.skipped = false;
     rk.found_nonfinite = false;
@@ -622,14 +618,7 @@ class Engine {
   }
 
   void abort_world(CudaRank& rk) {
-    std::string what = "rank failed";
-    try {
-      std::rethrow_exception(rk.error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    rk.comm->abort(fmt::format("rank {} failed: {}", rk.rank, what));
+    rk.comm->abort(fmt::format("rank {} failed: {}", rk.rank, error_text(rk.error)));
   }
 
   void comm_main(CudaRank& rk) {
@@ -946,13 +935,7 @@ class Engine {
     RankSummary s;
     s.peak = rk.peak;
     if (rk.error) {
-      try {
-        std::rethrow_exception(rk.error);
-      } catch (const std::exception& e) {
-        s.error = e.what();
-      } catch (...) {
-        s.error = "unknown error";
-      }
+      s.error = error_text(rk.error);
       return s;
     }
     // A rank's account only grows within a step (stashes are kept for reuse), so its peak is
@@ -997,11 +980,9 @@ class Engine {
     for (std::size_t j = 0; j < rk.chunks.size(); ++j)
       if (static_cast<int>(j) * pp_ + rk.stage == V_ - 1)
         for (float loss : rk.chunks[j].losses(m_)) {
-          rk.loss_sum += loss;
-          ++rk.loss_count;
+          s.loss_sum += loss;
+          ++s.loss_count;
         }
-    s.loss_sum = rk.loss_sum;
-    s.loss_count = rk.loss_count;
     s.grad_norm = rk.grad_norm;
     s.skipped = rk.skipped;
     s.found_nonfinite = rk.found_nonfinite;
@@ -1126,8 +1107,7 @@ RunReport run_cuda(const RuntimePlan& rp, const RunOptions& options, const CudaR
     report.steps.push_back(rec);
     report.failure = loss_watch.check(rec, first, first_nonfinite);
 
-    if (!options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
-        (step % options.checkpoint_every_steps == 0 || step == steps) && !report.failure) {
+    if (checkpoint_due(options, step, steps) && !report.failure) {
       Checkpoint ck;
       ck.fingerprint = fingerprint;
       ck.step = step;

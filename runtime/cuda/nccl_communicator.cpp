@@ -303,12 +303,28 @@ struct NcclCommunicator::Impl {
   void init(std::span<const std::uint8_t> unique_id, const std::vector<std::vector<int>>& groups,
             const std::vector<NcclLink>& wanted_links);
   ncclComm_t communicator_for(std::span<const int> members, std::uint64_t tag) const;
-  // The communicator of the sends from `from` to `to`, and `peer`'s rank in it: the link's own
-  // when create() was given it (two members, ranked by world rank), else the world's.
-  std::pair<ncclComm_t, int> p2p_communicator(int from, int to, int peer) const {
+  // The communicator of the sends from `from` to `to` (one of them this rank), and the other's
+  // rank in it: the link's own when create() was given it (two members, ranked by world rank),
+  // else the world's.
+  std::pair<ncclComm_t, int> p2p_communicator(int from, int to) const {
+    const int peer = from == rank ? to : from;
     const auto it = links.find({from, to});
     if (it == links.end()) return {world, peer};
     return {it->second, peer == std::min(from, to) ? 0 : 1};
+  }
+
+  // What send and recv check before launching: the peer, the format, the buffer, the state.
+  // Returns the op's name for errors, "send tag 7 (peer 3, 1024 bf16)"; sets `type`.
+  std::string prepare_p2p(bool sending, int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt,
+                          ncclDataType_t& type) {
+    check_peer(who(), peer, world_size, sending ? "send to" : "recv from");
+    const std::string op = std::string(sending ? "send" : "recv") + " tag " + std::to_string(tag) + " (peer " + std::to_string(peer) +
+                           ", " + count_text(count, dt) + ")";
+    type = nccl_type(dt, who() + op);
+    if (data == nullptr && count > 0) throw std::invalid_argument(who() + op + ": data is null");
+    throw_if_aborted();
+    make_current();
+    return op;
   }
   void ensure_scratch(std::size_t device_bytes, std::size_t pinned_bytes);
 };
@@ -530,29 +546,19 @@ std::string NcclCommunicator::describe() const {
 void NcclCommunicator::send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt,
                             void* stream) {
   Impl& m = *impl_;
-  check_peer(m.who(), peer, m.world_size, "send to");
-  const std::string op = "send tag " + std::to_string(tag) + " (peer " + std::to_string(peer) + ", " +
-                         count_text(count, dt) + ")";
-  const ncclDataType_t type = nccl_type(dt, m.who() + op);
-  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + op + ": data is null");
-  m.throw_if_aborted();
-  m.make_current();
+  ncclDataType_t type;
+  const std::string op = m.prepare_p2p(true, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
-  const auto [comm, comm_peer] = m.p2p_communicator(m.rank, peer, peer);
+  const auto [comm, comm_peer] = m.p2p_communicator(m.rank, peer);
   m.check(ncclSend(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
 }
 
 void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) {
   Impl& m = *impl_;
-  check_peer(m.who(), peer, m.world_size, "recv from");
-  const std::string op = "recv tag " + std::to_string(tag) + " (peer " + std::to_string(peer) + ", " +
-                         count_text(count, dt) + ")";
-  const ncclDataType_t type = nccl_type(dt, m.who() + op);
-  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + op + ": data is null");
-  m.throw_if_aborted();
-  m.make_current();
+  ncclDataType_t type;
+  const std::string op = m.prepare_p2p(false, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
-  const auto [comm, comm_peer] = m.p2p_communicator(peer, m.rank, peer);
+  const auto [comm, comm_peer] = m.p2p_communicator(peer, m.rank);
   m.check(ncclRecv(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
 }
 

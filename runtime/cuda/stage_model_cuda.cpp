@@ -685,17 +685,13 @@ std::vector<float> CudaStageModel::losses(int count) const {
 
 void CudaStageModel::reserve(int stashes, int backwards, int split_backwards, int micro_batches) {
   Impl& m = *impl_;
-  const auto make = [](std::size_t want, std::size_t have, auto&& one) {
-    for (std::size_t i = have; i < want; ++i) one();
-  };
-  std::size_t split = 0;
-  for (const auto& b : m.free_backwards) split += b->split ? 1 : 0;
-  make(static_cast<std::size_t>(std::max(stashes, 0)), m.free_stashes.size(),
-       [&] { m.free_stashes.push_back(m.new_stash()); });
-  make(static_cast<std::size_t>(std::max(backwards, 0)), m.free_backwards.size() - split,
-       [&] { m.free_backwards.push_back(m.new_backward(false)); });
-  make(static_cast<std::size_t>(std::max(split_backwards, 0)), split,
-       [&] { m.free_backwards.push_back(m.new_backward(true)); });
+  while (static_cast<int>(m.free_stashes.size()) < stashes) m.free_stashes.push_back(m.new_stash());
+  for (const bool split : {false, true}) {
+    const int want = split ? split_backwards : backwards;
+    int have = static_cast<int>(std::count_if(m.free_backwards.begin(), m.free_backwards.end(),
+                                              [&](const auto& b) { return b->split == split; }));
+    for (; have < want; ++have) m.free_backwards.push_back(m.new_backward(split));
+  }
   if (m.spec.has_head) m.ensure_loss_slots(static_cast<std::size_t>(std::max(micro_batches, 0)));
 }
 

@@ -265,16 +265,7 @@ class Engine {
 
   Tick now() const { return ticks_since(sh_.epoch, Clock::now()); }
 
-  void world_abort(Rank& rk) {
-    std::string what = "rank failed";
-    try {
-      std::rethrow_exception(rk.error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    rk.comm->abort(fmt::format("rank {} failed: {}", rk.rank, what));
-  }
+  void world_abort(Rank& rk) { rk.comm->abort(fmt::format("rank {} failed: {}", rk.rank, error_text(rk.error))); }
 
   void comm_main(Rank& rk) {
     for (;;) {
@@ -611,11 +602,8 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
     // A rank that threw (communication timeout, a bug) ends the run with its error.
     for (int r = 0; r < engine.num_ranks(); ++r)
       if (engine.rank(r).error) {
-        try {
-          std::rethrow_exception(engine.rank(r).error);
-        } catch (const std::exception& e) {
-          report.failure = RunFailure{step, fmt::format("rank {} failed at step {}: {}", r, step, e.what())};
-        }
+        report.failure =
+            RunFailure{step, fmt::format("rank {} failed at step {}: {}", r, step, error_text(engine.rank(r).error))};
         break;
       }
     if (report.failure) break;
@@ -662,8 +650,7 @@ RunReport run_cpu(const RuntimePlan& rp, const RunOptions& options) {
 
     report.failure = loss_watch.check(rec, first, first_nonfinite);
 
-    if (!options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
-        (step % options.checkpoint_every_steps == 0 || step == steps) && !report.failure) {
+    if (checkpoint_due(options, step, steps) && !report.failure) {
       Checkpoint ck;
       ck.fingerprint = fingerprint;
       ck.step = step;

@@ -156,6 +156,21 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
   return tl;
 }
 
+std::string error_text(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+bool checkpoint_due(const RunOptions& options, int step, int steps) {
+  return !options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
+         (step % options.checkpoint_every_steps == 0 || step == steps);
+}
+
 StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ranks, std::string* first_nonfinite) {
   StepRecord rec;
   rec.step = step;

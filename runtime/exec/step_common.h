@@ -77,6 +77,13 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
 // says which, in words.
 Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::string& source);
 
+// What a failed rank's exception says ("unknown error" when it is not a std::exception).
+std::string error_text(std::exception_ptr error);
+
+// A checkpoint is written after `step` of `steps` when options ask for them every N steps: at
+// every multiple of N and at the last step.
+bool checkpoint_due(const RunOptions& options, int step, int steps);
+
 // One rank's step as either executor saw it; step_record folds every rank's into the StepRecord.
 struct RankStep {
   RankStepNumerics numerics;
