@@ -2,6 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -37,15 +40,49 @@ std::size_t element_bytes(DType dt, const std::string& who) {
                               std::string(dtype_name(dt)));
 }
 
-// An event recorded on a stream; destroyed with its last holder (the sender and every reader
-// hold it until they have queued their wait on it).
-std::shared_ptr<void> record_event(void* stream, const std::string& what) {
-  cudaEvent_t ev = nullptr;
-  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
-  std::shared_ptr<void> owned(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
-  check(cudaEventRecord(ev, as_stream(stream)), what + ": cudaEventRecord");
-  return owned;
-}
+// The events messages carry, kept for reuse rather than destroyed. The sender and every reader
+// hold a message's event until they have queued their wait on it, so the last holder is often
+// another rank's thread; under green contexts the event belongs to the sender's context, which
+// only the sender's thread may use (sm_partition.h). So a released event goes back to the free
+// list of the stream it was recorded on, and only a thread recording on that stream takes it
+// again (re-recording does not disturb waits already queued: cudaStreamWaitEvent uses the state
+// captured when it was called). Whatever is left is destroyed with the pool, after every rank's
+// thread is done with the world.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  ~EventPool() {
+    for (auto& [stream, events] : free_)
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+  }
+
+  // An event recorded on `stream`, returned to this pool by its last holder.
+  std::shared_ptr<void> record(void* stream, const std::string& what) {
+    cudaEvent_t ev = take(stream);
+    if (ev == nullptr) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
+    std::shared_ptr<void> owned(ev, [pool = shared_from_this(), stream](void* e) {
+      pool->give_back(stream, static_cast<cudaEvent_t>(e));
+    });
+    check(cudaEventRecord(ev, as_stream(stream)), what + ": cudaEventRecord");
+    return owned;
+  }
+
+ private:
+  cudaEvent_t take(void* stream) {
+    std::lock_guard lock(mutex_);
+    auto& events = free_[stream];
+    if (events.empty()) return nullptr;
+    const cudaEvent_t e = events.back();
+    events.pop_back();
+    return e;
+  }
+  void give_back(void* stream, cudaEvent_t e) {
+    std::lock_guard lock(mutex_);
+    free_[stream].push_back(e);
+  }
+
+  std::mutex mutex_;
+  std::map<void*, std::vector<cudaEvent_t>> free_;
+};
 
 void wait_event(void* stream, const std::shared_ptr<void>& ev, const std::string& what) {
   check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(ev.get()), 0), what + ": cudaStreamWaitEvent");
@@ -62,6 +99,7 @@ struct DeviceMessage {
 
 struct WorldState : Mailboxes<DeviceMessage> {
   using Mailboxes::Mailboxes;
+  std::shared_ptr<EventPool> events = std::make_shared<EventPool>();  // outlives the messages that hold its events
 };
 
 class DeviceWorldCommunicator final : public DeviceCommunicator {
@@ -85,7 +123,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     msg.count = count;
     msg.dt = dt;
     msg.staging = stage(data, bytes, stream, what);
-    msg.ready = record_event(stream, what);
+    msg.ready = s_->events->record(stream, what);
     s_->post(peer, MailKey{rank_, 0, kPointToPoint}, std::move(msg));
   }
 
@@ -131,7 +169,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     mine.count = count;
     mine.dt = dt;
     mine.staging = stage(data, bytes, stream, what);
-    mine.ready = record_event(stream, what);
+    mine.ready = s_->events->record(stream, what);
     void* const my_staging = mine.staging;
     for (int k = 0; k < n; ++k)
       if (k != me) s_->post(members[k], MailKey{rank_, tag, kContribution}, DeviceMessage(mine));
@@ -156,7 +194,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     // Free this member's staging once every member has read it.
     DeviceMessage done;
     done.tag = tag;
-    done.ready = record_event(stream, what);
+    done.ready = s_->events->record(stream, what);
     for (int k = 0; k < n; ++k)
       if (k != me) s_->post(members[k], MailKey{rank_, tag, kDone}, DeviceMessage(done));
     for (int k = 0; k < n; ++k) {

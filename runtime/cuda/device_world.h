@@ -18,8 +18,10 @@
 //    A second exchange of events frees each staging buffer once every member has read it.
 //
 // The host threads block only until their peers' host threads reach the same call (never on
-// the device); the device never waits for an event that was not recorded yet. Every rank's
-// calls must be made with that rank's context current (runtime/cuda/sm_partition.h).
+// the device); the device never waits for an event that was not recorded yet. Every call must
+// be made with the context of the stream it is given current (runtime/cuda/sm_partition.h). The
+// events are reused per stream rather than destroyed by whichever rank's thread released them
+// last, which under green contexts may not touch the sender's context.
 #pragma once
 
 #include <chrono>

@@ -47,15 +47,20 @@ void* offset(void* base, std::size_t elements, DType dt) {
   return static_cast<char*>(base) + elements * static_cast<std::size_t>(dtype_bytes(dt));
 }
 
-// A timing event per op boundary, re-recorded every step.
+// A timing event per op boundary, re-recorded every step; created in the calling thread's
+// current context (Event(nullptr): none yet).
 struct Event {
   cudaEvent_t e = nullptr;
   Event() { check(cudaEventCreate(&e), "cudaEventCreate"); }
+  explicit Event(std::nullptr_t) {}
   ~Event() {
     if (e) cudaEventDestroy(e);
   }
   Event(Event&& o) noexcept : e(o.e) { o.e = nullptr; }
-  Event& operator=(Event&&) = delete;
+  Event& operator=(Event&& o) noexcept {
+    std::swap(e, o.e);
+    return *this;
+  }
   Event(const Event&) = delete;
 };
 
@@ -218,9 +223,15 @@ struct CudaRank {
   std::vector<OptimizerBuffers> optimizers;
   std::unique_ptr<LossScaler> scaler;
 
-  int partition_index = 0;  // its streams and context in the SmPartition
+  int partition_index = 0;  // its streams and contexts in the SmPartition
+  // Per op, in the context of the stream the op runs on (an event is recorded only on a stream of
+  // its own context): the communication thread's for collectives, the compute thread's otherwise.
   std::vector<Event> start, end;
-  std::unique_ptr<Event> epoch;
+  // The step's start on the compute stream; comm_epoch is the same instant on the comm stream (it
+  // is recorded there right after the comm stream waits for epoch), the origin of the
+  // collectives' times.
+  std::unique_ptr<Event> epoch, comm_epoch;
+  std::unique_ptr<PinnedBuffer> readback;  // the optimizer step's scalars and flags, read on the host
   FlagLayout flags_at;
   k::DeviceBuffer flags, scans, scalars, scratch;
 
@@ -369,15 +380,27 @@ class Engine {
       }
       rk.scaler = std::make_unique<LossScaler>(cfg.precision.loss_scaling);
       const std::size_t ops = rk.program->ops.size();
-      for (std::size_t i = 0; i < ops; ++i) {
-        rk.start.emplace_back();
-        rk.end.emplace_back();
-      }
       rk.flags_at.ops = ops;
       rk.flags = k::DeviceBuffer(rk.flags_at.count() * sizeof(int));
+      rk.readback = std::make_unique<PinnedBuffer>(sizeof(Scalars) + rk.flags_at.count() * sizeof(int));
+      rk.start.reserve(ops);
+      rk.end.reserve(ops);
+      for (std::size_t i = 0; i < ops; ++i) {
+        rk.start.emplace_back(nullptr);
+        rk.end.emplace_back(nullptr);
+      }
       rk.scans = k::DeviceBuffer(std::max<std::size_t>(ops, 1) * sizeof(k::TensorScan));
       rk.scalars = k::DeviceBuffer(sizeof(Scalars));
       rk.scratch = k::DeviceBuffer(k::kReductionScratchDoubles * sizeof(double));
+      for (RankThread thread : {RankThread::compute, RankThread::comm}) {
+        partition_->make_current(rk.partition_index, thread);
+        if (thread == RankThread::comm) rk.comm_epoch = std::make_unique<Event>();
+        for (std::size_t i = 0; i < ops; ++i)
+          if (is_collective(rk.program->ops[i].kind) == (thread == RankThread::comm)) {
+            rk.start[i] = Event();
+            rk.end[i] = Event();
+          }
+      }
     }
     // Every virtual stage's gradient count, also for stages held by other processes: a CPU
     // StageModel of the same spec has the same parameters (stage_model_cuda.h).
@@ -403,20 +426,25 @@ class Engine {
       prepare_step(*rk, step);
       synchronize(rk->streams.compute);
     }
+    // The ranks' contexts are their own threads' now (sm_partition.h: one thread per green context).
+    partition_->make_primary_current();
     const auto t0 = Clock::now();
     std::vector<std::thread> threads;
     for (auto& rk : ranks_) threads.emplace_back([this, r = rk.get()] { rank_main(*r); });
     for (auto& t : threads) t.join();
     for (auto& rk : ranks_)
       if (!rk->error) try {
-          partition_->make_current(rk->partition_index);
           // Over NCCL a peer that died leaves this rank's streams waiting: the communicator's
           // synchronize polls its async errors under the watchdog instead of blocking.
-          for (void* s : {rk->streams.compute, rk->streams.comm, rk->streams.send})
+          for (auto [s, thread] : {std::pair{rk->streams.compute, RankThread::compute},
+                                   std::pair{rk->streams.send, RankThread::compute},
+                                   std::pair{rk->streams.comm, RankThread::comm}}) {
+            partition_->make_current(rk->partition_index, thread);
             if (nccl_)
               nccl_->synchronize(s, fmt::format("step {} of rank {}", step, rk->rank));
             else
               synchronize(s);
+          }
         } catch (...) {
           rk->error = std::current_exception();
         }
@@ -562,11 +590,10 @@ class Engine {
     void* cs = rk.streams.compute;
     k::AccountScope charge(&rk.memory);  // stashes are made on first use
     try {
-      partition_->make_current(rk.partition_index);
-      // Every stream of the rank starts the step at its epoch.
+      partition_->make_current(rk.partition_index, RankThread::compute);
+      // Every stream of the rank starts the step at its epoch (the comm stream: comm_main).
       check(cudaEventRecord(rk.epoch->e, S(cs)), "cudaEventRecord(epoch)");
-      for (void* s : {rk.streams.comm, rk.streams.send})
-        check(cudaStreamWaitEvent(S(s), rk.epoch->e, 0), "cudaStreamWaitEvent(epoch)");
+      check(cudaStreamWaitEvent(S(rk.streams.send), rk.epoch->e, 0), "cudaStreamWaitEvent(epoch)");
     } catch (...) {
       rk.error = std::current_exception();
       return;
@@ -625,7 +652,9 @@ class Engine {
     void* st = rk.streams.comm;
     k::AccountScope charge(&rk.memory);
     try {
-      partition_->make_current(rk.partition_index);
+      partition_->make_current(rk.partition_index, RankThread::comm);
+      check(cudaStreamWaitEvent(S(st), rk.epoch->e, 0), "cudaStreamWaitEvent(epoch)");
+      check(cudaEventRecord(rk.comm_epoch->e, S(st)), "cudaEventRecord(comm epoch)");
     } catch (...) {
       rk.comm_error = std::current_exception();
       rk.queued.fail(rk.comm_error);
@@ -863,21 +892,26 @@ class Engine {
         k::squared_norm(&sc->sumsq, g, n, gdt, scratch, true, cs);
       }
     }
-    Scalars host{};
-    copy_device_to_host(&host, sc, sizeof(Scalars), cs);
-    std::vector<int> flags(rk.flags_at.count());
-    copy_device_to_host(flags.data(), rk.flags.data(), flags.size() * sizeof(int), cs);
+    // Read back through pinned memory: a copy into pageable memory would block in CUDA until the
+    // stream drains, outside wait_idle's watchdog (stream_ops.h).
+    auto* host_scalars = static_cast<Scalars*>(rk.readback->data());
+    int* host_flags = reinterpret_cast<int*>(host_scalars + 1);
+    const std::size_t num_flags = rk.flags_at.count();
+    copy_device_to_host(host_scalars, sc, sizeof(Scalars), cs);
+    copy_device_to_host(host_flags, rk.flags.data(), num_flags * sizeof(int), cs);
     wait_idle(rk, cs, "the optimizer step's overflow verdict and squared norm");
-    float total = static_cast<float>(host.sumsq / dp_);
-    copy_host_to_device(&sc->norm, &total, sizeof(float), cs);
+    const Scalars host = *host_scalars;
+    const std::vector<int> flags(host_flags, host_flags + num_flags);
+    host_scalars->norm = static_cast<float>(host.sumsq / dp_);
+    copy_host_to_device(&sc->norm, &host_scalars->norm, sizeof(float), cs);
     std::vector<int> everyone(world());
     for (int r = 0; r < world(); ++r) everyone[r] = r;
     rk.comm->all_reduce(&sc->norm, 1, DType::fp32, everyone,
                         collective_tag(rk.step, static_cast<int>(schedule_->collectives.size())), ReduceOp::sum,
                         Divide::none, cs);
-    copy_device_to_host(&total, &sc->norm, sizeof(float), cs);
+    copy_device_to_host(&host_scalars->norm, &sc->norm, sizeof(float), cs);
     wait_idle(rk, cs, "the gradient norm's all-reduce");
-    rk.grad_norm = std::sqrt(static_cast<double>(total));
+    rk.grad_norm = std::sqrt(static_cast<double>(host_scalars->norm));
 
     if (overflow_op >= 0)
       rk.found_nonfinite = ops[overflow_op].channel < 0 ? flags[rk.flags_at.local()] != 0 : !(host.verdict == 0.0f);
@@ -945,7 +979,9 @@ class Engine {
     s.timing.resize(ops.size());
     s.arrival.assign(ops.size(), -1);
     for (std::size_t i = 0; i < ops.size(); ++i) {
-      s.timing[i] = {ticks_between(rk.epoch->e, rk.start[i].e), ticks_between(rk.epoch->e, rk.end[i].e)};
+      // Events of one context measured from that context's epoch (both epochs are one instant).
+      const cudaEvent_t origin = is_collective(ops[i].kind) ? rk.comm_epoch->e : rk.epoch->e;
+      s.timing[i] = {ticks_between(origin, rk.start[i].e), ticks_between(origin, rk.end[i].e)};
       if (is_collective(ops[i].kind)) s.arrival[i] = s.timing[i].start;
     }
     std::vector<k::TensorScan> scans(std::max<std::size_t>(ops.size(), 1));

@@ -4,7 +4,9 @@
 // cudaGetDriverEntryPointByVersion, each at the version its cudaTypedefs.h typedef names, so
 // this file needs only cuda.h's types and the binary does not link libcuda. The recipe is the
 // driver documentation's ("Green Contexts"): the device's SM resource, split into equal groups,
-// one descriptor and one green context per group, streams created in the green contexts.
+// one descriptor per group and, from it, one green context per host thread of the rank (the
+// compute thread's and the communication thread's, on the same SMs: sm_partition.h), streams
+// created in the green contexts.
 #include "runtime/cuda/sm_partition.h"
 
 #include <cuda.h>
@@ -17,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace trainsim::runtime::cuda {
@@ -46,6 +49,7 @@ struct DriverApi {
   PFN_cuStreamDestroy_v4000 stream_destroy = nullptr;
   PFN_cuCtxFromGreenCtx_v12040 ctx_from_green_ctx = nullptr;
   PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
 
   // Empty when every function was found, else why not.
   std::string load() {
@@ -79,6 +83,7 @@ struct DriverApi {
     find("cuStreamDestroy", 4000, stream_destroy);
     find("cuCtxFromGreenCtx", 12040, ctx_from_green_ctx);
     find("cuCtxSetCurrent", 4000, ctx_set_current);
+    find("cuCtxGetCurrent", 4000, ctx_get_current);
     return why;
   }
 
@@ -103,7 +108,9 @@ struct SmPartition::State {
   DriverApi driver;
   std::vector<RankStreams> streams;
   bool streams_are_green = false;  // which call destroys them
+  // Green contexts, per rank: [2 r] its compute thread's, [2 r + 1] its communication thread's.
   std::vector<CUgreenCtx> green_contexts;
+  CUcontext primary = nullptr;  // the device's primary context, under green contexts
 
   State() = default;
   State(const State&) = delete;
@@ -125,6 +132,7 @@ struct SmPartition::State {
     streams.clear();
     for (CUgreenCtx context : green_contexts) driver.green_ctx_destroy(context);
     green_contexts.clear();
+    primary = nullptr;
   }
 
   void create_shared(int ranks) {
@@ -141,7 +149,7 @@ struct SmPartition::State {
     }
   }
 
-  // Creates one green context and three streams per rank; on failure releases what it made and
+  // Creates two green contexts and three streams per rank; on failure releases what it made and
   // returns why, so that SmSharing::automatic can fall back to shared streams.
   std::string try_green(int ranks) {
     if (std::string why = driver.load(); !why.empty()) return why;
@@ -188,19 +196,24 @@ struct SmPartition::State {
     }
     if (!split) return why;
 
+    if (CUresult e = driver.ctx_get_current(&primary); e != CUDA_SUCCESS) return driver.error(e, "cuCtxGetCurrent");
     streams_are_green = true;
     for (int r = 0; r < ranks; ++r) {
       CUdevResourceDesc desc = nullptr;
       if (CUresult e = driver.resource_generate_desc(&desc, &groups[static_cast<std::size_t>(r)], 1); e != CUDA_SUCCESS)
         return fail(driver.error(e, "cuDevResourceGenerateDesc"));
-      CUgreenCtx context = nullptr;
-      if (CUresult e = driver.green_ctx_create(&context, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM); e != CUDA_SUCCESS)
-        return fail(driver.error(e, "cuGreenCtxCreate"));
-      green_contexts.push_back(context);
+      CUgreenCtx contexts[2] = {nullptr, nullptr};  // RankThread::compute, RankThread::comm
+      for (CUgreenCtx& context : contexts) {
+        if (CUresult e = driver.green_ctx_create(&context, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM); e != CUDA_SUCCESS)
+          return fail(driver.error(e, "cuGreenCtxCreate"));
+        green_contexts.push_back(context);
+      }
 
       RankStreams& rank = streams.emplace_back();
       rank.sms = static_cast<int>(groups[static_cast<std::size_t>(r)].sm.smCount);
-      for (void** stream : {&rank.compute, &rank.comm, &rank.send}) {
+      const std::pair<void**, CUgreenCtx> made_in[] = {
+          {&rank.compute, contexts[0]}, {&rank.send, contexts[0]}, {&rank.comm, contexts[1]}};
+      for (const auto& [stream, context] : made_in) {
         CUstream created = nullptr;
         if (CUresult e = driver.green_ctx_stream_create(&created, context, CU_STREAM_NON_BLOCKING, 0);
             e != CUDA_SUCCESS)
@@ -262,21 +275,31 @@ const RankStreams& SmPartition::streams(int rank) const {
 
 bool SmPartition::green() const { return state_->green; }
 
-void SmPartition::make_current(int rank) const {
+void SmPartition::make_current(int rank, RankThread thread) const {
   streams(rank);  // range check
   const State& s = *state_;
   if (!s.green) {
-    if (cudaError_t err = cudaSetDevice(s.device); err != cudaSuccess)
-      throw std::runtime_error(fmt::format("SmPartition::make_current: cudaSetDevice({}): {}", s.device,
-                                           cudaGetErrorString(err)));
+    make_primary_current();
     return;
   }
+  const std::size_t index = 2 * static_cast<std::size_t>(rank) + (thread == RankThread::comm ? 1 : 0);
   CUcontext context = nullptr;
-  if (CUresult e = s.driver.ctx_from_green_ctx(&context, s.green_contexts[static_cast<std::size_t>(rank)]);
-      e != CUDA_SUCCESS)
+  if (CUresult e = s.driver.ctx_from_green_ctx(&context, s.green_contexts[index]); e != CUDA_SUCCESS)
     throw std::runtime_error(s.driver.error(e, "cuCtxFromGreenCtx"));
   if (CUresult e = s.driver.ctx_set_current(context); e != CUDA_SUCCESS)
     throw std::runtime_error(s.driver.error(e, "cuCtxSetCurrent"));
+}
+
+void SmPartition::make_primary_current() const {
+  const State& s = *state_;
+  if (s.primary != nullptr) {
+    if (CUresult e = s.driver.ctx_set_current(s.primary); e != CUDA_SUCCESS)
+      throw std::runtime_error(s.driver.error(e, "cuCtxSetCurrent (primary context)"));
+    return;
+  }
+  if (cudaError_t err = cudaSetDevice(s.device); err != cudaSuccess)
+    throw std::runtime_error(fmt::format("SmPartition::make_primary_current: cudaSetDevice({}): {}", s.device,
+                                         cudaGetErrorString(err)));
 }
 
 int SmPartition::device_sms() const { return state_->device_sms; }

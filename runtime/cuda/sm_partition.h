@@ -59,7 +59,8 @@ enum class SmSharing {
 };
 
 // One rank's streams (cudaStream_t, all non-blocking) and the SMs its kernels may run on: its
-// partition under green contexts, the whole device when shared.
+// partition under green contexts, the whole device when shared. `compute` and `send` are driven
+// by the rank's compute thread, `comm` by its communication thread (RankThread).
 struct RankStreams {
   void* compute = nullptr;
   void* comm = nullptr;
@@ -67,20 +68,26 @@ struct RankStreams {
   int sms = 0;
 };
 
+// The two host threads that drive a rank: the compute thread (compute and send streams) and the
+// communication thread (comm stream).
+enum class RankThread { compute, comm };
+
 // Streams for `ranks` ranks on one device, created by the constructor and destroyed with the
 // object. Move-only.
 //
 // The constructor makes `device` current on the calling thread and creates its primary context
 // (green contexts share its memory: allocations made with cudaMalloc are used from any rank's
 // streams). Work launched outside these streams (the legacy default stream, other primary-context
-// streams) still runs on any SM, the left-over ones included. The driver does not synchronise
-// calls that touch one green context from several host threads, so each rank's streams should be
-// driven by one host thread at a time.
+// streams) still runs on any SM, the left-over ones included.
 //
-// SmSharing::automatic with one rank uses shared streams: there is nothing to split.
-// Throws std::invalid_argument when ranks < 1, std::runtime_error when a CUDA call fails and,
-// with SmSharing::green_contexts, when green contexts cannot be used (the message says why).
-// A moved-from SmPartition may only be destroyed or assigned to.
+// A green context "can be current to only one thread at a time", and the driver does not
+// synchronise API calls that reach one green context from several threads (CUDA Driver API,
+// cuGreenCtxCreate). A rank is driven by two threads at once, so under green contexts each rank
+// gets two, on the same SMs: one for its compute thread, holding the compute and send streams,
+// and one for its communication thread, holding the comm stream. An event must be created in the
+// context of the stream it is recorded on (cuEventRecord); a stream may wait on an event of any
+// context (cuStreamWaitEvent).
+//
 class SmPartition {
  public:
   SmPartition(int ranks, SmSharing sharing, int device = 0);
@@ -93,12 +100,14 @@ class SmPartition {
   int ranks() const;
   const RankStreams& streams(int rank) const;  // throws std::out_of_range outside [0, ranks)
   bool green() const;                          // true when the ranks run in green contexts
-  // Makes `rank`'s context current on the calling thread: its green context (so events, cuBLAS
-  // handles and allocations made next belong to the context its streams run in), or the
-  // device's primary context when shared. Every thread that works for a rank calls it first;
-  // the driver does not synchronise calls on one green context from several threads, and the
-  // executor drives each rank's streams from its own two threads only.
-  void make_current(int rank) const;
+  // Makes the context of `rank`'s `thread` current on the calling thread: its green context (so
+  // events, cuBLAS handles and allocations made next belong to the context its streams run in),
+  // or the device's primary context when shared. Every thread that works for a rank calls it
+  // first, and one thread at a time works in each of a rank's two contexts.
+  void make_current(int rank, RankThread thread = RankThread::compute) const;
+  // Makes the device's primary context current on the calling thread (a thread that hands a
+  // rank's context over to the rank's own threads calls it first).
+  void make_primary_current() const;
   int device_sms() const;                      // the device's SM count
   // Why green contexts are not used ("not requested", "one rank: nothing to split", the driver
   // lacks cuGreenCtxCreate, ...); empty when they are.

@@ -48,6 +48,14 @@ void fill_zero(void* dst, std::size_t bytes, void* stream) {
   check(cudaMemsetAsync(dst, 0, bytes, as_stream(stream)), of("cudaMemsetAsync", bytes));
 }
 
+PinnedBuffer::PinnedBuffer(std::size_t bytes) : bytes_(bytes) {
+  check(cudaMallocHost(&ptr_, std::max<std::size_t>(bytes, 1)), of("cudaMallocHost", bytes));
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_) cudaFreeHost(ptr_);
+}
+
 void synchronize(void* stream) {
   check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize (an earlier kernel on the stream failed?)");
 }

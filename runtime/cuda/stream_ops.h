@@ -5,10 +5,13 @@
 // (cudaStream_t; nullptr is the legacy default stream). Every call that fails throws
 // std::runtime_error saying what failed.
 //
-// Host memory here is ordinary (pageable) memory. CUDA's documented behaviour for it: a copy
-// from pageable host memory returns once the host bytes are staged (the caller may reuse its
-// buffer at once); a copy to pageable host memory returns once the copy is done. The callers
-// synchronise the stream before reading a result on the host anyway.
+// Host memory may be ordinary (pageable) memory or a PinnedBuffer. CUDA's documented behaviour
+// ("API synchronization behavior"): a copy from pageable host memory returns once the host bytes
+// are staged (the caller may reuse its buffer at once); a copy to pageable host memory returns
+// once the copy is done, i.e. the host waits for the stream inside CUDA. Copies to and from
+// pinned memory are asynchronous: the host must not touch the bytes until the stream has reached
+// the copy, and waits only where it chooses to (a mid-step wait over NCCL must be the
+// communicator's polled synchronize, never a blocking copy).
 #pragma once
 
 #include <cstddef>
@@ -22,6 +25,21 @@ void copy_device_to_device(void* dst, const void* src, std::size_t bytes, void* 
 void fill_zero(void* dst, std::size_t bytes, void* stream);
 // Waits for the work queued on `stream`; reports an error a kernel on it raised.
 void synchronize(void* stream);
+
+// Page-locked host memory (cudaMallocHost), freed with the object. Move-only.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(std::size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
 
 // Makes `device`'s default pool (cudaMallocAsync without a pool) keep freed memory instead of
 // returning it to the driver at every synchronisation (its release threshold is 0 by default):

@@ -5,12 +5,18 @@
 // tests/runtime/test_sm_split.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <future>
 #include <iostream>
+#include <thread>
+#include <vector>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
+
+#include <cuda_runtime_api.h>
 
 #include "kernels/device_buffer.h"
 #include "runtime/cuda/sm_partition.h"
@@ -29,7 +35,13 @@ class SmPartitionTest : public ::testing::Test {
   }
 };
 
-// Every stream of every rank is set, distinct from all others, and runs a fill to completion.
+// The thread that drives each of a rank's streams (sm_partition.h).
+constexpr std::pair<void* RankStreams::*, RankThread> kStreamThreads[] = {
+    {&RankStreams::compute, RankThread::compute}, {&RankStreams::comm, RankThread::comm},
+    {&RankStreams::send, RankThread::compute}};
+
+// Every stream of every rank is set, distinct from all others, and runs a fill to completion,
+// queued with the context of its thread current.
 void expect_working_streams(const SmPartition& partition, int ranks) {
   ASSERT_EQ(partition.ranks(), ranks);
   std::set<void*> seen;
@@ -40,17 +52,58 @@ void expect_working_streams(const SmPartition& partition, int ranks) {
     const RankStreams& s = partition.streams(r);
     EXPECT_GT(s.sms, 0) << "rank " << r;
     int index = 0;
-    for (void* stream : {s.compute, s.comm, s.send}) {
+    for (auto [member, thread] : kStreamThreads) {
+      void* stream = s.*member;
       ASSERT_NE(stream, nullptr) << "rank " << r << " stream " << index;
       EXPECT_TRUE(seen.insert(stream).second) << "rank " << r << " stream " << index << " is shared";
+      partition.make_current(r, thread);
       fill_zero(base + (static_cast<std::size_t>(r) * 3 + static_cast<std::size_t>(index)) * kBytes, kBytes, stream);
       ++index;
     }
   }
-  for (int r = 0; r < ranks; ++r) {
-    const RankStreams& s = partition.streams(r);
-    for (void* stream : {s.compute, s.comm, s.send}) synchronize(stream);
-  }
+  for (int r = 0; r < ranks; ++r)
+    for (auto [member, thread] : kStreamThreads) {
+      partition.make_current(r, thread);
+      synchronize(partition.streams(r).*member);
+    }
+  partition.make_primary_current();
+}
+
+// A rank's two threads at once, each in its own context, as the executor drives them: the
+// compute thread fills on its stream and records an event; the communication thread's stream
+// waits for that event (an event of the other context) and then copies what was filled.
+void expect_two_threads_per_rank(const SmPartition& partition, int rank) {
+  constexpr std::size_t kBytes = 4 << 20;
+  k::DeviceBuffer a(kBytes), b(kBytes);
+  const RankStreams& s = partition.streams(rank);
+  void* filled = nullptr;  // cudaEvent_t of the compute thread's context
+  std::promise<void> recorded;
+  std::thread compute([&] {
+    partition.make_current(rank, RankThread::compute);
+    std::vector<unsigned char> ones(kBytes, 1);
+    copy_host_to_device(a.data(), ones.data(), kBytes, s.compute);
+    cudaEvent_t e = nullptr;
+    EXPECT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+    EXPECT_EQ(cudaEventRecord(e, static_cast<cudaStream_t>(s.compute)), cudaSuccess);  // same context
+    filled = e;
+    recorded.set_value();  // whatever happened: the other thread must not wait forever
+    synchronize(s.compute);
+  });
+  std::thread comm([&] {
+    partition.make_current(rank, RankThread::comm);
+    recorded.get_future().wait();
+    EXPECT_EQ(cudaStreamWaitEvent(static_cast<cudaStream_t>(s.comm), static_cast<cudaEvent_t>(filled), 0),
+              cudaSuccess);  // an event of the other context
+    copy_device_to_device(b.data(), a.data(), kBytes, s.comm);
+    synchronize(s.comm);
+  });
+  compute.join();
+  comm.join();
+  if (filled) cudaEventDestroy(static_cast<cudaEvent_t>(filled));
+  std::vector<unsigned char> got(kBytes);
+  b.download(got.data(), kBytes);
+  EXPECT_EQ(std::count(got.begin(), got.end(), 1), static_cast<std::ptrdiff_t>(kBytes)) << "rank " << rank;
+  partition.make_primary_current();
 }
 
 TEST_F(SmPartitionTest, SharedStreamsAreDistinctAndRunWork) {
@@ -72,6 +125,7 @@ TEST_F(SmPartitionTest, AutomaticIsGreenWithDisjointPartitionsOrSaysWhyNot) {
   const std::string text = partition.describe();
   std::cout << "[ sm partition ] " << text << '\n';
   expect_working_streams(partition, kRanks);
+  for (int r = 0; r < kRanks; ++r) expect_two_threads_per_rank(partition, r);
   if (partition.green()) {
     EXPECT_TRUE(partition.why_not_green().empty());
     int used = 0;
