@@ -42,7 +42,7 @@ double HardwareProfile::kernel_seconds(const std::string& kernel, DType dtype, c
   double best = std::numeric_limits<double>::infinity();
   const double work = shape.is_matmul() ? shape.flops() : bytes;
   for (const KernelRate& k : kernels) {
-    if (k.kernel != kernel || k.dtype != dtype || k.seconds <= 0) continue;
+    if (k.kernel != kernel || k.dtype != dtype || k.seconds < 0) continue;
     if (k.shape == shape) return k.seconds;
     const double kwork = k.shape.is_matmul() ? k.shape.flops() : k.bytes;
     if (kwork <= 0 || work <= 0) continue;
@@ -87,7 +87,7 @@ void apply_profile(const HardwareProfile& p, ClusterConfig& cluster) {
   cluster.compute_efficiency = 1.0;
   double bytes = 0, seconds = 0;
   for (const KernelRate& k : p.kernels)
-    if (!k.shape.is_matmul()) bytes += k.bytes, seconds += k.seconds;
+    if (!k.shape.is_matmul() && k.seconds > 0) bytes += k.bytes, seconds += k.seconds;  // what moved memory
   if (seconds > 0) cluster.hbm_bandwidth_gbps = bytes / seconds / 1e9;
   if (p.p2p.bandwidth_gbps > 0) cluster.intra_node = cluster.inter_node = LinkConfig{p.p2p.bandwidth_gbps, p.p2p.latency_us};
   if (p.memory_gib > 0) cluster.memory_gib = p.memory_gib;
@@ -180,8 +180,8 @@ HardwareProfile load_profile(const std::string& path) {
     r.shape.elements = get<long>(path, k, "elements", 0);
     r.bytes = get<double>(path, k, "bytes", 0);
     r.seconds = get<double>(path, k, "us", 0) * 1e-6;
-    if (r.seconds <= 0)
-      throw std::runtime_error(fmt::format("{}: kernel {} has no positive time (us)", where(path, k), r.kernel));
+    if (!(r.seconds >= 0))
+      throw std::runtime_error(fmt::format("{}: kernel {} has a negative time (us)", where(path, k), r.kernel));
     p.kernels.push_back(std::move(r));
   }
   if (const YAML::Node c = root["composition"])

@@ -38,7 +38,9 @@ struct KernelRate {
   DType dtype = DType::fp32;
   KernelShape shape;
   double bytes = 0;    // memory-bound kernels: bytes moved per launch (the inventory's count)
-  double seconds = 0;  // measured time per launch
+  // Measured time per launch; 0 for work the backend does not do as a kernel of its own (the
+  // CUDA backend's `round`: every kernel stores its output in the compute format).
+  double seconds = 0;
   // TFLOP/s for matrix products, GB/s for memory-bound kernels.
   double rate() const;
 };
@@ -94,7 +96,7 @@ struct HardwareProfile {
   double p2p_seconds(double bytes) const;
 
   // Seconds for one launch of `kernel` at `shape`, or a negative number when the profile has
-  // no measurement of that kernel in `dtype`.
+  // no measurement of that kernel in `dtype` (0 at every shape for a kernel recorded at 0).
   double kernel_seconds(const std::string& kernel, DType dtype, const KernelShape& shape, double bytes) const;
   // Ring all-reduce of `bytes` over n ranks from the table of group size n, else its fit, else
   // the nearest measured size's fit with the latency scaled by (n-1) as a ring's is. 0 when n <= 1.

@@ -133,6 +133,35 @@ TEST(HardwareProfile, KernelLookupExactThenNearestScaledByWork) {
   EXPECT_LT(p.kernel_seconds("gelu.forward", DType::fp32, a.shape, 0), 0);
 }
 
+// A kernel the backend does not run on its own (the CUDA backend's `round`) is recorded at zero
+// time: priced at 0 at every shape, kept through YAML, and left out of the bandwidth estimate.
+TEST(HardwareProfile, ZeroTimeKernelCostsNothingAndMovesNoBandwidth) {
+  HardwareProfile p;
+  p.name = "zero";
+  KernelRate gelu{"gelu.forward", DType::bf16, {}, 4e6, 1e-3};
+  gelu.shape.elements = 1'000'000;
+  KernelRate round{"round", DType::bf16, {}, 8e6, 0};
+  round.shape.elements = 2'000'000;
+  p.kernels = {gelu, round};
+  EXPECT_EQ(p.kernel_seconds("round", DType::bf16, round.shape, round.bytes), 0);
+  KernelShape other = round.shape;
+  other.elements = 3'000'000;
+  EXPECT_EQ(p.kernel_seconds("round", DType::bf16, other, 12e6), 0);
+  EXPECT_LT(p.kernel_seconds("round", DType::fp16, round.shape, round.bytes), 0) << "not measured in fp16";
+
+  ClusterConfig cluster;
+  apply_profile(p, cluster);
+  EXPECT_DOUBLE_EQ(cluster.hbm_bandwidth_gbps, 4.0) << "gelu's 4 MB in 1 ms alone";
+
+  const fs::path file = fs::temp_directory_path() / ("trainsim_zero_profile_" + std::to_string(::getpid()) + ".yaml");
+  std::ofstream(file) << profile_to_yaml(p);
+  const HardwareProfile back = load_profile(file.string());
+  fs::remove(file);
+  ASSERT_EQ(back.kernels.size(), 2u);
+  EXPECT_EQ(back.kernels[1].seconds, 0);
+  EXPECT_EQ(back.kernel_seconds("round", DType::bf16, round.shape, round.bytes), 0);
+}
+
 TEST(HardwareProfile, AllReduceUsesItsGroupSizeFitOrScalesTheNearestRing) {
   HardwareProfile p;
   p.allreduce[2] = {10, 4};  // 10 us, 4 GB/s bus bandwidth
