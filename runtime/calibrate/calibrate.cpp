@@ -9,6 +9,7 @@
 #include <cmath>
 #include <ctime>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <fstream>
@@ -211,34 +212,19 @@ class KernelTimer {
   double sink_ = 0;
 };
 
-std::string now_iso() {
-  const std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", std::localtime(&t));
-  return buf;
-}
-
 // Runs `body` on a thread pinned to core 0 (when asked), rethrowing what it throws.
 template <class F>
 void on_core0(bool pin, F&& body) {
-  std::exception_ptr failed;
-  std::thread worker([&] {
+  on_own_thread([&] {
     if (pin) {
       cpu_set_t set;
       CPU_ZERO(&set);
       CPU_SET(0, &set);
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
     }
-    try {
-      body();
-    } catch (...) {
-      failed = std::current_exception();
-    }
+    body();
   });
-  worker.join();
-  if (failed) std::rethrow_exception(failed);
 }
-
 
 double machine_memory_gib() {
   const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
@@ -374,48 +360,60 @@ void KernelCalibrator::run_passes(int passes) {
 
 std::vector<double> KernelCalibrator::core_factors() const {
   if (s_->stages.size() <= 1) return {};
+  return stage_factors(s_->stage_forward, s_->stage_backward, s_->core_seconds);
+}
+
+std::vector<double> stage_factors(const std::vector<double>& forward_alone, const std::vector<double>& backward_alone,
+                                  const std::vector<std::vector<double>>& together) {
   std::vector<double> alone;
-  for (std::size_t i = 0; i < s_->stage_forward.size(); ++i) alone.push_back(s_->stage_forward[i] + s_->stage_backward[i]);
+  for (std::size_t i = 0; i < forward_alone.size(); ++i) alone.push_back(forward_alone[i] + backward_alone[i]);
   const double base = median(alone);
   std::vector<double> out;
-  for (const auto& v : s_->core_seconds) out.push_back(median(v) / base);
+  for (const auto& v : together) out.push_back(median(v) / base);
   return out;
 }
 
-Composition KernelCalibrator::composition() const {
-  // The same stage priced from its kernels: the inventory of a middle chunk of kComposeLayers.
-  ScenarioConfig c = plan_.plan.config;
+Composition stage_composition(const ScenarioConfig& config, int layers, int storage,
+                              const std::vector<KernelRate>& rates, double forward_seconds, double backward_seconds) {
+  ScenarioConfig c = config;
   c.parallelism.pipeline_parallel_size = 3;
   c.parallelism.data_parallel_size = 1;
   c.parallelism.virtual_pipeline_stages = 1;
   c.parallelism.schedule = ScheduleKind::one_f_one_b;
-  c.parallelism.layers_per_stage = {kComposeLayers, kComposeLayers, kComposeLayers};
-  c.model.num_layers = 3 * kComposeLayers;
+  c.parallelism.layers_per_stage = {layers, layers, layers};
+  c.model.num_layers = 3 * layers;
   c.cluster.num_gpus = c.cluster.gpus_per_node = 3;
   c.training.global_batch_size = 0;
-  const ChunkKernels middle = chunk_kernels(Plan::from_config(c), 4)[1];
-  const std::vector<KernelRate> r = rates();
+  const ChunkKernels middle = chunk_kernels(Plan::from_config(c), storage)[1];
   auto priced = [&](const std::vector<KernelWork>& ws) {
     double t = 0;
     for (const KernelWork& w : ws)
-      for (const KernelRate& k : r)
+      for (const KernelRate& k : rates)
         if (k.kernel == w.kernel && k.dtype == w.dtype && k.shape == w.shape) t += w.count * k.seconds;
     return t;
   };
   Composition out;
   const double f = priced(middle.forward), b = priced(middle.backward_input) + priced(middle.backward_weight);
-  out.forward = f > 0 ? median(s_->stage_forward) / f : 1;
-  out.backward = b > 0 ? median(s_->stage_backward) / b : 1;
+  out.forward = f > 0 ? forward_seconds / f : 1;
+  out.backward = b > 0 ? backward_seconds / b : 1;
   return out;
 }
 
+Composition KernelCalibrator::composition() const {
+  // The same stage priced from its kernels, in the runtime's 4-byte floats.
+  return stage_composition(plan_.plan.config, kComposeLayers, 4, rates(), median(s_->stage_forward),
+                           median(s_->stage_backward));
+}
+
 void KernelCalibrator::run_until_settled() {
+  while (!calibration_settled(options_, s_->pass_seconds)) run_passes(1);
+}
+
+bool calibration_settled(const CalibrateOptions& options, const std::vector<double>& pass_seconds) {
+  const auto passes = static_cast<int>(pass_seconds.size());
   double total = 0;
-  for (double t : s_->pass_seconds) total += t;
-  while (passes_done() < options_.max_passes && (passes_done() < options_.min_passes || total < options_.min_seconds)) {
-    run_passes(1);
-    total += s_->pass_seconds.back();
-  }
+  for (double t : pass_seconds) total += t;
+  return passes >= options.max_passes || (passes >= options.min_passes && total >= options.min_seconds);
 }
 
 std::vector<KernelRate> KernelCalibrator::rates() const {
@@ -438,6 +436,26 @@ double KernelCalibrator::speed_change(int first_passes) const {
   return after / before - 1;
 }
 
+std::string now_iso() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", std::localtime(&t));
+  return buf;
+}
+
+void on_own_thread(const std::function<void()>& body) {
+  std::exception_ptr failed;
+  std::thread worker([&] {
+    try {
+      body();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  worker.join();
+  if (failed) std::rethrow_exception(failed);
+}
+
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {
   HardwareProfile p;
   p.name = name;
@@ -456,16 +474,21 @@ void calibrate_communication(HardwareProfile& p, const CalibrateOptions& options
   if (!options.communication) return;
   if (options.progress) options.progress("point-to-point and all-reduce benchmarks");
   const CommBenchResult comm = bench_in_process_comm(options.comm);
+  apply_comm_bench(p, comm);
+  if (comm_table) *comm_table = comm;
+}
+
+void apply_comm_bench(HardwareProfile& p, const CommBenchResult& comm, const std::string& where) {
   p.p2p = comm.p2p;
   p.allreduce = comm.allreduce;
   for (const CollectiveRow& r : comm.rows) {
-    if (r.wrong != 0) throw std::runtime_error(fmt::format("calibrate: {} of {} bytes over {} ranks gave {} wrong "
-                                                           "elements", r.op, r.bytes, r.ranks, r.wrong));
+    if (r.wrong != 0)
+      throw std::runtime_error(fmt::format("calibrate: {} of {} bytes over {} ranks{} gave {} wrong elements", r.op,
+                                           r.bytes, r.ranks, where, r.wrong));
     const std::pair<double, double> row{static_cast<double>(r.bytes), r.time_us * 1e-6};
     if (r.op == "sendrecv") p.p2p_table.rows.push_back(row);
     if (r.op == "all_reduce" && r.redop == "sum") p.allreduce_tables[r.ranks].rows.push_back(row);
   }
-  if (comm_table) *comm_table = comm;
 }
 
 HardwareProfile calibrate_cpu(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options,

@@ -80,6 +80,41 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
 // The communication benchmark into `p` (when options.communication).
 void calibrate_communication(HardwareProfile& p, const CalibrateOptions& options, CommBenchResult* comm_table = nullptr);
 
+// What a backend's calibration shares (this one's and the CUDA backend's, runtime/cuda/calibrate_cuda.h):
+
+// The profile's `measured`: local time as YYYY-MM-DDTHH:MM:SS.
+std::string now_iso();
+
+// Runs `body` on a new thread and waits for it, rethrowing what it throws: for work that pins
+// its thread or makes a device context current without touching the caller's.
+void on_own_thread(const std::function<void()>& body);
+
+// Whether a kernel calibrator whose passes took `pass_seconds` (one entry per pass) has run
+// enough: options' max_passes, or both min_passes and min_seconds (run_until_settled).
+bool calibration_settled(const CalibrateOptions& options, const std::vector<double>& pass_seconds);
+
+// core_factors: per rank (or core), the median of its stage times with every rank running the
+// stage at once (`together`, [rank][pass]), against the median of forward + backward per pass
+// of the stage alone.
+std::vector<double> stage_factors(const std::vector<double>& forward_alone, const std::vector<double>& backward_alone,
+                                  const std::vector<std::vector<double>>& together);
+
+// The composition of a middle stage of `layers` blocks of `config`'s model that took
+// `forward_seconds` and `backward_seconds` (the medians of its timings): each against the same
+// stage priced with `rates`, the inventory (core/kernel_inventory.h) of the middle chunk of a
+// three-stage 1F1B pipeline of `layers` blocks per stage, counted with `storage` bytes per
+// stored element (a kernel without a rate of its kernel, dtype and shape costs nothing). A
+// direction priced at zero gets 1.
+Composition stage_composition(const ScenarioConfig& config, int layers, int storage,
+                              const std::vector<KernelRate>& rates, double forward_seconds, double backward_seconds);
+
+// A communication benchmark's fits into `p` (p2p, allreduce) and its rows into the profile's
+// tables (sendrecv rows into p2p_table, all_reduce rows of op sum into allreduce_tables per
+// group size), as (bytes, seconds). Throws std::runtime_error for the first row with wrong
+// elements: "calibrate: <op> of <bytes> bytes over <ranks> ranks<where> gave <n> wrong elements"
+// (`where` names the transport, e.g. " on the single-GPU world", or is empty).
+void apply_comm_bench(HardwareProfile& p, const CommBenchResult& comm, const std::string& where = "");
+
 // The machine's CPU model and core count, for the profile's `device`.
 std::string cpu_description();
 

@@ -44,8 +44,9 @@ int significand_bits(DType wire) {
     case DType::bf16: return 8;
     case DType::fp8: break;
   }
-  throw std::invalid_argument("calibrate: an fp8 wire format is not emulated by the in-process communicator; "
-                              "accepted: fp32, tf32, fp16, bf16");
+  throw std::invalid_argument(
+      fmt::format("calibrate: an all_reduce in {} cannot be checked exactly; accepted: fp32, tf32, fp16, bf16",
+                  dtype_name(wire)));
 }
 
 // Contributions: rank r, element i holds weight[r] * (i mod period + 1). Every partial sum of
@@ -83,171 +84,31 @@ void fill(std::span<float> buf, float weight, int period) {
   }
 }
 
-
-// Runs body(rank, comm, barrier) on one thread per rank of a fresh world of n. The first
-// failure aborts the world (so ranks blocked in a call throw instead of waiting) and drops
-// the failing thread from the barrier (so ranks waiting there go on, and fail at their next
-// call); it is rethrown here once every thread has ended.
-template <typename Body>
-void run_ranks(int n, Body&& body) {
-  InProcessWorld world(n, kTimeout);
-  std::vector<std::unique_ptr<Communicator>> comms;
-  for (int r = 0; r < n; ++r) comms.push_back(world.communicator(r));
-  std::barrier<> sync(n);
-  std::mutex error_mu;
-  std::exception_ptr first_error;
-  {
-    std::vector<std::jthread> threads;
-    for (int r = 0; r < n; ++r)
-      threads.emplace_back([&, r] {
-        Communicator& comm = *comms[static_cast<std::size_t>(r)];
-        // Rank r on core r, as the executor pins a rank's threads, when the cores suffice.
-        if (n <= static_cast<int>(std::thread::hardware_concurrency())) {
-          cpu_set_t set;
-          CPU_ZERO(&set);
-          CPU_SET(r, &set);
-          pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-        }
-        try {
-          body(r, comm, sync);
-        } catch (...) {
-          std::string what = "unknown error";
-          try {
-            throw;
-          } catch (const std::exception& e) {
-            what = e.what();
-          } catch (...) {
-          }
-          {
-            std::lock_guard lock(error_mu);
-            if (!first_error) first_error = std::current_exception();
-          }
-          comm.abort(fmt::format("calibrate: rank {} failed: {}", r, what));
-          sync.arrive_and_drop();
-        }
-      });
-  }
-  if (first_error) std::rethrow_exception(first_error);
-}
-
-// One table section: an op on a world of `ranks`, over the sizes.
-struct Section {
-  std::string op, type, redop;
-  int ranks = 0;
-  std::size_t element_bytes = 4;  // wire bytes per element: bytes = count * element_bytes
-  double bus_factor = 1;          // busbw = algbw * bus_factor
-  // The result every checked rank must hold after the call.
-  std::function<void(std::span<float>)> fill_expected;
-  // Before each call (not timed): what rank r's buffer holds going in.
-  std::function<void(int, std::span<float>)> prepare;
-  // The call itself, timed inside; returns this rank's seconds, or a negative number if
-  // this rank's time does not count (sendrecv: only rank 0 sees the round trip).
-  std::function<double(int, Communicator&, std::span<float>)> call;
-};
-
-struct Size {
-  std::size_t bytes, count;
-  int warmup, iters;
-};
-
-std::vector<Size> sizes_for(const CommBenchOptions& o, std::size_t element_bytes) {
-  std::vector<Size> sizes;
+// The section's sizes (min_bytes doubling up to max_bytes) and its largest count and iters.
+void set_sizes(CommSection& s, const CommBenchOptions& o) {
+  const auto element_bytes = static_cast<std::size_t>(dtype_bytes(s.wire));
   for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 2) {
     const std::size_t count = b / element_bytes, bytes = count * element_bytes;
     const auto scaled = [&](int asked, std::size_t budget, std::size_t floor) {
       return static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(asked), std::max(floor, budget / bytes)));
     };
-    sizes.push_back(Size{bytes, count, scaled(o.warmup_iters, kWarmupBytes, 1), scaled(o.iters, kTimedBytes, 2)});
+    s.sizes.push_back(
+        CommSize{bytes, count, scaled(o.warmup_iters, kWarmupBytes, 1), scaled(o.iters, kTimedBytes, 2)});
+    s.max_count = std::max(s.max_count, count);
+    s.max_iters = std::max(s.max_iters, s.sizes.back().iters);
     if (b > std::numeric_limits<std::size_t>::max() / 2) break;
   }
-  return sizes;
 }
 
-void run_section(const Section& s, const CommBenchOptions& o, CommBenchResult& out) {
-  const std::vector<Size> sizes = sizes_for(o, s.element_bytes);
-  std::size_t max_count = 0;
-  int max_iters = 0;
-  for (const Size& z : sizes) {
-    max_count = std::max(max_count, z.count);
-    max_iters = std::max(max_iters, z.iters);
-  }
-  const auto n = static_cast<std::size_t>(s.ranks);
-  std::vector<float> expected(max_count);
-  std::vector<std::vector<double>> times(n, std::vector<double>(static_cast<std::size_t>(max_iters)));
-  std::vector<std::int64_t> wrong(n);
-
-  run_ranks(s.ranks, [&](int r, Communicator& comm, std::barrier<>& sync) {
-    const auto ru = static_cast<std::size_t>(r);
-    std::vector<float> buffer(max_count);
-    for (const Size& z : sizes) {
-      const std::span<float> buf(buffer.data(), z.count);
-      const std::span<const float> want(expected.data(), z.count);
-      if (r == 0) s.fill_expected(std::span<float>(expected.data(), z.count));
-      sync.arrive_and_wait();  // expected is written
-      std::int64_t bad = 0;
-      for (int it = 0; it < z.warmup + z.iters; ++it) {
-        s.prepare(r, buf);
-        sync.arrive_and_wait();
-        const double seconds = s.call(r, comm, buf);
-        if (it >= z.warmup) times[ru][static_cast<std::size_t>(it - z.warmup)] = seconds;
-        bad += count_wrong(buf, want);
-      }
-      wrong[ru] = bad;
-      sync.arrive_and_wait();  // every rank's times and #wrong are in
-      if (r != 0) continue;
-      std::vector<double> per_call(static_cast<std::size_t>(z.iters), 0.0);
-      for (std::size_t k = 0; k < per_call.size(); ++k)
-        for (std::size_t q = 0; q < n; ++q) per_call[k] = std::max(per_call[k], times[q][k]);
-      CollectiveRow row;
-      row.op = s.op;
-      row.ranks = s.ranks;
-      row.bytes = z.bytes;
-      row.count = z.count;
-      row.type = s.type;
-      row.redop = s.redop;
-      // A call shorter than the clock's tick would read 0: never report less than 1 ns.
-      const double t = std::max(median(std::move(per_call)), 1e-9);
-      row.time_us = t * 1e6;
-      row.algbw_gbps = static_cast<double>(z.bytes) / t / 1e9;
-      row.busbw_gbps = row.algbw_gbps * s.bus_factor;
-      row.wrong = std::accumulate(wrong.begin(), wrong.end(), std::int64_t{0});
-      row.warmup_iters = z.warmup;
-      row.iters = z.iters;
-      out.rows.push_back(row);
-      if (o.on_row) o.on_row(out.rows.back());
-    }
-  });
-}
-
-void validate(const CommBenchOptions& o) {
-  auto bad = [](const std::string& what) { throw std::invalid_argument("calibrate: " + what); };
-  if (o.min_bytes < 4)
-    bad(fmt::format("min_bytes must be at least 4 (one float element), got {}", o.min_bytes));
-  if (o.max_bytes < o.min_bytes)
-    bad(fmt::format("max_bytes ({}) must be at least min_bytes ({})", o.max_bytes, o.min_bytes));
-  if (o.iters < 1) bad(fmt::format("iters must be at least 1, got {}", o.iters));
-  if (o.warmup_iters < 0) bad(fmt::format("warmup_iters must be 0 or more, got {}", o.warmup_iters));
-  (void)significand_bits(o.wire);  // rejects fp8
-  std::set<int> seen;
-  for (int n : o.group_sizes) {
-    if (n < 2) bad(fmt::format("group size {} in group_sizes: an all_reduce benchmark needs at least 2 ranks", n));
-    if (!seen.insert(n).second) bad(fmt::format("group size {} appears twice in group_sizes", n));
-    (void)pattern_for(n, o.wire);  // too many ranks to check exactly in this wire format
-  }
-  if (o.redops.empty() && !o.group_sizes.empty()) bad("redops is empty: give at least one of sum, max");
-  std::set<ReduceOp> ops;
-  for (ReduceOp op : o.redops)
-    if (!ops.insert(op).second) bad("redops lists the same op twice");
-}
-
-Section sendrecv_section() {
-  Section s;
+CommSection sendrecv_section(const CommBenchOptions& o) {
+  CommSection s;
   s.op = "sendrecv";
   s.type = "float";  // send/recv carry floats whatever the all_reduce wire format
   s.redop = "none";
   s.ranks = 2;
-  s.element_bytes = sizeof(float);
+  s.wire = DType::fp32;
   s.bus_factor = 1;
+  set_sizes(s, o);
   s.fill_expected = [](std::span<float> e) { fill(e, 1.0f, kPeriod); };
   s.prepare = [](int r, std::span<float> buf) {
     if (r == 0)
@@ -255,44 +116,28 @@ Section sendrecv_section() {
     else
       std::fill(buf.begin(), buf.end(), std::numeric_limits<float>::quiet_NaN());  // a recv that writes nothing shows
   };
-  s.call = [](int r, Communicator& comm, std::span<float> buf) {
-    const auto t0 = Clock::now();
-    if (r == 0) {
-      comm.send(1, kTag, buf);
-      comm.recv(1, kTag, buf);
-    } else {
-      comm.recv(0, kTag, buf);
-      comm.send(0, kTag, buf);  // echo what arrived: a corrupted message is counted on both ranks
-    }
-    const auto t1 = Clock::now();
-    return r == 0 ? std::chrono::duration<double>(t1 - t0).count() / 2 : -1.0;
-  };
   return s;
 }
 
-Section all_reduce_section(int n, ReduceOp op, DType wire) {
-  Section s;
+CommSection all_reduce_section(const CommBenchOptions& o, int n, ReduceOp op) {
+  CommSection s;
   s.op = "all_reduce";
-  s.type = nccl_type_name(wire);
+  s.type = nccl_type_name(o.wire);
   s.redop = op == ReduceOp::sum ? "sum" : "max";
   s.ranks = n;
-  s.element_bytes = static_cast<std::size_t>(dtype_bytes(wire));
+  s.members.resize(static_cast<std::size_t>(n));
+  std::iota(s.members.begin(), s.members.end(), 0);
+  s.reduce = op;
+  s.wire = o.wire;
   s.bus_factor = 2.0 * (n - 1) / n;
-  const Pattern p = pattern_for(n, wire);
+  set_sizes(s, o);
+  const Pattern p = pattern_for(n, o.wire);
   const float total = std::accumulate(p.weight.begin(), p.weight.end(), 0.0f);  // exact: small integers
   const float largest = *std::max_element(p.weight.begin(), p.weight.end());
   s.fill_expected = [p, op, total, largest](std::span<float> e) {
     fill(e, op == ReduceOp::sum ? total : largest, p.period);
   };
   s.prepare = [p](int r, std::span<float> buf) { fill(buf, p.weight[static_cast<std::size_t>(r)], p.period); };
-  std::vector<int> members(static_cast<std::size_t>(n));
-  std::iota(members.begin(), members.end(), 0);
-  s.call = [members, op, wire](int, Communicator& comm, std::span<float> buf) {
-    const auto t0 = Clock::now();
-    comm.all_reduce(buf, members, kTag, op, wire, Divide::none);
-    const auto t1 = Clock::now();
-    return std::chrono::duration<double>(t1 - t0).count();
-  };
   return s;
 }
 
@@ -388,22 +233,167 @@ LinkFit fit_latency_bandwidth(const std::vector<std::pair<double, double>>& byte
   return LinkFit{a * 1e6, 1.0 / b / 1e9};
 }
 
-CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
+CommBenchOptions checked_comm_options(const CommBenchOptions& options, std::span<const DType> wires,
+                                      const std::string& transport, int max_ranks) {
   CommBenchOptions o = options;
   if (o.group_sizes.empty()) o.group_sizes = {2};
-  validate(o);
-
-  CommBenchResult result;
-  if (o.sendrecv) {
-    run_section(sendrecv_section(), o, result);
-    result.p2p = fit_rows(result.rows, [](const CollectiveRow& r) { return r.op == "sendrecv"; }, 1.0);
+  auto bad = [](const std::string& what) { throw std::invalid_argument("calibrate: " + what); };
+  if (std::find(wires.begin(), wires.end(), o.wire) == wires.end()) {
+    std::string accepted;
+    for (DType w : wires) accepted += (accepted.empty() ? "" : ", ") + std::string(dtype_name(w));
+    bad(fmt::format("wire {} is not a format {} moves; accepted: {}", dtype_name(o.wire), transport, accepted));
   }
+  if (o.min_bytes < 4) bad(fmt::format("min_bytes must be at least 4 (one float element), got {}", o.min_bytes));
+  if (o.max_bytes < o.min_bytes)
+    bad(fmt::format("max_bytes ({}) must be at least min_bytes ({})", o.max_bytes, o.min_bytes));
+  if (o.iters < 1) bad(fmt::format("iters must be at least 1, got {}", o.iters));
+  if (o.warmup_iters < 0) bad(fmt::format("warmup_iters must be 0 or more, got {}", o.warmup_iters));
+  std::set<int> seen;
   for (int n : o.group_sizes) {
-    for (ReduceOp op : o.redops) run_section(all_reduce_section(n, op, o.wire), o, result);
-    result.allreduce[n] = fit_rows(
-        result.rows, [n](const CollectiveRow& r) { return r.op == "all_reduce" && r.ranks == n; },
-        2.0 * (n - 1) / n);
+    if (n < 2) bad(fmt::format("group size {} in group_sizes: an all_reduce benchmark needs at least 2 ranks", n));
+    if (max_ranks > 0 && n > max_ranks)
+      bad(fmt::format("group size {} in group_sizes: {} reduces over at most {} ranks", n, transport, max_ranks));
+    if (!seen.insert(n).second) bad(fmt::format("group size {} appears twice in group_sizes", n));
+    (void)pattern_for(n, o.wire);  // too many ranks to check exactly in this wire format
   }
+  if (o.redops.empty() && !o.group_sizes.empty()) bad("redops is empty: give at least one of sum, max");
+  std::set<ReduceOp> ops;
+  for (ReduceOp op : o.redops)
+    if (!ops.insert(op).second) bad("redops lists the same op twice");
+  return o;
+}
+
+std::vector<CommSection> comm_sections(const CommBenchOptions& options) {
+  std::vector<CommSection> sections;
+  if (options.sendrecv) sections.push_back(sendrecv_section(options));
+  for (int n : options.group_sizes)
+    for (ReduceOp op : options.redops) sections.push_back(all_reduce_section(options, n, op));
+  return sections;
+}
+
+void run_comm_section(const CommSection& s, const CommBenchOptions& options, CommBenchResult& out,
+                      const std::function<void(int, const std::function<void(const CommRankCalls&)>&)>& rank,
+                      const std::function<void(int, const std::string&)>& abort) {
+  const auto n = static_cast<std::size_t>(s.ranks);
+  std::vector<float> expected(s.max_count);
+  std::vector<std::vector<double>> times(n, std::vector<double>(static_cast<std::size_t>(s.max_iters)));
+  std::vector<std::int64_t> wrong(n);
+  std::barrier<> sync(s.ranks);
+
+  // Rank r's calls of every size; rank 0 finishes the rows.
+  const auto measure = [&](int r, const CommRankCalls& calls) {
+    const auto ru = static_cast<std::size_t>(r);
+    for (const CommSize& z : s.sizes) {
+      const std::span<float> buf = calls.host.first(z.count);
+      const std::span<const float> want(expected.data(), z.count);
+      if (r == 0) s.fill_expected(std::span<float>(expected.data(), z.count));
+      sync.arrive_and_wait();  // expected is written
+      std::int64_t bad = 0;
+      for (int it = 0; it < z.warmup + z.iters; ++it) {
+        s.prepare(r, buf);
+        if (calls.load) calls.load(z.count);
+        sync.arrive_and_wait();
+        const double seconds = calls.call(z.count);
+        if (it >= z.warmup) times[ru][static_cast<std::size_t>(it - z.warmup)] = seconds;
+        bad += count_wrong(buf, want);
+      }
+      wrong[ru] = bad;
+      sync.arrive_and_wait();  // every rank's times and #wrong are in
+      if (r != 0) continue;
+      std::vector<double> per_call(static_cast<std::size_t>(z.iters), 0.0);
+      for (std::size_t k = 0; k < per_call.size(); ++k)
+        for (std::size_t q = 0; q < n; ++q) per_call[k] = std::max(per_call[k], times[q][k]);
+      // A call shorter than the clock's tick would read 0: never report less than 1 ns.
+      const double t = std::max(median(std::move(per_call)), 1e-9);
+      const double algbw = static_cast<double>(z.bytes) / t / 1e9;
+      out.rows.push_back(CollectiveRow{.op = s.op, .ranks = s.ranks, .bytes = z.bytes, .count = z.count,
+                                       .type = s.type, .redop = s.redop, .time_us = t * 1e6, .algbw_gbps = algbw,
+                                       .busbw_gbps = algbw * s.bus_factor,
+                                       .wrong = std::accumulate(wrong.begin(), wrong.end(), std::int64_t{0}),
+                                       .warmup_iters = z.warmup, .iters = z.iters});
+      if (options.on_row) options.on_row(out.rows.back());
+    }
+  };
+
+  std::mutex error_mu;
+  std::exception_ptr first_error;
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < s.ranks; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          rank(r, [&](const CommRankCalls& calls) { measure(r, calls); });
+        } catch (...) {
+          std::string what = "unknown error";
+          try {
+            throw;
+          } catch (const std::exception& e) {
+            what = e.what();
+          } catch (...) {
+          }
+          {
+            std::lock_guard lock(error_mu);
+            if (!first_error) first_error = std::current_exception();
+          }
+          abort(r, fmt::format("calibrate: rank {} failed: {}", r, what));
+          sync.arrive_and_drop();
+        }
+      });
+  }
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+void fit_comm_rows(CommBenchResult& r) {
+  r.p2p = fit_rows(r.rows, [](const CollectiveRow& row) { return row.op == "sendrecv"; }, 1.0);
+  r.allreduce.clear();
+  for (const CollectiveRow& row : r.rows) {
+    const int n = row.ranks;
+    if (row.op != "all_reduce" || r.allreduce.contains(n)) continue;
+    r.allreduce[n] = fit_rows(
+        r.rows, [n](const CollectiveRow& q) { return q.op == "all_reduce" && q.ranks == n; }, 2.0 * (n - 1) / n);
+  }
+}
+
+CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
+  static constexpr DType kWires[] = {DType::fp32, DType::tf32, DType::fp16, DType::bf16};
+  const CommBenchOptions o = checked_comm_options(options, kWires, "the in-process communicator");
+  CommBenchResult result;
+  for (const CommSection& s : comm_sections(o)) {
+    InProcessWorld world(s.ranks, kTimeout);
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int r = 0; r < s.ranks; ++r) comms.push_back(world.communicator(r));
+    const auto rank = [&](int r, const std::function<void(const CommRankCalls&)>& measure) {
+      Communicator& comm = *comms[static_cast<std::size_t>(r)];
+      // Rank r on core r, as the executor pins a rank's threads, when the cores suffice.
+      if (s.ranks <= static_cast<int>(std::thread::hardware_concurrency())) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      }
+      std::vector<float> buffer(s.max_count);
+      const auto call = [&](std::size_t count) {
+        const std::span<float> buf(buffer.data(), count);
+        const auto t0 = Clock::now();
+        if (s.op == "all_reduce") {
+          comm.all_reduce(buf, s.members, kTag, s.reduce, s.wire, Divide::none);
+          return std::chrono::duration<double>(Clock::now() - t0).count();
+        }
+        if (r == 0) {
+          comm.send(1, kTag, buf);
+          comm.recv(1, kTag, buf);
+          return std::chrono::duration<double>(Clock::now() - t0).count() / 2;  // round trip / 2
+        }
+        comm.recv(0, kTag, buf);
+        comm.send(0, kTag, buf);  // echo what arrived: a corrupted message is counted on both ranks
+        return -1.0;              // only rank 0 sees the round trip
+      };
+      measure(CommRankCalls{buffer, {}, call});
+    };
+    run_comm_section(s, o, result, rank,
+                     [&](int r, const std::string& why) { comms[static_cast<std::size_t>(r)]->abort(why); });
+  }
+  fit_comm_rows(result);
   return result;
 }
 

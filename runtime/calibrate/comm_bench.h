@@ -108,6 +108,84 @@ std::int64_t count_wrong(std::span<const float> got, std::span<const float> expe
 // nccl-tests' name for the element type on the wire: "float", "tf32", "half", "bfloat16".
 std::string nccl_type_name(DType wire);
 
+// ---------------------------------------------------------------------------------------
+// The benchmark over any transport. bench_in_process_comm is these pieces over the in-process
+// world; the CUDA backend's bench_device_world_comm (runtime/cuda/calibrate_cuda.h) is them over
+// the single-GPU world. A transport keeps only what is its own: the world, the ranks' threads
+// and buffers, the calls, their timing and the data's way to and from the host.
+// ---------------------------------------------------------------------------------------
+
+// `options` checked for a transport, with group_sizes defaulted to {2}. Throws
+// std::invalid_argument, saying which field and what is accepted, for a wire format not in
+// `wires` ("calibrate: wire <w> is not a format <transport> moves; accepted: ..."), sizes below
+// one float element or reversed, iters < 1, warmup_iters < 0, a group size below 2, above
+// `max_ranks` (when positive: "<transport> reduces over at most <max_ranks> ranks"), repeated,
+// or too large to check exactly in the wire format, and empty or repeated redops.
+CommBenchOptions checked_comm_options(const CommBenchOptions& options, std::span<const DType> wires,
+                                      const std::string& transport, int max_ranks = 0);
+
+struct CommSize {                 // one row's size and calls (see CommBenchOptions::iters)
+  std::size_t bytes = 0, count = 0;
+  int warmup = 0, iters = 0;
+};
+
+// One section of the table: an op on a world of `ranks`, one row per size, with the exact
+// contributions and expected result (the top of this file). A transport runs the op itself:
+//  * "sendrecv": rank 0 sends its buffer to rank 1 and receives it back, rank 1 receives and
+//    echoes it; rank 0's time is the round trip / 2, rank 1's does not count;
+//  * "all_reduce": in place over `members` (0..ranks-1) with `reduce`, rounding to `wire`.
+struct CommSection {
+  std::string op, type, redop;   // the rows' columns
+  int ranks = 0;
+  std::vector<int> members;      // all_reduce: every rank
+  ReduceOp reduce = ReduceOp::sum;
+  DType wire = DType::fp32;      // a call's format on the wire: bytes = count * dtype_bytes(wire)
+  double bus_factor = 1;         // busbw = algbw * bus_factor
+  std::vector<CommSize> sizes;   // ascending
+  std::size_t max_count = 0;     // the largest count and iters of `sizes`
+  int max_iters = 0;
+  // The result every rank must hold after a call, as host floats.
+  std::function<void(std::span<float>)> fill_expected;
+  // Before each call (not timed): what rank r's buffer holds going in (sendrecv's rank 1: NaN,
+  // so that a recv that writes nothing shows).
+  std::function<void(int, std::span<float>)> prepare;
+};
+
+// The sections of a run of `options` (as checked_comm_options returns them), in the order of
+// CommBenchResult::rows: sendrecv when options.sendrecv, then all_reduce per group size per op.
+std::vector<CommSection> comm_sections(const CommBenchOptions& options);
+
+// One rank's end of a transport in a section, as run_comm_section drives it.
+struct CommRankCalls {
+  // Each call's input (written by the section's prepare) and, after the call, its output
+  // (checked against the expected result): at least the section's max_count elements.
+  std::span<float> host;
+  // Moves host's first `count` elements to where the call reads them; not timed, before the
+  // ranks meet for the call. Empty when the call works on `host` itself.
+  std::function<void(std::size_t count)> load;
+  // One call of the section's op on `count` elements, timed inside, leaving its result in
+  // host's first `count` elements. Returns this rank's seconds, or a negative number if this
+  // rank's time does not count.
+  std::function<double(std::size_t count)> call;
+};
+
+// Runs section `s` on one thread per rank and appends its rows to out.rows (calling
+// options.on_row for each, on rank 0's thread). rank(r, measure) runs on rank r's thread: it
+// sets the rank up (pinning, current device, buffers) and calls measure once with the rank's
+// calls, which makes every call of every size. Before each call every rank prepares its
+// buffer and loads it, then all meet at a barrier; every call's output (warm-ups included) is
+// checked. A row's time is the median over timed calls of the slowest rank's (at least 1 ns),
+// its #wrong the sum over ranks and calls. The first failure on a rank calls abort(r, message)
+// (the transport aborts its world, so ranks blocked in a call throw instead of waiting) and
+// drops that rank from the barrier; it is rethrown once every thread has ended.
+void run_comm_section(const CommSection& s, const CommBenchOptions& options, CommBenchResult& out,
+                      const std::function<void(int, const std::function<void(const CommRankCalls&)>&)>& rank,
+                      const std::function<void(int, const std::string&)>& abort);
+
+// Fits `r`'s rows: p2p from the sendrecv rows, allreduce[n] from the all_reduce rows of n
+// ranks (bus bytes); a fit of fewer than two sizes stays zero.
+void fit_comm_rows(CommBenchResult& r);
+
 // The table, as nccl-tests prints it: per op and group size a title line, the header
 //   #       size         count      type   redop     time(us)  algbw(GB/s)  busbw(GB/s)  #wrong
 // one line per row (8 whitespace-separated columns), the fitted latency and bandwidth, and

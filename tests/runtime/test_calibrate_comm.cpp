@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
 
 namespace trainsim::runtime {
@@ -257,6 +258,116 @@ TEST(CalibrateCommBench, RejectsOptionsItCannotRun) {
     FAIL() << "group size 1 accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("group size 1"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The pieces a transport's benchmark is made of (the CUDA backend's runs on them too)
+// ---------------------------------------------------------------------------------------
+
+TEST(CalibrateCommPieces, CheckedOptionsNameTheTransportAndItsLimits) {
+  const DType wires[] = {DType::fp32, DType::bf16};
+  CommBenchOptions o = small_options();
+  o.group_sizes.clear();
+  EXPECT_EQ(checked_comm_options(o, wires, "the test world").group_sizes, std::vector<int>{2});
+  auto message = [&](auto edit, int max_ranks) {
+    CommBenchOptions bad = small_options();
+    edit(bad);
+    try {
+      checked_comm_options(bad, wires, "the test world", max_ranks);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(message([](CommBenchOptions& b) { b.wire = DType::fp16; }, 0),
+            "calibrate: wire fp16 is not a format the test world moves; accepted: fp32, bf16");
+  EXPECT_EQ(message([](CommBenchOptions& b) { b.group_sizes = {2, 5}; }, 4),
+            "calibrate: group size 5 in group_sizes: the test world reduces over at most 4 ranks");
+  EXPECT_EQ(message([](CommBenchOptions& b) { b.group_sizes = {2, 5}; }, 0), "accepted");
+}
+
+TEST(CalibrateCommPieces, SectionsHoldExactContributionsInTheRowsOrder) {
+  for (DType wire : {DType::fp32, DType::tf32, DType::fp16, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(wire));
+    CommBenchOptions o = small_options();
+    o.wire = wire;
+    o.group_sizes = {2, 3, wire == DType::bf16 ? 100 : 1000};
+    o.redops = {ReduceOp::sum, ReduceOp::max};
+    const std::vector<CommSection> sections = comm_sections(checked_comm_options(o, std::vector<DType>{wire}, "w"));
+    ASSERT_EQ(sections.size(), 1u + 3u * 2u);
+    EXPECT_EQ(sections[0].op, "sendrecv");
+    for (const CommSection& s : sections) {
+      SCOPED_TRACE(s.op + " " + s.redop + " ranks " + std::to_string(s.ranks));
+      ASSERT_FALSE(s.sizes.empty());
+      EXPECT_EQ(s.sizes.front().bytes, o.min_bytes);
+      EXPECT_EQ(s.max_count, s.sizes.back().count);
+      const std::size_t count = 64;
+      std::vector<float> expected(count), reduced(count), in(count);
+      s.fill_expected(expected);
+      if (s.op == "sendrecv") {
+        s.prepare(0, in);
+        EXPECT_EQ(count_wrong(in, expected), 0);
+        s.prepare(1, in);
+        EXPECT_TRUE(std::all_of(in.begin(), in.end(), [](float x) { return std::isnan(x); }));
+        continue;
+      }
+      EXPECT_EQ(s.members.size(), std::size_t(s.ranks));
+      EXPECT_EQ(s.sizes.front().count * std::size_t(dtype_bytes(wire)), s.sizes.front().bytes);
+      // Every partial sum a ring forms is an integer the wire holds exactly.
+      const double limit = std::ldexp(1.0, wire == DType::fp32 ? 24 : wire == DType::bf16 ? 8 : 11);
+      for (int r = 0; r < s.ranks; ++r) {
+        s.prepare(r, in);
+        for (std::size_t i = 0; i < count; ++i)
+          reduced[i] = r == 0 ? in[i] : s.reduce == ReduceOp::sum ? reduced[i] + in[i] : std::max(reduced[i], in[i]);
+      }
+      EXPECT_EQ(count_wrong(reduced, expected), 0);
+      EXPECT_LE(*std::max_element(reduced.begin(), reduced.end()), limit);
+    }
+  }
+}
+
+TEST(CalibrateCommPieces, FitsComeFromTheRowsOfEachSection) {
+  CommBenchResult r;
+  for (double bytes = 8; bytes <= 1024; bytes *= 2) {
+    r.rows.push_back(CollectiveRow{.op = "sendrecv", .ranks = 2, .bytes = std::size_t(bytes),
+                                   .time_us = (2e-6 + bytes / 4e9) * 1e6});
+    r.rows.push_back(CollectiveRow{.op = "all_reduce", .ranks = 4, .bytes = std::size_t(bytes),
+                                   .time_us = (3e-6 + bytes * 1.5 / 8e9) * 1e6});
+  }
+  r.rows.push_back(CollectiveRow{.op = "all_reduce", .ranks = 3, .bytes = 8, .time_us = 1});
+  fit_comm_rows(r);
+  EXPECT_NEAR(r.p2p.latency_us, 2.0, 1e-6);
+  EXPECT_NEAR(r.p2p.bandwidth_gbps, 4.0, 1e-6);
+  ASSERT_EQ(r.allreduce.size(), 2u);
+  EXPECT_NEAR(r.allreduce.at(4).latency_us, 3.0, 1e-6);
+  EXPECT_NEAR(r.allreduce.at(4).bandwidth_gbps, 8.0, 1e-6);  // bus bandwidth: bytes * 2(n-1)/n
+  EXPECT_EQ(r.allreduce.at(3).bandwidth_gbps, 0.0);           // one size: not fitted
+}
+
+TEST(CalibrateCommPieces, AProfileTakesTheFitsAndSumTablesAndRefusesWrongRows) {
+  CommBenchResult r;
+  r.rows = {CollectiveRow{.op = "sendrecv", .ranks = 2, .bytes = 8, .redop = "none", .time_us = 2},
+            CollectiveRow{.op = "all_reduce", .ranks = 3, .bytes = 8, .redop = "sum", .time_us = 5},
+            CollectiveRow{.op = "all_reduce", .ranks = 3, .bytes = 8, .redop = "max", .time_us = 6}};
+  r.p2p = LinkFit{1, 2};
+  r.allreduce[3] = LinkFit{3, 4};
+  HardwareProfile p;
+  apply_comm_bench(p, r);
+  EXPECT_EQ(p.p2p.bandwidth_gbps, 2);
+  EXPECT_EQ(p.allreduce.at(3).latency_us, 3);
+  ASSERT_EQ(p.p2p_table.rows.size(), 1u);
+  EXPECT_DOUBLE_EQ(p.p2p_table.rows[0].second, 2e-6);
+  ASSERT_EQ(p.allreduce_tables.at(3).rows.size(), 1u);  // sum only
+  EXPECT_DOUBLE_EQ(p.allreduce_tables.at(3).rows[0].second, 5e-6);
+  r.rows[2].wrong = 7;
+  try {
+    HardwareProfile q;
+    apply_comm_bench(q, r, " on the test world");
+    FAIL() << "wrong elements accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "calibrate: all_reduce of 8 bytes over 3 ranks on the test world gave 7 wrong elements");
   }
 }
 

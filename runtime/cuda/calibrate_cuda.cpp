@@ -1,0 +1,671 @@
+// `trainsim calibrate --backend cuda` (calibrate_cuda.h): runtime/calibrate/calibrate.cpp's
+// method on the device. Each kernel of the inventory is timed through the launches the CUDA
+// stage model (stage_model_cuda.cpp) or the CUDA executor's optimizer step (executor_cuda.cpp)
+// make for that piece of work, so those files are the reference for every launch here.
+#include "runtime/cuda/calibrate_cuda.h"
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <ctime>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/kernel_inventory.h"
+#include "core/median.h"
+#include "kernels/device_buffer.h"
+#include "kernels/device_info.h"
+#include "kernels/gemm.h"
+#include "kernels/kernels.h"
+#include "runtime/cuda/stage_model_cuda.h"
+#include "runtime/cuda/stream_ops.h"
+#include "runtime/exec/step_common.h"
+
+namespace trainsim::runtime::cuda {
+
+namespace k = ::trainsim::cuda;  // the kernels (not this namespace)
+using k::DeviceBuffer;
+
+namespace {
+
+bool stored_by_kernels(DType t) { return t == DType::fp32 || t == DType::fp16 || t == DType::bf16; }
+
+// The formats the plan asks the kernels to store, refused before any device work.
+void check_formats(const Plan& plan) {
+  const auto& pr = plan.config.precision;
+  for (const auto& [field, t] : {std::pair{"compute", pr.compute}, std::pair{"grad_accumulation", pr.grad_accumulation},
+                                 std::pair{"master_weights", pr.master_weights}})
+    if (!stored_by_kernels(t))
+      throw std::invalid_argument(fmt::format("calibrate --backend cuda: precision.{} is {}; the CUDA kernels store "
+                                              "fp32, fp16 or bf16",
+                                              field, dtype_name(t)));
+}
+
+CudaDevice find_device(int device) {
+  const CudaInventory inventory = query_cuda_devices();
+  if (inventory.devices.empty()) throw std::runtime_error("calibrate --backend cuda needs a GPU: " + inventory.error);
+  for (const CudaDevice& d : inventory.devices)
+    if (d.index == device) return d;
+  throw std::runtime_error(fmt::format("calibrate --backend cuda: there is no CUDA device {} ({} found)", device,
+                                       inventory.devices.size()));
+}
+
+// Runs `body` on a new host thread with `rank`'s context current, so the caller's thread keeps
+// its own; rethrows what it throws.
+template <class F>
+void on_rank_thread(const SmPartition& partition, int rank, F&& body) {
+  on_own_thread([&] {
+    partition.make_current(rank);
+    body();
+  });
+}
+
+// `values` stored into `dst` in format `dt` on `stream` (through an fp32 copy and kernels.h
+// cast when dt is narrower); waits for the stream.
+void upload(void* dst, DType dt, const std::vector<float>& values, void* stream) {
+  if (values.empty()) return;
+  const std::size_t bytes = values.size() * sizeof(float);
+  if (dt == DType::fp32) {
+    copy_host_to_device(dst, values.data(), bytes, stream);
+  } else {
+    const DeviceBuffer wide(bytes);
+    copy_host_to_device(wide.data(), values.data(), bytes, stream);
+    k::cast(dst, dt, wide.data(), DType::fp32, values.size(), stream);
+  }
+  synchronize(stream);
+}
+
+std::vector<float> normal_floats(std::size_t n, std::mt19937& rng, float scale) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+const void* at(const void* base, std::size_t i, std::size_t bytes) {
+  return static_cast<const char*>(base) + i * bytes;
+}
+void* at(void* base, std::size_t i, std::size_t bytes) { return static_cast<char*>(base) + i * bytes; }
+
+// Times one kernel of the inventory with the launches the CUDA backend makes for it, on one
+// stream (rank 0's compute stream; its context current when created and used).
+class KernelTimer {
+ public:
+  KernelTimer(const RuntimePlan& plan, void* stream) : plan_(plan), stream_(stream), gemm_(stream), rng_(12345) {
+    const ModelDims& d = plan.dims;
+    const auto& pr = plan.plan.config.precision;
+    B_ = plan.plan.micro_batch_size;
+    T_ = d.seq_length;
+    C_ = d.hidden_size;
+    V_ = d.vocab_size;
+    dt_ = pr.compute;
+    gacc_ = pr.grad_accumulation;
+    master_ = pr.master_weights;
+    eb_ = static_cast<std::size_t>(dtype_bytes(dt_));
+    // CudaStageModel's fast_grads: weight gradients go straight into the fp32 accumulation buffer.
+    fast_grads_ = dt_ == DType::fp32 && gacc_ == DType::fp32;
+  }
+
+  // A call that queues the backend's launches for `w` once, on device buffers of fresh random
+  // values owned by this timer; empty for work the device does not do (`round`, and `commit`
+  // when products accumulate straight into the fp32 buffer).
+  std::function<void()> launcher(const KernelWork& w) {
+    const std::string& kn = w.kernel;
+    const KernelShape& s = w.shape;
+    void* const S = stream_;
+    const DType dt = dt_;
+    if (kn == "linear.forward") {  // y (m, n) = x (m, k) w^T (n, k) + b
+      const int m = static_cast<int>(s.m), n = static_cast<int>(s.n), kk = static_cast<int>(s.k);
+      // The head's logits product has no bias (stage_model_cuda.cpp forward).
+      const bool bias = !(s.n == V_ && s.k == C_);
+      void* x = random(s.m * s.k, dt);
+      void* wt = random(s.n * s.k, dt);
+      const void* b = bias ? random(s.n, dt) : nullptr;
+      void* y = output(s.m * s.n, dt);
+      return [=, this] { k::linear_forward(gemm_, y, x, wt, b, m, kk, n, dt); };
+    }
+    if (kn == "linear.backward_input") {  // dx (N, in) = dy (N, out) W (out, in): m = N, n = in, k = out
+      const int m = static_cast<int>(s.m), n = static_cast<int>(s.n), kk = static_cast<int>(s.k);
+      void* dy = random(s.m * s.k, dt);
+      void* wt = random(s.k * s.n, dt);
+      void* dx = output(s.m * s.n, dt);
+      return [=, this] { k::linear_backward_input(gemm_, dx, dy, wt, m, n, kk, dt); };
+    }
+    if (kn == "linear.backward_weight") {  // dW (out, in) = dy^T x: m = out, n = in, k = N
+      // CudaStageModel::Impl::wgrad_linear without its commit (the inventory's `commit`).
+      const int out = static_cast<int>(s.m), in = static_cast<int>(s.n), rows = static_cast<int>(s.k);
+      const bool bias = !(s.m == V_ && s.n == C_);  // the head's product has none
+      void* dy = random(s.k * s.m, dt);
+      void* x = random(s.k * s.n, dt);
+      const bool fast = fast_grads_;
+      void* dw = fast ? random(s.m * s.n, DType::fp32) : output(s.m * s.n, DType::fp32);
+      auto* db = static_cast<float*>(bias ? random(s.m, DType::fp32) : nullptr);
+      return [=, this] {
+        k::linear_backward_weight(gemm_, dw, DType::fp32, dy, x, rows, in, out, dt, fast);
+        if (!bias) return;
+        if (!fast) fill_zero(db, static_cast<std::size_t>(out) * sizeof(float), S);
+        k::bias_backward(db, dy, rows, out, dt, S);
+      };
+    }
+    if (kn == "attention.forward" || kn == "attention.backward") return attention(w);
+
+    const std::size_t n = static_cast<std::size_t>(s.elements);
+    const int rows = static_cast<int>(n / static_cast<std::size_t>(C_));
+    const int C = C_;
+    if (kn == "layernorm.forward" || kn == "layernorm.backward_input" || kn == "layernorm.backward_weight") {
+      void* x = random(n, dt);
+      void* g = random(C_, dt);
+      void* b = random(C_, dt);
+      void* out = output(n, dt);
+      auto* mean = static_cast<float*>(output(rows, DType::fp32));
+      auto* rstd = static_cast<float*>(output(rows, DType::fp32));
+      k::layernorm_forward(out, mean, rstd, x, g, b, rows, C, dt, S);  // the statistics the backward reads
+      if (kn == "layernorm.forward") return [=] { k::layernorm_forward(out, mean, rstd, x, g, b, rows, C, dt, S); };
+      void* dout = random(n, dt);
+      if (kn == "layernorm.backward_input") {
+        void* dres = random(n, dt);  // a block's residual gradient, added in
+        return [=] { k::layernorm_backward_input(out, dout, x, mean, rstd, g, dres, rows, C, dt, S); };
+      }
+      // CudaStageModel::Impl::wgrad_layernorm without its commits.
+      const bool fast = fast_grads_;
+      auto* dg = static_cast<float*>(random(C_, DType::fp32));
+      auto* db = static_cast<float*>(random(C_, DType::fp32));
+      return [=] {
+        if (!fast) {
+          fill_zero(dg, static_cast<std::size_t>(C) * sizeof(float), S);
+          fill_zero(db, static_cast<std::size_t>(C) * sizeof(float), S);
+        }
+        k::layernorm_backward_weight(dg, db, dout, x, mean, rstd, rows, C, dt, S);
+      };
+    }
+    if (kn == "gelu.forward") {
+      void* x = random(n, dt);
+      void* y = output(n, dt);
+      return [=] { k::gelu_forward(y, x, n, dt, S); };
+    }
+    if (kn == "gelu.backward") {
+      void* x = random(n, dt);
+      void* dy = random(n, dt);
+      void* dx = output(n, dt);
+      return [=] { k::gelu_backward(dx, x, dy, n, dt, S); };
+    }
+    if (kn == "residual") {
+      void* a = random(n, dt);
+      void* b = random(n, dt);
+      void* y = output(n, dt);
+      return [=] { k::residual_add(y, a, b, n, dt, S); };
+    }
+    if (kn == "copy") {  // a received activation or gradient into the stage's own buffer
+      void* a = random(n, dt);
+      void* y = output(n, dt);
+      const std::size_t bytes = n * eb_;
+      return [=] { copy_device_to_device(y, a, bytes, S); };
+    }
+    if (kn == "round") return {};
+    if (kn == "embedding.forward" || kn == "embedding.backward") {
+      const int b = std::max(1, rows / T_), T = T_, V = V_;
+      const std::vector<std::int32_t>& host = tokens(static_cast<std::size_t>(b) * T);
+      auto* ids = static_cast<std::int32_t*>(device_bytes(host.size() * sizeof(std::int32_t)));
+      copy_host_to_device(ids, host.data(), host.size() * sizeof(std::int32_t), S);
+      if (kn == "embedding.forward") {
+        void* wte = random(static_cast<std::size_t>(V) * C, dt);
+        void* wpe = random(static_cast<std::size_t>(T) * C, dt);
+        void* out = output(n, dt);
+        const std::int32_t* from = host.data();
+        const std::size_t bytes = host.size() * sizeof(std::int32_t);
+        return [=] {
+          copy_host_to_device(ids, from, bytes, S);  // the stage model uploads each micro-batch's tokens
+          k::embedding_forward(out, ids, wte, wpe, b, T, C, V, dt, S);
+        };
+      }
+      // CudaStageModel::Impl::wgrad_embedding without its commits.
+      void* dout = random(n, dt);
+      const bool fast = fast_grads_;
+      auto* dwte = static_cast<float*>(random(static_cast<std::size_t>(V) * C, DType::fp32));
+      auto* dwpe = static_cast<float*>(random(static_cast<std::size_t>(T) * C, DType::fp32));
+      return [=] {
+        if (!fast) {
+          fill_zero(dwte, static_cast<std::size_t>(V) * C * sizeof(float), S);
+          fill_zero(dwpe, static_cast<std::size_t>(T) * C * sizeof(float), S);
+        }
+        k::embedding_backward(dwte, dwpe, dout, ids, b, T, C, V, dt, S);
+      };
+    }
+    if (kn == "cross_entropy.forward" || kn == "cross_entropy.backward") {
+      const int rows_v = static_cast<int>(n / static_cast<std::size_t>(V_)), V = V_;
+      const std::vector<std::int32_t>& host = tokens(static_cast<std::size_t>(rows_v));
+      auto* targets = static_cast<std::int32_t*>(device_bytes(host.size() * sizeof(std::int32_t)));
+      copy_host_to_device(targets, host.data(), host.size() * sizeof(std::int32_t), S);
+      void* logits = random(n, dt);
+      auto* losses = static_cast<float*>(output(rows_v, DType::fp32));
+      auto* lse = static_cast<float*>(output(rows_v, DType::fp32));
+      k::cross_entropy_forward(losses, lse, logits, targets, rows_v, V, dt, S);  // what the backward reads
+      if (kn == "cross_entropy.forward") {
+        auto* loss_sum = static_cast<double*>(device_bytes(sizeof(double)));
+        auto* scratch = static_cast<double*>(device_bytes(k::kReductionScratchDoubles * sizeof(double)));
+        const std::int32_t* from = host.data();
+        const std::size_t bytes = host.size() * sizeof(std::int32_t);
+        return [=] {
+          copy_host_to_device(targets, from, bytes, S);  // the stage model uploads each micro-batch's targets
+          k::cross_entropy_forward(losses, lse, logits, targets, rows_v, V, dt, S);
+          k::sum(loss_sum, losses, static_cast<std::size_t>(rows_v), scratch, false, S);
+        };
+      }
+      void* dlogits = output(n, dt);
+      const float scale = 1.0f / static_cast<float>(rows_v);
+      return [=] { k::cross_entropy_backward(dlogits, logits, lse, targets, rows_v, V, scale, dt, S); };
+    }
+    if (kn == "commit") {  // CudaStageModel::Impl::commit: a micro-batch's weight gradients added in
+      if (fast_grads_) return {};
+      const DType gacc = gacc_;
+      auto* produced = static_cast<float*>(random(n, DType::fp32));
+      void* acc = random(n, gacc);
+      if (dt == DType::fp32) return [=] { k::accumulate(acc, gacc, produced, DType::fp32, n, S); };
+      void* rounded = output(n, dt);
+      return [=] {
+        k::cast(rounded, dt, produced, DType::fp32, n, S);
+        k::accumulate(acc, gacc, rounded, dt, n, S);
+      };
+    }
+    if (kn == "grad_norm") {
+      const DType gacc = gacc_;
+      void* g = random(n, gacc);
+      auto* sumsq = static_cast<double*>(device_bytes(sizeof(double)));
+      auto* scratch = static_cast<double*>(device_bytes(k::kReductionScratchDoubles * sizeof(double)));
+      return [=] { k::squared_norm(sumsq, g, n, gacc, scratch, false, S); };
+    }
+    if (kn == "adam" || kn == "sgd") return optimizer(n);
+    if (kn == "zero") {  // CudaStageModel::zero_gradients
+      const std::size_t bytes = n * static_cast<std::size_t>(dtype_bytes(gacc_));
+      void* g = output(n, gacc_);
+      return [=] { fill_zero(g, bytes, S); };
+    }
+    throw std::logic_error("calibrate --backend cuda: no device launches to time for kernel " + kn);
+  }
+
+ private:
+  // Device memory, uninitialised: what a launch only writes.
+  void* device_bytes(std::size_t bytes) { return buffers_.emplace_back(std::max<std::size_t>(bytes, 1)).data(); }
+  void* output(std::size_t n, DType dt) { return device_bytes(n * static_cast<std::size_t>(dtype_bytes(dt))); }
+  // `n` fresh normal values stored in `dt`: what a launch reads.
+  void* random(std::size_t n, DType dt, float scale = 1.0f) {
+    void* p = output(n, dt);
+    upload(p, dt, normal_floats(n, rng_, scale), stream_);
+    return p;
+  }
+  // Token ids (or targets) in [0, V), kept on the host for launchers that upload them.
+  const std::vector<std::int32_t>& tokens(std::size_t n) {
+    std::uniform_int_distribution<std::int32_t> pick(0, V_ - 1);
+    std::vector<std::int32_t>& t = host_ids_.emplace_back(n);
+    for (auto& id : t) id = pick(rng_);
+    return t;
+  }
+
+  // Attention's products and causal softmax for the whole micro-batch, as
+  // CudaStageModel::Impl::attention_forward / attention_backward launch them. The inventory
+  // counts its products per head and sample: 2 forward (QK^T, AV), 4 backward.
+  std::function<void()> attention(const KernelWork& w) {
+    const bool forward = w.kernel == "attention.forward";
+    const int B = B_, T = T_, H = static_cast<int>(w.shape.batch / (forward ? 2 : 4) / B_);
+    const int hs = static_cast<int>(w.shape.k), C = H * hs, C3 = 3 * C;
+    const long long TT = static_cast<long long>(T) * T;
+    const std::size_t eb = eb_, c = static_cast<std::size_t>(C), rows = static_cast<std::size_t>(B) * T;
+    const std::size_t scores = static_cast<std::size_t>(B) * H * static_cast<std::size_t>(TT);
+    const DType dt = dt_;
+    void* const S = stream_;
+    k::GemmContext* const gemm = &gemm_;
+    void* qkv = random(rows * 3 * c, dt);
+    void* scratch = output(scores, dt);
+    if (forward) {
+      void* probs = output(scores, dt);
+      void* att = output(rows * c, dt);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+      return [=] {
+        for (int b = 0; b < B; ++b) {
+          const void* q = at(qkv, static_cast<std::size_t>(b) * T * C3, eb);
+          void* sc = at(scratch, static_cast<std::size_t>(b) * H * TT, eb);
+          k::gemm_strided_batched(*gemm, false, true, T, T, hs, scale, q, C3, hs, at(q, c, eb), C3, hs, 0.0f, sc, T,
+                                  TT, H, dt, dt);
+        }
+        k::causal_softmax_forward(probs, scratch, B * H, T, 1.0f, dt, S);
+        for (int b = 0; b < B; ++b) {
+          const void* q = at(qkv, static_cast<std::size_t>(b) * T * C3, eb);
+          const void* p = at(probs, static_cast<std::size_t>(b) * H * TT, eb);
+          k::gemm_strided_batched(*gemm, false, false, T, hs, T, 1.0f, p, T, TT, at(q, 2 * c, eb), C3, hs, 0.0f,
+                                  at(att, static_cast<std::size_t>(b) * T * C, eb), C, hs, H, dt, dt);
+        }
+      };
+    }
+    void* probs = random(scores, dt);
+    void* dout = random(rows * c, dt);
+    void* dqkv = output(rows * 3 * c, dt);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+    return [=] {
+      for (int b = 0; b < B; ++b) {
+        const void* q = at(qkv, static_cast<std::size_t>(b) * T * C3, eb);
+        const void* dy = at(dout, static_cast<std::size_t>(b) * T * C, eb);
+        void* dp = at(scratch, static_cast<std::size_t>(b) * H * TT, eb);
+        k::gemm_strided_batched(*gemm, false, true, T, T, hs, 1.0f, dy, C, hs, at(q, 2 * c, eb), C3, hs, 0.0f, dp, T,
+                                TT, H, dt, dt);
+      }
+      k::causal_softmax_backward(scratch, probs, scratch, B * H, T, scale, dt, S);
+      for (int b = 0; b < B; ++b) {
+        const void* q = at(qkv, static_cast<std::size_t>(b) * T * C3, eb);
+        const void* p = at(probs, static_cast<std::size_t>(b) * H * TT, eb);
+        const void* ds = at(scratch, static_cast<std::size_t>(b) * H * TT, eb);
+        const void* dy = at(dout, static_cast<std::size_t>(b) * T * C, eb);
+        void* dq = at(dqkv, static_cast<std::size_t>(b) * T * C3, eb);
+        k::gemm_strided_batched(*gemm, false, false, T, hs, T, 1.0f, ds, T, TT, at(q, c, eb), C3, hs, 0.0f, dq, C3, hs,
+                                H, dt, dt);
+        k::gemm_strided_batched(*gemm, true, false, T, hs, T, 1.0f, ds, T, TT, q, C3, hs, 0.0f, at(dq, c, eb), C3, hs,
+                                H, dt, dt);
+        k::gemm_strided_batched(*gemm, true, false, T, hs, T, 1.0f, p, T, TT, dy, C, hs, 0.0f, at(dq, 2 * c, eb), C3,
+                                hs, H, dt, dt);
+      }
+    };
+  }
+
+  // The CUDA executor's update of one chunk: Adam/AdamW or SGD on the fp32 master weights, the
+  // master rounded to its format when that is not fp32, the working copy refreshed in the
+  // compute format (executor_cuda.cpp optimizer_step and round_master).
+  std::function<void()> optimizer(std::size_t n) {
+    const OptimizerSettings os = optimizer_settings(plan_.plan.config);
+    const DType dt = dt_, gacc = gacc_, master_format = master_;
+    void* const S = stream_;
+    auto* master = static_cast<float*>(random(n, DType::fp32, 0.02f));
+    void* grads = random(n, gacc, 1e-3f);
+    const std::vector<std::uint8_t> everywhere(n, 1);
+    auto* mask = static_cast<std::uint8_t*>(device_bytes(n));
+    copy_host_to_device(mask, everywhere.data(), n, S);
+    synchronize(S);
+    void* rounding = master_format == DType::fp32 ? nullptr : output(n, master_format);
+    void* working = dt == DType::fp32 ? nullptr : output(n, dt);
+    auto refresh = [=] {
+      if (rounding) {
+        k::cast(rounding, master_format, master, DType::fp32, n, S);
+        k::cast(master, DType::fp32, rounding, master_format, n, S);
+      }
+      if (working) k::cast(working, dt, master, DType::fp32, n, S);
+    };
+    if (os.kind == Optimizer::sgd)
+      return [=] {
+        k::sgd_update(master, grads, gacc, mask, nullptr, DType::fp32, n, os.learning_rate, os.weight_decay, 1.0f, S);
+        refresh();
+      };
+    auto* m = static_cast<float*>(random(n, DType::fp32, 1e-3f));
+    std::vector<float> second = normal_floats(n, rng_, 1e-3f);
+    for (float& x : second) x *= x;  // a second moment is not negative
+    auto* v = static_cast<float*>(output(n, DType::fp32));
+    upload(v, DType::fp32, second, S);
+    k::AdamParams p;
+    p.learning_rate = os.learning_rate;
+    p.beta1 = os.beta1;
+    p.beta2 = os.beta2;
+    p.eps = os.eps;
+    p.weight_decay = os.weight_decay;
+    p.decoupled = os.kind == Optimizer::adamw;
+    return [=] {
+      k::adam_update(master, m, v, grads, gacc, mask, nullptr, DType::fp32, n, p, S);
+      refresh();
+    };
+  }
+
+  const RuntimePlan& plan_;
+  void* stream_;
+  k::GemmContext gemm_;
+  std::mt19937 rng_;
+  int B_, T_, C_, V_;
+  DType dt_, gacc_, master_;
+  std::size_t eb_;
+  bool fast_grads_;
+  std::deque<DeviceBuffer> buffers_;  // stable addresses: launchers keep pointers
+  std::deque<std::vector<std::int32_t>> host_ids_;
+};
+
+// A middle stage of the CUDA backend's blocks on one rank's compute stream, with an input and an
+// output gradient of fresh random values, timed with events on that stream.
+struct StageBench {
+  CudaStageModel model;
+  DeviceBuffer in, out, grad_out, grad_in;
+  k::EventTimer forward_timer, backward_timer;
+
+  StageBench(const StageSpec& spec, void* stream, std::uint32_t seed) : model(spec, stream) {
+    model.init(seed);
+    model.reserve(1, 1, 0, 0);  // no allocation inside a timed forward or backward
+    const std::size_t act = model.activation_elements();
+    const DType dt = model.activation_format();
+    const std::size_t bytes = act * static_cast<std::size_t>(dtype_bytes(dt));
+    in = DeviceBuffer(bytes);
+    out = DeviceBuffer(bytes);
+    grad_out = DeviceBuffer(bytes);
+    grad_in = DeviceBuffer(bytes);
+    std::mt19937 rng(seed);
+    upload(in.data(), dt, normal_floats(act, rng, 1.0f), stream);
+    upload(grad_out.data(), dt, normal_floats(act, rng, 1e-3f), stream);
+  }
+  // Device seconds of one forward and one backward of micro-batch 0.
+  std::pair<double, double> time() {
+    void* s = model.stream();
+    forward_timer.start(s);
+    model.forward(0, nullptr, nullptr, in.data(), out.data());
+    forward_timer.stop(s);
+    backward_timer.start(s);
+    model.backward_begin(0, grad_out.data(), 1.0f);
+    for (int u = 0; u < model.backward_units(); ++u) model.backward_unit(0);
+    model.backward_end(0, grad_in.data());
+    backward_timer.stop(s);
+    model.zero_gradients();
+    return {forward_timer.elapsed_seconds(), backward_timer.elapsed_seconds()};
+  }
+};
+
+}  // namespace
+
+struct CudaKernelCalibrator::State {
+  RuntimePlan plan;
+  CalibrateOptions options;
+  // Destroyed after everything below, whose streams and contexts it owns.
+  SmPartition partition;
+  std::vector<KernelWork> kernels;
+  std::unique_ptr<KernelTimer> timer;     // on rank 0's compute stream
+  std::unique_ptr<k::EventTimer> events;  // in rank 0's context
+  std::vector<std::function<void()>> calls;  // empty: not done on the device (0 seconds)
+  std::vector<std::vector<double>> samples;  // [kernel][pass]
+  std::vector<double> pass_seconds;          // all kernels, per pass
+  std::vector<std::unique_ptr<StageBench>> stages;    // [rank], each on its rank's compute stream
+  std::vector<double> stage_forward, stage_backward;  // rank 0 alone, per pass
+  std::vector<std::vector<double>> rank_seconds;      // [rank][pass]: forward + backward, all ranks at once
+
+  State(const RuntimePlan& p, const CalibrateOptions& o, const CudaCalibrateOptions& cuda)
+      : plan(p), options(o), partition(p.plan.num_ranks(), cuda.sm_sharing, cuda.device) {}
+
+  void time_stages_on_every_rank() {
+    const int n = static_cast<int>(stages.size());
+    std::barrier start(n);
+    std::vector<std::exception_ptr> failed(static_cast<std::size_t>(n));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        const auto ru = static_cast<std::size_t>(r);
+        bool arrived = false;
+        try {
+          partition.make_current(r);
+          arrived = true;
+          start.arrive_and_wait();
+          const auto [f, b] = stages[ru]->time();
+          rank_seconds[ru].push_back(f + b);
+        } catch (...) {
+          failed[ru] = std::current_exception();
+          if (!arrived) start.arrive_and_drop();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (const auto& e : failed)
+      if (e) std::rethrow_exception(e);
+  }
+};
+
+CudaKernelCalibrator::CudaKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options,
+                                           const CudaCalibrateOptions& cuda) {
+  check_formats(plan.plan);
+  find_device(cuda.device);
+  s_ = std::make_unique<State>(plan, options, cuda);
+  State& s = *s_;
+  // The CUDA backend stores activations in the compute format (compute_model.cpp prices with
+  // the same storage when the profile is not emulated).
+  s.kernels = distinct_kernels(s.plan.plan, s.plan.plan.activation_bytes());
+  s.samples.resize(s.kernels.size());
+
+  // A middle stage (no embedding, no head) of kComposeLayers blocks at the plan's shapes, one per
+  // rank when there are several.
+  StageSpec spec;
+  spec.dims = s.plan.dims;
+  spec.first_layer = 0;
+  spec.num_layers = kComposeLayers;
+  spec.compute = s.plan.plan.config.precision.compute;
+  spec.grad_accumulation = s.plan.plan.config.precision.grad_accumulation;
+  spec.micro_batch_size = s.plan.plan.micro_batch_size;
+  const int ranks = s.partition.ranks();
+  on_rank_thread(s.partition, 0, [&] {
+    void* stream = s.partition.streams(0).compute;
+    s.timer = std::make_unique<KernelTimer>(s.plan, stream);
+    s.events = std::make_unique<k::EventTimer>();
+    for (const KernelWork& w : s.kernels) s.calls.push_back(s.timer->launcher(w));
+    for (const auto& c : s.calls)  // warm-up: cuBLAS heuristics, first launches
+      if (c) c();
+    s.stages.push_back(std::make_unique<StageBench>(spec, stream, 7));
+    s.stages[0]->time();
+  });
+  if (ranks > 1) {
+    for (int r = 1; r < ranks; ++r)
+      on_rank_thread(s.partition, r, [&] {
+        s.stages.push_back(std::make_unique<StageBench>(spec, s.partition.streams(r).compute, 7));
+      });
+    s.rank_seconds.resize(static_cast<std::size_t>(ranks));
+    s.time_stages_on_every_rank();
+    for (auto& v : s.rank_seconds) v.clear();  // ranks 1.. ran their stage for the first time: a warm-up
+  }
+}
+
+CudaKernelCalibrator::~CudaKernelCalibrator() = default;
+
+std::size_t CudaKernelCalibrator::num_kernels() const { return s_->kernels.size(); }
+int CudaKernelCalibrator::passes_done() const { return static_cast<int>(s_->pass_seconds.size()); }
+std::string CudaKernelCalibrator::placement() const { return s_->partition.describe(); }
+
+void CudaKernelCalibrator::run_passes(int passes) {
+  State& s = *s_;
+  on_rank_thread(s.partition, 0, [&] {
+    void* stream = s.partition.streams(0).compute;
+    for (int p = 0; p < passes; ++p) {
+      double total = 0;
+      for (std::size_t i = 0; i < s.calls.size(); ++i) {
+        const auto& call = s.calls[i];
+        double t = 0;
+        if (call) {
+          call();  // untimed: its operands in L2, as a kernel finds what the one before it wrote
+          s.events->start(stream);
+          call();
+          s.events->stop(stream);
+          t = s.events->elapsed_seconds();
+        }
+        s.samples[i].push_back(t);
+        total += t;
+      }
+      s.pass_seconds.push_back(total);
+      const auto [f, b] = s.stages[0]->time();
+      s.stage_forward.push_back(f);
+      s.stage_backward.push_back(b);
+    }
+  });
+  if (s.stages.size() > 1)
+    for (int p = 0; p < passes; ++p) s.time_stages_on_every_rank();
+}
+
+void CudaKernelCalibrator::run_until_settled() {
+  while (!calibration_settled(s_->options, s_->pass_seconds)) run_passes(1);
+}
+
+std::vector<KernelRate> CudaKernelCalibrator::rates() const {
+  std::vector<KernelRate> out;
+  for (std::size_t i = 0; i < s_->kernels.size(); ++i) {
+    if (s_->samples[i].empty()) throw std::logic_error("CudaKernelCalibrator::rates before any pass");
+    const KernelWork& w = s_->kernels[i];
+    out.push_back(KernelRate{w.kernel, w.dtype, w.shape, w.bytes, median(s_->samples[i])});
+  }
+  return out;
+}
+
+Composition CudaKernelCalibrator::composition() const {
+  // The same stage priced from its kernels, with the device's storage bytes.
+  return stage_composition(s_->plan.plan.config, kComposeLayers, s_->plan.plan.activation_bytes(), rates(),
+                           median(s_->stage_forward), median(s_->stage_backward));
+}
+
+std::vector<double> CudaKernelCalibrator::core_factors() const {
+  if (s_->stages.size() <= 1) return {};
+  return stage_factors(s_->stage_forward, s_->stage_backward, s_->rank_seconds);
+}
+
+HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string& name,
+                                      const CudaCalibrateOptions& cuda) {
+  const CudaDevice gpu = find_device(cuda.device);
+  const int ranks = plan.plan.num_ranks();
+  const SmPartition placement(ranks, cuda.sm_sharing, cuda.device);
+  HardwareProfile p;
+  p.name = name;
+  p.backend = "cuda";
+  p.device = fmt::format("{}, {} SMs; {}", gpu.name, gpu.multiprocessors, placement.describe());
+  p.measured = now_iso();
+  p.scenario = plan.plan.source;
+  p.emulated_low_precision = false;
+  p.ranks_per_node = ranks;
+  p.memory_gib = gpu.memory_gib / ranks;
+  return p;
+}
+
+HardwareProfile calibrate_cuda(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options,
+                               const CudaCalibrateOptions& cuda, CommBenchResult* comm_table) {
+  check_formats(plan.plan);
+  HardwareProfile p = describe_cuda_profile(plan, name, cuda);
+  {
+    CudaKernelCalibrator kernels(plan, options, cuda);
+    if (options.progress)
+      options.progress(fmt::format("timing {} kernels at the plan's shapes in {} on {}", kernels.num_kernels(),
+                                   dtype_name(plan.plan.config.precision.compute), kernels.placement()));
+    kernels.run_until_settled();
+    p.kernels = kernels.rates();
+    p.composition = kernels.composition();
+    p.core_factors = kernels.core_factors();
+  }
+  // The other formats the kernels store, so that a scenario naming this profile may compute in
+  // any of them: the same shapes, stored in that format.
+  for (DType d : options.precisions) {
+    if (d == plan.plan.config.precision.compute || !stored_by_kernels(d)) continue;
+    RuntimePlan other = plan;
+    ScenarioConfig c = plan.plan.config;
+    c.precision.compute = d;
+    other.plan = Plan::from_config(c);
+    CudaKernelCalibrator k(other, options, cuda);
+    if (options.progress) options.progress(fmt::format("timing {} kernels in {}", k.num_kernels(), dtype_name(d)));
+    k.run_until_settled();
+    for (const KernelRate& r : k.rates()) p.kernels.push_back(r);
+  }
+  if (!options.communication) return p;
+  // As calibrate_communication (runtime/calibrate/calibrate.h), over the single-GPU world.
+  if (options.progress) options.progress("point-to-point and all-reduce benchmarks on the single-GPU world");
+  const CommBenchResult comm = bench_device_world_comm(options.comm, cuda.device);
+  apply_comm_bench(p, comm, " on the single-GPU world");
+  if (comm_table) *comm_table = comm;
+  return p;
+}
+
+}  // namespace trainsim::runtime::cuda
