@@ -1,5 +1,5 @@
-// trainsim calibrate FILE --backend cpu: measure the backend's own rates at the shapes of the
-// scenario's runtime plan into a hardware profile (core/hardware_profile.h) that scenarios
+// trainsim calibrate FILE [--backend cpu|cuda]: measure the backend's own rates at the shapes of
+// the scenario's runtime plan into a hardware profile (core/hardware_profile.h) that scenarios
 // name with `cluster.profile: FILE`, and print the communication table as nccl-tests does.
 #include <unistd.h>
 
@@ -18,7 +18,8 @@ namespace trainsim::cli {
 
 Command add_calibrate_command(CLI::App& app) {
   struct Options {
-    std::string file, backend = "cpu", out, name;
+    std::string file, out, name;
+    BackendChoice backend;
     std::vector<int> ranks;
     double max_mib = 64;
   };
@@ -27,32 +28,33 @@ Command add_calibrate_command(CLI::App& app) {
       "calibrate", "Measure the backend's matrix-product, memory-bound kernel and communication rates at the "
                    "scenario's runtime shapes into a hardware profile (cluster.profile)");
   sub->add_option("FILE", o->file, "Scenario YAML whose runtime plan's kernels are measured")->required();
-  sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  add_backend_options(sub, o->backend);
   sub->add_option("-o,--out", o->out, "Write the profile here (default: print it)");
-  sub->add_option("--name", o->name, "The profile's name (default: cpu-<scenario name>)");
-  sub->add_option("--ranks", o->ranks, "All-reduce group sizes to measure (default: 2 up to the cores, doubling)");
+  sub->add_option("--name", o->name, "The profile's name (default: <backend>-<scenario name>)");
+  sub->add_option("--ranks", o->ranks, "All-reduce group sizes to measure (default: 2 up to the cores, cpu, or the plan's ranks, cuda; doubling)");
   sub->add_option("--max-mib", o->max_mib, "Largest collective buffer, MiB (default 64, as nccl-tests -e 64M)")
       ->check(CLI::PositiveNumber);
-  return {sub, [o] {
-            if (o->backend == "cuda")
-              throw std::runtime_error("calibrate runs on the CPU backend only for now: the CUDA backend runs plans "
-                                       "(trainsim run --backend cuda) but has no kernel calibration yet; calibrate with --backend cpu");
+  return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
+            const BackendChoice backend = backend_for(scenario, *sub, o->backend);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             runtime::CalibrateOptions co;
             co.comm.max_bytes = static_cast<std::size_t>(o->max_mib * (1 << 20));
             co.comm.group_sizes = o->ranks;
             if (co.comm.group_sizes.empty()) {
-              const int cores = static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
-              for (int n = 2; n <= cores; n *= 2) co.comm.group_sizes.push_back(n);
+              // The CPU backend's ranks are threads on its cores; the CUDA backend puts the plan's ranks on one GPU.
+              const int most = backend.name == "cuda" ? std::max(2, rp.plan.num_ranks())
+                                                      : static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+              for (int n = 2; n <= most; n *= 2) co.comm.group_sizes.push_back(n);
             }
             co.progress = [](const std::string& s) { std::cerr << "calibrate: " << s << "\n"; };
             runtime::CommBenchResult comm;
-            const HardwareProfile p =
-                runtime::calibrate_cpu(rp, o->name.empty() ? "cpu-" + scenario.config.name : o->name, co, &comm);
+            const std::string name = o->name.empty() ? backend.name + "-" + scenario.config.name : o->name;
+            const HardwareProfile p = calibrate_on_backend(rp, name, co, backend, &comm);
             std::cout << runtime::format_comm_table(comm);
-            std::cout << fmt::format("\n# {} kernels of {} measured on {} (one core, pinned)\n", p.kernels.size(),
-                                     scenario.config.name, p.device);
+            std::cout << fmt::format("\n# {} kernels of {} measured on {} ({})\n", p.kernels.size(),
+                                     scenario.config.name, p.device,
+                                     backend.name == "cuda" ? "CUDA events on rank 0's stream" : "one core, pinned");
             std::cout << fmt::format("# {:<26} {:>6} {:>32} {:>10} {:>12}\n", "kernel", "dtype", "shape", "time(us)",
                                      "rate");
             for (const KernelRate& k : p.kernels) {

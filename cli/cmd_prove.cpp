@@ -1,5 +1,6 @@
-// trainsim prove FILE: plan the scenario, then validate the original and the redesign on the
-// CPU backend, and tell what was predicted and what was measured (validation/incident.h).
+// trainsim prove FILE: plan the scenario, then validate the original and the redesign on a
+// backend (the CPU's by default), and tell what was predicted and what was measured
+// (validation/incident.h).
 #include <unistd.h>
 
 #include <iostream>
@@ -13,7 +14,8 @@ namespace trainsim::cli {
 
 Command add_prove_command(CLI::App& app) {
   struct Options {
-    std::string file, report, backend = "cpu";
+    std::string file, report;
+    BackendChoice backend;
     int steps = 0;
   };
   auto o = std::make_shared<Options>();
@@ -23,13 +25,11 @@ Command add_prove_command(CLI::App& app) {
   sub->add_option("FILE", o->file, "Scenario YAML (the bundled incident: scenarios/postmortem-8x40gb.yaml)")->required();
   sub->add_option("--report", o->report, "Write DIR/report.md with its tables and pictures");
   sub->add_option("--steps", o->steps, "Optimizer steps per run (default: runtime.steps)")->check(CLI::PositiveNumber);
-  sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  return {sub, [o] {
-            if (o->backend == "cuda")
-              throw std::runtime_error("prove runs on the CPU backend only for now: the CUDA backend runs plans "
-                                       "(trainsim run --backend cuda) but has no kernel calibration yet; prove with --backend cpu");
+  add_backend_options(sub, o->backend);
+  return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
             validation::ProveOptions po;
+            po.backend = validation_backend(backend_for(scenario, *sub, o->backend), "prove");
             po.steps = o->steps;
             po.progress = [](const std::string& s) { std::cerr << "prove: " << s << "\n"; };
             const validation::IncidentReport r = validation::prove(scenario, po);

@@ -12,10 +12,6 @@
 #include "core/scenario.h"
 #include "runtime/exec/executor.h"
 #include "runtime/exec/run_report.h"
-#include "runtime/launch/launch_env.h"
-#if TRAINSIM_HAVE_CUDA
-#include "runtime/cuda/executor_cuda.h"
-#endif
 
 namespace trainsim::cli {
 
@@ -32,40 +28,6 @@ std::string resolve_data_path(const std::string& scenario_file, const std::strin
 }
 
 }  // namespace
-
-runtime::RunReport run_on_backend(const runtime::RuntimePlan& rp, const runtime::RunOptions& options,
-                                  const BackendChoice& backend) {
-  if (backend.name != "cuda") return runtime::run_cpu(rp, options);
-#if TRAINSIM_HAVE_CUDA
-  runtime::cuda::CudaRunOptions cuda;
-  cuda.sm_sharing = backend.sm_sharing == "green"    ? runtime::cuda::SmSharing::green_contexts
-                    : backend.sm_sharing == "shared" ? runtime::cuda::SmSharing::shared
-                                                     : runtime::cuda::SmSharing::automatic;
-  cuda.device = backend.device;
-  // Started by torchrun, mpirun or srun with more than one process: one rank per process over
-  // NCCL. Otherwise every rank of the plan shares one GPU in this process.
-  const runtime::LaunchEnv env = runtime::launch_env_from();
-  if (env.world_size > 1) cuda.launch = env;
-  return runtime::cuda::run_cuda(rp, options, cuda);
-#else
-  throw std::runtime_error("this trainsim was built without CUDA (no nvcc at configure time); run with --backend cpu");
-#endif
-}
-
-bool prints_output(const BackendChoice& backend) {
-  if (backend.name != "cuda") return true;
-  return runtime::launch_env_from().rank == 0;  // one process per GPU: rank 0 reports
-}
-
-void add_backend_options(CLI::App* sub, BackendChoice& backend) {
-  sub->add_option("--backend", backend.name, "cpu (threads, Eigen) or cuda (cuBLAS, our kernels; NCCL under a launcher)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
-  sub->add_option("--sm-sharing", backend.sm_sharing,
-                  "cuda, all ranks on one GPU: split the SMs between ranks with green contexts (green), let ranks "
-                  "share every SM (shared), or green where the driver allows it (auto)")
-      ->check(CLI::IsMember({"auto", "green", "shared"}));
-  sub->add_option("--device", backend.device, "cuda, all ranks on one GPU: which GPU")->check(CLI::NonNegativeNumber);
-}
 
 Command add_run_command(CLI::App& app) {
   struct Options {
@@ -89,9 +51,7 @@ Command add_run_command(CLI::App& app) {
   sub->add_flag("--no-pin", o->no_pin, "Do not pin rank threads to cores");
   return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
-            BackendChoice backend = o->backend;
-            if (sub->count("--backend") == 0 && scenario.config.runtime.backend == RuntimeBackend::cuda)
-              backend.name = "cuda";
+            const BackendChoice backend = backend_for(scenario, *sub, o->backend);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             const auto& rt = scenario.config.runtime;
 

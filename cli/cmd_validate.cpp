@@ -18,7 +18,8 @@ namespace trainsim::cli {
 
 Command add_validate_command(CLI::App& app) {
   struct Options {
-    std::string file, backend = "cpu", profile, trace, svg, baselines;
+    std::string file, profile, trace, svg, baselines;
+    BackendChoice backend;
     int steps = 0;
     bool json = false, synthetic = false, update = false;
   };
@@ -26,7 +27,7 @@ Command add_validate_command(CLI::App& app) {
   auto* sub = app.add_subcommand(
       "validate", "Predict the scenario's runtime plan with a calibrated profile, run it, and compare the two");
   sub->add_option("FILE", o->file, "Scenario YAML (its runtime section says what runs)");
-  sub->add_option("--backend", o->backend, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  add_backend_options(sub, o->backend);
   sub->add_option("--profile", o->profile, "A profile from `trainsim calibrate` (default: calibrate now)");
   sub->add_option("--steps", o->steps, "Optimizer steps to run (default: runtime.steps)")->check(CLI::PositiveNumber);
   sub->add_flag("--json", o->json, "Print {\"predicted\", \"measured\", \"error\", \"numerics\"} instead of the table");
@@ -37,10 +38,7 @@ Command add_validate_command(CLI::App& app) {
                   "Re-run every plan of this folder (validation/baselines) and check its errors against the "
                   "accepted ones");
   sub->add_flag("--update", o->update, "With --baselines: accept the errors measured now");
-  return {sub, [o] {
-            if (o->backend == "cuda")
-              throw std::runtime_error("validate runs on the CPU backend only for now: the CUDA backend runs plans "
-                                       "(trainsim run --backend cuda) but has no kernel calibration yet; validate with --backend cpu");
+  return {sub, [o, sub] {
             auto progress = [](const std::string& s) {
               if (isatty(STDERR_FILENO)) std::cerr << "validate: " << s << "\n";
             };
@@ -56,6 +54,7 @@ Command add_validate_command(CLI::App& app) {
             if (o->file.empty()) throw CLI::RequiredError("FILE");
             const Scenario scenario = load_scenario_file(o->file);
             validation::ValidateOptions vo;
+            vo.backend = validation_backend(backend_for(scenario, *sub, o->backend), "validate");
             vo.profile_path = o->profile;
             vo.steps = o->steps;
             vo.synthetic_data = o->synthetic;

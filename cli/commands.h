@@ -40,19 +40,37 @@ struct BackendChoice {
 void add_backend_options(CLI::App* sub, BackendChoice& backend);
 }  // namespace trainsim::cli
 
+namespace trainsim {
+struct Scenario;
+struct HardwareProfile;
+}  // namespace trainsim
 namespace trainsim::runtime {
 struct RuntimePlan;
 struct RunOptions;
 struct RunReport;
+struct CalibrateOptions;
+struct CommBenchResult;
 }  // namespace trainsim::runtime
+namespace trainsim::validation {
+struct ValidationBackend;
+}  // namespace trainsim::validation
 
 namespace trainsim::cli {
+// cli/backend.cpp. The choice, with the scenario's runtime.backend where --backend was not given.
+BackendChoice backend_for(const Scenario& scenario, const CLI::App& sub, BackendChoice choice);
 // Runs on the chosen backend. cuda under a launcher (torchrun, mpirun, srun with more than one
 // process) runs this process's rank over NCCL; otherwise every rank shares one GPU.
 runtime::RunReport run_on_backend(const runtime::RuntimePlan& rp, const runtime::RunOptions& options,
                                   const BackendChoice& backend);
 // False on every process but rank 0 of a multi-process CUDA run: one report, not one per GPU.
 bool prints_output(const BackendChoice& backend);
+// The backend's own rates at the plan's shapes (calibrate_cpu, or calibrate_cuda with every rank
+// on one GPU; refused under a launcher).
+HardwareProfile calibrate_on_backend(const runtime::RuntimePlan& rp, const std::string& name,
+                                     const runtime::CalibrateOptions& options, const BackendChoice& backend,
+                                     runtime::CommBenchResult* comm_table);
+// What validate and prove (`command`, for errors) run on.
+validation::ValidationBackend validation_backend(const BackendChoice& backend, const char* command);
 
 // core/report/write_file.h's write_file (whole or not at all), then tells the user on stderr
 // where the file is (and how to open it).

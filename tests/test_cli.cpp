@@ -170,6 +170,32 @@ TEST(Cli, RunOnTheCudaBackendRunsOrSaysWhyNot) {
   }
 }
 
+// calibrate and validate on the CUDA backend: a GPU's profile and a GPU run where there is one;
+// elsewhere a clear error and nothing written.
+TEST(Cli, CalibrateAndValidateOnTheCudaBackendOrSayWhyNot) {
+  const fs::path profile = temp_dir() / "cuda-profile.yaml";
+  const CommandResult cal =
+      run("calibrate " + small_run_scenario().string() + " --backend cuda --max-mib 1 -o " + profile.string());
+  const CommandResult val = run("validate " + small_run_scenario().string() + " --backend cuda --steps 2");
+  if (cal.status == 0) {
+    EXPECT_NE(cal.out.find("CUDA events"), std::string::npos) << cal.out;
+    EXPECT_NE(slurp(profile).find("backend: cuda"), std::string::npos);
+    ASSERT_EQ(val.status, 0) << val.err;
+    EXPECT_NE(val.out.find("measured on the CUDA backend"), std::string::npos) << val.out;
+    const CommandResult with_profile = run("validate " + small_run_scenario().string() +
+                                           " --backend cuda --steps 2 --profile " + profile.string());
+    EXPECT_EQ(with_profile.status, 0) << with_profile.err;
+    return;
+  }
+  for (const CommandResult* r : {&cal, &val}) {
+    EXPECT_EQ(r->status, 3) << r->err;
+    EXPECT_TRUE(r->err.find("needs a GPU") != std::string::npos || r->err.find("built without CUDA") != std::string::npos)
+        << r->err;
+    EXPECT_TRUE(r->out.empty()) << "no half report: " << r->out;
+  }
+  EXPECT_FALSE(fs::exists(profile)) << "nothing written";
+}
+
 TEST(Cli, RunOfTheIncidentReportsWhereItFailed) {
   // The default scenario as it is: fp16, static scale, fp16 all-reduce summed before
   // dividing, local overflow checks. It must end with a report, not a crash.

@@ -20,6 +20,7 @@
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
 #include "validation/baselines.h"
+#include "validation/validate.h"
 
 namespace trainsim {
 namespace {
@@ -240,6 +241,60 @@ TEST(MemoryModel, PredictsTheRuntimesPeakPerRank) {
       }
     }
   }
+}
+
+// validate on a backend other than the CPU's (the CUDA one comes from the command line): the
+// profile is the backend's calibration, the measurement its run, and the report says which ran.
+TEST(Validate, CalibratesAndRunsThroughTheBackendItIsGiven) {
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::bf16);
+  c.runtime.num_layers = 4, c.runtime.hidden_size = 128, c.runtime.num_attention_heads = 4;
+  c.runtime.seq_length = 64, c.runtime.vocab_size = 256, c.runtime.data_synthetic = true;
+  c.runtime.steps = 2;
+  Scenario scenario;
+  scenario.config = c;
+
+  int calibrations = 0, runs = 0;
+  std::vector<DType> asked;
+  validation::ValidateOptions o;
+  o.backend.name = "other";
+  o.backend.calibrate = [&](const runtime::RuntimePlan& rp, const runtime::CalibrateOptions& co) {
+    ++calibrations;
+    asked = co.precisions;
+    HardwareProfile p = uniform_profile(rp.plan, 0.5, 5);
+    p.name = "other-profile";
+    p.ranks_per_node = rp.plan.num_ranks();
+    return p;
+  };
+  o.backend.run = [&](const runtime::RuntimePlan& rp, runtime::RunOptions ro) {
+    ++runs;
+    EXPECT_FALSE(ro.on_step) << "no calibration passes between the steps of another backend's run";
+    ro.pin_threads = false;
+    return runtime::run_cpu(rp, ro);
+  };
+  const validation::Validation v = validation::validate(scenario, o);
+  EXPECT_EQ(calibrations, 1);
+  EXPECT_EQ(runs, 1);
+  EXPECT_EQ(asked, std::vector<DType>{DType::bf16}) << "the run's compute format only";
+  EXPECT_EQ(v.backend, "other");
+  EXPECT_EQ(v.profile.name, "other-profile");
+  EXPECT_FALSE(v.drift_measured);
+  EXPECT_FALSE(v.oversubscribed);
+  EXPECT_EQ(v.measured.steps.size(), 2u);
+  // The prediction prices the plan at the profile's rates: the same as predicting it directly.
+  ScenarioConfig priced = v.plan.plan.config;
+  apply_profile(v.profile, priced.cluster);
+  priced.cluster.calibrated = std::make_shared<HardwareProfile>(v.profile);
+  EXPECT_DOUBLE_EQ(v.predicted.result.step_time_s, predict(Plan::from_config(priced)).result.step_time_s);
+  const std::string text = validation::format_validation(v);
+  EXPECT_NE(text.find("measured on the other backend"), std::string::npos) << text;
+  EXPECT_EQ(text.find("machine  speed moved"), std::string::npos) << "no drift was measured";
+  EXPECT_TRUE(validation::validation_to_json(v)["machine_drift"].is_null());
+  EXPECT_EQ(validation::validation_to_json(v)["backend"], "other");
+
+  // A backend that runs but cannot calibrate needs a profile.
+  o.backend.calibrate = nullptr;
+  EXPECT_THROW(validation::validate(scenario, o), std::invalid_argument);
+  EXPECT_EQ(runs, 1) << "refused before running";
 }
 
 TEST(Reports, TwoTimelinesInOneTraceAndOneSvg) {

@@ -63,6 +63,7 @@ ConfigurationStory tell(const std::string& label, Scenario scenario, const Prove
   c.plan = Plan::from_scenario(c.scenario);
   c.full = predict(c.plan);
   ValidateOptions vo;
+  vo.backend = o.backend;
   vo.steps = o.steps;
   vo.progress = [&](const std::string& s) {
     if (o.progress) o.progress(label + ": " + s);
@@ -169,7 +170,8 @@ IncidentReport prove(const Scenario& scenario, const ProveOptions& o) {
 
 std::string format_incident(const IncidentReport& r) {
   std::ostringstream o;
-  o << fmt::format("{} — predicted, then proven on the CPU backend\n\n", r.original.scenario.config.name);
+  o << fmt::format("{} — predicted, then proven on the {} backend\n\n", r.original.scenario.config.name,
+                   backend_title(r.original.scaled.backend));
   for (const ConfigurationStory* c : {&r.original, &r.redesign}) {
     o << c->label << "\n";
     describe(o, *c, false);

@@ -1,7 +1,7 @@
 // `trainsim prove FILE`: the whole story of a configuration on one page (README's main command,
 // on the bundled incident). It plans the scenario (trainsim plan: the original configuration
-// and the recommended redesign, predicted at full size), then validates both on the CPU
-// backend at the runtime section's scaled size (calibrate, predict, run, compare), and reports
+// and the recommended redesign, predicted at full size), then validates both on a backend (the
+// CPU's unless ProveOptions::backend says otherwise) at the runtime section's scaled size (calibrate, predict, run, compare), and reports
 // what was predicted and what was measured: utilization and its spread over the ranks, the
 // bubble, and the numerics (overflow, skipped steps, NaN, replica drift, loss).
 // Every figure in the report comes from this one invocation.
@@ -19,6 +19,7 @@
 namespace trainsim::validation {
 
 struct ProveOptions {
+  ValidationBackend backend;  // the CPU backend unless set (validate.h)
   int steps = 0;        // 0: each scenario's runtime.steps
   unsigned threads = 0; // plan search threads (0: all cores)
   std::function<void(const std::string&)> progress;

@@ -59,6 +59,10 @@ std::string describe_numerics(const NumericsSummary& n) {
   return s + (n.stable ? ": stable" : ": UNSTABLE");
 }
 
+std::string backend_title(const std::string& backend) {
+  return backend == "cpu" ? "CPU" : backend == "cuda" ? "CUDA" : backend;
+}
+
 NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   NumericsSummary s;
   s.steps = static_cast<int>(r.steps.size());
@@ -103,11 +107,24 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   ro.synthetic_data = o.synthetic_data || scenario.config.runtime.data_synthetic;
   ro.data_path = o.data_path;
 
+  v.backend = o.backend.name;
+  const bool cpu = !o.backend.run;
+  if (!cpu && !o.backend.calibrate && o.profile_path.empty())
+    throw std::invalid_argument("validate: the " + o.backend.name + " backend has no calibration; give a profile");
+  auto run = [&] { return cpu ? runtime::run_cpu(v.plan, ro) : o.backend.run(v.plan, ro); };
+
   if (!o.profile_path.empty()) {
     say("loading the hardware profile " + o.profile_path);
     v.profile = load_profile(o.profile_path);
     say("running");
-    v.measured = runtime::run_cpu(v.plan, ro);
+    v.measured = run();
+  } else if (!cpu) {
+    say("calibrating the " + o.backend.name + " backend at the plan's shapes");
+    co.progress = o.progress;
+    co.precisions = {v.plan.plan.config.precision.compute};  // the run's format only
+    v.profile = o.backend.calibrate(v.plan, co);
+    say("running");
+    v.measured = run();
   } else {
     // Calibrate before the run and between its steps, so that the kernels' rates and the
     // run come from the same stretch of a machine whose speed may wander.
@@ -120,11 +137,12 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     const int before = kernels.passes_done();
     ro.on_step = [&](const runtime::StepRecord&) { kernels.run_passes(o.passes_between_steps); };
     say("running, with calibration passes between steps");
-    v.measured = runtime::run_cpu(v.plan, ro);
+    v.measured = run();
     v.profile.kernels = kernels.rates();
     v.profile.composition = kernels.composition();
     v.profile.core_factors = kernels.core_factors();
     v.machine_drift = kernels.speed_change(before);
+    v.drift_measured = true;
   }
   v.numerics = summarize_numerics(v.measured);
 
@@ -175,8 +193,8 @@ double peak_memory_error(const Validation& v) {
 std::string format_validation(const Validation& v) {
   const Plan& plan = v.plan.plan;
   std::ostringstream out;
-  out << fmt::format("{} — predicted with the calibrated profile vs measured on the CPU backend\n",
-                     plan.config.name);
+  out << fmt::format("{} — predicted with the calibrated profile vs measured on the {} backend\n",
+                     plan.config.name, backend_title(v.backend));
   out << fmt::format("  profile  {} ({}, measured {}): {} kernels, in-layer composition x{:.2f} forward, x{:.2f} "
                      "backward{}\n",
                      v.profile.name, v.profile.device, v.profile.measured, v.profile.kernels.size(),
@@ -191,8 +209,10 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  cores    {} ranks share {} cores: compute scaled x{:.2f} (busy ranks per core, from the "
                        "prediction)\n",
                        v.plan.plan.num_ranks(), v.profile.ranks_per_node, v.profile.core_factor(0));
-  out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n\n",
-                     100 * v.machine_drift);
+  if (v.drift_measured)
+    out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
+                       100 * v.machine_drift);
+  out << "\n";
   out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", "", "predicted", "measured", "error");
   auto seconds = [](double s) { return format_seconds(s); };
   for (const MetricError& e : errors_of(v)) {
@@ -220,6 +240,7 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
   nlohmann::ordered_json j;
   j["scenario"] = v.plan.plan.config.name;
   j["profile"] = v.profile.name;
+  j["backend"] = v.backend;
   j["predicted"] = result_to_json(v.predicted.result);
   j["measured"] = runtime::run_to_json(v.measured);
   const std::vector<MetricError> all = errors_of(v);
@@ -249,7 +270,7 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
                    {"first_nan_where", n.first_nan_where},
                    {"final_loss_scale", n.final_loss_scale},
                    {"max_replica_drift", n.max_replica_drift}};
-  j["machine_drift"] = round6(v.machine_drift);
+  j["machine_drift"] = v.drift_measured ? nlohmann::ordered_json(round6(v.machine_drift)) : nlohmann::ordered_json(nullptr);
   return j;
 }
 

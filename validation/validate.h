@@ -27,7 +27,18 @@
 
 namespace trainsim::validation {
 
+// The backend that runs the plan and, without a profile, calibrates it at the plan's shapes.
+// Empty functions: the CPU backend, whose kernel calibration passes run between the run's steps
+// (above). The CUDA backend's (cli/cmd_validate.cpp) calibrates before the run: a GPU's speed
+// does not wander with a shared host's neighbours. Functions, so this library needs no CUDA.
+struct ValidationBackend {
+  std::string name = "cpu";  // as reports say "measured on the <name> backend"
+  std::function<HardwareProfile(const runtime::RuntimePlan&, const runtime::CalibrateOptions&)> calibrate;
+  std::function<runtime::RunReport(const runtime::RuntimePlan&, const runtime::RunOptions&)> run;
+};
+
 struct ValidateOptions {
+  ValidationBackend backend;
   std::string profile_path;  // empty: calibrate now, at the plan's shapes
   int steps = 0;             // 0: the scenario's runtime.steps
   bool synthetic_data = false;
@@ -58,8 +69,10 @@ struct Validation {
   Prediction predicted;
   runtime::RunReport measured;
   NumericsSummary numerics;
+  std::string backend = "cpu";  // the backend that ran it
   bool oversubscribed = false;  // more ranks than cores: compute priced with processor sharing
-  double machine_drift = 0;   // calibration passes during the run against before it, - 1 (0 with a given profile)
+  bool drift_measured = false;  // calibration passes ran between the steps (the CPU backend, no profile given)
+  double machine_drift = 0;   // calibration passes during the run against before it, - 1 (0 when not measured)
 };
 
 // Calibrates (or loads the profile), predicts, runs, compares. Throws ScenarioError for a
@@ -85,6 +98,8 @@ void write_validation_trace(const Validation& v, std::ostream& out);
 void write_validation_svg(const Validation& v, std::ostream& out);
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r);
+// "CPU", "CUDA": a backend's name as a sentence says it.
+std::string backend_title(const std::string& backend);
 // One line: steps, loss, skips, where inf/NaN first appeared, drift, final scale, verdict.
 std::string describe_numerics(const NumericsSummary& n);
 
