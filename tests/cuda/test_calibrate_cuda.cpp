@@ -22,6 +22,7 @@
 #include "runtime/cuda/calibrate_cuda.h"
 #include "runtime/exec/runtime_plan.h"
 #include "tests/runtime/runtime_test_config.h"
+#include "tests/runtime/comm_bench_checks.h"
 
 namespace trainsim::runtime::cuda {
 namespace {
@@ -272,33 +273,6 @@ CommBenchOptions small_comm() {
   return o;
 }
 
-// nccl-tests' definitions, as tests/runtime/test_calibrate_comm.cpp checks the CPU table.
-void expect_rows_follow_the_definitions(const CommBenchResult& r, const CommBenchOptions& o, int element_bytes) {
-  ASSERT_FALSE(r.rows.empty());
-  for (std::size_t i = 0; i < r.rows.size(); ++i) {
-    const CollectiveRow& row = r.rows[i];
-    SCOPED_TRACE(row.op + " ranks " + std::to_string(row.ranks) + " bytes " + std::to_string(row.bytes));
-    EXPECT_EQ(row.wrong, 0);
-    EXPECT_GT(row.time_us, 0.0);
-    EXPECT_TRUE(std::isfinite(row.time_us));
-    EXPECT_DOUBLE_EQ(row.algbw_gbps, double(row.bytes) / (row.time_us * 1e-6) / 1e9);
-    if (row.op == "sendrecv") {
-      EXPECT_EQ(row.ranks, 2);
-      EXPECT_EQ(row.redop, "none");
-      EXPECT_EQ(row.type, "float");
-      EXPECT_EQ(row.count * 4, row.bytes);
-      EXPECT_EQ(row.busbw_gbps, row.algbw_gbps);
-    } else {
-      ASSERT_EQ(row.op, "all_reduce");
-      EXPECT_EQ(row.count * std::size_t(element_bytes), row.bytes);
-      const int n = row.ranks;
-      EXPECT_EQ(row.busbw_gbps, row.algbw_gbps * (2.0 * (n - 1) / n));
-    }
-    const bool section_start = i == 0 || r.rows[i - 1].op != row.op || r.rows[i - 1].ranks != row.ranks ||
-                               r.rows[i - 1].redop != row.redop;
-    EXPECT_EQ(row.bytes, section_start ? o.min_bytes : 2 * r.rows[i - 1].bytes);
-  }
-}
 
 TEST_F(CalibrateCuda, WorldTableIsExactAndFollowsNcclTestsDefinitions) {
   CommBenchOptions o = small_comm();
@@ -309,7 +283,7 @@ TEST_F(CalibrateCuda, WorldTableIsExactAndFollowsNcclTestsDefinitions) {
   // 8 B .. 1 MiB doubling: 18 sizes per section; sections: sendrecv, all_reduce on 2, on 3.
   constexpr std::size_t kSizes = 18;
   ASSERT_EQ(r.rows.size(), 3 * kSizes);
-  expect_rows_follow_the_definitions(r, o, 4);
+  testing::expect_rows_follow_the_definitions(r, o, 4);
   for (std::size_t i = 0; i < r.rows.size(); ++i) {
     EXPECT_EQ(r.rows[i].op, i < kSizes ? "sendrecv" : "all_reduce");
     if (i >= kSizes) {
@@ -345,7 +319,7 @@ TEST_F(CalibrateCuda, LowPrecisionWiresAndMaxAreCheckedExactly) {
     o.redops = {ReduceOp::sum, ReduceOp::max};
     const CommBenchResult r = bench_device_world_comm(o);
     ASSERT_EQ(r.rows.size(), 2u * 2u * 13u);
-    expect_rows_follow_the_definitions(r, o, dtype_bytes(wire));
+    testing::expect_rows_follow_the_definitions(r, o, dtype_bytes(wire));
     for (const CollectiveRow& row : r.rows) EXPECT_EQ(row.type, nccl_type_name(wire));
     EXPECT_EQ(r.rows.front().redop, "sum");
     EXPECT_EQ(r.rows.back().redop, "max");

@@ -16,6 +16,7 @@
 
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
+#include "tests/runtime/comm_bench_checks.h"
 
 namespace trainsim::runtime {
 namespace {
@@ -119,36 +120,6 @@ CommBenchOptions small_options() {
   return o;
 }
 
-void expect_rows_follow_the_definitions(const CommBenchResult& r, const CommBenchOptions& o, int element_bytes) {
-  ASSERT_FALSE(r.rows.empty());
-  for (std::size_t i = 0; i < r.rows.size(); ++i) {
-    const CollectiveRow& row = r.rows[i];
-    SCOPED_TRACE(row.op + " ranks " + std::to_string(row.ranks) + " bytes " + std::to_string(row.bytes));
-    EXPECT_EQ(row.wrong, 0);
-    EXPECT_GT(row.time_us, 0.0);
-    EXPECT_GT(row.algbw_gbps, 0.0);
-    EXPECT_GE(row.iters, 1);
-    EXPECT_DOUBLE_EQ(row.algbw_gbps, double(row.bytes) / (row.time_us * 1e-6) / 1e9);
-    if (row.op == "sendrecv") {
-      EXPECT_EQ(row.ranks, 2);
-      EXPECT_EQ(row.redop, "none");
-      EXPECT_EQ(row.type, "float");
-      EXPECT_EQ(row.count * 4, row.bytes);
-      EXPECT_EQ(row.busbw_gbps, row.algbw_gbps);
-    } else {
-      ASSERT_EQ(row.op, "all_reduce");
-      EXPECT_EQ(row.count * std::size_t(element_bytes), row.bytes);
-      const int n = row.ranks;
-      EXPECT_EQ(row.busbw_gbps, row.algbw_gbps * (2.0 * (n - 1) / n));
-    }
-    const bool section_start = i == 0 || r.rows[i - 1].op != row.op || r.rows[i - 1].ranks != row.ranks ||
-                               r.rows[i - 1].redop != row.redop;
-    if (section_start)
-      EXPECT_EQ(row.bytes, o.min_bytes);
-    else
-      EXPECT_EQ(row.bytes, 2 * r.rows[i - 1].bytes);
-  }
-}
 
 TEST(CalibrateCommBench, SmallRunIsExactAndFollowsNcclTestsDefinitions) {
   CommBenchOptions o = small_options();
@@ -159,7 +130,7 @@ TEST(CalibrateCommBench, SmallRunIsExactAndFollowsNcclTestsDefinitions) {
   // 8 B .. 1 MiB doubling: 18 sizes per section; sections: sendrecv, all_reduce on 2, on 3.
   constexpr std::size_t kSizes = 18;
   ASSERT_EQ(r.rows.size(), 3 * kSizes);
-  expect_rows_follow_the_definitions(r, o, 4);
+  testing::expect_rows_follow_the_definitions(r, o, 4);
   for (std::size_t i = 0; i < r.rows.size(); ++i) {
     const CollectiveRow& row = r.rows[i];
     EXPECT_EQ(row.op, i < kSizes ? "sendrecv" : "all_reduce");
@@ -207,7 +178,7 @@ TEST(CalibrateCommBench, LowPrecisionWiresAndMaxAreCheckedExactly) {
     const CommBenchResult r = bench_in_process_comm(o);
     SCOPED_TRACE(nccl_type_name(wire));
     ASSERT_EQ(r.rows.size(), 3u * 2u * 13u);
-    expect_rows_follow_the_definitions(r, o, dtype_bytes(wire));
+    testing::expect_rows_follow_the_definitions(r, o, dtype_bytes(wire));
     for (const CollectiveRow& row : r.rows) EXPECT_EQ(row.type, nccl_type_name(wire));
     EXPECT_EQ(r.rows.front().redop, "sum");
     EXPECT_EQ(r.rows.back().redop, "max");
