@@ -27,6 +27,10 @@ enum class AllReduceAlgorithm { ring, hierarchical };
 enum class PositionEmbedding { learned_absolute, rope };
 enum class Optimizer { adam, adamw, sgd };
 enum class Normalization { layernorm, rmsnorm };
+// How the attention core (softmax(QK^T) V) runs: one fused kernel that never writes the s x s
+// scores (FlashAttention; Megatron-LM and torchtitan's default), a fused softmax that still
+// writes them, or separate unfused kernels (scores, softmax, dropout, each through memory).
+enum class AttentionKernel { flash, fused, naive };
 enum class RuntimeBackend { cpu, cuda };
 
 struct ModelConfig {
@@ -47,6 +51,7 @@ struct ModelConfig {
   // are zero matters here: a dropout keeps a 1-byte mask per element for backward.
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
+  AttentionKernel attention = AttentionKernel::flash;
 };
 
 struct LinkConfig {

@@ -183,6 +183,11 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(real("model.attention_dropout", FIELD(model.attention_dropout), 0, 1, "",
                    "Dropout of the attention probabilities; when above 0 it keeps a 1-byte mask and its output "
                    "(a*s*s*b each)"));
+  t.push_back(choice("model.attention", FIELD(model.attention),
+                     {{"flash", AttentionKernel::flash}, {"fused", AttentionKernel::fused},
+                      {"naive", AttentionKernel::naive}},
+                     "Attention core kernel: flash (fused, the s*s scores never stored; Megatron-LM and "
+                     "torchtitan's default), fused (fused softmax, scores stored) or naive (separate kernels)"));
 
   // ---- cluster -----------------------------------------------------------------------
   {

@@ -16,7 +16,8 @@ ModelShape::ModelShape(const ModelConfig& m)
       bias(m.add_bias_linear),
       layernorm(m.normalization == Normalization::layernorm),
       hidden_dropout(m.hidden_dropout > 0),
-      attention_dropout(m.attention_dropout > 0) {}
+      attention_dropout(m.attention_dropout > 0),
+      attention(m.attention) {}
 
 double ModelShape::params_per_layer() const {
   const double H = h, kv = static_cast<double>(h) / a * kv_heads, F = f;

@@ -42,6 +42,7 @@ struct ModelShape {
   int h, a, kv_heads, f, V, s, L;
   bool swiglu, learned_positions, tied, bias, layernorm;
   bool hidden_dropout, attention_dropout;  // > 0: their masks (and attention's output) are kept
+  AttentionKernel attention;
 };
 
 }  // namespace trainsim

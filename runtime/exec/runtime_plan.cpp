@@ -36,6 +36,7 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
   m.ffn_hidden_size = 4 * rt.hidden_size;
   m.untie_embeddings_and_output_weights = scenario_config.model.untie_embeddings_and_output_weights;
   m.hidden_dropout = m.attention_dropout = 0;  // the runtime's decoder has no dropout
+  m.attention = AttentionKernel::naive;         // and writes its attention probabilities out
   c.model = m;
   out.dims = ModelDims{rt.num_layers, rt.hidden_size, rt.num_attention_heads, rt.seq_length, rt.vocab_size,
                        4 * rt.hidden_size, !m.untie_embeddings_and_output_weights};
