@@ -8,6 +8,7 @@
 
 #include "cli/commands.h"
 #include "core/scenario.h"
+#include "runtime/backend.h"
 #include "validation/incident.h"
 
 namespace trainsim::cli {
@@ -29,7 +30,9 @@ Command add_prove_command(CLI::App& app) {
   return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
             validation::ProveOptions po;
-            po.backend = validation_backend(backend_for(scenario, *sub, o->backend), "prove");
+            const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
+            po.backend = validation::ValidationBackend(backend);
+            po.backend.placement = single_process_placement(backend, o->backend, "prove");
             po.steps = o->steps;
             po.progress = [](const std::string& s) { std::cerr << "prove: " << s << "\n"; };
             const validation::IncidentReport r = validation::prove(scenario, po);

@@ -21,4 +21,12 @@ std::string_view recompute_name(Recompute r) {
   return "?";
 }
 
+std::string_view runtime_backend_name(RuntimeBackend b) {
+  switch (b) {
+    case RuntimeBackend::cpu: return "cpu";
+    case RuntimeBackend::cuda: return "cuda";
+  }
+  return "?";
+}
+
 }  // namespace trainsim

@@ -4,7 +4,7 @@
 // sequence (forward, then backward_begin / backward_unit x backward_units() / backward_end), same
 // per-micro-batch stashes and the same mixed-precision rules, computed with the launchers of
 // kernels/kernels.h and the cuBLAS products of kernels/gemm.h. Plain C++: no CUDA type crosses
-// this header (STYLE.md habit 7); streams are `void*` (cudaStream_t).
+// this header (STYLE.md habit 7); streams are kernels/cuda_handles.h's typed handles.
 //
 // Where values live:
 //  * weights: FP32 master weights on the device, and a working copy in the compute format
@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/cuda_handles.h"
 #include "runtime/model/stage_model.h"
 
 namespace trainsim::runtime::cuda {
@@ -47,7 +48,7 @@ class CudaStageModel {
   // Validates the spec as StageModel does, and refuses compute or grad_accumulation formats the
   // kernels do not store (tf32, fp8), before touching the device (std::invalid_argument). Then
   // allocates the weights, gradients and scratch on the current device.
-  explicit CudaStageModel(const StageSpec& spec, void* stream = nullptr);
+  explicit CudaStageModel(const StageSpec& spec, StreamHandle stream = nullptr);
   ~CudaStageModel();
   CudaStageModel(CudaStageModel&&) noexcept;
   CudaStageModel& operator=(CudaStageModel&&) noexcept;
@@ -55,7 +56,7 @@ class CudaStageModel {
   CudaStageModel& operator=(const CudaStageModel&) = delete;
 
   const StageSpec& spec() const;
-  void* stream() const;
+  StreamHandle stream() const;
 
   // Initialises a CPU StageModel of the same spec with `seed` and copies its master weights to
   // the device, so both start from identical weights; refreshes the working copy.

@@ -61,7 +61,7 @@
 
 #include "core/diagnostics.h"
 #include "core/schedule.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/runtime_plan.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {

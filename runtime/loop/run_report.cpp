@@ -1,4 +1,4 @@
-#include "runtime/exec/run_report.h"
+#include "runtime/loop/run_report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -62,10 +62,9 @@ std::string format_run_summary(const RunReport& rep) {
   const auto& c = plan.config;
   const auto& d = rep.runtime_plan.dims;
   const Result& res = rep.result;
-  const bool cpu = rep.execution.rfind("cuda", 0) != 0;
   std::string o;
   o += fmt::format("{}{} — measured on the {} backend\n", c.name.empty() ? std::string("scenario") : c.name,
-                   plan.source.empty() ? "" : fmt::format(" ({})", plan.source), cpu ? "CPU" : "CUDA");
+                   plan.source.empty() ? "" : fmt::format(" ({})", plan.source), rep.backend_title);
   o += fmt::format("  model    executed: {} layers, hidden {}, {} heads, seq {}, vocab {}{}\n", d.num_layers,
                    d.hidden_size, d.num_heads, d.seq_length, d.vocab_size, d.tied_embeddings ? ", tied embeddings" : "");
   o += fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
@@ -82,11 +81,7 @@ std::string format_run_summary(const RunReport& rep) {
                    pr.overflow_check == OverflowScope::global ? "global" : "local",
                    ls.mode == LossScalingMode::none ? "none" : ls.mode == LossScalingMode::static_scale ? "static" : "dynamic",
                    ls.mode == LossScalingMode::none ? "" : fmt::format(" from {:g}", ls.initial_scale));
-  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks(),
-                   !cpu                 ? ""
-                   : rep.threads_pinned ? " as threads pinned to cores"
-                                        : " as threads (not pinned: more ranks than cores)",
-                   rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
+  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks(), rep.ranks_as, rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
   if (!rep.execution.empty()) o += fmt::format("  backend  {}\n", rep.execution);
   o += "\n";
 
@@ -176,7 +171,7 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
   }
   j["steps"] = std::move(steps);
   const auto& d = rep.runtime_plan.dims;
-  j["run"] = {{"backend", rep.execution.rfind("cuda", 0) == 0 ? "cuda" : "cpu"},
+  j["run"] = {{"backend", rep.backend},
               {"execution", rep.execution},
               {"model", {{"num_layers", d.num_layers}, {"hidden_size", d.hidden_size}, {"num_attention_heads", d.num_heads},
                          {"seq_length", d.seq_length}, {"vocab_size", d.vocab_size}}},
