@@ -1,7 +1,7 @@
 // The optimizer step's kernels: the fused loss-scaling step (unscale + found-inf), deterministic
 // reductions (squared gradient norm, sum of the rows' losses), and Adam/AdamW/SGD on fp32 master
-// weights that also write the low-precision working copy. CPU references: the executor's
-// optimizer_step (runtime/exec/executor.cpp) and runtime/numerics/optimizer.cpp; tests:
+// weights that also write the low-precision working copy. CPU references: the engine's
+// optimizer_step (runtime/cpu/cpu_engine.cpp) and runtime/numerics/optimizer.cpp; tests:
 // tests/kernels/test_kernels.cpp.
 #include <cmath>
 #include <string>

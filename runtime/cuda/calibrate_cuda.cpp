@@ -1,6 +1,6 @@
 // `trainsim calibrate --backend cuda` (calibrate_cuda.h): runtime/calibrate/calibrate.cpp's
 // method on the device. Each kernel of the inventory is timed through the launches the CUDA
-// stage model (stage_model_cuda.cpp) or the CUDA executor's optimizer step (executor_cuda.cpp)
+// stage model (stage_model_cuda.cpp) or the CUDA engine's optimizer step (cuda_engine.cpp)
 // make for that piece of work, so those files are the reference for every launch here.
 #include "runtime/cuda/calibrate_cuda.h"
 
@@ -373,9 +373,9 @@ class KernelTimer {
     };
   }
 
-  // The CUDA executor's update of one chunk: Adam/AdamW or SGD on the fp32 master weights, the
+  // The CUDA engine's update of one chunk: Adam/AdamW or SGD on the fp32 master weights, the
   // master rounded to its format when that is not fp32, the working copy refreshed in the
-  // compute format (executor_cuda.cpp optimizer_step and round_master).
+  // compute format (cuda_engine.cpp optimizer_step and round_master).
   std::function<void()> optimizer(std::size_t n) {
     const OptimizerSettings os = optimizer_settings(plan_.plan.config);
     const DType dt = dt_, gacc = gacc_, master_format = master_;

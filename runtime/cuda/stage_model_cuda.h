@@ -1,5 +1,5 @@
 // The CUDA backend's pipeline stage: the device counterpart of runtime/model/stage_model.h's
-// StageModel, for the CUDA executor. Same StageSpec, same parameters in the same order and
+// StageModel, for the CUDA engine. Same StageSpec, same parameters in the same order and
 // layout (params(), so gradients compare element by element with the CPU model's), same call
 // sequence (forward, then backward_begin / backward_unit x backward_units() / backward_end), same
 // per-micro-batch stashes and the same mixed-precision rules, computed with the launchers of
@@ -24,7 +24,7 @@
 // compute = grad_accumulation = fp32, where, as on the CPU, products accumulate straight into it.
 // Compute formats: fp32, fp16, bf16 (tf32 and fp8 are refused: the kernels do not store them).
 //
-// What it does not do yet (the CPU model does): the per-step StageNumerics scans (the executor
+// What it does not do yet (the CPU model does): the per-step StageNumerics scans (the engine
 // scans what passes between stages instead) and stashed_tensors() inspection.
 //
 // Work is queued on `stream`; calls return before the device finishes, except forward on the
@@ -74,7 +74,7 @@ class CudaStageModel {
   // Rounds the master weights into the compute-format working copy; after each optimizer step.
   void refresh_working_weights();
 
-  // Device buffers, for the executor (optimizer, all-reduce): params() layout.
+  // Device buffers, for the engine (optimizer, all-reduce): params() layout.
   float* master_weights_device();                 // fp32
   void* gradients_device();                       // gradient_format()
   DType gradient_format() const;                  // spec().grad_accumulation

@@ -1,4 +1,4 @@
-// The CUDA executor (runtime/cuda/executor_cuda.h) against the CPU executor, the reference: the
+// The CUDA executor (runtime/cuda/cuda_engine.h) against the CPU engine, the reference: the
 // same plan, seed and data must train the same model.
 //
 // Tolerances. Both backends start from identical weights and compute the same function with the
