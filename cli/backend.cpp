@@ -7,6 +7,7 @@
 #include "core/scenario.h"
 #include "runtime/backend.h"
 #include "runtime/launch/launch_env.h"
+#include "validation/validate.h"
 
 namespace trainsim::cli {
 
@@ -59,6 +60,14 @@ runtime::Placement single_process_placement(const runtime::Backend& backend, con
                              "launched run is `trainsim run --backend " +
                              backend.name + "`)");
   return p;
+}
+
+validation::ValidationBackend validation_backend(const Scenario& scenario, const CLI::App& sub,
+                                                const BackendChoice& choice, const char* command) {
+  const runtime::Backend& backend = backend_for(scenario, sub, choice);
+  validation::ValidationBackend v(backend);
+  v.placement = single_process_placement(backend, choice, command);
+  return v;
 }
 
 bool prints_output(const runtime::Backend& backend) {

@@ -8,7 +8,6 @@
 
 #include "cli/commands.h"
 #include "core/scenario.h"
-#include "runtime/backend.h"
 #include "validation/incident.h"
 
 namespace trainsim::cli {
@@ -30,9 +29,7 @@ Command add_prove_command(CLI::App& app) {
   return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
             validation::ProveOptions po;
-            const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
-            po.backend = validation::ValidationBackend(backend);
-            po.backend.placement = single_process_placement(backend, o->backend, "prove");
+            po.backend = validation_backend(scenario, *sub, o->backend, "prove");
             po.steps = o->steps;
             po.progress = [](const std::string& s) { std::cerr << "prove: " << s << "\n"; };
             const validation::IncidentReport r = validation::prove(scenario, po);

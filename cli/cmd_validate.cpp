@@ -11,7 +11,6 @@
 
 #include "cli/commands.h"
 #include "core/scenario.h"
-#include "runtime/backend.h"
 #include "validation/baselines.h"
 #include "validation/validate.h"
 
@@ -55,9 +54,7 @@ Command add_validate_command(CLI::App& app) {
             if (o->file.empty()) throw CLI::RequiredError("FILE");
             const Scenario scenario = load_scenario_file(o->file);
             validation::ValidateOptions vo;
-            const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
-            vo.backend = validation::ValidationBackend(backend);
-            vo.backend.placement = single_process_placement(backend, o->backend, "validate");
+            vo.backend = validation_backend(scenario, *sub, o->backend, "validate");
             vo.profile_path = o->profile;
             vo.steps = o->steps;
             vo.synthetic_data = o->synthetic;

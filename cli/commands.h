@@ -17,6 +17,9 @@ struct Scenario;
 namespace trainsim::runtime {
 struct Backend;
 }  // namespace trainsim::runtime
+namespace trainsim::validation {
+struct ValidationBackend;
+}  // namespace trainsim::validation
 
 namespace trainsim::cli {
 
@@ -58,6 +61,10 @@ runtime::Placement placement_for(const runtime::Backend& backend, const BackendC
 // `command` names it in the error): refused under a launcher.
 runtime::Placement single_process_placement(const runtime::Backend& backend, const BackendChoice& choice,
                                             const char* command);
+// What validate and prove (`command`, for errors) run on: backend_for's record, every rank in
+// this process.
+validation::ValidationBackend validation_backend(const Scenario& scenario, const CLI::App& sub,
+                                                const BackendChoice& choice, const char* command);
 // False on every process but rank 0 of a launched run: one report, not one per GPU.
 bool prints_output(const runtime::Backend& backend);
 

@@ -30,34 +30,34 @@ class KernelCalibrator;  // runtime/calibrate/calibrate.h
 struct CalibrateOptions;
 
 struct Backend {
-  std::string name;         // what --backend and runtime.backend say: "cpu", "cuda", "null"
-  std::string title;        // as a sentence says it: "measured on the CUDA backend"
-  std::string help;         // one line for --backend's help
+  std::string name{};         // what --backend and runtime.backend say: "cpu", "cuda", "null"
+  std::string title{};        // as a sentence says it: "measured on the CUDA backend"
+  std::string help{};         // one line for --backend's help
   // Non-empty: this build cannot use the backend, and why ("this trainsim was built without CUDA
   // ..."); every use of the record throws std::runtime_error with it.
-  std::string unavailable;
+  std::string unavailable{};
 
   // The engine that runs `plan`'s steps: every rank, or this process's under a launcher
   // (options.placement). Throws std::invalid_argument for a plan it cannot run, std::runtime_error
   // when its device cannot be used (saying why).
   std::function<std::unique_ptr<DeviceEngine>(const RuntimePlan& plan, const Dataset& data, const RunOptions& options)>
-      engine;
+      engine{};
 
   // Calibration (runtime/calibrate/calibrate.h). Empty: the backend has none (a profile must be given).
   // A profile that describes the device and the plan's placement on it, with no rates yet.
   std::function<HardwareProfile(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options)>
-      describe;
+      describe{};
   // The kernels of the plan's inventory, timed in passes with the backend's own code.
-  std::function<std::unique_ptr<KernelCalibrator>(const RuntimePlan& plan, const CalibrateOptions& options)> kernels;
+  std::function<std::unique_ptr<KernelCalibrator>(const RuntimePlan& plan, const CalibrateOptions& options)> kernels{};
   // Compute formats the kernels can also be calibrated in, besides the plan's own.
-  std::function<bool(DType)> calibrates_format;
+  std::function<bool(DType)> calibrates_format{};
   // Point-to-point and all-reduce over the backend's communicator, as nccl-tests prints them
   // (comm_bench.h); `comm_where` names the transport in errors (" on the single-GPU world").
-  std::function<CommBenchResult(const CommBenchOptions& options, const Placement& placement)> comm_bench;
-  std::string comm_where;
+  std::function<CommBenchResult(const CommBenchOptions& options, const Placement& placement)> comm_bench{};
+  std::string comm_where{};
   // The largest all-reduce group calibrate measures by default for a plan.
-  std::function<int(const RuntimePlan& plan)> comm_ranks;
-  std::string kernel_clock;  // how calibrate times kernels, for its output: "one core, pinned"
+  std::function<int(const RuntimePlan& plan)> comm_ranks{};
+  std::string kernel_clock{};  // how calibrate times kernels, for its output: "one core, pinned"
 
   // The machine's speed wanders (a shared host's neighbours): validate runs kernel calibration
   // passes between the run's steps, so that rates and run come from the same stretch of time.

@@ -16,15 +16,13 @@ namespace {
 #if !TRAINSIM_HAVE_CUDA
 // What `--backend cuda` finds in a build without nvcc: a record that says why it cannot run.
 const Backend& cuda_backend() {
-  static const Backend backend = [] {
-    Backend b;
-    b.name = "cuda";
-    b.title = "CUDA";
-    b.help = "cuBLAS, our kernels; NCCL under a launcher (not in this build)";
-    b.unavailable = "this trainsim was built without CUDA (no nvcc at configure time); use --backend cpu";
-    b.launched = true;
-    return b;
-  }();
+  static const Backend backend{
+      .name = "cuda",
+      .title = "CUDA",
+      .help = "cuBLAS, our kernels; NCCL under a launcher (not in this build)",
+      .unavailable = "this trainsim was built without CUDA (no nvcc at configure time); use --backend cpu",
+      .launched = true,
+  };
   return backend;
 }
 #else

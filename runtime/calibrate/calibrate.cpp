@@ -17,41 +17,42 @@
 namespace trainsim::runtime {
 
 KernelCalibrator::KernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options,
-                                   std::vector<KernelWork> kernels, int storage_bytes)
+                                   std::vector<KernelWork> kernels, int storage_bytes, const ClockFactory& make_clock)
     : plan_(plan), options_(options), kernels_(std::move(kernels)), storage_bytes_(storage_bytes) {
   samples_.resize(kernels_.size());
+  clock_ = make_clock(plan_, options_, kernels_);
+  const int ranks = clock_->stage_ranks();
+  if (ranks > 1) {
+    rank_seconds_.resize(static_cast<std::size_t>(ranks));
+    // Every rank's stage but rank 0's runs for the first time: a warm-up, not a sample.
+    clock_->time_stages_together();
+  }
 }
 
 KernelCalibrator::~KernelCalibrator() = default;
 
-void KernelCalibrator::warm_up(const std::function<void()>& launch_all) {
-  on_timing_thread(launch_all);
-  rank_seconds_.resize(static_cast<std::size_t>(stage_ranks() > 1 ? stage_ranks() : 0));
-  // Every rank's stage but rank 0's runs for the first time: a warm-up, not a sample.
-  if (stage_ranks() > 1) time_stages_together();
-}
-
+std::string KernelCalibrator::placement() const { return clock_->placement(); }
 std::size_t KernelCalibrator::num_kernels() const { return kernels_.size(); }
 int KernelCalibrator::passes_done() const { return static_cast<int>(pass_seconds_.size()); }
 
 void KernelCalibrator::run_passes(int passes) {
-  on_timing_thread([&] {
+  clock_->on_timing_thread([&] {
     for (int p = 0; p < passes; ++p) {
       double total = 0;
       for (std::size_t i = 0; i < kernels_.size(); ++i) {
-        const double t = time_kernel(i);
+        const double t = clock_->time_kernel(i);
         samples_[i].push_back(t);
         total += t;
       }
       pass_seconds_.push_back(total);
-      const auto [f, b] = time_stage();
+      const auto [f, b] = clock_->time_stage();
       stage_forward_.push_back(f);
       stage_backward_.push_back(b);
     }
   });
-  if (stage_ranks() > 1)
+  if (clock_->stage_ranks() > 1)
     for (int p = 0; p < passes; ++p) {
-      const std::vector<double> seconds = time_stages_together();
+      const std::vector<double> seconds = clock_->time_stages_together();
       for (std::size_t r = 0; r < seconds.size(); ++r) rank_seconds_[r].push_back(seconds[r]);
     }
 }
@@ -77,7 +78,7 @@ Composition KernelCalibrator::composition() const {
 }
 
 std::vector<double> KernelCalibrator::core_factors() const {
-  if (stage_ranks() <= 1) return {};
+  if (clock_->stage_ranks() <= 1) return {};
   return stage_factors(stage_forward_, stage_backward_, rank_seconds_);
 }
 

@@ -43,15 +43,44 @@ struct CalibrateOptions {
   std::function<void(const std::string&)> progress;  // a line per kernel group measured
 };
 
-// Every backend's kernel calibrator: the pass loop, the rates, composition and per-rank factors;
-// a backend's subclass times one kernel, one stage alone, and one stage per rank at once.
-// Kernels are calibrated in passes: each pass launches every kernel of the plan's inventory once
-// (round-robin), so all kernels' samples fall in the same stretch of time and a machine that
-// changes speed (a shared host's neighbours) moves them together. Passes can be run between the
-// steps of a run (validate does, for a backend whose speed wanders), so that calibration and
-// measurement see the same machine; a kernel's time is the median of all its samples.
+// A backend's side of kernel calibration: how it times one kernel, one stage alone, and one stage
+// per rank at once, on its device (a pinned core; a rank's streams). KernelCalibrator owns the
+// method around it.
+class KernelClock {
+ public:
+  virtual ~KernelClock() = default;
+  // Where kernels are timed, for progress lines: "core 0, pinned", "green contexts: ...".
+  virtual std::string placement() const = 0;
+  // Runs `body` on the thread kernels are timed from (a pinned core; the rank's device context),
+  // rethrowing what it throws.
+  virtual void on_timing_thread(const std::function<void()>& body) = 0;
+  // On the timing thread: seconds of one launch of kernel `i` of the calibrator's inventory right
+  // after an untimed one; 0 for work this backend does not do.
+  virtual double time_kernel(std::size_t i) = 0;
+  // On the timing thread: seconds of one forward and one backward of rank 0's middle stage.
+  virtual std::pair<double, double> time_stage() = 0;
+  // How many ranks' stages time_stages_together runs (1: rank 0's alone, no factors).
+  virtual int stage_ranks() const = 0;
+  // The middle stage on every rank at once: seconds (forward + backward) per rank.
+  virtual std::vector<double> time_stages_together() = 0;
+};
+
+// Every backend's kernel calibrator: the pass loop, the rates, composition and per-rank factors,
+// around a backend's KernelClock. Kernels are calibrated in passes: each pass launches every
+// kernel of the plan's inventory once (round-robin), so all kernels' samples fall in the same
+// stretch of time and a machine that changes speed (a shared host's neighbours) moves them
+// together. Passes can be run between the steps of a run (validate does, for a backend whose speed
+// wanders), so that calibration and measurement see the same machine; a kernel's time is the
+// median of all its samples.
 class KernelCalibrator {
  public:
+  // Times `kernels` (the plan's inventory) with the clock `make_clock` builds for them (warmed up:
+  // every kernel and stage launched once); `storage_bytes`: bytes per stored element the
+  // composition's kernels are priced with (the CPU's 4-byte floats, the device's compute format).
+  using ClockFactory = std::function<std::unique_ptr<KernelClock>(
+      const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)>;
+  KernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options, std::vector<KernelWork> kernels,
+                   int storage_bytes, const ClockFactory& make_clock);
   virtual ~KernelCalibrator();
   KernelCalibrator(const KernelCalibrator&) = delete;
   KernelCalibrator& operator=(const KernelCalibrator&) = delete;
@@ -72,38 +101,14 @@ class KernelCalibrator {
   int passes_done() const;
   // Median pass time after the first `first_passes` passes against before them, minus 1.
   double speed_change(int first_passes) const;
-  // Where kernels are timed, for progress lines: "core 0, pinned", "green contexts: ..."
-  virtual std::string placement() const = 0;
-
- protected:
-  // `kernels`: the inventory to time; `storage_bytes`: bytes per stored element the composition's
-  // kernels are priced with (the CPU's 4-byte floats, the device's compute format).
-  KernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options, std::vector<KernelWork> kernels,
-                   int storage_bytes);
-  // Runs `body` on the thread kernels are timed from (a pinned core; the rank's device context),
-  // rethrowing what it throws.
-  virtual void on_timing_thread(const std::function<void()>& body) = 0;
-  // On the timing thread: seconds of one launch of kernel `i` right after an untimed one; 0 for
-  // work this backend does not do.
-  virtual double time_kernel(std::size_t i) = 0;
-  // On the timing thread: seconds of one forward and one backward of rank 0's middle stage.
-  virtual std::pair<double, double> time_stage() = 0;
-  // The middle stage on every rank at once: seconds (forward + backward) per rank. Called only
-  // when stage_ranks() > 1.
-  virtual std::vector<double> time_stages_together() = 0;
-  virtual int stage_ranks() const = 0;
-  // The subclass's constructor, once it can time: warm-up launches of every kernel and stage.
-  void warm_up(const std::function<void()>& launch_all);
-
-  const RuntimePlan& plan() const { return plan_; }
-  const CalibrateOptions& options() const { return options_; }
-  const std::vector<KernelWork>& kernels() const { return kernels_; }
+  std::string placement() const;  // the clock's
 
  private:
   RuntimePlan plan_;
   CalibrateOptions options_;
   std::vector<KernelWork> kernels_;
   int storage_bytes_;
+  std::unique_ptr<KernelClock> clock_;
   std::vector<std::vector<double>> samples_;       // [kernel][pass]
   std::vector<double> pass_seconds_;               // all kernels, per pass
   std::vector<double> stage_forward_, stage_backward_;  // rank 0 alone, per pass

@@ -266,65 +266,77 @@ std::string cpu_description() {
   return fmt::format("{}, {} cores", model, cores);
 }
 
-// The CPU calibrator's own state: the launchers and the stages, one per core that runs a rank.
-struct CpuKernelCalibrator::State {
-  std::unique_ptr<KernelTimer> timer;
-  std::vector<std::function<void()>> calls;
-  std::vector<StageBench> stages;  // [core]; stages[0] also runs alone
+namespace {
+
+// The CPU's side of calibration: the runtime's own kernels on a thread pinned to core 0, and a
+// stage of its blocks on every rank's core.
+class CpuClock final : public KernelClock {
+ public:
+  CpuClock(const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)
+      : pin_(options.pin), timer_(plan, options) {
+    for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
+    // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
+    // (none beyond the cores: oversubscribed ranks are not pinned).
+    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int ranks = plan.plan.num_ranks() <= cores && pin_ ? plan.plan.num_ranks() : 1;
+    for (int c = 0; c < ranks; ++c) stages_.emplace_back(spec, 7);
+    on_timing_thread([&] {
+      for (const auto& c : calls_) c();  // warm-up: first touches, lazy allocations
+      stages_[0].time();
+    });
+  }
+
+  std::string placement() const override { return pin_ ? "core 0, pinned" : "one thread"; }
+
+  void on_timing_thread(const std::function<void()>& body) override {
+    on_own_thread([&] {
+      if (pin_) pin_to(0);
+      body();
+    });
+  }
+
+  double time_kernel(std::size_t i) override {
+    calls_[i]();  // untimed: its operands in cache, as a kernel finds what the one before it wrote
+    const auto a = Clock::now();
+    calls_[i]();
+    return std::chrono::duration<double>(Clock::now() - a).count();
+  }
+
+  std::pair<double, double> time_stage() override { return stages_[0].time(); }
+  int stage_ranks() const override { return static_cast<int>(stages_.size()); }
+
+  std::vector<double> time_stages_together() override {
+    const int n = static_cast<int>(stages_.size());
+    std::vector<double> seconds(static_cast<std::size_t>(n));
+    std::barrier start(n);
+    std::vector<std::thread> threads;
+    for (int c = 0; c < n; ++c)
+      threads.emplace_back([&, c] {
+        pin_to(c);
+        start.arrive_and_wait();
+        const auto [f, b] = stages_[static_cast<std::size_t>(c)].time();
+        seconds[static_cast<std::size_t>(c)] = f + b;
+      });
+    for (auto& t : threads) t.join();
+    return seconds;
+  }
+
+ private:
+  bool pin_;
+  KernelTimer timer_;
+  std::vector<std::function<void()>> calls_;
+  std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
 };
 
-CpuKernelCalibrator::CpuKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options)
-    : KernelCalibrator(plan, options, distinct_kernels(plan.plan, 4), 4), s_(std::make_unique<State>()) {
-  s_->timer = std::make_unique<KernelTimer>(this->plan(), this->options());
-  for (const KernelWork& w : kernels()) s_->calls.push_back(s_->timer->launcher(w));
-  // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
-  // (none beyond the cores: oversubscribed ranks are not pinned).
-  const StageSpec spec = middle_stage_spec(this->plan(), kComposeLayers);
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int ranks = plan.plan.num_ranks() <= cores && options.pin ? plan.plan.num_ranks() : 1;
-  for (int c = 0; c < ranks; ++c) s_->stages.emplace_back(spec, 7);
-  warm_up([&] {
-    for (const auto& c : s_->calls) c();  // first touches, lazy allocations
-    s_->stages[0].time();
-  });
-}
+}  // namespace
 
-CpuKernelCalibrator::~CpuKernelCalibrator() = default;
-
-std::string CpuKernelCalibrator::placement() const { return options().pin ? "core 0, pinned" : "one thread"; }
-
-void CpuKernelCalibrator::on_timing_thread(const std::function<void()>& body) {
-  on_own_thread([&] {
-    if (options().pin) pin_to(0);
-    body();
-  });
-}
-
-double CpuKernelCalibrator::time_kernel(std::size_t i) {
-  s_->calls[i]();  // untimed: its operands in cache, as a kernel finds what the one before it wrote
-  const auto a = Clock::now();
-  s_->calls[i]();
-  return std::chrono::duration<double>(Clock::now() - a).count();
-}
-
-std::pair<double, double> CpuKernelCalibrator::time_stage() { return s_->stages[0].time(); }
-
-int CpuKernelCalibrator::stage_ranks() const { return static_cast<int>(s_->stages.size()); }
-
-std::vector<double> CpuKernelCalibrator::time_stages_together() {
-  const int n = static_cast<int>(s_->stages.size());
-  std::vector<double> seconds(static_cast<std::size_t>(n));
-  std::barrier start(n);
-  std::vector<std::thread> threads;
-  for (int c = 0; c < n; ++c)
-    threads.emplace_back([&, c] {
-      pin_to(c);
-      start.arrive_and_wait();
-      const auto [f, b] = s_->stages[static_cast<std::size_t>(c)].time();
-      seconds[static_cast<std::size_t>(c)] = f + b;
-    });
-  for (auto& t : threads) t.join();
-  return seconds;
+std::unique_ptr<KernelCalibrator> make_cpu_kernel_calibrator(const RuntimePlan& plan, const CalibrateOptions& options) {
+  return std::make_unique<KernelCalibrator>(
+      plan, options, distinct_kernels(plan.plan, 4), 4,
+      [](const RuntimePlan& p, const CalibrateOptions& o, const std::vector<KernelWork>& kernels) {
+        return std::make_unique<CpuClock>(p, o, kernels);
+      });
 }
 
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {

@@ -14,22 +14,8 @@
 
 namespace trainsim::runtime {
 
-class CpuKernelCalibrator final : public KernelCalibrator {
- public:
-  CpuKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options);
-  ~CpuKernelCalibrator() override;
-  std::string placement() const override;
-
- private:
-  void on_timing_thread(const std::function<void()>& body) override;
-  double time_kernel(std::size_t i) override;
-  std::pair<double, double> time_stage() override;
-  std::vector<double> time_stages_together() override;
-  int stage_ranks() const override;
-
-  struct State;
-  std::unique_ptr<State> s_;
-};
+// The CPU backend's kernel calibrator for `plan` (its clock: the runtime's own kernels, pinned).
+std::unique_ptr<KernelCalibrator> make_cpu_kernel_calibrator(const RuntimePlan& plan, const CalibrateOptions& options);
 
 // A profile with the machine's description and no rates yet.
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name);

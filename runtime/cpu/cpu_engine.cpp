@@ -506,26 +506,21 @@ std::unique_ptr<DeviceEngine> make_cpu_engine(const RuntimePlan& plan, const Dat
 RunReport run_cpu(const RuntimePlan& plan, const RunOptions& options) { return run(cpu_backend(), plan, options); }
 
 const Backend& cpu_backend() {
-  static const Backend backend = [] {
-    Backend b;
-    b.name = "cpu";
-    b.title = "CPU";
-    b.help = "threads, Eigen";
-    b.engine = make_cpu_engine;
-    b.describe = [](const RuntimePlan& plan, const std::string& name, const CalibrateOptions&) {
-      return describe_cpu_profile(plan, name);
-    };
-    b.kernels = [](const RuntimePlan& plan, const CalibrateOptions& options) -> std::unique_ptr<KernelCalibrator> {
-      return std::make_unique<CpuKernelCalibrator>(plan, options);
-    };
-    b.calibrates_format = [](DType) { return true; };  // low precision is emulated by rounding
-    b.comm_bench = [](const CommBenchOptions& options, const Placement&) { return bench_in_process_comm(options); };
-    // Ranks are threads on the machine's cores.
-    b.comm_ranks = [](const RuntimePlan&) { return static_cast<int>(std::max(2u, std::thread::hardware_concurrency())); };
-    b.kernel_clock = "one core, pinned";
-    b.calibrate_between_steps = true;  // a shared host's speed wanders
-    return b;
-  }();
+  static const Backend backend{
+      .name = "cpu",
+      .title = "CPU",
+      .help = "threads, Eigen",
+      .engine = make_cpu_engine,
+      .describe = [](const RuntimePlan& plan, const std::string& name,
+                     const CalibrateOptions&) { return describe_cpu_profile(plan, name); },
+      .kernels = make_cpu_kernel_calibrator,
+      .calibrates_format = [](DType) { return true; },  // low precision is emulated by rounding
+      .comm_bench = [](const CommBenchOptions& options, const Placement&) { return bench_in_process_comm(options); },
+      // Ranks are threads on the machine's cores.
+      .comm_ranks = [](const RuntimePlan&) { return static_cast<int>(std::max(2u, std::thread::hardware_concurrency())); },
+      .kernel_clock = "one core, pinned",
+      .calibrate_between_steps = true,  // a shared host's speed wanders
+  };
   return backend;
 }
 

@@ -28,6 +28,7 @@
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/cuda/stream_ops.h"
 #include "runtime/cuda/cuda_engine.h"
+#include "runtime/cuda/optimizer_cuda.h"
 
 namespace trainsim::runtime::cuda {
 
@@ -395,25 +396,17 @@ class KernelTimer {
       }
       if (working) k::cast(working, dt, master, DType::fp32, n, S);
     };
-    if (os.kind == Optimizer::sgd)
-      return [=] {
-        k::sgd_update(master, grads, gacc, mask, nullptr, DType::fp32, n, os.learning_rate, os.weight_decay, 1.0f, S);
-        refresh();
-      };
-    auto* m = static_cast<float*>(random(n, DType::fp32, 1e-3f));
-    std::vector<float> second = normal_floats(n, rng_, 1e-3f);
-    for (float& x : second) x *= x;  // a second moment is not negative
-    auto* v = static_cast<float*>(output(n, DType::fp32));
-    upload(v, DType::fp32, second, S);
-    k::AdamParams p;
-    p.learning_rate = os.learning_rate;
-    p.beta1 = os.beta1;
-    p.beta2 = os.beta2;
-    p.eps = os.eps;
-    p.weight_decay = os.weight_decay;
-    p.decoupled = os.kind == Optimizer::adamw;
+    float* m = nullptr;
+    float* v = nullptr;
+    if (os.kind != Optimizer::sgd) {
+      m = static_cast<float*>(random(n, DType::fp32, 1e-3f));
+      std::vector<float> second = normal_floats(n, rng_, 1e-3f);
+      for (float& x : second) x *= x;  // a second moment is not negative
+      v = static_cast<float*>(output(n, DType::fp32));
+      upload(v, DType::fp32, second, S);
+    }
     return [=] {
-      k::adam_update(master, m, v, grads, gacc, mask, nullptr, DType::fp32, n, p, S);
+      update_chunk(os, master, m, v, grads, gacc, mask, n, 1, 1.0f, S);
       refresh();
     };
   }
@@ -469,25 +462,94 @@ struct StageBench {
 
 }  // namespace
 
-struct CudaKernelCalibrator::State {
-  // Destroyed after everything below, whose streams and contexts it owns.
-  SmPartition partition;
-  std::unique_ptr<KernelTimer> timer;     // on rank 0's compute stream
-  std::unique_ptr<k::EventTimer> events;  // in rank 0's context
-  std::vector<std::function<void()>> calls;  // empty: not done on the device (0 seconds)
-  std::vector<std::unique_ptr<StageBench>> stages;  // [rank], each on its rank's compute stream
+namespace {
 
-  State(const RuntimePlan& p, const CudaCalibrateOptions& cuda)
-      : partition(p.plan.num_ranks(), cuda.sm_sharing, cuda.device) {}
+// The device's side of calibration: the backend's launches on rank 0's compute stream, timed with
+// CUDA events, and a stage of its blocks on every rank's streams.
+class CudaClock final : public KernelClock {
+ public:
+  CudaClock(const RuntimePlan& plan, const std::vector<KernelWork>& kernels, const CudaCalibrateOptions& cuda)
+      : partition_(plan.plan.num_ranks(), cuda.sm_sharing, cuda.device) {
+    // A middle stage (no embedding, no head) of kComposeLayers blocks at the plan's shapes, one per
+    // rank.
+    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    on_timing_thread([&] {
+      const StreamHandle stream = partition_.streams(0).compute;
+      timer_ = std::make_unique<KernelTimer>(plan, stream);
+      events_ = std::make_unique<k::EventTimer>();
+      for (const KernelWork& w : kernels) calls_.push_back(timer_->launcher(w));
+      for (const auto& c : calls_)  // warm-up: cuBLAS heuristics, first launches
+        if (c) c();
+      stages_.push_back(std::make_unique<StageBench>(spec, stream, 7));
+      stages_[0]->time();
+    });
+    for (int r = 1; r < partition_.ranks(); ++r)
+      on_rank_thread(partition_, r, [&] {
+        stages_.push_back(std::make_unique<StageBench>(spec, partition_.streams(r).compute, 7));
+      });
+  }
+
+  std::string placement() const override { return partition_.describe(); }
+
+  void on_timing_thread(const std::function<void()>& body) override { on_rank_thread(partition_, 0, body); }
+
+  double time_kernel(std::size_t i) override {
+    const auto& call = calls_[i];
+    if (!call) return 0;
+    const StreamHandle stream = partition_.streams(0).compute;
+    call();  // untimed: its operands in L2, as a kernel finds what the one before it wrote
+    events_->start(stream);
+    call();
+    events_->stop(stream);
+    return events_->elapsed_seconds();
+  }
+
+  std::pair<double, double> time_stage() override { return stages_[0]->time(); }
+  int stage_ranks() const override { return static_cast<int>(stages_.size()); }
+
+  std::vector<double> time_stages_together() override {
+    const int n = static_cast<int>(stages_.size());
+    std::vector<double> seconds(static_cast<std::size_t>(n));
+    std::barrier start(n);
+    std::vector<std::exception_ptr> failed(static_cast<std::size_t>(n));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        const auto ru = static_cast<std::size_t>(r);
+        bool arrived = false;
+        try {
+          partition_.make_current(r);
+          arrived = true;
+          start.arrive_and_wait();
+          const auto [f, b] = stages_[ru]->time();
+          seconds[ru] = f + b;
+        } catch (...) {
+          failed[ru] = std::current_exception();
+          if (!arrived) start.arrive_and_drop();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (const auto& e : failed)
+      if (e) std::rethrow_exception(e);
+    return seconds;
+  }
+
+ private:
+  // Destroyed after everything below, whose streams and contexts it owns.
+  SmPartition partition_;
+  std::unique_ptr<KernelTimer> timer_;     // on rank 0's compute stream
+  std::unique_ptr<k::EventTimer> events_;  // in rank 0's context
+  std::vector<std::function<void()>> calls_;  // empty: not done on the device (0 seconds)
+  std::vector<std::unique_ptr<StageBench>> stages_;  // [rank], each on its rank's compute stream
 };
 
-namespace {
 // The plan, checked before any device work: its formats, and a device to time on.
 const RuntimePlan& checked(const RuntimePlan& plan, const CudaCalibrateOptions& cuda) {
   check_formats(plan.plan);
   find_device(cuda.device);
   return plan;
 }
+
 }  // namespace
 
 CudaKernelCalibrator::CudaKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options,
@@ -495,80 +557,10 @@ CudaKernelCalibrator::CudaKernelCalibrator(const RuntimePlan& plan, const Calibr
     // The CUDA backend stores activations in the compute format (compute_model.cpp prices with
     // the same storage when the profile is not emulated).
     : KernelCalibrator(checked(plan, cuda), options, distinct_kernels(plan.plan, plan.plan.activation_bytes()),
-                       plan.plan.activation_bytes()),
-      s_(std::make_unique<State>(plan, cuda)) {
-  State& s = *s_;
-  // A middle stage (no embedding, no head) of kComposeLayers blocks at the plan's shapes, one per
-  // rank.
-  const StageSpec spec = middle_stage_spec(this->plan(), kComposeLayers);
-  on_rank_thread(s.partition, 0, [&] {
-    const StreamHandle stream = s.partition.streams(0).compute;
-    s.timer = std::make_unique<KernelTimer>(this->plan(), stream);
-    s.events = std::make_unique<k::EventTimer>();
-    for (const KernelWork& w : kernels()) s.calls.push_back(s.timer->launcher(w));
-    s.stages.push_back(std::make_unique<StageBench>(spec, stream, 7));
-  });
-  for (int r = 1; r < s.partition.ranks(); ++r)
-    on_rank_thread(s.partition, r, [&] {
-      s.stages.push_back(std::make_unique<StageBench>(spec, s.partition.streams(r).compute, 7));
-    });
-  warm_up([&] {
-    for (const auto& c : s.calls)  // cuBLAS heuristics, first launches
-      if (c) c();
-    s.stages[0]->time();
-  });
-}
-
-CudaKernelCalibrator::~CudaKernelCalibrator() = default;
-
-std::string CudaKernelCalibrator::placement() const { return s_->partition.describe(); }
-
-void CudaKernelCalibrator::on_timing_thread(const std::function<void()>& body) {
-  on_rank_thread(s_->partition, 0, body);
-}
-
-double CudaKernelCalibrator::time_kernel(std::size_t i) {
-  const auto& call = s_->calls[i];
-  if (!call) return 0;
-  const StreamHandle stream = s_->partition.streams(0).compute;
-  call();  // untimed: its operands in L2, as a kernel finds what the one before it wrote
-  s_->events->start(stream);
-  call();
-  s_->events->stop(stream);
-  return s_->events->elapsed_seconds();
-}
-
-std::pair<double, double> CudaKernelCalibrator::time_stage() { return s_->stages[0]->time(); }
-
-int CudaKernelCalibrator::stage_ranks() const { return static_cast<int>(s_->stages.size()); }
-
-std::vector<double> CudaKernelCalibrator::time_stages_together() {
-  State& s = *s_;
-  const int n = static_cast<int>(s.stages.size());
-  std::vector<double> seconds(static_cast<std::size_t>(n));
-  std::barrier start(n);
-  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      const auto ru = static_cast<std::size_t>(r);
-      bool arrived = false;
-      try {
-        s.partition.make_current(r);
-        arrived = true;
-        start.arrive_and_wait();
-        const auto [f, b] = s.stages[ru]->time();
-        seconds[ru] = f + b;
-      } catch (...) {
-        failed[ru] = std::current_exception();
-        if (!arrived) start.arrive_and_drop();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (const auto& e : failed)
-    if (e) std::rethrow_exception(e);
-  return seconds;
-}
+                       plan.plan.activation_bytes(),
+                       [cuda](const RuntimePlan& p, const CalibrateOptions&, const std::vector<KernelWork>& kernels) {
+                         return std::make_unique<CudaClock>(p, kernels, cuda);
+                       }) {}
 
 HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string& name,
                                       const CudaCalibrateOptions& cuda) {

@@ -51,24 +51,13 @@ bool stored_by_kernels(DType t);
 // every link is intra-node), emulated_low_precision false.
 HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string& name, const CudaCalibrateOptions& cuda);
 
-// The kernel half, in passes: runtime::KernelCalibrator's method (calibrate.h) with CUDA events.
+// The kernel half, in passes: runtime::KernelCalibrator's method (calibrate.h), its clock the
+// backend's launches timed with CUDA events. placement() is SmPartition::describe() of the
+// placement timed. Throws std::runtime_error when no device can be used (saying why),
+// std::invalid_argument for a compute format the kernels do not store (tf32, fp8).
 class CudaKernelCalibrator final : public KernelCalibrator {
  public:
-  // Throws std::runtime_error when no device can be used (saying why), std::invalid_argument for
-  // a compute format the kernels do not store (tf32, fp8).
   CudaKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options, const CudaCalibrateOptions& cuda);
-  ~CudaKernelCalibrator() override;
-  std::string placement() const override;  // SmPartition::describe() of the placement timed
-
- private:
-  void on_timing_thread(const std::function<void()>& body) override;
-  double time_kernel(std::size_t i) override;
-  std::pair<double, double> time_stage() override;
-  std::vector<double> time_stages_together() override;
-  int stage_ranks() const override;
-
-  struct State;
-  std::unique_ptr<State> s_;
 };
 
 // send/recv ping-pong and all-reduce over the single-GPU world on `device`, as

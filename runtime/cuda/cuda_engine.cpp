@@ -22,6 +22,7 @@
 #include "runtime/cuda/calibrate_cuda.h"
 #include "runtime/cuda/device_world.h"
 #include "runtime/cuda/nccl_communicator.h"
+#include "runtime/cuda/optimizer_cuda.h"
 #include "runtime/cuda/sm_partition.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/cuda/stream_ops.h"
@@ -848,22 +849,8 @@ class CudaEngine final : public DeviceEngine {
       const std::size_t n = model.num_parameters();
       const auto* mask = opt.mask.as<std::uint8_t>();
       ++opt.steps;
-      if (os.kind == Optimizer::sgd) {
-        k::sgd_update(model.master_weights_device(), model.gradients_device(), model.gradient_format(), mask, nullptr,
-                      DType::fp32, n, os.learning_rate, os.weight_decay, coef, cs);
-      } else {
-        k::AdamParams p;
-        p.learning_rate = os.learning_rate;
-        p.beta1 = os.beta1;
-        p.beta2 = os.beta2;
-        p.eps = os.eps;
-        p.weight_decay = os.weight_decay;
-        p.decoupled = os.kind == Optimizer::adamw;
-        p.step = opt.steps;
-        p.grad_scale = coef;
-        k::adam_update(model.master_weights_device(), opt.m.as<float>(), opt.v.as<float>(), model.gradients_device(),
-                       model.gradient_format(), mask, nullptr, DType::fp32, n, p, cs);
-      }
+      update_chunk(os, model.master_weights_device(), opt.m.as<float>(), opt.v.as<float>(), model.gradients_device(),
+                   model.gradient_format(), mask, n, opt.steps, coef, cs);
       round_master(rk, j);
     }
   }
@@ -988,29 +975,24 @@ RunReport run_cuda(const RuntimePlan& plan, const RunOptions& options, const Cud
 }
 
 const Backend& cuda_backend() {
-  static const Backend backend = [] {
-    Backend b;
-    b.name = "cuda";
-    b.title = "CUDA";
-    b.help = "cuBLAS, our kernels; NCCL under a launcher";
-    b.engine = make_cuda_engine;
-    b.describe = [](const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options) {
-      return describe_cuda_profile(plan, name, options.placement);
-    };
-    b.kernels = [](const RuntimePlan& plan, const CalibrateOptions& options) -> std::unique_ptr<KernelCalibrator> {
-      return std::make_unique<CudaKernelCalibrator>(plan, options, options.placement);
-    };
-    b.calibrates_format = stored_by_kernels;
-    b.comm_bench = [](const CommBenchOptions& options, const Placement& placement) {
-      return bench_device_world_comm(options, placement.device);
-    };
-    b.comm_where = " on the single-GPU world";
-    // The plan's ranks all on one GPU.
-    b.comm_ranks = [](const RuntimePlan& plan) { return std::max(2, plan.plan.num_ranks()); };
-    b.kernel_clock = "CUDA events on rank 0's stream";
-    b.launched = true;
-    return b;
-  }();
+  static const Backend backend{
+      .name = "cuda",
+      .title = "CUDA",
+      .help = "cuBLAS, our kernels; NCCL under a launcher",
+      .engine = make_cuda_engine,
+      .describe = [](const RuntimePlan& plan, const std::string& name,
+                     const CalibrateOptions& options) { return describe_cuda_profile(plan, name, options.placement); },
+      .kernels = [](const RuntimePlan& plan, const CalibrateOptions& options) -> std::unique_ptr<KernelCalibrator> {
+        return std::make_unique<CudaKernelCalibrator>(plan, options, options.placement);
+      },
+      .calibrates_format = stored_by_kernels,
+      .comm_bench = [](const CommBenchOptions& options,
+                       const Placement& placement) { return bench_device_world_comm(options, placement.device); },
+      .comm_where = " on the single-GPU world",
+      .comm_ranks = [](const RuntimePlan& plan) { return std::max(2, plan.plan.num_ranks()); },  // all on one GPU
+      .kernel_clock = "CUDA events on rank 0's stream",
+      .launched = true,
+  };
   return backend;
 }
 

@@ -129,18 +129,14 @@ std::unique_ptr<DeviceEngine> make_null_engine(const RuntimePlan& plan, const Ru
 }
 
 const Backend& null_backend() {
-  static const Backend backend = [] {
-    Backend b;
-    b.name = "null";
-    b.title = "null";
-    b.help = "no device: the plan's prediction played back (tests the run loop)";
-    b.engine = [](const RuntimePlan& plan, const Dataset&, const RunOptions& options) {
-      NullFaults sleep;
-      sleep.sleep_predicted = true;
-      return make_null_engine(plan, options, sleep);
-    };
-    return b;
-  }();
+  static const Backend backend{
+      .name = "null",
+      .title = "null",
+      .help = "no device: the plan's prediction played back (tests the run loop)",
+      .engine = [](const RuntimePlan& plan, const Dataset&, const RunOptions& options) {
+        return make_null_engine(plan, options, NullFaults{.sleep_predicted = true});
+      },
+  };
   return backend;
 }
 

@@ -25,7 +25,7 @@ struct NullFaults {
   int nan_step = 0;                   // the loss is NaN at this step (0: never)
   int diverge_step = 0;               // from this step on the loss is 10 times larger (0: never)
   // Per step (index step - 1): how long it takes. Empty: sleep_predicted decides.
-  std::vector<std::chrono::milliseconds> step_sleep;
+  std::vector<std::chrono::milliseconds> step_sleep{};
   bool sleep_predicted = false;       // sleep for the predicted step time
 };
 

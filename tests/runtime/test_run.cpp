@@ -50,6 +50,13 @@ fs::path fresh_dir(const std::string& name) {
   return dir;
 }
 
+RunOptions checkpoints_every(int steps, const fs::path& dir) {
+  RunOptions o;
+  o.checkpoint_dir = dir.string();
+  o.checkpoint_every_steps = steps;
+  return o;
+}
+
 TEST(RunLoop, PlaysBackThePredictionAsTheMeasuredResult) {
   for (const ScenarioConfig& c : {config(2, 2, ScheduleKind::one_f_one_b), config(1, 4, ScheduleKind::gpipe),
                                   config(2, 2, ScheduleKind::interleaved_1f1b, 2), config(1, 2, ScheduleKind::zb_h1)}) {
@@ -82,10 +89,7 @@ TEST(RunLoop, PlaysBackThePredictionAsTheMeasuredResult) {
 TEST(RunLoop, ResumingFromACheckpointIsBitwiseAndCheckpointsComeAtTheirCadence) {
   const fs::path dir = fresh_dir("resume");
   const ScenarioConfig c = config(2, 2, ScheduleKind::one_f_one_b, 1, 7);
-  RunOptions every3;
-  every3.checkpoint_dir = dir.string();
-  every3.checkpoint_every_steps = 3;
-  const RunReport whole = run_null(c, every3);
+  const RunReport whole = run_null(c, checkpoints_every(3, dir));
   ASSERT_FALSE(whole.failure);
   // Every multiple of 3, and the last step.
   ASSERT_EQ(whole.checkpoints.size(), 3u);
@@ -100,10 +104,10 @@ TEST(RunLoop, ResumingFromACheckpointIsBitwiseAndCheckpointsComeAtTheirCadence) 
   ASSERT_FALSE(rest.failure);
   ASSERT_EQ(rest.first_step, 4);
   ASSERT_EQ(rest.steps.size(), 4u);
-  for (std::size_t i = 0; i < rest.steps.size(); ++i) {
-    EXPECT_EQ(rest.steps[i].step, whole.steps[i + 3].step);
-    EXPECT_EQ(rest.steps[i].loss, whole.steps[i + 3].loss) << "bitwise";
-    EXPECT_EQ(rest.steps[i].replica_checksums, whole.steps[i + 3].replica_checksums);
+  for (const StepRecord& again : rest.steps) {
+    const StepRecord& first_time = whole.steps[static_cast<std::size_t>(again.step - 1)];
+    EXPECT_EQ(again.loss, first_time.loss) << "step " << again.step << ", bitwise";
+    EXPECT_EQ(again.replica_checksums, first_time.replica_checksums) << "step " << again.step;
   }
   EXPECT_TRUE(rest.checkpoints.empty()) << "no checkpoint dir, no checkpoints";
 
@@ -119,10 +123,7 @@ TEST(RunLoop, AFailedRankEndsTheRunNamingItAndWritesNothingAfter) {
   NullFaults f;
   f.fail_rank = 2;
   f.fail_step = 3;
-  RunOptions every1;
-  every1.checkpoint_dir = dir.string();
-  every1.checkpoint_every_steps = 1;
-  const RunReport r = run_null(config(2, 2, ScheduleKind::one_f_one_b), every1, f);
+  const RunReport r = run_null(config(2, 2, ScheduleKind::one_f_one_b), checkpoints_every(1, dir), f);
   ASSERT_TRUE(r.failure);
   EXPECT_EQ(r.failure->step, 3);
   EXPECT_NE(r.failure->message.find("rank 2 failed at step 3: the null engine's injected failure"), std::string::npos)
@@ -137,10 +138,7 @@ TEST(RunLoop, ANonFiniteLossEndsTheRunSayingWhereItFirstAppeared) {
   const fs::path dir = fresh_dir("nan");
   NullFaults f;
   f.nan_step = 2;
-  RunOptions every1;
-  every1.checkpoint_dir = dir.string();
-  every1.checkpoint_every_steps = 1;
-  const RunReport r = run_null(config(1, 2, ScheduleKind::gpipe), every1, f);
+  const RunReport r = run_null(config(1, 2, ScheduleKind::gpipe), checkpoints_every(1, dir), f);
   ASSERT_TRUE(r.failure);
   EXPECT_EQ(r.failure->step, 2);
   EXPECT_EQ(r.failure->message,
