@@ -23,10 +23,7 @@ void add_backend_options(CLI::App* sub, BackendChoice& backend) {
   sub->add_option("--sm-sharing", backend.sm_sharing,
                   "several ranks on one GPU: split the SMs between ranks with green contexts (green), let ranks "
                   "share every SM (shared), or green where the driver allows it (auto)")
-      ->transform(CLI::CheckedTransformer(std::map<std::string, runtime::SmSharing>{
-          {"auto", runtime::SmSharing::automatic},
-          {"green", runtime::SmSharing::green_contexts},
-          {"shared", runtime::SmSharing::shared}}));
+      ->check(CLI::IsMember({"auto", "green", "shared"}));
   sub->add_option("--device", backend.device, "several ranks on one GPU: which GPU")->check(CLI::NonNegativeNumber);
 }
 
@@ -40,7 +37,9 @@ const runtime::Backend& backend_for(const Scenario& scenario, const CLI::App& su
 
 runtime::Placement placement_for(const runtime::Backend& backend, const BackendChoice& choice) {
   runtime::Placement p;
-  p.sm_sharing = choice.sm_sharing;
+  p.sm_sharing = choice.sm_sharing == "green"    ? runtime::SmSharing::green_contexts
+                 : choice.sm_sharing == "shared" ? runtime::SmSharing::shared
+                                                 : runtime::SmSharing::automatic;
   p.device = choice.device;
   // Started by torchrun, mpirun or srun with more than one process: one rank per process.
   // Otherwise every rank of the plan is placed in this process.

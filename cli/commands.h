@@ -46,7 +46,7 @@ Command add_prove_command(CLI::App& app);
 // The backend a run, calibration or validation uses, from --backend, --sm-sharing, --device.
 struct BackendChoice {
   std::string name = "cpu";  // a name of the registry (runtime/backends.cpp)
-  runtime::SmSharing sm_sharing = runtime::SmSharing::automatic;  // several ranks on one GPU
+  std::string sm_sharing = "auto";  // several ranks on one GPU: auto, green or shared
   int device = 0;            // several ranks on one GPU
 };
 void add_backend_options(CLI::App* sub, BackendChoice& backend);

@@ -431,10 +431,9 @@ class CpuEngine final : public DeviceEngine {
       for (float& x : g) x *= inv_scale;
       const auto [skip_from, skip_count] =
           norm_excluded(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.token_embedding());
-      for (std::size_t i = 0; i < g.size(); ++i) {
-        if (i >= skip_from && i < skip_from + skip_count) continue;
-        sumsq += static_cast<double>(g[i]) * g[i];
-      }
+      // In index order around the range left out, as one pass that skipped it would add them.
+      for (std::size_t i = 0; i < skip_from; ++i) sumsq += static_cast<double>(g[i]) * g[i];
+      for (std::size_t i = skip_from + skip_count; i < g.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
     }
     float total = static_cast<float>(sumsq / plan_.dp);
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,

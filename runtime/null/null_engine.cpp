@@ -132,7 +132,7 @@ const Backend& null_backend() {
   static const Backend backend{
       .name = "null",
       .title = "null",
-      .help = "no device: the plan's prediction played back (tests the run loop)",
+      .help = "no device: the plan's prediction played back, to test the run loop",
       .engine = [](const RuntimePlan& plan, const Dataset&, const RunOptions& options) {
         return make_null_engine(plan, options, NullFaults{.sleep_predicted = true});
       },
