@@ -52,11 +52,13 @@ struct ModelConfig {
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
   AttentionKernel attention = AttentionKernel::flash;
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
 struct LinkConfig {
   double bandwidth_gbps = 0;  // GB/s, one direction
   double latency_us = 0;
+  friend bool operator==(const LinkConfig&, const LinkConfig&) = default;
 };
 
 struct ClusterConfig {
@@ -76,6 +78,7 @@ struct ClusterConfig {
   // its measured rate (core/hardware_profile.h).
   std::string profile;
   std::shared_ptr<const HardwareProfile> calibrated;
+  friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
 };
 
 struct ParallelismConfig {
@@ -87,6 +90,7 @@ struct ParallelismConfig {
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   std::vector<int> layers_per_stage;  // empty: balanced
   int zero_stage = 0;
+  friend bool operator==(const ParallelismConfig&, const ParallelismConfig&) = default;
 };
 
 struct TrainingConfig {
@@ -101,6 +105,7 @@ struct TrainingConfig {
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
   double clip_grad = 1.0;  // clip by the global gradient norm across all stages; 0: off
+  friend bool operator==(const TrainingConfig&, const TrainingConfig&) = default;
 };
 
 struct LossScalingConfig {
@@ -110,6 +115,7 @@ struct LossScalingConfig {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int hysteresis = 2;
+  friend bool operator==(const LossScalingConfig&, const LossScalingConfig&) = default;
 };
 
 struct PrecisionConfig {
@@ -120,12 +126,14 @@ struct PrecisionConfig {
   AllReduceDivide allreduce_divide = AllReduceDivide::before;
   OverflowScope overflow_check = OverflowScope::global;
   LossScalingConfig loss_scaling;
+  friend bool operator==(const PrecisionConfig&, const PrecisionConfig&) = default;
 };
 
 struct CommunicationConfig {
   double bucket_size_mib = 25;
   bool overlap_grad_reduce = false;
   AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
+  friend bool operator==(const CommunicationConfig&, const CommunicationConfig&) = default;
 };
 
 // What `trainsim run` executes for real (the runtime issue); parsed and checked now so that
@@ -143,6 +151,7 @@ struct RuntimeConfig {
   bool data_synthetic = false;
   std::string checkpoint_dir;
   int checkpoint_every_steps = 0;
+  friend bool operator==(const RuntimeConfig&, const RuntimeConfig&) = default;
 };
 
 struct ScenarioConfig {
@@ -155,6 +164,9 @@ struct ScenarioConfig {
   PrecisionConfig precision;
   CommunicationConfig communication;
   RuntimeConfig runtime;
+  // Field by field, every field (a field added to any section is compared too): the
+  // Predictor's schedule cache (sim/simulator.cpp) is keyed on it.
+  friend bool operator==(const ScenarioConfig&, const ScenarioConfig&) = default;
 };
 
 std::string_view schedule_name(ScheduleKind s);

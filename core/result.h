@@ -12,6 +12,7 @@ namespace trainsim {
 struct MemoryBreakdown {
   double weights = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;  // bytes
   double total() const { return weights + gradients + optimizer + activations + buffers; }
+  friend bool operator==(const MemoryBreakdown&, const MemoryBreakdown&) = default;
 };
 
 struct RankResult {
@@ -23,6 +24,7 @@ struct RankResult {
   double exposed_comm_s = 0; // communication during which this rank's compute stream was idle
   double peak_memory_bytes = 0;
   MemoryBreakdown memory;    // at the peak
+  friend bool operator==(const RankResult&, const RankResult&) = default;
 };
 
 struct Result {
@@ -36,6 +38,9 @@ struct Result {
   double memory_capacity_bytes = 0;
   std::vector<RankResult> ranks;
   std::vector<std::string> warnings;
+  // Field by field, every field of every rank (tests compare predictions whole, so a field
+  // added here is compared too).
+  friend bool operator==(const Result&, const Result&) = default;
 };
 
 }  // namespace trainsim

@@ -1,11 +1,14 @@
 #include "sim/simulator.h"
 
+#include <algorithm>
+
 #include "core/metrics.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/memory_model.h"
 #include "sim/cost/p2p_model.h"
 #include "sim/engine.h"
+#include "sim/step_program.h"
 
 namespace trainsim {
 
@@ -21,10 +24,101 @@ Prediction predict(const Plan& plan) {
   return p;
 }
 
+void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
+  key = c;  // reuses key's storage
+  key.name.clear();
+  key.description.clear();
+  ModelConfig& m = key.model;
+  m.preset.clear();  // the shape it set is compared field by field
+  m.attention = {};
+  m.hidden_dropout = m.attention_dropout = 0;
+  ClusterConfig& cl = key.cluster;
+  cl.gpu.clear();
+  cl.profile.clear();  // `calibrated`, the profile itself, is compared
+  cl.memory_gib = 0;
+  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
+  cl.compute_efficiency = 0;
+  cl.hbm_bandwidth_gbps = 0;
+  cl.intra_node = cl.inter_node = {};
+  key.parallelism.sequence_parallel = false;
+  TrainingConfig& t = key.training;
+  t.activation_recompute = {};
+  t.optimizer = {};
+  t.lr = t.weight_decay = t.adam_beta1 = t.adam_beta2 = t.adam_eps = t.clip_grad = 0;
+  PrecisionConfig& pr = key.precision;
+  pr.master_weights = pr.grad_accumulation = {};
+  pr.allreduce_divide = {};
+  const LossScalingMode mode = pr.loss_scaling.mode;  // whether there is an overflow check
+  pr.loss_scaling = {};
+  pr.loss_scaling.mode = mode;
+  key.communication.allreduce_algorithm = {};
+  key.runtime = {};
+}
+
+namespace {
+
+// One schedule of the Predictor's cache, with its compiled program (sim/step_program.h),
+// in two variants: replica 0's programs alone (dp > 1, replicas symmetric) or every rank's.
+// The first configuration that needs a variant builds it and runs the engine on it; the
+// second compiles it, and every later one only re-prices and evaluates the program.
+struct CachedSchedule {
+  struct Variant {
+    std::shared_ptr<Schedule> schedule;  // storage, reused from an evicted entry when no one holds it
+    bool built = false;
+    int runs = 0;
+    bool compile_tried = false;
+    StepProgram program;  // compiled() when compile_tried and the step completes
+    // Per stage, the first rank's forward and backward ops alone, in program order: all that
+    // MemoryModel::peak_of reads (every other op leaves its walk unchanged), a third of the ops.
+    std::vector<RankProgram> memory_walk;
+    std::size_t ops() const { return built ? schedule->total_ops() : 0; }
+  };
+  ScenarioConfig key;  // schedule_key_into
+  Variant replica0, full;
+  std::size_t ops() const { return replica0.ops() + full.ops(); }
+};
+
+}  // namespace
+
 struct Predictor::Workspace {
   Simulation sim;
   ResultWorkspace result;
   std::vector<int> same_as;
+  // Most recently used first: at most kMaxEntries schedules and, beyond the first, kMaxOps ops.
+  std::vector<std::unique_ptr<CachedSchedule>> cache;
+  ScenarioConfig key;
+  static constexpr std::size_t kMaxEntries = 8, kMaxOps = 1'000'000;
+
+  // The entry for `plan`'s schedule, moved to the front; a new one (nothing built) when
+  // there is none.
+  CachedSchedule& lookup(const Plan& plan) {
+    schedule_key_into(plan.config, key);
+    auto it = std::find_if(cache.begin(), cache.end(), [&](const auto& e) { return e->key == key; });
+    if (it != cache.end()) {
+      std::rotate(cache.begin(), it, it + 1);
+      return *cache.front();
+    }
+    std::size_t ops = 0;
+    for (const auto& e : cache) ops += e->ops();
+    std::unique_ptr<CachedSchedule> entry;
+    while (!cache.empty() && (cache.size() >= kMaxEntries || ops > kMaxOps)) {
+      ops -= cache.back()->ops();
+      entry = std::move(cache.back());  // the last one evicted is reused
+      cache.pop_back();
+    }
+    if (!entry) entry = std::make_unique<CachedSchedule>();
+    for (CachedSchedule::Variant* v : {&entry->replica0, &entry->full}) {
+      v->program.reset();  // lets go of the schedule
+      if (!v->schedule || v->schedule.use_count() > 1) v->schedule = std::make_shared<Schedule>();
+      v->built = false;
+      v->memory_walk.clear();
+      v->runs = 0;
+      v->compile_tried = false;
+    }
+    entry->key = key;
+    cache.insert(cache.begin(), std::move(entry));
+    return *cache.front();
+  }
 };
 
 Predictor::Predictor() : ws_(std::make_unique<Workspace>()) {}
@@ -74,37 +168,80 @@ const Prediction& Predictor::predict(const Plan& plan) {
   const NetworkCollectiveModel collective(plan);
   ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, replicas_symmetric(plan, s, collective));
   last_.schedule = schedule_;
-  finish(plan, ws_->sim.last_run_symmetric());
+  finish(plan, s, ws_->sim.last_run_symmetric());
   return last_;
 }
 
 const Result& Predictor::evaluate(const Plan& plan) {
   last_.schedule.reset();
   last_.timeline.schedule.reset();
-  if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
-  Schedule& s = *schedule_;
-
   const RooflineComputeModel compute(plan);
   const LinkP2PModel p2p(plan);
   const NetworkCollectiveModel collective(plan);
+  CachedSchedule& entry = ws_->lookup(plan);
+
+  // The engine the first time a schedule is met, its compiled program from the second on:
+  // both give the same Timeline (tests/test_step_program.cpp).
+  auto program = [&](CachedSchedule::Variant& v, bool replica0_only) -> StepProgram* {
+    if (v.runs++ > 0 && !v.compile_tried) {
+      v.compile_tried = true;
+      v.program.compile(v.schedule, replica0_only);
+    }
+    return v.program.compiled() ? &v.program : nullptr;
+  };
   bool symmetric = false;
+  CachedSchedule::Variant* used = nullptr;
   if (plan.dp > 1) {
-    build_replica0_into(plan, s);
-    symmetric = replicas_symmetric(plan, s, collective) &&
-                ws_->sim.run_replica0(schedule_, compute, p2p, collective, last_.timeline);
+    CachedSchedule::Variant& v = entry.replica0;
+    if (!v.built) {
+      build_replica0_into(plan, *v.schedule);
+      v.built = true;
+    }
+    if (replicas_symmetric(plan, *v.schedule, collective)) {
+      if (StepProgram* p = program(v, true)) {
+        p->run(compute, p2p, collective, last_.timeline);
+        symmetric = true;
+      } else {  // not compiled yet, or replica 0 alone cannot complete (then the full path)
+        symmetric = (!v.compile_tried || v.program.compiled()) &&
+                    ws_->sim.run_replica0(v.schedule, compute, p2p, collective, last_.timeline);
+      }
+      used = &v;
+    }
   }
   if (!symmetric) {  // every rank simulated, as predict() does
-    build_schedule_into(plan, s);
-    ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, false);
+    CachedSchedule::Variant& v = entry.full;
+    if (!v.built) {
+      build_schedule_into(plan, *v.schedule);
+      v.built = true;
+    }
+    if (StepProgram* p = program(v, false))
+      p->run(compute, p2p, collective, last_.timeline);
+    else  // also where the step deadlocks: the engine names the blocked ops
+      ws_->sim.run(v.schedule, compute, p2p, collective, last_.timeline, false);
+    used = &v;
   }
-  finish(plan, symmetric);
+  const Schedule& s = *used->schedule;
+  if (used->memory_walk.empty()) {
+    used->memory_walk.resize(static_cast<std::size_t>(plan.pp));
+    for (int st = 0; st < plan.pp; ++st) {
+      const RankProgram& prog = s.ranks[plan.rank_of(st, 0)];
+      RankProgram& walk = used->memory_walk[st];
+      walk.rank = prog.rank;
+      walk.stage = prog.stage;
+      walk.replica = prog.replica;
+      for (const Op& op : prog.ops)
+        if (is_compute(op.kind) && op.kind != OpKind::OptimizerStep) walk.ops.push_back(op);
+    }
+  }
+  finish(plan, s, symmetric, &used->memory_walk);
   return last_.result;
 }
 
-// Memory and result of the run in last_.timeline. symmetric: replica 0 alone was simulated
-// (replicas 1.. may have no programs or timings: their figures are copied).
-void Predictor::finish(const Plan& plan, bool symmetric) {
-  const Schedule& s = *schedule_;
+// Memory and result of the run in last_.timeline, of schedule `s`. symmetric: replica 0
+// alone was simulated (replicas 1.. may have no programs or timings: their figures are copied).
+// memory_walk (optional): per stage, what the memory model walks for its ranks.
+void Predictor::finish(const Plan& plan, const Schedule& s, bool symmetric,
+                       const std::vector<RankProgram>* memory_walk) {
   // Memory follows the program alone, the same for every replica of a stage.
   const int nranks = static_cast<int>(s.ranks.size());
   const MemoryModel memory(plan);
@@ -112,9 +249,12 @@ void Predictor::finish(const Plan& plan, bool symmetric) {
   auto& same_as = ws_->same_as;
   same_as.resize(nranks);
   for (int r = 0; r < nranks; ++r) {
-    const int first = plan.rank_of(plan.stage_of(r), 0);
+    const int stage = plan.stage_of(r), first = plan.rank_of(stage, 0);
     same_as[r] = first;
-    last_.memory[r] = first < r ? last_.memory[first] : memory.peak_of(s.ranks[r]);
+    if (first < r)
+      last_.memory[r] = last_.memory[first];
+    else
+      last_.memory[r] = memory.peak_of(memory_walk ? (*memory_walk)[stage] : s.ranks[r]);
   }
   compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr);
 }

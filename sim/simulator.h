@@ -22,6 +22,14 @@ struct Prediction {
 // The reference path (what `trainsim simulate` runs): fresh buffers, every rank simulated.
 Prediction predict(const Plan& plan);
 
+// `config` with every field cleared that only the cost models, the memory model or the
+// runtime read, into `key` (its storage reused): two configurations with equal keys have
+// the same schedule (build_schedule), which is what Predictor::evaluate's cache relies on.
+// Every other field is compared (operator==, so a new field is too), and
+// tests/test_step_program.cpp changes each cleared field on random plans and checks that
+// the schedule stays the same.
+void schedule_key_into(const ScenarioConfig& config, ScenarioConfig& key);
+
 // Predicts plan after plan on one thread, reusing its buffers between calls: what a sweep
 // worker keeps (one per thread; no state is shared between Predictors). Gives exactly what
 // predict() gives (tests/test_engine.cpp compares them on random plans), faster:
@@ -51,7 +59,8 @@ class Predictor {
   const Result& evaluate(const Plan& plan);
 
  private:
-  void finish(const Plan& plan, bool symmetric);
+  void finish(const Plan& plan, const Schedule& schedule, bool symmetric,
+              const std::vector<RankProgram>* memory_walk = nullptr);
 
   struct Workspace;
   std::unique_ptr<Workspace> ws_;

@@ -17,6 +17,7 @@
 #include "sim/cost/p2p_model.h"
 #include "sim/engine.h"
 #include "sim/simulator.h"
+#include "sim/sweep/sweep.h"
 
 namespace {
 
@@ -186,6 +187,48 @@ void BM_Sweep_PlanOnly(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(population.size()), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_Sweep_PlanOnly)->Unit(benchmark::kMillisecond);
+
+// ---- A sweep file, as `trainsim sweep` evaluates it -----------------------------------
+// tests/bench/sweep-gpt3-175b.yaml: GPT-3 175B, TP 8 x PP 8, interleaved v = 3, global batch
+// 64, 2,016 variants, every one simulated (docs/performance.md compares it with Calculon).
+// One iteration evaluates every configuration once, on one thread, with one Predictor:
+// exactly what a sweep worker does per row (evaluate_configuration: precision check,
+// Plan::from_config, Predictor::evaluate, the row's metrics and verdict).
+const std::vector<SweepConfiguration>& gpt3_175b_points() {
+  static const std::vector<SweepConfiguration> points =
+      expand_sweep(load_scenario_file(TRAINSIM_SOURCE_DIR "/tests/bench/sweep-gpt3-175b.yaml"));
+  return points;
+}
+
+void BM_SweepFile_GPT3_175B(benchmark::State& state) {
+  const auto& points = gpt3_175b_points();
+  const SweepConstraints none;
+  Predictor predictor;
+  std::size_t simulated = 0;
+  for (const auto& p : points) simulated += evaluate_configuration(predictor, p, none).simulated;
+  for (auto _ : state)
+    for (const auto& p : points) benchmark::DoNotOptimize(evaluate_configuration(predictor, p, none));
+  const double n = static_cast<double>(simulated);  // rows rejected before simulation do not count
+  state.counters["configs"] = static_cast<double>(points.size());
+  state.counters["evaluations_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["s_per_evaluation"] =
+      benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_SweepFile_GPT3_175B)->Unit(benchmark::kMillisecond);
+
+// The whole sweep as `trainsim sweep FILE --threads 1` runs it after loading the file:
+// expansion, evaluation, ranking.
+void BM_SweepFile_GPT3_175B_RunSweep(benchmark::State& state) {
+  const Scenario scenario = load_scenario_file(TRAINSIM_SOURCE_DIR "/tests/bench/sweep-gpt3-175b.yaml");
+  SweepOptions options;
+  options.threads = 1;
+  std::size_t simulated = 0;
+  for (const auto& r : run_sweep(scenario, options).rows) simulated += r.simulated;
+  for (auto _ : state) benchmark::DoNotOptimize(run_sweep(scenario, options));
+  state.counters["evaluations_per_s"] =
+      benchmark::Counter(static_cast<double>(simulated), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_SweepFile_GPT3_175B_RunSweep)->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

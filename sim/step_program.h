@@ -1,0 +1,102 @@
+// A schedule compiled once into a straight-line max-plus program, then re-priced and
+// evaluated per configuration: what a sweep needs, where thousands of configurations share
+// a handful of schedules and differ only in what their ops cost.
+//
+// The engine's rules (sim/engine.h) make every op's end a max of other ends plus a price:
+//   compute, send, local check   end = max(stream free, dep ended) + price
+//   receive                      end = max(stream free, dep ended, its send ended)
+//   collective                   end = max over members of max(stream free, dep ended) + price
+// and which ops feed which is fixed by the schedule alone, not by the prices. compile()
+// runs the engine's worklist once without times, recording the order in which it settles
+// ops; run() then evaluates that order as `T[k] = max(T[a], T[b], T[c]) + D[d]` over integer
+// ticks, with D the prices of this configuration, and writes the same Timeline the engine
+// writes: the same max-plus equations over the same integers, so every start and end is
+// identical (tests/test_step_program.cpp compares them op by op with the engine on random
+// plans, and the Result with predict()).
+//
+// Prices are computed once per distinct op, not once per op:
+//   compute       per (rank, kind, chunk, work): the price of a compute op must not depend on
+//                 its micro-batch, message, bucket, bytes, peer or dep (the default model reads
+//                 kind, chunk, work and rank; tests/test_step_program.cpp checks that on every
+//                 op of random plans, so a model that starts reading them fails there);
+//   send          per (rank, peer, bytes): the P2PModel's own arguments;
+//   collective    per (kind, bytes, members), as the engine already reuses a price.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/schedule.h"
+#include "core/timeline.h"
+#include "sim/cost/cost_models.h"
+
+namespace trainsim {
+
+class RooflineComputeModel;
+class LinkP2PModel;
+class NetworkCollectiveModel;
+
+class StepProgram {
+ public:
+  StepProgram() = default;
+  StepProgram(const StepProgram&) = delete;
+  StepProgram& operator=(const StepProgram&) = delete;
+
+  // Compiles `schedule` (kept alive by the program). replica0_only: as
+  // Simulation::run_replica0, only the ranks of data-parallel replica 0 are simulated (the
+  // others may have empty programs, and get empty timeline rows); a collective shared with
+  // other replicas starts when replica 0's members have arrived. Returns false, leaving
+  // nothing compiled, where the engine would not complete the step (a deadlock) or, for
+  // replica0_only, where the schedule is not shaped for it (not one replica-0 rank per stage);
+  // the caller then runs the engine, which reports the deadlock.
+  bool compile(std::shared_ptr<const Schedule> schedule, bool replica0_only);
+  bool compiled() const { return schedule_ != nullptr; }
+  void reset();  // compiled() false; the schedule let go
+  bool replica0_only() const { return replica0_only_; }
+  const std::shared_ptr<const Schedule>& schedule() const { return schedule_; }
+
+  // The step at these prices, into `out` (buffers reused): what Simulation::run (or
+  // run_replica0) writes for the same schedule and models. Requires compiled().
+  void run(const RooflineComputeModel& compute, const LinkP2PModel& p2p, const NetworkCollectiveModel& collective,
+           Timeline& out);
+  void run(const CostModels& models, Timeline& out);  // any models, one virtual call per distinct op
+
+  std::size_t num_instructions() const { return program_.size(); }
+  std::size_t num_prices() const { return compute_.size() + sends_.size() + collectives_.size(); }
+  std::size_t footprint_bytes() const;  // the compiled program, excluding the schedule
+
+ private:
+  // T[k + 1] = max(T[a], T[b], T[c]) + D[d] for instruction k; T[0] = 0 and D[0] = 0.
+  struct Instruction {
+    std::int32_t a, b, c, d;
+  };
+  // How an op's interval is read back: end = T[cell], start = T[from] - D[price]; from is
+  // cell itself, except for a receive, whose interval starts where its stream's previous op
+  // ended (price 0).
+  struct Slot {
+    std::int32_t cell, from, price;
+  };
+  struct ComputePrice {  // a representative op (rank, index into its program)
+    std::int32_t rank, op;
+  };
+  struct SendPrice {
+    std::int32_t from, to;
+    Bytes bytes;
+  };
+
+  template <class Models>
+  void run_impl(const Models& models, Timeline& out);
+
+  std::shared_ptr<const Schedule> schedule_;
+  bool replica0_only_ = false;
+  std::vector<Instruction> program_;
+  std::vector<Slot> slots_;                   // per op of the simulated ranks, rank after rank
+  std::vector<std::int32_t> first_slot_;      // per rank: its ops' slots start here (-1: not simulated)
+  std::vector<ComputePrice> compute_;         // D[1 ..]
+  std::vector<SendPrice> sends_;              // then these
+  std::vector<std::int32_t> collectives_;     // then these (collective ids)
+  std::vector<Tick> cells_, prices_;          // T and D, reused across runs
+};
+
+}  // namespace trainsim
