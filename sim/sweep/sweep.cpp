@@ -8,6 +8,9 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
+
+#include <time.h>
 
 #include <fmt/format.h>
 
@@ -171,14 +174,41 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   const std::vector<std::string> keys = sweep_keys(sc);
   std::vector<SweepConfiguration> out;
   out.reserve(cur.size());
-  std::set<std::string> seen;
+  // A configuration is dropped when an earlier one kept has the same fingerprint and error.
+  // Those have the same swept values too, so only configurations whose swept values (and
+  // error) collide need their fingerprints (every field formatted) compared.
+  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices into out
+  std::vector<std::string> fingerprints;                                 // of out[i], "" until needed
+  std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
-    if (!seen.insert(fingerprint(p.config) + p.error).second) continue;
     SweepConfiguration c;
+    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
+    bucket.clear();
+    for (const auto& [k, v] : c.values) {
+      bucket += format_field_value(v);
+      bucket += '\x1f';
+    }
+    bucket += p.error;
+    std::vector<std::size_t>& same_values = by_values[bucket];
+    if (!same_values.empty()) {
+      const std::string mine = fingerprint(p.config) + p.error;
+      bool duplicate = false;
+      for (std::size_t j : same_values) {
+        if (fingerprints[j].empty()) fingerprints[j] = fingerprint(out[j].config) + out[j].error;
+        if (fingerprints[j] == mine) {
+          duplicate = true;
+          break;
+        }
+      }
+      if (duplicate) continue;
+      fingerprints.push_back(mine);
+    } else {
+      fingerprints.emplace_back();
+    }
+    same_values.push_back(out.size());
     c.index = out.size();
     c.error = std::move(p.error);
-    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
     c.config = std::move(p.config);
     out.push_back(std::move(c));
   }
@@ -255,8 +285,13 @@ std::vector<std::string> constraint_violations(const SweepConstraints& k, const 
 
 SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
                                 const SweepConstraints& constraints) {
+  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
+}
+
+SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
   SweepRow row;
-  row.point = point;
+  row.point = std::move(moved);
+  const SweepConfiguration& point = row.point;
   if (!point.error.empty()) {
     row.status = SweepStatus::invalid;
     row.reason = point.error;
@@ -360,6 +395,35 @@ std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
   return front;
 }
 
+namespace {
+
+// CPU time of the whole process, every thread, in seconds.
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// 12345 as "12,345".
+std::string with_thousands(double x) {
+  std::string digits = fmt::format("{:.0f}", x), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0 && digits[i - 1] != '-') out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_sweep_stats(const SweepStats& st, std::size_t configurations) {
+  return fmt::format(
+      "{} configurations: {} evaluated, {} rejected before simulation; evaluation {:.3f} s CPU ({:.3f} s wall, {} "
+      "thread{}): {} evaluations per CPU-second; expansion {:.3f} s",
+      configurations, st.evaluations, st.rejected, st.evaluate_cpu_s, st.evaluate_wall_s, st.threads,
+      st.threads == 1 ? "" : "s", with_thousands(st.evaluations_per_cpu_s()), st.expand_s);
+}
+
 SweepResult run_configurations(std::vector<SweepConfiguration> points, const SweepConstraints& constraints,
                                std::vector<std::string> keys, const SweepOptions& options) {
   SweepResult res;
@@ -376,7 +440,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   auto worker = [&] {
     Predictor predictor;  // one per thread: its buffers are reused, nothing is shared
     for (std::size_t i; (i = next.fetch_add(1)) < n;) {
-      res.rows[i] = evaluate_configuration(predictor, points[i], constraints);
+      res.rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints);
       if (done.fetch_add(1) + 1 == n) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
@@ -384,6 +448,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     }
   };
   const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = process_cpu_seconds();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   {
     std::vector<std::thread> pool;
@@ -397,10 +462,14 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     lock.unlock();
     for (auto& t : pool) t.join();
   }
+  res.stats.evaluate_cpu_s = process_cpu_seconds() - cpu_start;
+  res.stats.evaluate_wall_s = elapsed();
+  res.stats.threads = threads;
   if (options.progress) options.progress(SweepProgress{n, n, elapsed()});
 
   for (std::size_t i = 0; i < n; ++i) {
     const SweepRow& r = res.rows[i];
+    ++(r.simulated ? res.stats.evaluations : res.stats.rejected);
     ++res.counts.total;
     switch (r.status) {
       case SweepStatus::ok: ++res.counts.ok; res.ranking.push_back(i); break;
@@ -435,8 +504,12 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
 }
 
 SweepResult run_sweep(const Scenario& scenario, const SweepOptions& options) {
-  return run_configurations(expand_sweep(scenario, options.adjust), scenario.constraints, sweep_keys(scenario),
-                            options);
+  const auto start = std::chrono::steady_clock::now();
+  auto points = expand_sweep(scenario, options.adjust);
+  const double expand_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  SweepResult res = run_configurations(std::move(points), scenario.constraints, sweep_keys(scenario), options);
+  res.stats.expand_s = expand_s;
+  return res;
 }
 
 }  // namespace trainsim
