@@ -60,7 +60,7 @@ Command add_sweep_command(CLI::App& app) {
   sub->add_flag("--json", o->json, "Print every configuration with its metrics as JSON instead of the table");
   sub->add_option("--csv", o->csv, "Write every configuration with its metrics as CSV");
   sub->add_option("--svg", o->svg, "Write a picture: throughput against peak memory per GPU, Pareto front marked");
-  sub->add_option("--threads", o->threads, "Worker threads (default: all cores)")->check(CLI::PositiveNumber);
+  sub->add_option("--threads", o->threads, "Worker threads (default: one per core it may run on, e.g. under taskset)")->check(CLI::PositiveNumber);
   sub->add_flag("--stats", o->stats,
                 "After the outputs, print on stderr what the sweep cost: configurations evaluated (simulated) and "
                 "rejected, evaluations per CPU-second, and the whole command's CPU time");

@@ -51,11 +51,17 @@ class Predictor {
   const Prediction& predict(const Plan& plan);
 
   // predict(plan).result alone, every field, rank and warning the same (tests/test_engine.cpp
-  // compares them on random plans), for callers that read nothing else (sweeps). When the
-  // replicas are symmetric, the programs and timings of replicas 1.. are never built: only
-  // replica 0's schedule is, and the other ranks' result entries are their stage's entries
-  // in replica 0 with rank and replica set. Valid until the next call on this Predictor;
-  // invalidates the Prediction of an earlier predict().
+  // and tests/test_step_program.cpp compare them whole on random plans), for callers that
+  // read nothing else (sweeps). When the replicas are symmetric, the programs and timings of
+  // replicas 1.. are never built: only replica 0's schedule is, and the other ranks' result
+  // entries are their stage's entries in replica 0 with rank and replica set.
+  // Schedules are cached across calls (the last 8, up to a million ops), keyed on
+  // schedule_key_into: a configuration that differs from an earlier one only in what prices
+  // its ops (rates, links, memory, recompute, ...) reuses its schedule. The first
+  // configuration of a schedule runs the engine on it, the second compiles it into a
+  // StepProgram (sim/step_program.h), and every later one re-prices and evaluates that
+  // program, which gives the engine's Timeline op for op. Valid until the next call on this
+  // Predictor; invalidates the Prediction of an earlier predict().
   const Result& evaluate(const Plan& plan);
 
  private:

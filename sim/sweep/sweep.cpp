@@ -10,6 +10,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include <sched.h>
 #include <time.h>
 
 #include <fmt/format.h>
@@ -397,6 +398,15 @@ std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
 
 namespace {
 
+// Cores this process may run on (its affinity mask: `taskset -c 1 trainsim sweep` gets one
+// worker, not one per core of the machine).
+unsigned usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return static_cast<unsigned>(CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 // CPU time of the whole process, every thread, in seconds.
 double process_cpu_seconds() {
   timespec ts{};
@@ -432,7 +442,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   for (std::size_t i = 0; i < n; ++i) points[i].index = i;
   res.rows.resize(n);
 
-  unsigned threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
+  unsigned threads = options.threads ? options.threads : usable_cores();
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
   std::atomic<std::size_t> next{0}, done{0};
   std::mutex mu;

@@ -147,7 +147,7 @@ struct SweepProgress {
 };
 
 struct SweepOptions {
-  unsigned threads = 0;  // 0: std::thread::hardware_concurrency()
+  unsigned threads = 0;  // 0: one per core this process may run on (its CPU affinity)
   // Called on the calling thread about every 100 ms while workers run, and once at the end
   // (done == total).
   std::function<void(const SweepProgress&)> progress;
