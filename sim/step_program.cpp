@@ -46,8 +46,13 @@ class Compiler {
   Compiler(const Schedule& s, std::vector<std::uint8_t> simulated) : s_(s), simulated_(std::move(simulated)) {}
 
   struct Output {
-    std::vector<std::array<std::int32_t, 4>> program;  // a, b, c, price slot
-    std::vector<std::array<std::int32_t, 2>> slots;    // cell, aux per op
+    // a, b, c, price tag, then the op whose interval it writes: rank (| kRecv for a receive,
+    // whose interval starts at T[a]; -1: none) and index in the rank's program.
+    std::vector<std::array<std::int32_t, 6>> program;
+    std::vector<std::array<std::int32_t, 4>> fanout;  // collective members: rank, index, end cell, price tag
+    // Per op: its end's cell, then its price tag or, for a receive, -1 - the cell its
+    // interval starts from (the end of the op before it on its stream).
+    std::vector<std::array<std::int32_t, 2>> slots;
     std::vector<std::int32_t> first_slot;
     std::vector<std::array<std::int32_t, 2>> compute;  // rank, op
     std::vector<std::tuple<std::int32_t, std::int32_t, Bytes>> sends;
@@ -102,9 +107,11 @@ class Compiler {
     worklist_.push_back(stream);
   }
 
-  // Emits T[new] = max(cells) + D[price]; returns the new cell.
-  std::int32_t emit(std::int32_t a, std::int32_t b, std::int32_t c, std::int32_t price) {
-    out_->program.push_back({a, b, c, price});
+  // Emits T[new] = max(cells) + D[price], writing op `index` of `rank` (-1: none); returns
+  // the new cell.
+  std::int32_t emit(std::int32_t a, std::int32_t b, std::int32_t c, std::int32_t price, std::int32_t rank = -1,
+                    std::int32_t index = 0) {
+    out_->program.push_back({a, b, c, price, rank, index});
     return static_cast<std::int32_t>(out_->program.size());  // T[k + 1] for instruction k
   }
 
@@ -168,7 +175,8 @@ class Compiler {
       if (is_recv(op.kind)) {
         const std::int32_t sent = message_cell_[op.channel];
         if (sent < 0) break;
-        slot = {emit(st.last, dep, sent, 0), -st.last - 1};  // spans the wait: from the stream's last end
+        // Spans the wait: from the stream's last end.
+        slot = {emit(st.last, dep, sent, 0, r | StepProgram::kRecv, i), -st.last - 1};
         st.last = slot[0];
       } else if (is_collective(op.kind) && op.channel >= 0) {
         if (st.arrived) break;
@@ -196,6 +204,7 @@ class Compiler {
           Stream* ms = &streams_[static_cast<std::size_t>(member) * kNumStreams];
           Stream& mc = ms[kCollective];
           out_->slots[slot_of(member, mc.cursor)] = {end, price};
+          out_->fanout.push_back({member, mc.cursor, end, price});
           mc.last = end;
           mc.arrived = false;
           ++mc.cursor;
@@ -213,7 +222,7 @@ class Compiler {
         std::int32_t price = 0;
         if (is_compute(op.kind)) price = compute_price(r, op, i);
         else if (is_send(op.kind)) price = send_price(r, op);
-        slot = {emit(st.last, dep, 0, price), price};
+        slot = {emit(st.last, dep, 0, price, r, i), price};
         st.last = slot[0];
         if (is_send(op.kind)) {
           message_cell_[op.channel] = slot[0];
@@ -259,7 +268,7 @@ void StepProgram::reset() {
   schedule_.reset();
   replica0_only_ = false;
   program_.clear();
-  slots_.clear();
+  fanout_.clear();
   first_slot_.clear();
   compute_.clear();
   sends_.clear();
@@ -312,15 +321,10 @@ bool StepProgram::compile(std::shared_ptr<const Schedule> schedule, bool replica
   program_.resize(n);
   for (std::size_t k = 0; k < n; ++k) {
     const auto& x = out.program[k];
-    program_[renamed[k + 1] - 1] = {renamed[x[0]], renamed[x[1]], renamed[x[2]], final_slot(x[3])};
+    program_[renamed[k + 1] - 1] = {renamed[x[0]], renamed[x[1]], renamed[x[2]], final_slot(x[3]), x[4], x[5]};
   }
-  slots_.reserve(out.slots.size());
-  for (const auto& x : out.slots) {
-    if (x[1] >= 0)
-      slots_.push_back({renamed[x[0]], renamed[x[0]], final_slot(x[1])});
-    else  // a receive
-      slots_.push_back({renamed[x[0]], renamed[-x[1] - 1], 0});
-  }
+  fanout_.reserve(out.fanout.size());
+  for (const auto& x : out.fanout) fanout_.push_back({x[0], x[1], renamed[x[2]], final_slot(x[3])});
   first_slot_ = std::move(out.first_slot);
   for (const auto& x : out.compute) compute_.push_back({x[0], x[1]});
   for (const auto& [from, to, bytes] : out.sends) sends_.push_back({from, to, bytes});
@@ -342,7 +346,22 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
   for (const SendPrice& x : sends_) D[j++] = models.p2p(x.from, x.to, x.bytes);
   for (std::int32_t c : collectives_) D[j++] = models.collective(s.collectives[c]);
 
-  // T: every end, in the order the engine settles them.
+  // The Timeline's rows, as the engine sizes them.
+  const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  t.ops.resize(nranks);
+  rows_.assign(nranks, nullptr);
+  for (std::int32_t r = 0; r < nranks; ++r) {
+    if (first_slot_[r] < 0) {
+      t.ops[r].clear();
+      continue;
+    }
+    t.ops[r].resize(s.ranks[r].ops.size());
+    rows_[r] = t.ops[r].data();
+  }
+  OpTiming* const* rows = rows_.data();
+
+  // T: every end, in the order the engine settles them; each op's interval written as its
+  // end is known.
   cells_.resize(program_.size() + 1);
   Tick* T = cells_.data();
   T[0] = 0;
@@ -350,23 +369,14 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
   const std::size_t n = program_.size();
   for (std::size_t k = 0; k < n; ++k) {
     const Instruction& x = ins[k];
-    T[k + 1] = std::max(std::max(T[x.a], T[x.b]), T[x.c]) + D[x.d];
-  }
-
-  // The Timeline, as the engine writes it.
-  const auto nranks = static_cast<std::int32_t>(s.ranks.size());
-  t.ops.resize(nranks);
-  for (std::int32_t r = 0; r < nranks; ++r) {
-    if (first_slot_[r] < 0) {
-      t.ops[r].clear();
-      continue;
+    const Tick end = std::max(std::max(T[x.a], T[x.b]), T[x.c]) + D[x.d];
+    T[k + 1] = end;
+    if (x.rank >= 0) {
+      const Tick start = (x.rank & kRecv) ? T[x.a] : end - D[x.d];
+      rows[x.rank & ~kRecv][x.index] = OpTiming{start, end};
     }
-    const std::size_t nops = s.ranks[r].ops.size();
-    t.ops[r].resize(nops);
-    OpTiming* out = t.ops[r].data();
-    const Slot* slot = slots_.data() + first_slot_[r];
-    for (std::size_t i = 0; i < nops; ++i) out[i] = OpTiming{T[slot[i].from] - D[slot[i].price], T[slot[i].cell]};
   }
+  for (const Fanout& f : fanout_) rows[f.rank][f.index] = OpTiming{T[f.cell] - D[f.price], T[f.cell]};
   t.schedule = schedule_;
   t.predicted = true;
 }
@@ -380,7 +390,7 @@ void StepProgram::run(const CostModels& models, Timeline& out) { run_impl(Virtua
 
 std::size_t StepProgram::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
-  return bytes(program_) + bytes(slots_) + bytes(first_slot_) + bytes(compute_) + bytes(sends_) + bytes(collectives_) +
+  return bytes(program_) + bytes(fanout_) + bytes(first_slot_) + bytes(rows_) + bytes(compute_) + bytes(sends_) + bytes(collectives_) +
          bytes(cells_) + bytes(prices_);
 }
 

@@ -39,6 +39,8 @@ class NetworkCollectiveModel;
 
 class StepProgram {
  public:
+  static constexpr std::int32_t kRecv = 1 << 30;  // see Instruction
+
   StepProgram() = default;
   StepProgram(const StepProgram&) = delete;
   StepProgram& operator=(const StepProgram&) = delete;
@@ -67,15 +69,16 @@ class StepProgram {
   std::size_t footprint_bytes() const;  // the compiled program, excluding the schedule
 
  private:
-  // T[k + 1] = max(T[a], T[b], T[c]) + D[d] for instruction k; T[0] = 0 and D[0] = 0.
+  // T[k + 1] = max(T[a], T[b], T[c]) + D[d] for instruction k; T[0] = 0 and D[0] = 0. It
+  // also writes the interval of op `index` of `rank` (none when rank < 0): [T[k + 1] - D[d],
+  // T[k + 1]), or for a receive (rank | kRecv) [T[a], T[k + 1]): a receive spans the wait,
+  // from the end of the op before it on its stream.
   struct Instruction {
-    std::int32_t a, b, c, d;
+    std::int32_t a, b, c, d, rank, index;
   };
-  // How an op's interval is read back: end = T[cell], start = T[from] - D[price]; from is
-  // cell itself, except for a receive, whose interval starts where its stream's previous op
-  // ended (price 0).
-  struct Slot {
-    std::int32_t cell, from, price;
+  // A collective's end is one cell; its members' intervals are written from it.
+  struct Fanout {
+    std::int32_t rank, index, cell, price;
   };
   struct ComputePrice {  // a representative op (rank, index into its program)
     std::int32_t rank, op;
@@ -91,12 +94,13 @@ class StepProgram {
   std::shared_ptr<const Schedule> schedule_;
   bool replica0_only_ = false;
   std::vector<Instruction> program_;
-  std::vector<Slot> slots_;                   // per op of the simulated ranks, rank after rank
-  std::vector<std::int32_t> first_slot_;      // per rank: its ops' slots start here (-1: not simulated)
+  std::vector<Fanout> fanout_;
+  std::vector<std::int32_t> first_slot_;      // per rank: -1 when not simulated
   std::vector<ComputePrice> compute_;         // D[1 ..]
   std::vector<SendPrice> sends_;              // then these
   std::vector<std::int32_t> collectives_;     // then these (collective ids)
   std::vector<Tick> cells_, prices_;          // T and D, reused across runs
+  std::vector<OpTiming*> rows_;               // the Timeline's rows during a run
 };
 
 }  // namespace trainsim
