@@ -50,6 +50,7 @@ class Compiler {
     // whose interval starts at T[a]; -1: none) and index in the rank's program.
     std::vector<std::array<std::int32_t, 6>> program;
     std::vector<std::array<std::int32_t, 4>> fanout;  // collective members: rank, index, end cell, price tag
+    std::vector<std::array<std::int32_t, 4>> held;    // receives folded into the next op: rank, index, prev, sent
     // Per op: its end's cell, then its price tag or, for a receive, -1 - the cell its
     // interval starts from (the end of the op before it on its stream).
     std::vector<std::array<std::int32_t, 2>> slots;
@@ -74,6 +75,12 @@ class Compiler {
     streams_.assign(static_cast<std::size_t>(nranks) * kNumStreams, Stream{});
     message_cell_.assign(s_.num_messages, -1);
     collectives_.assign(s_.collectives.size(), CollectiveState{});
+    // Ops that another op's dep names: a receive among them keeps its own instruction.
+    dep_target_.assign(static_cast<std::size_t>(expected), 0);
+    for (std::int32_t r = 0; r < nranks; ++r)
+      if (simulated_[r])
+        for (const Op& op : s_.ranks[r].ops)
+          if (op.dep >= 0) dep_target_[slot_of(r, op.dep)] = 1;
     // Members that must arrive: the simulated ones.
     for (std::size_t c = 0; c < s_.collectives.size(); ++c)
       for (int m : s_.collectives[c].members) collectives_[c].target += simulated_[m] ? 1 : 0;
@@ -93,8 +100,18 @@ class Compiler {
   struct Stream {
     std::int32_t cursor = 0;
     std::int32_t last = 0;  // cell of the previous op's end (0: T[0] = 0)
+    // A receive held back to be folded into the op after it (held >= 0: its index): that
+    // op's end is max(last before the receive, the send's end, its own dep) + its price.
+    std::int32_t held = -1, held_prev = 0, held_sent = 0;
     bool arrived = false, waits_dep = false, queued = false;
   };
+
+  // Whether the next op of stream k after op i is a compute op (not another receive).
+  bool compute_follows(const std::vector<Op>& ops, std::int32_t i, std::int32_t k) const {
+    auto j = static_cast<std::size_t>(i) + 1;
+    while (j < ops.size() && stream_index(ops[j].kind) != k) ++j;
+    return j < ops.size() && is_compute(ops[j].kind);
+  }
   struct CollectiveState {
     std::int32_t target = 0;
     std::vector<std::int32_t> arrivals;  // (member, prev cell, dep cell) triples
@@ -175,9 +192,18 @@ class Compiler {
       if (is_recv(op.kind)) {
         const std::int32_t sent = message_cell_[op.channel];
         if (sent < 0) break;
-        // Spans the wait: from the stream's last end.
-        slot = {emit(st.last, dep, sent, 0, r | StepProgram::kRecv, i), -st.last - 1};
-        st.last = slot[0];
+        if (op.dep < 0 && !dep_target_[slot_of(r, i)] && compute_follows(ops, i, k)) {
+          // Nothing reads its end but the op after it: folded into that op's instruction
+          // (a third fewer instructions in a pipeline), its interval written from the same cells.
+          st.held = i;
+          st.held_prev = st.last;
+          st.held_sent = sent;
+          slot = {-1, -st.last - 1};
+        } else {
+          // Spans the wait: from the stream's last end.
+          slot = {emit(st.last, dep, sent, 0, r | StepProgram::kRecv, i), -st.last - 1};
+          st.last = slot[0];
+        }
       } else if (is_collective(op.kind) && op.channel >= 0) {
         if (st.arrived) break;
         const std::int32_t c = op.channel;
@@ -222,7 +248,13 @@ class Compiler {
         std::int32_t price = 0;
         if (is_compute(op.kind)) price = compute_price(r, op, i);
         else if (is_send(op.kind)) price = send_price(r, op);
-        slot = {emit(st.last, dep, 0, price, r, i), price};
+        if (st.held >= 0) {  // the receive just before it
+          out_->held.push_back({r, st.held, st.held_prev, st.held_sent});
+          slot = {emit(st.held_prev, st.held_sent, dep, price, r, i), price};
+          st.held = -1;
+        } else {
+          slot = {emit(st.last, dep, 0, price, r, i), price};
+        }
         st.last = slot[0];
         if (is_send(op.kind)) {
           message_cell_[op.channel] = slot[0];
@@ -256,6 +288,7 @@ class Compiler {
   std::vector<std::int32_t> message_cell_;
   std::vector<CollectiveState> collectives_;
   std::vector<std::int32_t> worklist_, inputs_;
+  std::vector<std::uint8_t> dep_target_;  // per op slot
   std::int64_t completed_ = 0;
   std::map<std::tuple<std::int32_t, int, int, double>, std::int32_t> compute_prices_;
   std::map<std::tuple<std::int32_t, std::int32_t, Bytes>, std::int32_t> send_prices_;
@@ -269,6 +302,7 @@ void StepProgram::reset() {
   replica0_only_ = false;
   program_.clear();
   fanout_.clear();
+  held_.clear();
   first_slot_.clear();
   compute_.clear();
   sends_.clear();
@@ -325,6 +359,8 @@ bool StepProgram::compile(std::shared_ptr<const Schedule> schedule, bool replica
   }
   fanout_.reserve(out.fanout.size());
   for (const auto& x : out.fanout) fanout_.push_back({x[0], x[1], renamed[x[2]], final_slot(x[3])});
+  held_.reserve(out.held.size());
+  for (const auto& x : out.held) held_.push_back({x[0], x[1], renamed[x[2]], renamed[x[3]]});
   first_slot_ = std::move(out.first_slot);
   for (const auto& x : out.compute) compute_.push_back({x[0], x[1]});
   for (const auto& [from, to, bytes] : out.sends) sends_.push_back({from, to, bytes});
@@ -377,6 +413,7 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
     }
   }
   for (const Fanout& f : fanout_) rows[f.rank][f.index] = OpTiming{T[f.cell] - D[f.price], T[f.cell]};
+  for (const Held& h : held_) rows[h.rank][h.index] = OpTiming{T[h.prev], std::max(T[h.prev], T[h.sent])};
   t.schedule = schedule_;
   t.predicted = true;
 }
@@ -390,7 +427,7 @@ void StepProgram::run(const CostModels& models, Timeline& out) { run_impl(Virtua
 
 std::size_t StepProgram::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
-  return bytes(program_) + bytes(fanout_) + bytes(first_slot_) + bytes(rows_) + bytes(compute_) + bytes(sends_) + bytes(collectives_) +
+  return bytes(program_) + bytes(fanout_) + bytes(held_) + bytes(first_slot_) + bytes(rows_) + bytes(compute_) + bytes(sends_) + bytes(collectives_) +
          bytes(cells_) + bytes(prices_);
 }
 

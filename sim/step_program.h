@@ -12,7 +12,9 @@
 // ticks, with D the prices of this configuration, and writes the same Timeline the engine
 // writes: the same max-plus equations over the same integers, so every start and end is
 // identical (tests/test_step_program.cpp compares them op by op with the engine on random
-// plans, and the Result with predict()).
+// plans, and the Result with predict()). Instructions are ordered by depth so that
+// neighbours seldom feed each other, and a receive that only the compute op after it reads
+// is folded into that op's instruction (a third fewer instructions in a pipeline).
 //
 // Prices are computed once per distinct op, not once per op:
 //   compute       per (rank, kind, chunk, work): the price of a compute op must not depend on
@@ -80,6 +82,12 @@ class StepProgram {
   struct Fanout {
     std::int32_t rank, index, cell, price;
   };
+  // A receive whose end only the op after it reads (no dep names it) has no instruction of
+  // its own: that op's takes the receive's inputs, and the receive's interval is
+  // [T[prev], max(T[prev], T[sent])) (it has no dep either).
+  struct Held {
+    std::int32_t rank, index, prev, sent;
+  };
   struct ComputePrice {  // a representative op (rank, index into its program)
     std::int32_t rank, op;
   };
@@ -95,6 +103,7 @@ class StepProgram {
   bool replica0_only_ = false;
   std::vector<Instruction> program_;
   std::vector<Fanout> fanout_;
+  std::vector<Held> held_;
   std::vector<std::int32_t> first_slot_;      // per rank: -1 when not simulated
   std::vector<ComputePrice> compute_;         // D[1 ..]
   std::vector<SendPrice> sends_;              // then these
