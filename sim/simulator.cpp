@@ -57,25 +57,25 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
 
 namespace {
 
-// One schedule of the Predictor's cache, with its compiled program (sim/step_program.h),
-// in two variants: replica 0's programs alone (dp > 1, replicas symmetric) or every rank's.
-// The first configuration that needs a variant builds it and runs the engine on it; the
-// second compiles it, and every later one only re-prices and evaluates the program.
+// One schedule of the Predictor's cache. The first configuration with a given key is
+// evaluated as without a cache (the engine, on the Predictor's own schedule) and leaves only
+// its key here; the second builds the schedule and compiles it (sim/step_program.h), and
+// every later one only re-prices and evaluates the program. Two variants: replica 0's
+// programs alone (dp > 1, replicas symmetric) or every rank's, each built when first needed.
 struct CachedSchedule {
   struct Variant {
     std::shared_ptr<Schedule> schedule;  // storage, reused from an evicted entry when no one holds it
-    bool built = false;
-    int runs = 0;
+    std::size_t ops = 0;                 // 0: not built
     bool compile_tried = false;
-    StepProgram program;  // compiled() when compile_tried and the step completes
+    StepProgram program;                 // not compiled() when the step cannot complete
     // Per stage, the first rank's forward and backward ops alone, in program order: all that
     // MemoryModel::peak_of reads (every other op leaves its walk unchanged), a third of the ops.
     std::vector<RankProgram> memory_walk;
-    std::size_t ops() const { return built ? schedule->total_ops() : 0; }
   };
   ScenarioConfig key;  // schedule_key_into
+  int uses = 0;
   Variant replica0, full;
-  std::size_t ops() const { return replica0.ops() + full.ops(); }
+  std::size_t ops() const { return replica0.ops + full.ops; }
 };
 
 }  // namespace
@@ -109,13 +109,12 @@ struct Predictor::Workspace {
     if (!entry) entry = std::make_unique<CachedSchedule>();
     for (CachedSchedule::Variant* v : {&entry->replica0, &entry->full}) {
       v->program.reset();  // lets go of the schedule
-      if (!v->schedule || v->schedule.use_count() > 1) v->schedule = std::make_shared<Schedule>();
-      v->built = false;
-      v->memory_walk.clear();
-      v->runs = 0;
+      v->ops = 0;
       v->compile_tried = false;
+      v->memory_walk.clear();
     }
     entry->key = key;
+    entry->uses = 0;
     cache.insert(cache.begin(), std::move(entry));
     return *cache.front();
   }
@@ -180,60 +179,74 @@ const Result& Predictor::evaluate(const Plan& plan) {
   const NetworkCollectiveModel collective(plan);
   CachedSchedule& entry = ws_->lookup(plan);
 
-  // The engine the first time a schedule is met, its compiled program from the second on:
-  // both give the same Timeline (tests/test_step_program.cpp).
-  auto program = [&](CachedSchedule::Variant& v, bool replica0_only) -> StepProgram* {
-    if (v.runs++ > 0 && !v.compile_tried) {
+  if (++entry.uses == 1) {  // a schedule not met lately: the engine, as without the cache
+    if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
+    Schedule& s = *schedule_;
+    bool symmetric = false;
+    if (plan.dp > 1) {
+      build_replica0_into(plan, s);
+      symmetric = replicas_symmetric(plan, s, collective) &&
+                  ws_->sim.run_replica0(schedule_, compute, p2p, collective, last_.timeline);
+    }
+    if (!symmetric) {  // every rank simulated, as predict() does
+      build_schedule_into(plan, s);
+      ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, false);
+    }
+    finish(plan, s, symmetric);
+    return last_.result;
+  }
+
+  // Met before: its compiled program (built and compiled now if this variant is new), which
+  // gives the engine's Timeline (tests/test_step_program.cpp).
+  auto built = [&](CachedSchedule::Variant& v, bool replica0_only) -> CachedSchedule::Variant& {
+    if (v.ops == 0) {
+      if (!v.schedule || v.schedule.use_count() > 1) v.schedule = std::make_shared<Schedule>();
+      if (replica0_only)
+        build_replica0_into(plan, *v.schedule);
+      else
+        build_schedule_into(plan, *v.schedule);
+      v.ops = std::max<std::size_t>(1, v.schedule->total_ops());
+      v.memory_walk.resize(static_cast<std::size_t>(plan.pp));
+      for (int st = 0; st < plan.pp; ++st) {
+        const RankProgram& prog = v.schedule->ranks[plan.rank_of(st, 0)];
+        RankProgram& walk = v.memory_walk[st];
+        walk.rank = prog.rank;
+        walk.stage = prog.stage;
+        walk.replica = prog.replica;
+        walk.ops.clear();
+        for (const Op& op : prog.ops)
+          if (is_compute(op.kind) && op.kind != OpKind::OptimizerStep) walk.ops.push_back(op);
+      }
+    }
+    return v;
+  };
+  auto compiled = [&](CachedSchedule::Variant& v, bool replica0_only) {
+    if (!v.compile_tried) {
       v.compile_tried = true;
       v.program.compile(v.schedule, replica0_only);
     }
-    return v.program.compiled() ? &v.program : nullptr;
+    return v.program.compiled();
   };
   bool symmetric = false;
   CachedSchedule::Variant* used = nullptr;
   if (plan.dp > 1) {
-    CachedSchedule::Variant& v = entry.replica0;
-    if (!v.built) {
-      build_replica0_into(plan, *v.schedule);
-      v.built = true;
-    }
-    if (replicas_symmetric(plan, *v.schedule, collective)) {
-      if (StepProgram* p = program(v, true)) {
-        p->run(compute, p2p, collective, last_.timeline);
-        symmetric = true;
-      } else {  // not compiled yet, or replica 0 alone cannot complete (then the full path)
-        symmetric = (!v.compile_tried || v.program.compiled()) &&
-                    ws_->sim.run_replica0(v.schedule, compute, p2p, collective, last_.timeline);
-      }
+    CachedSchedule::Variant& v = built(entry.replica0, true);
+    // Not compiled: replica 0 alone cannot complete (run_replica0 would refuse): the full path.
+    if (replicas_symmetric(plan, *v.schedule, collective) && compiled(v, true)) {
+      v.program.run(compute, p2p, collective, last_.timeline);
+      symmetric = true;
       used = &v;
     }
   }
   if (!symmetric) {  // every rank simulated, as predict() does
-    CachedSchedule::Variant& v = entry.full;
-    if (!v.built) {
-      build_schedule_into(plan, *v.schedule);
-      v.built = true;
-    }
-    if (StepProgram* p = program(v, false))
-      p->run(compute, p2p, collective, last_.timeline);
-    else  // also where the step deadlocks: the engine names the blocked ops
+    CachedSchedule::Variant& v = built(entry.full, false);
+    if (compiled(v, false))
+      v.program.run(compute, p2p, collective, last_.timeline);
+    else  // a step that deadlocks: the engine names the blocked ops
       ws_->sim.run(v.schedule, compute, p2p, collective, last_.timeline, false);
     used = &v;
   }
-  const Schedule& s = *used->schedule;
-  if (used->memory_walk.empty()) {
-    used->memory_walk.resize(static_cast<std::size_t>(plan.pp));
-    for (int st = 0; st < plan.pp; ++st) {
-      const RankProgram& prog = s.ranks[plan.rank_of(st, 0)];
-      RankProgram& walk = used->memory_walk[st];
-      walk.rank = prog.rank;
-      walk.stage = prog.stage;
-      walk.replica = prog.replica;
-      for (const Op& op : prog.ops)
-        if (is_compute(op.kind) && op.kind != OpKind::OptimizerStep) walk.ops.push_back(op);
-    }
-  }
-  finish(plan, s, symmetric, &used->memory_walk);
+  finish(plan, *used->schedule, symmetric, &used->memory_walk);
   return last_.result;
 }
 
