@@ -223,7 +223,16 @@ const Result& Predictor::evaluate(const Plan& plan) {
   auto compiled = [&](CachedSchedule::Variant& v, bool replica0_only) {
     if (!v.compile_tried) {
       v.compile_tried = true;
-      v.program.compile(v.schedule, replica0_only);
+      // The program prices a compute op once per (rank, kind, chunk, work): a compute model
+      // that reads more of an op (its micro-batch, say) keeps this schedule on the engine.
+      if (v.program.compile(v.schedule, replica0_only) && !v.program.prices_hold(compute, p2p, collective))
+        v.program.reset();
+      // The memory walk's forward and backward ops alone must walk to what the whole
+      // programs walk to; a memory model that reads other ops gets the whole programs.
+      const MemoryModel memory(plan);
+      for (int st = 0; st < plan.pp && !v.memory_walk.empty(); ++st)
+        if (!(memory.peak_of(v.memory_walk[st]) == memory.peak_of(v.schedule->ranks[plan.rank_of(st, 0)])))
+          v.memory_walk.clear();
     }
     return v.program.compiled();
   };
@@ -246,7 +255,7 @@ const Result& Predictor::evaluate(const Plan& plan) {
       ws_->sim.run(v.schedule, compute, p2p, collective, last_.timeline, false);
     used = &v;
   }
-  finish(plan, *used->schedule, symmetric, &used->memory_walk);
+  finish(plan, *used->schedule, symmetric, used->memory_walk.empty() ? nullptr : &used->memory_walk);
   return last_.result;
 }
 

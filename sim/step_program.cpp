@@ -56,6 +56,7 @@ class Compiler {
     std::vector<std::array<std::int32_t, 2>> slots;
     std::vector<std::int32_t> first_slot;
     std::vector<std::array<std::int32_t, 2>> compute;  // rank, op
+    std::vector<std::array<std::int32_t, 3>> priced;   // every compute op: rank, op, its class (1..)
     std::vector<std::tuple<std::int32_t, std::int32_t, Bytes>> sends;
     std::vector<std::int32_t> collectives;
   };
@@ -141,6 +142,7 @@ class Compiler {
       out_->compute.push_back({r, index});
       it->second = static_cast<std::int32_t>(out_->compute.size());  // D[1 ..] (finalised below)
     }
+    out_->priced.push_back({r, index, it->second});
     return it->second;
   }
   std::int32_t send_price(std::int32_t r, const Op& op) {
@@ -303,6 +305,7 @@ void StepProgram::reset() {
   program_.clear();
   fanout_.clear();
   held_.clear();
+  priced_.clear();
   first_slot_.clear();
   compute_.clear();
   sends_.clear();
@@ -363,6 +366,8 @@ bool StepProgram::compile(std::shared_ptr<const Schedule> schedule, bool replica
   for (const auto& x : out.held) held_.push_back({x[0], x[1], renamed[x[2]], renamed[x[3]]});
   first_slot_ = std::move(out.first_slot);
   for (const auto& x : out.compute) compute_.push_back({x[0], x[1]});
+  priced_.reserve(out.priced.size());
+  for (const auto& x : out.priced) priced_.push_back({x[0], x[1], x[2]});
   for (const auto& [from, to, bytes] : out.sends) sends_.push_back({from, to, bytes});
   collectives_ = std::move(out.collectives);
   schedule_ = std::move(schedule);
@@ -417,6 +422,24 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
   t.schedule = schedule_;
   t.predicted = true;
 }
+
+template <class Models>
+bool StepProgram::prices_hold_impl(const Models& models) const {
+  const Schedule& s = *schedule_;
+  std::vector<Tick> of_class;
+  of_class.reserve(compute_.size());
+  for (const ComputePrice& c : compute_) of_class.push_back(models.compute(s.ranks[c.rank].ops[c.op], c.rank));
+  for (const ComputePrice& c : priced_)
+    if (models.compute(s.ranks[c.rank].ops[c.op], c.rank) != of_class[static_cast<std::size_t>(c.cls) - 1]) return false;
+  return true;
+}
+
+bool StepProgram::prices_hold(const RooflineComputeModel& compute, const LinkP2PModel& p2p,
+                              const NetworkCollectiveModel& collective) const {
+  return prices_hold_impl(DefaultModels{compute, p2p, collective});
+}
+
+bool StepProgram::prices_hold(const CostModels& models) const { return prices_hold_impl(VirtualModels{models}); }
 
 void StepProgram::run(const RooflineComputeModel& compute, const LinkP2PModel& p2p,
                       const NetworkCollectiveModel& collective, Timeline& out) {

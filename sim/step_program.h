@@ -66,6 +66,13 @@ class StepProgram {
            Timeline& out);
   void run(const CostModels& models, Timeline& out);  // any models, one virtual call per distinct op
 
+  // Whether these models price every compute op of the schedule as its class's
+  // representative (same rank, kind, chunk and work): one call per compute op. The Predictor
+  // asks once per compiled schedule and runs the engine instead when not.
+  bool prices_hold(const RooflineComputeModel& compute, const LinkP2PModel& p2p,
+                   const NetworkCollectiveModel& collective) const;
+  bool prices_hold(const CostModels& models) const;
+
   std::size_t num_instructions() const { return program_.size(); }
   std::size_t num_prices() const { return compute_.size() + sends_.size() + collectives_.size(); }
   std::size_t footprint_bytes() const;  // the compiled program, excluding the schedule
@@ -88,8 +95,8 @@ class StepProgram {
   struct Held {
     std::int32_t rank, index, prev, sent;
   };
-  struct ComputePrice {  // a representative op (rank, index into its program)
-    std::int32_t rank, op;
+  struct ComputePrice {  // a representative op (rank, index into its program), or any op and its class
+    std::int32_t rank, op, cls = 0;
   };
   struct SendPrice {
     std::int32_t from, to;
@@ -98,6 +105,8 @@ class StepProgram {
 
   template <class Models>
   void run_impl(const Models& models, Timeline& out);
+  template <class Models>
+  bool prices_hold_impl(const Models& models) const;
 
   std::shared_ptr<const Schedule> schedule_;
   bool replica0_only_ = false;
@@ -106,6 +115,7 @@ class StepProgram {
   std::vector<Held> held_;
   std::vector<std::int32_t> first_slot_;      // per rank: -1 when not simulated
   std::vector<ComputePrice> compute_;         // D[1 ..]
+  std::vector<ComputePrice> priced_;          // every compute op with its class (prices_hold)
   std::vector<SendPrice> sends_;              // then these
   std::vector<std::int32_t> collectives_;     // then these (collective ids)
   std::vector<Tick> cells_, prices_;          // T and D, reused across runs

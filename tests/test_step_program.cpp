@@ -138,6 +138,11 @@ class RankedCompute final : public ComputeModel {
     return op.work == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * op.work + 0.5);
   }
 };
+// A model the compiled program cannot serve: it prices each micro-batch differently.
+class MicrobatchCompute final : public ComputeModel {
+ public:
+  Tick duration(const Op& op, int) const override { return is_compute(op.kind) ? 1000 + op.microbatch : 0; }
+};
 class RankedP2P final : public P2PModel {
  public:
   Tick duration(int from, int to, Bytes bytes) const override { return 31 + 5 * from + 3 * to + bytes % 97; }
@@ -171,10 +176,15 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     const RankedP2P ranked_p2p;
     const SizedCollectives sized;
     const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+    const MicrobatchCompute microbatch_compute;
+    const CostModels by_microbatch{&microbatch_compute, &ranked_p2p, &sized};
     std::string where;
 
     auto full = std::make_shared<const Schedule>(build_schedule(plan));
     ASSERT_TRUE(program.compile(full, false));
+    EXPECT_TRUE(program.prices_hold(compute, p2p, collective));
+    EXPECT_TRUE(program.prices_hold(ranked));
+    if (plan.num_microbatches > 1) EXPECT_FALSE(program.prices_hold(by_microbatch));
     sim.run(full, compute, p2p, collective, want, false);
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << where;
