@@ -1,5 +1,10 @@
 #include "core/presets.h"
 
+#include <fmt/format.h>
+
+#include "core/config_fields.h"
+#include "core/model_shape.h"
+
 namespace trainsim {
 
 namespace {
@@ -56,6 +61,8 @@ ModelConfig llama2(int layers, int hidden, int heads, int groups, int ffn) {
   m.untie_embeddings_and_output_weights = true;
   m.add_bias_linear = false;
   m.normalization = Normalization::rmsnorm;
+  m.hidden_dropout = 0;  // Llama trains without dropout (Touvron et al. 2023; the released
+  m.attention_dropout = 0;  // configs' attention_dropout is 0.0)
   return m;
 }
 
@@ -118,6 +125,38 @@ void apply_gpu_preset(const GpuPreset& p, ClusterConfig& c) {
 void apply_model_preset(const ModelPreset& p, ModelConfig& m) {
   m = p.model;
   m.preset = p.name;
+}
+
+std::string model_label(const ModelConfig& m) {
+  if (m.preset.empty()) return "";
+  const ModelPreset* p = find_model_preset(m.preset);
+  if (!p) return m.preset;
+  ScenarioConfig mine, preset;
+  mine.model = m;
+  preset.model = p->model;
+  preset.model.preset = m.preset;
+  std::string diffs;
+  for (const auto& f : scenario_fields()) {
+    if (f.path.rfind("model.", 0) != 0 || f.path == "model.preset" || !f.get) continue;
+    const std::string a = format_field_value(f.get(mine)), b = format_field_value(f.get(preset));
+    if (a != b) diffs += fmt::format("{}{} {}", diffs.empty() ? "" : ", ", f.path.substr(6), a);
+  }
+  return diffs.empty() ? m.preset : m.preset + " with " + diffs;
+}
+
+std::string format_params(double params) { return fmt::format("{:.2f}B", params / 1e9); }
+
+std::string model_presets_markdown() {
+  std::string out =
+      "| preset | layers | hidden | heads (KV) | FFN | seq | vocab | dropout (hidden / attention) | parameters | source |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& p : model_presets()) {
+    const ModelShape s(p.model);
+    out += fmt::format("| `{}` | {} | {} | {}{} | {} | {} | {} | {:g} / {:g} | {} | {} |\n", p.name, s.L, s.h, s.a,
+                       s.kv_heads != s.a ? fmt::format(" ({})", s.kv_heads) : "", s.f, s.s, s.V, p.model.hidden_dropout,
+                       p.model.attention_dropout, format_params(s.total_params()), p.summary);
+  }
+  return out;
 }
 
 }  // namespace trainsim

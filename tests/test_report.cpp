@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/plan.h"
+#include "core/config_fields.h"
 #include "core/report/report.h"
 #include "sim/simulator.h"
 
@@ -361,21 +362,49 @@ TEST(TimelineSvg, ScenarioNameIsEscaped) {
   EXPECT_EQ(json::parse(trace_of(plan, p)).at("otherData").at("scenario"), c.name);
 }
 
-TEST(TimelineSvg, DrawsAtMost128RanksAndSaysSo) {
+// Many ranks: the replicas of a stage run the same program, so each stage shows its first and
+// last replica, and the picture says how many ranks it leaves out.
+TEST(TimelineSvg, SamplesReplicasOfLargePlansAndSaysSo) {
   ScenarioConfig c = small_config(ScheduleKind::one_f_one_b, 80, 2, 2);
   const Plan plan = Plan::from_config(c);
   const Prediction p = predict(plan);
   ASSERT_EQ(p.schedule->ranks.size(), 160u);
   const std::string svg = svg_of(plan, p);
-  const std::regex row(">rank ([0-9]+)  s ");
-  std::set<int> drawn;
-  for (std::sregex_iterator it(svg.begin(), svg.end(), row), end; it != end; ++it) drawn.insert(std::stoi((*it)[1]));
-  ASSERT_EQ(drawn.size(), 128u);
-  EXPECT_EQ(*drawn.begin(), 0);
-  EXPECT_EQ(*drawn.rbegin(), 127);
-  EXPECT_NE(svg.find("showing ranks 0-127 of 160"), std::string::npos);
-  EXPECT_NE(svg.find("32 more ranks not drawn"), std::string::npos);
+  const std::regex row(">rank ([0-9]+)  s ([0-9]+) / d ([0-9]+) ");
+  std::set<std::pair<int, int>> drawn;  // (stage, replica)
+  for (std::sregex_iterator it(svg.begin(), svg.end(), row), end; it != end; ++it)
+    drawn.emplace(std::stoi((*it)[2]), std::stoi((*it)[3]));
+  EXPECT_EQ(drawn, (std::set<std::pair<int, int>>{{0, 0}, {0, 79}, {1, 0}, {1, 79}}));
+  EXPECT_NE(svg.find("showing 4 of 160 ranks: replicas 0 and 79 of every stage (2)"), std::string::npos);
+  EXPECT_NE(svg.find("156 more ranks not drawn"), std::string::npos);
   EXPECT_EQ(check_tags(svg), "");
+  // Up to 32 ranks, every rank keeps its row.
+  const Plan small = Plan::from_config(small_config(ScheduleKind::one_f_one_b, 8, 4, 8));
+  const std::string all = svg_of(small, predict(small));
+  for (int r = 0; r < 32; ++r) EXPECT_NE(all.find(fmt::format(">rank {}  s ", r)), std::string::npos) << r;
+}
+
+// Llama 2 70B on 64 GPUs, interleaved over 8 stages x 5 chunks with 64 micro-batches: the
+// picture stays a readable size (it was 2.6 MB of stripes): one row per stage's first and last
+// replica, and repeated forwards and backwards of alternating chunks grouped into bands.
+TEST(TimelineSvg, InterleavedSeventyBillionOnSixtyFourGpusStaysReadable) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, std::string("llama2-70b"));
+  find_field("cluster.gpu")->set(c, std::string("h100-80gb"));
+  c.cluster.num_gpus = 64;
+  c.parallelism.data_parallel_size = 8;
+  c.parallelism.pipeline_parallel_size = 8;
+  c.parallelism.schedule = ScheduleKind::interleaved_1f1b;
+  c.parallelism.virtual_pipeline_stages = 5;
+  c.training.global_batch_size = 512;
+  c.communication.overlap_grad_reduce = true;
+  const Plan plan = Plan::from_config(c);
+  const Prediction p = predict(plan);
+  const std::string svg = svg_of(plan, p);
+  EXPECT_EQ(check_tags(svg), "");
+  EXPECT_EQ(count_of(svg, "<g id=\"rank"), 16u);
+  EXPECT_LT(svg.size(), 400u * 1024u) << "bytes";
+  EXPECT_GT(count_of(svg, "ops, F"), 0u) << "repeated forwards are grouped, with their count in the hover text";
 }
 
 TEST(TimelineSvg, BigScheduleStaysSmall) {
@@ -386,9 +415,10 @@ TEST(TimelineSvg, BigScheduleStaysSmall) {
   ASSERT_GT(ops, 64u * 1000u);
   const std::string svg = svg_of(plan, p);
   EXPECT_EQ(check_tags(svg), "");
-  // No hover text or labels for boxes too many or too narrow to read: the document's
-  // <title> is the only one, and the file stays under one short <rect> per op.
-  EXPECT_EQ(count_of(svg, "<title>"), 1u);
+  // No hover text or labels for single boxes too many or too narrow to read: besides the
+  // document's <title>, only the grouped bands say what they hold; and the file stays under
+  // one short <rect> per op.
+  EXPECT_EQ(count_of(svg, "<title>") - 1, count_of(svg, " ops, "));
   EXPECT_LT(svg.size(), ops * 80);
 }
 
