@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/model_shape.h"
 #include "core/plan.h"
 #include "core/scenario.h"
 #include "core/units.h"
@@ -225,10 +227,26 @@ TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
     layouts.emplace(par.data_parallel_size, par.pipeline_parallel_size, par.tensor_parallel_size);
   }
   EXPECT_EQ(layouts.size(), auto_parallel_layouts(sc.config).size());
+  // No feasible row beats the chosen one by more than the margin.
   for (const auto& row : p.sweep.rows)
     if (row.feasible()) {
-      EXPECT_LE(row.metrics.tokens_per_s, p.sweep.rows[*p.chosen].metrics.tokens_per_s);
+      EXPECT_LE(row.metrics.tokens_per_s, p.sweep.rows[*p.chosen].metrics.tokens_per_s * (1 + p.margin));
     }
+  // The default space searches sequence parallelism and every ZeRO stage, folded where they
+  // mean nothing (sequence parallelism without tensor parallelism, ZeRO-2/3 with a pipeline
+  // under DeepSpeed), so no row is invalid for those reasons.
+  std::set<int> zero;
+  bool sp = false;
+  for (const auto& row : p.sweep.rows) {
+    const auto& par = row.point.config.parallelism;
+    zero.insert(par.zero_stage);
+    sp |= par.sequence_parallel;
+    if (par.sequence_parallel) EXPECT_GT(par.tensor_parallel_size, 1);
+    if (par.zero_stage >= 2) EXPECT_EQ(par.pipeline_parallel_size, 1);
+    EXPECT_EQ(row.reason.find("DeepSpeed refuses"), std::string::npos);
+  }
+  EXPECT_EQ(zero, (std::set<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(sp);
 }
 
 TEST(Plan, NothingFeasibleGivesNoChoice) {
@@ -240,6 +258,42 @@ TEST(Plan, NothingFeasibleGivesNoChoice) {
   EXPECT_TRUE(j["chosen"].is_null());
   EXPECT_TRUE(j["scenario_fragment"].is_null());
   EXPECT_NE(format_plan(p).find("no configuration"), std::string::npos);
+}
+
+// A dead end that helps (70B on one A100): the smallest need, the model states' floor
+// (bytes per parameter x parameters, over the GPU's memory), near misses ordered by how close
+// they came with the limit that bound each, suggestions, and a documented exit status.
+TEST(Plan, NothingFitsSaysWhatWouldMakeItFit) {
+  const Scenario sc = load_scenario_text(
+      "model: {preset: llama2-70b}\ncluster: {gpu: a100-80gb, num_gpus: 1}\ntraining: {global_batch_size: 4}\n",
+      "70b-on-one.yaml");
+  const PlanResult p = make_plan(sc);
+  ASSERT_FALSE(p.chosen.has_value());
+  ASSERT_TRUE(p.infeasible.has_value());
+  const Infeasibility& d = *p.infeasible;
+  // Model states: 2 (BF16 weights) + 4 (FP32 gradients) + 4 + 8 (FP32 master, Adam moments).
+  EXPECT_EQ(d.model_state_bytes_per_param, 18.0);
+  const double params = ModelShape(sc.config.model).total_params();
+  EXPECT_NEAR(d.model_state_bytes, 18.0 * params, 1.0);
+  EXPECT_EQ(d.min_gpus_zero3, static_cast<int>(std::ceil(18.0 * params / gib_to_bytes(sc.config.cluster.memory_gib))));
+  EXPECT_GE(d.min_gpus_zero3, 14);
+  ASSERT_TRUE(d.smallest.has_value());
+  for (const auto& row : p.sweep.rows)
+    if (row.simulated) {
+      EXPECT_GE(row.metrics.peak_memory_bytes, p.sweep.rows[*d.smallest].metrics.peak_memory_bytes);
+    }
+  ASSERT_FALSE(d.near_misses.empty());
+  for (std::size_t k = 1; k < d.near_misses.size(); ++k)
+    EXPECT_LE(p.sweep.rows[d.near_misses[k - 1]].shortfall, p.sweep.rows[d.near_misses[k]].shortfall);
+  for (std::size_t i : d.near_misses) {
+    EXPECT_EQ(p.sweep.rows[i].binding, "memory");
+    EXPECT_NEAR(p.sweep.rows[i].shortfall,
+                p.sweep.rows[i].metrics.peak_memory_bytes / p.sweep.rows[i].metrics.memory_capacity_bytes - 1, 1e-12);
+  }
+  const std::string text = format_plan(p);
+  for (const char* part : {"the smallest need found", "model states alone", "at least", "nearest misses",
+                           "what would make it fit", "more GPUs", "offload"})
+    EXPECT_NE(text.find(part), std::string::npos) << part;
 }
 
 // ---- the command ----------------------------------------------------------------------------
