@@ -422,6 +422,88 @@ TEST(TimelineSvg, BigScheduleStaysSmall) {
   EXPECT_LT(svg.size(), ops * 80);
 }
 
+// ---- the figures an expert asks for ----------------------------------------------------
+
+// Per GPU: tokens/s, model and hardware TFLOP/s against the published closed forms for a GPT
+// (ffn = 4h): model FLOPs per sample 72 s l h^2 (1 + s/(6h) + V/(12 l h)) (Korthikanti et al.
+// 2022), hardware FLOPs with full recompute 96 s l h^2 (1 + s/(6h) + V/(16 l h)) (Narayanan et
+// al. 2021, eq. 3); time to train, GPU-hours and cost from total_tokens and the price.
+TEST(Figures, PerGpuThroughputAndTheWholeRun) {
+  ScenarioConfig c = small_config(ScheduleKind::one_f_one_b, 2, 2, 4);
+  c.training.activation_recompute = Recompute::full;
+  c.training.total_tokens = 1e9;
+  c.cluster.price_per_gpu_hour = 2.5;
+  const Plan plan = Plan::from_config(c);
+  const Result r = predict(plan).result;
+  const double s = c.model.seq_length, l = c.model.num_layers, h = c.model.hidden_size, V = c.model.vocab_size;
+  const double B = plan.global_batch_size, n = c.cluster.num_gpus, T = r.step_time_s;
+  const double model = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));
+  const double hardware = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+  EXPECT_NEAR(r.model_tflops_per_gpu, model / T / n / 1e12, 1e-9 * r.model_tflops_per_gpu);
+  EXPECT_NEAR(r.hardware_tflops_per_gpu, hardware / T / n / 1e12, 1e-9 * r.hardware_tflops_per_gpu);
+  EXPECT_NEAR(r.model_tflops_per_gpu, r.mfu * plan.peak_flops(c.precision.compute) / 1e12, 1e-9 * r.model_tflops_per_gpu);
+  EXPECT_NEAR(r.tokens_per_s_per_gpu * n, r.tokens_per_s, 1e-9 * r.tokens_per_s);
+  EXPECT_NEAR(r.time_to_train_s, 1e9 / r.tokens_per_s, 1e-9 * r.time_to_train_s);
+  EXPECT_NEAR(r.gpu_hours, r.time_to_train_s * n / 3600, 1e-9 * r.gpu_hours);
+  EXPECT_NEAR(r.cost, r.gpu_hours * 2.5, 1e-9 * r.cost);
+  const json j = json::parse(result_to_json(r).dump());
+  for (const char* k : {"tokens_per_s_per_gpu", "model_tflops_per_gpu", "hardware_tflops_per_gpu", "time_to_train_s",
+                        "gpu_hours", "cost", "pipeline_bubble_fraction", "exposed_comm_fraction", "framework",
+                        "framework_setting"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_NE(format_summary(plan, r).find("GPU-hours"), std::string::npos);
+  // Steps instead of tokens; no price: no cost (null in JSON).
+  c.training.total_tokens = 0;
+  c.training.train_steps = 1000;
+  c.cluster.price_per_gpu_hour = 0;
+  const Result by_steps = predict(Plan::from_config(c)).result;
+  EXPECT_NEAR(by_steps.time_to_train_s, 1000 * by_steps.step_time_s, 1e-9 * by_steps.time_to_train_s);
+  EXPECT_LT(by_steps.cost, 0);
+  EXPECT_TRUE(json::parse(result_to_json(by_steps).dump())["cost"].is_null());
+  // Without recompute the hardware does what the model needs.
+  c.training.activation_recompute = Recompute::none;
+  const Result plain = predict(Plan::from_config(c)).result;
+  EXPECT_NEAR(plain.hardware_tflops_per_gpu, plain.model_tflops_per_gpu, 1e-12);
+}
+
+// Pure data parallelism has no pipeline bubble: its idle time is exposed communication, and
+// the summary says so (the plan once said "bubble 0% -> 19%" for a data-parallel change).
+TEST(Figures, IdleTimeSplitsIntoPipelineBubbleAndExposedCommunication) {
+  ScenarioConfig dp = small_config(ScheduleKind::one_f_one_b, 8, 1, 4);
+  dp.cluster.inter_node.bandwidth_gbps = 0.01;  // make the all-reduce matter
+  dp.cluster.gpus_per_node = 1;
+  const Result r = predict(Plan::from_config(dp)).result;
+  EXPECT_GT(r.bubble_fraction, 0.05);
+  EXPECT_EQ(r.pipeline_bubble_fraction, 0.0);
+  EXPECT_EQ(r.exposed_comm_fraction, r.bubble_fraction);
+  // A pipeline with (nearly) free communication: its idle time is pipeline bubble; only the
+  // tied embedding's sum between the first and last stage is a collective.
+  ScenarioConfig pp = small_config(ScheduleKind::gpipe, 1, 4, 8);
+  pp.cluster.intra_node.bandwidth_gbps = 1e6;
+  pp.cluster.intra_node.latency_us = 0;
+  const Result q = predict(Plan::from_config(pp)).result;
+  EXPECT_NEAR(q.pipeline_bubble_fraction + q.exposed_comm_fraction, q.bubble_fraction, 1e-12);
+  EXPECT_LT(q.exposed_comm_fraction, 1e-3);
+  EXPECT_GT(q.pipeline_bubble_fraction, 0.2);
+}
+
+// One warning per distinct cause: 16 replicas over the GPU's memory give one sentence, not 16.
+TEST(Figures, OneMemoryWarningPerDistinctNeed) {
+  ScenarioConfig c = small_config(ScheduleKind::one_f_one_b, 16, 1, 2);
+  c.cluster.gpus_per_node = 16;
+  c.cluster.memory_gib = 0.0001;
+  const Result r = predict(Plan::from_config(c)).result;
+  ASSERT_FALSE(r.fits_in_memory);
+  std::size_t memory_warnings = 0;
+  for (const auto& w : r.warnings) memory_warnings += w.find("more than the GPU's") != std::string::npos;
+  EXPECT_EQ(memory_warnings, 1u);
+  bool grouped = false;
+  for (const auto& w : r.warnings) grouped |= w.find("16 ranks (stage 0: ranks 0-15) need") != std::string::npos;
+  EXPECT_TRUE(grouped);
+  for (std::size_t i = 0; i < r.warnings.size(); ++i)
+    for (std::size_t j = i + 1; j < r.warnings.size(); ++j) EXPECT_NE(r.warnings[i], r.warnings[j]);
+}
+
 // ---- both -----------------------------------------------------------------------------
 
 TEST(Reports, SameInputGivesByteIdenticalOutput) {
