@@ -641,6 +641,7 @@ TEST(SweepPicture, BestPointIsVisibleAndTheHtmlHovers) {
   EXPECT_EQ(h.rfind("<!DOCTYPE html>", 0), 0u);
   EXPECT_NE(h.find("<svg"), std::string::npos);
   EXPECT_NE(h.find("addEventListener('mousemove'"), std::string::npos);
+  EXPECT_EQ(h.find("<title>", h.find("<svg")), std::string::npos) << "the hover box replaces the native tooltips";
   const auto start = h.find("const rows = ") + 13;
   const auto end = h.find(";\n", start);
   const auto rows = nlohmann::json::parse(h.substr(start, end - start));

@@ -632,8 +632,15 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
 }
 
 void write_sweep_html(const SweepResult& s, const Scenario& sc, std::ostream& out) {
-  std::ostringstream svg;
-  write_sweep_svg(s, sc, svg);
+  std::ostringstream svg_out;
+  write_sweep_svg(s, sc, svg_out);
+  // The page's own hover box replaces the SVG's <title> tooltips (a browser would show both).
+  std::string svg = svg_out.str();
+  for (auto at = svg.find("<title>"); at != std::string::npos; at = svg.find("<title>", at)) {
+    const auto end = svg.find("</title>", at);
+    if (end == std::string::npos) break;
+    svg.erase(at, end + 8 - at);
+  }
   // One record per drawn point, keyed by its index: what the hover box shows.
   nlohmann::ordered_json rows = nlohmann::ordered_json::object();
   for (const auto& r : s.rows) {
@@ -664,8 +671,8 @@ void write_sweep_html(const SweepResult& s, const Scenario& sc, std::ostream& ou
          "font-size:12px;box-shadow:0 2px 6px rgba(0,0,0,.25);pointer-events:none;max-width:420px}\n"
          "#tip table{border-collapse:collapse}#tip td{padding:0 6px 0 0;vertical-align:top}\n"
          ".pt{cursor:pointer}.pt:hover{stroke:#000;stroke-width:2.5}\n"
-         "svg title{display:none}\n</style></head>\n<body>\n";
-  out << svg.str();
+         "</style></head>\n<body>\n";
+  out << svg;
   out << "<div id=\"tip\"></div>\n<p style=\"color:#555;font-size:12px\">Hover a point for its configuration and "
          "figures.</p>\n<script>\nconst rows = "
       << data << ";\n"
