@@ -51,6 +51,7 @@ std::string Plan::framework_name() const {
 
 std::string Plan::framework_setting() const {
   const int z = config.parallelism.zero_stage;
+  if (dp <= 1) return "no data parallelism (data_parallel_size 1): nothing is reduced or sharded across replicas";
   const char* grads_each = "gradients reduce-scattered after every micro-batch's backward";
   std::string what;
   switch (framework) {
@@ -92,7 +93,6 @@ std::string Plan::framework_setting() const {
     }
     case Framework::auto_select: break;
   }
-  if (dp <= 1 && z > 0) what += "; data_parallel_size is 1: nothing is sharded or reduced";
   return what;
 }
 
