@@ -46,7 +46,7 @@ void print_sweep_stats(const SweepResult& result) {
 
 Command add_sweep_command(CLI::App& app) {
   struct Options {
-    std::string file, csv, svg;
+    std::string file, csv, svg, html;
     bool json = false, stats = false;
     std::size_t top = 10, infeasible = 10;
     unsigned threads = 0;
@@ -60,7 +60,10 @@ Command add_sweep_command(CLI::App& app) {
   sub->add_flag("--json", o->json, "Print every configuration with its metrics as JSON instead of the table");
   sub->add_option("--csv", o->csv, "Write every configuration with its metrics as CSV");
   sub->add_option("--svg", o->svg, "Write a picture: throughput against peak memory per GPU, Pareto front marked");
-  sub->add_option("--threads", o->threads, "Worker threads (default: one per core it may run on, e.g. under taskset)")->check(CLI::PositiveNumber);
+  sub->add_option("--html", o->html,
+                  "Write the same picture as an HTML page: hover any point for its configuration and figures");
+  sub->add_option("--threads", o->threads, "Worker threads (default: one per core it may run on, e.g. under taskset)")
+      ->check(CLI::PositiveNumber);
   sub->add_flag("--stats", o->stats,
                 "After the outputs, print on stderr what the sweep cost: configurations evaluated (simulated) and "
                 "rejected, evaluations per CPU-second, and the whole command's CPU time");
@@ -78,14 +81,18 @@ Command add_sweep_command(CLI::App& app) {
             } else {
               const std::string name = scenario.config.name.empty() ? o->file : scenario.config.name;
               std::cout << format_sweep_table(result, "sweep of " + name + " (" + o->file + ")", o->top,
-                                              o->infeasible);
+                                              o->infeasible)
+                        << format_sweep_notes(result, scenario);
             }
             std::cout << std::flush;
             if (!o->csv.empty()) write_output(o->csv, [&](std::ostream& out) { write_sweep_csv(result, out); });
             if (!o->svg.empty())
               write_output(o->svg, [&](std::ostream& out) { write_sweep_svg(result, scenario, out); });
+            if (!o->html.empty())
+              write_output(o->html, [&](std::ostream& out) { write_sweep_html(result, scenario, out); },
+                           "open in a browser");
             if (o->stats) print_sweep_stats(result);
-            return 0;
+            return result.ranking.empty() ? kExitNothingFeasible : 0;
           }};
 }
 

@@ -93,6 +93,13 @@ struct RandomPlans {
     c.parallelism.tensor_parallel_size = t;
     c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
     c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    // A framework that runs this ZeRO stage with this pipeline (FSDP has no stage 1;
+    // DeepSpeed, auto's choice for 2-3, refuses ZeRO-2/3 with a pipeline).
+    const int zero = c.parallelism.zero_stage;
+    c.parallelism.framework = static_cast<Framework>(zero == 1              ? pick({0, 1, 2})
+                                                     : zero >= 2 && p > 1 ? pick({1, 3})
+                                                                          : pick({0, 1, 2, 3}));
+    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
     c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
     c.training.micro_batch_size = pick({1, 2});
     c.training.global_batch_size = m * d * c.training.micro_batch_size;
@@ -104,6 +111,11 @@ struct RandomPlans {
     c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
     c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
     c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    try {  // any other invariant a plan must meet
+      Plan::from_config(c);
+    } catch (const ScenarioError&) {
+      return std::nullopt;
+    }
     return c;
   }
   // What a sweep varies without changing the schedule: rates, links, memory, recompute.
