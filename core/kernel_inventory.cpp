@@ -62,15 +62,8 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage) {
     ChunkKernels& c = out[vs];
     Builder k{cfg.precision.compute, static_cast<double>(storage)};
 
-    k.out = &c.forward;
-    if (first) {
-      k.memory("embedding.forward", N * C, 3);
-      k.memory("round", N * C, round_passes);
-    } else {
-      k.memory("copy", N * C, 2);  // the received activation into the stash
-      k.memory("round", N * C, round_passes);
-    }
-    for (int l = 0; l < layers; ++l) {
+    // One layer's forward: run by the forward, and again in the backward under full recompute.
+    auto layer_forward = [&] {
       k.memory("layernorm.forward", N * C, 2);
       k.matmul("linear.forward", N, qkv, C);
       k.matmul("attention.forward", T, T, hs, 2 * b * H);
@@ -83,7 +76,18 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage) {
       k.memory("residual", N * C, 3);
       // ln1, qkv, att, proj, x1, ln2, fc, gelu, proj, out; attention's scores and probabilities
       k.memory("round", N * (7 * C + qkv + ffn_in + F) + 2.0 * b * H * T * T, round_passes);
+    };
+    const Recompute recompute = cfg.training.activation_recompute;
+
+    k.out = &c.forward;
+    if (first) {
+      k.memory("embedding.forward", N * C, 3);
+      k.memory("round", N * C, round_passes);
+    } else {
+      k.memory("copy", N * C, 2);  // the received activation into the stash
+      k.memory("round", N * C, round_passes);
     }
+    for (int l = 0; l < layers; ++l) layer_forward();
     if (last) {
       k.memory("layernorm.forward", N * C, 2);
       k.matmul("linear.forward", N, V, C);
@@ -103,6 +107,13 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage) {
       k.memory("round", N * C, round_passes);
     }
     for (int l = 0; l < layers; ++l) {
+      // Recompute first rebuilds what the forward did not keep: the layer (full), or the
+      // attention core's scores and probabilities (selective).
+      if (recompute == Recompute::full) layer_forward();
+      if (recompute == Recompute::selective) {
+        k.matmul("attention.forward", T, T, hs, 2 * b * H);
+        k.memory("round", 2.0 * b * H * T * T, round_passes);
+      }
       k.matmul("linear.backward_input", N, F, C);
       k.memory("gelu.backward", N * F, 3);
       k.matmul("linear.backward_input", N, C, ffn_in);

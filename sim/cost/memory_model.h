@@ -7,7 +7,8 @@
 // K = 12): weights 2, gradients 2, optimizer 12 (FP32 master + two moments), i.e. 16P;
 // stage 1: 4P + 12P/N; stage 2: 2P + 14P/N; stage 3: 16P/N, with N data-parallel ranks.
 // Activations per layer and micro-batch: ModelShape::layer_activation_bytes (Korthikanti
-// et al. 2022); the last stage also keeps the FP32 logits for the loss.
+// et al. 2022); the last stage also keeps the FP32 logits for the loss and the final norm's input
+// and output.
 #pragma once
 
 #include <vector>
@@ -39,7 +40,7 @@ class MemoryModel {
   const Plan& plan_;
   ModelShape shape_;
   std::vector<double> act_;       // per virtual stage
-  std::vector<double> transient_; // per virtual stage: extra during a backward (full recompute)
+  std::vector<double> transient_; // per virtual stage: extra during a backward (what recompute rebuilds)
   // Per virtual stage: what a split backward keeps from its input pass for its weight pass
   // (zero-bubble schedules): the gradients at the outputs of the layers that hold weights.
   std::vector<double> weight_pass_;
