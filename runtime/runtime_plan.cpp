@@ -89,16 +89,6 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
     c.parallelism.tensor_parallel_size = 1;
     c.parallelism.sequence_parallel = false;
   }
-  if (par.zero_stage > 0) {
-    out.notes.push_back(fmt::format("ZeRO stage {} is executed as stage 0 (every replica keeps full optimizer "
-                                    "state; sharding is not implemented in the runtime)",
-                                    par.zero_stage));
-    c.parallelism.zero_stage = 0;
-  }
-  if (scenario_config.training.activation_recompute != Recompute::none) {
-    out.notes.push_back("activation recompute is not executed: every stash is kept");
-    c.training.activation_recompute = Recompute::none;
-  }
   c.cluster.num_gpus = c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size;
   c.cluster.gpus_per_node = std::max(1, std::min(c.cluster.gpus_per_node, c.cluster.num_gpus));
   out.plan = scenario ? [&] {
@@ -130,6 +120,7 @@ StageSpec stage_spec(const RuntimePlan& rp, int vs) {
   spec.compute = plan.config.precision.compute;
   spec.grad_accumulation = plan.config.precision.grad_accumulation;
   spec.micro_batch_size = plan.micro_batch_size;
+  spec.recompute = plan.config.training.activation_recompute;
   return spec;
 }
 
@@ -141,6 +132,7 @@ StageSpec middle_stage_spec(const RuntimePlan& rp, int layers) {
   spec.compute = rp.plan.config.precision.compute;
   spec.grad_accumulation = rp.plan.config.precision.grad_accumulation;
   spec.micro_batch_size = rp.plan.micro_batch_size;
+  spec.recompute = rp.plan.config.training.activation_recompute;
   return spec;
 }
 

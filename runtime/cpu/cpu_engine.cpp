@@ -7,6 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <limits>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -18,6 +21,7 @@
 #include "runtime/engine/rank_threads.h"
 #include "runtime/engine/schedule_ops.h"
 #include "runtime/engine/weights.h"
+#include "runtime/engine/zero.h"
 #include "runtime/loop/run_loop.h"
 #include "runtime/numerics/loss_scaler.h"
 #include "runtime/numerics/lowp.h"
@@ -68,6 +72,24 @@ struct Rank {
   std::size_t buffer_elements = 0;
   double peak_bytes = 0;
   MemoryBreakdown peak;
+
+  // ZeRO (plan.zero() >= 1; runtime/engine/zero.h), per local chunk: its layout, and its shards
+  // of the master weights, the reduced gradients, the optimizer's decay mask and (stage 3) the
+  // compute-format weights it contributes to gathers (fp32: the master shard itself).
+  struct ZeroShard {
+    ZeroChunk plan;
+    std::vector<float> master, grads, working;
+    std::vector<std::uint8_t> mask;
+    std::unique_ptr<ChunkWeightGate> gate;  // stage 3: the model's pieces gathered unit by unit
+    bool gathered = false;                  // FSDP's stage 2: gathered once this step
+  };
+  std::vector<ZeroShard> zero;
+  std::vector<std::vector<int>> staged_after;  // per op: the reduce-scatters whose bucket it completes
+  std::map<int, std::vector<float>> staged;    // reduce-scatter op -> its bucket, as the backward left it
+  std::mutex staged_mu;
+  GatherGate gather_gate;
+  double staged_bytes = 0, in_flight = 0;     // buckets staged by this compute op; those being reduce-scattered
+  std::vector<std::size_t> written, staged_to;  // per chunk: this micro-batch's flat gradients, and how far staged
 };
 
 class CpuEngine final : public DeviceEngine {
@@ -111,6 +133,7 @@ class CpuEngine final : public DeviceEngine {
       rk->arrival.assign(rk->program->ops.size(), -1);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
+    if (plan_.zero() >= 1) setup_zero(os);
 
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     pinned_ = options.pin_threads && world_.size() <= cores;
@@ -144,6 +167,7 @@ class CpuEngine final : public DeviceEngine {
   }
 
   std::optional<double> replica_drift() override {
+    if (plan_.zero() >= 1) return 0.0;  // one copy of the master, spread over the replicas: nothing to drift
     return runtime::replica_drift(world_, shape_.vpp, [&](int r, int j) {
       return std::span<const float>(ranks_[static_cast<std::size_t>(r)]->chunks[static_cast<std::size_t>(j)].master_weights());
     });
@@ -155,7 +179,9 @@ class CpuEngine final : public DeviceEngine {
       std::vector<ChunkState> chunks;
       for (std::size_t j = 0; j < rk->chunks.size(); ++j) {
         auto& o = rk->optimizers[j];
-        chunks.push_back({rk->chunks[j].master_weights(), o.first_moment(), o.second_moment(), o.steps_taken()});
+        const std::span<const float> master =
+            rk->zero.empty() ? std::span<const float>(rk->chunks[j].master_weights()) : rk->zero[j].master;
+        chunks.push_back({master, o.first_moment(), o.second_moment(), o.steps_taken()});
       }
       out.push_back(pack_rank(rk->rank, chunks, rk->scaler->state()));
     }
@@ -163,6 +189,7 @@ class CpuEngine final : public DeviceEngine {
   }
 
   void restore(const Checkpoint& ck) override {
+    if (plan_.zero() >= 1) return restore_zero(ck);
     for (auto& rk : ranks_) {
       const RankCheckpoint& rc = checkpoint_of(ck.ranks, rk->rank);
       std::vector<std::size_t> sizes;
@@ -176,6 +203,34 @@ class CpuEngine final : public DeviceEngine {
         std::copy(chunks[j].second_moment.begin(), chunks[j].second_moment.end(), o.second_moment().begin());
         o.set_steps_taken(chunks[j].optimizer_steps);
         rk->chunks[j].refresh_working_weights();
+      }
+      rk->scaler->restore(rc.scaler);
+    }
+  }
+
+  // Each rank's shards from its own checkpoint; the weights passes read from every member's
+  // (stages 1-2 keep them whole between steps; stage 3 and FSDP gather them before use).
+  void restore_zero(const Checkpoint& ck) {
+    for (auto& rk : ranks_) {
+      std::vector<std::size_t> sizes;
+      for (auto& z : rk->zero) sizes.push_back(z.master.size());
+      const RankCheckpoint& rc = checkpoint_of(ck.ranks, rk->rank);
+      const std::vector<ChunkState> chunks = unpack_rank(rc, sizes);
+      for (std::size_t j = 0; j < rk->chunks.size(); ++j) {
+        auto& z = rk->zero[j];
+        std::copy(chunks[j].master_weights.begin(), chunks[j].master_weights.end(), z.master.begin());
+        auto& o = rk->optimizers[j];
+        std::copy(chunks[j].first_moment.begin(), chunks[j].first_moment.end(), o.first_moment().begin());
+        std::copy(chunks[j].second_moment.begin(), chunks[j].second_moment.end(), o.second_moment().begin());
+        o.set_steps_taken(chunks[j].optimizer_steps);
+        refresh_working_shard(*rk, static_cast<int>(j));
+        if (!plan_.gathers_after_step()) continue;
+        StageModel& model = rk->chunks[j];
+        const std::vector<int> group = world_.data_parallel_group(rk->rank);
+        for (int p = 0; p < static_cast<int>(group.size()); ++p)
+          z.plan.layout.put(p, unpack_rank(checkpoint_of(ck.ranks, group[p]), sizes)[j].master_weights,
+                            model.master_weights());
+        model.refresh_working_weights();
       }
       rk->scaler->restore(rc.scaler);
     }
@@ -196,8 +251,24 @@ class CpuEngine final : public DeviceEngine {
       if (e_.pinned_) pin(rk_.rank);
     }
     void run_compute(int i) override {
+      const Op& op = rk_.program->ops[static_cast<std::size_t>(i)];
+      if (is_compute(op.kind)) {  // ZeRO: the buckets the previous compute op staged are reduced during this one
+        rk_.in_flight = rk_.staged_bytes;
+        rk_.staged_bytes = 0;
+      }
+      // A backward holds, while it runs, the workspace recompute rebuilds a block in, and (ZeRO-2/3)
+      // the unsharded gradients it writes before they go to their reduce-scatters.
+      if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::BackwardWeight)
+        e_.account_memory(rk_, op.kind == OpKind::BackwardWeight
+                                   ? 0.0
+                                   : static_cast<double>(rk_.chunks[e_.shape_.local_chunk(op)].recompute_bytes()),
+                          e_.unsharded_written_by(rk_, op));
       const Tick start = e_.now();
-      e_.run_op(rk_, i, rk_.program->ops[static_cast<std::size_t>(i)]);
+      e_.run_op(rk_, i, op);
+      if (e_.stages_buckets_ && is_compute(op.kind)) {
+        e_.stage_buckets(rk_, i, op);
+        rk_.in_flight = rk_.staged_bytes;
+      }
       rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
     }
     void finished_compute(int) override {
@@ -211,10 +282,13 @@ class CpuEngine final : public DeviceEngine {
       // earlier, and would charge the wait for this rank's own stream to the others.)
       const Tick start = e_.now();
       rk_.arrival[static_cast<std::size_t>(i)] = start;
-      e_.run_collective(rk_, rk_.program->ops[static_cast<std::size_t>(i)]);
+      e_.run_collective(rk_, i, rk_.program->ops[static_cast<std::size_t>(i)]);
       rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
     }
-    void abort(const std::string& reason) override { rk_.comm->abort(reason); }
+    void abort(const std::string& reason) override {
+      rk_.comm->abort(reason);
+      rk_.gather_gate.fail(reason);
+    }
 
    private:
     static void pin(int core) {
@@ -246,6 +320,15 @@ class CpuEngine final : public DeviceEngine {
     }
     rk.units_done.assign(shape_.slots(), 0);
     rk.buffer_elements = 0;
+    for (auto& z : rk.zero) {
+      std::fill(z.grads.begin(), z.grads.end(), 0.0f);
+      z.gathered = false;
+    }
+    rk.staged.clear();
+    rk.gather_gate.reset();
+    rk.staged_bytes = rk.in_flight = 0;
+    std::fill(rk.written.begin(), rk.written.end(), 0);
+    std::fill(rk.staged_to.begin(), rk.staged_to.end(), 0);
     for (auto& c : rk.chunks) {
       c.zero_gradients();
       c.numerics() = StageNumerics{};
@@ -276,12 +359,13 @@ class CpuEngine final : public DeviceEngine {
     n.stage = rk.stage;
     n.replica = rk.replica;
     std::uint64_t h = kFnvOffset;
-    for (auto& c : rk.chunks) {
+    for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
+      StageModel& c = rk.chunks[j];
       const StageNumerics& sn = c.numerics();
       n.max_abs_activation = std::max(n.max_abs_activation, sn.max_abs_activation);
       n.max_abs_gradient = std::max(n.max_abs_gradient, sn.max_abs_gradient);
       n.nonfinite_count += sn.nonfinite_activations + sn.nonfinite_gradients;
-      h = fnv1a(h, c.master_weights());
+      h = fnv1a(h, rk.zero.empty() ? std::span<const float>(c.master_weights()) : rk.zero[j].master);
     }
     n.found_nonfinite = rk.found_nonfinite;
     n.skipped = rk.skipped;
@@ -339,6 +423,7 @@ class CpuEngine final : public DeviceEngine {
         const bool last = shape_.last(vs);
         float* out = last ? nullptr : alloc(rk, rk.act_out[s]).data();
         const float* in = shape_.first(vs) ? nullptr : rk.act_in[s].data();
+        if (gathers_units_) rk.zero[shape_.local_chunk(op)].gate->begin(true);
         const float loss = model.forward(op.microbatch, shape_.first(vs) ? batch->tokens.data() : nullptr,
                                          last ? batch->targets.data() : nullptr, in, out);
         if (!shape_.first(vs)) release(rk, rk.act_in[s]);
@@ -352,6 +437,7 @@ class CpuEngine final : public DeviceEngine {
         StageModel& model = rk.chunks[shape_.local_chunk(op)];
         const bool last = shape_.last(vs);
         const float* grad_output = last ? nullptr : rk.grad_out[s].data();
+        if (gathers_units_ && op.bucket <= 0) rk.zero[shape_.local_chunk(op)].gate->begin(false);
         if (!backward_segment(model, op, buckets_.ranges[vs], rk.units_done[s], grad_output, gradient_scale(rk)))
           return;
         float* gin = shape_.first(vs) ? nullptr : alloc(rk, rk.grad_in[s]).data();
@@ -363,13 +449,13 @@ class CpuEngine final : public DeviceEngine {
         StageModel& model = rk.chunks[shape_.local_chunk(op)];
         const bool last = shape_.last(vs);
         float* gin = shape_.first(vs) ? nullptr : alloc(rk, rk.grad_in[s]).data();
+        if (gathers_units_) rk.zero[shape_.local_chunk(op)].gate->begin(false);
         model.backward_input(op.microbatch, last ? nullptr : rk.grad_out[s].data(), gradient_scale(rk), gin);
         if (!last) release(rk, rk.grad_out[s]);
         return;
       }
       case OpKind::BackwardWeight:
-        // Split at bucket bounds only in name: the weight pass runs whole in its first segment.
-        if (op.bucket <= 0) rk.chunks[shape_.local_chunk(op)].backward_weight(op.microbatch);
+        weight_segment(rk.chunks[shape_.local_chunk(op)], op, buckets_.ranges[vs]);
         return;
       case OpKind::OptimizerStep: optimizer_step(rk); return;
       default: break;
@@ -378,9 +464,15 @@ class CpuEngine final : public DeviceEngine {
                                        op_label(op)));
   }
 
-  void run_collective(Rank& rk, const Op& op) {
+  void run_collective(Rank& rk, int index, const Op& op) {
     const auto& pr = plan_.config.precision;
     const std::uint64_t tag = collective_tag(rk.step, op.channel);
+    if (!rk.zero.empty()) {  // ZeRO's collectives work on shards
+      if (op.kind == OpKind::ReduceScatter) return zero_reduce_scatter(rk, index, op);
+      if (op.kind == OpKind::AllGather) return zero_gather(rk, index, op);
+      if (op.kind == OpKind::AllReduce && schedule_->collectives[op.channel].purpose == CollectivePurpose::embedding)
+        return zero_embedding_sum(rk, op);
+    }
     switch (op.kind) {
       case OpKind::AllReduce:
       case OpKind::ReduceScatter: {
@@ -408,6 +500,7 @@ class CpuEngine final : public DeviceEngine {
         }
         std::int64_t n = 0;
         for (auto& c : rk.chunks) n += count_nonfinite(c.gradients());
+        for (auto& z : rk.zero) n += count_nonfinite(z.grads);  // (ZeRO: the reduced gradients are these)
         float flag = n > 0 ? 1.0f : 0.0f;
         const Collective& c = schedule_->collectives[op.channel];
         rk.comm->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32, Divide::none);
@@ -416,11 +509,12 @@ class CpuEngine final : public DeviceEngine {
       }
       default: break;
     }
-    throw std::logic_error(fmt::format("rank {}: {} is not executed by the runtime (ZeRO is not implemented)",
-                                       rk.rank, op_label(op)));
+    throw std::logic_error(fmt::format("rank {}: {} is not a collective of this plan (ZeRO stage {})", rk.rank,
+                                       op_label(op), plan_.zero()));
   }
 
   void optimizer_step(Rank& rk) {
+    if (!rk.zero.empty()) return zero_optimizer_step(rk);
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
     // Unscale, and this rank's share of the global squared norm (norm_excluded).
@@ -451,19 +545,309 @@ class CpuEngine final : public DeviceEngine {
     }
   }
 
-  void account_memory(Rank& rk) {
+  // `working`: activation bytes an op holds while it runs, beyond the stashes.
+  // Categories as sim's memory model has them: weights are what passes read (the compute-format
+  // copy; the master itself in fp32), the optimizer holds the moments and a master kept apart
+  // from it. Under ZeRO (zero.h) a shard's worth of what the stage shards, and in buffers the
+  // gradient buckets in flight (stages 2-3) and the two units a stage-3 gather holds.
+  void account_memory(Rank& rk, double working = 0, double writing = 0) {
+    const auto& pr = plan_.config.precision;
+    const double w = dtype_bytes(pr.compute), g = dtype_bytes(pr.grad_accumulation);
+    const double master = pr.compute == DType::fp32 ? 0.0 : 4.0;  // bytes per element kept apart
     MemoryBreakdown now;
+    now.activations = working;
     for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
       const StageModel& c = rk.chunks[j];
-      now.weights += static_cast<double>(c.master_weight_bytes() + c.working_weight_bytes());
-      now.gradients += static_cast<double>(c.gradient_bytes());
-      now.optimizer += static_cast<double>(rk.optimizers[j].bytes());
+      const auto n = static_cast<double>(c.gradient_bytes() / dtype_bytes(pr.grad_accumulation));
+      const double shard = rk.zero.empty() ? n : static_cast<double>(rk.zero[j].master.size());
+      now.weights += (plan_.zero() >= 3 ? shard : n) * w;
+      now.optimizer += static_cast<double>(rk.optimizers[j].bytes()) + (plan_.zero() >= 1 ? shard : n) * master;
+      if (plan_.reduces_every_microbatch()) {
+        // The accumulated shard; and, unsharded, what the backward wrote and has not yet handed
+        // to a reduce-scatter (buckets in flight are buffers).
+        now.gradients += shard * g;
+        if (rk.written[j] > rk.staged_to[j]) now.buffers += static_cast<double>(rk.written[j] - rk.staged_to[j]) * g;
+      } else {  // the flat gradients, which hold the reduced shard in place (the optimizer's copy of it
+                // stands for Megatron's view into the buffer)
+        now.gradients += n * g;
+      }
       now.activations += static_cast<double>(c.activation_bytes());
     }
-    now.buffers = static_cast<double>(rk.buffer_elements) * dtype_bytes(plan_.config.precision.compute);
+    now.buffers += static_cast<double>(rk.buffer_elements) * w + rk.in_flight + gathered_bytes_ + writing;
     if (now.total() > rk.peak_bytes) {
       rk.peak_bytes = now.total();
       rk.peak = now;
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------
+  // ZeRO (runtime/engine/zero.h): shards over each data-parallel group, the schedule's
+  // reduce-scatters, gathers and embedding sum on them, the optimizer on the shard.
+  // ---------------------------------------------------------------------------------------
+  int position(const Rank& rk) const {
+    const std::vector<int> group = world_.data_parallel_group(rk.rank);
+    return static_cast<int>(std::find(group.begin(), group.end(), rk.rank) - group.begin());
+  }
+
+  void setup_zero(const OptimizerSettings& os) {
+    const int V = shape_.virtual_stages;
+    gathers_units_ = plan_.gathers_before_backward();
+    stages_buckets_ = plan_.reduces_every_microbatch();
+    // A tied embedding split over the pipeline is one segment on both its stages (zero.h).
+    std::vector<char> kept(static_cast<std::size_t>(V), 0);
+    for (auto& rk : ranks_)
+      for (int j = 0; j < shape_.vpp; ++j) {
+        const int vs = shape_.vstage_of_chunk(rk->stage, j);
+        const ParamInfo te = rk->chunks[j].token_embedding();
+        if (V > 1 && te.size > 0 && !kept[vs]) {
+          keep_embedding_whole(buckets_.ranges[vs], te.offset, te.offset + te.size);
+          kept[vs] = 1;
+        }
+      }
+    std::size_t largest_unit = 0;
+    for (auto& rk : ranks_) {
+      const int pos = position(*rk);
+      rk->staged_after.assign(rk->program->ops.size(), {});
+      rk->written.assign(static_cast<std::size_t>(shape_.vpp), 0);
+      rk->staged_to.assign(static_cast<std::size_t>(shape_.vpp), 0);
+      for (int i = 0; i < static_cast<int>(rk->program->ops.size()); ++i) {
+        const Op& op = rk->program->ops[i];
+        if (op.kind == OpKind::ReduceScatter && plan_.reduces_every_microbatch() && op.dep >= 0)
+          rk->staged_after[op.dep].push_back(i);
+      }
+      for (int j = 0; j < shape_.vpp; ++j) {
+        const int vs = shape_.vstage_of_chunk(rk->stage, j);
+        StageModel& model = rk->chunks[j];
+        const ParamInfo te = V > 1 ? model.token_embedding() : ParamInfo{};
+        Rank::ZeroShard z;
+        z.plan = plan_zero_chunk(plan_, model.spec(), model.params(), buckets_.ranges[vs], te, plan_.dp, pos);
+        const std::size_t S = z.plan.layout.shard_size();
+        z.master.assign(S, 0.0f);
+        z.plan.layout.take(pos, model.master_weights(), z.master);
+        z.grads.assign(S, 0.0f);
+        std::vector<float> flat_mask(rk->decay_masks[j].begin(), rk->decay_masks[j].end()), mask(S);
+        z.plan.layout.take(pos, flat_mask, mask);
+        z.mask.assign(mask.begin(), mask.end());
+        rk->optimizers[j] = OptimizerState(os, S);
+        for (const GatherUnit& u : z.plan.units) largest_unit = std::max(largest_unit, u.elements);
+        rk->zero.push_back(std::move(z));
+        refresh_working_shard(*rk, j);
+      }
+      if (gathers_units_)
+        for (int j = 0; j < shape_.vpp; ++j) {
+          Rank& r = *rk;
+          auto& z = r.zero[j];
+          z.gate = std::make_unique<ChunkWeightGate>(z.plan, r.gather_gate, [this, &r, j](int unit) { poison(r, j, unit); });
+          r.chunks[j].set_weight_gate(z.gate.get());
+          for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(r, j, u);
+        }
+    }
+    // Stage 3 holds two units at a time (GatherGate): their room is kept.
+    gathered_bytes_ = 2.0 * static_cast<double>(largest_unit) * dtype_bytes(plan_.config.precision.compute);
+  }
+
+  // The compute-format shard a gather sends: the master shard rounded (fp32: the master itself).
+  void refresh_working_shard(Rank& rk, int j) {
+    auto& z = rk.zero[j];
+    const DType compute = plan_.config.precision.compute;
+    if (compute == DType::fp32) return;
+    z.working = z.master;
+    round_inplace(compute, z.working);
+  }
+  std::span<const float> working_shard(Rank& rk, int j) {
+    auto& z = rk.zero[j];
+    return plan_.config.precision.compute == DType::fp32 ? std::span<const float>(z.master) : z.working;
+  }
+
+  // A released stage-3 unit is gone: its first element of every parameter becomes NaN, so a pass
+  // that read it before it is gathered again would say so in its loss.
+  void poison(Rank& rk, int j, int unit) {
+    StageModel& model = rk.chunks[j];
+    const std::span<float> cw = model.compute_weights();
+    for (const ShardGroup& g : rk.zero[j].plan.units[unit].groups)
+      for (const ParamInfo& p : model.params())
+        if (p.offset >= g.lo && p.offset < g.hi) cw[p.offset] = std::numeric_limits<float>::quiet_NaN();
+  }
+
+  // After compute op `index`: the buckets it completed go into their reduce-scatter's buffer and
+  // leave the flat gradients to the next micro-batch (stages 2-3, reduced every micro-batch).
+  void stage_buckets(Rank& rk, int index, const Op& done) {
+    if (done.kind == OpKind::Backward || done.kind == OpKind::BackwardWeight) {  // what it wrote, unsharded
+      const int j = shape_.local_chunk(done);
+      if (done.bucket <= 0) rk.staged_to[j] = 0;  // a new micro-batch's gradients
+      rk.written[j] = rk.chunks[j].gradients_complete(done.microbatch);
+    }
+    for (int rs : rk.staged_after[static_cast<std::size_t>(index)]) {
+      const Op& op = rk.program->ops[static_cast<std::size_t>(rs)];
+      const int j = shape_.local_chunk(op);
+      const auto& z = rk.zero[j];
+      const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
+      std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp));
+      const std::span<float> grads = rk.chunks[j].gradients();
+      z.plan.layout.pack(g, grads, buf);
+      std::fill(grads.begin() + static_cast<std::ptrdiff_t>(g.lo), grads.begin() + static_cast<std::ptrdiff_t>(g.hi), 0.0f);
+      rk.staged_bytes += static_cast<double>(buf.size()) * dtype_bytes(plan_.config.precision.allreduce);
+      rk.staged_to[j] = std::max(rk.staged_to[j], g.hi);
+      std::lock_guard lock(rk.staged_mu);
+      rk.staged[rs] = std::move(buf);
+    }
+  }
+
+  // Bytes of unsharded gradients backward op `op` writes before it hands them to reduce-scatters
+  // (stages 2-3): up to its bucket's end, or the chunk's end when it ends the backward.
+  double unsharded_written_by(const Rank& rk, const Op& op) const {
+    if (!stages_buckets_ || op.kind == OpKind::BackwardInput) return 0;
+    const int j = shape_.local_chunk(op);
+    const std::size_t n = rk.zero[j].plan.layout.params();
+    const BucketRanges& b = buckets_.ranges[static_cast<std::size_t>(op.chunk)];
+    std::size_t from = op.bucket > 0 ? rk.written[j] : 0, to = n;
+    if (op.bucket >= 0 && op.bucket + 1 < static_cast<int>(b.size())) to = b[static_cast<std::size_t>(op.bucket)].second;
+    return to > from ? static_cast<double>(to - from) * dtype_bytes(plan_.config.precision.grad_accumulation) : 0.0;
+  }
+
+  void zero_reduce_scatter(Rank& rk, int index, const Op& op) {
+    const auto& pr = plan_.config.precision;
+    const Collective& c = schedule_->collectives[op.channel];
+    const int j = shape_.local_chunk(op);
+    auto& z = rk.zero[j];
+    const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
+    std::vector<float> buf;
+    if (plan_.reduces_every_microbatch()) {
+      std::lock_guard lock(rk.staged_mu);
+      buf = std::move(rk.staged.at(index));
+      rk.staged.erase(index);
+    } else {  // once per step, after the chunk's last backward: nothing writes the flat gradients any more
+      buf.resize(g.section * static_cast<std::size_t>(plan_.dp));
+      z.plan.layout.pack(g, rk.chunks[j].gradients(), buf);
+    }
+    if (g.section == 0) return;
+    const std::int64_t local = count_nonfinite(buf);
+    rk.local_nonfinite += local;
+    rk.comm->reduce_scatter(buf, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
+                            divide_of(c, pr));
+    const std::size_t at = static_cast<std::size_t>(position(rk)) * g.section;
+    const std::span<const float> own = std::span<const float>(buf).subspan(at, g.section);
+    if (plan_.reduces_every_microbatch()) {  // accumulated over micro-batches, in grad_accumulation
+      const std::span<float> acc = std::span<float>(z.grads).subspan(g.shard_offset, g.section);
+      for (std::size_t i = 0; i < acc.size(); ++i) acc[i] += own[i];
+      round_inplace(pr.grad_accumulation, acc);
+    } else {  // left in place, in the flat gradients (as Megatron's distributed optimizer does)
+      const std::span<float> flat = rk.chunks[j].gradients();
+      for (const ShardPiece& piece : z.plan.layout.section_pieces(g, position(rk)))
+        std::copy_n(buf.begin() + static_cast<std::ptrdiff_t>(piece.other), piece.count,
+                    flat.begin() + static_cast<std::ptrdiff_t>(piece.flat));
+    }
+    if (local == 0 && count_nonfinite(own) > 0)
+      record_nonfinite(rk, fmt::format("{} reduce-scatter of gradient bucket {} (stage {}, replica {})",
+                                       dtype_name(pr.allreduce), op.bucket, rk.stage, rk.replica));
+  }
+
+  // The tied embedding's sum between the first and last stage, on the element each owns of it
+  // (the same on both, zero.h), in a buffer of the whole embedding as the schedule moves it.
+  void zero_embedding_sum(Rank& rk, const Op& op) {
+    const auto& pr = plan_.config.precision;
+    const Collective& c = schedule_->collectives[op.channel];
+    auto& z = rk.zero[shape_.local_chunk(op)];
+    const ShardGroup& g = z.plan.tied;
+    std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp), 0.0f);
+    const auto own = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(position(rk)) * g.section);
+    // The reduced gradients: the shard (stages 2-3), or in place in the flat gradients (stage 1).
+    const bool in_shard = plan_.reduces_every_microbatch();
+    const std::vector<ShardPiece> pieces = z.plan.layout.section_pieces(g, position(rk));
+    const std::span<float> flat = rk.chunks[shape_.local_chunk(op)].gradients();
+    if (in_shard)
+      std::copy_n(z.grads.begin() + static_cast<std::ptrdiff_t>(g.shard_offset), g.section, buf.begin() + own);
+    else
+      for (const ShardPiece& piece : pieces)
+        std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(piece.flat), piece.count,
+                    buf.begin() + static_cast<std::ptrdiff_t>(piece.other));
+    const bool finite_before = count_nonfinite(buf) == 0;
+    rk.comm->all_reduce(buf, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce, Divide::none);
+    if (in_shard)
+      std::copy_n(buf.begin() + own, g.section, z.grads.begin() + static_cast<std::ptrdiff_t>(g.shard_offset));
+    else
+      for (const ShardPiece& piece : pieces)
+        std::copy_n(buf.begin() + static_cast<std::ptrdiff_t>(piece.other), piece.count,
+                    flat.begin() + static_cast<std::ptrdiff_t>(piece.flat));
+    if (finite_before && count_nonfinite(buf) > 0)
+      record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", allreduce_label(op, pr.allreduce), rk.stage, rk.replica));
+  }
+
+  // The schedule's all-gather of chunk op.chunk: after the optimizer step (stages 1-2) or before
+  // FSDP's forwards (stage 2) the whole chunk into the working weights; before each pass under
+  // stage 3, unit by unit as the pass will use them.
+  void zero_gather(Rank& rk, int index, const Op& op) {
+    const int j = shape_.local_chunk(op);
+    auto& z = rk.zero[j];
+    const Collective& c = schedule_->collectives[op.channel];
+    if (gathers_units_ && op.microbatch >= 0) {
+      // The pass that reads them is the compute op waiting for this gather.
+      const auto& ops = rk.program->ops;
+      bool forward = true;
+      for (std::size_t i = static_cast<std::size_t>(index) + 1; i < ops.size(); ++i)
+        if (ops[i].dep == index && is_compute(ops[i].kind)) {
+          forward = ops[i].kind == OpKind::Forward;
+          break;
+        }
+      int part = 0;
+      for (int u : z.plan.gathers(forward)) {
+        rk.gather_gate.reserve();
+        for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
+          gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
+        rk.gather_gate.gathered();
+        rk.walk.done_early(index);  // the pass may begin with the first unit
+      }
+      return;
+    }
+    // FSDP's stage 2 gathers before every forward what the first one already brought: the values
+    // are the same, and the chunk's passes may be reading them.
+    const bool keep = op.microbatch < 0 || !z.gathered;
+    gather_group(rk, j, z.plan.layout.whole(), c.members, collective_tag(rk.step, op.channel), keep);
+    z.gathered = true;
+  }
+
+  void gather_group(Rank& rk, int j, const ShardGroup& g, const std::vector<int>& members, std::uint64_t tag,
+                    bool keep) {
+    if (g.section == 0) return;
+    std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp));
+    const std::span<const float> own = working_shard(rk, j).subspan(g.shard_offset, g.section);
+    std::copy(own.begin(), own.end(), buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(position(rk)) * g.section));
+    rk.comm->all_gather(buf, members, tag, plan_.config.precision.compute);
+    if (keep) rk.zero[j].plan.layout.unpack(g, buf, rk.chunks[j].compute_weights());
+  }
+
+  void zero_optimizer_step(Rank& rk) {
+    const auto& cfg = plan_.config;
+    const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
+    // Unscale, and this rank's share of the global squared norm: its shard, each element once
+    // over the group (padding is zero), the last stage's copy of a tied embedding left out.
+    double sumsq = 0;
+    for (int j = 0; j < shape_.vpp; ++j) {
+      auto& z = rk.zero[j];
+      if (!plan_.reduces_every_microbatch()) {  // stage 1: the shard from where the reduce-scatters left it
+        z.plan.layout.take(z.plan.layout.position(), rk.chunks[j].gradients(), z.grads);
+      }
+      for (float& x : z.grads) x *= inv_scale;
+      const bool skip_tied = shape_.last(shape_.vstage_of_chunk(rk.stage, j)) && z.plan.tied.section > 0;
+      const std::size_t from = skip_tied ? z.plan.tied.shard_offset : z.grads.size();
+      const std::size_t to = skip_tied ? from + z.plan.tied.section : z.grads.size();
+      for (std::size_t i = 0; i < from; ++i) sumsq += static_cast<double>(z.grads[i]) * z.grads[i];
+      for (std::size_t i = to; i < z.grads.size(); ++i) sumsq += static_cast<double>(z.grads[i]) * z.grads[i];
+    }
+    float total = static_cast<float>(sumsq);
+    rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
+                        DType::fp32, Divide::none);
+    rk.grad_norm = std::sqrt(static_cast<double>(total));
+
+    const bool checks = cfg.precision.loss_scaling.mode != LossScalingMode::none;
+    rk.skipped = rk.scaler->update(checks && rk.found_nonfinite);
+    if (rk.skipped) return;
+    const float coef = clip_coefficient(cfg.training.clip_grad, rk.grad_norm);
+    for (int j = 0; j < shape_.vpp; ++j) {
+      auto& z = rk.zero[j];
+      rk.optimizers[j].step(z.master, z.grads, coef, z.mask);
+      if (cfg.precision.master_weights != DType::fp32) round_inplace(cfg.precision.master_weights, z.master);
+      refresh_working_shard(rk, j);
     }
   }
 
@@ -494,6 +878,9 @@ class CpuEngine final : public DeviceEngine {
   std::vector<std::unique_ptr<Rank>> ranks_;
   Clock::time_point epoch_;
   bool pinned_ = false;
+  bool gathers_units_ = false;  // ZeRO-3: weights gathered unit by unit before every pass
+  bool stages_buckets_ = false;  // ZeRO-2/3: every micro-batch's buckets go to their reduce-scatters
+  double gathered_bytes_ = 0;   // the two units a stage-3 rank holds at most
 };
 
 }  // namespace

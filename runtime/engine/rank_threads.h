@@ -124,6 +124,10 @@ class RankWalk {
   std::exception_ptr run(int rank, const RankProgram& program, RankDriver& driver);
   // Waits (on any thread) until op `i` is done; rethrows the rank's failure.
   void wait(int i) { done_.wait(static_cast<std::size_t>(i)); }
+  // From the communication thread, inside run_collective(i): op `i` counts as done for the ops
+  // that depend on it from now on, before its driver call returns (ZeRO-3's gather, whose pass
+  // starts on its first unit and takes the others as they come: runtime/engine/zero.h).
+  void done_early(int i) { done_.mark(static_cast<std::size_t>(i)); }
 
  private:
   std::exception_ptr compute_main(int rank, const RankProgram& program, RankDriver& driver);

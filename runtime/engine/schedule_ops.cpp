@@ -103,9 +103,7 @@ InFlight in_flight(const RankProgram& program, int chunk) {
         s.begin = i;
         s.split = true;
         break;
-      case OpKind::BackwardWeight:
-        if (op.bucket <= 0) s.end = i;  // the weight pass runs whole in its first segment
-        break;
+      case OpKind::BackwardWeight: s.end = i; break;  // its last segment ends it
       default: break;
     }
   }

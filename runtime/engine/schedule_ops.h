@@ -27,6 +27,11 @@ inline std::uint64_t message_tag(int step, int channel) {
   return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint32_t>(channel);
 }
 inline std::uint64_t collective_tag(int step, int id) { return kCollectiveTag | message_tag(step, id); }
+// Part `part` (0..255) of collective `id` when one op runs several collectives (ZeRO-3 gathers a
+// unit at a time); collective ids stay below 2^24.
+inline std::uint64_t collective_tag(int step, int id, int part) {
+  return collective_tag(step, id) | (static_cast<std::uint64_t>(part & 0xff) << 24);
+}
 // The gradient norm's sum over every rank (not in the schedule): the id after the schedule's collectives.
 inline std::uint64_t norm_tag(int step, const Schedule& schedule) {
   return collective_tag(step, static_cast<int>(schedule.collectives.size()));
@@ -77,6 +82,16 @@ bool backward_segment(Model& model, const Op& op, const BucketRanges& buckets, i
     ++units_done;
   }
   return final_segment;
+}
+
+// A split backward's weight pass (BackwardWeight) cut at the same bounds: segment k runs weight
+// units until bucket k's gradients are final, the last one the rest (which frees the stash).
+template <class Model>
+void weight_segment(Model& model, const Op& op, const BucketRanges& buckets) {
+  const bool final_segment = op.bucket < 0 || op.bucket + 1 >= static_cast<int>(buckets.size());
+  if (final_segment) return model.backward_weight(op.microbatch);
+  const std::size_t needed = buckets[static_cast<std::size_t>(op.bucket)].second;
+  while (model.gradients_complete(op.microbatch) < needed) model.backward_weight_unit(op.microbatch);
 }
 
 // The gradients a collective reduces, as [offset, offset + count) of its chunk's gradient buffer:

@@ -24,8 +24,15 @@ std::uint64_t fnv1a(std::uint64_t h, std::span<const float> xs) {
   return h;
 }
 
-std::vector<std::uint64_t> replica_checksums(const World& world, const std::vector<std::uint64_t>& rank_hashes) {
+std::vector<std::uint64_t> replica_checksums(const World& world, const std::vector<std::uint64_t>& rank_hashes,
+                                             bool sharded) {
   std::vector<std::uint64_t> out;
+  if (sharded) {
+    std::uint64_t h = kFnvOffset;
+    for (int r : world.replica(0))
+      for (int member : world.data_parallel_group(r)) h = (h ^ rank_hashes[static_cast<std::size_t>(member)]) * kFnvPrime;
+    return std::vector<std::uint64_t>(static_cast<std::size_t>(world.data_parallel()), h);
+  }
   for (int d = 0; d < world.data_parallel(); ++d) {
     std::uint64_t h = kFnvOffset;
     for (int r : world.replica(d)) h = (h ^ rank_hashes[static_cast<std::size_t>(r)]) * kFnvPrime;

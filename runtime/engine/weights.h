@@ -18,8 +18,11 @@ inline constexpr std::uint64_t kFnvOffset = 1469598103934665603ull;
 std::uint64_t fnv1a(std::uint64_t h, std::span<const float> xs);
 
 // Each replica's checksum: FNV-1a over the weights hashes of its ranks (World::replica order),
-// from every rank's hash, indexed by rank.
-std::vector<std::uint64_t> replica_checksums(const World& world, const std::vector<std::uint64_t>& rank_hashes);
+// from every rank's hash, indexed by rank. `sharded` (ZeRO): a rank's hash covers its shard, the
+// replicas hold one copy of the state between them, and every replica's checksum is that copy's:
+// FNV-1a over every rank's hash, stage by stage, each stage's data-parallel group in order.
+std::vector<std::uint64_t> replica_checksums(const World& world, const std::vector<std::uint64_t>& rank_hashes,
+                                             bool sharded = false);
 
 // The largest |a[i] - b[i]| over elements whose bits differ (inf when one is NaN): replica drift.
 double weight_difference(std::span<const float> a, std::span<const float> b);

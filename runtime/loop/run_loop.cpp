@@ -68,7 +68,7 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     StepRecord rec = step_record(step, seconds, ranks, &first_nonfinite);
     std::vector<std::uint64_t> hashes;
     for (const RankStep& r : ranks) hashes.push_back(r.weights_hash);
-    rec.replica_checksums = replica_checksums(world, hashes);
+    rec.replica_checksums = replica_checksums(world, hashes, plan.zero() >= 1);
     const std::optional<double> drift = engine->replica_drift();
     const bool identical = std::all_of(rec.replica_checksums.begin(), rec.replica_checksums.end(),
                                        [&](std::uint64_t h) { return h == rec.replica_checksums[0]; });

@@ -145,6 +145,35 @@ struct StageModel::Impl {
 
   StageNumerics numerics;
 
+  // Activation recompute (spec.recompute), wrapped around block_forward and the block's backward:
+  // the stash keeps less, and a block's backward first rebuilds what it needs in this workspace
+  // (full: one block's whole stash and output; selective: one softmax output), with the same
+  // code and inputs as the forward, so bitwise the same values. Numerics are recorded once, in
+  // the forward.
+  struct RecomputeWork {
+    BlockStash block;
+    Buffer probs, out;
+    bool active = false;  // rebuilding: record() is quiet
+  } redo;
+  void forward_block(int li, Stash& s, int mb);       // block_forward, keeping what spec.recompute keeps
+  void rebuild(const Unit& u, Stash& s, int mb, bool split);  // before unit u's input pass
+  void rerun_block(int li, Stash& s, int mb);         // block_forward into s.blocks[li], output aside
+  void drop_rebuilt(const Unit& u, Stash& s, bool weights_done);  // after its pass(es)
+  const Buffer& stage_output(const Stash& s) const { return s.x[L].empty() ? redo.out : s.x[L]; }
+
+  // Weights read through the engine's gate (set_weight_gate), piece by piece.
+  WeightGate* gate = nullptr;
+  void take(WeightPiece piece, int block = -1) {
+    if (gate) gate->acquire(piece, block);
+  }
+  void give(WeightPiece piece, int block = -1) {
+    if (gate) gate->release(piece, block);
+  }
+  // A backward unit's input pass (and its rebuild) reads the unit's weights; the embedding's none.
+  bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
+  WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
+  std::size_t block_bytes(const BlockStash& b) const;
+
   explicit Impl(const StageSpec& s);
 
   // -- parameters --
@@ -164,6 +193,7 @@ struct StageModel::Impl {
 
   // -- numerics --
   void record(const Scan& s, const Tag& tag, bool backward, int mb) {
+    if (redo.active) return;
     double& mx = backward ? numerics.max_abs_gradient : numerics.max_abs_activation;
     mx = std::max(mx, static_cast<double>(s.max_abs));
     if (s.nonfinite == 0) return;
@@ -193,6 +223,8 @@ struct StageModel::Impl {
   std::unique_ptr<Stash> take_stash();
   std::unique_ptr<Backward> take_backward(bool split);
   void release(Slot& s) {
+    if (spec.recompute == Recompute::full)  // what a split backward kept for its weight pass
+      for (BlockStash& b : s.stash->blocks) b = BlockStash{};
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
     s.complete = true;
@@ -304,6 +336,12 @@ StageModel::Impl::Impl(const StageSpec& s) : spec(s) {
     bscratch = floats(std::max(largest, static_cast<std::size_t>(T) * c));
   }
   shared_grads = {floats(N * f), floats(N * c), floats(N * c), floats(3 * N * c), floats(N * c)};
+  if (s.recompute == Recompute::selective) redo.probs = floats(static_cast<std::size_t>(B) * H * T * T);
+  if (s.recompute == Recompute::full) {
+    redo.block = {floats(N * c), floats(3 * N * c), floats(static_cast<std::size_t>(B) * H * T * T), floats(N * c),
+                  floats(N * c), floats(N * c), floats(N * f), floats(N * f), floats(N), floats(N), floats(N), floats(N)};
+    redo.out = floats(N * c);
+  }
 }
 
 std::unique_ptr<StageModel::Impl::Stash> StageModel::Impl::take_stash() {
@@ -325,10 +363,14 @@ std::unique_ptr<StageModel::Impl::Stash> StageModel::Impl::take_stash() {
   }
   s->x.assign(L + 1, floats(nc));
   s->blocks.resize(L);
+  if (spec.recompute == Recompute::full) {  // each block's input only (and the head's)
+    if (!spec.has_head && L > 0) s->x[L] = Buffer();
+    return s;
+  }
   for (BlockStash& b : s->blocks) {
     b.ln1 = floats(nc);
     b.qkv = floats(3 * nc);
-    b.probs = floats(static_cast<std::size_t>(B) * H * T * T);
+    if (spec.recompute == Recompute::none) b.probs = floats(static_cast<std::size_t>(B) * H * T * T);
     b.att = floats(nc);
     b.x1 = floats(nc);
     b.ln2 = floats(nc);
@@ -375,13 +417,16 @@ std::size_t StageModel::Impl::stash_bytes(const Stash& s) const {
   std::size_t bytes = (s.tokens.size() + s.targets.size()) * sizeof(std::int32_t);
   bytes += (s.lnf.size() + s.logits.size()) * e + (s.meanf.size() + s.rstdf.size() + s.lse.size()) * 4;
   for (const auto& x : s.x) bytes += x.size() * e;
-  for (const BlockStash& b : s.blocks) {
-    bytes += (b.ln1.size() + b.qkv.size() + b.probs.size() + b.att.size() + b.x1.size() + b.ln2.size() + b.fc.size() +
-              b.gelu.size()) *
-             e;
-    bytes += (b.mean1.size() + b.rstd1.size() + b.mean2.size() + b.rstd2.size()) * 4;
-  }
+  for (const BlockStash& b : s.blocks) bytes += block_bytes(b);
   return bytes;
+}
+
+std::size_t StageModel::Impl::block_bytes(const BlockStash& b) const {
+  const std::size_t e = dtype_bytes(spec.compute);
+  return (b.ln1.size() + b.qkv.size() + b.probs.size() + b.att.size() + b.x1.size() + b.ln2.size() + b.fc.size() +
+          b.gelu.size()) *
+             e +
+         (b.mean1.size() + b.rstd1.size() + b.mean2.size() + b.rstd2.size()) * 4;
 }
 
 std::size_t StageModel::Impl::backward_bytes(const Backward& b) const {
@@ -438,22 +483,30 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
   float* x0 = s.x[0].data();
   if (spec.has_embedding) {
     std::copy(tokens, tokens + N, s.tokens.begin());
+    take(WeightPiece::embedding);
     layers::embedding_forward(x0, tokens, w(wte), w(wpe), B, T, C);
+    give(WeightPiece::embedding);
     finish(x0, nc, Tag{"embedding output"}, false, mb);
   } else {
     std::copy(input, input + nc, x0);
     finish(x0, nc, Tag{"stage input"}, false, mb);
   }
-  for (int li = 0; li < L; ++li) block_forward(li, s, mb);
-  const float* xl = s.x[L].data();
+  for (int li = 0; li < L; ++li) {
+    take(WeightPiece::block, li);
+    forward_block(li, s, mb);
+    give(WeightPiece::block, li);
+  }
+  const float* xl = stage_output(s).data();
   if (!spec.has_head) {
     if (output) std::copy(xl, xl + nc, output);
     return 0;
   }
   std::copy(targets, targets + N, s.targets.begin());
+  take(WeightPiece::head);
   layers::layernorm_forward(s.lnf.data(), s.meanf.data(), s.rstdf.data(), xl, w(lnf_w), w(lnf_b), N, C);
   finish(s.lnf.data(), nc, Tag{"lnf output"}, false, mb);
   layers::linear_forward(s.logits.data(), s.lnf.data(), w(head_w), static_cast<const float*>(nullptr), N, C, V);
+  give(WeightPiece::head);
   finish(s.logits.data(), N * V, Tag{"logits"}, false, mb);
   const float loss = layers::cross_entropy_forward(s.lse.data(), s.logits.data(), s.targets.data(), N, V);
   float l = loss;
@@ -493,6 +546,79 @@ void StageModel::Impl::block_forward(int li, Stash& s, int mb) {
   done(tmp, "mlp.proj output");
   Row(x2, nc) = ConstRow(b.x1.data(), nc) + ConstRow(tmp.data(), nc);
   finish(x2, nc, Tag{"output", layer}, false, mb);
+}
+
+// ---------------------------------------------------------------------------------------
+// Activation recompute: what the stash keeps, and rebuilding the rest in a block's backward
+// ---------------------------------------------------------------------------------------
+void StageModel::Impl::forward_block(int li, Stash& s, int mb) {
+  switch (spec.recompute) {
+    case Recompute::none:
+      block_forward(li, s, mb);
+      return;
+    case Recompute::selective:  // the softmax output goes to the workspace, not the stash
+      std::swap(s.blocks[li].probs, redo.probs);
+      block_forward(li, s, mb);
+      std::swap(s.blocks[li].probs, redo.probs);
+      return;
+    case Recompute::full: {  // the whole block goes to the workspace; its output stays only as the next input
+      std::swap(s.blocks[li], redo.block);
+      const bool kept = !s.x[li + 1].empty();
+      if (!kept) std::swap(s.x[li + 1], redo.out);
+      block_forward(li, s, mb);
+      if (!kept) std::swap(s.x[li + 1], redo.out);
+      std::swap(s.blocks[li], redo.block);
+      return;
+    }
+  }
+}
+
+void StageModel::Impl::rerun_block(int li, Stash& s, int mb) {
+  std::swap(s.x[li + 1], redo.out);  // the kept next input is left as it is
+  redo.active = true;
+  block_forward(li, s, mb);
+  redo.active = false;
+  std::swap(s.x[li + 1], redo.out);
+}
+
+void StageModel::Impl::rebuild(const Unit& u, Stash& s, int mb, bool split) {
+  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  const int li = u.block;
+  BlockStash& st = s.blocks[li];
+  if (spec.recompute == Recompute::selective) {
+    const int layer = spec.first_layer + li;
+    redo.active = true;
+    layers::attention_forward(tmp.data(), redo.probs.data(), attn_scratch.data(), st.qkv.data(), B, T, C, H,
+                              [&](float* row, int n, AttnTensor t) {
+                                finish(row, n, Tag{attn_name(t), layer}, false, mb);
+                              });
+    redo.active = false;
+    std::swap(st.probs, redo.probs);
+    return;
+  }
+  if (!split) {
+    std::swap(st, redo.block);
+  } else {  // rebuilt in the stash: the weight pass, later, reads what the input pass leaves
+    const std::size_t nc = N * C, n = N, nf = N * F;
+    for (Buffer* b : {&st.ln1, &st.att, &st.x1, &st.ln2}) b->resize(nc);
+    for (Buffer* b : {&st.mean1, &st.rstd1, &st.mean2, &st.rstd2}) b->resize(n);
+    st.qkv.resize(3 * nc);
+    st.probs.resize(static_cast<std::size_t>(B) * H * T * T);
+    st.fc.resize(nf);
+    st.gelu.resize(nf);
+  }
+  rerun_block(li, s, mb);
+}
+
+void StageModel::Impl::drop_rebuilt(const Unit& u, Stash& s, bool weights_done) {
+  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  BlockStash& st = s.blocks[u.block];
+  if (spec.recompute == Recompute::selective)
+    std::swap(st.probs, redo.probs);
+  else if (weights_done)
+    std::swap(st, redo.block);
+  else  // the weight pass needs the products' inputs (ln1, att, ln2, gelu) and ln2's (x1), not these
+    st.qkv = st.probs = st.fc = Buffer();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -690,6 +816,10 @@ std::span<float> StageModel::gradients() { return impl_->grads; }
 const std::vector<ParamInfo>& StageModel::params() const { return impl_->params; }
 void StageModel::zero_gradients() { std::fill(impl_->grads.begin(), impl_->grads.end(), 0.0f); }
 void StageModel::refresh_working_weights() { impl_->refresh_working(); }
+std::span<float> StageModel::compute_weights() {
+  return impl_->spec.compute == DType::fp32 ? std::span<float>(impl_->master) : std::span<float>(impl_->working);
+}
+void StageModel::set_weight_gate(WeightGate* gate) { impl_->gate = gate; }
 
 ParamInfo StageModel::token_embedding() const {
   if (impl_->wte < 0) return ParamInfo{"", 0, 0, true};
@@ -718,8 +848,12 @@ void StageModel::backward_unit(int mb) {
     throw std::logic_error("StageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
                            std::to_string(m.units.size()) + " units");
   const Impl::Unit& u = m.units[sl.units_done];
+  if (m.reads_weights(u)) m.take(m.piece(u), u.block);
+  m.rebuild(u, *sl.stash, mb, false);
   m.unit_input(u, *sl.stash, *sl.backward, mb);
+  if (m.reads_weights(u)) m.give(m.piece(u), u.block);
   m.unit_weight(u, *sl.stash, *sl.backward, mb);
+  m.drop_rebuilt(u, *sl.stash, true);
   ++sl.units_done;
 }
 
@@ -748,7 +882,13 @@ void StageModel::backward_input(int mb, const float* grad_output, float loss_gra
   Impl& m = *impl_;
   m.begin(mb, grad_output, loss_gradient_scale, true);
   Impl::Slot& sl = m.slot(mb);
-  for (const Impl::Unit& u : m.units) m.unit_input(u, *sl.stash, *sl.backward, mb);
+  for (const Impl::Unit& u : m.units) {
+    if (m.reads_weights(u)) m.take(m.piece(u), u.block);
+    m.rebuild(u, *sl.stash, mb, true);
+    m.unit_input(u, *sl.stash, *sl.backward, mb);
+    if (m.reads_weights(u)) m.give(m.piece(u), u.block);
+    m.drop_rebuilt(u, *sl.stash, false);
+  }
   sl.backward->inputs_done = true;
   if (!m.spec.has_embedding && grad_input) {
     const float* d = sl.backward->res(0);
@@ -761,9 +901,19 @@ void StageModel::backward_weight(int mb) {
   Impl::Slot& sl = m.slot(mb);
   if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done)
     throw std::logic_error("StageModel::backward_weight: micro-batch " + std::to_string(mb) + " has no backward_input");
-  for (const Impl::Unit& u : m.units) m.unit_weight(u, *sl.stash, *sl.backward, mb);
-  sl.units_done = static_cast<int>(m.units.size());
+  for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done)
+    m.unit_weight(m.units[sl.units_done], *sl.stash, *sl.backward, mb);
   m.release(sl);
+}
+
+void StageModel::backward_weight_unit(int mb) {
+  Impl& m = *impl_;
+  Impl::Slot& sl = m.slot(mb);
+  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done || sl.units_done >= static_cast<int>(m.units.size()))
+    throw std::logic_error("StageModel::backward_weight_unit: micro-batch " + std::to_string(mb) +
+                           " has no backward_input or no weight unit left");
+  m.unit_weight(m.units[sl.units_done], *sl.stash, *sl.backward, mb);
+  ++sl.units_done;
 }
 
 std::size_t StageModel::master_weight_bytes() const { return impl_->master.size() * sizeof(float); }
@@ -782,6 +932,11 @@ std::size_t StageModel::activation_bytes() const {
   return bytes;
 }
 
+std::size_t StageModel::recompute_bytes() const {
+  const Impl& m = *impl_;
+  return m.block_bytes(m.redo.block) + (m.redo.probs.size() + m.redo.out.size()) * dtype_bytes(m.spec.compute);
+}
+
 StageNumerics& StageModel::numerics() { return impl_->numerics; }
 
 std::span<const float> StageModel::working_weights() const {
@@ -793,7 +948,9 @@ std::vector<StageModel::NamedTensor> StageModel::stashed_tensors(int mb) const {
   std::vector<NamedTensor> out;
   if (mb < 0 || static_cast<std::size_t>(mb) >= m.slots.size() || !m.slots[mb].stash) return out;
   const Impl::Stash& s = *m.slots[mb].stash;
-  auto add = [&](std::string name, const Buffer& v) { out.push_back({std::move(name), v}); };
+  auto add = [&](std::string name, const Buffer& v) {
+    if (!v.empty()) out.push_back({std::move(name), v});  // what recompute rebuilds is not kept
+  };
   add(m.spec.has_embedding ? "embedding output" : "stage input", s.x[0]);
   for (int li = 0; li < m.L; ++li) {
     const Impl::BlockStash& b = s.blocks[li];

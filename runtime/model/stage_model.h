@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.h"  // Recompute
 #include "core/dtype.h"
 
 namespace trainsim::runtime {
@@ -43,6 +44,11 @@ struct StageSpec {
   bool has_embedding = false, has_head = false;
   DType compute = DType::fp32, grad_accumulation = DType::fp32;
   int micro_batch_size = 1;
+  // Activation recompute (training.activation_recompute), as sim's memory model counts it:
+  // `selective` keeps no softmax output and rebuilds it from the kept QKV in the block's
+  // backward (Korthikanti et al. 2022); `full` keeps only each block's input and reruns the
+  // block's forward in its backward. Rebuilt tensors are bitwise those of the forward.
+  Recompute recompute = Recompute::none;
 };
 
 // What numerics the stage saw since the last reset (per step): the largest magnitudes, how
@@ -57,6 +63,20 @@ struct ParamInfo {
   std::string name;   // global name, e.g. "block.3.attn.qkv.weight", "wte" (same on every cut)
   std::size_t offset = 0, size = 0;  // in master_weights() / gradients()
   bool decay = true;  // weight decay applies (not to biases, norms)
+};
+
+// For an engine that gathers sharded weights piece by piece (ZeRO-3, runtime/engine/zero.h): a
+// pass tells it, in the order it goes, which weights it is about to read and when it is done
+// with them. Pieces: the embedding (first stage), block `block` (local index), the head (last
+// stage). Forward uses embedding, blocks 0.., head; a backward (or backward_input) the head and
+// blocks ..0, each for its input-gradient pass and, with full recompute, the block's rebuild
+// (weight gradients and the embedding's need no weights).
+enum class WeightPiece : std::uint8_t { embedding, block, head };
+class WeightGate {
+ public:
+  virtual ~WeightGate() = default;
+  virtual void acquire(WeightPiece piece, int block) = 0;  // returns once they are there
+  virtual void release(WeightPiece piece, int block) = 0;
 };
 
 // The arguments a stage's forward needs, checked (every backend's stage model calls it):
@@ -89,6 +109,11 @@ class StageModel {
   void zero_gradients();
   // Rounds the master weights into the compute-format working copy; after each optimizer step.
   void refresh_working_weights();
+  // The weights passes read: the working copy, or the master weights when compute is fp32. An
+  // engine that shards them (ZeRO) writes what it gathers here.
+  std::span<float> compute_weights();
+  // Passes ask `gate` before they read weights (nullptr, the default: they are always there).
+  void set_weight_gate(WeightGate* gate);
   // The token embedding's range in master_weights()/gradients() (size 0 when this stage has
   // none): with tied embeddings split over a pipeline its gradient is summed between the
   // first and last stage before the optimizer step.
@@ -116,7 +141,11 @@ class StageModel {
 
   // Zero-bubble split (ZB-H1): input gradients now, weight gradients later from the stash.
   void backward_input(int mb, const float* grad_output, float loss_gradient_scale, float* grad_input);
-  void backward_weight(int mb);
+  void backward_weight(int mb);  // every weight unit left, then frees the stash
+  // The weight pass in units (gradient-completion order, as backward_unit), so an engine can
+  // end a split backward's weight segments at gradient-bucket bounds: the next unit's weight
+  // gradients (gradients_complete() grows), then backward_weight() runs the rest.
+  void backward_weight_unit(int mb);
 
   // Memory held now, in bytes of the formats the values are in (the runtime's accounting):
   std::size_t master_weight_bytes() const;   // FP32 master
@@ -125,6 +154,9 @@ class StageModel {
   std::size_t activation_bytes() const;      // stashes of micro-batches in flight (compute-format
                                              // elements, FP32 statistics; with the gradients a
                                              // split backward keeps for backward_weight)
+  std::size_t recompute_bytes() const;       // what a backward (or backward_input) rebuilds one
+                                             // block's activations in, on top of activation_bytes()
+                                             // while it runs: 0 without recompute
 
   // Reset by assigning {} (per step). Activations are the tensors forward stores or passes on,
   // gradients those backward passes on plus each parameter's gradient as produced and as

@@ -71,6 +71,32 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
   }
 }
 
+// Recompute rebuilds bitwise what the forward made (the same code on the same inputs), so every
+// gradient, and the training, is bitwise that of keeping everything; only memory changes.
+TEST(Executor, RecomputeTrainsBitwiseAsKeepingEverything) {
+  for (const ScheduleKind schedule : {ScheduleKind::one_f_one_b, ScheduleKind::zb_h1}) {
+    ScenarioConfig c = small_config(1, 2, schedule);
+    c.precision.compute = DType::bf16;  // rounding inside the rebuilt layers too
+    const RunReport kept = run(c);
+    ASSERT_FALSE(kept.failure) << kept.failure->message;
+    for (const Recompute r : {Recompute::selective, Recompute::full}) {
+      SCOPED_TRACE(::testing::Message() << schedule_name(schedule) << " recompute " << recompute_name(r));
+      c.training.activation_recompute = r;
+      const RunReport again = run(c);
+      ASSERT_FALSE(again.failure) << again.failure->message;
+      EXPECT_TRUE(again.runtime_plan.notes.empty() || again.runtime_plan.notes[0].find("recompute") == std::string::npos);
+      EXPECT_EQ(losses(again), losses(kept));
+      for (std::size_t i = 0; i < again.steps.size(); ++i) {
+        EXPECT_EQ(again.steps[i].grad_norm, kept.steps[i].grad_norm);
+        EXPECT_EQ(again.steps[i].replica_checksums, kept.steps[i].replica_checksums);
+      }
+      for (std::size_t rank = 0; rank < again.memory.size(); ++rank)
+        EXPECT_LT(again.memory[rank].activations, kept.memory[rank].activations) << "rank " << rank;
+    }
+    c.training.activation_recompute = Recompute::none;
+  }
+}
+
 TEST(Executor, OverlappedBucketsGiveTheSameTraining) {
   ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
   const RunReport plain = run(c);
