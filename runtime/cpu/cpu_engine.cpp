@@ -584,6 +584,7 @@ class CpuEngine final : public DeviceEngine {
   // ZeRO (runtime/engine/zero.h): shards over each data-parallel group, the schedule's
   // reduce-scatters, gathers and embedding sum on them, the optimizer on the shard.
   // ---------------------------------------------------------------------------------------
+  static int unit_key(int chunk, int unit) { return chunk * 4096 + unit; }  // in the rank's GatherGate
   int position(const Rank& rk) const {
     const std::vector<int> group = world_.data_parallel_group(rk.rank);
     return static_cast<int>(std::find(group.begin(), group.end(), rk.rank) - group.begin());
@@ -637,7 +638,8 @@ class CpuEngine final : public DeviceEngine {
         for (int j = 0; j < shape_.vpp; ++j) {
           Rank& r = *rk;
           auto& z = r.zero[j];
-          z.gate = std::make_unique<ChunkWeightGate>(z.plan, r.gather_gate, [this, &r, j](int unit) { poison(r, j, unit); });
+          z.gate = std::make_unique<ChunkWeightGate>(z.plan, r.gather_gate, unit_key(j, 0),
+                                                     [this, &r, j](int unit) { poison(r, j, unit); });
           r.chunks[j].set_weight_gate(z.gate.get());
           for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(r, j, u);
         }
@@ -791,7 +793,7 @@ class CpuEngine final : public DeviceEngine {
         }
       int part = 0;
       for (int u : z.plan.gathers(forward)) {
-        rk.gather_gate.reserve();
+        rk.gather_gate.reserve(unit_key(j, u));
         for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
           gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
         rk.gather_gate.gathered();

@@ -192,7 +192,8 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
 // ---------------------------------------------------------------------------------------
 void GatherGate::reset() {
   std::lock_guard lock(mu_);
-  reserved_ = gathered_ = acquired_ = released_ = 0;
+  held_.clear();
+  gathered_ = acquired_ = 0;
   failed_.clear();
 }
 
@@ -209,10 +210,12 @@ void GatherGate::wait(std::unique_lock<std::mutex>& lock, const std::function<bo
   if (!failed_.empty()) throw std::runtime_error("ZeRO-3 gather stopped: " + failed_);
 }
 
-void GatherGate::reserve() {
+void GatherGate::reserve(int key) {
   std::unique_lock lock(mu_);
-  wait(lock, [&] { return reserved_ - released_ < capacity_; });
-  ++reserved_;
+  wait(lock, [&] {
+    return static_cast<int>(held_.size()) < capacity_ && std::find(held_.begin(), held_.end(), key) == held_.end();
+  });
+  held_.push_back(key);
 }
 
 void GatherGate::gathered() {
@@ -229,10 +232,11 @@ void GatherGate::acquire() {
   ++acquired_;
 }
 
-void GatherGate::release() {
+void GatherGate::release(int key) {
   {
     std::lock_guard lock(mu_);
-    ++released_;
+    const auto it = std::find(held_.begin(), held_.end(), key);
+    if (it != held_.end()) held_.erase(it);
   }
   cv_.notify_all();
 }
@@ -269,7 +273,7 @@ void ChunkWeightGate::release(WeightPiece piece, int block) {
   const UnitUse& u = expect(piece, block, false);
   if (u.frees) {
     on_free_(u.unit);
-    gate_.release();
+    gate_.release(key_base_ + u.unit);
   }
   holding_ = false;
   ++next_;

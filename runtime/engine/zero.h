@@ -140,25 +140,28 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
 
 // Stage 3's hand-over of gathered units between a rank's communication thread (which gathers
 // them, in program order) and its compute thread (which uses them, in the same order), holding at
-// most `capacity` units at once. Every wait fails with the rank's error once fail() is called.
+// most `capacity` units at once. A unit is named by a key (its chunk and index): a unit still held
+// by one pass is not gathered again for the next until that pass gave it back (and poisoned it).
+// Every wait fails with the rank's error once fail() is called.
 class GatherGate {
  public:
   explicit GatherGate(int capacity = 2) : capacity_(capacity) {}
   void reset();
   void fail(const std::string& reason);
-  // Communication thread: wait for room, then hand over one unit.
-  void reserve();
+  // Communication thread: wait for room (and for `key` to be free), then hand the unit over.
+  void reserve(int key);
   void gathered();
-  // Compute thread: wait for the next unit; give one back.
+  // Compute thread: wait for the next unit; give unit `key` back.
   void acquire();
-  void release();
+  void release(int key);
 
  private:
   void wait(std::unique_lock<std::mutex>& lock, const std::function<bool()>& ready);
   std::mutex mu_;
   std::condition_variable cv_;
   int capacity_;
-  long reserved_ = 0, gathered_ = 0, acquired_ = 0, released_ = 0;
+  std::vector<int> held_;  // keys reserved and not yet given back
+  long gathered_ = 0, acquired_ = 0;
   std::string failed_;
 };
 
@@ -167,8 +170,9 @@ class GatherGate {
 // `on_free` (which poisons them) and the gate.
 class ChunkWeightGate final : public WeightGate {
  public:
-  ChunkWeightGate(const ZeroChunk& zero, GatherGate& gate, std::function<void(int unit)> on_free)
-      : zero_(zero), gate_(gate), on_free_(std::move(on_free)) {}
+  // `key_base` + unit: the units' keys in the rank's GatherGate.
+  ChunkWeightGate(const ZeroChunk& zero, GatherGate& gate, int key_base, std::function<void(int unit)> on_free)
+      : zero_(zero), gate_(gate), key_base_(key_base), on_free_(std::move(on_free)) {}
   // Before a forward (forward = true), or the first segment of a backward or backward_input.
   void begin(bool forward);
   void acquire(WeightPiece piece, int block) override;
@@ -178,6 +182,7 @@ class ChunkWeightGate final : public WeightGate {
   const UnitUse& expect(WeightPiece piece, int block, bool acquiring);
   const ZeroChunk& zero_;
   GatherGate& gate_;
+  int key_base_;
   std::function<void(int)> on_free_;
   const std::vector<UnitUse>* uses_ = nullptr;
   std::size_t next_ = 0;
