@@ -514,22 +514,40 @@ class CpuEngine final : public DeviceEngine {
   }
 
   void optimizer_step(Rank& rk) {
-    if (!rk.zero.empty()) return zero_optimizer_step(rk);
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
-    // Unscale, and this rank's share of the global squared norm (norm_excluded).
-    double sumsq = 0;
+    // What each chunk updates: all of it, or under ZeRO this rank's shard. Unscale, and this
+    // rank's share of the global squared norm (norm_excluded), each element once over the
+    // data-parallel group: a replica's whole copy counts 1/dp, a shard (padding is zero) once.
+    struct Part {
+      std::span<float> master, grads;
+      std::span<const std::uint8_t> mask;
+      std::pair<std::size_t, std::size_t> skip;
+    };
+    std::vector<Part> parts;
     for (int j = 0; j < shape_.vpp; ++j) {
       StageModel& model = rk.chunks[j];
-      auto g = model.gradients();
-      for (float& x : g) x *= inv_scale;
-      const auto [skip_from, skip_count] =
-          norm_excluded(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.token_embedding());
-      // In index order around the range left out, as one pass that skipped it would add them.
-      for (std::size_t i = 0; i < skip_from; ++i) sumsq += static_cast<double>(g[i]) * g[i];
-      for (std::size_t i = skip_from + skip_count; i < g.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
+      const int vs = shape_.vstage_of_chunk(rk.stage, j);
+      if (rk.zero.empty()) {
+        parts.push_back({model.master_weights(), model.gradients(), rk.decay_masks[j],
+                         norm_excluded(vs, shape_.virtual_stages, model.token_embedding())});
+        continue;
+      }
+      auto& z = rk.zero[j];
+      if (!plan_.reduces_every_microbatch())  // stage 1: the shard from where the reduce-scatters left it
+        z.plan.layout.take(z.plan.layout.position(), model.gradients(), z.grads);
+      parts.push_back({z.master, z.grads, z.mask, shard_norm_excluded(z.plan, shape_.last(vs))});
     }
-    float total = static_cast<float>(sumsq / plan_.dp);
+    double sumsq = 0;
+    for (const Part& p : parts) {
+      for (float& x : p.grads) x *= inv_scale;
+      // In index order around the range left out, as one pass that skipped it would add them.
+      const auto [skip_from, skip_count] = p.skip;
+      for (std::size_t i = 0; i < skip_from; ++i) sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
+      for (std::size_t i = skip_from + skip_count; i < p.grads.size(); ++i)
+        sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
+    }
+    float total = static_cast<float>(rk.zero.empty() ? sumsq / plan_.dp : sumsq);
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         DType::fp32, Divide::none);
     rk.grad_norm = std::sqrt(static_cast<double>(total));
@@ -539,9 +557,14 @@ class CpuEngine final : public DeviceEngine {
     if (rk.skipped) return;
     const float coef = clip_coefficient(cfg.training.clip_grad, rk.grad_norm);
     for (int j = 0; j < shape_.vpp; ++j) {
-      StageModel& model = rk.chunks[j];
-      rk.optimizers[j].step(model.master_weights(), model.gradients(), coef, rk.decay_masks[j]);
-      round_master(model);
+      const Part& p = parts[static_cast<std::size_t>(j)];
+      rk.optimizers[j].step(p.master, p.grads, coef, p.mask);
+      if (rk.zero.empty()) {
+        round_master(rk.chunks[j]);
+        continue;
+      }
+      if (cfg.precision.master_weights != DType::fp32) round_inplace(cfg.precision.master_weights, p.master);
+      refresh_working_shard(rk, j);
     }
   }
 
@@ -783,22 +806,13 @@ class CpuEngine final : public DeviceEngine {
     auto& z = rk.zero[j];
     const Collective& c = schedule_->collectives[op.channel];
     if (gathers_units_ && op.microbatch >= 0) {
-      // The pass that reads them is the compute op waiting for this gather.
-      const auto& ops = rk.program->ops;
-      bool forward = true;
-      for (std::size_t i = static_cast<std::size_t>(index) + 1; i < ops.size(); ++i)
-        if (ops[i].dep == index && is_compute(ops[i].kind)) {
-          forward = ops[i].kind == OpKind::Forward;
-          break;
-        }
-      int part = 0;
-      for (int u : z.plan.gathers(forward)) {
-        rk.gather_gate.reserve(unit_key(j, u));
-        for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-          gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
-        rk.gather_gate.gathered();
-        rk.walk.done_early(index);  // the pass may begin with the first unit
-      }
+      gather_units(
+          z.plan, gather_serves_forward(*rk.program, index), rk.gather_gate, unit_key(j, 0),
+          [&](int u, int part) {
+            for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
+              gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
+          },
+          [&] { rk.walk.done_early(index); });  // the pass may begin with the first unit
       return;
     }
     // FSDP's stage 2 gathers before every forward what the first one already brought: the values
@@ -816,41 +830,6 @@ class CpuEngine final : public DeviceEngine {
     std::copy(own.begin(), own.end(), buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(position(rk)) * g.section));
     rk.comm->all_gather(buf, members, tag, plan_.config.precision.compute);
     if (keep) rk.zero[j].plan.layout.unpack(g, buf, rk.chunks[j].compute_weights());
-  }
-
-  void zero_optimizer_step(Rank& rk) {
-    const auto& cfg = plan_.config;
-    const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
-    // Unscale, and this rank's share of the global squared norm: its shard, each element once
-    // over the group (padding is zero), the last stage's copy of a tied embedding left out.
-    double sumsq = 0;
-    for (int j = 0; j < shape_.vpp; ++j) {
-      auto& z = rk.zero[j];
-      if (!plan_.reduces_every_microbatch()) {  // stage 1: the shard from where the reduce-scatters left it
-        z.plan.layout.take(z.plan.layout.position(), rk.chunks[j].gradients(), z.grads);
-      }
-      for (float& x : z.grads) x *= inv_scale;
-      const bool skip_tied = shape_.last(shape_.vstage_of_chunk(rk.stage, j)) && z.plan.tied.section > 0;
-      const std::size_t from = skip_tied ? z.plan.tied.shard_offset : z.grads.size();
-      const std::size_t to = skip_tied ? from + z.plan.tied.section : z.grads.size();
-      for (std::size_t i = 0; i < from; ++i) sumsq += static_cast<double>(z.grads[i]) * z.grads[i];
-      for (std::size_t i = to; i < z.grads.size(); ++i) sumsq += static_cast<double>(z.grads[i]) * z.grads[i];
-    }
-    float total = static_cast<float>(sumsq);
-    rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
-                        DType::fp32, Divide::none);
-    rk.grad_norm = std::sqrt(static_cast<double>(total));
-
-    const bool checks = cfg.precision.loss_scaling.mode != LossScalingMode::none;
-    rk.skipped = rk.scaler->update(checks && rk.found_nonfinite);
-    if (rk.skipped) return;
-    const float coef = clip_coefficient(cfg.training.clip_grad, rk.grad_norm);
-    for (int j = 0; j < shape_.vpp; ++j) {
-      auto& z = rk.zero[j];
-      rk.optimizers[j].step(z.master, z.grads, coef, z.mask);
-      if (cfg.precision.master_weights != DType::fp32) round_inplace(cfg.precision.master_weights, z.master);
-      refresh_working_shard(rk, j);
-    }
   }
 
   void note_nonfinite(Rank& rk) {

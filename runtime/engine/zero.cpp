@@ -187,6 +187,12 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
   return z;
 }
 
+bool gather_serves_forward(const RankProgram& program, int index) {
+  for (std::size_t i = static_cast<std::size_t>(index) + 1; i < program.ops.size(); ++i)
+    if (program.ops[i].dep == index && is_compute(program.ops[i].kind)) return program.ops[i].kind == OpKind::Forward;
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------
 // GatherGate
 // ---------------------------------------------------------------------------------------
@@ -265,7 +271,10 @@ const UnitUse& ChunkWeightGate::expect(WeightPiece piece, int block, bool acquir
 
 void ChunkWeightGate::acquire(WeightPiece piece, int block) {
   const UnitUse& u = expect(piece, block, true);
-  if (u.gathered) gate_.acquire();
+  if (u.gathered) {
+    gate_.acquire();
+    if (on_acquire_) on_acquire_(u.unit);
+  }
   holding_ = true;
 }
 

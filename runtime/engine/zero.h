@@ -126,6 +126,14 @@ struct ZeroChunk {
   std::vector<int> gathers(bool forward) const;
 };
 
+// The range of a chunk's shard its rank leaves out of the global gradient norm, as
+// [offset, offset + count): on the last virtual stage, its part of the tied embedding's copy
+// (norm_excluded's rule on a shard); {0, 0} elsewhere.
+inline std::pair<std::size_t, std::size_t> shard_norm_excluded(const ZeroChunk& z, bool last_vstage) {
+  if (!last_vstage || z.tied.section == 0) return {0, 0};
+  return {z.tied.shard_offset, z.tied.section};
+}
+
 // The buckets of chunk `vstage` moved, when a tied embedding [lo, hi) sits inside a bucket's
 // interior bound, to the end of the embedding, so that it is one segment on every stage that
 // holds it (a bucket may become empty). Other chunks' buckets are left as they are.
@@ -137,6 +145,10 @@ void keep_embedding_whole(BucketRanges& buckets, std::size_t lo, std::size_t hi)
 // model's (StageModel::params(), its StageSpec).
 ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::vector<ParamInfo>& params,
                           const BucketRanges& buckets, const ParamInfo& tied_embedding, int members, int position);
+
+// Whether the schedule's all-gather at op `index` of `program` serves a forward (else a backward):
+// the compute op that waits for it.
+bool gather_serves_forward(const RankProgram& program, int index);
 
 // Stage 3's hand-over of gathered units between a rank's communication thread (which gathers
 // them, in program order) and its compute thread (which uses them, in the same order), holding at
@@ -165,14 +177,34 @@ class GatherGate {
   std::string failed_;
 };
 
+// Stage 3's all-gather before a pass of chunk `zero` (its key_base in the rank's gate): every unit
+// the pass gathers, in order, each once there is room for it (`gather(unit, first_part)` moves it,
+// parts numbered across the op), handed over to the pass; `first` runs once the first is there
+// (the pass may begin).
+template <class Gather, class First>
+void gather_units(const ZeroChunk& zero, bool forward, GatherGate& gate, int key_base, Gather&& gather, First&& first) {
+  int part = 0;
+  bool begun = false;
+  for (int u : zero.gathers(forward)) {
+    gate.reserve(key_base + u);
+    gather(u, part);
+    part += static_cast<int>(zero.units[static_cast<std::size_t>(u)].groups.size());
+    gate.gathered();
+    if (!begun) first();
+    begun = true;
+  }
+}
+
 // The model's WeightGate for one chunk under stage 3: maps its calls onto the chunk's uses (the
 // pass set by begin()), takes units from the rank's GatherGate, and gives them back through
 // `on_free` (which poisons them) and the gate.
 class ChunkWeightGate final : public WeightGate {
  public:
-  // `key_base` + unit: the units' keys in the rank's GatherGate.
-  ChunkWeightGate(const ZeroChunk& zero, GatherGate& gate, int key_base, std::function<void(int unit)> on_free)
-      : zero_(zero), gate_(gate), key_base_(key_base), on_free_(std::move(on_free)) {}
+  // `key_base` + unit: the units' keys in the rank's GatherGate. `on_acquire` (optional) runs once
+  // a unit is there (a device engine makes its compute stream wait for the gather).
+  ChunkWeightGate(const ZeroChunk& zero, GatherGate& gate, int key_base, std::function<void(int unit)> on_free,
+                  std::function<void(int unit)> on_acquire = {})
+      : zero_(zero), gate_(gate), key_base_(key_base), on_free_(std::move(on_free)), on_acquire_(std::move(on_acquire)) {}
   // Before a forward (forward = true), or the first segment of a backward or backward_input.
   void begin(bool forward);
   void acquire(WeightPiece piece, int block) override;
@@ -183,7 +215,7 @@ class ChunkWeightGate final : public WeightGate {
   const ZeroChunk& zero_;
   GatherGate& gate_;
   int key_base_;
-  std::function<void(int)> on_free_;
+  std::function<void(int)> on_free_, on_acquire_;
   const std::vector<UnitUse>* uses_ = nullptr;
   std::size_t next_ = 0;
   bool holding_ = false;

@@ -162,13 +162,7 @@ struct StageModel::Impl {
   const Buffer& stage_output(const Stash& s) const { return s.x[L].empty() ? redo.out : s.x[L]; }
 
   // Weights read through the engine's gate (set_weight_gate), piece by piece.
-  WeightGate* gate = nullptr;
-  void take(WeightPiece piece, int block = -1) {
-    if (gate) gate->acquire(piece, block);
-  }
-  void give(WeightPiece piece, int block = -1) {
-    if (gate) gate->release(piece, block);
-  }
+  GateCalls gate;
   // A backward unit's input pass (and its rebuild) reads the unit's weights; the embedding's none.
   bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
   WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
@@ -483,18 +477,18 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
   float* x0 = s.x[0].data();
   if (spec.has_embedding) {
     std::copy(tokens, tokens + N, s.tokens.begin());
-    take(WeightPiece::embedding);
+    gate.take(WeightPiece::embedding);
     layers::embedding_forward(x0, tokens, w(wte), w(wpe), B, T, C);
-    give(WeightPiece::embedding);
+    gate.give(WeightPiece::embedding);
     finish(x0, nc, Tag{"embedding output"}, false, mb);
   } else {
     std::copy(input, input + nc, x0);
     finish(x0, nc, Tag{"stage input"}, false, mb);
   }
   for (int li = 0; li < L; ++li) {
-    take(WeightPiece::block, li);
+    gate.take(WeightPiece::block, li);
     forward_block(li, s, mb);
-    give(WeightPiece::block, li);
+    gate.give(WeightPiece::block, li);
   }
   const float* xl = stage_output(s).data();
   if (!spec.has_head) {
@@ -502,11 +496,11 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
     return 0;
   }
   std::copy(targets, targets + N, s.targets.begin());
-  take(WeightPiece::head);
+  gate.take(WeightPiece::head);
   layers::layernorm_forward(s.lnf.data(), s.meanf.data(), s.rstdf.data(), xl, w(lnf_w), w(lnf_b), N, C);
   finish(s.lnf.data(), nc, Tag{"lnf output"}, false, mb);
   layers::linear_forward(s.logits.data(), s.lnf.data(), w(head_w), static_cast<const float*>(nullptr), N, C, V);
-  give(WeightPiece::head);
+  gate.give(WeightPiece::head);
   finish(s.logits.data(), N * V, Tag{"logits"}, false, mb);
   const float loss = layers::cross_entropy_forward(s.lse.data(), s.logits.data(), s.targets.data(), N, V);
   float l = loss;
@@ -819,7 +813,7 @@ void StageModel::refresh_working_weights() { impl_->refresh_working(); }
 std::span<float> StageModel::compute_weights() {
   return impl_->spec.compute == DType::fp32 ? std::span<float>(impl_->master) : std::span<float>(impl_->working);
 }
-void StageModel::set_weight_gate(WeightGate* gate) { impl_->gate = gate; }
+void StageModel::set_weight_gate(WeightGate* gate) { impl_->gate.gate = gate; }
 
 ParamInfo StageModel::token_embedding() const {
   if (impl_->wte < 0) return ParamInfo{"", 0, 0, true};
@@ -848,10 +842,10 @@ void StageModel::backward_unit(int mb) {
     throw std::logic_error("StageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
                            std::to_string(m.units.size()) + " units");
   const Impl::Unit& u = m.units[sl.units_done];
-  if (m.reads_weights(u)) m.take(m.piece(u), u.block);
+  if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
   m.rebuild(u, *sl.stash, mb, false);
   m.unit_input(u, *sl.stash, *sl.backward, mb);
-  if (m.reads_weights(u)) m.give(m.piece(u), u.block);
+  if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
   m.unit_weight(u, *sl.stash, *sl.backward, mb);
   m.drop_rebuilt(u, *sl.stash, true);
   ++sl.units_done;
@@ -883,10 +877,10 @@ void StageModel::backward_input(int mb, const float* grad_output, float loss_gra
   m.begin(mb, grad_output, loss_gradient_scale, true);
   Impl::Slot& sl = m.slot(mb);
   for (const Impl::Unit& u : m.units) {
-    if (m.reads_weights(u)) m.take(m.piece(u), u.block);
+    if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
     m.rebuild(u, *sl.stash, mb, true);
     m.unit_input(u, *sl.stash, *sl.backward, mb);
-    if (m.reads_weights(u)) m.give(m.piece(u), u.block);
+    if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
     m.drop_rebuilt(u, *sl.stash, false);
   }
   sl.backward->inputs_done = true;

@@ -79,6 +79,17 @@ class WeightGate {
   virtual void release(WeightPiece piece, int block) = 0;
 };
 
+// A pass's calls on an engine's gate, if it has one (both stage models hold one).
+struct GateCalls {
+  WeightGate* gate = nullptr;
+  void take(WeightPiece piece, int block = -1) const {
+    if (gate) gate->acquire(piece, block);
+  }
+  void give(WeightPiece piece, int block = -1) const {
+    if (gate) gate->release(piece, block);
+  }
+};
+
 // The arguments a stage's forward needs, checked (every backend's stage model calls it):
 // tokens on the first stage, an input activation on the others, targets on the last; token ids
 // inside the vocabulary. `who` names the caller in the exceptions (std::invalid_argument,
