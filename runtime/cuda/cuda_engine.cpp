@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -29,6 +31,7 @@
 #include "runtime/engine/rank_threads.h"
 #include "runtime/engine/schedule_ops.h"
 #include "runtime/engine/weights.h"
+#include "runtime/engine/zero.h"
 #include "runtime/loop/run_loop.h"
 #include "runtime/numerics/loss_scaler.h"
 
@@ -272,6 +275,26 @@ struct CudaRank {
   std::size_t buffer_elements = 0;
   double peak_bytes = 0;
   MemoryBreakdown peak;
+
+  // ZeRO (runtime/engine/zero.h; the CPU engine's ZeroShard with device buffers), per local chunk:
+  // shards of the fp32 master weights, the reduced gradients (grad_accumulation), the decay mask
+  // and (compute not fp32) the compute-format weights gathers send; the moments are the chunk's
+  // OptimizerBuffers, shard-sized. Stage 3: an event per unit when its gather is queued (comm
+  // context) and when the compute stream let it go (compute context).
+  struct ZeroShard {
+    ZeroChunk plan;
+    k::DeviceBuffer master, grads, working, mask;
+    std::unique_ptr<ChunkWeightGate> gate;
+    std::vector<Event> unit_ready, unit_freed;
+    bool gathered = false;  // FSDP's stage 2: gathered once this step
+  };
+  std::vector<ZeroShard> zero;
+  std::vector<std::vector<int>> staged_after;  // per op: the reduce-scatters whose bucket it completes
+  std::map<int, void*> staged;                 // reduce-scatter op -> its bucket (pool, grad_accumulation)
+  std::mutex staged_mu;
+  GatherGate gather_gate;
+  double staged_bytes = 0, in_flight = 0;
+  std::vector<std::size_t> written, staged_to;
 };
 
 // What the CUDA backend cannot run, refused before any device work.
@@ -400,6 +423,7 @@ class CudaEngine final : public DeviceEngine {
       if (grad_elems[static_cast<std::size_t>(vs)] == 0)
         grad_elems[static_cast<std::size_t>(vs)] = StageModel(stage_spec(rp_, vs)).gradients().size();
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
+    if (plan_.zero() >= 1) setup_zero(os);
     for (auto& rk : ranks_) {
       partition_->make_current(rk->partition_index);
       synchronize(rk->streams.compute);
@@ -471,6 +495,7 @@ class CudaEngine final : public DeviceEngine {
 
   // Max |w(replica d) - w(replica 0)|, when every rank is in this process.
   std::optional<double> replica_drift() override {
+    if (plan_.zero() >= 1) return 0.0;  // one copy of the master, spread over the replicas: nothing to drift
     if (!all_local_) return std::nullopt;
     return runtime::replica_drift(world_, shape_.vpp, [&](int r, int j) {
       return std::span<const float>(ranks_[static_cast<std::size_t>(r)]->master_copy[static_cast<std::size_t>(j)]);
@@ -512,6 +537,7 @@ class CudaEngine final : public DeviceEngine {
 
   // Loads this process's ranks from `ck` (a checkpoint of the same plan from any backend).
   void restore(const Checkpoint& ck) override {
+    if (plan_.zero() >= 1) return restore_zero(ck);
     for (auto& rk : ranks_) {
       const RankCheckpoint& rc = checkpoint_of(ck.ranks, rk->rank);
       partition_->make_current(rk->partition_index);
@@ -565,8 +591,24 @@ class CudaEngine final : public DeviceEngine {
         e_.send(rk_, i, op);
         return;
       }
+      if (is_compute(op.kind)) {  // ZeRO: the buckets the previous compute op staged are reduced during this one
+        rk_.in_flight = rk_.staged_bytes;
+        rk_.staged_bytes = 0;
+      }
+      // As the CPU engine: a backward holds its recompute workspace and (ZeRO-2/3) the unsharded
+      // gradients it writes.
+      if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::BackwardWeight)
+        e_.account_memory(rk_, op.kind == OpKind::BackwardWeight
+                                   ? 0.0
+                                   : static_cast<double>(rk_.chunks[static_cast<std::size_t>(e_.shape_.local_chunk(op))]
+                                                             .recompute_bytes()),
+                          e_.unsharded_written_by(rk_, op));
       record(rk_.start[static_cast<std::size_t>(i)].e, rk_.streams.compute);
       e_.run_op(rk_, i, op);
+      if (e_.stages_buckets_ && is_compute(op.kind)) {
+        e_.stage_buckets(rk_, i, op);
+        rk_.in_flight = rk_.staged_bytes;
+      }
       record(rk_.end[static_cast<std::size_t>(i)].e, rk_.streams.compute);
     }
     void finished_compute(int) override { e_.account_memory(rk_); }
@@ -581,7 +623,10 @@ class CudaEngine final : public DeviceEngine {
       wait_event(thread == RankThread::compute ? rk_.streams.compute : rk_.streams.comm,
                  rk_.end[static_cast<std::size_t>(dep)].e);
     }
-    void abort(const std::string& reason) override { rk_.comm->abort(reason); }
+    void abort(const std::string& reason) override {
+      rk_.comm->abort(reason);
+      rk_.gather_gate.fail(reason);
+    }
 
    private:
     CudaEngine& e_;
@@ -601,6 +646,363 @@ class CudaEngine final : public DeviceEngine {
     model.refresh_working_weights();
   }
 
+  // ---------------------------------------------------------------------------------------
+  // ZeRO (runtime/engine/zero.h): the CPU engine's section (cpu_engine.cpp) with device buffers;
+  // what travels is queued on the comm stream, what a pass needs on the compute stream, and
+  // stage 3's units are handed over through the rank's GatherGate and two events per unit.
+  // ---------------------------------------------------------------------------------------
+  static int unit_key(int chunk, int unit) { return chunk * 4096 + unit; }
+  int position(const CudaRank& rk) const {
+    const std::vector<int> group = world_.data_parallel_group(rk.rank);
+    return static_cast<int>(std::find(group.begin(), group.end(), rk.rank) - group.begin());
+  }
+  std::size_t gbytes() const { return static_cast<std::size_t>(dtype_bytes(plan_.config.precision.grad_accumulation)); }
+  std::size_t wbytes() const { return static_cast<std::size_t>(dtype_bytes(plan_.config.precision.compute)); }
+  static void* at(void* base, std::size_t element, std::size_t bytes) { return static_cast<char*>(base) + element * bytes; }
+
+  // Copies between a flat buffer and a collective buffer or shard, piece by piece (zero.h).
+  static void copy_pieces(const std::vector<ShardPiece>& pieces, void* flat, void* other, std::size_t bytes,
+                          bool to_flat, StreamHandle stream) {
+    for (const ShardPiece& p : pieces)
+      if (to_flat)
+        copy_device_to_device(at(flat, p.flat, bytes), at(other, p.other, bytes), p.count * bytes, stream);
+      else
+        copy_device_to_device(at(other, p.other, bytes), at(flat, p.flat, bytes), p.count * bytes, stream);
+  }
+
+  void setup_zero(const OptimizerSettings& os) {
+    const auto& pr = plan_.config.precision;
+    const int V = shape_.virtual_stages;
+    gathers_units_ = plan_.gathers_before_backward();
+    stages_buckets_ = plan_.reduces_every_microbatch();
+    std::vector<char> kept(static_cast<std::size_t>(V), 0);  // a tied embedding split over the pipeline stays whole
+    for (auto& rk : ranks_)
+      for (int j = 0; j < shape_.vpp; ++j) {
+        const int vs = shape_.vstage_of_chunk(rk->stage, j);
+        const ParamInfo te = rk->chunks[static_cast<std::size_t>(j)].token_embedding();
+        if (V > 1 && te.size > 0 && !kept[static_cast<std::size_t>(vs)]) {
+          keep_embedding_whole(buckets_.ranges[static_cast<std::size_t>(vs)], te.offset, te.offset + te.size);
+          kept[static_cast<std::size_t>(vs)] = 1;
+        }
+      }
+    std::size_t largest_unit = 0;
+    for (auto& r : ranks_) {
+      CudaRank& rk = *r;
+      partition_->make_current(rk.partition_index);
+      k::AccountScope charge(&rk.memory);
+      const StreamHandle cs = rk.streams.compute;
+      const int pos = position(rk);
+      rk.staged_after.assign(rk.program->ops.size(), {});
+      rk.written.assign(static_cast<std::size_t>(shape_.vpp), 0);
+      rk.staged_to.assign(static_cast<std::size_t>(shape_.vpp), 0);
+      for (int i = 0; i < static_cast<int>(rk.program->ops.size()); ++i) {
+        const Op& op = rk.program->ops[static_cast<std::size_t>(i)];
+        if (op.kind == OpKind::ReduceScatter && stages_buckets_ && op.dep >= 0)
+          rk.staged_after[static_cast<std::size_t>(op.dep)].push_back(i);
+      }
+      for (int j = 0; j < shape_.vpp; ++j) {
+        const int vs = shape_.vstage_of_chunk(rk.stage, j);
+        CudaStageModel& model = rk.chunks[static_cast<std::size_t>(j)];
+        CudaRank::ZeroShard z;
+        z.plan = plan_zero_chunk(plan_, model.spec(), model.params(), buckets_.ranges[static_cast<std::size_t>(vs)],
+                                 V > 1 ? model.token_embedding() : ParamInfo{}, plan_.dp, pos);
+        const std::size_t S = z.plan.layout.shard_size();
+        std::vector<float> shard(S), flat_mask(model.num_parameters(), 1.0f), mask(S);
+        z.plan.layout.take(pos, model.master_weights_to_host(), shard);
+        for (const ParamInfo& p : model.params())
+          if (!p.decay) std::fill(flat_mask.begin() + p.offset, flat_mask.begin() + p.offset + p.size, 0.0f);
+        z.plan.layout.take(pos, flat_mask, mask);
+        const std::vector<std::uint8_t> mask8(mask.begin(), mask.end());
+        z.master = k::DeviceBuffer(S * sizeof(float));
+        z.grads = k::DeviceBuffer(S * gbytes());
+        z.mask = k::DeviceBuffer(std::max<std::size_t>(S, 1));
+        copy_host_to_device(z.master.data(), shard.data(), S * sizeof(float), cs);
+        copy_host_to_device(z.mask.data(), mask8.data(), S, cs);
+        fill_zero(z.grads.data(), z.grads.bytes(), cs);
+        if (pr.compute != DType::fp32) z.working = k::DeviceBuffer(S * wbytes());
+        auto& opt = rk.optimizers[static_cast<std::size_t>(j)];
+        if (os.kind != Optimizer::sgd) {
+          opt.m = k::DeviceBuffer(S * sizeof(float));
+          opt.v = k::DeviceBuffer(S * sizeof(float));
+          fill_zero(opt.m.data(), opt.m.bytes(), cs);
+          fill_zero(opt.v.data(), opt.v.bytes(), cs);
+        }
+        opt.mask = k::DeviceBuffer();
+        if (pr.master_weights != DType::fp32)
+          opt.master_rounding = k::DeviceBuffer(S * static_cast<std::size_t>(dtype_bytes(pr.master_weights)));
+        for (const GatherUnit& u : z.plan.units) largest_unit = std::max(largest_unit, u.elements);
+        rk.zero.push_back(std::move(z));
+        refresh_working_shard(rk, j);
+        synchronize(cs);  // the host vectors go now
+      }
+      if (!gathers_units_) continue;
+      for (int j = 0; j < shape_.vpp; ++j) {
+        auto& z = rk.zero[static_cast<std::size_t>(j)];
+        partition_->make_current(rk.partition_index, RankThread::comm);
+        for (std::size_t u = 0; u < z.plan.units.size(); ++u) z.unit_ready.emplace_back();
+        partition_->make_current(rk.partition_index, RankThread::compute);
+        for (std::size_t u = 0; u < z.plan.units.size(); ++u) z.unit_freed.emplace_back();
+        z.gate = std::make_unique<ChunkWeightGate>(
+            z.plan, rk.gather_gate, unit_key(j, 0), [this, &rk, j](int unit) { poison(rk, j, unit); },
+            [&rk, j](int unit) {
+              wait_event(rk.streams.compute, rk.zero[static_cast<std::size_t>(j)].unit_ready[static_cast<std::size_t>(unit)].e);
+            });
+        rk.chunks[static_cast<std::size_t>(j)].set_weight_gate(z.gate.get());
+        for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(rk, j, u);
+      }
+      partition_->make_current(rk.partition_index);
+    }
+    gathered_bytes_ = 2.0 * static_cast<double>(largest_unit) * static_cast<double>(wbytes());
+  }
+
+  // The compute-format shard gathers send: the master shard rounded (fp32: the master itself).
+  const void* working_shard(CudaRank& rk, int j) {
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    return plan_.config.precision.compute == DType::fp32 ? z.master.data() : z.working.data();
+  }
+  void refresh_working_shard(CudaRank& rk, int j) {
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    const DType compute = plan_.config.precision.compute;
+    if (compute != DType::fp32)
+      k::cast(z.working.data(), compute, z.master.data(), DType::fp32, z.plan.layout.shard_size(), rk.streams.compute);
+  }
+  // round_master on the shard: master weights kept in another format are rounded after each update.
+  void round_master_shard(CudaRank& rk, int j) {
+    const DType master = plan_.config.precision.master_weights;
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    const std::size_t n = z.plan.layout.shard_size();
+    if (master != DType::fp32) {
+      void* tmp = rk.optimizers[static_cast<std::size_t>(j)].master_rounding.data();
+      k::cast(tmp, master, z.master.data(), DType::fp32, n, rk.streams.compute);
+      k::cast(z.master.data(), DType::fp32, tmp, master, n, rk.streams.compute);
+    }
+    refresh_working_shard(rk, j);
+  }
+  // Stage 1: the shard from where its reduce-scatters left it, in place in the flat gradients.
+  void take_flat_gradients(CudaRank& rk, int j) {
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    copy_pieces(z.plan.layout.shard_pieces(z.plan.layout.whole(), z.plan.layout.position()),
+                rk.chunks[static_cast<std::size_t>(j)].gradients_device(), z.grads.data(), gbytes(), false,
+                rk.streams.compute);
+  }
+
+  // A released stage-3 unit: the first element of every parameter NaN (all ones in any format),
+  // then its event, which the next gather of the unit waits for.
+  void poison(CudaRank& rk, int j, int unit) {
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    CudaStageModel& model = rk.chunks[static_cast<std::size_t>(j)];
+    void* cw = model.compute_weights_device();
+    for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(unit)].groups)
+      for (const ParamInfo& p : model.params())
+        if (p.offset >= g.lo && p.offset < g.hi)
+          check_cuda(cudaMemsetAsync(at(cw, p.offset, wbytes()), 0xff, wbytes(), rk.streams.compute), "cudaMemsetAsync");
+    record(z.unit_freed[static_cast<std::size_t>(unit)].e, rk.streams.compute);
+  }
+
+  // After compute op `index` (stages 2-3): the buckets it completed into their reduce-scatters'
+  // buffers, the flat gradients cleared for the next micro-batch.
+  void stage_buckets(CudaRank& rk, int index, const Op& done) {
+    const StreamHandle cs = rk.streams.compute;
+    if (done.kind == OpKind::Backward || done.kind == OpKind::BackwardWeight) {
+      const auto j = static_cast<std::size_t>(shape_.local_chunk(done));
+      if (done.bucket <= 0) rk.staged_to[j] = 0;
+      rk.written[j] = rk.chunks[j].gradients_complete(done.microbatch);
+    }
+    for (int rs : rk.staged_after[static_cast<std::size_t>(index)]) {
+      const Op& op = rk.program->ops[static_cast<std::size_t>(rs)];
+      const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
+      const auto& z = rk.zero[j];
+      const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
+      const std::size_t count = g.section * static_cast<std::size_t>(plan_.dp);
+      void* buf = nullptr;
+      if (count > 0) {
+        buf = rk.pool->allocate(count * gbytes(), cs, fmt::format("rank {}: gradient bucket {}", rk.rank, op.bucket));
+        fill_zero(buf, count * gbytes(), cs);
+        void* grads = rk.chunks[j].gradients_device();
+        for (int p = 0; p < plan_.dp; ++p) copy_pieces(z.plan.layout.section_pieces(g, p), grads, buf, gbytes(), false, cs);
+        fill_zero(at(grads, g.lo, gbytes()), (g.hi - g.lo) * gbytes(), cs);
+      }
+      rk.staged_bytes += static_cast<double>(count) * dtype_bytes(plan_.config.precision.allreduce);
+      rk.staged_to[j] = std::max(rk.staged_to[j], g.hi);
+      std::lock_guard lock(rk.staged_mu);
+      rk.staged[rs] = buf;
+    }
+  }
+
+  // As the CPU engine's: what a backward op writes, unsharded, before its reduce-scatters.
+  double unsharded_written_by(const CudaRank& rk, const Op& op) const {
+    if (!stages_buckets_ || op.kind == OpKind::BackwardInput) return 0;
+    const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
+    const BucketRanges& b = buckets_.ranges[static_cast<std::size_t>(op.chunk)];
+    std::size_t from = op.bucket > 0 ? rk.written[j] : 0, to = rk.zero[j].plan.layout.params();
+    if (op.bucket >= 0 && op.bucket + 1 < static_cast<int>(b.size())) to = b[static_cast<std::size_t>(op.bucket)].second;
+    return to > from ? static_cast<double>(to - from) * static_cast<double>(gbytes()) : 0.0;
+  }
+
+  // `buf` (count elements of grad_accumulation) reduced over `c` in the wire format: cast there
+  // and back as the all-reduce does. `reduce`: the collective itself on the wire buffer.
+  template <class Reduce>
+  void on_wire(CudaRank& rk, void* buf, std::size_t count, Reduce&& reduce) {
+    const auto& pr = plan_.config.precision;
+    const StreamHandle st = rk.streams.comm;
+    if (pr.allreduce == pr.grad_accumulation) return reduce(buf);
+    void* wire = rk.pool->allocate(count * dtype_bytes(pr.allreduce), st,
+                                   fmt::format("rank {}: a reduction's {} copy", rk.rank, dtype_name(pr.allreduce)));
+    k::cast(wire, pr.allreduce, buf, pr.grad_accumulation, count, st);
+    reduce(wire);
+    k::cast(buf, pr.grad_accumulation, wire, pr.allreduce, count, st);
+    rk.pool->free(wire, st);
+  }
+
+  void zero_reduce_scatter(CudaRank& rk, int i, const Op& op) {
+    const auto& pr = plan_.config.precision;
+    const StreamHandle st = rk.streams.comm;
+    const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
+    auto& z = rk.zero[j];
+    const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
+    const std::size_t count = g.section * static_cast<std::size_t>(plan_.dp);
+    void* grads = rk.chunks[j].gradients_device();
+    void* buf = nullptr;
+    if (stages_buckets_) {
+      std::lock_guard lock(rk.staged_mu);
+      buf = rk.staged.at(i);
+      rk.staged.erase(i);
+    } else if (count > 0) {  // once per step, after the chunk's last backward
+      buf = rk.pool->allocate(count * gbytes(), st, fmt::format("rank {}: gradient bucket {}", rk.rank, op.bucket));
+      fill_zero(buf, count * gbytes(), st);
+      for (int p = 0; p < plan_.dp; ++p) copy_pieces(z.plan.layout.section_pieces(g, p), grads, buf, gbytes(), false, st);
+    }
+    if (count == 0) return;
+    const auto at_op = static_cast<std::size_t>(i);
+    k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.before(at_op)), pr.grad_accumulation, st);
+    k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.local()), pr.grad_accumulation, st);
+    on_wire(rk, buf, count, [&](void* wire) {
+      rk.comm->reduce_scatter(wire, count, pr.allreduce, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum,
+                              divide_of(c, pr), st);
+    });
+    const std::size_t own = static_cast<std::size_t>(position(rk)) * g.section;
+    k::unscale_and_check(at(buf, own, gbytes()), g.section, 1.0f, flag(rk, rk.flags_at.after(at_op)),
+                         pr.grad_accumulation, st);
+    if (stages_buckets_)  // accumulated over micro-batches, in grad_accumulation
+      k::accumulate(at(z.grads.data(), g.shard_offset, gbytes()), pr.grad_accumulation, at(buf, own, gbytes()),
+                    pr.grad_accumulation, g.section, st);
+    else  // left in place, in the flat gradients
+      copy_pieces(z.plan.layout.section_pieces(g, position(rk)), grads, buf, gbytes(), true, st);
+    rk.pool->free(buf, st);
+  }
+
+  // The tied embedding's sum between the first and last stage, on the elements each owns of it.
+  void zero_embedding_sum(CudaRank& rk, int i, const Op& op) {
+    const auto& pr = plan_.config.precision;
+    const StreamHandle st = rk.streams.comm;
+    const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
+    auto& z = rk.zero[j];
+    const ShardGroup& g = z.plan.tied;
+    const std::size_t count = g.section * static_cast<std::size_t>(plan_.dp);
+    if (count == 0) return;
+    void* buf = rk.pool->allocate(count * gbytes(), st, fmt::format("rank {}: the embedding's sum", rk.rank));
+    fill_zero(buf, count * gbytes(), st);
+    const std::size_t own = static_cast<std::size_t>(position(rk)) * g.section;
+    void* grads = rk.chunks[j].gradients_device();
+    const std::vector<ShardPiece> pieces = z.plan.layout.section_pieces(g, position(rk));
+    if (stages_buckets_)
+      copy_device_to_device(at(buf, own, gbytes()), at(z.grads.data(), g.shard_offset, gbytes()), g.section * gbytes(), st);
+    else
+      copy_pieces(pieces, grads, buf, gbytes(), false, st);
+    const auto at_op = static_cast<std::size_t>(i);
+    k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.before(at_op)), pr.grad_accumulation, st);
+    on_wire(rk, buf, count, [&](void* wire) {
+      rk.comm->all_reduce(wire, count, pr.allreduce, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum,
+                          Divide::none, st);
+    });
+    k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.after(at_op)), pr.grad_accumulation, st);
+    if (stages_buckets_)
+      copy_device_to_device(at(z.grads.data(), g.shard_offset, gbytes()), at(buf, own, gbytes()), g.section * gbytes(), st);
+    else
+      copy_pieces(pieces, grads, buf, gbytes(), true, st);
+    rk.pool->free(buf, st);
+  }
+
+  // The schedule's all-gather of a chunk (the CPU engine's zero_gather).
+  void zero_gather(CudaRank& rk, int i, const Op& op) {
+    const StreamHandle st = rk.streams.comm;
+    const int j = shape_.local_chunk(op);
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    if (gathers_units_ && op.microbatch >= 0) {
+      gather_units(
+          z.plan, gather_serves_forward(*rk.program, i), rk.gather_gate, unit_key(j, 0),
+          [&](int u, int part) {
+            wait_event(st, z.unit_freed[static_cast<std::size_t>(u)].e);  // its last pass has let it go
+            for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
+              gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
+            record(z.unit_ready[static_cast<std::size_t>(u)].e, st);
+          },
+          [&] { rk.walk.done_early(i); });  // the pass may begin with the first unit
+      return;
+    }
+    const bool keep = op.microbatch < 0 || !z.gathered;
+    gather_group(rk, j, z.plan.layout.whole(), c.members, collective_tag(rk.step, op.channel), keep);
+    z.gathered = true;
+  }
+
+  void gather_group(CudaRank& rk, int j, const ShardGroup& g, const std::vector<int>& members, std::uint64_t tag,
+                    bool keep) {
+    if (g.section == 0) return;
+    const StreamHandle st = rk.streams.comm;
+    const DType compute = plan_.config.precision.compute;
+    const std::size_t count = g.section * static_cast<std::size_t>(plan_.dp);
+    void* buf = rk.pool->allocate(count * wbytes(), st, fmt::format("rank {}: a parameter gather", rk.rank));
+    const std::size_t own = static_cast<std::size_t>(position(rk)) * g.section;
+    copy_device_to_device(at(buf, own, wbytes()), at(const_cast<void*>(working_shard(rk, j)), g.shard_offset, wbytes()),
+                          g.section * wbytes(), st);
+    rk.comm->all_gather(buf, count, compute, members, tag, st);
+    auto& z = rk.zero[static_cast<std::size_t>(j)];
+    if (keep)
+      for (int p = 0; p < plan_.dp; ++p)
+        copy_pieces(z.plan.layout.section_pieces(g, p), rk.chunks[static_cast<std::size_t>(j)].compute_weights_device(),
+                    buf, wbytes(), true, st);
+    rk.pool->free(buf, st);
+  }
+
+  // Each rank's shards from its own checkpoint; stages 1-2 keep the whole weights between steps,
+  // assembled from every member's shard of the checkpoint (the others gather before use).
+  void restore_zero(const Checkpoint& ck) {
+    for (auto& r : ranks_) {
+      CudaRank& rk = *r;
+      partition_->make_current(rk.partition_index);
+      const StreamHandle cs = rk.streams.compute;
+      std::vector<std::size_t> sizes;
+      for (auto& z : rk.zero) sizes.push_back(z.plan.layout.shard_size());
+      const RankCheckpoint& rc = checkpoint_of(ck.ranks, rk.rank);
+      const std::vector<ChunkState> chunks = unpack_rank(rc, sizes);
+      std::vector<std::vector<float>> whole(rk.chunks.size());
+      for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
+        auto& z = rk.zero[j];
+        auto& opt = rk.optimizers[j];
+        copy_host_to_device(z.master.data(), chunks[j].master_weights.data(), sizes[j] * sizeof(float), cs);
+        if (opt.m.bytes() > 0 && !chunks[j].first_moment.empty()) {
+          copy_host_to_device(opt.m.data(), chunks[j].first_moment.data(), sizes[j] * sizeof(float), cs);
+          copy_host_to_device(opt.v.data(), chunks[j].second_moment.data(), sizes[j] * sizeof(float), cs);
+        }
+        opt.steps = chunks[j].optimizer_steps;
+        refresh_working_shard(rk, static_cast<int>(j));
+        if (!plan_.gathers_after_step()) continue;
+        CudaStageModel& model = rk.chunks[j];
+        whole[j] = model.master_weights_to_host();
+        const std::vector<int> group = world_.data_parallel_group(rk.rank);
+        for (int p = 0; p < static_cast<int>(group.size()); ++p)
+          z.plan.layout.put(p, unpack_rank(checkpoint_of(ck.ranks, group[static_cast<std::size_t>(p)]), sizes)[j].master_weights,
+                            whole[j]);
+        model.set_master_weights(whole[j]);
+      }
+      rk.scaler->restore(rc.scaler);
+      synchronize(cs);
+    }
+  }
+
   void prepare_step(CudaRank& rk, int step, std::uint64_t data_position) {
     rk.step = step;
     rk.memory.reset_peak();
@@ -613,6 +1015,15 @@ class CudaEngine final : public DeviceEngine {
     rk.units_done.assign(shape_.slots(), 0);
     rk.buffer_elements = 0;
     for (auto& c : rk.chunks) c.zero_gradients();
+    for (auto& z : rk.zero) {
+      fill_zero(z.grads.data(), z.grads.bytes(), rk.streams.compute);
+      z.gathered = false;
+    }
+    rk.staged.clear();
+    rk.gather_gate.reset();
+    rk.staged_bytes = rk.in_flight = 0;
+    std::fill(rk.written.begin(), rk.written.end(), 0);
+    std::fill(rk.staged_to.begin(), rk.staged_to.end(), 0);
     fill_zero(rk.flags.data(), rk.flags.bytes(), rk.streams.compute);
     fill_zero(rk.scans.data(), rk.scans.bytes(), rk.streams.compute);
     rk.walk.reset(rk.program->ops.size());
@@ -690,6 +1101,7 @@ class CudaEngine final : public DeviceEngine {
         const bool last = shape_.last(vs);
         void* out = last ? nullptr : alloc(rk, rk.act_out[s], cs);
         const void* in = shape_.first(vs) ? nullptr : rk.act_in[s];
+        if (gathers_units_) rk.zero[static_cast<std::size_t>(shape_.local_chunk(op))].gate->begin(true);
         model.forward(op.microbatch, shape_.first(vs) ? batch->tokens.data() : nullptr,
                       last ? batch->targets.data() : nullptr, in, out);
         if (!shape_.first(vs)) release(rk, rk.act_in[s], cs);
@@ -700,6 +1112,7 @@ class CudaEngine final : public DeviceEngine {
         CudaStageModel& model = rk.chunks[shape_.local_chunk(op)];
         const bool last = shape_.last(vs);
         const void* grad_output = last ? nullptr : rk.grad_out[s];
+        if (gathers_units_ && op.bucket <= 0) rk.zero[static_cast<std::size_t>(shape_.local_chunk(op))].gate->begin(false);
         if (!backward_segment(model, op, buckets_.ranges[vs], rk.units_done[s], grad_output, gradient_scale(rk)))
           return;
         void* gin = shape_.first(vs) ? nullptr : alloc(rk, rk.grad_in[s], cs);
@@ -712,15 +1125,14 @@ class CudaEngine final : public DeviceEngine {
         CudaStageModel& model = rk.chunks[shape_.local_chunk(op)];
         const bool last = shape_.last(vs);
         void* gin = shape_.first(vs) ? nullptr : alloc(rk, rk.grad_in[s], cs);
+        if (gathers_units_) rk.zero[static_cast<std::size_t>(shape_.local_chunk(op))].gate->begin(false);
         model.backward_input(op.microbatch, last ? nullptr : rk.grad_out[s], gradient_scale(rk), gin);
         if (gin) k::scan_tensor(scan_of(rk, index), gin, act_elems(rk), act_format(), cs);
         if (!last) release(rk, rk.grad_out[s], cs);
         return;
       }
       case OpKind::BackwardWeight:
-        // Split at bucket bounds only in name: the weight pass runs whole in its first segment
-        // (as the CPU engine).
-        if (op.bucket <= 0) rk.chunks[shape_.local_chunk(op)].backward_weight(op.microbatch);
+        weight_segment(rk.chunks[static_cast<std::size_t>(shape_.local_chunk(op))], op, buckets_.ranges[vs]);
         return;
       case OpKind::OptimizerStep: optimizer_step(rk, index); return;
       default: break;
@@ -735,6 +1147,11 @@ class CudaEngine final : public DeviceEngine {
     const std::uint64_t tag = collective_tag(rk.step, op.channel);
     const Collective& c = schedule_->collectives[op.channel];
     const auto at = static_cast<std::size_t>(i);
+    if (!rk.zero.empty()) {  // ZeRO's collectives work on shards
+      if (op.kind == OpKind::ReduceScatter) return zero_reduce_scatter(rk, i, op);
+      if (op.kind == OpKind::AllGather) return zero_gather(rk, i, op);
+      if (op.kind == OpKind::AllReduce && c.purpose == CollectivePurpose::embedding) return zero_embedding_sum(rk, i, op);
+    }
     switch (op.kind) {
       case OpKind::AllReduce: {
         CudaStageModel& model = rk.chunks[shape_.local_chunk(op)];
@@ -773,6 +1190,9 @@ class CudaEngine final : public DeviceEngine {
         for (auto& ch : rk.chunks)
           k::unscale_and_check(ch.gradients_device(), ch.num_parameters(), 1.0f, flag(rk, rk.flags_at.global()),
                                ch.gradient_format(), st);
+        for (auto& z : rk.zero)  // (ZeRO: the reduced gradients are these)
+          k::unscale_and_check(z.grads.data(), z.plan.layout.shard_size(), 1.0f, flag(rk, rk.flags_at.global()),
+                               pr.grad_accumulation, st);
         float* verdict = &scalars(rk)->verdict;
         k::flag_to_float(verdict, flag(rk, rk.flags_at.global()), st);
         rk.comm->all_reduce(verdict, 1, DType::fp32, c.members, tag, ReduceOp::max, Divide::none, st);
@@ -780,8 +1200,8 @@ class CudaEngine final : public DeviceEngine {
       }
       default: break;
     }
-    throw std::logic_error(fmt::format("rank {}: {} is not executed by the runtime (ZeRO is not implemented)", rk.rank,
-                                       op_label(op)));
+    throw std::logic_error(fmt::format("rank {}: {} is not a collective of this plan (ZeRO stage {})", rk.rank,
+                                       op_label(op), plan_.zero()));
   }
 
   void optimizer_step(CudaRank& rk, int index) {
@@ -798,16 +1218,39 @@ class CudaEngine final : public DeviceEngine {
     Scalars* sc = scalars(rk);
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
     fill_zero(&sc->sumsq, sizeof(double), cs);
+    // What each chunk updates: all of it, or under ZeRO this rank's shard (the CPU engine's Part).
+    struct Part {
+      void* grads;
+      float* master;
+      std::size_t n;
+      std::pair<std::size_t, std::size_t> skip;
+      const std::uint8_t* mask;
+    };
+    std::vector<Part> parts;
     for (int j = 0; j < shape_.vpp; ++j) {
       CudaStageModel& model = rk.chunks[static_cast<std::size_t>(j)];
-      void* g = model.gradients_device();
-      const std::size_t n = model.num_parameters();
-      const DType gdt = model.gradient_format();
+      const int vs = shape_.vstage_of_chunk(rk.stage, j);
+      if (rk.zero.empty()) {
+        parts.push_back({model.gradients_device(), model.master_weights_device(), model.num_parameters(),
+                         norm_excluded(vs, shape_.virtual_stages, model.token_embedding()),
+                         rk.optimizers[static_cast<std::size_t>(j)].mask.as<std::uint8_t>()});
+        continue;
+      }
+      auto& z = rk.zero[static_cast<std::size_t>(j)];
+      if (!plan_.reduces_every_microbatch()) take_flat_gradients(rk, j);  // stage 1: the shard, from in place
+      parts.push_back({z.grads.data(), z.master.as<float>(), z.plan.layout.shard_size(),
+                       shard_norm_excluded(z.plan, shape_.last(vs)), z.mask.as<std::uint8_t>()});
+    }
+    for (int j = 0; j < shape_.vpp; ++j) {
+      const Part& part = parts[static_cast<std::size_t>(j)];
+      void* g = part.grads;
+      const std::size_t n = part.n;
+      const DType gdt = cfg.precision.grad_accumulation;
       k::scan_tensor(scan_of(rk, index), g, n, gdt, cs);  // the scaled gradients, as the backward left them
       k::unscale_and_check(g, n, inv_scale, flag(rk, rk.flags_at.unused()), gdt, cs);
-      // This rank's share of the global squared norm (norm_excluded).
-      const auto [skip_from, skip_count] =
-          norm_excluded(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.token_embedding());
+      // This rank's share of the global squared norm (norm_excluded), each element once over the
+      // data-parallel group: a replica's whole copy counts 1/dp (below), a shard once.
+      const auto [skip_from, skip_count] = part.skip;
       double* scratch = rk.scratch.as<double>();
       if (skip_count > 0) {
         k::squared_norm(&sc->sumsq, g, skip_from, gdt, scratch, true, cs);
@@ -827,7 +1270,7 @@ class CudaEngine final : public DeviceEngine {
     wait_idle(rk, cs, "the optimizer step's overflow verdict and squared norm");
     const Scalars host = *host_scalars;
     const std::vector<int> flags(host_flags, host_flags + num_flags);
-    host_scalars->norm = static_cast<float>(host.sumsq / plan_.dp);
+    host_scalars->norm = static_cast<float>(rk.zero.empty() ? host.sumsq / plan_.dp : host.sumsq);
     copy_host_to_device(&sc->norm, &host_scalars->norm, sizeof(float), cs);
     rk.comm->all_reduce(&sc->norm, 1, DType::fp32, world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         Divide::none, cs);
@@ -844,29 +1287,41 @@ class CudaEngine final : public DeviceEngine {
     const float coef = clip_coefficient(cfg.training.clip_grad, rk.grad_norm);
     const OptimizerSettings os = optimizer_settings(cfg);
     for (int j = 0; j < shape_.vpp; ++j) {
-      CudaStageModel& model = rk.chunks[static_cast<std::size_t>(j)];
+      const Part& part = parts[static_cast<std::size_t>(j)];
       auto& opt = rk.optimizers[static_cast<std::size_t>(j)];
-      const std::size_t n = model.num_parameters();
-      const auto* mask = opt.mask.as<std::uint8_t>();
       ++opt.steps;
-      update_chunk(os, model.master_weights_device(), opt.m.as<float>(), opt.v.as<float>(), model.gradients_device(),
-                   model.gradient_format(), mask, n, opt.steps, coef, cs);
-      round_master(rk, j);
+      update_chunk(os, part.master, opt.m.as<float>(), opt.v.as<float>(), part.grads, cfg.precision.grad_accumulation,
+                   part.mask, part.n, opt.steps, coef, cs);
+      if (rk.zero.empty())
+        round_master(rk, j);
+      else
+        round_master_shard(rk, j);
     }
   }
 
-  void account_memory(CudaRank& rk) {
+  // The CPU engine's accounting (cpu_engine.cpp): sim's categories, ZeRO's shards and buffers.
+  void account_memory(CudaRank& rk, double working = 0, double writing = 0) {
     const auto& pr = plan_.config.precision;
+    const double w = dtype_bytes(pr.compute), g = dtype_bytes(pr.grad_accumulation);
+    const double master = pr.compute == DType::fp32 ? 0.0 : 4.0;  // bytes per element kept apart
     MemoryBreakdown now;
+    now.activations = working;
     for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
       const CudaStageModel& c = rk.chunks[j];
       const auto n = static_cast<double>(c.num_parameters());
-      now.weights += n * 4 + (pr.compute == DType::fp32 ? 0.0 : n * dtype_bytes(pr.compute));
-      now.gradients += n * dtype_bytes(c.gradient_format());
-      now.optimizer += static_cast<double>(rk.optimizers[j].m.bytes() + rk.optimizers[j].v.bytes());
+      const double shard = rk.zero.empty() ? n : static_cast<double>(rk.zero[j].plan.layout.shard_size());
+      now.weights += (plan_.zero() >= 3 ? shard : n) * w;
+      now.optimizer += static_cast<double>(rk.optimizers[j].m.bytes() + rk.optimizers[j].v.bytes()) +
+                       (plan_.zero() >= 1 ? shard : n) * master;
+      if (plan_.reduces_every_microbatch()) {
+        now.gradients += shard * g;
+        if (rk.written[j] > rk.staged_to[j]) now.buffers += static_cast<double>(rk.written[j] - rk.staged_to[j]) * g;
+      } else {
+        now.gradients += n * g;
+      }
       now.activations += static_cast<double>(c.activation_bytes());
     }
-    now.buffers = static_cast<double>(rk.buffer_elements) * dtype_bytes(act_format());
+    now.buffers += static_cast<double>(rk.buffer_elements) * w + rk.in_flight + gathered_bytes_ + writing;
     if (now.total() > rk.peak_bytes) {
       rk.peak_bytes = now.total();
       rk.peak = now;
@@ -915,6 +1370,9 @@ class CudaEngine final : public DeviceEngine {
                                              : std::string("the accumulated weight gradients");
       if (op.kind == OpKind::AllReduce && flags[rk.flags_at.before(i)] == 0 && flags[rk.flags_at.after(i)] != 0)
         what = allreduce_label(op, plan_.config.precision.allreduce);
+      if (op.kind == OpKind::ReduceScatter && flags[rk.flags_at.before(i)] == 0 && flags[rk.flags_at.after(i)] != 0)
+        what = fmt::format("{} reduce-scatter of gradient bucket {}", dtype_name(plan_.config.precision.allreduce),
+                           op.bucket);
       if (!what.empty() && (s.first_nonfinite_at < 0 || s.timing[i].start < s.first_nonfinite_at)) {
         s.first_nonfinite_at = s.timing[i].start;
         n.first_nonfinite = fmt::format("{} (stage {}, replica {})", what, rk.stage, rk.replica);
@@ -934,8 +1392,14 @@ class CudaEngine final : public DeviceEngine {
     // One download of the master weights per step: the checksum, and the drift between replicas.
     std::uint64_t h = kFnvOffset;
     rk.master_copy.clear();
-    for (auto& c : rk.chunks) {
-      rk.master_copy.push_back(c.master_weights_to_host());
+    for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
+      if (rk.zero.empty()) {
+        rk.master_copy.push_back(rk.chunks[j].master_weights_to_host());
+      } else {  // the rank's shard: what it holds of the master
+        std::vector<float>& shard = rk.master_copy.emplace_back(rk.zero[j].plan.layout.shard_size());
+        copy_device_to_host(shard.data(), rk.zero[j].master.data(), shard.size() * sizeof(float), rk.streams.compute);
+        synchronize(rk.streams.compute);
+      }
       h = fnv1a(h, rk.master_copy.back());
     }
     s.weights_hash = h;
@@ -957,6 +1421,9 @@ class CudaEngine final : public DeviceEngine {
   std::string execution_;
   std::vector<MemoryBreakdown> peaks_;  // per rank of the world, over the steps every rank completed
   std::vector<double> allocated_;
+  bool gathers_units_ = false;  // ZeRO-3: weights gathered unit by unit before every pass
+  bool stages_buckets_ = false;  // ZeRO-2/3: every micro-batch's buckets go to their reduce-scatters
+  double gathered_bytes_ = 0;   // the two units a stage-3 rank holds at most
 };
 
 }  // namespace

@@ -58,6 +58,10 @@ struct CudaStageModel::Impl {
   struct BlockStash {
     DeviceBuffer ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (N,C) (N,3C) (B,H,T,T) (N,C)x3 (N,F)x2
     DeviceBuffer mean1, rstd1, mean2, rstd2;               // (N) fp32
+    // Full recompute under a split backward: the stash holds a block's room (allocated before the
+    // step: no allocation while NCCL may wait), in use only from the input pass that rebuilt it to
+    // the weight pass, and then only for what the weight pass reads.
+    bool kept = false;
   };
   struct Stash {
     DeviceBuffer tokens, targets;  // (N) int32
@@ -144,6 +148,7 @@ struct CudaStageModel::Impl {
   std::unique_ptr<Backward> take_backward(bool split);  // a free one of the kind, or a new one
   std::unique_ptr<Backward> new_backward(bool split);
   void release(Slot& s) {
+    for (BlockStash& b : s.stash->blocks) b.kept = false;
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
     s.complete = true;
@@ -169,6 +174,40 @@ struct CudaStageModel::Impl {
   void refresh_working() {
     if (dt != DType::fp32) k::cast(working.data(), dt, master.data(), DType::fp32, total, stream);
   }
+
+  // Activation recompute (spec.recompute), as StageModel::Impl's: the stash keeps less, and a
+  // block's backward first rebuilds what it needs in this workspace with the forward's kernels.
+  struct RecomputeWork {
+    BlockStash block;
+    DeviceBuffer probs, out;
+  } redo;
+  void forward_block(int li, Stash& s);
+  void rebuild(const Unit& u, Stash& s, bool split);
+  void rerun_block(int li, Stash& s);
+  void drop_rebuilt(const Unit& u, Stash& s, bool weights_done);
+  const DeviceBuffer& stage_output(const Stash& s) const {
+    return s.x[static_cast<std::size_t>(L)].bytes() == 0 ? redo.out : s.x[static_cast<std::size_t>(L)];
+  }
+  // A block's bytes in use: all of its buffers, or (full recompute) what its weight pass reads while kept.
+  std::size_t block_bytes(const BlockStash& b) const {
+    const std::size_t inputs = b.ln1.bytes() + b.att.bytes() + b.x1.bytes() + b.ln2.bytes() + b.gelu.bytes() +
+                               b.mean1.bytes() + b.rstd1.bytes() + b.mean2.bytes() + b.rstd2.bytes();
+    if (spec.recompute == Recompute::full && &b != &redo.block) return b.kept ? inputs : 0;
+    return inputs + b.qkv.bytes() + b.probs.bytes() + b.fc.bytes();
+  }
+  bool split_room = false;  // reserve() asked for split backwards: full recompute's stashes hold block room
+  BlockStash new_block_stash() const {
+    const std::size_t nc = N * C, n = N;
+    return {act(nc),     act(3 * nc), act(static_cast<std::size_t>(B) * H * T * T),
+            act(nc),     act(nc),     act(nc),
+            act(n * F),  act(n * F),  f32(n),
+            f32(n),      f32(n),      f32(n)};
+  }
+
+  // Weights read through the engine's gate (set_weight_gate), piece by piece.
+  GateCalls gate;
+  bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
+  WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
 };
 
 CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
@@ -254,6 +293,11 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
     reduce_scratch = DeviceBuffer(k::kReductionScratchDoubles * sizeof(double));
   }
   fill_zero(grads.data(), grads.bytes(), stream);
+  if (s.recompute == Recompute::selective) redo.probs = act(static_cast<std::size_t>(B) * H * T * T);
+  if (s.recompute == Recompute::full) {
+    redo.block = new_block_stash();
+    redo.out = act(nc);
+  }
 }
 
 std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::take_stash() {
@@ -279,10 +323,16 @@ std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::new_stash() {
   }
   for (int i = 0; i <= L; ++i) s->x.push_back(act(nc));
   s->blocks.resize(static_cast<std::size_t>(L));
+  if (spec.recompute == Recompute::full) {  // each block's input only (and the head's)
+    if (!spec.has_head && L > 0) s->x[static_cast<std::size_t>(L)] = DeviceBuffer();
+    if (split_room)
+      for (BlockStash& b : s->blocks) b = new_block_stash();
+    return s;
+  }
   for (BlockStash& b : s->blocks) {
     b.ln1 = act(nc);
     b.qkv = act(3 * nc);
-    b.probs = act(static_cast<std::size_t>(B) * H * T * T);
+    if (spec.recompute == Recompute::none) b.probs = act(static_cast<std::size_t>(B) * H * T * T);
     b.att = act(nc);
     b.x1 = act(nc);
     b.ln2 = act(nc);
@@ -352,20 +402,28 @@ void CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std
   void* x0 = s.x[0].data();
   if (spec.has_embedding) {
     copy_host_to_device(s.tokens.data(), tokens, N * sizeof(std::int32_t), stream);
+    gate.take(WeightPiece::embedding);
     k::embedding_forward(x0, s.tokens.as<std::int32_t>(), w(wte), w(wpe), B, T, C, V, dt, stream);
+    gate.give(WeightPiece::embedding);
   } else {
     copy_device_to_device(x0, input, nc * eb, stream);  // already in the compute format
   }
-  for (int li = 0; li < L; ++li) block_forward(li, s);
-  const void* xl = s.x[static_cast<std::size_t>(L)].data();
+  for (int li = 0; li < L; ++li) {
+    gate.take(WeightPiece::block, li);
+    forward_block(li, s);
+    gate.give(WeightPiece::block, li);
+  }
+  const void* xl = stage_output(s).data();
   if (!spec.has_head) {
     if (output) copy_device_to_device(output, xl, nc * eb, stream);
     return;
   }
   copy_host_to_device(s.targets.data(), targets, N * sizeof(std::int32_t), stream);
+  gate.take(WeightPiece::head);
   k::layernorm_forward(s.lnf.data(), s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b),
                        static_cast<int>(N), C, dt, stream);
   k::linear_forward(gemm, s.logits.data(), s.lnf.data(), w(head_w), nullptr, static_cast<int>(N), C, V, dt);
+  gate.give(WeightPiece::head);
   k::cross_entropy_forward(losses.as<float>(), s.lse.as<float>(), s.logits.data(), s.targets.as<std::int32_t>(),
                            static_cast<int>(N), V, dt, stream);
   // layers::cross_entropy_forward: the rows' losses summed in double (divided by N, as float,
@@ -417,6 +475,70 @@ void CudaStageModel::Impl::attention_forward(BlockStash& st) {
     k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, p, T, TT, at(q, 2 * static_cast<std::size_t>(C), eb),
                             C3, hs, 0.0f, row(st.att, static_cast<std::size_t>(b) * T * C), C, hs, H, dt, dt);
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Activation recompute (StageModel::Impl's, with device buffers)
+// ---------------------------------------------------------------------------------------
+void CudaStageModel::Impl::forward_block(int li, Stash& s) {
+  BlockStash& b = s.blocks[static_cast<std::size_t>(li)];
+  switch (spec.recompute) {
+    case Recompute::none:
+      block_forward(li, s);
+      return;
+    case Recompute::selective:  // the softmax output goes to the workspace, not the stash
+      std::swap(b.probs, redo.probs);
+      block_forward(li, s);
+      std::swap(b.probs, redo.probs);
+      return;
+    case Recompute::full: {  // the whole block goes to the workspace; its output stays only as the next input
+      DeviceBuffer& next = s.x[static_cast<std::size_t>(li) + 1];
+      std::swap(b, redo.block);
+      const bool kept = next.bytes() > 0;
+      if (!kept) std::swap(next, redo.out);
+      block_forward(li, s);
+      if (!kept) std::swap(next, redo.out);
+      std::swap(b, redo.block);
+      return;
+    }
+  }
+}
+
+void CudaStageModel::Impl::rerun_block(int li, Stash& s) {
+  DeviceBuffer& next = s.x[static_cast<std::size_t>(li) + 1];
+  std::swap(next, redo.out);  // the kept next input is left as it is
+  block_forward(li, s);
+  std::swap(next, redo.out);
+}
+
+void CudaStageModel::Impl::rebuild(const Unit& u, Stash& s, bool split) {
+  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  BlockStash& st = s.blocks[static_cast<std::size_t>(u.block)];
+  if (spec.recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
+    std::swap(st.probs, redo.probs);
+    std::swap(st.att, tmp);  // the kept attention output is left as it is
+    attention_forward(st);
+    std::swap(st.att, tmp);
+    return;
+  }
+  if (!split) {
+    std::swap(st, redo.block);
+  } else {  // rebuilt in the stash's room: the weight pass, later, reads what the input pass leaves
+    if (st.ln1.bytes() == 0)
+      throw std::logic_error("CudaStageModel: a split backward under full recompute needs reserve() with split backwards");
+    st.kept = true;
+  }
+  rerun_block(u.block, s);
+}
+
+void CudaStageModel::Impl::drop_rebuilt(const Unit& u, Stash& s, bool weights_done) {
+  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  BlockStash& st = s.blocks[static_cast<std::size_t>(u.block)];
+  if (spec.recompute == Recompute::selective) {
+    std::swap(st.probs, redo.probs);
+  } else if (weights_done) {
+    std::swap(st, redo.block);
+  }  // else: kept; block_bytes counts only what the weight pass reads
 }
 
 // ---------------------------------------------------------------------------------------
@@ -632,6 +754,10 @@ void CudaStageModel::zero_gradients() { fill_zero(impl_->grads.data(), impl_->gr
 void CudaStageModel::refresh_working_weights() { impl_->refresh_working(); }
 
 float* CudaStageModel::master_weights_device() { return impl_->master.as<float>(); }
+void* CudaStageModel::compute_weights_device() {
+  return impl_->dt == DType::fp32 ? impl_->master.data() : impl_->working.data();
+}
+void CudaStageModel::set_weight_gate(WeightGate* gate) { impl_->gate.gate = gate; }
 void* CudaStageModel::gradients_device() { return impl_->grads.data(); }
 DType CudaStageModel::gradient_format() const { return impl_->gacc; }
 const void* CudaStageModel::working_weights_device() const {
@@ -685,6 +811,10 @@ std::vector<float> CudaStageModel::losses(int count) const {
 
 void CudaStageModel::reserve(int stashes, int backwards, int split_backwards, int micro_batches) {
   Impl& m = *impl_;
+  if (split_backwards > 0 && m.spec.recompute == Recompute::full && !m.split_room) {
+    m.split_room = true;
+    m.free_stashes.clear();  // made again with the room
+  }
   while (static_cast<int>(m.free_stashes.size()) < stashes) m.free_stashes.push_back(m.new_stash());
   for (const bool split : {false, true}) {
     const int want = split ? split_backwards : backwards;
@@ -705,7 +835,13 @@ void CudaStageModel::backward_input(int mb, const void* grad_output, float loss_
   Impl& m = *impl_;
   m.begin(mb, grad_output, loss_gradient_scale, true);
   Impl::Slot& sl = m.slot(mb);
-  for (const Impl::Unit& u : m.units) m.unit_input(u, *sl.stash, *sl.backward);
+  for (const Impl::Unit& u : m.units) {
+    if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
+    m.rebuild(u, *sl.stash, true);
+    m.unit_input(u, *sl.stash, *sl.backward);
+    if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
+    m.drop_rebuilt(u, *sl.stash, false);
+  }
   sl.backward->inputs_done = true;
   if (!m.spec.has_embedding && grad_input)
     copy_device_to_device(grad_input, sl.backward->res(0), m.N * m.C * m.eb, m.stream);
@@ -717,9 +853,20 @@ void CudaStageModel::backward_weight(int mb) {
   if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done)
     throw std::logic_error("CudaStageModel::backward_weight: micro-batch " + std::to_string(mb) +
                            " has no backward_input");
-  for (const Impl::Unit& u : m.units) m.unit_weight(u, *sl.stash, *sl.backward);
-  sl.units_done = static_cast<int>(m.units.size());
+  for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done)
+    m.unit_weight(m.units[static_cast<std::size_t>(sl.units_done)], *sl.stash, *sl.backward);
   m.release(sl);
+}
+
+void CudaStageModel::backward_weight_unit(int mb) {
+  Impl& m = *impl_;
+  Impl::Slot& sl = m.slot(mb);
+  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done ||
+      sl.units_done >= static_cast<int>(m.units.size()))
+    throw std::logic_error("CudaStageModel::backward_weight_unit: micro-batch " + std::to_string(mb) +
+                           " has no backward_input or no weight unit left");
+  m.unit_weight(m.units[static_cast<std::size_t>(sl.units_done)], *sl.stash, *sl.backward);
+  ++sl.units_done;
 }
 
 int CudaStageModel::backward_units() const { return static_cast<int>(impl_->units.size()); }
@@ -734,8 +881,12 @@ void CudaStageModel::backward_unit(int mb) {
     throw std::logic_error("CudaStageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
                            std::to_string(m.units.size()) + " units");
   const Impl::Unit& u = m.units[static_cast<std::size_t>(sl.units_done)];
+  if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
+  m.rebuild(u, *sl.stash, false);
   m.unit_input(u, *sl.stash, *sl.backward);
+  if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
   m.unit_weight(u, *sl.stash, *sl.backward);
+  m.drop_rebuilt(u, *sl.stash, true);
   ++sl.units_done;
 }
 
@@ -767,9 +918,7 @@ std::size_t CudaStageModel::activation_bytes() const {
       bytes += s.tokens.bytes() + s.targets.bytes() + s.lnf.bytes() + s.logits.bytes() + s.meanf.bytes() +
                s.rstdf.bytes() + s.lse.bytes();
       for (const DeviceBuffer& x : s.x) bytes += x.bytes();
-      for (const Impl::BlockStash& b : s.blocks)
-        bytes += b.ln1.bytes() + b.qkv.bytes() + b.probs.bytes() + b.att.bytes() + b.x1.bytes() + b.ln2.bytes() +
-                 b.fc.bytes() + b.gelu.bytes() + b.mean1.bytes() + b.rstd1.bytes() + b.mean2.bytes() + b.rstd2.bytes();
+      for (const Impl::BlockStash& b : s.blocks) bytes += impl_->block_bytes(b);
     }
     if (sl.backward) {
       const Impl::Backward& b = *sl.backward;
@@ -780,6 +929,11 @@ std::size_t CudaStageModel::activation_bytes() const {
     }
   }
   return bytes;
+}
+
+std::size_t CudaStageModel::recompute_bytes() const {
+  const Impl& m = *impl_;
+  return m.block_bytes(m.redo.block) + m.redo.probs.bytes() + m.redo.out.bytes();
 }
 
 }  // namespace trainsim::runtime::cuda

@@ -79,6 +79,11 @@ class CudaStageModel {
   void* gradients_device();                       // gradient_format()
   DType gradient_format() const;                  // spec().grad_accumulation
   const void* working_weights_device() const;     // compute format (the master when fp32)
+  // What passes read, writable: an engine that shards the weights (ZeRO) gathers into it.
+  void* compute_weights_device();
+  // Passes ask `gate` before they read weights, as StageModel::set_weight_gate (the gate's
+  // acquire/release run on the host, in queue order; device ordering is the engine's).
+  void set_weight_gate(WeightGate* gate);
   // Copies for tests and checkpoints (wait for the stream).
   std::vector<float> master_weights_to_host() const;
   std::vector<float> gradients_to_host() const;   // converted to float from gradient_format()
@@ -119,10 +124,13 @@ class CudaStageModel {
   // gradient and writes grad_input (device, may be null); backward_weight later adds every
   // unit's weight gradients (kept per micro-batch in between) and frees the stash.
   void backward_input(int mb, const void* grad_output, float loss_gradient_scale, void* grad_input);
-  void backward_weight(int mb);
+  void backward_weight(int mb);       // every weight unit left, then frees the stash
+  void backward_weight_unit(int mb);  // the next weight unit (StageModel::backward_weight_unit)
 
   // Device bytes of the stashes (and backward buffers) of micro-batches in flight.
   std::size_t activation_bytes() const;
+  // Device bytes of the workspace recompute (spec().recompute) rebuilds a block in during a backward.
+  std::size_t recompute_bytes() const;
 
  private:
   struct Impl;

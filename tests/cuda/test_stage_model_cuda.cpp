@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.h"
+#include "kernels/kernels.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/model/stage_model.h"
 #include "runtime/numerics/lowp.h"
@@ -405,6 +406,44 @@ TEST_F(CudaStage, SplitBackwardGivesTheWholeBackwardsBits) {
   EXPECT_EQ(whole_din, split_din);
   EXPECT_EQ(whole.gradients_to_host(), split.gradients_to_host());
   EXPECT_THROW(split.backward_weight(0), std::logic_error) << "its weight pass is done";
+}
+
+// Recompute (selective, full) rebuilds in the backward what the forward made, with the same
+// kernels: gradients bitwise those of keeping everything, whole and split; the stash is smaller.
+TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
+  for (const Recompute r : {Recompute::selective, Recompute::full})
+    for (const bool split_backward : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << recompute_name(r) << (split_backward ? " split" : " whole"));
+      StageSpec spec = stage(small_dims(4), 1, 2, false, false, DType::bf16);
+      CudaStageModel kept(spec);
+      spec.recompute = r;
+      CudaStageModel redo(spec);
+      kept.reserve(1, 1, 1, 0);
+      redo.reserve(1, 1, 1, 0);
+      kept.init(kSeed);
+      redo.init(kSeed);
+      kept.zero_gradients();
+      redo.zero_gradients();
+      const std::size_t n = kept.activation_elements();
+      const k::DeviceBuffer input = to_device(randn(n, 700, 1.0)), dout = to_device(randn(n, 701, 1e-2));
+      k::DeviceBuffer in16(n * 2), dout16(n * 2), din_kept(n * 2), din_redo(n * 2);
+      k::cast(in16.data(), DType::bf16, input.data(), DType::fp32, n, nullptr);
+      k::cast(dout16.data(), DType::bf16, dout.data(), DType::fp32, n, nullptr);
+      for (CudaStageModel* m : {&kept, &redo}) m->forward(0, nullptr, nullptr, in16.data(), nullptr);
+      EXPECT_LT(redo.activation_bytes(), kept.activation_bytes());
+      for (CudaStageModel* m : {&kept, &redo}) {
+        void* din = m == &kept ? din_kept.data() : din_redo.data();
+        if (split_backward) {
+          m->backward_input(0, dout16.data(), 1.0f, din);
+          m->backward_weight(0);
+        } else {
+          m->backward_begin(0, dout16.data(), 1.0f);
+          for (int u = 0; u < m->backward_units(); ++u) m->backward_unit(0);
+          m->backward_end(0, din);
+        }
+      }
+      EXPECT_EQ(kept.gradients_to_host(), redo.gradients_to_host());
+    }
 }
 
 // ---------------------------------------------------------------------------------------
