@@ -145,6 +145,13 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage) {
       k.memory("embedding.backward", N * C, 3);
       k.memory("commit", m.embedding_params() / t, commit_passes);
     }
+    // ZeRO-2/3 reduce every micro-batch's gradients: the backward hands each bucket over to its
+    // reduce-scatter (copied out) and clears it for the next micro-batch.
+    if (plan.reduces_every_microbatch()) {
+      const double params = plan.virtual_stage_params(vs) / t;
+      k.memory("copy", params, 2);
+      k.memory("zero", params, 1);
+    }
   }
   return out;
 }
