@@ -52,11 +52,18 @@ struct ModelConfig {
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
   AttentionKernel attention = AttentionKernel::flash;
+  // The elementwise work around the matrix products fused as Megatron-LM's kernels do (bias-GELU,
+  // bias-dropout-add, one-kernel LayerNorm/RMSNorm and RoPE). false: PyTorch eager, one kernel per
+  // operation with norms and rotary embeddings computed in FP32 (torchtitan without torch.compile).
+  bool fused_elementwise = true;
 };
 
 struct LinkConfig {
-  double bandwidth_gbps = 0;  // GB/s, one direction
+  double bandwidth_gbps = 0;  // GB/s, one direction: the line rate per GPU
   double latency_us = 0;
+  // Fraction of the line rate that NCCL's collectives move as bus bandwidth (protocol and
+  // flow-control overhead); sim/cost/collective_model.h.
+  double efficiency = 1.0;
 };
 
 struct ClusterConfig {
@@ -67,10 +74,18 @@ struct ClusterConfig {
   // Dense (no sparsity) peak rate per format; 0 means the GPU has no such format.
   std::map<DType, double> peak_tflops = {{DType::fp32, 19.5}, {DType::tf32, 156}, {DType::fp16, 312},
                                          {DType::bf16, 312}, {DType::fp8, 0}};
-  double compute_efficiency = 0.6;
+  // Fraction of peak that the best-shaped matrix products reach (cuBLAS on large GEMMs); the
+  // compute model lowers it further by each product's shape (sim/cost/gemm_model.h).
+  double compute_efficiency = 0.8;
+  int sm_count = 108;  // streaming multiprocessors: a product's tiles run in waves of this many; 0: no waves
   double hbm_bandwidth_gbps = 2039;
-  LinkConfig intra_node{300, 3};
-  LinkConfig inter_node{25, 6};
+  double memory_efficiency = 0.83;  // fraction of hbm_bandwidth_gbps that streaming kernels reach
+  // Fraction of peak a fused attention kernel (FlashAttention) reaches on the work it does.
+  double attention_efficiency = 0.5;
+  LinkConfig intra_node{300, 3, 0.8};
+  LinkConfig inter_node{25, 6, 0.94};
+  // NVSwitch with in-switch reduction (NVLink SHARP, Hopper and later): NCCL's NVLS algorithms.
+  bool nvlink_sharp = false;
   // A hardware profile measured by `trainsim calibrate` (path as written; relative to the
   // scenario's folder), applied like a GPU preset; the cost models then price each kernel at
   // its measured rate (core/hardware_profile.h).
@@ -126,6 +141,10 @@ struct CommunicationConfig {
   double bucket_size_mib = 25;
   bool overlap_grad_reduce = false;
   AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
+  // Pipeline sends run beside compute (asynchronous point-to-point, as current Megatron-LM and
+  // torchtitan do). false: a stage waits for each send before computing on (Megatron-LM 2021,
+  // --no-overlap-p2p-communication).
+  bool overlap_p2p_comm = true;
 };
 
 // What `trainsim run` executes for real (the runtime issue); parsed and checked now so that

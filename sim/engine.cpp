@@ -19,12 +19,14 @@ constexpr std::int32_t kCompute = static_cast<std::int32_t>(StreamKind::compute)
 constexpr std::int32_t kCollective = static_cast<std::int32_t>(StreamKind::collective);
 
 // stream_of as a table: the scans below read it for every op of a rank, per stream.
-constexpr auto kStreamOf = [] {
+std::array<std::uint8_t, kNumOpKinds> stream_table(bool blocking_sends) {
   std::array<std::uint8_t, kNumOpKinds> t{};
-  for (int k = 0; k < kNumOpKinds; ++k) t[k] = static_cast<std::uint8_t>(stream_of(static_cast<OpKind>(k)));
+  for (int k = 0; k < kNumOpKinds; ++k) {
+    const auto kind = static_cast<OpKind>(k);
+    t[k] = static_cast<std::uint8_t>(blocking_sends && is_send(kind) ? StreamKind::compute : stream_of(kind));
+  }
   return t;
-}();
-std::int32_t stream_index(OpKind k) { return kStreamOf[static_cast<std::uint8_t>(k)]; }
+}
 
 // Cost models behind their interfaces (any model, one virtual call per op)...
 struct VirtualModels {
@@ -32,6 +34,7 @@ struct VirtualModels {
   Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
   Tick collective(const Collective& c) const { return m.collective->duration(c); }
+  bool blocking_sends() const { return m.p2p->blocks_sender(); }
 };
 
 // ...or the default ones by their final types, so the calls are direct and inlined.
@@ -42,6 +45,7 @@ struct DefaultModels {
   Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
   Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
+  bool blocking_sends() const { return p.LinkP2PModel::blocks_sender(); }
 };
 
 }  // namespace
@@ -101,7 +105,7 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
   bool progressed = false;
   for (;;) {
     std::int32_t i = st.cursor;
-    while (i < n && stream_index(ops[i].kind) != k) ++i;
+    while (i < n && stream_of_[static_cast<std::uint8_t>(ops[i].kind)] != k) ++i;
     st.cursor = i;
     if (i == n) break;
     const Op& op = ops[i];
@@ -109,7 +113,7 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
     if (op.dep >= 0) {
       // An op of another stream has ended once that stream's cursor is past it.
       const std::int32_t d = op.dep;
-      const std::int32_t kd = stream_index(ops[d].kind);
+      const std::int32_t kd = stream_of_[static_cast<std::uint8_t>(ops[d].kind)];
       if (kd != k && d >= rank_streams[kd].cursor) {
         st.waits_dep = true;  // woken when its rank's other streams move on
         break;
@@ -177,6 +181,7 @@ template <class Models>
 bool Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmetric, bool materialised) {
   const Schedule& s = *schedule_;
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  stream_of_ = stream_table(models.blocking_sends());
   symmetric_ = false;
   simulated_.assign(nranks, 1);
   counterpart_.resize(nranks);
@@ -255,7 +260,7 @@ void Simulation::report_deadlock() const {
     const auto& ops = s.ranks[r].ops;
     for (int k = 0; k < kNumStreams; ++k) {
       std::size_t i = static_cast<std::size_t>(streams_[r * kNumStreams + k].cursor);
-      while (i < ops.size() && static_cast<int>(stream_of(ops[i].kind)) != k) ++i;
+      while (i < ops.size() && static_cast<int>(stream_of_[static_cast<std::uint8_t>(ops[i].kind)]) != k) ++i;
       if (i < ops.size()) blocked += fmt::format("\n  rank {} op {} {}", r, i, op_label(ops[i]));
     }
   }

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -102,6 +103,9 @@ class Simulation {
   std::vector<std::int32_t> worklist_;
   std::vector<std::int32_t> counterpart_;  // rank -> the simulated rank whose timings it takes
   std::int32_t last_priced_ = -1;          // the collective priced last (its neighbours often match it)
+  // The stream each op kind runs on: stream_of, except that sends run on the compute stream
+  // when the p2p model says a send blocks its rank (no p2p overlap).
+  std::array<std::uint8_t, kNumOpKinds> stream_of_{};
   bool symmetric_ = false;
   std::int64_t completed_ = 0, expected_ = 0;
 };

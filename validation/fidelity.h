@@ -1,0 +1,96 @@
+// Fidelity at scale: predictions held against published measurements of real clusters
+// (validation/published/, docs/validation.md "Fidelity at scale").
+//
+// Each file of the folder is one published row: a `published:` section (the source, the table
+// and row, the measured figure and how it is defined) and a `scenario:` section (a scenario as
+// `trainsim simulate` reads it: the model, cluster, parallelism, batch, precision and recompute
+// the source states). The figure is one of
+//   tflops_per_gpu         FLOPs per step / (step time x GPUs); `flops:` says whose count:
+//                            megatron  96 B s l h^2 (1 + s/6h + V/16lh)       (Narayanan et al. eq. 3)
+//                            palm      (6 N + 12 l h s) per token, N without the input embedding
+//                                                                          (Chowdhery et al. app. B)
+//   tokens_per_s_per_gpu   tokens per step / (step time x GPUs)
+//   samples_per_s_per_gpu  samples per step / (step time x GPUs)
+//   step_time_s            the step time itself
+//   busbw_gbps             nccl-tests' bus bandwidth of one collective (`collective:` op, bytes)
+//                          over the scenario's num_gpus
+//   throughput_ratio       a list of `variants`, each a set of scenario keys changed and its
+//                          published throughput, against the `baseline`'s: each variant is a row
+//                          whose figure is its throughput over the baseline's
+// Error = predicted / published - 1 (positive: predicted faster than measured).
+#pragma once
+
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/scenario.h"
+
+namespace trainsim::validation {
+
+struct PublishedVariant {
+  std::string label;
+  double value = 0;
+  std::vector<std::pair<std::string, std::string>> set;  // key path -> YAML text of the value
+};
+
+struct PublishedFile {
+  std::string file;  // path as found
+  std::string source, citation, label, note;
+  std::string metric;       // one of the names above
+  std::string flops;        // tflops_per_gpu: megatron | palm
+  double value = 0;
+  std::string collective;   // busbw_gbps: all_reduce | reduce_scatter | all_gather
+  double bytes = 0;
+  std::string baseline_label;  // throughput_ratio
+  std::vector<PublishedVariant> variants;
+  Scenario scenario;
+};
+
+struct FidelityRow {
+  std::string id;      // file stem, plus "#variant" for ratio rows
+  std::string source, label, metric, citation;
+  int gpus = 0;
+  double published = 0, predicted = 0;
+  double error() const { return published != 0 ? predicted / published - 1 : 0; }
+  std::string detail;  // the algorithm a collective used, and the like
+};
+
+struct SourceSummary {
+  std::string source;
+  int rows = 0;
+  double mean_abs = 0, max_abs = 0;
+  int min_gpus = 0, max_gpus = 0;
+};
+
+struct FidelityReport {
+  std::vector<FidelityRow> rows;
+  std::vector<SourceSummary> sources;  // in order of first appearance
+  SourceSummary overall;
+};
+
+// Reads every *.yaml of `folder` except accepted.yaml. Throws ScenarioError (file, line, key)
+// on a malformed file.
+std::vector<PublishedFile> load_published(const std::string& folder);
+PublishedFile load_published_file(const std::string& path);
+
+FidelityReport run_fidelity(const std::vector<PublishedFile>& files);
+
+std::string format_fidelity(const FidelityReport& r);
+// Predicted against published, log-log, one colour per source, the diagonal and +-5% bands.
+void write_fidelity_svg(const FidelityReport& r, std::ostream& out);
+
+// The accepted errors (accepted.yaml beside the rows): each row's error as accepted and how far
+// a prediction may move from it; and the targets per source and overall.
+struct AcceptedErrors {
+  double target_mean = 0.03, target_max = 0.06, tolerance = 0.002;
+  std::map<std::string, double> rows;  // id -> accepted error
+};
+AcceptedErrors load_accepted(const std::string& path);
+std::string accepted_to_yaml(const FidelityReport& r, const AcceptedErrors& previous);
+// Problems, one line each: a row that moved from its accepted error, a row without one, an
+// accepted row that is gone, a source or the whole set over its target. Empty: passed.
+std::vector<std::string> check_fidelity(const FidelityReport& r, const AcceptedErrors& accepted);
+
+}  // namespace trainsim::validation
