@@ -15,7 +15,7 @@ namespace trainsim::cli {
 
 Command add_fidelity_command(CLI::App& app) {
   struct Options {
-    std::vector<std::string> paths;
+    std::vector<std::string> paths, set;
     std::string svg, accepted;
     bool check = false, update = false;
   };
@@ -28,6 +28,7 @@ Command add_fidelity_command(CLI::App& app) {
                 "Fail (exit 4) when a row moved from its accepted error or a source misses its target");
   sub->add_flag("--update", o->update, "Accept the errors of this run (rewrites accepted.yaml in the folder)");
   sub->add_option("--accepted", o->accepted, "The accepted errors (default: accepted.yaml in the folder)");
+  sub->add_option("--set", o->set, "KEY=VALUE: set a scenario key in every row (what-if runs, ablations)");
   return {sub, [o] {
             std::vector<validation::PublishedFile> files;
             std::string folder;
@@ -38,6 +39,11 @@ Command add_fidelity_command(CLI::App& app) {
               } else {
                 files.push_back(validation::load_published_file(p));
               }
+            }
+            for (const auto& kv : o->set) {
+              const auto eq = kv.find('=');
+              if (eq == std::string::npos) throw CLI::ValidationError("--set", "expects KEY=VALUE, got " + kv);
+              validation::override_all(files, kv.substr(0, eq), kv.substr(eq + 1));
             }
             const validation::FidelityReport r = validation::run_fidelity(files);
             std::cout << validation::format_fidelity(r);
@@ -54,7 +60,9 @@ Command add_fidelity_command(CLI::App& app) {
               return 0;
             }
             if (o->check) {
-              const auto problems = validation::check_fidelity(r, validation::load_accepted(accepted_path));
+              const validation::AcceptedErrors accepted = validation::load_accepted(accepted_path);
+              for (const auto& m : validation::target_misses(r, accepted)) std::cout << "target not met: " << m << "\n";
+              const auto problems = validation::check_fidelity(r, accepted);
               for (const auto& p : problems) std::cout << "FAIL " << p << "\n";
               std::cout << (problems.empty() ? "fidelity: passed\n" : fmt::format("fidelity: {} problem{}\n",
                                                                                    problems.size(),

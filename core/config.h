@@ -79,9 +79,13 @@ struct ClusterConfig {
   double compute_efficiency = 0.8;
   int sm_count = 108;  // streaming multiprocessors: a product's tiles run in waves of this many; 0: no waves
   double hbm_bandwidth_gbps = 2039;
-  double memory_efficiency = 0.83;  // fraction of hbm_bandwidth_gbps that streaming kernels reach
+  double memory_efficiency = 0.79;  // fraction of hbm_bandwidth_gbps that streaming kernels reach
   // Fraction of peak a fused attention kernel (FlashAttention) reaches on the work it does.
   double attention_efficiency = 0.5;
+  // Fraction of the clock at which compute_efficiency and attention_efficiency were measured
+  // (short benchmarks, boost clock) that the SMs hold through sustained training, where the power
+  // limit binds (matrix products, HBM, NVLink and NICs all drawing at once).
+  double sustained_clock_fraction = 1.0;
   LinkConfig intra_node{300, 3, 0.8};
   LinkConfig inter_node{25, 6, 0.94};
   // NVSwitch with in-switch reduction (NVLink SHARP, Hopper and later): NCCL's NVLS algorithms.

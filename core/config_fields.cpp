@@ -248,6 +248,9 @@ std::vector<FieldSpec> make_fields() {
                    "Fraction of hbm_bandwidth_gbps that streaming kernels reach (STREAM-like measurements)"));
   t.push_back(real("cluster.attention_efficiency", FIELD(cluster.attention_efficiency), 0.001, 1, "",
                    "Fraction of peak that a fused attention kernel (model.attention: flash) reaches on its work"));
+  t.push_back(real("cluster.sustained_clock_fraction", FIELD(cluster.sustained_clock_fraction), 0.01, 1, "",
+                   "Fraction of the benchmarks' clock the SMs hold through sustained training under the power "
+                   "limit; scales matrix products and attention, not memory"));
   t.push_back(real("cluster.intra_node.bandwidth_gbps", FIELD(cluster.intra_node.bandwidth_gbps), 0.001, 1e6,
                    "GB/s", "Per-GPU NVLink line rate inside a node, one direction"));
   t.push_back(real("cluster.intra_node.latency_us", FIELD(cluster.intra_node.latency_us), 0, 1e6, "us",

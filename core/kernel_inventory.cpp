@@ -181,8 +181,16 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
     ChunkKernels& c = out[vs];
     Builder k{cfg.precision.compute, e};
 
+    // Each of Megatron's tensor-parallel all-reduces; with sequence parallelism a reduce-scatter
+    // and an all-gather of the same buffer instead (Korthikanti et al. 2022, section 4.2.2).
     auto tp_allreduce = [&](double bytes) {
-      if (t > 1) k.memory_bytes("tp.allreduce", bytes / e, bytes);
+      if (t <= 1) return;
+      if (sp) {
+        k.memory_bytes("tp.reducescatter", bytes / e, bytes);
+        k.memory_bytes("tp.allgather", bytes / e, bytes);
+      } else {
+        k.memory_bytes("tp.allreduce", bytes / e, bytes);
+      }
     };
     // A pipeline message of a tensor-parallel group arrives as t slices, one per GPU (Megatron's
     // scatter/gather); the receiver all-gathers them over NVLink before computing. Sequence
@@ -246,7 +254,7 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
       k.matmul("linear.forward", N, V, C);
       // The loss in FP32: the logits cast up, max, exp and sum, log: ~26 bytes per logit.
       k.memory_bytes("cross_entropy.forward", static_cast<double>(N) * V, static_cast<double>(N) * V * (e + 24));
-      if (t > 1) k.memory_bytes("tp.allreduce", 3.0 * N, 3.0 * N * 4);  // max, sum and target logit
+      if (t > 1) k.memory_bytes("tp.allreduce", 3.0 * N, 3.0 * N * 4);  // max, sum and target logit (FP32)
     }
 
     // ---- backward, input gradients (recomputation first, as the framework runs it)

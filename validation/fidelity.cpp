@@ -103,16 +103,6 @@ std::string scenario_text(const std::string& text, const YAML::Node& node) {
   return out;
 }
 
-double palm_flops_per_token(const ModelShape& m) {
-  const double n = m.total_params() - static_cast<double>(m.V) * m.h;  // without the input embedding
-  return 6 * n + 12.0 * m.L * m.h * m.s;
-}
-
-double megatron_flops_per_step(const ModelShape& m, double batch) {
-  const double s = m.s, l = m.L, h = m.h, V = m.V;
-  return 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
-}
-
 OpKind collective_kind(const std::string& op) {
   if (op == "reduce_scatter") return OpKind::ReduceScatter;
   if (op == "all_gather") return OpKind::AllGather;
@@ -132,6 +122,16 @@ double predicted_figure(const PublishedFile& f, const Plan& plan, double step_s)
 }
 
 }  // namespace
+
+double palm_flops_per_token(const ModelShape& m) {
+  const double n = m.total_params() - static_cast<double>(m.V) * m.h;  // without the input embedding
+  return 6 * n + 12.0 * m.L * m.h * m.s;
+}
+
+double megatron_flops_per_step(const ModelShape& m, double batch) {
+  const double s = m.s, l = m.L, h = m.h, V = m.V;
+  return 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+}
 
 PublishedFile load_published_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -216,13 +216,25 @@ std::vector<PublishedFile> load_published(const std::string& folder) {
   return out;
 }
 
+void override_all(std::vector<PublishedFile>& files, const std::string& key, const std::string& value) {
+  YAML::Node v;
+  try {
+    v = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    throw ScenarioError({Diagnostic{"--set", {}, key, "YAML syntax: " + e.msg}});
+  }
+  const FieldValue fv = field_value("--set", key, v);
+  for (PublishedFile& f : files) find_field(key)->set(f.scenario.config, fv);
+}
+
 FidelityReport run_fidelity(const std::vector<PublishedFile>& files) {
   FidelityReport r;
   Predictor predictor;
   for (const PublishedFile& f : files) {
     const std::string stem = std::filesystem::path(f.file).stem().string();
     const Plan plan = Plan::from_scenario(f.scenario);
-    FidelityRow row{stem, f.source, f.label, f.metric, f.citation, plan.config.cluster.num_gpus, f.value, 0, ""};
+    FidelityRow row{stem, f.source, f.label, f.metric, f.citation, plan.config.cluster.num_gpus, f.value, 0, false, ""};
+    row.time = f.metric == "step_time_s";
     if (f.metric == "busbw_gbps") {
       std::vector<int> members(plan.num_ranks());
       for (int i = 0; i < plan.num_ranks(); ++i) members[i] = i;
@@ -323,6 +335,10 @@ void write_fidelity_svg(const FidelityReport& r, std::ostream& out) {
                      px(a), py(a * 1.05), px(b / 1.05), py(b), px(b), py(b * 0.95), px(a / 0.95), py(a));
   out << fmt::format("<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#555\"/>\n", px(a), py(a),
                      px(b), py(b));
+  for (double f : {1.05, 0.95})
+    out << fmt::format("<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#999\" "
+                       "stroke-dasharray=\"4 3\"/>\n",
+                       px(a), py(a * f), px(b / f), py(b));
   // Decade grid and labels.
   for (int d = static_cast<int>(std::ceil(l0)); d <= static_cast<int>(std::floor(l1)); ++d) {
     const double v = std::pow(10, d);
@@ -384,7 +400,7 @@ std::string accepted_to_yaml(const FidelityReport& r, const AcceptedErrors& prev
       "# Accepted errors of the published-data suite (predicted / published - 1), written by\n"
       "# `trainsim fidelity validation/published --update`. A re-run fails when a row moves more than\n"
       "# `tolerance` from its accepted error (the model is deterministic: a move is a change of the\n"
-      "# model), or when a source's mean or max |error| exceeds its target.\n";
+      "# model). Sources over the targets are reported by --check, not failed (docs/validation.md).\n";
   out += fmt::format("targets: {{mean: {}, max: {}}}\ntolerance: {}\nrows:\n", previous.target_mean, previous.target_max,
                      previous.tolerance);
   for (const FidelityRow& row : r.rows) out += fmt::format("  \"{}\": {:.4f}\n", row.id, row.error());
@@ -407,17 +423,22 @@ std::vector<std::string> check_fidelity(const FidelityReport& r, const AcceptedE
   }
   for (const auto& [id, e] : a.rows)
     if (!seen.count(id)) problems.push_back(fmt::format("{}: accepted but no longer in the suite", id));
+  return problems;
+}
+
+std::vector<std::string> target_misses(const FidelityReport& r, const AcceptedErrors& a) {
+  std::vector<std::string> misses;
   auto target = [&](const SourceSummary& s) {
     if (s.mean_abs > a.target_mean)
-      problems.push_back(fmt::format("{}: mean |error| {:.1f}% over the target {:.1f}%", s.source, 100 * s.mean_abs,
-                                     100 * a.target_mean));
+      misses.push_back(fmt::format("{}: mean |error| {:.1f}% over the target {:.1f}%", s.source, 100 * s.mean_abs,
+                                   100 * a.target_mean));
     if (s.max_abs > a.target_max)
-      problems.push_back(fmt::format("{}: max |error| {:.1f}% over the target {:.1f}%", s.source, 100 * s.max_abs,
-                                     100 * a.target_max));
+      misses.push_back(fmt::format("{}: max |error| {:.1f}% over the target {:.1f}%", s.source, 100 * s.max_abs,
+                                   100 * a.target_max));
   };
   for (const SourceSummary& s : r.sources) target(s);
   target(r.overall);
-  return problems;
+  return misses;
 }
 
 }  // namespace trainsim::validation

@@ -17,7 +17,8 @@
 //   throughput_ratio       a list of `variants`, each a set of scenario keys changed and its
 //                          published throughput, against the `baseline`'s: each variant is a row
 //                          whose figure is its throughput over the baseline's
-// Error = predicted / published - 1 (positive: predicted faster than measured).
+// Error = predicted / published - 1 for throughputs, published / predicted - 1 for times: positive
+// when the prediction is faster than the measurement.
 #pragma once
 
 #include <map>
@@ -25,9 +26,14 @@
 #include <string>
 #include <vector>
 
+#include "core/model_shape.h"
 #include "core/scenario.h"
 
 namespace trainsim::validation {
+
+// The FLOP counts the sources quote their throughput in (see above).
+double megatron_flops_per_step(const ModelShape& m, double batch);
+double palm_flops_per_token(const ModelShape& m);
 
 struct PublishedVariant {
   std::string label;
@@ -53,7 +59,12 @@ struct FidelityRow {
   std::string source, label, metric, citation;
   int gpus = 0;
   double published = 0, predicted = 0;
-  double error() const { return published != 0 ? predicted / published - 1 : 0; }
+  bool time = false;  // a time (step_time_s): lower is faster
+  // The throughput error: positive when the prediction is faster than the measurement.
+  double error() const {
+    if (published <= 0 || predicted <= 0) return 0;
+    return time ? published / predicted - 1 : predicted / published - 1;
+  }
   std::string detail;  // the algorithm a collective used, and the like
 };
 
@@ -76,6 +87,9 @@ std::vector<PublishedFile> load_published(const std::string& folder);
 PublishedFile load_published_file(const std::string& path);
 
 FidelityReport run_fidelity(const std::vector<PublishedFile>& files);
+// Sets `key` (a scenario key path) to `value` (YAML) in every row's scenario: what-if runs and the
+// ablations of docs/model.md. Throws ScenarioError for an unknown key or a bad value.
+void override_all(std::vector<PublishedFile>& files, const std::string& key, const std::string& value);
 
 std::string format_fidelity(const FidelityReport& r);
 // Predicted against published, log-log, one colour per source, the diagonal and +-5% bands.
@@ -90,7 +104,11 @@ struct AcceptedErrors {
 AcceptedErrors load_accepted(const std::string& path);
 std::string accepted_to_yaml(const FidelityReport& r, const AcceptedErrors& previous);
 // Problems, one line each: a row that moved from its accepted error, a row without one, an
-// accepted row that is gone, a source or the whole set over its target. Empty: passed.
+// accepted row that is gone. Empty: passed (the model is deterministic, so any move is a change of
+// the model that must be accepted on purpose).
 std::vector<std::string> check_fidelity(const FidelityReport& r, const AcceptedErrors& accepted);
+// The sources (and the whole set) whose mean or max |error| is over the targets, one line each:
+// reported, not gated.
+std::vector<std::string> target_misses(const FidelityReport& r, const AcceptedErrors& accepted);
 
 }  // namespace trainsim::validation

@@ -61,9 +61,10 @@ struct FrameworkPricer {
 
   explicit FrameworkPricer(const Plan& p) : plan(p), cl(p.config.cluster) {
     const DType compute = p.config.precision.compute;
-    peak = p.peak_flops(compute);
+    // Products and attention run at the clock the SMs hold through training (power-limited).
+    peak = p.peak_flops(compute) * cl.sustained_clock_fraction;
     // FP8 runs the linear layers in FP8; attention stays in 16 bits.
-    attention_peak = compute == DType::fp8 ? p.peak_flops(DType::bf16) : peak;
+    attention_peak = compute == DType::fp8 ? p.peak_flops(DType::bf16) * cl.sustained_clock_fraction : peak;
     elem = compute == DType::fp8 ? 1.0 : dtype_bytes(compute);
     const int t = p.tp, per_node = std::max(1, p.config.cluster.gpus_per_node);
     tp_group = GroupShape{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
@@ -74,6 +75,8 @@ struct FrameworkPricer {
       return nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
     if (w.kernel == "tp.allgather")
       return nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
+    if (w.kernel == "tp.reducescatter")
+      return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
     if (w.kernel.rfind("flash_attention", 0) == 0) {
       // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles).
       const double T = static_cast<double>(w.shape.m);
@@ -113,13 +116,19 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
     chunks_.push_back(c);
   }
 
-  // Adam touches per parameter: gradient read and zeroed (2g), FP32 master read and
-  // written (8, or 2w without a master copy), both moments read and written (16; SGD's
-  // one momentum 8), and the working copy written (w).
+  // The optimizer step as Megatron-LM's mixed-precision optimizer runs it, per parameter of the
+  // rank's shard: gradients copied into FP32 (g + 4, unless accumulated in FP32), unscaled and
+  // checked for inf/NaN with loss scaling (8), the global norm read (4), the update reading
+  // gradient, master weight and moments and writing the last three (28 for Adam, 20 for SGD with
+  // momentum), the working copy written from the master (4 + w), the gradients zeroed (g).
+  // Without a master copy the update works on the w-byte weights directly.
   const int g = dtype_bytes(cfg.precision.grad_accumulation), w = plan.weight_bytes();
   const bool master = cfg.precision.master_weights != cfg.precision.compute;
-  const double moments = cfg.training.optimizer == Optimizer::sgd ? 8.0 : 16.0;
-  const double bytes_per_param = 2.0 * g + (master ? 8.0 : 2.0 * w) + moments + (master ? w : 0);
+  const bool sgd = cfg.training.optimizer == Optimizer::sgd;
+  const bool scaled = cfg.precision.loss_scaling.mode != LossScalingMode::none;
+  const double update = master ? (sgd ? 20.0 : 28.0) : (sgd ? 3.0 * w + 2 * 4.0 : 3.0 * w + 4 * 4.0);
+  const double bytes_per_param = (master && g != 4 ? g + 4.0 : 0.0) + (scaled ? 8.0 : 0.0) + 4.0 + update +
+                                 (master ? 4.0 + w : 0.0) + g;
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
