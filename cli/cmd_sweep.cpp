@@ -30,7 +30,7 @@ std::function<void(const SweepProgress&)> terminal_progress() {
 
 Command add_sweep_command(CLI::App& app) {
   struct Options {
-    std::string file, csv, svg;
+    std::string file, csv, svg, html;
     bool json = false;
     std::size_t top = 10, infeasible = 10;
     unsigned threads = 0;
@@ -44,6 +44,8 @@ Command add_sweep_command(CLI::App& app) {
   sub->add_flag("--json", o->json, "Print every configuration with its metrics as JSON instead of the table");
   sub->add_option("--csv", o->csv, "Write every configuration with its metrics as CSV");
   sub->add_option("--svg", o->svg, "Write a picture: throughput against peak memory per GPU, Pareto front marked");
+  sub->add_option("--html", o->html,
+                  "Write the same picture as an HTML page: hover any point for its configuration and figures");
   sub->add_option("--threads", o->threads, "Worker threads (default: all cores)")->check(CLI::PositiveNumber);
   return {sub, [o] {
             const Scenario scenario = load_scenario_file(o->file);
@@ -59,13 +61,17 @@ Command add_sweep_command(CLI::App& app) {
             } else {
               const std::string name = scenario.config.name.empty() ? o->file : scenario.config.name;
               std::cout << format_sweep_table(result, "sweep of " + name + " (" + o->file + ")", o->top,
-                                              o->infeasible);
+                                              o->infeasible)
+                        << format_sweep_notes(result, scenario);
             }
             std::cout << std::flush;
             if (!o->csv.empty()) write_output(o->csv, [&](std::ostream& out) { write_sweep_csv(result, out); });
             if (!o->svg.empty())
               write_output(o->svg, [&](std::ostream& out) { write_sweep_svg(result, scenario, out); });
-            return 0;
+            if (!o->html.empty())
+              write_output(o->html, [&](std::ostream& out) { write_sweep_html(result, scenario, out); },
+                           "open in a browser");
+            return result.ranking.empty() ? kExitNothingFeasible : 0;
           }};
 }
 

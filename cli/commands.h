@@ -14,6 +14,7 @@ namespace trainsim::cli {
 inline constexpr int kExitBadInput = 2;  // the scenario or the arguments are wrong
 inline constexpr int kExitIoError = 3;   // files, or anything else that failed
 inline constexpr int kExitRunFailed = 4; // a run ended early (diverged, NaN): its report was still written
+inline constexpr int kExitNothingFeasible = 5;  // sweep/plan: no configuration fits (the report says why)
 
 struct Command {
   CLI::App* sub = nullptr;

@@ -32,6 +32,12 @@ enum class Normalization { layernorm, rmsnorm };
 // writes them, or separate unfused kernels (scores, softmax, dropout, each through memory).
 enum class AttentionKernel { flash, fused, naive };
 enum class RuntimeBackend { cpu, cuda };
+// Whose data-parallel sharding the ZeRO stages follow (docs/model.md, "Data-parallel
+// frameworks"): when gradients are reduced (once per step, or after every micro-batch), when
+// parameters are gathered, and which combinations the framework refuses. auto: Megatron-LM
+// for stages 0-1 (DDP, --use-distributed-optimizer), DeepSpeed for stages 2-3 (whose ZeRO
+// stages the key names).
+enum class Framework { auto_select, megatron, deepspeed, fsdp };
 
 struct ModelConfig {
   std::string preset;  // name from the catalog, or empty
@@ -90,6 +96,7 @@ struct ClusterConfig {
   LinkConfig inter_node{25, 6, 0.94};
   // NVSwitch with in-switch reduction (NVLink SHARP, Hopper and later): NCCL's NVLS algorithms.
   bool nvlink_sharp = false;
+  double price_per_gpu_hour = 0;  // what one GPU-hour costs (any currency); 0: not given
   // A hardware profile measured by `trainsim calibrate` (path as written; relative to the
   // scenario's folder), applied like a GPU preset; the cost models then price each kernel at
   // its measured rate (core/hardware_profile.h).
@@ -106,6 +113,10 @@ struct ParallelismConfig {
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   std::vector<int> layers_per_stage;  // empty: balanced
   int zero_stage = 0;
+  Framework framework = Framework::auto_select;
+  // FSDP only: accumulate unsharded gradients over the micro-batches (no_sync(), FSDP2's
+  // set_requires_gradient_sync(False)) and reduce-scatter once, after the last.
+  bool fsdp_no_sync = false;
 };
 
 struct TrainingConfig {
@@ -120,6 +131,9 @@ struct TrainingConfig {
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
   double clip_grad = 1.0;  // clip by the global gradient norm across all stages; 0: off
+  // The whole training run, for time to train, GPU-hours and cost (0: not given).
+  double total_tokens = 0;
+  std::int64_t train_steps = 0;
 };
 
 struct LossScalingConfig {

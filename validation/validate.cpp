@@ -173,6 +173,12 @@ std::vector<MetricError> errors_of(const Validation& v) {
   e.push_back({"bubble_fraction", p.bubble_fraction, m.bubble_fraction, p.bubble_fraction - m.bubble_fraction, false});
   e.push_back({"allreduce_time_s", p.allreduce_time_s, m.allreduce_time_s,
                relative(p.allreduce_time_s, m.allreduce_time_s), true});
+  // The bubble's two parts (docs/model.md, "Idle time"), so a bubble error says which one is
+  // off; after the first three, which baselines.cpp reads by position.
+  e.push_back({"pipeline_bubble_fraction", p.pipeline_bubble_fraction, m.pipeline_bubble_fraction,
+               p.pipeline_bubble_fraction - m.pipeline_bubble_fraction, false});
+  e.push_back({"exposed_comm_fraction", p.exposed_comm_fraction, m.exposed_comm_fraction,
+               p.exposed_comm_fraction - m.exposed_comm_fraction, false});
   for (std::size_t r = 0; r < std::min(p.ranks.size(), m.ranks.size()); ++r) {
     const RankResult &a = p.ranks[r], &b = m.ranks[r];
     e.push_back({fmt::format("rank {} utilization", r), a.utilization, b.utilization, a.utilization - b.utilization,

@@ -29,8 +29,9 @@ const FieldSpec& field(const std::string& path) {
   return *f;
 }
 
-// Every field's value, as one string: equal strings mean equal configurations.
-std::string fingerprint(const ScenarioConfig& c) {
+}  // namespace
+
+std::string config_fingerprint(const ScenarioConfig& c) {
   std::string s;
   for (const auto& f : scenario_fields()) {
     if (!f.get) continue;
@@ -39,6 +40,10 @@ std::string fingerprint(const ScenarioConfig& c) {
   }
   return s;
 }
+
+bool is_setup_key(const std::string& path) { return path.rfind("cluster.", 0) == 0 || path.rfind("model.", 0) == 0; }
+
+namespace {
 
 struct Partial {
   ScenarioConfig config;
@@ -174,7 +179,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   std::set<std::string> seen;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
-    if (!seen.insert(fingerprint(p.config) + p.error).second) continue;
+    if (!seen.insert(config_fingerprint(p.config) + p.error).second) continue;
     SweepConfiguration c;
     c.index = out.size();
     c.error = std::move(p.error);
@@ -221,25 +226,38 @@ std::string unsupported_precision(const ScenarioConfig& c) {
   return "";
 }
 
-std::vector<std::string> constraint_violations(const SweepConstraints& k, const Plan& plan, const SweepMetrics& m) {
-  std::vector<std::string> v;
+struct Violation {
+  std::string text;
+  std::string key;     // the constraint (or "memory")
+  double excess = 0;   // by how much, relative to the limit
+};
+
+std::vector<Violation> constraint_violations(const SweepConstraints& k, const Plan& plan, const SweepMetrics& m) {
+  std::vector<Violation> v;
   const double cap = m.memory_capacity_bytes;
   // Out of memory already says more than these two.
   const bool oom = m.peak_memory_bytes > cap;
   if (!oom && k.max_memory_fraction < 1 && m.peak_memory_bytes > k.max_memory_fraction * cap)
-    v.push_back(fmt::format("max_memory_fraction: peak {:.2f} GiB on rank {} > {:g} x {:.2f} GiB = {:.2f} GiB (by {:.2f} "
-                            "GiB)",
-                            bytes_to_gib(m.peak_memory_bytes), m.peak_memory_rank, k.max_memory_fraction,
-                            bytes_to_gib(cap), bytes_to_gib(k.max_memory_fraction * cap),
-                            bytes_to_gib(m.peak_memory_bytes - k.max_memory_fraction * cap)));
+    v.push_back({fmt::format("max_memory_fraction: peak {:.2f} GiB on rank {} > {:g} x {:.2f} GiB = {:.2f} GiB (by {:.2f} "
+                             "GiB)",
+                             bytes_to_gib(m.peak_memory_bytes), m.peak_memory_rank, k.max_memory_fraction,
+                             bytes_to_gib(cap), bytes_to_gib(k.max_memory_fraction * cap),
+                             bytes_to_gib(m.peak_memory_bytes - k.max_memory_fraction * cap)),
+                 "max_memory_fraction", m.peak_memory_bytes / (k.max_memory_fraction * cap) - 1});
   if (!oom && k.min_memory_headroom_gib && bytes_to_gib(m.headroom_bytes()) < *k.min_memory_headroom_gib)
-    v.push_back(fmt::format("min_memory_headroom_gib: {:.2f} GiB free on rank {} < {:g} GiB",
-                            bytes_to_gib(m.headroom_bytes()), m.peak_memory_rank, *k.min_memory_headroom_gib));
+    v.push_back({fmt::format("min_memory_headroom_gib: {:.2f} GiB free on rank {} < {:g} GiB",
+                             bytes_to_gib(m.headroom_bytes()), m.peak_memory_rank, *k.min_memory_headroom_gib),
+                 "min_memory_headroom_gib",
+                 (gib_to_bytes(*k.min_memory_headroom_gib) - m.headroom_bytes()) / std::max(cap, 1.0)});
   auto at_most = [&](const std::optional<std::int64_t>& lim, const char* key, const char* what, std::int64_t x) {
-    if (lim && x > *lim) v.push_back(fmt::format("{}: {}({}) > {}", key, what, x, *lim));
+    if (lim && x > *lim)
+      v.push_back({fmt::format("{}: {}({}) > {}", key, what, x, *lim), key,
+                   static_cast<double>(x) / static_cast<double>(std::max<std::int64_t>(*lim, 1)) - 1});
   };
   auto at_least = [&](const std::optional<std::int64_t>& lim, const char* key, const char* what, std::int64_t x) {
-    if (lim && x < *lim) v.push_back(fmt::format("{}: {}({}) < {}", key, what, x, *lim));
+    if (lim && x < *lim)
+      v.push_back({fmt::format("{}: {}({}) < {}", key, what, x, *lim), key,
+                   static_cast<double>(*lim) / static_cast<double>(std::max<std::int64_t>(x, 1)) - 1});
   };
   at_least(k.min_global_batch_size, "min_global_batch_size", "global_batch_size", plan.global_batch_size);
   at_most(k.max_global_batch_size, "max_global_batch_size", "global_batch_size", plan.global_batch_size);
@@ -286,7 +304,15 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
     m.step_time_s = r.step_time_s;
     m.tokens_per_s = r.tokens_per_s;
     m.mfu = r.mfu;
+    m.tokens_per_s_per_gpu = r.tokens_per_s_per_gpu;
+    m.model_tflops_per_gpu = r.model_tflops_per_gpu;
+    m.hardware_tflops_per_gpu = r.hardware_tflops_per_gpu;
+    m.time_to_train_s = r.time_to_train_s;
+    m.gpu_hours = r.gpu_hours;
+    m.cost = r.cost;
     m.bubble_fraction = r.bubble_fraction;
+    m.pipeline_bubble_fraction = r.pipeline_bubble_fraction;
+    m.exposed_comm_fraction = r.exposed_comm_fraction;
     m.allreduce_time_s = r.allreduce_time_s;
     m.exposed_comm_time_s = r.exposed_comm_time_s;
     m.memory_capacity_bytes = r.memory_capacity_bytes;
@@ -309,6 +335,13 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
     row.simulated = true;
     std::vector<std::string> reasons;
     row.status = SweepStatus::ok;
+    row.shortfall = 0;
+    auto bind = [&](const std::string& key, double excess) {
+      if (row.binding.empty() || excess > row.shortfall) {
+        row.binding = key;
+        row.shortfall = excess;
+      }
+    };
     if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
       row.status = SweepStatus::out_of_memory;
       reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
@@ -316,10 +349,12 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
                                     worst->rank, worst->stage, worst->replica,
                                     bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
                                     bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
+      bind("memory", worst->peak_memory_bytes / m.memory_capacity_bytes - 1);
     }
     for (auto& v : constraint_violations(constraints, plan, m)) {
       if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
-      reasons.push_back(std::move(v));
+      reasons.push_back(std::move(v.text));
+      bind(v.key, v.excess);
     }
     row.reason = fmt::format("{}", fmt::join(reasons, "; "));
   } catch (const std::exception& e) {
@@ -399,6 +434,14 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   }
   if (options.progress) options.progress(SweepProgress{n, n, elapsed()});
 
+  rank_rows(res);
+  return res;
+}
+
+void rank_rows(SweepResult& res) {
+  const std::size_t n = res.rows.size();
+  res.counts = {};
+  res.ranking.clear();
   for (std::size_t i = 0; i < n; ++i) {
     const SweepRow& r = res.rows[i];
     ++res.counts.total;
@@ -422,7 +465,9 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     if (rows[i].feasible()) continue;
     (rows[i].simulated ? simulated : other).push_back(i);
   }
+  // Near misses first: by how far the binding limit is exceeded, then tokens/s.
   std::sort(simulated.begin(), simulated.end(), [&](std::size_t a, std::size_t b) {
+    if (rows[a].shortfall != rows[b].shortfall) return rows[a].shortfall < rows[b].shortfall;
     if (rows[a].metrics.tokens_per_s != rows[b].metrics.tokens_per_s)
       return rows[a].metrics.tokens_per_s > rows[b].metrics.tokens_per_s;
     return a < b;
@@ -431,7 +476,34 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   res.order.insert(res.order.end(), simulated.begin(), simulated.end());
   res.order.insert(res.order.end(), other.begin(), other.end());
   res.pareto = pareto_front(res.rows);
-  return res;
+}
+
+std::vector<SetupGroup> setup_groups(const SweepResult& res) {
+  std::vector<std::size_t> setup_columns;
+  for (std::size_t k = 0; k < res.keys.size(); ++k)
+    if (is_setup_key(res.keys[k])) setup_columns.push_back(k);
+  std::vector<SetupGroup> groups;
+  std::vector<std::string> names;
+  auto group_of = [&](const SweepRow& row) -> SetupGroup& {
+    std::string name;
+    std::vector<std::pair<std::string, FieldValue>> values;
+    for (std::size_t k : setup_columns) {
+      if (k >= row.point.values.size()) continue;
+      values.push_back(row.point.values[k]);
+      name += format_field_value(row.point.values[k].second) + '\x1f';
+    }
+    auto it = std::find(names.begin(), names.end(), name);
+    if (it != names.end()) return groups[static_cast<std::size_t>(it - names.begin())];
+    names.push_back(name);
+    groups.push_back(SetupGroup{std::move(values), {}, std::nullopt});
+    return groups.back();
+  };
+  for (std::size_t i = 0; i < res.rows.size(); ++i) group_of(res.rows[i]).rows.push_back(i);
+  for (std::size_t i : res.ranking) {
+    SetupGroup& g = group_of(res.rows[i]);
+    if (!g.best) g.best = i;
+  }
+  return groups;
 }
 
 SweepResult run_sweep(const Scenario& scenario, const SweepOptions& options) {

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -103,7 +104,11 @@ struct SweepMetrics {
   double step_time_s = 0;
   double tokens_per_s = 0;
   double mfu = 0;
-  double bubble_fraction = 0;
+  double tokens_per_s_per_gpu = 0, model_tflops_per_gpu = 0, hardware_tflops_per_gpu = 0;
+  double time_to_train_s = -1, gpu_hours = -1, cost = -1;  // < 0: not given (Result)
+  double bubble_fraction = 0;           // idle: pipeline_bubble_fraction + exposed_comm_fraction
+  double pipeline_bubble_fraction = 0;  // idle waiting for pipeline peers
+  double exposed_comm_fraction = 0;     // idle waiting for collectives
   double allreduce_time_s = 0;
   double exposed_comm_time_s = 0;
   double peak_memory_bytes = 0;      // max over GPUs
@@ -129,6 +134,10 @@ struct SweepRow {
   int num_microbatches = 0;   // per replica per step (0 when invalid)
   int global_batch_size = 0;  // samples per step (0 when invalid)
   std::vector<std::string> warnings;  // the prediction's warnings (numerics, memory, comm)
+  // Simulated infeasible rows: the limit that bound it ("memory" or a constraints: key) and
+  // by how much it is exceeded, relative to the limit (0.05: 5% over); 0 and "" otherwise.
+  std::string binding;
+  double shortfall = 0;
   bool feasible() const { return status == SweepStatus::ok; }
 };
 
@@ -162,8 +171,9 @@ struct SweepResult {
   std::vector<SweepRow> rows;     // in expansion order (rows[i].point.index == i)
   // Feasible rows, best first: tokens/s descending, then peak memory ascending, then index.
   std::vector<std::size_t> ranking;
-  // Every row in report order: `ranking`, then simulated infeasible rows (tokens/s
-  // descending, then index), then rows that were not simulated (index order).
+  // Every row in report order: `ranking`, then simulated infeasible rows (nearest misses
+  // first: shortfall ascending, then tokens/s descending, then index), then rows that were
+  // not simulated (index order).
   std::vector<std::size_t> order;
   // Feasible rows on the Pareto front of (tokens/s up, peak memory per GPU down), by
   // peak memory ascending, then index.
@@ -174,6 +184,26 @@ struct SweepResult {
 
 // Expands and evaluates every configuration on `options.threads` workers.
 SweepResult run_sweep(const Scenario& scenario, const SweepOptions& options = {});
+
+// Recomputes counts, ranking, order and Pareto front from `rows` (after rows were added).
+void rank_rows(SweepResult& result);
+
+// Every field's value as one string: equal strings mean equal configurations.
+std::string config_fingerprint(const ScenarioConfig& config);
+
+// Keys that describe the question rather than a choice to make: the hardware (cluster.*)
+// and the model (model.*). `plan` never changes them; swept, they become a comparison.
+bool is_setup_key(const std::string& path);
+
+// The rows of one setup: one combination of the swept setup keys' values (the hardware or
+// model under comparison), in the order the sweep first meets them.
+struct SetupGroup {
+  std::vector<std::pair<std::string, FieldValue>> values;  // the swept setup keys, sweep_keys() order
+  std::vector<std::size_t> rows;                           // indices into SweepResult::rows
+  std::optional<std::size_t> best;                         // its fastest feasible row
+};
+// One group per distinct setup; a single group with no values when no setup key is swept.
+std::vector<SetupGroup> setup_groups(const SweepResult& result);
 
 // Evaluates given configurations (indices are renumbered 0..n-1 in the given order).
 SweepResult run_configurations(std::vector<SweepConfiguration> points, const SweepConstraints& constraints,
