@@ -62,6 +62,7 @@ struct ModelConfig {
   // bias-dropout-add, one-kernel LayerNorm/RMSNorm and RoPE). false: PyTorch eager, one kernel per
   // operation with norms and rotary embeddings computed in FP32 (torchtitan without torch.compile).
   bool fused_elementwise = true;
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
 struct LinkConfig {
@@ -70,6 +71,7 @@ struct LinkConfig {
   // Fraction of the line rate that NCCL's collectives move as bus bandwidth (protocol and
   // flow-control overhead); sim/cost/collective_model.h.
   double efficiency = 1.0;
+  friend bool operator==(const LinkConfig&, const LinkConfig&) = default;
 };
 
 struct ClusterConfig {
@@ -102,6 +104,7 @@ struct ClusterConfig {
   // its measured rate (core/hardware_profile.h).
   std::string profile;
   std::shared_ptr<const HardwareProfile> calibrated;
+  friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
 };
 
 struct ParallelismConfig {
@@ -117,6 +120,7 @@ struct ParallelismConfig {
   // FSDP only: accumulate unsharded gradients over the micro-batches (no_sync(), FSDP2's
   // set_requires_gradient_sync(False)) and reduce-scatter once, after the last.
   bool fsdp_no_sync = false;
+  friend bool operator==(const ParallelismConfig&, const ParallelismConfig&) = default;
 };
 
 struct TrainingConfig {
@@ -134,6 +138,7 @@ struct TrainingConfig {
   // The whole training run, for time to train, GPU-hours and cost (0: not given).
   double total_tokens = 0;
   std::int64_t train_steps = 0;
+  friend bool operator==(const TrainingConfig&, const TrainingConfig&) = default;
 };
 
 struct LossScalingConfig {
@@ -143,6 +148,7 @@ struct LossScalingConfig {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int hysteresis = 2;
+  friend bool operator==(const LossScalingConfig&, const LossScalingConfig&) = default;
 };
 
 struct PrecisionConfig {
@@ -153,6 +159,7 @@ struct PrecisionConfig {
   AllReduceDivide allreduce_divide = AllReduceDivide::before;
   OverflowScope overflow_check = OverflowScope::global;
   LossScalingConfig loss_scaling;
+  friend bool operator==(const PrecisionConfig&, const PrecisionConfig&) = default;
 };
 
 struct CommunicationConfig {
@@ -163,6 +170,7 @@ struct CommunicationConfig {
   // torchtitan do). false: a stage waits for each send before computing on (Megatron-LM 2021,
   // --no-overlap-p2p-communication).
   bool overlap_p2p_comm = true;
+  friend bool operator==(const CommunicationConfig&, const CommunicationConfig&) = default;
 };
 
 // What `trainsim run` executes for real (the runtime issue); parsed and checked now so that
@@ -180,6 +188,7 @@ struct RuntimeConfig {
   bool data_synthetic = false;
   std::string checkpoint_dir;
   int checkpoint_every_steps = 0;
+  friend bool operator==(const RuntimeConfig&, const RuntimeConfig&) = default;
 };
 
 struct ScenarioConfig {
@@ -192,6 +201,9 @@ struct ScenarioConfig {
   PrecisionConfig precision;
   CommunicationConfig communication;
   RuntimeConfig runtime;
+  // Field by field, every field (a field added to any section is compared too): the
+  // Predictor's schedule cache (sim/simulator.cpp) is keyed on it.
+  friend bool operator==(const ScenarioConfig&, const ScenarioConfig&) = default;
 };
 
 std::string_view schedule_name(ScheduleKind s);

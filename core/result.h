@@ -12,6 +12,7 @@ namespace trainsim {
 struct MemoryBreakdown {
   double weights = 0, gradients = 0, optimizer = 0, activations = 0, buffers = 0;  // bytes
   double total() const { return weights + gradients + optimizer + activations + buffers; }
+  friend bool operator==(const MemoryBreakdown&, const MemoryBreakdown&) = default;
 };
 
 struct RankResult {
@@ -25,6 +26,7 @@ struct RankResult {
   double exposed_comm_s = 0;     // this rank's collectives (data-parallel, ZeRO, embedding, found-inf)
   double peak_memory_bytes = 0;
   MemoryBreakdown memory;    // at the peak
+  friend bool operator==(const RankResult&, const RankResult&) = default;
 };
 
 struct Result {
@@ -54,6 +56,9 @@ struct Result {
   std::string framework, framework_setting;
   std::vector<RankResult> ranks;
   std::vector<std::string> warnings;
+  // Field by field, every field of every rank (tests compare predictions whole, so a field
+  // added here is compared too).
+  friend bool operator==(const Result&, const Result&) = default;
 };
 
 }  // namespace trainsim

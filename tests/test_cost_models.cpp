@@ -9,6 +9,7 @@
 #include "sim/cost/compute_model.h"
 #include "sim/cost/gemm_model.h"
 #include "sim/cost/p2p_model.h"
+#include "sim/simulator.h"
 #include "tests/test_helpers.h"
 
 namespace trainsim {
@@ -169,6 +170,22 @@ TEST(PointToPoint, LatencyPlusBytesOverTheJoiningLinksShare) {
   const Bytes S = 32 << 20;
   EXPECT_EQ(p2p.duration(0, 1, S), seconds_to_ticks(3e-6 + S / (300e9 * 0.8)));
   EXPECT_EQ(p2p.duration(7, 8, S), seconds_to_ticks(6e-6 + S / (25e9 * 0.94)));
+}
+
+// Without p2p overlap a send holds its rank's compute stream: the step is longer than with
+// overlap, and a Predictor that meets the plan again (its compiled program) gives what predict()
+// gives.
+TEST(PointToPoint, BlockingSendsHoldTheComputeStream) {
+  ScenarioConfig c = testing::small_config(4, 8, ScheduleKind::one_f_one_b);
+  c.cluster.intra_node = {1, 3, 1};  // sends slow enough to see
+  const Plan overlapped = Plan::from_config(c);
+  c.communication.overlap_p2p_comm = false;
+  const Plan blocking = Plan::from_config(c);
+  const double t_overlapped = predict(overlapped).result.step_time_s, t_blocking = predict(blocking).result.step_time_s;
+  EXPECT_GT(t_blocking, t_overlapped);
+  Predictor p;
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(p.evaluate(blocking).step_time_s, t_blocking) << "evaluation " << i;
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(p.evaluate(overlapped).step_time_s, t_overlapped) << "evaluation " << i;
 }
 
 // ---- model shape and compute ----------------------------------------------------------

@@ -293,8 +293,10 @@ void expect_same_memory(const MemoryBreakdown& a, const MemoryBreakdown& b) {
   EXPECT_EQ(a.buffers, b.buffers);
 }
 
-// Bit-for-bit: same doubles, same strings.
+// Bit-for-bit: same doubles, same strings; operator== covers every field, including any
+// added to Result later, and the lines below say which one differs.
 void expect_same_result(const Result& a, const Result& b) {
+  EXPECT_TRUE(a == b);
   EXPECT_EQ(a.step_time_s, b.step_time_s);
   EXPECT_EQ(a.bubble_fraction, b.bubble_fraction);
   EXPECT_EQ(a.tokens_per_s, b.tokens_per_s);

@@ -8,6 +8,10 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
+
+#include <sched.h>
+#include <time.h>
 
 #include <fmt/format.h>
 
@@ -176,14 +180,41 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   const std::vector<std::string> keys = sweep_keys(sc);
   std::vector<SweepConfiguration> out;
   out.reserve(cur.size());
-  std::set<std::string> seen;
+  // A configuration is dropped when an earlier one kept has the same fingerprint and error.
+  // Those have the same swept values too, so only configurations whose swept values (and
+  // error) collide need their fingerprints (every field formatted) compared.
+  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices into out
+  std::vector<std::string> fingerprints;                                 // of out[i], "" until needed
+  std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
-    if (!seen.insert(config_fingerprint(p.config) + p.error).second) continue;
     SweepConfiguration c;
+    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
+    bucket.clear();
+    for (const auto& [k, v] : c.values) {
+      bucket += format_field_value(v);
+      bucket += '\x1f';
+    }
+    bucket += p.error;
+    std::vector<std::size_t>& same_values = by_values[bucket];
+    if (!same_values.empty()) {
+      const std::string mine = config_fingerprint(p.config) + p.error;
+      bool duplicate = false;
+      for (std::size_t j : same_values) {
+        if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(out[j].config) + out[j].error;
+        if (fingerprints[j] == mine) {
+          duplicate = true;
+          break;
+        }
+      }
+      if (duplicate) continue;
+      fingerprints.push_back(mine);
+    } else {
+      fingerprints.emplace_back();
+    }
+    same_values.push_back(out.size());
     c.index = out.size();
     c.error = std::move(p.error);
-    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
     c.config = std::move(p.config);
     out.push_back(std::move(c));
   }
@@ -273,8 +304,13 @@ std::vector<Violation> constraint_violations(const SweepConstraints& k, const Pl
 
 SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
                                 const SweepConstraints& constraints) {
+  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
+}
+
+SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
   SweepRow row;
-  row.point = point;
+  row.point = std::move(moved);
+  const SweepConfiguration& point = row.point;
   if (!point.error.empty()) {
     row.status = SweepStatus::invalid;
     row.reason = point.error;
@@ -395,6 +431,44 @@ std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
   return front;
 }
 
+namespace {
+
+// Cores this process may run on (its affinity mask: `taskset -c 1 trainsim sweep` gets one
+// worker, not one per core of the machine).
+unsigned usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return static_cast<unsigned>(CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// CPU time of the whole process, every thread, in seconds.
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// 12345 as "12,345".
+std::string with_thousands(double x) {
+  std::string digits = fmt::format("{:.0f}", x), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0 && digits[i - 1] != '-') out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_sweep_stats(const SweepStats& st, std::size_t configurations) {
+  return fmt::format(
+      "{} configurations: {} evaluated, {} rejected before simulation; evaluation {:.3f} s CPU ({:.3f} s wall, {} "
+      "thread{}): {} evaluations per CPU-second; expansion {:.3f} s",
+      configurations, st.evaluations, st.rejected, st.evaluate_cpu_s, st.evaluate_wall_s, st.threads,
+      st.threads == 1 ? "" : "s", with_thousands(st.evaluations_per_cpu_s()), st.expand_s);
+}
+
 SweepResult run_configurations(std::vector<SweepConfiguration> points, const SweepConstraints& constraints,
                                std::vector<std::string> keys, const SweepOptions& options) {
   SweepResult res;
@@ -403,7 +477,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   for (std::size_t i = 0; i < n; ++i) points[i].index = i;
   res.rows.resize(n);
 
-  unsigned threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
+  unsigned threads = options.threads ? options.threads : usable_cores();
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
   std::atomic<std::size_t> next{0}, done{0};
   std::mutex mu;
@@ -411,7 +485,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   auto worker = [&] {
     Predictor predictor;  // one per thread: its buffers are reused, nothing is shared
     for (std::size_t i; (i = next.fetch_add(1)) < n;) {
-      res.rows[i] = evaluate_configuration(predictor, points[i], constraints);
+      res.rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints);
       if (done.fetch_add(1) + 1 == n) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
@@ -419,6 +493,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     }
   };
   const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = process_cpu_seconds();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   {
     std::vector<std::thread> pool;
@@ -432,6 +507,9 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     lock.unlock();
     for (auto& t : pool) t.join();
   }
+  res.stats.evaluate_cpu_s = process_cpu_seconds() - cpu_start;
+  res.stats.evaluate_wall_s = elapsed();
+  res.stats.threads = threads;
   if (options.progress) options.progress(SweepProgress{n, n, elapsed()});
 
   rank_rows(res);
@@ -444,6 +522,7 @@ void rank_rows(SweepResult& res) {
   res.ranking.clear();
   for (std::size_t i = 0; i < n; ++i) {
     const SweepRow& r = res.rows[i];
+    ++(r.simulated ? res.stats.evaluations : res.stats.rejected);
     ++res.counts.total;
     switch (r.status) {
       case SweepStatus::ok: ++res.counts.ok; res.ranking.push_back(i); break;
@@ -507,8 +586,12 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
 }
 
 SweepResult run_sweep(const Scenario& scenario, const SweepOptions& options) {
-  return run_configurations(expand_sweep(scenario, options.adjust), scenario.constraints, sweep_keys(scenario),
-                            options);
+  const auto start = std::chrono::steady_clock::now();
+  auto points = expand_sweep(scenario, options.adjust);
+  const double expand_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  SweepResult res = run_configurations(std::move(points), scenario.constraints, sweep_keys(scenario), options);
+  res.stats.expand_s = expand_s;
+  return res;
 }
 
 }  // namespace trainsim

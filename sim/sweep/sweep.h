@@ -145,6 +145,8 @@ struct SweepRow {
 // memory and constraints. Never throws for a bad configuration (it becomes the row's status).
 SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
                                 const SweepConstraints& constraints);
+// The same, the row taking `point` over instead of a copy of it.
+SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& point, const SweepConstraints& constraints);
 
 // ---- running a whole sweep --------------------------------------------------------------
 
@@ -154,7 +156,7 @@ struct SweepProgress {
 };
 
 struct SweepOptions {
-  unsigned threads = 0;  // 0: std::thread::hardware_concurrency()
+  unsigned threads = 0;  // 0: one per core this process may run on (its CPU affinity)
   // Called on the calling thread about every 100 ms while workers run, and once at the end
   // (done == total).
   std::function<void(const SweepProgress&)> progress;
@@ -165,6 +167,24 @@ struct SweepOptions {
 struct SweepCounts {
   std::size_t total = 0, ok = 0, out_of_memory = 0, invalid = 0, unsupported_precision = 0, constraint = 0;
 };
+
+// What the sweep cost (`trainsim sweep --stats`). An evaluation is a row that was simulated
+// (ok, out_of_memory, constraint); a row refused before simulation (invalid,
+// unsupported_precision) is not one.
+struct SweepStats {
+  std::size_t evaluations = 0;  // rows simulated
+  std::size_t rejected = 0;     // rows refused before (or by a failure of) the simulation
+  unsigned threads = 0;         // workers that evaluated them
+  double expand_s = 0;          // expand_sweep, wall-clock (run_sweep only)
+  double evaluate_wall_s = 0;   // evaluating every row, wall-clock
+  double evaluate_cpu_s = 0;    // the same in CPU time of the whole process (every thread)
+  // Evaluations per CPU second: per core, whatever the thread count.
+  double evaluations_per_cpu_s() const { return evaluate_cpu_s > 0 ? evaluations / evaluate_cpu_s : 0; }
+};
+
+// "2016 configurations: 2016 evaluated, 0 rejected before simulation; evaluation 0.050 s CPU
+// (0.051 s wall, 1 thread): 40,300 evaluations per CPU-second; expansion 0.012 s", one line.
+std::string format_sweep_stats(const SweepStats& stats, std::size_t configurations);
 
 struct SweepResult {
   std::vector<std::string> keys;  // sweep_keys(): the columns of every row's point.values
@@ -179,6 +199,7 @@ struct SweepResult {
   // peak memory ascending, then index.
   std::vector<std::size_t> pareto;
   SweepCounts counts;
+  SweepStats stats;
   const SweepRow* best() const { return ranking.empty() ? nullptr : &rows[ranking.front()]; }
 };
 
