@@ -120,6 +120,19 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
       }
       ready = std::max(ready, times[d].end);
     }
+    if (blocking_sends_ && (is_recv(op.kind) || is_send(op.kind))) {
+      // One exchange: this op and the sends and receives right after it on the stream are
+      // posted together (a batched isend/irecv); post its receives, whose senders may wait.
+      for (std::int32_t j = i; j < n; ++j) {
+        const OpKind kj = ops[j].kind;
+        if (stream_of_[static_cast<std::uint8_t>(kj)] != k) continue;
+        if (!is_recv(kj) && !is_send(kj)) break;
+        if (is_recv(kj) && recv_posted_[ops[j].channel] < 0) {
+          recv_posted_[ops[j].channel] = ready;
+          if (simulated_[ops[j].peer]) enqueue(ops[j].peer * kNumStreams + kCompute);
+        }
+      }
+    }
     if (is_recv(op.kind)) {
       const Tick arrival = message_arrival_[op.channel];
       if (arrival < 0) break;  // woken when the send ends
@@ -159,6 +172,12 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
       Tick duration = 0;
       if (is_compute(op.kind)) duration = models.compute(op, r);
       else if (is_send(op.kind)) duration = models.p2p(r, op.peer, op.bytes);
+      if (blocking_sends_ && is_send(op.kind)) {
+        // A rendezvous: the message moves once its receiver has posted the receive.
+        const Tick posted = recv_posted_[op.channel];
+        if (posted < 0) break;  // woken when the receiver posts
+        ready = std::max(ready, posted);
+      }
       times[i] = OpTiming{ready, ready + duration};
       st.free_at = ready + duration;
       if (is_send(op.kind)) {
@@ -182,6 +201,10 @@ bool Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmet
   const Schedule& s = *schedule_;
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
   stream_of_ = stream_table(models.blocking_sends());
+  // Megatron-LM's own schedules exchange through blocking batched isend/irecv calls, so a send
+  // waits for its receiver (a rendezvous). ZB-H1 stands for the Zero Bubble runtime, whose
+  // scheduler posts every receive ahead of the compute that needs it: its sends never wait.
+  blocking_sends_ = models.blocking_sends() && s.kind != ScheduleKind::zb_h1;
   symmetric_ = false;
   simulated_.assign(nranks, 1);
   counterpart_.resize(nranks);
@@ -215,6 +238,7 @@ bool Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmet
 
   streams_.assign(static_cast<std::size_t>(nranks) * kNumStreams, StreamState{});
   message_arrival_.assign(s.num_messages, -1);
+  recv_posted_.assign(blocking_sends_ ? s.num_messages : 0, -1);
   collectives_.assign(s.collectives.size(), CollectiveState{});
   sim_members_.clear();
   last_priced_ = -1;
@@ -288,7 +312,7 @@ bool Simulation::run_replica0(std::shared_ptr<const Schedule> schedule, const Ro
 
 std::size_t Simulation::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
-  return bytes(streams_) + bytes(simulated_) + bytes(message_arrival_) + bytes(collectives_) + bytes(sim_members_) +
+  return bytes(streams_) + bytes(simulated_) + bytes(message_arrival_) + bytes(recv_posted_) + bytes(collectives_) + bytes(sim_members_) +
          bytes(worklist_) + bytes(counterpart_);
 }
 
