@@ -128,6 +128,10 @@ struct TrainingConfig {
   int global_batch_size = 0;  // 0: micro_batch_size * data_parallel_size (one micro-batch per step)
   Recompute activation_recompute = Recompute::none;
   Optimizer optimizer = Optimizer::adam;
+  // Megatron-LM's --gradient-accumulation-fusion (on by default since 2022): each weight-gradient
+  // product accumulates straight into the main_grad buffer (cuBLAS with beta = 1) instead of a
+  // separate add. Applies where the framework is Megatron-LM; DeepSpeed and FSDP add separately.
+  bool gradient_accumulation_fusion = true;
   // The optimizer's settings; only the runtime uses them (the simulator needs none).
   double lr = 1e-3;
   double weight_decay = 0.1;

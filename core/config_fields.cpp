@@ -374,6 +374,10 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(integer("training.global_batch_size", FIELD(training.global_batch_size), 0, 1 << 30, "",
                       "Samples per optimizer step; micro-batches per replica m = global / (micro * data_parallel)",
                       "0 (= micro_batch_size * data_parallel_size)"));
+  t.push_back(boolean("training.gradient_accumulation_fusion", FIELD(training.gradient_accumulation_fusion),
+                      "framework megatron: the weight-gradient products accumulate into the main_grad buffer "
+                      "(Megatron-LM's --gradient-accumulation-fusion, default since March 2022); false: a separate "
+                      "add per micro-batch, as Megatron-LM before 2022, DeepSpeed and FSDP do"));
   t.push_back(choice("training.activation_recompute", FIELD(training.activation_recompute),
                      {{"none", Recompute::none}, {"selective", Recompute::selective}, {"full", Recompute::full}},
                      "Recompute activations in backward: selective recomputes attention's softmax part, full "

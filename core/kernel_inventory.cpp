@@ -173,6 +173,12 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
   const int mb = std::max(1, plan.num_microbatches);
   const double accumulate = (2 * g + e) * static_cast<double>(mb - 1) / mb;
   const double layer_params = m.params_per_layer() / t;
+  // Megatron-LM's gradient accumulation fusion: the weight-gradient products of the linear layers
+  // (and of an untied or tied output layer) add into main_grad themselves, so only the embedding
+  // lookup's gradient (and the small norm and bias gradients, left out) is added separately.
+  const bool fused_accumulation = cfg.training.gradient_accumulation_fusion && plan.framework == Framework::megatron;
+  const char* wgrad = fused_accumulation ? "linear.backward_weight_accumulate" : "linear.backward_weight";
+  const double layer_accumulate = fused_accumulation ? 0.0 : accumulate;
 
   std::vector<ChunkKernels> out(plan.num_virtual_stages());
   for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
@@ -300,18 +306,18 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
     // ---- backward, weight gradients
     k.out = &c.backward_weight;
     if (last) {
-      k.matmul("linear.backward_weight", V, C, N);
+      k.matmul(wgrad, V, C, N);
       k.memory("layernorm.backward_weight", rep, 2);
-      k.memory_bytes("commit", m.output_params() / t, m.output_params() / t * accumulate);
+      k.memory_bytes("commit", m.output_params() / t, m.output_params() / t * layer_accumulate);
     }
     for (int l = 0; l < layers; ++l) {
-      k.matmul("linear.backward_weight", C, F, N);
-      k.matmul("linear.backward_weight", ffn_in, C, N);
+      k.matmul(wgrad, C, F, N);
+      k.matmul(wgrad, ffn_in, C, N);
       k.memory("layernorm.backward_weight", rep, 2);
-      k.matmul("linear.backward_weight", Cout, C, N);
-      k.matmul("linear.backward_weight", qkv, C, N);
+      k.matmul(wgrad, Cout, C, N);
+      k.matmul(wgrad, qkv, C, N);
       k.memory("layernorm.backward_weight", rep, 2);
-      k.memory_bytes("commit", layer_params, layer_params * accumulate);
+      k.memory_bytes("commit", layer_params, layer_params * layer_accumulate);
     }
     if (first) {
       k.memory("embedding.backward", static_cast<double>(N) * C, 3);

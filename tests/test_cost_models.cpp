@@ -378,6 +378,34 @@ TEST(ComputeModel, DropoutCostsItsMasksAndNaiveAttentionItsScores) {
   EXPECT_GT(fused, hidden);
 }
 
+// Gradient accumulation over m micro-batches into an FP32 buffer: a separate add per weight
+// (read the sum and the new gradient, write the sum: 2 * 4 + 2 bytes, from the second
+// micro-batch on), or Megatron-LM's fusion, where each weight-gradient product reads and writes
+// its FP32 main_grad tile itself (8 bytes per weight instead of writing 2). With products free
+// and memory at 1 TB/s, a middle stage's weight pass differs by exactly those bytes.
+TEST(ComputeModel, GradientAccumulationFusionMovesTheSumIntoTheProduct) {
+  ScenarioConfig c = compute_config(Recompute::none);
+  c.cluster.peak_tflops = {{DType::bf16, 1e9}};
+  c.cluster.hbm_bandwidth_gbps = 1000;
+  c.precision.grad_accumulation = DType::fp32;
+  c.parallelism.framework = Framework::megatron;
+  const Plan plan = Plan::from_config(c);
+  const int m = plan.num_microbatches;
+  ASSERT_GT(m, 1);
+  const double hbm = 1000e9, h = 1024, f = 4096;
+  const double matrices = 3 * h * h + h * h + f * h + h * f;  // one layer's weight matrices
+  const double layer = ModelShape(c.model).params_per_layer();
+  const double fused = RooflineComputeModel(plan).chunk(1).backward_weight;
+  c.training.gradient_accumulation_fusion = false;
+  const double separate = RooflineComputeModel(Plan::from_config(c)).chunk(1).backward_weight;
+  const double per_layer = layer * (2 * 4 + 2) * (m - 1) / m - matrices * (8 - 2);
+  EXPECT_NEAR(separate - fused, 2 * per_layer / hbm, 1e-12);
+  // Only Megatron-LM fuses: DeepSpeed and FSDP add separately whatever the key says.
+  c.training.gradient_accumulation_fusion = true;
+  c.parallelism.framework = Framework::deepspeed;
+  EXPECT_NEAR(RooflineComputeModel(Plan::from_config(c)).chunk(1).backward_weight, separate, 1e-12);
+}
+
 TEST(ComputeModel, PrecisionPicksItsPeakRate) {
   ScenarioConfig c = compute_config(Recompute::none);
   c.precision.compute = DType::fp32;

@@ -83,6 +83,9 @@ struct FrameworkPricer {
       const double causal = std::min(1.0, 0.5 + 64.0 / T);
       return w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
     }
+    // A weight-gradient product fused with gradient accumulation reads and writes its FP32
+    // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32).
+    if (w.kernel == "linear.backward_weight_accumulate") return gemm_seconds(w.shape, elem, peak, cl, 8.0);
     if (w.shape.is_matmul()) return gemm_seconds(w.shape, elem, peak, cl);
     return memory_seconds(w.bytes, cl);
   }

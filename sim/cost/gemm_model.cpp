@@ -30,11 +30,13 @@ double memory_seconds(double bytes, const ClusterConfig& cl) {
   return bytes / (gbps_to_bytes_per_second(cl.hbm_bandwidth_gbps) * cl.memory_efficiency);
 }
 
-double gemm_seconds(const KernelShape& s, double elem_bytes, double peak_flops, const ClusterConfig& cl) {
+double gemm_seconds(const KernelShape& s, double elem_bytes, double peak_flops, const ClusterConfig& cl,
+                    double c_bytes) {
   if (s.flops() <= 0) return 0;
   const double compute = s.flops() / (peak_flops * gemm_compute_efficiency(s, cl));
   const double m = static_cast<double>(s.m), n = static_cast<double>(s.n), k = static_cast<double>(s.k);
-  const double io = (m * k + k * n + m * n) * static_cast<double>(std::max<long>(1, s.batch)) * elem_bytes;
+  const double c = c_bytes < 0 ? elem_bytes : c_bytes;
+  const double io = ((m * k + k * n) * elem_bytes + m * n * c) * static_cast<double>(std::max<long>(1, s.batch));
   const double memory = memory_seconds(io, cl);
   return std::sqrt(compute * compute + memory * memory);
 }

@@ -30,8 +30,11 @@ inline constexpr double kDepthOverhead = 64;  // k lost per tile to its prologue
 
 // Fraction of the format's peak the product reaches on compute alone (0..compute_efficiency].
 double gemm_compute_efficiency(const KernelShape& s, const ClusterConfig& cl);
-// Seconds for the product, `elem_bytes` per element of A, B and C, at `peak_flops`.
-double gemm_seconds(const KernelShape& s, double elem_bytes, double peak_flops, const ClusterConfig& cl);
+// Seconds for the product, `elem_bytes` per element of A and B, at `peak_flops`; C moves
+// `c_bytes` per element (< 0: written once in elem_bytes; 8 for a product that accumulates into
+// an FP32 buffer, read and written).
+double gemm_seconds(const KernelShape& s, double elem_bytes, double peak_flops, const ClusterConfig& cl,
+                    double c_bytes = -1);
 // Seconds to stream `bytes` through HBM.
 double memory_seconds(double bytes, const ClusterConfig& cl);
 
