@@ -88,5 +88,41 @@ TEST(Fidelity, AMalformedRowNamesItsFileLineAndKey) {
   std::remove(path.c_str());
 }
 
+// The CTest's check: a row that moves fails, and so does a source whose mean or max rises above
+// the figure accepted with the rows (accepted.yaml keeps both, and reads back what it wrote).
+TEST(Fidelity, ASourceAboveItsAcceptedMeanOrMaxFails) {
+  validation::FidelityReport r;
+  for (double e : {0.02, -0.04}) {
+    validation::FidelityRow row;
+    row.id = "row" + std::to_string(r.rows.size());
+    row.source = "S";
+    row.published = 100;
+    row.predicted = 100 * (1 + e);
+    r.rows.push_back(row);
+  }
+  r.sources.push_back({"S", 2, 0.03, 0.04, 1, 1});
+  r.overall = {"all", 2, 0.03, 0.04, 1, 1};
+  const std::string path = std::string(TRAINSIM_BINARY_DIR) + "/fidelity_accepted_test.yaml";
+  std::ofstream(path) << validation::accepted_to_yaml(r, validation::AcceptedErrors{});
+  validation::AcceptedErrors a = validation::load_accepted(path);
+  std::remove(path.c_str());
+  ASSERT_EQ(a.rows.size(), 2u);
+  ASSERT_EQ(a.sources.count("S"), 1u);
+  EXPECT_NEAR(a.sources["S"].mean, 0.03, 1e-9);
+  EXPECT_NEAR(a.sources["all"].max, 0.04, 1e-9);
+  EXPECT_TRUE(validation::check_fidelity(r, a).empty());
+  a.sources["S"].mean = 0.025;  // accepted better than this run
+  const auto problems = validation::check_fidelity(r, a);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find("S: mean |error|"), std::string::npos);
+  a.sources["S"].mean = 0.03;
+  a.sources["all"].max = 0.03;
+  ASSERT_EQ(validation::check_fidelity(r, a).size(), 1u);
+  EXPECT_NE(validation::check_fidelity(r, a)[0].find("all: max |error|"), std::string::npos);
+  // Targets are reported, not failed: with a 3% max, the source and the whole set miss it.
+  a.target_max = 0.03;
+  EXPECT_EQ(validation::target_misses(r, a).size(), 2u);
+}
+
 }  // namespace
 }  // namespace trainsim

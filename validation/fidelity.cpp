@@ -392,6 +392,9 @@ AcceptedErrors load_accepted(const std::string& path) {
   a.tolerance = root["tolerance"].as<double>(a.tolerance);
   if (const YAML::Node rows = root["rows"])
     for (const auto& kv : rows) a.rows[kv.first.as<std::string>()] = kv.second.as<double>();
+  if (const YAML::Node sources = root["sources"])
+    for (const auto& kv : sources)
+      a.sources[kv.first.as<std::string>()] = {kv.second["mean"].as<double>(), kv.second["max"].as<double>()};
   return a;
 }
 
@@ -400,9 +403,17 @@ std::string accepted_to_yaml(const FidelityReport& r, const AcceptedErrors& prev
       "# Accepted errors of the published-data suite (predicted / published - 1), written by\n"
       "# `trainsim fidelity validation/published --update`. A re-run fails when a row moves more than\n"
       "# `tolerance` from its accepted error (the model is deterministic: a move is a change of the\n"
-      "# model). Sources over the targets are reported by --check, not failed (docs/validation.md).\n";
-  out += fmt::format("targets: {{mean: {}, max: {}}}\ntolerance: {}\nrows:\n", previous.target_mean, previous.target_max,
-                     previous.tolerance);
+      "# model), or when a source's mean or max |error| rises more than `tolerance` above the figure\n"
+      "# accepted under `sources`. Sources over the targets are reported by --check, not failed\n"
+      "# (docs/validation.md).\n";
+  out += fmt::format("targets: {{mean: {}, max: {}}}\ntolerance: {}\nsources:\n", previous.target_mean,
+                     previous.target_max, previous.tolerance);
+  auto source = [&](const SourceSummary& s) {
+    out += fmt::format("  \"{}\": {{mean: {:.4f}, max: {:.4f}}}\n", s.source, s.mean_abs, s.max_abs);
+  };
+  for (const SourceSummary& s : r.sources) source(s);
+  source(r.overall);
+  out += "rows:\n";
   for (const FidelityRow& row : r.rows) out += fmt::format("  \"{}\": {:.4f}\n", row.id, row.error());
   return out;
 }
@@ -423,6 +434,23 @@ std::vector<std::string> check_fidelity(const FidelityReport& r, const AcceptedE
   }
   for (const auto& [id, e] : a.rows)
     if (!seen.count(id)) problems.push_back(fmt::format("{}: accepted but no longer in the suite", id));
+  // Each source's mean and max against what was accepted with the rows: a regression fails even
+  // when every row stays inside its own tolerance.
+  auto source = [&](const SourceSummary& s) {
+    auto it = a.sources.find(s.source);
+    if (it == a.sources.end()) {
+      problems.push_back(fmt::format("{}: no accepted mean and max (run with --update)", s.source));
+      return;
+    }
+    if (s.mean_abs > it->second.mean + a.tolerance)
+      problems.push_back(fmt::format("{}: mean |error| {:.2f}% is above the accepted {:.2f}%", s.source,
+                                     100 * s.mean_abs, 100 * it->second.mean));
+    if (s.max_abs > it->second.max + a.tolerance)
+      problems.push_back(fmt::format("{}: max |error| {:.2f}% is above the accepted {:.2f}%", s.source,
+                                     100 * s.max_abs, 100 * it->second.max));
+  };
+  for (const SourceSummary& s : r.sources) source(s);
+  source(r.overall);
   return problems;
 }
 
