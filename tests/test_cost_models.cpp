@@ -406,6 +406,28 @@ TEST(ComputeModel, GradientAccumulationFusionMovesTheSumIntoTheProduct) {
   EXPECT_NEAR(RooflineComputeModel(Plan::from_config(c)).chunk(1).backward_weight, separate, 1e-12);
 }
 
+// apex's FusedLayerNorm (Megatron-LM before November 2021) against the persistent kernel, both
+// measured on one A100 at one shape (NVIDIA/apex pull request #1037): with products free, a
+// middle stage's two LayerNorms per layer take 0.0751 / 0.0535 of the time forward and
+// 0.1762 / 0.0866 backward.
+TEST(ComputeModel, ApexLayerNormTakesItsMeasuredShareLonger) {
+  ScenarioConfig c = compute_config(Recompute::none);
+  c.cluster.peak_tflops = {{DType::bf16, 1e9}};
+  c.cluster.hbm_bandwidth_gbps = 1000;
+  const double hbm = 1000e9, N = 512, h = 1024, e = 2;
+  const RooflineComputeModel fast(Plan::from_config(c));
+  c.model.layernorm_kernel = LayerNormKernel::apex;
+  const RooflineComputeModel apex(Plan::from_config(c));
+  // Per layer: two forwards of 2e bytes per element; two input-gradient passes of 4e and two
+  // weight-gradient passes of 2e. Two layers in a middle stage.
+  EXPECT_NEAR(apex.chunk(1).forward - fast.chunk(1).forward, 2 * 2 * (2 * e * N * h / hbm) * (0.0751 / 0.0535 - 1),
+              1e-12);
+  EXPECT_NEAR(apex.chunk(1).backward_input - fast.chunk(1).backward_input,
+              2 * 2 * (4 * e * N * h / hbm) * (0.1762 / 0.0866 - 1), 1e-12);
+  EXPECT_NEAR(apex.chunk(1).backward_weight - fast.chunk(1).backward_weight,
+              2 * 2 * (2 * e * N * h / hbm) * (0.1762 / 0.0866 - 1), 1e-12);
+}
+
 TEST(ComputeModel, PrecisionPicksItsPeakRate) {
   ScenarioConfig c = compute_config(Recompute::none);
   c.precision.compute = DType::fp32;
