@@ -163,6 +163,26 @@ TEST(Collectives, HierarchicalWhenAskedSplitsTheWorkOverEveryNic) {
               ring_in_node(8, S, 3e-6, 240e9), 1e-12);
 }
 
+// ZeRO's reduce-scatter and all-gather, when the scenario asks for two levels: one pass inside
+// each node, one between the nodes on S/g, each GPU on its own NIC.
+TEST(Collectives, HierarchicalReduceScatterAndAllGatherAreTwoPasses) {
+  const Plan hier = cluster_plan(16, 8, AllReduceAlgorithm::hierarchical);
+  const ClusterConfig& cl = hier.config.cluster;
+  const double S = 1e9;
+  const double intra = 7 * 3e-6 + 7.0 / 8 * S / 240e9;
+  const double inter = 1 * 6e-6 + 1.0 / 2 * (S / 8) / (25e9 * 0.94);
+  for (OpKind kind : {OpKind::ReduceScatter, OpKind::AllGather}) {
+    SCOPED_TRACE(op_kind_name(kind));
+    EXPECT_NEAR(NetworkCollectiveModel(hier).seconds(kind, all_ranks(16), S),
+                kNcclBaseLatencyUs * 1e-6 + intra + inter, 1e-12);
+    // Eight members per node already cross on all eight rails: the flat ring is faster than
+    // paying the NVLink pass first. Two per node (a data-parallel group beside tensor
+    // parallelism 4) leave the rails 3/4 of S/2 to carry flat, 1/2 of it in two levels.
+    EXPECT_GT(nccl_collective(kind, {16, 2, 8}, S, cl, true).seconds, nccl_collective(kind, {16, 2, 8}, S, cl).seconds);
+    EXPECT_LT(nccl_collective(kind, {4, 2, 2}, S, cl, true).seconds, nccl_collective(kind, {4, 2, 2}, S, cl).seconds);
+  }
+}
+
 TEST(PointToPoint, LatencyPlusBytesOverTheJoiningLinksShare) {
   // 16 ranks, 8 per node: 7 -> 8 crosses nodes, 0 -> 1 does not.
   const Plan plan = cluster_plan(16, 8, AllReduceAlgorithm::ring);

@@ -78,12 +78,17 @@ CollectiveCost nccl_collective(OpKind kind, const GroupShape& group, double byte
     if (seconds < best.seconds) best = {seconds, a};
   };
 
-  if (allreduce && hierarchical && k > 1) {
-    // Reduce-scatter in each node (g ranks), all-reduce of S/g between the k nodes on every
-    // GPU's own NIC, all-gather in each node: the scenario asked for it, so it is used as is.
+  if (hierarchical && k > 1) {
+    // Two levels, as the scenario asked, used as is: inside each node over NVLink (g ranks),
+    // between the k nodes on S/g with every GPU on its own NIC. An all-reduce is reduce-scatter
+    // in the node, all-reduce between nodes, all-gather in the node; a reduce-scatter (ZeRO's
+    // gradients) is reduce-scatter in the node then between nodes; an all-gather the reverse.
+    // Between nodes each GPU's NIC carries (k-1)/k of S/g per pass, where a flat ring's rails
+    // carry (n-1)/n of S/g.
     const double intra = g > 1 ? (g - 1) * a_intra + static_cast<double>(g - 1) / g * bytes / b_nvl : 0.0;
-    const double inter = 2.0 * (k - 1) * a_inter + 2.0 * (k - 1) / k * (bytes / g) / b_net;
-    return {base + 2 * intra + inter, CollectiveAlgorithm::hierarchical};
+    const double passes = allreduce ? 2.0 : 1.0;
+    const double inter = passes * ((k - 1) * a_inter + static_cast<double>(k - 1) / k * (bytes / g) / b_net);
+    return {base + passes * intra + inter, CollectiveAlgorithm::hierarchical};
   }
   if (allreduce && k > 1) {
     const double depth = 2.0 * ((g - 1) + log2_ceil(k));

@@ -19,7 +19,8 @@
 //                across nodes NVLS + tree (NVLSTree) at min(NVLS, tree) bandwidth
 //     hierarchical   only when the scenario asks (communication.allreduce_algorithm):
 //                reduce-scatter in each node, all-reduce of S/g between nodes (each GPU on its own
-//                NIC), all-gather in each node
+//                NIC), all-gather in each node; ZeRO's reduce-scatter is the first two of those
+//                (in the node, then between nodes), its all-gather the reverse
 //   bus bytes: all-reduce 2(n-1)/n S; reduce-scatter and all-gather (n-1)/n S (S the whole buffer)
 // The 4-byte found-inf reduction is latency-bound: a tree, 2 ceil(log2 n) hops.
 // A calibrated profile's measured table replaces all of this (core/hardware_profile.h).
@@ -67,7 +68,7 @@ struct CollectiveCost {
 
 // The cost NCCL would pay for `kind` (AllReduce, ReduceScatter, AllGather, OverflowCheck) of
 // `bytes` (nccl-tests' size: the whole buffer) over `group`, with the cluster's links.
-// `hierarchical`: the scenario asked for the two-level all-reduce.
+// `hierarchical`: the scenario asked for the two-level form (all-reduce, reduce-scatter, all-gather).
 CollectiveCost nccl_collective(OpKind kind, const GroupShape& group, double bytes, const ClusterConfig& cl,
                                bool hierarchical = false);
 
