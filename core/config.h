@@ -70,6 +70,10 @@ struct ModelConfig {
   // operation with norms and rotary embeddings computed in FP32 (torchtitan without torch.compile).
   bool fused_elementwise = true;
   LayerNormKernel layernorm_kernel = LayerNormKernel::persistent;
+  // The linear layers' biases added, and their gradients summed over the tokens, inside the matrix
+  // products (cuBLASLt epilogues, Transformer Engine). false: as kernels of their own, as
+  // Megatron-LM's own linear layers run them (docs/model.md, "Mechanisms").
+  bool fused_linear_bias = true;
   friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 

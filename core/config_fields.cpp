@@ -241,6 +241,10 @@ std::vector<FieldSpec> make_fields() {
                      "LayerNorm kernel: persistent (apex FastLayerNorm, Transformer Engine; Megatron-LM since "
                      "November 2021) or apex (apex's FusedLayerNorm, Megatron-LM before then or with "
                      "--no-persist-layer-norm: 1.40x the time forward, 2.03x backward, apex pull request #1037)"));
+  t.push_back(boolean("model.fused_linear_bias", FIELD(model.fused_linear_bias),
+                      "Linear layers add their bias and sum its gradient inside the matrix product (cuBLASLt "
+                      "epilogues, Transformer Engine); false: separate kernels, as Megatron-LM's own layers run "
+                      "them (the QKV bias added after the product, every bias gradient a sum over the tokens)"));
 
   // ---- cluster -----------------------------------------------------------------------
   {

@@ -227,13 +227,26 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
     const double act_bwd = m.swiglu ? (eager ? 8 * e : 5 * e) : 3 * e;
     const double residual_fwd = eager ? 3 * e + (hidden_mask > 0 ? 3 * e + 1 : 0) : 3 * e + hidden_mask;
     const double q_and_k = static_cast<double>(N) * (C + kv / 2) / t;
+    // Biases outside the products (model.fused_linear_bias false, Megatron-LM's own layers): the
+    // QKV product's bias added after it (F.linear on [s, b, h] input: matmul, then add), and in
+    // backward each bias gradient summed over the N tokens: QKV's, the first MLP product's (from
+    // bias-GELU's gradient) and the two replicated ones of the bias-dropout-adds.
+    const bool separate_bias = m.bias && !cfg.model.fused_linear_bias;
+    // The unfused attention core (fused, naive) works in Megatron's [s, b, np, hn] layout: its
+    // context leaves the batched product as [b np, s, hn] and is permuted back into a contiguous
+    // [s, b, h/t] (a copy); in backward the q, k and v gradients, split views of the one QKV
+    // product, are concatenated into its gradient (torch.cat). FlashAttention reads and writes the
+    // layout in place.
+    const bool layout_copies = attn != AttentionKernel::flash;
     auto layer_forward = [&] {
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
       k.matmul("linear.forward", N, qkv, C);
+      if (separate_bias) k.memory("bias.add", static_cast<double>(N) * qkv, 2);
       if (!m.learned_positions) k.memory_bytes("rope.forward", q_and_k, q_and_k * rope_bytes);
       attention_core_forward();
       if (eager && attn == AttentionKernel::flash)  // the heads transposed back into one tensor
         k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       k.matmul("linear.forward", N, C, Cout);
       tp_allreduce(act);
       k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
@@ -296,6 +309,8 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
         k.matmul("attention.context", T, hs, T, 2 * b * H);  // dQ = dS K, dK = dS^T Q
       }
       if (eager && attn == AttentionKernel::flash) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (layout_copies) k.memory("qkv.concat", static_cast<double>(N) * qkv, 2);
+      if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
       if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);
       k.matmul("linear.backward_input", N, C, qkv);
       tp_allreduce(act);

@@ -29,7 +29,9 @@
 //              roofline (sim/cost/compute_model.h): no rounding passes (kernels write the compute
 //              format), fused bias-GELU / bias-dropout-add, the attention core as the plan's
 //              model.attention runs it (flash: one kernel and no s x s traffic; fused: scores,
-//              softmax and dropout through HBM; naive: a separate mask pass too), dropout masks
+//              softmax and dropout through HBM, the context permuted back and the q, k, v gradients
+//              concatenated; naive: a separate mask pass too), biases added and their gradients
+//              summed by kernels of their own unless model.fused_linear_bias, dropout masks
 //              only when dropout > 0, FP32 logits for the loss, gradient accumulation into the
 //              grad_accumulation format, activation recompute (full: the layer's forward again;
 //              selective: the attention core again) and tensor-parallel all-reduces

@@ -32,6 +32,7 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   m.preset.clear();  // the shape it set is compared field by field
   m.attention = {};
   m.fused_elementwise = true;
+  m.fused_linear_bias = true;
   m.hidden_dropout = m.attention_dropout = 0;
   ClusterConfig& cl = key.cluster;
   cl.gpu.clear();

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/kernel_inventory.h"
 #include "core/model_shape.h"
 #include "core/presets.h"
 #include "sim/cost/collective_model.h"
@@ -446,6 +447,52 @@ TEST(ComputeModel, ApexLayerNormTakesItsMeasuredShareLonger) {
               2 * 2 * (4 * e * N * h / hbm) * (0.1762 / 0.0866 - 1), 1e-12);
   EXPECT_NEAR(apex.chunk(1).backward_weight - fast.chunk(1).backward_weight,
               2 * 2 * (2 * e * N * h / hbm) * (0.1762 / 0.0866 - 1), 1e-12);
+}
+
+// Megatron-LM's own linear layers (model.fused_linear_bias false): with products free and memory
+// at 1 TB/s, a middle stage's forward gains the QKV bias added after its product (read and
+// write N x 3h) and its input-gradient pass the four bias gradients summed over the tokens (QKV
+// 3h, first MLP product f, attention and MLP outputs h each).
+TEST(ComputeModel, SeparateBiasKernelsAddTheirBytes) {
+  ScenarioConfig c = compute_config(Recompute::none);
+  c.cluster.peak_tflops = {{DType::bf16, 1e9}};
+  c.cluster.hbm_bandwidth_gbps = 1000;
+  const double hbm = 1000e9, N = 512, h = 1024, f = 4096, e = 2;
+  const RooflineComputeModel fused(Plan::from_config(c));
+  c.model.fused_linear_bias = false;
+  const RooflineComputeModel separate(Plan::from_config(c));
+  EXPECT_NEAR(separate.chunk(1).forward - fused.chunk(1).forward, 2 * (2 * N * 3 * h * e) / hbm, 1e-12);
+  EXPECT_NEAR(separate.chunk(1).backward_input - fused.chunk(1).backward_input,
+              2 * (N * (3 * h + f + 2 * h) * e) / hbm, 1e-12);
+  // A model without biases has nothing to add.
+  c.model.add_bias_linear = false;
+  const RooflineComputeModel no_bias(Plan::from_config(c));
+  c.model.fused_linear_bias = true;
+  EXPECT_NEAR(no_bias.chunk(1).forward, RooflineComputeModel(Plan::from_config(c)).chunk(1).forward, 1e-15);
+}
+
+// The unfused attention core (fused, naive) in Megatron's [s, b, np, hn] layout: per layer the
+// context is permuted back (read and write N x h/t) in forward, and the q, k, v gradients are
+// concatenated into the QKV product's (read and write N x 3h/t) in backward; FlashAttention
+// handles the layout in its kernel.
+TEST(ComputeModel, UnfusedAttentionPaysItsLayoutCopies) {
+  const double N = 512, h = 1024, e = 2;
+  const int t = 2;
+  auto bytes = [&](AttentionKernel a, const char* kernel, bool backward) {
+    ScenarioConfig c = compute_config(Recompute::none, t);
+    c.model.attention = a;
+    const auto chunks = chunk_kernels(Plan::from_config(c), 2, InventoryTarget::framework);
+    double sum = 0;
+    for (const KernelWork& w : backward ? chunks[1].backward_input : chunks[1].forward)
+      if (w.kernel == kernel) sum += w.count * w.bytes;
+    return sum;
+  };
+  for (AttentionKernel a : {AttentionKernel::fused, AttentionKernel::naive}) {
+    EXPECT_DOUBLE_EQ(bytes(a, "attention.transpose", false), 2 * (2 * N * h / t * e));  // two layers
+    EXPECT_DOUBLE_EQ(bytes(a, "qkv.concat", true), 2 * (2 * N * 3 * h / t * e));
+  }
+  EXPECT_EQ(bytes(AttentionKernel::flash, "attention.transpose", false), 0.0);
+  EXPECT_EQ(bytes(AttentionKernel::flash, "qkv.concat", true), 0.0);
 }
 
 TEST(ComputeModel, PrecisionPicksItsPeakRate) {
