@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "core/model_error.h"
 #include "core/model_shape.h"
 #include "core/scenario.h"
 
@@ -98,7 +99,7 @@ void write_fidelity_svg(const FidelityReport& r, std::ostream& out);
 // The accepted errors (accepted.yaml beside the rows): each row's error as accepted and how far
 // a prediction may move from it; and the targets per source and overall.
 struct AcceptedErrors {
-  double target_mean = 0.03, target_max = 0.06, tolerance = 0.002;
+  double target_mean = kFidelityTargetMeanError, target_max = kFidelityTargetMaxError, tolerance = 0.002;
   std::map<std::string, double> rows;  // id -> accepted error
   // Per source (and "all"): the mean and max |error| accepted with the rows. A source whose mean
   // or max rises above its accepted figure by more than `tolerance` is a regression.
