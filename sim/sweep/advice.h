@@ -82,7 +82,7 @@ Infeasibility diagnose_infeasible(const SweepResult& sweep, const ScenarioConfig
 // A change is recommended only if it gains more than the model's own error: the mean absolute
 // error the published-data suite (validation/published, issue 16) holds the shipped presets to,
 // kFidelityTargetMeanError (core/model_error.h), so the margin moves with the suite's target.
-// The suite measures 2.7% mean over all its rows and 2.5% on the Zero Bubble rows, the throughput
+// The suite measures 2.8% mean over all its rows and 2.5% on the Zero Bubble rows, the throughput
 // ratios between two configurations of one model on one cluster: the comparison a plan makes.
 // Gains below it are within what the model cannot tell apart. `trainsim plan --margin` changes it.
 inline constexpr double kPlanMargin = kFidelityTargetMeanError;
