@@ -27,6 +27,13 @@ inline constexpr int kMaxRingMembers = 64;
 void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
                  bool divide_before, bool divide_after, StreamHandle stream);
 
+// out = the reduction of `inputs[0..n)` taken in that order for every element (inputs[0], then
+// inputs[1], ...), with ring_reduce's rounding and divides: one chunk of a ring, as
+// reduce_scatter gives a member the chunk it owns (the caller rotates `inputs` to the chunk's
+// ring order). `out` may be one of the inputs only when n == 1.
+void ordered_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
+                    bool divide_before, bool divide_after, StreamHandle stream);
+
 // *out = 1.0f when *flag != 0, else 0.0f: an overflow flag (kernels.h unscale_and_check) as the
 // float the global max-reduction carries.
 void flag_to_float(float* out, const int* flag, StreamHandle stream);

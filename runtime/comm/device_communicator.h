@@ -30,6 +30,11 @@
 //  * all_reduce is a collective over `members` (ascending, containing this rank); every member
 //    calls it with the same members, count, dt, op and divide, in the same order as every
 //    other collective over overlapping members.
+//  * reduce_scatter and all_gather are the ring's halves in place (communicator.h): `data` holds
+//    `count` elements, one equal chunk per member (count a multiple of members.size()), and the
+//    member at position p owns chunk p — NCCL's in-place ncclReduceScatter/ncclAllGather, with
+//    the same op and divide as all_reduce. reduce_scatter leaves chunk p reduced (the other
+//    chunks unspecified); all_gather fills every other chunk with its owner's.
 //  * A call that cannot complete (a peer failed, a timeout) throws CommError naming this rank,
 //    the op and the peer; wrong arguments throw std::invalid_argument before anything is queued.
 //  * abort(reason) makes every pending and future host-side call of every rank throw
@@ -63,6 +68,10 @@ class DeviceCommunicator {
 
   virtual void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
                           ReduceOp op, Divide divide, StreamHandle stream) = 0;
+  virtual void reduce_scatter(void* data, std::size_t count, DType dt, std::span<const int> members,
+                              std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) = 0;
+  virtual void all_gather(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                          StreamHandle stream) = 0;
 
   // Every rank passes a host blob and gets every rank's, indexed by rank (the executor gathers
   // each step's timings and numerics this way). Blocking on the host; every rank of the world

@@ -148,58 +148,50 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
 
   void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
                   ReduceOp op, Divide divide, StreamHandle stream) override {
-    const int me = member_position(prefix(), members, rank_, s_->world_size(), tag);
-    const int n = static_cast<int>(members.size());
-    if (n > trainsim::cuda::kMaxRingMembers)
-      throw std::invalid_argument(prefix() + "all_reduce over " + std::to_string(n) + " members: the single-GPU world "
-                                  "reduces at most " + std::to_string(trainsim::cuda::kMaxRingMembers));
-    const std::size_t bytes = count * element_bytes(dt, prefix());
-    const std::string op_text = "all_reduce tag " + std::to_string(tag);
-    const std::string what = prefix() + op_text;
-    s_->throw_if_aborted(prefix(), [&] { return op_text; });
-    // One member, or nothing to reduce: x * round(1/1) and x / 1 are x.
-    if (n == 1 || count == 0) return;
+    Exchange x = exchange("all_reduce", data, 0, count, dt, members, tag, stream);
+    if (!x.active) return;  // one member, or nothing to reduce: x * round(1/1) and x / 1 are x
+    trainsim::cuda::ring_reduce(data, x.inputs.data(), x.n, count, dt, member_reduce(op), divide == Divide::before,
+                                divide == Divide::after, stream);
+    release(x, stream);
+  }
 
-    DeviceMessage mine;
-    mine.tag = tag;
-    mine.count = count;
-    mine.dt = dt;
-    mine.staging = stage(data, bytes, stream, what);
-    mine.ready = s_->events->record(stream, what);
-    void* const my_staging = mine.staging;
-    for (int k = 0; k < n; ++k)
-      if (k != me) s_->post(members[k], MailKey{rank_, tag, kContribution}, DeviceMessage(mine));
+  // Member p reduces chunk p of every member's buffer in the ring's order for that chunk (the
+  // in-process ring's reduce_scatter starts chunk p at member p+1).
+  void reduce_scatter(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                      ReduceOp op, Divide divide, StreamHandle stream) override {
+    check_equal_chunks(prefix(), count, members.size(), tag, "reduce_scatter");
+    const std::size_t per = members.empty() ? 0 : count / members.size();
+    const std::size_t offset = per * element_bytes(dt, prefix());
+    Exchange x = exchange("reduce_scatter", data, 0, count, dt, members, tag, stream);
+    char* const mine = static_cast<char*>(data) + static_cast<std::size_t>(x.me) * offset;
+    if (!x.active) return;  // as all_reduce: over one member every op and divide is the identity
+    std::vector<const void*> order(static_cast<std::size_t>(x.n));
+    for (int k = 0; k < x.n; ++k)
+      order[static_cast<std::size_t>(k)] =
+          static_cast<const char*>(x.inputs[static_cast<std::size_t>((x.me + 1 + k) % x.n)]) +
+          static_cast<std::size_t>(x.me) * offset;
+    trainsim::cuda::ordered_reduce(mine, order.data(), x.n, per, dt, member_reduce(op), divide == Divide::before,
+                                   divide == Divide::after, stream);
+    release(x, stream);
+  }
 
-    std::vector<const void*> inputs(static_cast<std::size_t>(n));
-    inputs[me] = my_staging;
-    for (int k = 0; k < n; ++k) {
-      if (k == me) continue;
-      auto peer_op = [&] { return "all_reduce tag " + std::to_string(tag) + " (contribution of rank " + std::to_string(members[k]) + ")"; };
-      DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kContribution}, prefix(), peer_op);
-      if (m.count != count || m.dt != dt)
-        throw CommError(prefix() + peer_op() + ": rank " + std::to_string(members[k]) + " reduces " +
-                        std::to_string(m.count) + " " + std::string(dtype_name(m.dt)) + " elements, this rank " +
-                        std::to_string(count) + " " + std::string(dtype_name(dt)) + " (members disagree on the buffer)");
-      wait_event(stream, m.ready, what);
-      inputs[k] = m.staging;
-    }
-    trainsim::cuda::ring_reduce(data, inputs.data(), n, count, dt,
-                                op == ReduceOp::max ? trainsim::cuda::MemberReduce::max : trainsim::cuda::MemberReduce::sum,
-                                divide == Divide::before, divide == Divide::after, stream);
-
-    // Free this member's staging once every member has read it.
-    DeviceMessage done;
-    done.tag = tag;
-    done.ready = s_->events->record(stream, what);
-    for (int k = 0; k < n; ++k)
-      if (k != me) s_->post(members[k], MailKey{rank_, tag, kDone}, DeviceMessage(done));
-    for (int k = 0; k < n; ++k) {
-      if (k == me) continue;
-      auto peer_op = [&] { return "all_reduce tag " + std::to_string(tag) + " (completion of rank " + std::to_string(members[k]) + ")"; };
-      DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kDone}, prefix(), peer_op);
-      wait_event(stream, m.ready, what);
-    }
-    check_cuda(cudaFreeAsync(my_staging, stream), what + ": cudaFreeAsync");
+  // Every member stages only its own chunk; each copies every other member's into place.
+  void all_gather(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                  StreamHandle stream) override {
+    check_equal_chunks(prefix(), count, members.size(), tag, "all_gather");
+    const std::size_t per = members.empty() ? 0 : count / members.size();
+    const std::size_t chunk_bytes = per * element_bytes(dt, prefix());
+    const int me = member_position(prefix(), members, rank_, s_->world_size(), tag, "all_gather");
+    Exchange x = exchange("all_gather", data, static_cast<std::size_t>(me) * per, per, dt, members, tag, stream);
+    if (!x.active) return;
+    const std::string what = prefix() + "all_gather tag " + std::to_string(tag);
+    for (int k = 0; k < x.n; ++k)
+      if (k != x.me)
+        check_cuda(cudaMemcpyAsync(static_cast<char*>(data) + static_cast<std::size_t>(k) * chunk_bytes,
+                                   x.inputs[static_cast<std::size_t>(k)], chunk_bytes, cudaMemcpyDeviceToDevice,
+                                   stream),
+                   what + ": cudaMemcpyAsync");
+    release(x, stream);
   }
 
   std::vector<std::vector<std::uint8_t>> gather_host(std::span<const std::uint8_t> blob) override {
@@ -225,6 +217,86 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
 
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
+
+  static trainsim::cuda::MemberReduce member_reduce(ReduceOp op) {
+    return op == ReduceOp::max ? trainsim::cuda::MemberReduce::max : trainsim::cuda::MemberReduce::sum;
+  }
+
+  // A collective's contributions handed round: this member stages `count` elements of its buffer
+  // from element `first` and posts them to every other member; `inputs` holds every member's
+  // staged copy in member order, each ready in `stream`'s order. Inactive (nothing staged,
+  // nothing to release) for one member or no data.
+  struct Exchange {
+    bool active = false;
+    int me = 0, n = 0;
+    std::uint64_t tag = 0;
+    std::string what;
+    std::vector<int> members;
+    std::vector<const void*> inputs;
+    void* my_staging = nullptr;
+  };
+  Exchange exchange(const char* name, const void* data, std::size_t first, std::size_t count, DType dt,
+                    std::span<const int> members, std::uint64_t tag, StreamHandle stream) {
+    Exchange x;
+    x.me = member_position(prefix(), members, rank_, s_->world_size(), tag, name);
+    x.n = static_cast<int>(members.size());
+    x.tag = tag;
+    if (x.n > trainsim::cuda::kMaxRingMembers)
+      throw std::invalid_argument(prefix() + name + " over " + std::to_string(x.n) + " members: the single-GPU world "
+                                  "reduces at most " + std::to_string(trainsim::cuda::kMaxRingMembers));
+    const std::size_t elem = element_bytes(dt, prefix());
+    const std::string op_text = std::string(name) + " tag " + std::to_string(tag);
+    x.what = prefix() + op_text;
+    s_->throw_if_aborted(prefix(), [&] { return op_text; });
+    x.inputs.assign(static_cast<std::size_t>(x.n), nullptr);
+    if (x.n == 1 || count == 0) {
+      x.inputs[0] = static_cast<const char*>(data) + first * elem;
+      return x;
+    }
+    x.active = true;
+
+    DeviceMessage mine;
+    mine.tag = tag;
+    mine.count = count;
+    mine.dt = dt;
+    mine.staging = stage(static_cast<const char*>(data) + first * elem, count * elem, stream, x.what);
+    mine.ready = s_->events->record(stream, x.what);
+    x.my_staging = mine.staging;
+    for (int k = 0; k < x.n; ++k)
+      if (k != x.me) s_->post(members[static_cast<std::size_t>(k)], MailKey{rank_, tag, kContribution}, DeviceMessage(mine));
+
+    x.inputs[static_cast<std::size_t>(x.me)] = x.my_staging;
+    x.members.assign(members.begin(), members.end());
+    for (int k = 0; k < x.n; ++k) {
+      if (k == x.me) continue;
+      const int peer = members[static_cast<std::size_t>(k)];
+      auto peer_op = [&] { return op_text + " (contribution of rank " + std::to_string(peer) + ")"; };
+      DeviceMessage m = s_->take(rank_, MailKey{peer, tag, kContribution}, prefix(), peer_op);
+      if (m.count != count || m.dt != dt)
+        throw CommError(prefix() + peer_op() + ": rank " + std::to_string(peer) + " sends " + std::to_string(m.count) +
+                        " " + std::string(dtype_name(m.dt)) + " elements, this rank " + std::to_string(count) + " " +
+                        std::string(dtype_name(dt)) + " (members disagree on the buffer)");
+      wait_event(stream, m.ready, x.what);
+      x.inputs[static_cast<std::size_t>(k)] = m.staging;
+    }
+    return x;
+  }
+  // Frees this member's staging once every member has read it.
+  void release(Exchange& x, StreamHandle stream) {
+    DeviceMessage done;
+    done.tag = x.tag;
+    done.ready = s_->events->record(stream, x.what);
+    for (int k = 0; k < x.n; ++k)
+      if (k != x.me) s_->post(x.members[static_cast<std::size_t>(k)], MailKey{rank_, x.tag, kDone}, DeviceMessage(done));
+    for (int k = 0; k < x.n; ++k) {
+      if (k == x.me) continue;
+      const int peer = x.members[static_cast<std::size_t>(k)];
+      auto peer_op = [&] { return x.what + " (completion of rank " + std::to_string(peer) + ")"; };
+      DeviceMessage m = s_->take(rank_, MailKey{peer, x.tag, kDone}, prefix(), peer_op);
+      wait_event(stream, m.ready, x.what);
+    }
+    check_cuda(cudaFreeAsync(x.my_staging, stream), x.what + ": cudaFreeAsync");
+  }
 
   // A stream-ordered copy of `bytes` of `data` into a fresh device buffer.
   static void* stage(const void* data, std::size_t bytes, StreamHandle stream, const std::string& what) {

@@ -595,11 +595,46 @@ void NcclCommunicator::group_end() {
   for (const auto& s : scales) m.scale(s.data, s.count, s.factor, s.dt, s.stream, s.op);
 }
 
+// all_reduce and reduce_scatter: the same operator, divides and error paths; reduce_scatter (in
+// place, as NCCL allows: this member's chunk is the receive buffer) divides only its own chunk.
+enum class NcclCommunicator::Reduction : int { all_reduce, reduce_scatter };
+
 void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members,
                                   std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
+  reduce(Reduction::all_reduce, data, count, dt, members, tag, op, divide, stream);
+}
+
+void NcclCommunicator::reduce_scatter(void* data, std::size_t count, DType dt, std::span<const int> members,
+                                      std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
+  reduce(Reduction::reduce_scatter, data, count, dt, members, tag, op, divide, stream);
+}
+
+void NcclCommunicator::all_gather(void* data, std::size_t count, DType dt, std::span<const int> members,
+                                  std::uint64_t tag, StreamHandle stream) {
   Impl& m = *impl_;
-  member_position(m.who(), members, m.rank, m.world_size, tag);
-  const std::string what = "all_reduce tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
+  const int me = member_position(m.who(), members, m.rank, m.world_size, tag, "all_gather");
+  check_equal_chunks(m.who(), count, members.size(), tag, "all_gather");
+  const std::string what = "all_gather tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
+                           count_text(count, dt) + ")";
+  const ncclDataType_t type = nccl_type(dt, m.who() + what);
+  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + what + ": data is null");
+  const ncclComm_t comm = m.communicator_for(members, tag);
+  m.throw_if_aborted();
+  if (comm == nullptr || count == 0) return;
+  m.make_current();
+  const std::size_t per = count / members.size();
+  const void* mine = static_cast<const char*>(data) + static_cast<std::size_t>(me) * per * static_cast<std::size_t>(dtype_bytes(dt));
+  auto guard = m.guard_if_launching(what);
+  m.check(ncclAllGather(mine, data, per, type, comm, stream), comm, what);
+}
+
+void NcclCommunicator::reduce(Reduction kind, void* data, std::size_t count, DType dt, std::span<const int> members,
+                              std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
+  Impl& m = *impl_;
+  const char* name = kind == Reduction::all_reduce ? "all_reduce" : "reduce_scatter";
+  const int me = member_position(m.who(), members, m.rank, m.world_size, tag, name);
+  if (kind == Reduction::reduce_scatter) check_equal_chunks(m.who(), count, members.size(), tag, name);
+  const std::string what = std::string(name) + " tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
                            count_text(count, dt) + ", " + (op == ReduceOp::sum ? "sum" : "max") +
                            (divide == Divide::before ? ", divide before" : divide == Divide::after ? ", divide after" : "") +
                            ")";
@@ -638,7 +673,11 @@ void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::
     m.check(ncclRedOpCreatePreMulSum(&redop, scalar, type, ncclScalarHostImmediate, comm), comm,
             what + ": ncclRedOpCreatePreMulSum");
   }
-  const ncclResult_t res = ncclAllReduce(data, data, count, type, redop, comm, stream);
+  // What this member ends up owning: the whole buffer, or its chunk of it.
+  const std::size_t owned_count = kind == Reduction::all_reduce ? count : count / members.size();
+  void* const owned = static_cast<char*>(data) + (kind == Reduction::all_reduce ? 0 : static_cast<std::size_t>(me) * owned_count * static_cast<std::size_t>(dtype_bytes(dt)));
+  const ncclResult_t res = kind == Reduction::all_reduce ? ncclAllReduce(data, data, count, type, redop, comm, stream)
+                                                         : ncclReduceScatter(data, owned, owned_count, type, redop, comm, stream);
   if (premultiply) {
     if (m.group_depth > 0 && res == ncclSuccess) {
       // NCCL may read the operator until the group is launched: destroyed after group_end.
@@ -652,9 +691,9 @@ void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::
   m.check(res, comm, what);
   if (post_factor != 1.0f) {
     if (m.group_depth > 0)
-      m.deferred_scales.push_back({data, count, post_factor, dt, stream, what});
+      m.deferred_scales.push_back({owned, owned_count, post_factor, dt, stream, what});
     else
-      m.scale(data, count, post_factor, dt, stream, what);
+      m.scale(owned, owned_count, post_factor, dt, stream, what);
   }
 }
 

@@ -129,6 +129,10 @@ class NcclCommunicator final : public DeviceCommunicator {
   void group_end() override;
   void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag, ReduceOp op,
                   Divide divide, StreamHandle stream) override;
+  void reduce_scatter(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                      ReduceOp op, Divide divide, StreamHandle stream) override;
+  void all_gather(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                  StreamHandle stream) override;
   std::vector<std::vector<std::uint8_t>> gather_host(std::span<const std::uint8_t> mine) override;
   void abort(const std::string& reason) override;
 
@@ -144,6 +148,10 @@ class NcclCommunicator final : public DeviceCommunicator {
  private:
   struct Impl;
   explicit NcclCommunicator(std::unique_ptr<Impl> impl);
+  // all_reduce and reduce_scatter share one body.
+  enum class Reduction : int;
+  void reduce(Reduction kind, void* data, std::size_t count, DType dt, std::span<const int> members,
+              std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream);
   std::unique_ptr<Impl> impl_;
 };
 

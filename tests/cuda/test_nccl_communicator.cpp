@@ -212,6 +212,25 @@ TEST_P(NcclWorldOfOne, AllReduceIsTheIdentity) {
   }
 }
 
+// ncclReduceScatter and ncclAllGather in place over the world of one: the chunk is the buffer.
+TEST_P(NcclWorldOfOne, ReduceScatterAndAllGatherAreTheIdentity) {
+  const DType dt = GetParam();
+  auto comm = world_of_one();
+  k::Stream stream;
+  const int members[] = {0};
+  for (std::size_t count : {std::size_t{1}, std::size_t{4099}, (std::size_t{1} << 20) + 3}) {
+    for (const Case& c : kCases) {
+      const std::vector<float> x = random_values(count, seed_of(dt, count, 0, 3), dt);
+      k::DeviceBuffer buffer = upload(x, dt, stream.get());
+      comm->reduce_scatter(buffer.data(), count, dt, members, 7, c.op, c.divide, stream.get());
+      comm->all_gather(buffer.data(), count, dt, members, 8, stream.get());
+      comm->synchronize(stream.get(), "reduce_scatter/all_gather test");
+      expect_identical(download(buffer, count, dt, stream.get()), x,
+                       std::string(c.name) + ", " + std::to_string(count) + " " + std::string(dtype_name(dt)));
+    }
+  }
+}
+
 TEST_P(NcclWorldOfOne, SendToSelfInsideAGroupIsACopy) {
   const DType dt = GetParam();
   auto comm = world_of_one();
