@@ -1208,9 +1208,10 @@ class CudaEngine final : public DeviceEngine {
     const auto& cfg = plan_.config;
     const StreamHandle cs = rk.streams.compute;
     const auto& ops = rk.program->ops;
-    // Every collective of the step has reduced the gradients this updates.
+    // Every collective before it has reduced the gradients this updates (those after it, ZeRO's
+    // gather of the updated parameters, wait for it).
     int overflow_op = -1;
-    for (int j = 0; j < static_cast<int>(ops.size()); ++j)
+    for (int j = 0; j < index; ++j)
       if (is_collective(ops[j].kind)) {
         wait_for(rk, j, cs);
         if (ops[j].kind == OpKind::OverflowCheck) overflow_op = j;
