@@ -1,6 +1,7 @@
 #include "core/metrics.h"
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <iterator>
 #include <limits>
@@ -102,13 +103,57 @@ Tick covered(Tick a, Tick b, const std::vector<OpTiming>& m) {
   return total;
 }
 
-struct IdleSplit {
-  Tick comm = 0;  // idle while waiting for this rank's collectives; the rest of the idle time is pipeline bubble
+// What one pass over a rank's ops finds (rank_pass).
+struct RankFigures {
+  Tick busy = 0;        // compute ops
+  Tick collective = 0;  // collectives other than the found-inf check
+  Tick comm = 0;        // idle while waiting for this rank's collectives
 };
 
-// Splits the compute stream's idle time by what it waited for. The compute stream runs the
-// compute ops and the receives (whose intervals are the time it was blocked on them) in
-// program order; each idle gap ends where the next of them starts, or at the end of the step:
+// Op kinds by what the result does with them.
+enum OpClass : std::uint8_t { kOther, kComputeOp, kReceive, kCollectiveOp, kFoundInf };
+constexpr auto kClassOf = [] {
+  std::array<std::uint8_t, kNumOpKinds> t{};
+  for (int k = 0; k < kNumOpKinds; ++k) {
+    const auto kind = static_cast<OpKind>(k);
+    t[k] = is_compute(kind)                 ? kComputeOp
+           : is_recv(kind)                  ? kReceive
+           : kind == OpKind::OverflowCheck  ? kFoundInf
+           : is_collective(kind)            ? kCollectiveOp
+                                            : kOther;
+  }
+  return t;
+}();
+
+// The idle split (see below) of a gap [g0, g1) on the compute stream that ends where `op`
+// starts. coll: program positions of the rank's collectives, ascending, at least every one
+// up to op.dep.
+Tick gap_comm(const Op* ops, const OpTiming* times, const int* coll, std::size_t ncoll, const Op& op, Tick g0, Tick g1,
+              bool pipelined) {
+  Tick comm = 0;
+  const Tick other = pipelined ? 0 : 1;  // waiting for other ranks is communication without a pipeline
+  if (op.dep >= 0 && is_collective(ops[op.dep].kind)) {
+    auto k = static_cast<std::size_t>(std::lower_bound(coll, coll + ncoll, op.dep) - coll);
+    Tick hi = g1;
+    while (k < ncoll) {
+      const OpTiming& c = times[coll[k]];
+      const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
+      if (up > lo) comm += up - lo;
+      hi = std::min(hi, c.start);
+      if (hi <= g0 || k == 0 || times[coll[k - 1]].end < c.start) break;
+      --k;  // it started when the one ahead of it on this stream ended
+    }
+    if (hi > g0) comm += other * (hi - g0);
+  } else {
+    comm += other * (g1 - g0);
+  }
+  return comm;
+}
+
+// One pass over a rank's ops, in program order: busy and collective time, and the compute
+// stream's idle time split by what it waited for. The compute stream runs the compute ops
+// and the receives (whose intervals are the time it was blocked on them) in program order;
+// each idle gap ends where the next of them starts, or at the end of the step:
 //  * a receive's blocked interval waits for a pipeline peer: pipeline bubble;
 //  * a gap before an op whose dependency is a collective (ZeRO-3's gather before a forward,
 //    the optimizer step after the gradient reduction or the found-inf check) waits for that
@@ -117,47 +162,46 @@ struct IdleSplit {
 //  * the tail after the last op waits for this rank's trailing collectives (ZeRO's gather of
 //    the updated parameters) where they run, otherwise for other ranks to finish.
 // Waiting for other ranks is pipeline bubble when there is a pipeline, else communication
-// (replicas wait only for each other's collectives).
-IdleSplit split_idle(const RankProgram& prog, const OpTiming* times, const std::vector<int>& coll_index,
-                     const std::vector<OpTiming>& coll_merged, Tick begin, Tick end, bool pipelined) {
-  IdleSplit out;
-  auto other_ranks = [&](Tick len) {
-    if (!pipelined) out.comm += len;
-  };
-  Tick cursor = begin;
+// (replicas wait only for each other's collectives). Everything else of the idle time is
+// pipeline bubble. ws.collectives and ws.coll_index are left holding the rank's collectives.
+RankFigures rank_pass(const RankProgram& prog, const OpTiming* times, Tick begin, Tick end, bool pipelined,
+                      ResultWorkspace& ws) {
+  RankFigures f;
+  ws.collectives.clear();
+  ws.coll_index.clear();
+  ws.deferred.clear();
+  const Op* ops = prog.ops.data();
   const std::size_t n = prog.ops.size();
+  Tick cursor = begin, busy = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    const Op& op = prog.ops[i];
-    const bool on_compute = is_compute(op.kind) || is_recv(op.kind);
-    if (!on_compute) continue;
-    const OpTiming& t = times[i];
-    if (t.start > cursor) {
-      const Tick g0 = cursor, g1 = t.start;
-      if (op.dep >= 0 && is_collective(prog.ops[static_cast<std::size_t>(op.dep)].kind)) {
-        auto k = static_cast<std::size_t>(std::lower_bound(coll_index.begin(), coll_index.end(), op.dep) -
-                                          coll_index.begin());
-        Tick hi = g1;
-        while (k < coll_index.size()) {
-          const OpTiming& c = times[coll_index[k]];
-          const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
-          if (up > lo) out.comm += up - lo;
-          hi = std::min(hi, c.start);
-          if (hi <= g0 || k == 0 || times[coll_index[k - 1]].end < c.start) break;
-          --k;  // it started when the one ahead of it on this stream ended
-        }
-        if (hi > g0) other_ranks(hi - g0);
-      } else {
-        other_ranks(g1 - g0);
-      }
+    const std::uint8_t cls = kClassOf[static_cast<std::uint8_t>(ops[i].kind)];
+    const OpTiming t = times[i];
+    busy += cls == kComputeOp ? t.end - t.start : 0;
+    if (cls >= kCollectiveOp) [[unlikely]] {
+      ws.collectives.push_back(t);
+      ws.coll_index.push_back(static_cast<int>(i));
+      if (cls == kCollectiveOp) f.collective += t.end - t.start;
+      continue;
     }
-    cursor = std::max(cursor, t.end);
+    const bool on_compute = cls != kOther;
+    if (on_compute && t.start > cursor) [[unlikely]] {
+      const Op& op = ops[i];
+      if (op.dep > static_cast<std::int32_t>(i))  // its collective is not listed yet: after the pass
+        ws.deferred.push_back({static_cast<int>(i), cursor, t.start});
+      else
+        f.comm += gap_comm(ops, times, ws.coll_index.data(), ws.coll_index.size(), op, cursor, t.start, pipelined);
+    }
+    cursor = on_compute ? std::max(cursor, t.end) : cursor;
   }
+  f.busy = busy;
+  for (const auto& d : ws.deferred)
+    f.comm += gap_comm(ops, times, ws.coll_index.data(), ws.coll_index.size(), ops[d.op], d.g0, d.g1, pipelined);
   if (end > cursor) {
-    const Tick own = covered(cursor, end, coll_merged);
-    out.comm += own;
-    other_ranks(end - cursor - own);
+    merge_into(ws.collectives, ws.merged_a);
+    const Tick own = covered(cursor, end, ws.merged_a);
+    f.comm += own + (pipelined ? 0 : end - cursor - own);
   }
-  return out;
+  return f;
 }
 
 }  // namespace
@@ -179,28 +223,27 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
   const auto& cfg = plan.config;
   // Twins have their counterpart's timings: the step spans the other ranks' ops (the
   // timeline may hold no rows for twins).
-  Tick step = 0, t0 = 0;
-  if (same_as == nullptr) {
-    t0 = tl.begin();
-    step = tl.end() - t0;
-  } else {
-    // Timeline::end() - Timeline::begin() over those ranks.
-    Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
-    bool any = false;
-    for (std::size_t r = 0; r < tl.ops.size(); ++r) {
+  // Timeline::end() - Timeline::begin() over those ranks.
+  Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
+  bool any = false;
+  for (std::size_t r = 0; r < tl.ops.size(); ++r) {
+    if (same_as != nullptr) {
       const int twin = (*same_as)[r];
       if (twin >= 0 && twin < static_cast<int>(r)) continue;
-      const OpTiming* o = tl.ops[r].data();
-      const std::size_t n = tl.ops[r].size();
-      any = any || n > 0;
-      for (std::size_t i = 0; i < n; ++i) {
-        lo = std::min(lo, o[i].start);
-        hi = std::max(hi, o[i].end);
-      }
     }
-    t0 = any ? lo : 0;
-    step = hi - t0;
+    const OpTiming* o = tl.ops[r].data();
+    const std::size_t n = tl.ops[r].size();
+    any = any || n > 0;
+    Tick row_lo = lo, row_hi = hi;
+    for (std::size_t i = 0; i < n; ++i) {
+      row_lo = std::min(row_lo, o[i].start);
+      row_hi = std::max(row_hi, o[i].end);
+    }
+    lo = row_lo;
+    hi = row_hi;
   }
+  const Tick t0 = any ? lo : 0;
+  const Tick step = hi - t0;
   res.step_time_s = ticks_to_seconds(step);
   res.bubble_fraction = 0;
   res.pipeline_bubble_fraction = 0;
@@ -223,31 +266,14 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
     if (twin >= 0 && twin < static_cast<int>(r)) {
       rr = res.ranks[twin];  // computed already: a twin is an earlier rank
     } else {
-      Tick busy = 0, collective = 0;
-      ws.collectives.clear();
-      ws.coll_index.clear();
-      const OpTiming* times = tl.ops[r].data();
-      const Op* ops = prog.ops.data();
-      const std::size_t n = prog.ops.size();
-      for (std::size_t i = 0; i < n; ++i) {
-        const OpKind kind = ops[i].kind;
-        if (is_compute(kind)) {
-          busy += times[i].end - times[i].start;
-        } else if (is_collective(kind)) {
-          ws.collectives.push_back(times[i]);
-          ws.coll_index.push_back(static_cast<int>(i));
-          if (kind != OpKind::OverflowCheck) collective += times[i].end - times[i].start;
-        }
-      }
-      merge_into(ws.collectives, ws.merged_a);
-      // The compute stream's idle time, split by what it waited for (see split_idle).
-      const IdleSplit idle = split_idle(prog, times, ws.coll_index, ws.merged_a, t0, t0 + step, plan.pp > 1);
+      const RankFigures f = rank_pass(prog, tl.ops[r].data(), t0, t0 + step, plan.pp > 1, ws);
+      const Tick busy = f.busy, collective = f.collective;
       rr.busy_s = ticks_to_seconds(busy);
       rr.idle_s = res.step_time_s - rr.busy_s;
       rr.utilization = step > 0 ? static_cast<double>(busy) / static_cast<double>(step) : 0;
       rr.allreduce_s = ticks_to_seconds(collective);
-      rr.exposed_comm_s = ticks_to_seconds(idle.comm);
-      rr.pipeline_bubble_s = ticks_to_seconds(std::max<Tick>(0, step - busy - idle.comm));
+      rr.exposed_comm_s = ticks_to_seconds(f.comm);
+      rr.pipeline_bubble_s = ticks_to_seconds(std::max<Tick>(0, step - busy - f.comm));
     }
     rr.rank = prog.rank;
     rr.stage = prog.stage;

@@ -25,6 +25,11 @@ Result compute_result(const Plan& plan, const Timeline& timeline, const std::vec
 struct ResultWorkspace {
   std::vector<OpTiming> collectives, merged_a;
   std::vector<int> coll_index;  // program positions of the rank's collectives
+  struct Gap {
+    int op;      // the op it ends at
+    Tick g0, g1;
+  };
+  std::vector<Gap> deferred;  // gaps before an op whose collective comes after it in the program
   std::vector<std::pair<double, std::vector<int>>> groups;  // over-capacity ranks by their peak
 };
 

@@ -8,7 +8,10 @@
 //    configuration, as the prices, the memory, the placement and the schedule change;
 //  * what the cache relies on: changing a field that schedule_key_into clears leaves the
 //    schedule unchanged, and the compute model prices an op without reading its micro-batch,
-//    message, bucket, bytes, peer or dep.
+//    message, bucket, bytes, peer or dep;
+//  * compute_result_into, which reads each rank's ops in one pass, against the passes it
+//    replaced (each figure computed on its own, as they were before), on predicted timelines
+//    and on timelines shaken like measured ones.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +21,7 @@
 #include <string>
 
 #include "core/config_fields.h"
+#include "core/metrics.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/p2p_model.h"
@@ -450,6 +454,185 @@ TEST(StepProgram, ComputePriceReadsOnlyKindChunkWorkAndRank) {
       }
   }
   EXPECT_GT(ops, 10000);
+}
+
+// ---- The Result's per-rank figures, one pass against several ------------------------------
+
+// The figures compute_result_into derives from a timeline, each computed on its own the way
+// core/metrics.cpp did before it read a rank's ops in one pass (the definitions, written
+// plainly): the step from Timeline::begin() and end(); busy time; collective time; and the
+// idle time split, gap by gap, with every collective of the rank known.
+namespace reference {
+
+std::vector<OpTiming> merged(std::vector<OpTiming> v) {
+  std::sort(v.begin(), v.end(), [](const OpTiming& a, const OpTiming& b) { return a.start < b.start; });
+  std::vector<OpTiming> out;
+  for (const auto& x : v) {
+    if (x.end <= x.start) continue;
+    if (!out.empty() && x.start <= out.back().end)
+      out.back().end = std::max(out.back().end, x.end);
+    else
+      out.push_back(x);
+  }
+  return out;
+}
+
+Tick covered(Tick a, Tick b, const std::vector<OpTiming>& m) {
+  Tick total = 0;
+  for (const auto& x : m) {
+    const Tick lo = std::max(a, x.start), hi = std::min(b, x.end);
+    if (hi > lo) total += hi - lo;
+  }
+  return total;
+}
+
+struct Figures {
+  Tick busy = 0, collective = 0, comm = 0;
+};
+
+Figures rank_figures(const RankProgram& prog, const std::vector<OpTiming>& times, Tick begin, Tick end,
+                     bool pipelined) {
+  Figures f;
+  std::vector<int> coll_index;
+  std::vector<OpTiming> colls;
+  for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+    const OpKind kind = prog.ops[i].kind;
+    if (is_compute(kind)) f.busy += times[i].end - times[i].start;
+    if (is_collective(kind)) {
+      coll_index.push_back(static_cast<int>(i));
+      colls.push_back(times[i]);
+      if (kind != OpKind::OverflowCheck) f.collective += times[i].end - times[i].start;
+    }
+  }
+  auto other_ranks = [&](Tick len) {
+    if (!pipelined) f.comm += len;
+  };
+  Tick cursor = begin;
+  for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+    const Op& op = prog.ops[i];
+    if (!is_compute(op.kind) && !is_recv(op.kind)) continue;
+    const OpTiming& t = times[i];
+    if (t.start > cursor) {
+      const Tick g0 = cursor, g1 = t.start;
+      if (op.dep >= 0 && is_collective(prog.ops[static_cast<std::size_t>(op.dep)].kind)) {
+        auto k = static_cast<std::size_t>(std::find(coll_index.begin(), coll_index.end(), op.dep) - coll_index.begin());
+        Tick hi = g1;
+        while (k < coll_index.size()) {
+          const OpTiming& c = times[coll_index[k]];
+          const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
+          if (up > lo) f.comm += up - lo;
+          hi = std::min(hi, c.start);
+          if (hi <= g0 || k == 0 || times[coll_index[k - 1]].end < c.start) break;
+          --k;
+        }
+        if (hi > g0) other_ranks(hi - g0);
+      } else {
+        other_ranks(g1 - g0);
+      }
+    }
+    cursor = std::max(cursor, t.end);
+  }
+  if (end > cursor) {
+    const Tick own = covered(cursor, end, merged(colls));
+    f.comm += own;
+    other_ranks(end - cursor - own);
+  }
+  return f;
+}
+
+}  // namespace reference
+
+// compute_result_into's step and per-rank figures equal the reference's, for every rank of
+// `tl` (or, with same_as, for the ranks it simulated; their twins copy them).
+void expect_reference_figures(const Plan& plan, const Timeline& tl, const std::vector<int>* same_as) {
+  Result got;
+  ResultWorkspace ws;
+  compute_result_into(plan, tl, {}, got, ws, same_as);
+  Timeline simulated = tl;  // Timeline::begin() and end() over the ranks that are not twins
+  if (same_as)
+    for (std::size_t r = 0; r < simulated.ops.size(); ++r)
+      if ((*same_as)[r] < static_cast<int>(r)) simulated.ops[r].clear();
+  const Tick t0 = simulated.begin(), step = simulated.end() - t0;
+  ASSERT_EQ(got.step_time_s, ticks_to_seconds(step));
+  const Schedule& s = *tl.schedule;
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+    const std::size_t from = same_as ? static_cast<std::size_t>((*same_as)[r]) : r;
+    const auto want = reference::rank_figures(s.ranks[from], tl.ops[from], t0, t0 + step, plan.pp > 1);
+    const RankResult& rr = got.ranks[r];
+    ASSERT_EQ(rr.busy_s, ticks_to_seconds(want.busy)) << "rank " << r;
+    ASSERT_EQ(rr.allreduce_s, ticks_to_seconds(want.collective)) << "rank " << r;
+    ASSERT_EQ(rr.exposed_comm_s, ticks_to_seconds(want.comm)) << "rank " << r;
+    ASSERT_EQ(rr.pipeline_bubble_s, ticks_to_seconds(std::max<Tick>(0, step - want.busy - want.comm))) << "rank " << r;
+  }
+}
+
+// Predicted timelines of random plans, and the same timelines shaken: every op's start and
+// end moved at random (some ops ending before they start, some collectives overlapping), so
+// that gaps open before compute ops, receives and ops that wait for collectives, as measured
+// timelines have them.
+TEST(ComputeResult, OnePassEqualsTheFiguresComputedOneByOne) {
+  RandomPlans random(20261129);
+  std::mt19937 shake(7);
+  int compared = 0, with_gaps = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
+                                      << " p=" << c->parallelism.pipeline_parallel_size
+                                      << " d=" << c->parallelism.data_parallel_size
+                                      << " zero=" << c->parallelism.zero_stage);
+    const Plan plan = Plan::from_config(*c);
+    const Prediction p = predict(plan);
+    std::vector<int> same_as(p.schedule->ranks.size());
+    for (std::size_t r = 0; r < same_as.size(); ++r) same_as[r] = plan.rank_of(plan.stage_of(static_cast<int>(r)), 0);
+    expect_reference_figures(plan, p.timeline, nullptr);
+    expect_reference_figures(plan, p.timeline, &same_as);
+    Timeline shaken = p.timeline;
+    const Tick span = std::max<Tick>(1, p.timeline.end() - p.timeline.begin());
+    std::uniform_int_distribution<Tick> jitter(-span / 50, span / 50);
+    std::uniform_int_distribution<int> percent(0, 99);
+    for (auto& row : shaken.ops)
+      for (auto& t : row) {
+        if (percent(shake) < 30) t.start += jitter(shake);
+        if (percent(shake) < 30) t.end += jitter(shake);
+      }
+    expect_reference_figures(plan, shaken, nullptr);
+    expect_reference_figures(plan, shaken, &same_as);
+    if (HasFailure()) return;
+    ++compared;
+    const Result r = compute_result(plan, shaken, {});
+    with_gaps += std::any_of(r.ranks.begin(), r.ranks.end(), [](const RankResult& x) { return x.exposed_comm_s > 0; });
+  }
+  EXPECT_GT(compared, 150);
+  EXPECT_GT(with_gaps, 50);
+}
+
+// An op whose dependency is a collective later in its rank's program (build_schedule makes
+// none): its gap is split with every collective of the rank known, as before.
+TEST(ComputeResult, GapBeforeAnOpWaitingForALaterCollective) {
+  const Plan plan = Plan::from_config(testing::small_config(1, 1, ScheduleKind::gpipe, 1, 1));
+  auto s = std::make_shared<Schedule>();
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 64, {0}});
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 64, {0}});
+  RankProgram prog;
+  Op first, fwd, second;
+  first.kind = second.kind = OpKind::AllReduce;
+  first.channel = 0;
+  second.channel = 1;
+  fwd.kind = OpKind::Forward;
+  fwd.chunk = 0;
+  fwd.dep = 2;
+  prog.ops = {first, fwd, second};
+  s->ranks.push_back(prog);
+  Timeline tl;
+  tl.schedule = s;
+  tl.ops = {{{0, 10}, {50, 60}, {30, 45}}};
+  expect_reference_figures(plan, tl, nullptr);
+  // The gap [0, 50) before the forward: the collective it waits for runs 30-45, the one ahead
+  // of it on the stream ended at 10 (so the wait before 30 was for other ranks: with one
+  // stage, communication).
+  const Result r = compute_result(plan, tl, {});
+  EXPECT_EQ(r.ranks[0].exposed_comm_s, ticks_to_seconds(45));
 }
 
 }  // namespace
