@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -483,15 +484,22 @@ std::string field_kind_name(FieldKind k) {
   return "?";
 }
 
-std::string format_field_value(const FieldValue& v) {
+void append_field_value(std::string& out, const FieldValue& v) {
   struct Visitor {
-    std::string operator()(std::int64_t x) const { return std::to_string(x); }
-    std::string operator()(double x) const { return fmt::format("{:g}", x); }
-    std::string operator()(bool x) const { return x ? "true" : "false"; }
-    std::string operator()(const std::string& x) const { return x; }
-    std::string operator()(const IntList& x) const { return fmt::format("[{}]", fmt::join(x, ", ")); }
+    std::string& out;
+    void operator()(std::int64_t x) const { fmt::format_to(std::back_inserter(out), "{}", x); }
+    void operator()(double x) const { fmt::format_to(std::back_inserter(out), "{:g}", x); }
+    void operator()(bool x) const { out += x ? "true" : "false"; }
+    void operator()(const std::string& x) const { out += x; }
+    void operator()(const IntList& x) const { fmt::format_to(std::back_inserter(out), "[{}]", fmt::join(x, ", ")); }
   };
-  return std::visit(Visitor{}, v);
+  std::visit(Visitor{out}, v);
+}
+
+std::string format_field_value(const FieldValue& v) {
+  std::string s;
+  append_field_value(s, v);
+  return s;
 }
 
 std::string field_default_text(const FieldSpec& f) {

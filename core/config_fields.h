@@ -46,6 +46,7 @@ std::vector<std::string> section_children(std::string_view section);
 
 std::string field_kind_name(FieldKind k);
 std::string format_field_value(const FieldValue& v);
+void append_field_value(std::string& out, const FieldValue& v);  // the same text, appended
 // The default shown to users: the note for derived defaults, else the value of a
 // default-constructed ScenarioConfig.
 std::string field_default_text(const FieldSpec& f);

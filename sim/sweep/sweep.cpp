@@ -140,7 +140,32 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         apply(p, f, f.get(sc.config));
       }
   }
-  for (const SweepAxis* a : value_axes) product(*a);
+  // The other axes: each configuration copied once from its preset stage's and every value
+  // applied in axis order (first axis outermost), not copied again at every axis.
+  if (!value_axes.empty()) {
+    std::vector<const FieldSpec*> fields;
+    std::size_t combos = 1;
+    for (const SweepAxis* a : value_axes) {
+      fields.push_back(&field(a->path));
+      combos *= a->values.size();
+    }
+    std::vector<Partial> next;
+    next.reserve(cur.size() * combos);
+    std::vector<std::size_t> at(value_axes.size());
+    for (const auto& p : cur) {
+      if (combos == 0) break;
+      std::fill(at.begin(), at.end(), 0);
+      for (std::size_t n = 0; n < combos; ++n) {
+        Partial& q = next.emplace_back(p);
+        for (std::size_t k = 0; k < value_axes.size(); ++k) apply(q, *fields[k], value_axes[k]->values[at[k]]);
+        for (std::size_t k = value_axes.size(); k-- > 0;) {  // the last axis turns fastest
+          if (++at[k] < value_axes[k]->values.size()) break;
+          at[k] = 0;
+        }
+      }
+    }
+    cur = std::move(next);
+  }
 
   if (auto_parallel) {
     std::vector<Partial> next;
@@ -178,6 +203,8 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   }
 
   const std::vector<std::string> keys = sweep_keys(sc);
+  std::vector<const FieldSpec*> key_fields;
+  for (const auto& k : keys) key_fields.push_back(&field(k));
   std::vector<SweepConfiguration> out;
   out.reserve(cur.size());
   // A configuration is dropped when an earlier one kept has the same fingerprint and error.
@@ -189,10 +216,11 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
     SweepConfiguration c;
-    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
+    c.values.reserve(keys.size());
+    for (std::size_t k = 0; k < keys.size(); ++k) c.values.emplace_back(keys[k], key_fields[k]->get(p.config));
     bucket.clear();
     for (const auto& [k, v] : c.values) {
-      bucket += format_field_value(v);
+      append_field_value(bucket, v);
       bucket += '\x1f';
     }
     bucket += p.error;
