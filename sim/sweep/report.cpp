@@ -6,6 +6,7 @@
 #include <ostream>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -57,11 +58,18 @@ std::string counts_text(const SweepCounts& c) {
   return fmt::format("{} configuration{}: {}", c.total, c.total == 1 ? "" : "s", fmt::join(parts, ", "));
 }
 
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string q = "\"";
-  for (char ch : s) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
-  return q + "\"";
+// s as one CSV field, appended: quoted when it holds a comma, a quote or a newline.
+void append_csv_field(std::string& out, std::string_view s) {
+  if (s.find_first_of(",\"\n") == std::string_view::npos) {
+    out += s;
+    return;
+  }
+  out += '"';
+  for (char ch : s) {
+    if (ch == '"') out += '"';
+    out += ch;
+  }
+  out += '"';
 }
 
 std::string xml_escape(const std::string& s) {
@@ -362,37 +370,60 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
                         "exposed_comm_time_s", "peak_memory_gib", "peak_memory_rank", "memory_capacity_gib",
                         "headroom_gib", "num_microbatches", "global_batch_size", "pareto"})
     head.emplace_back(h);
-  for (std::size_t i = 0; i < head.size(); ++i) out << (i ? "," : "") << csv_field(head[i]);
-  out << "\n";
+  // Every line into one buffer, written at the end; rank and Pareto membership by index.
+  std::vector<std::size_t> rank(s.rows.size(), 0);
+  for (std::size_t r = 0; r < s.ranking.size(); ++r) rank[s.ranking[r]] = r + 1;
+  std::vector<char> front(s.rows.size(), 0);
+  for (std::size_t i : s.pareto) front[i] = 1;
+  std::string text, cell;
+  text.reserve(256 * (s.order.size() + 1));
+  for (std::size_t i = 0; i < head.size(); ++i) {
+    if (i) text += ',';
+    append_csv_field(text, head[i]);
+  }
+  text += '\n';
+  auto integer = [&](std::size_t x) { fmt::format_to(std::back_inserter(text), "{}", x); };
   for (std::size_t idx : s.order) {
     const SweepRow& row = s.rows[idx];
-    std::vector<std::string> c;
-    auto rank = rank_of(s, idx);
-    c.push_back(rank ? std::to_string(*rank) : "");
-    c.push_back(std::to_string(idx));
-    for (const auto& [k, v] : row.point.values) c.push_back(format_field_value(v));
-    c.emplace_back(sweep_status_name(row.status));
-    c.push_back(row.reason);
+    if (rank[idx]) integer(rank[idx]);
+    text += ',';
+    integer(idx);
+    for (const auto& [k, v] : row.point.values) {
+      text += ',';
+      cell.clear();
+      append_field_value(cell, v);
+      append_csv_field(text, cell);
+    }
+    text += ',';
+    text += sweep_status_name(row.status);
+    text += ',';
+    append_csv_field(text, row.reason);
     const SweepMetrics& m = row.metrics;
-    auto num = [&](double v) { return row.simulated ? fmt::format("{:.6g}", v) : std::string(); };
-    c.push_back(num(m.step_time_s));
-    c.push_back(num(m.tokens_per_s));
-    c.push_back(num(m.mfu));
-    c.push_back(num(m.bubble_fraction));
-    c.push_back(num(m.pipeline_bubble_fraction));
-    c.push_back(num(m.exposed_comm_fraction));
-    c.push_back(num(m.allreduce_time_s));
-    c.push_back(num(m.exposed_comm_time_s));
-    c.push_back(num(bytes_to_gib(m.peak_memory_bytes)));
-    c.push_back(row.simulated ? std::to_string(m.peak_memory_rank) : "");
-    c.push_back(fmt::format("{:.6g}", row.point.config.cluster.memory_gib));
-    c.push_back(num(bytes_to_gib(m.headroom_bytes())));
-    c.push_back(row.num_microbatches > 0 ? std::to_string(row.num_microbatches) : "");
-    c.push_back(row.global_batch_size > 0 ? std::to_string(row.global_batch_size) : "");
-    c.push_back(on_front(s, idx) ? "true" : "false");
-    for (std::size_t i = 0; i < c.size(); ++i) out << (i ? "," : "") << csv_field(c[i]);
-    out << "\n";
+    auto num = [&](double v) {  // {:.6g}
+      text += ',';
+      if (row.simulated) append_general6(text, v);
+    };
+    num(m.step_time_s);
+    num(m.tokens_per_s);
+    num(m.mfu);
+    num(m.bubble_fraction);
+    num(m.pipeline_bubble_fraction);
+    num(m.exposed_comm_fraction);
+    num(m.allreduce_time_s);
+    num(m.exposed_comm_time_s);
+    num(bytes_to_gib(m.peak_memory_bytes));
+    text += ',';
+    if (row.simulated) fmt::format_to(std::back_inserter(text), "{}", m.peak_memory_rank);
+    text += ',';
+    append_general6(text, row.point.config.cluster.memory_gib);
+    num(bytes_to_gib(m.headroom_bytes()));
+    text += ',';
+    if (row.num_microbatches > 0) fmt::format_to(std::back_inserter(text), "{}", row.num_microbatches);
+    text += ',';
+    if (row.global_batch_size > 0) fmt::format_to(std::back_inserter(text), "{}", row.global_batch_size);
+    text += front[idx] ? ",true\n" : ",false\n";
   }
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
 }
 
 // ---- SVG --------------------------------------------------------------------------------
