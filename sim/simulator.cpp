@@ -71,6 +71,12 @@ struct CachedSchedule {
     // Per stage, the first rank's forward and backward ops alone, in program order: all that
     // MemoryModel::peak_of reads (every other op leaves its walk unchanged), a third of the ops.
     std::vector<RankProgram> memory_walk;
+    // The walks' activation peaks per stage, by the tables they were walked with, most recent
+    // first: a sweep's configurations of one schedule share a few tables (the micro-batch,
+    // recompute and sequence parallelism change them; rates and links do not), and the same
+    // tables walk the same ops to the same peaks.
+    std::vector<std::pair<ActivationTables, std::vector<double>>> peaks;
+    static constexpr std::size_t kMaxPeaks = 16;
   };
   ScenarioConfig key;  // schedule_key_into
   int uses = 0;
@@ -112,6 +118,7 @@ struct Predictor::Workspace {
       v->ops = 0;
       v->compile_tried = false;
       v->memory_walk.clear();
+      v->peaks.clear();
     }
     entry->key = key;
     entry->uses = 0;
@@ -167,7 +174,7 @@ const Prediction& Predictor::predict(const Plan& plan) {
   const NetworkCollectiveModel collective(plan);
   ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, replicas_symmetric(plan, s, collective));
   last_.schedule = schedule_;
-  finish(plan, s, ws_->sim.last_run_symmetric());
+  finish(plan, MemoryModel(plan), s, ws_->sim.last_run_symmetric());
   return last_;
 }
 
@@ -192,7 +199,7 @@ const Result& Predictor::evaluate(const Plan& plan) {
       build_schedule_into(plan, s);
       ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, false);
     }
-    finish(plan, s, symmetric);
+    finish(plan, MemoryModel(plan), s, symmetric);
     return last_.result;
   }
 
@@ -255,18 +262,36 @@ const Result& Predictor::evaluate(const Plan& plan) {
       ws_->sim.run(v.schedule, compute, p2p, collective, last_.timeline, false);
     used = &v;
   }
-  finish(plan, *used->schedule, symmetric, used->memory_walk.empty() ? nullptr : &used->memory_walk);
+  const MemoryModel memory(plan);
+  if (used->memory_walk.empty()) {
+    finish(plan, memory, *used->schedule, symmetric);
+    return last_.result;
+  }
+  // The stages' activation peaks, walked once per distinct table.
+  auto& peaks = used->peaks;
+  auto hit = std::find_if(peaks.begin(), peaks.end(),
+                          [&](const auto& e) { return same_bits(e.first, memory.activation_tables()); });
+  if (hit == peaks.end()) {
+    if (peaks.size() >= CachedSchedule::Variant::kMaxPeaks) peaks.pop_back();
+    std::vector<double> per_stage;
+    per_stage.reserve(used->memory_walk.size());
+    for (const RankProgram& walk : used->memory_walk) per_stage.push_back(activation_peak(memory.activation_tables(), walk));
+    peaks.emplace(peaks.begin(), memory.activation_tables(), std::move(per_stage));
+  } else {
+    std::rotate(peaks.begin(), hit, hit + 1);
+  }
+  finish(plan, memory, *used->schedule, symmetric, &used->memory_walk, &peaks.front().second);
   return last_.result;
 }
 
 // Memory and result of the run in last_.timeline, of schedule `s`. symmetric: replica 0
 // alone was simulated (replicas 1.. may have no programs or timings: their figures are copied).
-// memory_walk (optional): per stage, what the memory model walks for its ranks.
-void Predictor::finish(const Plan& plan, const Schedule& s, bool symmetric,
-                       const std::vector<RankProgram>* memory_walk) {
+// memory_walk (optional): per stage, what the memory model walks for its ranks; stage_peaks
+// (optional, with it): the activation peaks of those walks, already walked.
+void Predictor::finish(const Plan& plan, const MemoryModel& memory, const Schedule& s, bool symmetric,
+                       const std::vector<RankProgram>* memory_walk, const std::vector<double>* stage_peaks) {
   // Memory follows the program alone, the same for every replica of a stage.
   const int nranks = static_cast<int>(s.ranks.size());
-  const MemoryModel memory(plan);
   last_.memory.resize(nranks);
   auto& same_as = ws_->same_as;
   same_as.resize(nranks);
@@ -275,6 +300,8 @@ void Predictor::finish(const Plan& plan, const Schedule& s, bool symmetric,
     same_as[r] = first;
     if (first < r)
       last_.memory[r] = last_.memory[first];
+    else if (stage_peaks)
+      last_.memory[r] = memory.breakdown((*memory_walk)[stage], (*stage_peaks)[stage]);
     else
       last_.memory[r] = memory.peak_of(memory_walk ? (*memory_walk)[stage] : s.ranks[r]);
   }

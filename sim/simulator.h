@@ -12,6 +12,8 @@
 
 namespace trainsim {
 
+class MemoryModel;
+
 struct Prediction {
   std::shared_ptr<const Schedule> schedule;
   Timeline timeline;
@@ -65,8 +67,8 @@ class Predictor {
   const Result& evaluate(const Plan& plan);
 
  private:
-  void finish(const Plan& plan, const Schedule& schedule, bool symmetric,
-              const std::vector<RankProgram>* memory_walk = nullptr);
+  void finish(const Plan& plan, const MemoryModel& memory, const Schedule& schedule, bool symmetric,
+              const std::vector<RankProgram>* memory_walk = nullptr, const std::vector<double>* stage_peaks = nullptr);
 
   struct Workspace;
   std::unique_ptr<Workspace> ws_;
