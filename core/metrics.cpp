@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <charconv>
+#include <cstdint>
 #include <iterator>
 #include <limits>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -164,17 +166,28 @@ Tick gap_comm(const Op* ops, const OpTiming* times, const int* coll, std::size_t
 // Waiting for other ranks is pipeline bubble when there is a pipeline, else communication
 // (replicas wait only for each other's collectives). Everything else of the idle time is
 // pipeline bubble. ws.collectives and ws.coll_index are left holding the rank's collectives.
-RankFigures rank_pass(const RankProgram& prog, const OpTiming* times, Tick begin, Tick end, bool pipelined,
-                      ResultWorkspace& ws) {
+// Indexed: visits the ops of `index` (positions << 3 | class, see ResultIndex) instead of
+// every op; the same figures, the sends (which only the step's span reads) skipped.
+template <bool kIndexed>
+RankFigures rank_pass(const RankProgram& prog, const std::vector<std::uint32_t>* index, const OpTiming* times,
+                      Tick begin, Tick end, bool pipelined, ResultWorkspace& ws) {
   RankFigures f;
   ws.collectives.clear();
   ws.coll_index.clear();
   ws.deferred.clear();
   const Op* ops = prog.ops.data();
-  const std::size_t n = prog.ops.size();
+  const std::uint32_t* visit = kIndexed ? index->data() : nullptr;
+  const std::size_t n = kIndexed ? index->size() : prog.ops.size();
   Tick cursor = begin, busy = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uint8_t cls = kClassOf[static_cast<std::uint8_t>(ops[i].kind)];
+  for (std::size_t j = 0; j < n; ++j) {
+    std::size_t i = j;
+    std::uint8_t cls = 0;
+    if constexpr (kIndexed) {
+      i = visit[j] >> 3;
+      cls = static_cast<std::uint8_t>(visit[j] & 7);
+    } else {
+      cls = kClassOf[static_cast<std::uint8_t>(ops[i].kind)];
+    }
     const OpTiming t = times[i];
     busy += cls == kComputeOp ? t.end - t.start : 0;
     if (cls >= kCollectiveOp) [[unlikely]] {
@@ -206,6 +219,19 @@ RankFigures rank_pass(const RankProgram& prog, const OpTiming* times, Tick begin
 
 }  // namespace
 
+void result_index_into(const Schedule& s, ResultIndex& out) {
+  out.ranks.resize(s.ranks.size());
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+    const auto& ops = s.ranks[r].ops;
+    auto& list = out.ranks[r];
+    list.clear();
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const std::uint8_t cls = kClassOf[static_cast<std::uint8_t>(ops[i].kind)];
+      if (cls != kOther) list.push_back(static_cast<std::uint32_t>(i) << 3 | cls);
+    }
+  }
+}
+
 Tick uncovered_length(std::vector<OpTiming> a, std::vector<OpTiming> b) {
   return uncovered_merged(merged(std::move(a)), merged(std::move(b)));
 }
@@ -218,8 +244,10 @@ Result compute_result(const Plan& plan, const Timeline& tl, const std::vector<Me
 }
 
 void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector<MemoryBreakdown>& memory,
-                         Result& res, ResultWorkspace& ws, const std::vector<int>* same_as) {
+                         Result& res, ResultWorkspace& ws, const std::vector<int>* same_as, const ResultIndex* index) {
   const Schedule& s = *tl.schedule;
+  if (index && index->ranks.size() != s.ranks.size())
+    throw std::logic_error("compute_result_into: a ResultIndex of another schedule");
   const auto& cfg = plan.config;
   // Twins have their counterpart's timings: the step spans the other ranks' ops (the
   // timeline may hold no rows for twins).
@@ -266,7 +294,9 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
     if (twin >= 0 && twin < static_cast<int>(r)) {
       rr = res.ranks[twin];  // computed already: a twin is an earlier rank
     } else {
-      const RankFigures f = rank_pass(prog, tl.ops[r].data(), t0, t0 + step, plan.pp > 1, ws);
+      const RankFigures f =
+          index ? rank_pass<true>(prog, &index->ranks[r], tl.ops[r].data(), t0, t0 + step, plan.pp > 1, ws)
+                : rank_pass<false>(prog, nullptr, tl.ops[r].data(), t0, t0 + step, plan.pp > 1, ws);
       const Tick busy = f.busy, collective = f.collective;
       rr.busy_s = ticks_to_seconds(busy);
       rr.idle_s = res.step_time_s - rr.busy_s;

@@ -77,6 +77,7 @@ struct CachedSchedule {
     // tables walk the same ops to the same peaks.
     std::vector<std::pair<ActivationTables, std::vector<double>>> peaks;
     static constexpr std::size_t kMaxPeaks = 16;
+    ResultIndex result_index;  // of the schedule (compute_result_into)
   };
   ScenarioConfig key;  // schedule_key_into
   int uses = 0;
@@ -213,6 +214,7 @@ const Result& Predictor::evaluate(const Plan& plan) {
       else
         build_schedule_into(plan, *v.schedule);
       v.ops = std::max<std::size_t>(1, v.schedule->total_ops());
+      result_index_into(*v.schedule, v.result_index);
       v.memory_walk.resize(static_cast<std::size_t>(plan.pp));
       for (int st = 0; st < plan.pp; ++st) {
         const RankProgram& prog = v.schedule->ranks[plan.rank_of(st, 0)];
@@ -264,7 +266,7 @@ const Result& Predictor::evaluate(const Plan& plan) {
   }
   const MemoryModel memory(plan);
   if (used->memory_walk.empty()) {
-    finish(plan, memory, *used->schedule, symmetric);
+    finish(plan, memory, *used->schedule, symmetric, nullptr, nullptr, &used->result_index);
     return last_.result;
   }
   // The stages' activation peaks, walked once per distinct table.
@@ -280,16 +282,18 @@ const Result& Predictor::evaluate(const Plan& plan) {
   } else {
     std::rotate(peaks.begin(), hit, hit + 1);
   }
-  finish(plan, memory, *used->schedule, symmetric, &used->memory_walk, &peaks.front().second);
+  finish(plan, memory, *used->schedule, symmetric, &used->memory_walk, &peaks.front().second, &used->result_index);
   return last_.result;
 }
 
 // Memory and result of the run in last_.timeline, of schedule `s`. symmetric: replica 0
 // alone was simulated (replicas 1.. may have no programs or timings: their figures are copied).
 // memory_walk (optional): per stage, what the memory model walks for its ranks; stage_peaks
-// (optional, with it): the activation peaks of those walks, already walked.
+// (optional, with it): the activation peaks of those walks, already walked. index
+// (optional): result_index_into(s).
 void Predictor::finish(const Plan& plan, const MemoryModel& memory, const Schedule& s, bool symmetric,
-                       const std::vector<RankProgram>* memory_walk, const std::vector<double>* stage_peaks) {
+                       const std::vector<RankProgram>* memory_walk, const std::vector<double>* stage_peaks,
+                       const ResultIndex* index) {
   // Memory follows the program alone, the same for every replica of a stage.
   const int nranks = static_cast<int>(s.ranks.size());
   last_.memory.resize(nranks);
@@ -305,7 +309,8 @@ void Predictor::finish(const Plan& plan, const MemoryModel& memory, const Schedu
     else
       last_.memory[r] = memory.peak_of(memory_walk ? (*memory_walk)[stage] : s.ranks[r]);
   }
-  compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr);
+  compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr,
+                      index);
 }
 
 }  // namespace trainsim

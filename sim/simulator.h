@@ -13,6 +13,7 @@
 namespace trainsim {
 
 class MemoryModel;
+struct ResultIndex;
 
 struct Prediction {
   std::shared_ptr<const Schedule> schedule;
@@ -68,7 +69,8 @@ class Predictor {
 
  private:
   void finish(const Plan& plan, const MemoryModel& memory, const Schedule& schedule, bool symmetric,
-              const std::vector<RankProgram>* memory_walk = nullptr, const std::vector<double>* stage_peaks = nullptr);
+              const std::vector<RankProgram>* memory_walk = nullptr, const std::vector<double>* stage_peaks = nullptr,
+              const ResultIndex* index = nullptr);
 
   struct Workspace;
   std::unique_ptr<Workspace> ws_;

@@ -543,11 +543,16 @@ Figures rank_figures(const RankProgram& prog, const std::vector<OpTiming>& times
 }  // namespace reference
 
 // compute_result_into's step and per-rank figures equal the reference's, for every rank of
-// `tl` (or, with same_as, for the ranks it simulated; their twins copy them).
+// `tl` (or, with same_as, for the ranks it simulated; their twins copy them), with and
+// without the schedule's ResultIndex.
 void expect_reference_figures(const Plan& plan, const Timeline& tl, const std::vector<int>* same_as) {
-  Result got;
+  Result got, indexed;
   ResultWorkspace ws;
   compute_result_into(plan, tl, {}, got, ws, same_as);
+  ResultIndex index;  // what a sweep passes with each timeline of a schedule: the same Result
+  result_index_into(*tl.schedule, index);
+  compute_result_into(plan, tl, {}, indexed, ws, same_as, &index);
+  ASSERT_TRUE(indexed == got);
   Timeline simulated = tl;  // Timeline::begin() and end() over the ranks that are not twins
   if (same_as)
     for (std::size_t r = 0; r < simulated.ops.size(); ++r)

@@ -270,6 +270,18 @@ void BM_GPT3_175B_m64_Result(benchmark::State& state) {
 }
 BENCHMARK(BM_GPT3_175B_m64_Result)->Unit(benchmark::kMicrosecond);
 
+// The same with the schedule's ResultIndex, as a sweep passes it.
+void BM_GPT3_175B_m64_ResultIndexed(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  const Prediction p = predict(plan);
+  Result result;
+  ResultWorkspace ws;
+  ResultIndex index;
+  result_index_into(*p.schedule, index);
+  for (auto _ : state) compute_result_into(plan, p.timeline, p.memory, result, ws, nullptr, &index);
+}
+BENCHMARK(BM_GPT3_175B_m64_ResultIndexed)->Unit(benchmark::kMicrosecond);
+
 void BM_GPT3_175B_m64_Memory(benchmark::State& state) {
   const Plan plan = gpt3_175b_m64();
   const Schedule s = build_schedule(plan);
