@@ -38,8 +38,7 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
-    double params = 0;
-    for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
+    const double params = plan.stage_params(s);
     optimizer_ticks_.push_back(seconds_to_ticks(profile.core_factor(r) * kernels_seconds(
         optimizer_kernels(plan, params / plan.tp / shards), profile, rate, hbm)));
   }
@@ -82,6 +81,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   const double loss_bytes = 2.0 * 4.0 * b * m.s * static_cast<double>(m.V) / t;  // fp32 logits written and read
 
   const int V = plan.num_virtual_stages();
+  chunks_.reserve(static_cast<std::size_t>(V));
   for (int vs = 0; vs < V; ++vs) {
     const int layers = plan.layers_per_virtual_stage[vs];
     ChunkSeconds c;
@@ -108,12 +108,11 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   const double moments = cfg.training.optimizer == Optimizer::sgd ? 8.0 : 16.0;
   const double bytes_per_param = 2.0 * g + (master ? 8.0 : 2.0 * w) + moments + (master ? w : 0);
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
-  for (int r = 0; r < plan.num_ranks(); ++r) {
-    const int s = plan.stage_of(r);
-    double params = 0;
-    for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
-    optimizer_ticks_.push_back(seconds_to_ticks(params / t / shards * bytes_per_param / hbm));
-  }
+  std::vector<Tick> of_stage(static_cast<std::size_t>(plan.pp));
+  for (int s = 0; s < plan.pp; ++s) of_stage[s] = seconds_to_ticks(plan.stage_params(s) / t / shards * bytes_per_param / hbm);
+  optimizer_ticks_.reserve(static_cast<std::size_t>(plan.num_ranks()));
+  for (int r = 0; r < plan.num_ranks(); ++r) optimizer_ticks_.push_back(of_stage[plan.stage_of(r)]);
+  chunk_ticks_.reserve(chunks_.size());
   for (const auto& c : chunks_)
     chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),
                             seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});

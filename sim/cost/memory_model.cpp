@@ -97,9 +97,7 @@ double activation_peak(const ActivationTables& t, const RankProgram& prog) {
 
 MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activation_peak) const {
   const auto& cfg = plan_.config;
-  double params = 0;
-  for (int j = 0; j < plan_.vpp; ++j) params += plan_.virtual_stage_params(j * plan_.pp + prog.stage);
-  params /= plan_.tp;
+  const double params = plan_.stage_params(prog.stage) / plan_.tp;
   const ModelStateBytes states = model_state_bytes(plan_, params);
 
   // Communication buffers: activation send/receive, gradient buckets cast to another
