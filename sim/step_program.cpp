@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <map>
+#include <stdexcept>
 #include <tuple>
 
 #include "sim/cost/collective_model.h"
@@ -22,6 +24,15 @@ constexpr auto kStreamOf = [] {
   return t;
 }();
 std::int32_t stream_index(OpKind k) { return kStreamOf[static_cast<std::uint8_t>(k)]; }
+
+// B ticks, one per lane, as one vector (GCC's vector extension: element-wise operators).
+typedef Tick Lanes4 __attribute__((vector_size(4 * sizeof(Tick))));
+template <int B>
+struct LanesOf;
+template <>
+struct LanesOf<4> {
+  using type = Lanes4;
+};
 
 struct VirtualModels {
   const CostModels& m;
@@ -421,6 +432,98 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
   for (const Held& h : held_) rows[h.rank][h.index] = OpTiming{T[h.prev], std::max(T[h.prev], T[h.sent])};
   t.schedule = schedule_;
   t.predicted = true;
+}
+
+template <int B>
+void StepProgram::run_lanes_impl(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                                 const NetworkCollectiveModel* const* collective, Timeline* const* out, int n) {
+  using Lanes = typename LanesOf<B>::type;
+  auto load = [](const Tick* p) {
+    Lanes v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  const Schedule& s = *schedule_;
+  // D: lane j of price p at D[p * B + j]; lanes past n repeat lane 0.
+  const std::size_t nprices = 1 + compute_.size() + sends_.size() + collectives_.size();
+  lane_prices_.resize(nprices * B);
+  Tick* D = lane_prices_.data();
+  for (int j = 0; j < B; ++j) {
+    const int l = j < n ? j : 0;
+    const DefaultModels models{*compute[l], *p2p[l], *collective[l]};
+    std::size_t p = 0;
+    D[p++ * B + j] = 0;
+    for (const ComputePrice& c : compute_) D[p++ * B + j] = models.compute(s.ranks[c.rank].ops[c.op], c.rank);
+    for (const SendPrice& x : sends_) D[p++ * B + j] = models.p2p(x.from, x.to, x.bytes);
+    for (std::int32_t c : collectives_) D[p++ * B + j] = models.collective(s.collectives[c]);
+  }
+  // Each lane's Timeline rows, as the engine sizes them: rows[r * B + j].
+  const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  rows_.assign(static_cast<std::size_t>(nranks) * B, nullptr);
+  for (int j = 0; j < n; ++j) {
+    Timeline& t = *out[j];
+    t.ops.resize(nranks);
+    for (std::int32_t r = 0; r < nranks; ++r) {
+      if (first_slot_[r] < 0) {
+        t.ops[r].clear();
+        continue;
+      }
+      t.ops[r].resize(s.ranks[r].ops.size());
+      rows_[static_cast<std::size_t>(r) * B + j] = t.ops[r].data();
+    }
+  }
+  OpTiming* const* rows = rows_.data();
+  // Op `index` of rank r gets [start, end) in every lane.
+  auto write = [&](std::int32_t r, std::int32_t index, const Lanes& start, const Lanes& end) {
+    OpTiming* const* row = rows + static_cast<std::size_t>(r) * B;
+    if (n == B) {  // pairs (start, end) of lanes 0 and 2, 1 and 3, ..., one 16-byte store each
+      static_assert(B == 4);
+      Tick even[B], odd[B];
+      const auto e = __builtin_shufflevector(start, end, 0, 4, 2, 6);
+      const auto o = __builtin_shufflevector(start, end, 1, 5, 3, 7);
+      std::memcpy(even, &e, sizeof e);
+      std::memcpy(odd, &o, sizeof o);
+      for (int q = 0; q < B / 2; ++q) {
+        std::memcpy(row[2 * q] + index, even + 2 * q, sizeof(OpTiming));
+        std::memcpy(row[2 * q + 1] + index, odd + 2 * q, sizeof(OpTiming));
+      }
+    } else {
+      for (int j = 0; j < n; ++j) row[j][index] = OpTiming{start[j], end[j]};
+    }
+  };
+  lane_cells_.resize((program_.size() + 1) * B);
+  Tick* T = lane_cells_.data();
+  std::fill(T, T + B, Tick{0});
+  const Instruction* ins = program_.data();
+  const std::size_t count = program_.size();
+  for (std::size_t k = 0; k < count; ++k) {
+    const Instruction& x = ins[k];
+    const Lanes first = load(T + static_cast<std::size_t>(x.a) * B), second = load(T + static_cast<std::size_t>(x.b) * B),
+                third = load(T + static_cast<std::size_t>(x.c) * B), price = load(D + static_cast<std::size_t>(x.d) * B);
+    Lanes end = first > second ? first : second;
+    end = end > third ? end : third;
+    end += price;
+    std::memcpy(T + (k + 1) * B, &end, sizeof end);
+    if (x.rank >= 0) write(x.rank & ~kRecv, x.index, (x.rank & kRecv) ? first : end - price, end);
+  }
+  for (const Fanout& f : fanout_) {
+    const Lanes end = load(T + static_cast<std::size_t>(f.cell) * B);
+    write(f.rank, f.index, end - load(D + static_cast<std::size_t>(f.price) * B), end);
+  }
+  for (const Held& h : held_) {
+    const Lanes prev = load(T + static_cast<std::size_t>(h.prev) * B), sent = load(T + static_cast<std::size_t>(h.sent) * B);
+    write(h.rank, h.index, prev, prev > sent ? prev : sent);
+  }
+  for (int j = 0; j < n; ++j) {
+    out[j]->schedule = schedule_;
+    out[j]->predicted = true;
+  }
+}
+
+void StepProgram::run_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                            const NetworkCollectiveModel* const* collective, Timeline* const* out, int n) {
+  if (n < 1 || n > kMaxLanes) throw std::invalid_argument("StepProgram::run_lanes: 1 to kMaxLanes lanes");
+  run_lanes_impl<kMaxLanes>(compute, p2p, collective, out, n);
 }
 
 template <class Models>

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
@@ -224,6 +225,74 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
   }
   EXPECT_GT(compared, 250);
   EXPECT_GT(replica0, 100);
+}
+
+// Several configurations of one schedule at once (run_lanes): each lane's Timeline is the one
+// run() gives with that lane's prices, and the engine's, for every rank and for replica 0
+// alone, with 1 to 4 lanes.
+TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
+  RandomPlans random(20261130);
+  int compared = 0;
+  Simulation sim;
+  StepProgram program;
+  std::string where;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    const int n = random.pick({1, 2, 3, 4});
+    std::vector<Plan> plans;
+    for (int j = 0; j < n; ++j) {
+      ScenarioConfig priced = *c;
+      if (j > 0) random.reprice(priced);
+      try {
+        plans.push_back(Plan::from_config(priced));
+      } catch (const ScenarioError&) {
+        break;
+      }
+    }
+    const int lanes = static_cast<int>(plans.size());
+    std::vector<std::unique_ptr<RooflineComputeModel>> compute;
+    std::vector<std::unique_ptr<LinkP2PModel>> p2p;
+    std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
+    std::vector<const RooflineComputeModel*> cs;
+    std::vector<const LinkP2PModel*> ps;
+    std::vector<const NetworkCollectiveModel*> ks;
+    for (const Plan& plan : plans) {
+      compute.push_back(std::make_unique<RooflineComputeModel>(plan));
+      p2p.push_back(std::make_unique<LinkP2PModel>(plan));
+      collective.push_back(std::make_unique<NetworkCollectiveModel>(plan));
+      cs.push_back(compute.back().get());
+      ps.push_back(p2p.back().get());
+      ks.push_back(collective.back().get());
+    }
+    for (const bool replica0 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << ", " << lanes << " lanes"
+                                        << (replica0 ? ", replica 0" : ""));
+      auto s = std::make_shared<Schedule>();
+      if (replica0)
+        build_replica0_into(plans[0], *s);
+      else
+        build_schedule_into(plans[0], *s);
+      if (!program.compile(s, replica0)) continue;
+      std::vector<Timeline> got(static_cast<std::size_t>(lanes));
+      std::vector<Timeline*> out;
+      for (auto& t : got) out.push_back(&t);
+      program.run_lanes(cs.data(), ps.data(), ks.data(), out.data(), lanes);
+      for (int j = 0; j < lanes; ++j) {
+        Timeline want, engine;
+        program.run(*cs[j], *ps[j], *ks[j], want);
+        ASSERT_TRUE(same_timeline(got[j], want, &where)) << "lane " << j << ": " << where;
+        EXPECT_EQ(got[j].schedule, want.schedule);
+        if (replica0)
+          ASSERT_TRUE(sim.run_replica0(s, *cs[j], *ps[j], *ks[j], engine));
+        else
+          sim.run(s, *cs[j], *ps[j], *ks[j], engine, false);
+        ASSERT_TRUE(same_timeline(got[j], engine, &where)) << "lane " << j << " against the engine: " << where;
+      }
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 200);
 }
 
 // Hand-built schedules the generator never makes: an op whose dep is a receive, a local

@@ -260,6 +260,41 @@ void BM_GPT3_175B_m64_Program(benchmark::State& state) {
 }
 BENCHMARK(BM_GPT3_175B_m64_Program)->Unit(benchmark::kMicrosecond);
 
+// The same program for `lanes` configurations of the file at once (compute efficiencies
+// 0.4, 0.45, ...): StepProgram::run_lanes, as a sweep runs a schedule's configurations.
+void BM_GPT3_175B_m64_ProgramLanes(benchmark::State& state) {
+  const int lanes = static_cast<int>(state.range(0));
+  std::vector<Plan> plans;
+  for (const auto& p : gpt3_175b_points())
+    if (plans.size() < static_cast<std::size_t>(lanes) && p.config.training.micro_batch_size == 1 &&
+        p.config.cluster.gpu == "a100-80gb" && (plans.empty() || p.config.cluster.compute_efficiency != plans.back().config.cluster.compute_efficiency))
+      plans.push_back(Plan::from_config(p.config));
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plans[0]));
+  std::vector<std::unique_ptr<RooflineComputeModel>> compute;
+  std::vector<std::unique_ptr<LinkP2PModel>> p2p;
+  std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
+  std::vector<const RooflineComputeModel*> c;
+  std::vector<const LinkP2PModel*> l;
+  std::vector<const NetworkCollectiveModel*> k;
+  std::vector<Timeline> timelines(plans.size());
+  std::vector<Timeline*> out;
+  for (std::size_t j = 0; j < plans.size(); ++j) {
+    compute.push_back(std::make_unique<RooflineComputeModel>(plans[j]));
+    p2p.push_back(std::make_unique<LinkP2PModel>(plans[j]));
+    collective.push_back(std::make_unique<NetworkCollectiveModel>(plans[j]));
+    c.push_back(compute.back().get());
+    l.push_back(p2p.back().get());
+    k.push_back(collective.back().get());
+    out.push_back(&timelines[j]);
+  }
+  StepProgram program;
+  program.compile(schedule, false);
+  for (auto _ : state) program.run_lanes(c.data(), l.data(), k.data(), out.data(), static_cast<int>(plans.size()));
+  state.counters["configurations_per_s"] =
+      benchmark::Counter(static_cast<double>(plans.size()), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_GPT3_175B_m64_ProgramLanes)->Arg(1)->Arg(4)->Unit(benchmark::kMicrosecond);
+
 // What turns that Timeline into the Result (core/metrics.cpp), and the memory walk.
 void BM_GPT3_175B_m64_Result(benchmark::State& state) {
   const Plan plan = gpt3_175b_m64();
