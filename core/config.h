@@ -185,5 +185,7 @@ struct ScenarioConfig {
 
 std::string_view schedule_name(ScheduleKind s);
 std::string_view recompute_name(Recompute r);
+// The backend record runtime.backend names (runtime/backend.h find_backend).
+std::string_view runtime_backend_name(RuntimeBackend b);
 
 }  // namespace trainsim

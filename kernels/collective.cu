@@ -20,9 +20,9 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 
 template <class S>
-__global__ void ring_reduce_kernel(S* out, Members in, int n, std::size_t count, bool is_max, bool divide_before,
-                                   bool divide_after) {
-  const std::size_t base = count / static_cast<std::size_t>(n), extra = count % static_cast<std::size_t>(n);
+__global__ void ring_reduce_kernel(S* out, Members in, int n, int chunks, std::size_t count, bool is_max,
+                                   bool divide_before, bool divide_after) {
+  const std::size_t base = count / static_cast<std::size_t>(chunks), extra = count % static_cast<std::size_t>(chunks);
   // 1/n as the CPU ring rounds it: in the wire format.
   const float inv = to_float(from_float<S>(1.0f / static_cast<float>(n)));
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
@@ -71,9 +71,11 @@ __global__ void scan_kernel(TensorScan* acc, const S* x, std::size_t n) {
 
 }  // namespace
 
-void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
-                 bool divide_before, bool divide_after, void* stream) {
-  const char* name = "ring_reduce";
+namespace {
+
+// chunks == n: the ring's chunking; chunks == 1: the whole buffer is chunk 0, reduced from member 0.
+void launch_reduce(const char* name, void* out, const void* const* inputs, int n, int chunks, std::size_t count,
+                   DType dt, MemberReduce op, bool divide_before, bool divide_after, StreamHandle stream) {
   require(n >= 1 && n <= kMaxRingMembers, name,
           "members must be 1.." + std::to_string(kMaxRingMembers) + ", got " + std::to_string(n));
   if (count == 0) return;
@@ -81,23 +83,35 @@ void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count,
   for (int k = 0; k < n; ++k) m.ptr[k] = inputs[k];
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    ring_reduce_kernel<S><<<elementwise_blocks(count), kElementwiseThreads, 0, as_stream(stream)>>>(
-        static_cast<S*>(out), m, n, count, op == MemberReduce::max, divide_before, divide_after);
+    ring_reduce_kernel<S><<<elementwise_blocks(count), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(out), m, n, chunks, count, op == MemberReduce::max, divide_before, divide_after);
   });
   check_launch(name);
 }
 
-void flag_to_float(float* out, const int* flag, void* stream) {
-  flag_to_float_kernel<<<1, 1, 0, as_stream(stream)>>>(out, flag);
+}  // namespace
+
+void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
+                 bool divide_before, bool divide_after, StreamHandle stream) {
+  launch_reduce("ring_reduce", out, inputs, n, n, count, dt, op, divide_before, divide_after, stream);
+}
+
+void ordered_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
+                    bool divide_before, bool divide_after, StreamHandle stream) {
+  launch_reduce("ordered_reduce", out, inputs, n, 1, count, dt, op, divide_before, divide_after, stream);
+}
+
+void flag_to_float(float* out, const int* flag, StreamHandle stream) {
+  flag_to_float_kernel<<<1, 1, 0, stream>>>(out, flag);
   check_launch("flag_to_float");
 }
 
-void scan_tensor(TensorScan* acc, const void* x, std::size_t n, DType dt, void* stream) {
+void scan_tensor(TensorScan* acc, const void* x, std::size_t n, DType dt, StreamHandle stream) {
   const char* name = "scan_tensor";
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    scan_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(acc, static_cast<const S*>(x), n);
+    scan_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(acc, static_cast<const S*>(x), n);
   });
   check_launch(name);
 }

@@ -16,7 +16,7 @@
 #include "core/model_shape.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
-#include "runtime/exec/executor.h"
+#include "runtime/cpu/cpu_engine.h"
 #include "sim/cost/compute_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"

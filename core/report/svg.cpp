@@ -4,7 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <ostream>
-#include <regex>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -12,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "core/report/report.h"
+#include "core/report/svg_kit.h"
 
 namespace trainsim {
 
@@ -90,19 +92,7 @@ int fill_of(const Op& op, int pp) {
   return -1;
 }
 
-std::string xml_escape(std::string_view s) {
-  std::string o;
-  o.reserve(s.size());
-  for (char c : s) switch (c) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      case '\'': o += "&apos;"; break;
-      default: o += c;
-    }
-  return o;
-}
+using svg::escape;
 
 std::string seconds_text(double s) {
   if (s >= 1) return fmt::format("{:.3f} s", s);
@@ -172,10 +162,10 @@ class LaneWriter {
     out_ += fmt::format("<rect class=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\"{}{}", st.cls,
                         box_.x0, y_, w, h_, filled < 0.95 ? fmt::format(" fill-opacity=\"{:.2f}\"", filled) : "",
                         tip ? ">" : "/>");
-    if (tip && !box_.merged) out_ += fmt::format("<title>{}</title></rect>", xml_escape(box_.tooltip));
+    if (tip && !box_.merged) out_ += fmt::format("<title>{}</title></rect>", escape(box_.tooltip));
     if (tip && box_.merged)
-      out_ += fmt::format("<title>{} ops, {} .. {}</title></rect>", box_.count, xml_escape(box_.label),
-                          xml_escape(box_.last_label));
+      out_ += fmt::format("<title>{} ops, {} .. {}</title></rect>", box_.count, escape(box_.label),
+                          escape(box_.last_label));
     out_ += "\n";
     if (!labels_ || box_.merged || box_.label.empty()) return;
     // The whole label (F3, BW12) if it fits, else the micro-batch number, else nothing.
@@ -186,7 +176,7 @@ class LaneWriter {
     }
     if (text.empty() || text.size() * kOpCharPx + 3 > w) return;
     out_ += fmt::format("<text class=\"ol {}\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", st.white_text ? "tw" : "td",
-                        box_.x0 + w / 2, y_ + h_ / 2 + 3.5, xml_escape(text));
+                        box_.x0 + w / 2, y_ + h_ / 2 + 3.5, escape(text));
   }
 
   // Forwards of every chunk shade are one family, backwards another; other fills are their own.
@@ -226,7 +216,7 @@ void legend_line(std::string& o, double y, const char* heading, const std::vecto
     const std::string fill = it.fill < 0 ? fmt::format("fill=\"{}\" stroke=\"#b8b8c0\"", kIdleColour)
                                          : fmt::format("class=\"{}\"", kFills[it.fill].cls);
     o += fmt::format("<rect {} x=\"{:.2f}\" y=\"{:.2f}\" width=\"16\" height=\"11\"/>\n", fill, x, y);
-    o += fmt::format("<text class=\"lg\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x + 21, y + 9.5, xml_escape(it.text));
+    o += fmt::format("<text class=\"lg\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x + 21, y + 9.5, escape(it.text));
     x += 21 + 6.6 * static_cast<double>(it.text.size()) + 22;
   }
 }
@@ -331,11 +321,9 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
 
   std::string o;
   o.reserve(4096 + drawn_ops * 96);
-  o += fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\">\n",
-      kWidth, height, kWidth, height);
+  o += svg::open(kWidth, height, true);
   const std::string name = cfg.name.empty() ? std::string("scenario") : cfg.name;
-  o += fmt::format("<title>trainsim timeline: {} ({})</title>\n", xml_escape(name), schedule_name(s.kind));
+  o += fmt::format("<title>trainsim timeline: {} ({})</title>\n", escape(name), schedule_name(s.kind));
   o += "<style>\n"
        "text{font-family:Helvetica,Arial,sans-serif;fill:#222}\n"
        ".t{font-size:17px;font-weight:bold}\n"
@@ -353,7 +341,7 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
 
   // Title and what the picture is of.
   o += fmt::format("<text class=\"t\" x=\"12\" y=\"26\">{}: {} schedule, step {}, bubble {:.1f}%</text>\n",
-                   xml_escape(name), schedule_name(s.kind), seconds_text(result.step_time_s),
+                   escape(name), schedule_name(s.kind), seconds_text(result.step_time_s),
                    100 * result.bubble_fraction);
   std::string sub = fmt::format("{} | data {} x pipeline {}{} x tensor {} | {} micro-batches of {} per replica",
                                 timeline.predicted ? "predicted" : "measured", plan.dp, plan.pp,
@@ -361,7 +349,7 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
                                 plan.micro_batch_size);
   if (rows < nranks) sub += fmt::format(" | showing {} of {} ranks: {}", rows, nranks, sample_text(plan, nranks));
   if (!plan.source.empty()) sub += " | " + plan.source;
-  o += fmt::format("<text class=\"st\" x=\"12\" y=\"46\">{}</text>\n", xml_escape(sub));
+  o += fmt::format("<text class=\"st\" x=\"12\" y=\"46\">{}</text>\n", escape(sub));
 
   // The ranks' rows, drawn first so the legend can name what they needed (a band of mixed ops).
   std::string body;
@@ -444,33 +432,28 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
     o += fmt::format("<text class=\"st\" x=\"12\" y=\"{:.2f}\">{} more ranks not drawn: the replicas of a stage run the "
                      "same program (the trace has every rank)</text>\n",
                      axis_bottom_y + 22, nranks - rows);
-  o += "</svg>\n";
+  o += svg::kClose;
   out << o;
 }
 
 void stack_svgs(const std::vector<std::string>& svgs, std::ostream& out) {
-  // Each part is a whole <svg> document from this file; its size is on its first line.
-  static const std::regex size(R"re(width="([0-9.]+)" height="([0-9.]+)")re");
   double width = 0, height = 0;
   std::vector<double> heights;
   for (const std::string& part : svgs) {
-    std::smatch m;
-    const std::string first = part.substr(0, part.find('\n'));
-    if (!std::regex_search(first, m, size)) throw std::invalid_argument("stack_svgs: a part has no width and height");
-    width = std::max(width, std::stod(m[1]));
-    heights.push_back(std::stod(m[2]));
+    const std::optional<svg::Size> size = svg::size_of(part);
+    if (!size) throw std::invalid_argument("stack_svgs: a part has no width and height");
+    width = std::max(width, size->width);
+    heights.push_back(size->height);
     height += heights.back();
   }
-  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0:.0f}\" height=\"{1:.0f}\" "
-                     "viewBox=\"0 0 {0:.0f} {1:.0f}\">\n",
-                     width, height);
+  out << svg::open(width, height, true);
   double y = 0;
   for (std::size_t i = 0; i < svgs.size(); ++i) {
     // A nested <svg> is placed by its x and y attributes.
-    out << fmt::format("<svg x=\"0\" y=\"{:.0f}\"", y) << svgs[i].substr(svgs[i].find("<svg") + 4);
+    out << svg::nested(svgs[i], y);
     y += heights[i];
   }
-  out << "</svg>\n";
+  out << svg::kClose;
 }
 
 }  // namespace trainsim

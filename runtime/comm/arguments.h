@@ -19,8 +19,8 @@ inline void check_peer(const std::string& who, int peer, int world_size, const c
 
 // Returns `rank`'s position among `members`, which must be strictly ascending ranks of the world.
 inline int member_position(const std::string& who, std::span<const int> members, int rank, int world_size,
-                           std::uint64_t tag) {
-  const std::string where = who + "all_reduce tag " + std::to_string(tag) + ": ";
+                           std::uint64_t tag, const char* op = "all_reduce") {
+  const std::string where = who + op + " tag " + std::to_string(tag) + ": ";
   int me = -1;
   for (std::size_t i = 0; i < members.size(); ++i) {
     if (members[i] < 0 || members[i] >= world_size)
@@ -33,6 +33,15 @@ inline int member_position(const std::string& who, std::span<const int> members,
   }
   if (me < 0) throw std::invalid_argument(where + "this rank is not among the members");
   return me;
+}
+
+// reduce_scatter and all_gather split their buffer into one equal chunk per member, as NCCL does.
+inline void check_equal_chunks(const std::string& who, std::size_t count, std::size_t members, std::uint64_t tag,
+                               const char* op) {
+  if (members > 0 && count % members != 0)
+    throw std::invalid_argument(who + op + " tag " + std::to_string(tag) + ": " + std::to_string(count) +
+                                " elements do not split into " + std::to_string(members) +
+                                " equal chunks (pad the buffer to a multiple of the members)");
 }
 
 }  // namespace trainsim::runtime

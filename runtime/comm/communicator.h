@@ -15,6 +15,13 @@
 //    rounded to `wire`) and rounds the product; Divide::after divides the final sum by n and
 //    rounds the quotient. ReduceOp::max propagates NaN (max(x, NaN) is NaN, unlike fmax): the
 //    global overflow check reduces with max and a NaN on one rank must reach every rank.
+//  * reduce_scatter and all_gather are the ring's two halves on their own, over the same members
+//    and with the same numerics, in place as NCCL's in-place variants: the buffer holds one equal
+//    chunk per member (its size a multiple of members.size(), else std::invalid_argument), and
+//    the member at position p owns chunk p. reduce_scatter leaves the reduction of chunk p in
+//    chunk p (every other chunk of the buffer is left unspecified); all_gather sends chunk p,
+//    rounded to `wire`, and fills every other chunk with its owner's. ZeRO's gradient shards and
+//    parameter gathers, and sequence parallelism's activations, are these two calls.
 //    Tags are separate name spaces for point-to-point messages and collectives: an
 //    all_reduce with tag T never takes a send with tag T, and the reverse.
 //  * A call that cannot complete (a peer failed, or nothing arrives within the timeout)
@@ -55,6 +62,9 @@ class Communicator {
   virtual void recv(int peer, std::uint64_t tag, std::span<float> data) = 0;
   virtual void all_reduce(std::span<float> data, std::span<const int> members, std::uint64_t tag, ReduceOp op,
                           DType wire, Divide divide) = 0;
+  virtual void reduce_scatter(std::span<float> data, std::span<const int> members, std::uint64_t tag, ReduceOp op,
+                              DType wire, Divide divide) = 0;
+  virtual void all_gather(std::span<float> data, std::span<const int> members, std::uint64_t tag, DType wire) = 0;
 
   // Makes every pending and future call of every rank throw CommError(reason): one failing
   // rank stops the others instead of leaving them blocked.

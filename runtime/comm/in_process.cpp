@@ -94,7 +94,20 @@ class InProcessCommunicator final : public Communicator {
   void all_reduce(std::span<float> data, std::span<const int> members, std::uint64_t tag, ReduceOp op, DType wire,
                   Divide divide) override {
     const int me = check_members(members, tag);
-    with_rounding(wire, [&](auto round) { ring(data, members, me, tag, op, divide, round); });
+    with_rounding(wire, [&](auto round) { ring_all_reduce(data, members, me, tag, op, divide, round); });
+  }
+
+  void reduce_scatter(std::span<float> data, std::span<const int> members, std::uint64_t tag, ReduceOp op,
+                      DType wire, Divide divide) override {
+    const int me = check_members(members, tag, "reduce_scatter");
+    check_equal_chunks(data.size(), members.size(), tag, "reduce_scatter");
+    with_rounding(wire, [&](auto round) { ring_reduce_scatter(data, members, me, tag, op, divide, round); });
+  }
+
+  void all_gather(std::span<float> data, std::span<const int> members, std::uint64_t tag, DType wire) override {
+    const int me = check_members(members, tag, "all_gather");
+    check_equal_chunks(data.size(), members.size(), tag, "all_gather");
+    with_rounding(wire, [&](auto round) { ring_all_gather(data, members, me, tag, round); });
   }
 
   void abort(const std::string& reason) override { s_->abort(reason); }
@@ -110,8 +123,11 @@ class InProcessCommunicator final : public Communicator {
   void check_peer(int peer, const char* what) const { runtime::check_peer(prefix(), peer, s_->world_size(), what); }
 
   // Returns this rank's position among `members`.
-  int check_members(std::span<const int> members, std::uint64_t tag) const {
-    return member_position(prefix(), members, rank_, s_->world_size(), tag);
+  int check_members(std::span<const int> members, std::uint64_t tag, const char* op = "all_reduce") const {
+    return member_position(prefix(), members, rank_, s_->world_size(), tag, op);
+  }
+  void check_equal_chunks(std::size_t count, std::size_t members, std::uint64_t tag, const char* op) const {
+    runtime::check_equal_chunks(prefix(), count, members, tag, op);
   }
 
   // Moves `msg` into `dst`'s mailbox; never waits for the receiver. Bytes are counted before
@@ -130,88 +146,140 @@ class InProcessCommunicator final : public Communicator {
     return msg;
   }
 
-  // The ring all-reduce. Chunk c of the buffer (N elements, n members) holds N/n elements,
-  // plus one for the first N%n chunks. Reduce-scatter: at step k (0..n-2) the member at
-  // position p sends its partial sum of chunk (p-k) mod n to its successor and adds its own
-  // contribution to the partial sum of chunk (p-k-1) mod n it receives from its predecessor,
-  // so chunk c is summed in the order c, c+1, ..., c-1 (positions mod n) and position p ends
-  // owning chunk (p+1) mod n. All-gather: at step k position p forwards chunk (p+1-k) mod n.
-  // The chunk a member receives is the one it sends next, so the received vector itself
-  // travels on: one allocation per phase, no other copies.
-  template <typename Round>
-  void ring(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag, ReduceOp op,
-            Divide divide, Round round) {
-    const int n = static_cast<int>(members.size());
-    auto op_text = [&](int step, int peer) {
+  // The ring. Chunk c of the buffer (N elements, n members) holds N/n elements, plus one for the
+  // first N%n chunks (reduce_scatter and all_gather take equal chunks only). Reduce phase, shifted
+  // by `shift`: at step k (0..n-2) the member at position p sends its partial sum of chunk
+  // (p+shift-k) mod n to its successor and adds its own contribution to the partial sum of chunk
+  // (p+shift-k-1) mod n it receives from its predecessor, so chunk c is summed in the order
+  // c-shift, c-shift+1, ... (positions mod n) and position p ends owning chunk (p+shift+1) mod n:
+  // the all-reduce uses shift 0 (position p owns chunk p+1), reduce_scatter shift -1 (chunk p, as
+  // NCCL places it). Gather phase: at step k position p forwards the chunk it owns or last
+  // received and receives chunk (p+shift-k) mod n. The chunk a member receives is the one it
+  // sends next, so the received vector itself travels on: one allocation per phase, no other
+  // copies. Messages of one call are keyed by step, 1 + k, continuing across the two phases.
+  struct Ring {
+    std::span<float> data;
+    std::span<const int> members;
+    int me, n;
+    std::uint64_t tag;
+    const char* name;
+
+    int mod(int x) const { return ((x % n) + n) % n; }
+    int next() const { return members[static_cast<std::size_t>(mod(me + 1))]; }
+    int prev() const { return members[static_cast<std::size_t>(mod(me - 1))]; }
+    std::span<float> chunk(int c) const {
+      const std::size_t N = data.size(), nn = static_cast<std::size_t>(n);
+      const std::size_t base = N / nn, extra = N % nn, cu = static_cast<std::size_t>(c);
+      return data.subspan(cu * base + std::min(cu, extra), base + (cu < extra ? 1 : 0));
+    }
+    auto op_text(int step, int peer) const {
       return [=, this] {
-        return "all_reduce tag " + std::to_string(tag) + " step " + std::to_string(step) + " (peer rank " +
+        return std::string(name) + " tag " + std::to_string(tag) + " step " + std::to_string(step) + " (peer rank " +
                std::to_string(peer) + ")";
       };
-    };
-    throw_if_aborted(op_text(0, members[static_cast<std::size_t>((me + n - 1) % n)]));
+    }
+  };
 
-    // Contributions enter the ring in the wire format, pre-divided when asked.
+  std::vector<float> receive(const Ring& r, int step, std::size_t expect) {
+    const int prev = r.prev();
+    std::vector<float> msg = take(Key{prev, r.tag, 1u + static_cast<std::uint32_t>(step)}, r.op_text(step, prev));
+    if (msg.size() != expect)
+      throw CommError(prefix() + r.op_text(step, prev)() + ": size mismatch: rank " + std::to_string(prev) +
+                      " sent a chunk of " + std::to_string(msg.size()) + " elements, expected " +
+                      std::to_string(expect) + " (members disagree on the buffer size)");
+    return msg;
+  }
+
+  // Contributions enter the ring in the wire format, pre-divided when asked; Divide::after is
+  // applied by `finish` to what a member ends up owning.
+  template <typename Round>
+  static void contribute(std::span<float> data, int n, Divide divide, Round round) {
     if (divide == Divide::before) {
       const float inv = round(1.0f / static_cast<float>(n));
       for (float& x : data) x = round(round(x) * inv);
     } else {
       for (float& x : data) x = round(x);
     }
-    auto finish = [&](std::span<float> owned) {
-      if (divide == Divide::after)
-        for (float& x : owned) x = round(x / static_cast<float>(n));
-    };
-    if (n == 1) {
-      finish(data);
-      return;
-    }
+  }
+  template <typename Round>
+  static void finish(std::span<float> owned, int n, Divide divide, Round round) {
+    if (divide == Divide::after)
+      for (float& x : owned) x = round(x / static_cast<float>(n));
+  }
 
-    const std::size_t N = data.size();
-    const std::size_t base = N / static_cast<std::size_t>(n), extra = N % static_cast<std::size_t>(n);
-    auto chunk = [&](int c) {
-      const auto cu = static_cast<std::size_t>(c);
-      const std::size_t begin = cu * base + std::min(cu, extra);
-      return data.subspan(begin, base + (cu < extra ? 1 : 0));
-    };
-    auto mod = [n](int x) { return ((x % n) + n) % n; };
-    const int next = members[static_cast<std::size_t>(mod(me + 1))];
-    const int prev = members[static_cast<std::size_t>(mod(me - 1))];
-
-    auto receive = [&](int step, std::size_t expect) {
-      std::vector<float> msg = take(Key{prev, tag, 1u + static_cast<std::uint32_t>(step)}, op_text(step, prev));
-      if (msg.size() != expect)
-        throw CommError(prefix() + op_text(step, prev)() + ": size mismatch: rank " + std::to_string(prev) +
-                        " sent a chunk of " + std::to_string(msg.size()) + " elements, expected " +
-                        std::to_string(expect) + " (members disagree on the buffer size)");
-      return msg;
-    };
-
-    // Reduce-scatter.
-    std::span<const float> first = chunk(me);
+  // Steps 0..n-2; returns the fully reduced chunk (p+shift+1) mod n.
+  template <typename Round>
+  std::vector<float> reduce_phase(const Ring& r, int shift, ReduceOp op, Round round) {
+    std::span<const float> first = r.chunk(r.mod(r.me + shift));
     std::vector<float> travelling(first.begin(), first.end());
-    for (int step = 0; step < n - 1; ++step) {
-      post(next, Key{rank_, tag, 1u + static_cast<std::uint32_t>(step)}, std::move(travelling));
-      std::span<const float> mine = chunk(mod(me - step - 1));
-      travelling = receive(step, mine.size());
+    for (int step = 0; step < r.n - 1; ++step) {
+      post(r.next(), Key{rank_, r.tag, 1u + static_cast<std::uint32_t>(step)}, std::move(travelling));
+      std::span<const float> mine = r.chunk(r.mod(r.me + shift - step - 1));
+      travelling = receive(r, step, mine.size());
       if (op == ReduceOp::sum) {
         for (std::size_t i = 0; i < mine.size(); ++i) travelling[i] = round(travelling[i] + mine[i]);
       } else {
         for (std::size_t i = 0; i < mine.size(); ++i) travelling[i] = max_nan(travelling[i], mine[i]);
       }
     }
-    // This member now holds the complete reduction of chunk me+1.
-    finish(travelling);
-    std::span<float> owned = chunk(mod(me + 1));
-    std::copy(travelling.begin(), travelling.end(), owned.begin());
+    return travelling;
+  }
 
-    // All-gather.
-    for (int step = 0; step < n - 1; ++step) {
-      const int s = n - 1 + step;
-      post(next, Key{rank_, tag, 1u + static_cast<std::uint32_t>(s)}, std::move(travelling));
-      std::span<float> dst = chunk(mod(me - step));
-      travelling = receive(s, dst.size());
+  // Steps first_step..first_step+n-2: `travelling` is the chunk this member owns.
+  void gather_phase(const Ring& r, int shift, int first_step, std::vector<float> travelling) {
+    for (int step = 0; step < r.n - 1; ++step) {
+      const int s = first_step + step;
+      post(r.next(), Key{rank_, r.tag, 1u + static_cast<std::uint32_t>(s)}, std::move(travelling));
+      std::span<float> dst = r.chunk(r.mod(r.me + shift - step));
+      travelling = receive(r, s, dst.size());
       std::copy(travelling.begin(), travelling.end(), dst.begin());
     }
+  }
+
+  template <typename Round>
+  void ring_all_reduce(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag, ReduceOp op,
+                       Divide divide, Round round) {
+    const int n = static_cast<int>(members.size());
+    const Ring r{data, members, me, n, tag, "all_reduce"};
+    throw_if_aborted(r.op_text(0, r.prev()));
+    contribute(data, n, divide, round);
+    if (n == 1) {
+      finish(data, n, divide, round);
+      return;
+    }
+    std::vector<float> owned = reduce_phase(r, 0, op, round);
+    finish(owned, n, divide, round);
+    std::span<float> dst = r.chunk(r.mod(me + 1));
+    std::copy(owned.begin(), owned.end(), dst.begin());
+    gather_phase(r, 0, n - 1, std::move(owned));
+  }
+
+  template <typename Round>
+  void ring_reduce_scatter(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag,
+                           ReduceOp op, Divide divide, Round round) {
+    const int n = static_cast<int>(members.size());
+    const Ring r{data, members, me, n, tag, "reduce_scatter"};
+    throw_if_aborted(r.op_text(0, r.prev()));
+    contribute(data, n, divide, round);
+    if (n == 1) {
+      finish(data, n, divide, round);
+      return;
+    }
+    std::vector<float> owned = reduce_phase(r, -1, op, round);
+    finish(owned, n, divide, round);
+    std::span<float> mine = r.chunk(me);
+    std::copy(owned.begin(), owned.end(), mine.begin());
+  }
+
+  template <typename Round>
+  void ring_all_gather(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag, Round round) {
+    const int n = static_cast<int>(members.size());
+    const Ring r{data, members, me, n, tag, "all_gather"};
+    throw_if_aborted(r.op_text(0, r.prev()));
+    std::span<float> mine = r.chunk(me);
+    for (float& x : mine) x = round(x);
+    if (n == 1) return;
+    gather_phase(r, -1, 0, std::vector<float>(mine.begin(), mine.end()));
   }
 
   std::shared_ptr<WorldState> s_;

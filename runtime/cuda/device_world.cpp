@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/collective.h"
+#include "kernels/cuda_check.h"
 #include "runtime/comm/arguments.h"
 #include "runtime/comm/mailbox.h"
 
@@ -22,12 +23,7 @@ namespace {
 // a collective's contributions, its "done reading" events, and host gathers.
 constexpr std::uint32_t kPointToPoint = 0, kContribution = 1, kDone = 2, kGather = 3;
 
-void check(cudaError_t err, const std::string& what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
-}
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+using ::trainsim::cuda::check_cuda;
 
 std::size_t element_bytes(DType dt, const std::string& who) {
   switch (dt) {
@@ -56,18 +52,18 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   }
 
   // An event recorded on `stream`, returned to this pool by its last holder.
-  std::shared_ptr<void> record(void* stream, const std::string& what) {
+  std::shared_ptr<void> record(StreamHandle stream, const std::string& what) {
     cudaEvent_t ev = take(stream);
-    if (ev == nullptr) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
+    if (ev == nullptr) check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
     std::shared_ptr<void> owned(ev, [pool = shared_from_this(), stream](void* e) {
       pool->give_back(stream, static_cast<cudaEvent_t>(e));
     });
-    check(cudaEventRecord(ev, as_stream(stream)), what + ": cudaEventRecord");
+    check_cuda(cudaEventRecord(ev, stream), what + ": cudaEventRecord");
     return owned;
   }
 
  private:
-  cudaEvent_t take(void* stream) {
+  cudaEvent_t take(StreamHandle stream) {
     std::lock_guard lock(mutex_);
     auto& events = free_[stream];
     if (events.empty()) return nullptr;
@@ -75,7 +71,7 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
     events.pop_back();
     return e;
   }
-  void give_back(void* stream, cudaEvent_t e) {
+  void give_back(StreamHandle stream, cudaEvent_t e) {
     std::lock_guard lock(mutex_);
     free_[stream].push_back(e);
   }
@@ -84,8 +80,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   std::map<void*, std::vector<cudaEvent_t>> free_;
 };
 
-void wait_event(void* stream, const std::shared_ptr<void>& ev, const std::string& what) {
-  check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(ev.get()), 0), what + ": cudaStreamWaitEvent");
+void wait_event(StreamHandle stream, const std::shared_ptr<void>& ev, const std::string& what) {
+  check_cuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(ev.get()), 0), what + ": cudaStreamWaitEvent");
 }
 
 struct DeviceMessage {
@@ -112,7 +108,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     return "single-GPU world: " + std::to_string(s_->world_size()) + " ranks on one device, exchanging through device memory";
   }
 
-  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, void* stream) override {
+  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, StreamHandle stream) override {
     check_peer(prefix(), peer, s_->world_size(), "send to");
     const std::string op = "send to rank " + std::to_string(peer) + " tag " + std::to_string(tag);
     const std::string what = prefix() + op;
@@ -127,7 +123,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     s_->post(peer, MailKey{rank_, 0, kPointToPoint}, std::move(msg));
   }
 
-  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) override {
+  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) override {
     check_peer(prefix(), peer, s_->world_size(), "recv from");
     const std::size_t bytes = count * element_bytes(dt, prefix());
     auto op = [&] { return "recv from rank " + std::to_string(peer) + " tag " + std::to_string(tag); };
@@ -140,9 +136,9 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     const std::string what = prefix() + op();
     wait_event(stream, msg.ready, what);
     if (bytes > 0) {
-      check(cudaMemcpyAsync(data, msg.staging, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)),
+      check_cuda(cudaMemcpyAsync(data, msg.staging, bytes, cudaMemcpyDeviceToDevice, stream),
             what + ": cudaMemcpyAsync");
-      check(cudaFreeAsync(msg.staging, as_stream(stream)), what + ": cudaFreeAsync");
+      check_cuda(cudaFreeAsync(msg.staging, stream), what + ": cudaFreeAsync");
     }
   }
 
@@ -151,59 +147,51 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
   void group_end() override {}
 
   void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
-                  ReduceOp op, Divide divide, void* stream) override {
-    const int me = member_position(prefix(), members, rank_, s_->world_size(), tag);
-    const int n = static_cast<int>(members.size());
-    if (n > trainsim::cuda::kMaxRingMembers)
-      throw std::invalid_argument(prefix() + "all_reduce over " + std::to_string(n) + " members: the single-GPU world "
-                                  "reduces at most " + std::to_string(trainsim::cuda::kMaxRingMembers));
-    const std::size_t bytes = count * element_bytes(dt, prefix());
-    const std::string op_text = "all_reduce tag " + std::to_string(tag);
-    const std::string what = prefix() + op_text;
-    s_->throw_if_aborted(prefix(), [&] { return op_text; });
-    // One member, or nothing to reduce: x * round(1/1) and x / 1 are x.
-    if (n == 1 || count == 0) return;
+                  ReduceOp op, Divide divide, StreamHandle stream) override {
+    Exchange x = exchange("all_reduce", data, 0, count, dt, members, tag, stream);
+    if (!x.active) return;  // one member, or nothing to reduce: x * round(1/1) and x / 1 are x
+    trainsim::cuda::ring_reduce(data, x.inputs.data(), x.n, count, dt, member_reduce(op), divide == Divide::before,
+                                divide == Divide::after, stream);
+    release(x, stream);
+  }
 
-    DeviceMessage mine;
-    mine.tag = tag;
-    mine.count = count;
-    mine.dt = dt;
-    mine.staging = stage(data, bytes, stream, what);
-    mine.ready = s_->events->record(stream, what);
-    void* const my_staging = mine.staging;
-    for (int k = 0; k < n; ++k)
-      if (k != me) s_->post(members[k], MailKey{rank_, tag, kContribution}, DeviceMessage(mine));
+  // Member p reduces chunk p of every member's buffer in the ring's order for that chunk (the
+  // in-process ring's reduce_scatter starts chunk p at member p+1).
+  void reduce_scatter(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                      ReduceOp op, Divide divide, StreamHandle stream) override {
+    check_equal_chunks(prefix(), count, members.size(), tag, "reduce_scatter");
+    const std::size_t per = members.empty() ? 0 : count / members.size();
+    const std::size_t offset = per * element_bytes(dt, prefix());
+    Exchange x = exchange("reduce_scatter", data, 0, count, dt, members, tag, stream);
+    char* const mine = static_cast<char*>(data) + static_cast<std::size_t>(x.me) * offset;
+    if (!x.active) return;  // as all_reduce: over one member every op and divide is the identity
+    std::vector<const void*> order(static_cast<std::size_t>(x.n));
+    for (int k = 0; k < x.n; ++k)
+      order[static_cast<std::size_t>(k)] =
+          static_cast<const char*>(x.inputs[static_cast<std::size_t>((x.me + 1 + k) % x.n)]) +
+          static_cast<std::size_t>(x.me) * offset;
+    trainsim::cuda::ordered_reduce(mine, order.data(), x.n, per, dt, member_reduce(op), divide == Divide::before,
+                                   divide == Divide::after, stream);
+    release(x, stream);
+  }
 
-    std::vector<const void*> inputs(static_cast<std::size_t>(n));
-    inputs[me] = my_staging;
-    for (int k = 0; k < n; ++k) {
-      if (k == me) continue;
-      auto peer_op = [&] { return "all_reduce tag " + std::to_string(tag) + " (contribution of rank " + std::to_string(members[k]) + ")"; };
-      DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kContribution}, prefix(), peer_op);
-      if (m.count != count || m.dt != dt)
-        throw CommError(prefix() + peer_op() + ": rank " + std::to_string(members[k]) + " reduces " +
-                        std::to_string(m.count) + " " + std::string(dtype_name(m.dt)) + " elements, this rank " +
-                        std::to_string(count) + " " + std::string(dtype_name(dt)) + " (members disagree on the buffer)");
-      wait_event(stream, m.ready, what);
-      inputs[k] = m.staging;
-    }
-    trainsim::cuda::ring_reduce(data, inputs.data(), n, count, dt,
-                                op == ReduceOp::max ? trainsim::cuda::MemberReduce::max : trainsim::cuda::MemberReduce::sum,
-                                divide == Divide::before, divide == Divide::after, stream);
-
-    // Free this member's staging once every member has read it.
-    DeviceMessage done;
-    done.tag = tag;
-    done.ready = s_->events->record(stream, what);
-    for (int k = 0; k < n; ++k)
-      if (k != me) s_->post(members[k], MailKey{rank_, tag, kDone}, DeviceMessage(done));
-    for (int k = 0; k < n; ++k) {
-      if (k == me) continue;
-      auto peer_op = [&] { return "all_reduce tag " + std::to_string(tag) + " (completion of rank " + std::to_string(members[k]) + ")"; };
-      DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kDone}, prefix(), peer_op);
-      wait_event(stream, m.ready, what);
-    }
-    check(cudaFreeAsync(my_staging, as_stream(stream)), what + ": cudaFreeAsync");
+  // Every member stages only its own chunk; each copies every other member's into place.
+  void all_gather(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
+                  StreamHandle stream) override {
+    check_equal_chunks(prefix(), count, members.size(), tag, "all_gather");
+    const std::size_t per = members.empty() ? 0 : count / members.size();
+    const std::size_t chunk_bytes = per * element_bytes(dt, prefix());
+    const int me = member_position(prefix(), members, rank_, s_->world_size(), tag, "all_gather");
+    Exchange x = exchange("all_gather", data, static_cast<std::size_t>(me) * per, per, dt, members, tag, stream);
+    if (!x.active) return;
+    const std::string what = prefix() + "all_gather tag " + std::to_string(tag);
+    for (int k = 0; k < x.n; ++k)
+      if (k != x.me)
+        check_cuda(cudaMemcpyAsync(static_cast<char*>(data) + static_cast<std::size_t>(k) * chunk_bytes,
+                                   x.inputs[static_cast<std::size_t>(k)], chunk_bytes, cudaMemcpyDeviceToDevice,
+                                   stream),
+                   what + ": cudaMemcpyAsync");
+    release(x, stream);
   }
 
   std::vector<std::vector<std::uint8_t>> gather_host(std::span<const std::uint8_t> blob) override {
@@ -230,12 +218,92 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
  private:
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
 
+  static trainsim::cuda::MemberReduce member_reduce(ReduceOp op) {
+    return op == ReduceOp::max ? trainsim::cuda::MemberReduce::max : trainsim::cuda::MemberReduce::sum;
+  }
+
+  // A collective's contributions handed round: this member stages `count` elements of its buffer
+  // from element `first` and posts them to every other member; `inputs` holds every member's
+  // staged copy in member order, each ready in `stream`'s order. Inactive (nothing staged,
+  // nothing to release) for one member or no data.
+  struct Exchange {
+    bool active = false;
+    int me = 0, n = 0;
+    std::uint64_t tag = 0;
+    std::string what;
+    std::vector<int> members;
+    std::vector<const void*> inputs;
+    void* my_staging = nullptr;
+  };
+  Exchange exchange(const char* name, const void* data, std::size_t first, std::size_t count, DType dt,
+                    std::span<const int> members, std::uint64_t tag, StreamHandle stream) {
+    Exchange x;
+    x.me = member_position(prefix(), members, rank_, s_->world_size(), tag, name);
+    x.n = static_cast<int>(members.size());
+    x.tag = tag;
+    if (x.n > trainsim::cuda::kMaxRingMembers)
+      throw std::invalid_argument(prefix() + name + " over " + std::to_string(x.n) + " members: the single-GPU world "
+                                  "reduces at most " + std::to_string(trainsim::cuda::kMaxRingMembers));
+    const std::size_t elem = element_bytes(dt, prefix());
+    const std::string op_text = std::string(name) + " tag " + std::to_string(tag);
+    x.what = prefix() + op_text;
+    s_->throw_if_aborted(prefix(), [&] { return op_text; });
+    x.inputs.assign(static_cast<std::size_t>(x.n), nullptr);
+    if (x.n == 1 || count == 0) {
+      x.inputs[0] = static_cast<const char*>(data) + first * elem;
+      return x;
+    }
+    x.active = true;
+
+    DeviceMessage mine;
+    mine.tag = tag;
+    mine.count = count;
+    mine.dt = dt;
+    mine.staging = stage(static_cast<const char*>(data) + first * elem, count * elem, stream, x.what);
+    mine.ready = s_->events->record(stream, x.what);
+    x.my_staging = mine.staging;
+    for (int k = 0; k < x.n; ++k)
+      if (k != x.me) s_->post(members[static_cast<std::size_t>(k)], MailKey{rank_, tag, kContribution}, DeviceMessage(mine));
+
+    x.inputs[static_cast<std::size_t>(x.me)] = x.my_staging;
+    x.members.assign(members.begin(), members.end());
+    for (int k = 0; k < x.n; ++k) {
+      if (k == x.me) continue;
+      const int peer = members[static_cast<std::size_t>(k)];
+      auto peer_op = [&] { return op_text + " (contribution of rank " + std::to_string(peer) + ")"; };
+      DeviceMessage m = s_->take(rank_, MailKey{peer, tag, kContribution}, prefix(), peer_op);
+      if (m.count != count || m.dt != dt)
+        throw CommError(prefix() + peer_op() + ": rank " + std::to_string(peer) + " sends " + std::to_string(m.count) +
+                        " " + std::string(dtype_name(m.dt)) + " elements, this rank " + std::to_string(count) + " " +
+                        std::string(dtype_name(dt)) + " (members disagree on the buffer)");
+      wait_event(stream, m.ready, x.what);
+      x.inputs[static_cast<std::size_t>(k)] = m.staging;
+    }
+    return x;
+  }
+  // Frees this member's staging once every member has read it.
+  void release(Exchange& x, StreamHandle stream) {
+    DeviceMessage done;
+    done.tag = x.tag;
+    done.ready = s_->events->record(stream, x.what);
+    for (int k = 0; k < x.n; ++k)
+      if (k != x.me) s_->post(x.members[static_cast<std::size_t>(k)], MailKey{rank_, x.tag, kDone}, DeviceMessage(done));
+    for (int k = 0; k < x.n; ++k) {
+      if (k == x.me) continue;
+      const int peer = x.members[static_cast<std::size_t>(k)];
+      auto peer_op = [&] { return x.what + " (completion of rank " + std::to_string(peer) + ")"; };
+      DeviceMessage m = s_->take(rank_, MailKey{peer, x.tag, kDone}, prefix(), peer_op);
+      wait_event(stream, m.ready, x.what);
+    }
+    check_cuda(cudaFreeAsync(x.my_staging, stream), x.what + ": cudaFreeAsync");
+  }
+
   // A stream-ordered copy of `bytes` of `data` into a fresh device buffer.
-  static void* stage(const void* data, std::size_t bytes, void* stream, const std::string& what) {
+  static void* stage(const void* data, std::size_t bytes, StreamHandle stream, const std::string& what) {
     if (bytes == 0) return nullptr;
     void* staging = nullptr;
-    check(cudaMallocAsync(&staging, bytes, as_stream(stream)), what + ": cudaMallocAsync of " + std::to_string(bytes) + " bytes");
-    check(cudaMemcpyAsync(staging, data, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)), what + ": cudaMemcpyAsync");
+    check_cuda(cudaMallocAsync(&staging, bytes, stream), what + ": cudaMallocAsync of " + std::to_string(bytes) + " bytes");
+    check_cuda(cudaMemcpyAsync(staging, data, bytes, cudaMemcpyDeviceToDevice, stream), what + ": cudaMemcpyAsync");
     return staging;
   }
 

@@ -17,6 +17,7 @@
 #include <thread>
 #include <utility>
 
+#include "kernels/cuda_check.h"
 #include "kernels/kernels.h"
 #include "runtime/comm/arguments.h"
 #include "runtime/launch/rendezvous.h"
@@ -56,8 +57,6 @@ ncclDataType_t nccl_type(DType dt, const std::string& where) {
 }
 
 std::string count_text(std::size_t count, DType dt) { return std::to_string(count) + " " + std::string(dtype_name(dt)); }
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 // Lets the map of sub-communicators be searched with the caller's span, without a copy.
 struct RanksLess {
@@ -158,7 +157,7 @@ struct NcclCommunicator::Impl {
     std::size_t count;
     float factor;
     DType dt;
-    void* stream;
+    StreamHandle stream;
     std::string op;
   };
   std::vector<DeferredScale> deferred_scales;
@@ -222,7 +221,7 @@ struct NcclCommunicator::Impl {
 
   void check_cuda(cudaError_t err, const std::string& op) {
     if (err == cudaSuccess) return;
-    const std::string message = who() + op + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+    const std::string message = who() + ::trainsim::cuda::cuda_error_text(err, op);
     abort(message);
     throw CommError(message);
   }
@@ -290,7 +289,7 @@ struct NcclCommunicator::Impl {
     return guard;
   }
 
-  void scale(void* data, std::size_t count, float factor, DType dt, void* stream, const std::string& op) {
+  void scale(void* data, std::size_t count, float factor, DType dt, StreamHandle stream, const std::string& op) {
     try {
       ::trainsim::cuda::scale_inplace(data, count, factor, dt, stream);
     } catch (const std::exception& e) {
@@ -544,22 +543,22 @@ std::string NcclCommunicator::describe() const {
 }
 
 void NcclCommunicator::send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt,
-                            void* stream) {
+                            StreamHandle stream) {
   Impl& m = *impl_;
   ncclDataType_t type;
   const std::string op = m.prepare_p2p(true, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
   const auto [comm, comm_peer] = m.p2p_communicator(m.rank, peer);
-  m.check(ncclSend(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
+  m.check(ncclSend(data, count, type, comm_peer, comm, stream), comm, op);
 }
 
-void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) {
+void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) {
   Impl& m = *impl_;
   ncclDataType_t type;
   const std::string op = m.prepare_p2p(false, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
   const auto [comm, comm_peer] = m.p2p_communicator(peer, m.rank);
-  m.check(ncclRecv(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
+  m.check(ncclRecv(data, count, type, comm_peer, comm, stream), comm, op);
 }
 
 void NcclCommunicator::group_begin() {
@@ -596,11 +595,46 @@ void NcclCommunicator::group_end() {
   for (const auto& s : scales) m.scale(s.data, s.count, s.factor, s.dt, s.stream, s.op);
 }
 
+// all_reduce and reduce_scatter: the same operator, divides and error paths; reduce_scatter (in
+// place, as NCCL allows: this member's chunk is the receive buffer) divides only its own chunk.
+enum class NcclCommunicator::Reduction : int { all_reduce, reduce_scatter };
+
 void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members,
-                                  std::uint64_t tag, ReduceOp op, Divide divide, void* stream) {
+                                  std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
+  reduce(Reduction::all_reduce, data, count, dt, members, tag, op, divide, stream);
+}
+
+void NcclCommunicator::reduce_scatter(void* data, std::size_t count, DType dt, std::span<const int> members,
+                                      std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
+  reduce(Reduction::reduce_scatter, data, count, dt, members, tag, op, divide, stream);
+}
+
+void NcclCommunicator::all_gather(void* data, std::size_t count, DType dt, std::span<const int> members,
+                                  std::uint64_t tag, StreamHandle stream) {
   Impl& m = *impl_;
-  member_position(m.who(), members, m.rank, m.world_size, tag);
-  const std::string what = "all_reduce tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
+  const int me = member_position(m.who(), members, m.rank, m.world_size, tag, "all_gather");
+  check_equal_chunks(m.who(), count, members.size(), tag, "all_gather");
+  const std::string what = "all_gather tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
+                           count_text(count, dt) + ")";
+  const ncclDataType_t type = nccl_type(dt, m.who() + what);
+  if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + what + ": data is null");
+  const ncclComm_t comm = m.communicator_for(members, tag);
+  m.throw_if_aborted();
+  if (comm == nullptr || count == 0) return;
+  m.make_current();
+  const std::size_t per = count / members.size();
+  const void* mine = static_cast<const char*>(data) + static_cast<std::size_t>(me) * per * static_cast<std::size_t>(dtype_bytes(dt));
+  auto guard = m.guard_if_launching(what);
+  m.check(ncclAllGather(mine, data, per, type, comm, stream), comm, what);
+}
+
+void NcclCommunicator::reduce(Reduction kind, void* data, std::size_t count, DType dt, std::span<const int> members,
+                              std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
+  Impl& m = *impl_;
+  const char* name = kind == Reduction::all_reduce ? "all_reduce" : "reduce_scatter";
+  const int me = member_position(m.who(), members, m.rank, m.world_size, tag, name);
+  if (kind == Reduction::reduce_scatter) check_equal_chunks(m.who(), count, members.size(), tag, name);
+  const std::string what = std::string(name) + " tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
                            count_text(count, dt) + ", " + (op == ReduceOp::sum ? "sum" : "max") +
                            (divide == Divide::before ? ", divide before" : divide == Divide::after ? ", divide after" : "") +
                            ")";
@@ -639,7 +673,11 @@ void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::
     m.check(ncclRedOpCreatePreMulSum(&redop, scalar, type, ncclScalarHostImmediate, comm), comm,
             what + ": ncclRedOpCreatePreMulSum");
   }
-  const ncclResult_t res = ncclAllReduce(data, data, count, type, redop, comm, as_stream(stream));
+  // What this member ends up owning: the whole buffer, or its chunk of it.
+  const std::size_t owned_count = kind == Reduction::all_reduce ? count : count / members.size();
+  void* const owned = static_cast<char*>(data) + (kind == Reduction::all_reduce ? 0 : static_cast<std::size_t>(me) * owned_count * static_cast<std::size_t>(dtype_bytes(dt)));
+  const ncclResult_t res = kind == Reduction::all_reduce ? ncclAllReduce(data, data, count, type, redop, comm, stream)
+                                                         : ncclReduceScatter(data, owned, owned_count, type, redop, comm, stream);
   if (premultiply) {
     if (m.group_depth > 0 && res == ncclSuccess) {
       // NCCL may read the operator until the group is launched: destroyed after group_end.
@@ -653,9 +691,9 @@ void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::
   m.check(res, comm, what);
   if (post_factor != 1.0f) {
     if (m.group_depth > 0)
-      m.deferred_scales.push_back({data, count, post_factor, dt, stream, what});
+      m.deferred_scales.push_back({owned, owned_count, post_factor, dt, stream, what});
     else
-      m.scale(data, count, post_factor, dt, stream, what);
+      m.scale(owned, owned_count, post_factor, dt, stream, what);
   }
 }
 
@@ -727,11 +765,11 @@ std::vector<std::vector<std::uint8_t>> NcclCommunicator::gather_host(std::span<c
 
 void NcclCommunicator::abort(const std::string& reason) { impl_->abort(reason); }
 
-void NcclCommunicator::synchronize(void* stream, const std::string& what) {
+void NcclCommunicator::synchronize(StreamHandle stream, const std::string& what) {
   Impl& m = *impl_;
   m.throw_if_aborted();
   m.make_current();
-  m.wait(as_stream(stream), what);
+  m.wait(stream, what);
 }
 
 }  // namespace trainsim::runtime::cuda

@@ -12,6 +12,7 @@
 
 #include "core/model_shape.h"
 #include "core/report/format.h"
+#include "core/report/svg_kit.h"
 #include "core/units.h"
 
 namespace trainsim {
@@ -70,18 +71,6 @@ void append_csv_field(std::string& out, std::string_view s) {
     out += ch;
   }
   out += '"';
-}
-
-std::string xml_escape(const std::string& s) {
-  std::string o;
-  for (char ch : s) switch (ch) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      default: o += ch;
-    }
-  return o;
 }
 
 nlohmann::ordered_json axes_json(const std::vector<SweepAxis>& axes) {
@@ -490,14 +479,12 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
   auto X = [&](double g) { return left + pw * std::min(g, x_max) / x_max; };
   auto Y = [&](double t) { return top + ph * (1 - t / y_max); };
 
-  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" viewBox=\"0 0 {:.0f} "
-                     "{:.0f}\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n",
-                     W, H, W, H);
+  out << svg::open(W, H, true, " font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\"");
   out << fmt::format("<rect width=\"{:.0f}\" height=\"{:.0f}\" fill=\"white\"/>\n", W, H);
   const std::string name = sc.config.name.empty() ? sc.file : sc.config.name;
   out << fmt::format("<text x=\"{:.0f}\" y=\"26\" font-size=\"16\" font-weight=\"bold\">{}</text>\n", left,
-                     xml_escape("sweep of " + name + ": throughput against peak memory per GPU"));
-  out << fmt::format("<text x=\"{:.0f}\" y=\"44\" fill=\"#555\">{}</text>\n", left, xml_escape(counts_text(s.counts)));
+                     svg::escape("sweep of " + name + ": throughput against peak memory per GPU"));
+  out << fmt::format("<text x=\"{:.0f}\" y=\"44\" fill=\"#555\">{}</text>\n", left, svg::escape(counts_text(s.counts)));
 
   // Memory beyond the GPU: shaded.
   out << fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"#fdecea\"/>\n", X(cap_gib),
@@ -555,7 +542,7 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
         100 * r.metrics.pipeline_bubble_fraction, 100 * r.metrics.exposed_comm_fraction,
         bytes_to_gib(r.metrics.peak_memory_bytes), r.metrics.peak_memory_rank);
     if (!r.reason.empty()) t += "\n" + std::string(sweep_status_name(r.status)) + ": " + r.reason;
-    return "<title>" + xml_escape(t) + "</title>";
+    return "<title>" + svg::escape(t) + "</title>";
   };
   for (const auto& r : s.rows) {
     if (!r.simulated || r.feasible()) continue;
@@ -616,7 +603,7 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
   const double lx = left + pw + 24;
   double ly = top + 10;
   auto legend_text = [&](const std::string& t) {
-    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", lx + 20, ly + 4, xml_escape(t));
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", lx + 20, ly + 4, svg::escape(t));
     ly += 24;
   };
   out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"#1565c0\" fill-opacity=\"0.55\"/>\n", lx + 6, ly);
@@ -656,10 +643,10 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
     for (const auto& [k, v] : b->point.values) {
       ly += 15;
       out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#333\">{} = {}</text>\n", lx + 8, ly,
-                         xml_escape(abbreviation(k)), xml_escape(format_field_value(v)));
+                         svg::escape(abbreviation(k)), svg::escape(format_field_value(v)));
     }
   }
-  out << "</svg>\n";
+  out << svg::kClose;
 }
 
 void write_sweep_html(const SweepResult& s, const Scenario& sc, std::ostream& out) {
@@ -696,7 +683,7 @@ void write_sweep_html(const SweepResult& s, const Scenario& sc, std::ostream& ou
   // Inside <script>, "</" must not appear.
   for (std::size_t at = data.find("</"); at != std::string::npos; at = data.find("</", at + 2)) data.replace(at, 2, "<\\/");
   const std::string name = sc.config.name.empty() ? sc.file : sc.config.name;
-  out << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>" << xml_escape("sweep of " + name)
+  out << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>" << svg::escape("sweep of " + name)
       << "</title>\n<style>\nbody{font-family:Helvetica,Arial,sans-serif;margin:16px}\n"
          "#tip{position:fixed;display:none;background:#fff;border:1px solid #888;border-radius:4px;padding:6px 9px;"
          "font-size:12px;box-shadow:0 2px 6px rgba(0,0,0,.25);pointer-events:none;max-width:420px}\n"

@@ -37,9 +37,12 @@ std::vector<float> contribution(std::size_t n, int seed, DType dt) {
   return x;
 }
 
+// all_reduce, or its two halves (reduce_scatter then all_gather) called on their own.
+enum class Calls { all_reduce, halves };
+
 // Every member reduces on the device from its own thread and stream; returns each member's result.
 std::vector<std::vector<float>> device_all_reduce(const std::vector<std::vector<float>>& inputs, DType dt, ReduceOp op,
-                                                  Divide divide) {
+                                                  Divide divide, Calls calls = Calls::all_reduce) {
   const int n = static_cast<int>(inputs.size());
   const std::size_t count = inputs[0].size();
   DeviceWorld world(n, std::chrono::seconds(30));
@@ -54,7 +57,12 @@ std::vector<std::vector<float>> device_all_reduce(const std::vector<std::vector<
       k::DeviceBuffer f32(count * 4 + 4), data(count * 4 + 4);
       copy_host_to_device(f32.data(), inputs[r].data(), count * 4, stream.get());
       k::cast(data.data(), dt, f32.data(), DType::fp32, count, stream.get());
-      comm->all_reduce(data.data(), count, dt, members, 7, op, divide, stream.get());
+      if (calls == Calls::all_reduce) {
+        comm->all_reduce(data.data(), count, dt, members, 7, op, divide, stream.get());
+      } else {
+        comm->reduce_scatter(data.data(), count, dt, members, 7, op, divide, stream.get());
+        comm->all_gather(data.data(), count, dt, members, 8, stream.get());
+      }
       k::cast(f32.data(), DType::fp32, data.data(), dt, count, stream.get());
       out[r].resize(count);
       copy_device_to_host(out[r].data(), f32.data(), count * 4, stream.get());
@@ -65,14 +73,22 @@ std::vector<std::vector<float>> device_all_reduce(const std::vector<std::vector<
 }
 
 std::vector<std::vector<float>> host_all_reduce(std::vector<std::vector<float>> inputs, DType dt, ReduceOp op,
-                                                Divide divide) {
+                                                Divide divide, Calls calls = Calls::all_reduce) {
   const int n = static_cast<int>(inputs.size());
   InProcessWorld world(n);
   std::vector<int> members(n);
   for (int r = 0; r < n; ++r) members[r] = r;
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] { world.communicator(r)->all_reduce(inputs[r], members, 7, op, dt, divide); });
+    threads.emplace_back([&, r] {
+      auto comm = world.communicator(r);
+      if (calls == Calls::all_reduce) {
+        comm->all_reduce(inputs[r], members, 7, op, dt, divide);
+      } else {
+        comm->reduce_scatter(inputs[r], members, 7, op, dt, divide);
+        comm->all_gather(inputs[r], members, 8, dt);
+      }
+    });
   for (auto& t : threads) t.join();
   return inputs;
 }
@@ -100,6 +116,24 @@ TEST_P(RingReduce, SameBitsAsTheInProcessRing) {
   }
   // Not a copy of one input: the sum really mixes every member.
   EXPECT_NE(device[0], inputs[0]);
+}
+
+// ZeRO's and sequence parallelism's calls: each member's chunk reduced in its ring order, then
+// gathered, the same bits as the in-process communicator's two halves.
+TEST_P(RingReduce, ReduceScatterAndAllGatherGiveTheInProcessBits) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const Case c = GetParam();
+  const std::size_t count = c.count - c.count % static_cast<std::size_t>(c.members);
+  std::vector<std::vector<float>> inputs;
+  for (int r = 0; r < c.members; ++r) inputs.push_back(contribution(count, 200 + r, c.dt));
+  const auto device = device_all_reduce(inputs, c.dt, ReduceOp::sum, c.divide, Calls::halves);
+  const auto host = host_all_reduce(inputs, c.dt, ReduceOp::sum, c.divide, Calls::halves);
+  for (int r = 0; r < c.members; ++r) {
+    ASSERT_EQ(device[r].size(), count);
+    for (std::size_t i = 0; i < count; ++i)
+      ASSERT_EQ(device[r][i], host[r][i]) << "member " << r << " element " << i;
+  }
+  if (count > 0) EXPECT_NE(device[0], inputs[0]);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -88,8 +88,10 @@ void expect_identical_on_all_members(const std::vector<std::vector<float>>& out)
 // member c's contribution, then c+1, ..., c-1, each partial sum rounded to the wire format.
 // Divide::before multiplies each rounded term by 1/n rounded to the wire format (rounding
 // the product); Divide::after divides the final sum by n (rounding the quotient).
+// reduce_scatter's ring is shifted by one member (`first` = 1): chunk c starts with member c+1
+// and ends at member c, which owns it.
 float reference_ring_sum(const std::vector<std::vector<float>>& x, std::size_t i, DType wire,
-                         Divide divide = Divide::none) {
+                         Divide divide = Divide::none, std::size_t first = 0) {
   const std::size_t n = x.size(), N = x[0].size(), base = N / n, extra = N % n;
   std::size_t c = 0, end = base + (extra > 0 ? 1 : 0);
   while (i >= end) {
@@ -101,8 +103,8 @@ float reference_ring_sum(const std::vector<std::vector<float>>& x, std::size_t i
     const float t = round_to(wire, x[member][i]);
     return divide == Divide::before ? round_to(wire, t * inv) : t;
   };
-  float s = term(c);
-  for (std::size_t k = 1; k < n; ++k) s = round_to(wire, s + term((c + k) % n));
+  float s = term((c + first) % n);
+  for (std::size_t k = 1; k < n; ++k) s = round_to(wire, s + term((c + first + k) % n));
   return divide == Divide::after ? round_to(wire, s / float(n)) : s;
 }
 
@@ -304,6 +306,92 @@ TEST(InProcessComm, DivideBeforeAndAfterFollowTheRingBitForBit) {
             << out[0][i] << " vs " << reference_ring_sum(x, i, wire, divide);
     }
   }
+}
+
+// reduce_scatter: member p's chunk of its buffer is the ring's sum of chunk p, bit for bit, in
+// every wire format and divide; all_gather then hands every member every chunk unchanged.
+// Together they are an all-reduce (the same sum, up to where each chunk's ring starts).
+TEST(InProcessComm, ReduceScatterOwnsItsChunkAndAllGatherSpreadsEveryChunk) {
+  for (DType wire : {DType::fp32, DType::fp16, DType::bf16}) {
+    for (Divide divide : {Divide::none, Divide::before, Divide::after}) {
+      for (int n : {1, 2, 3, 4}) {
+        for (std::size_t per : {std::size_t{0}, std::size_t{1}, std::size_t{257}}) {
+          SCOPED_TRACE(std::string(dtype_name(wire)) + " n=" + std::to_string(n) + " chunk=" + std::to_string(per));
+          const std::size_t N = per * static_cast<std::size_t>(n);
+          const auto x = random_inputs(n, N, static_cast<std::uint32_t>(31 * n + per), 0.001f, 1000.0f);
+          auto y = x;
+          InProcessWorld world(n, 20s);
+          const auto members = iota_members(n);
+          run_ranks(world, [&](int r, Communicator& c) {
+            auto& buf = y[static_cast<std::size_t>(r)];
+            c.reduce_scatter(buf, members, 7, ReduceOp::sum, wire, divide);
+            for (std::size_t j = 0; j < per; ++j) {
+              const std::size_t i = static_cast<std::size_t>(r) * per + j;
+              ASSERT_TRUE(same_bits(buf[i], reference_ring_sum(x, i, wire, divide, 1)))
+                  << "rank " << r << " element " << i << ": " << buf[i] << " vs "
+                  << reference_ring_sum(x, i, wire, divide, 1);
+            }
+            c.all_gather(buf, members, 8, wire);
+          });
+          EXPECT_EQ(world.bytes_in_flight(), 0u);
+          expect_identical_on_all_members(y);
+          for (std::size_t i = 0; i < N; ++i)
+            ASSERT_TRUE(same_bits(y[0][i], reference_ring_sum(x, i, wire, divide, 1))) << "element " << i;
+        }
+      }
+    }
+  }
+}
+
+// all_gather rounds what it sends to the wire format and nothing else; max propagates NaN in a
+// reduce_scatter as in an all-reduce.
+TEST(InProcessComm, AllGatherRoundsToTheWireAndReduceScatterMaxKeepsNaN) {
+  const int n = 2;
+  std::vector<std::vector<float>> y = {{1.0f + 1.0f / 1024, 0.0f}, {0.0f, 3.14159f}};
+  InProcessWorld world(n, 20s);
+  const auto members = iota_members(n);
+  run_ranks(world, [&](int r, Communicator& c) { c.all_gather(y[static_cast<std::size_t>(r)], members, 1, DType::bf16); });
+  for (const auto& v : y) {
+    EXPECT_EQ(v[0], round_to_bf16(1.0f + 1.0f / 1024));
+    EXPECT_EQ(v[1], round_to_bf16(3.14159f));
+  }
+  std::vector<std::vector<float>> z = {{std::numeric_limits<float>::quiet_NaN(), 1.0f}, {2.0f, 5.0f}};
+  run_ranks(world, [&](int r, Communicator& c) {
+    c.reduce_scatter(z[static_cast<std::size_t>(r)], members, 2, ReduceOp::max, DType::fp32, Divide::none);
+  });
+  EXPECT_TRUE(std::isnan(z[0][0]));
+  EXPECT_EQ(z[1][1], 5.0f);
+}
+
+// Disjoint subgroups run their own collectives at once (ZeRO over data-parallel groups while
+// tensor-parallel groups gather); a buffer that does not split into equal chunks is refused
+// before anything is sent, naming the call.
+TEST(InProcessComm, ReduceScatterAndAllGatherOnSubgroupsAndUnevenBuffersRefused) {
+  InProcessWorld world(4, 20s);
+  std::vector<std::vector<float>> y(4, std::vector<float>(6));
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 6; ++i) y[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)] = float(10 * r + i);
+  run_ranks(world, [&](int r, Communicator& c) {
+    const std::vector<int> group = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    c.reduce_scatter(y[static_cast<std::size_t>(r)], group, 5, ReduceOp::sum, DType::fp32, Divide::none);
+    c.all_gather(y[static_cast<std::size_t>(r)], group, 6, DType::fp32);
+  });
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 6; ++i)
+      EXPECT_EQ(y[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)], float(10 * (r % 2) + 10 * (r % 2 + 2) + 2 * i))
+          << "rank " << r << " element " << i;
+  auto comm = world.communicator(0);
+  std::vector<float> odd(5);
+  const std::vector<int> pair{0, 1};
+  try {
+    comm->reduce_scatter(odd, pair, 9, ReduceOp::sum, DType::fp32, Divide::none);
+    FAIL() << "an uneven buffer was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("reduce_scatter tag 9: 5 elements do not split into 2"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(comm->all_gather(odd, pair, 9, DType::fp32), std::invalid_argument);
+  EXPECT_EQ(world.bytes_in_flight(), 0u);
 }
 
 // fp16, four members near 60000: summing first overflows (60000 + 60000 > 65504) and stays
