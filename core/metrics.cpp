@@ -105,13 +105,6 @@ Tick covered(Tick a, Tick b, const std::vector<OpTiming>& m) {
   return total;
 }
 
-// What one pass over a rank's ops finds (rank_pass).
-struct RankFigures {
-  Tick busy = 0;        // compute ops
-  Tick collective = 0;  // collectives other than the found-inf check
-  Tick comm = 0;        // idle while waiting for this rank's collectives
-};
-
 // Op kinds by what the result does with them.
 enum OpClass : std::uint8_t { kOther, kComputeOp, kReceive, kCollectiveOp, kFoundInf };
 constexpr auto kClassOf = [] {
@@ -129,8 +122,8 @@ constexpr auto kClassOf = [] {
 
 // The idle split (see below) of a gap [g0, g1) on the compute stream that ends where `op`
 // starts. coll: program positions of the rank's collectives, ascending, at least every one
-// up to op.dep.
-Tick gap_comm(const Op* ops, const OpTiming* times, const int* coll, std::size_t ncoll, const Op& op, Tick g0, Tick g1,
+// up to op.dep; ctimes: their intervals, in the same order.
+Tick gap_comm(const Op* ops, const OpTiming* ctimes, const int* coll, std::size_t ncoll, const Op& op, Tick g0, Tick g1,
               bool pipelined) {
   Tick comm = 0;
   const Tick other = pipelined ? 0 : 1;  // waiting for other ranks is communication without a pipeline
@@ -138,11 +131,11 @@ Tick gap_comm(const Op* ops, const OpTiming* times, const int* coll, std::size_t
     auto k = static_cast<std::size_t>(std::lower_bound(coll, coll + ncoll, op.dep) - coll);
     Tick hi = g1;
     while (k < ncoll) {
-      const OpTiming& c = times[coll[k]];
+      const OpTiming& c = ctimes[k];
       const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
       if (up > lo) comm += up - lo;
       hi = std::min(hi, c.start);
-      if (hi <= g0 || k == 0 || times[coll[k - 1]].end < c.start) break;
+      if (hi <= g0 || k == 0 || ctimes[k - 1].end < c.start) break;
       --k;  // it started when the one ahead of it on this stream ended
     }
     if (hi > g0) comm += other * (hi - g0);
@@ -152,10 +145,11 @@ Tick gap_comm(const Op* ops, const OpTiming* times, const int* coll, std::size_t
   return comm;
 }
 
-// One pass over a rank's ops, in program order: busy and collective time, and the compute
-// stream's idle time split by what it waited for. The compute stream runs the compute ops
-// and the receives (whose intervals are the time it was blocked on them) in program order;
-// each idle gap ends where the next of them starts, or at the end of the step:
+// One pass over a rank's ops, in program order: busy and collective time, the compute
+// stream's idle gaps and where its last op ended; then the idle time split by what it waited
+// for (idle_comm). The compute stream runs the compute ops and the receives (whose intervals
+// are the time it was blocked on them) in program order; each idle gap ends where the next of
+// them starts, or at the end of the step:
 //  * a receive's blocked interval waits for a pipeline peer: pipeline bubble;
 //  * a gap before an op whose dependency is a collective (ZeRO-3's gather before a forward,
 //    the optimizer step after the gradient reduction or the found-inf check) waits for that
@@ -165,16 +159,16 @@ Tick gap_comm(const Op* ops, const OpTiming* times, const int* coll, std::size_t
 //    the updated parameters) where they run, otherwise for other ranks to finish.
 // Waiting for other ranks is pipeline bubble when there is a pipeline, else communication
 // (replicas wait only for each other's collectives). Everything else of the idle time is
-// pipeline bubble. ws.collectives and ws.coll_index are left holding the rank's collectives.
+// pipeline bubble.
 // Indexed: visits the ops of `index` (positions << 3 | class, see ResultIndex) instead of
 // every op; the same figures, the sends (which only the step's span reads) skipped.
 template <bool kIndexed>
-RankFigures rank_pass(const RankProgram& prog, const std::vector<std::uint32_t>* index, const OpTiming* times,
-                      Tick begin, Tick end, bool pipelined, ResultWorkspace& ws) {
-  RankFigures f;
+StepFigures::Rank rank_pass(const RankProgram& prog, const std::vector<std::uint32_t>* index, const OpTiming* times,
+                            Tick begin, Tick end, bool pipelined, ResultWorkspace& ws) {
+  StepFigures::Rank f;
   ws.collectives.clear();
   ws.coll_index.clear();
-  ws.deferred.clear();
+  ws.gaps.clear();
   const Op* ops = prog.ops.data();
   const std::uint32_t* visit = kIndexed ? index->data() : nullptr;
   const std::size_t n = kIndexed ? index->size() : prog.ops.size();
@@ -197,27 +191,30 @@ RankFigures rank_pass(const RankProgram& prog, const std::vector<std::uint32_t>*
       continue;
     }
     const bool on_compute = cls != kOther;
-    if (on_compute && t.start > cursor) [[unlikely]] {
-      const Op& op = ops[i];
-      if (op.dep > static_cast<std::int32_t>(i))  // its collective is not listed yet: after the pass
-        ws.deferred.push_back({static_cast<int>(i), cursor, t.start});
-      else
-        f.comm += gap_comm(ops, times, ws.coll_index.data(), ws.coll_index.size(), op, cursor, t.start, pipelined);
-    }
+    if (on_compute && t.start > cursor) [[unlikely]]
+      ws.gaps.push_back({static_cast<int>(i), cursor, t.start});
     cursor = on_compute ? std::max(cursor, t.end) : cursor;
   }
   f.busy = busy;
-  for (const auto& d : ws.deferred)
-    f.comm += gap_comm(ops, times, ws.coll_index.data(), ws.coll_index.size(), ops[d.op], d.g0, d.g1, pipelined);
-  if (end > cursor) {
-    merge_into(ws.collectives, ws.merged_a);
-    const Tick own = covered(cursor, end, ws.merged_a);
-    f.comm += own + (pipelined ? 0 : end - cursor - own);
-  }
+  f.comm = idle_comm(prog, ws.gaps, ws.coll_index, ws.collectives, cursor, end, pipelined, ws.merged_a);
   return f;
 }
 
 }  // namespace
+
+Tick idle_comm(const RankProgram& prog, const std::vector<IdleGap>& gaps, const std::vector<int>& coll_index,
+               std::vector<OpTiming>& colls, Tick cursor, Tick end, bool pipelined, std::vector<OpTiming>& merged) {
+  Tick comm = 0;
+  const Op* ops = prog.ops.data();
+  for (const IdleGap& g : gaps)
+    comm += gap_comm(ops, colls.data(), coll_index.data(), coll_index.size(), ops[g.op], g.g0, g.g1, pipelined);
+  if (end > cursor) {
+    merge_into(colls, merged);
+    const Tick own = covered(cursor, end, merged);
+    comm += own + (pipelined ? 0 : end - cursor - own);
+  }
+  return comm;
+}
 
 void result_index_into(const Schedule& s, ResultIndex& out) {
   out.ranks.resize(s.ranks.size());
@@ -248,17 +245,18 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
   const Schedule& s = *tl.schedule;
   if (index && index->ranks.size() != s.ranks.size())
     throw std::logic_error("compute_result_into: a ResultIndex of another schedule");
-  const auto& cfg = plan.config;
+  auto is_twin = [&](std::size_t r) {
+    if (same_as == nullptr) return false;
+    const int twin = (*same_as)[r];
+    return twin >= 0 && twin < static_cast<int>(r);
+  };
   // Twins have their counterpart's timings: the step spans the other ranks' ops (the
   // timeline may hold no rows for twins).
   // Timeline::end() - Timeline::begin() over those ranks.
   Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
   bool any = false;
   for (std::size_t r = 0; r < tl.ops.size(); ++r) {
-    if (same_as != nullptr) {
-      const int twin = (*same_as)[r];
-      if (twin >= 0 && twin < static_cast<int>(r)) continue;
-    }
+    if (is_twin(r)) continue;
     const OpTiming* o = tl.ops[r].data();
     const std::size_t n = tl.ops[r].size();
     any = any || n > 0;
@@ -270,8 +268,24 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
     lo = row_lo;
     hi = row_hi;
   }
-  const Tick t0 = any ? lo : 0;
-  const Tick step = hi - t0;
+  StepFigures& f = ws.figures;
+  f.begin = any ? lo : 0;
+  f.end = hi;
+  f.ranks.resize(s.ranks.size());
+  for (std::size_t r = 0; r < s.ranks.size(); ++r)
+    if (!is_twin(r))
+      f.ranks[r] = index ? rank_pass<true>(s.ranks[r], &index->ranks[r], tl.ops[r].data(), f.begin, f.end,
+                                           plan.pp > 1, ws)
+                         : rank_pass<false>(s.ranks[r], nullptr, tl.ops[r].data(), f.begin, f.end, plan.pp > 1, ws);
+  result_from_figures(plan, s, f, memory, res, ws, same_as);
+}
+
+void result_from_figures(const Plan& plan, const Schedule& s, const StepFigures& figures,
+                         const std::vector<MemoryBreakdown>& memory, Result& res, ResultWorkspace& ws,
+                         const std::vector<int>* same_as) {
+  const auto& cfg = plan.config;
+  const Tick t0 = figures.begin;
+  const Tick step = figures.end - t0;
   res.step_time_s = ticks_to_seconds(step);
   res.bubble_fraction = 0;
   res.pipeline_bubble_fraction = 0;
@@ -294,9 +308,7 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
     if (twin >= 0 && twin < static_cast<int>(r)) {
       rr = res.ranks[twin];  // computed already: a twin is an earlier rank
     } else {
-      const RankFigures f =
-          index ? rank_pass<true>(prog, &index->ranks[r], tl.ops[r].data(), t0, t0 + step, plan.pp > 1, ws)
-                : rank_pass<false>(prog, nullptr, tl.ops[r].data(), t0, t0 + step, plan.pp > 1, ws);
+      const StepFigures::Rank& f = figures.ranks[r];
       const Tick busy = f.busy, collective = f.collective;
       rr.busy_s = ticks_to_seconds(busy);
       rr.idle_s = res.step_time_s - rr.busy_s;

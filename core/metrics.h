@@ -22,17 +22,44 @@ namespace trainsim {
 // measured by the runtime's allocation accounting).
 Result compute_result(const Plan& plan, const Timeline& timeline, const std::vector<MemoryBreakdown>& memory);
 
+// What the Result reads from a timeline, before the memory and the warnings: the step's span
+// (Timeline::begin() and end() over the ranks read) and, per rank, its busy, collective and
+// exposed-communication ticks. compute_result_into computes them from the timeline's ops;
+// StepProgram::run_figures (sim/step_program.h) from its cells, without writing a timeline.
+struct StepFigures {
+  Tick begin = 0, end = 0;
+  struct Rank {
+    Tick busy = 0;        // the compute ops' intervals, summed
+    Tick collective = 0;  // the collectives' other than the found-inf check
+    Tick comm = 0;        // idle while waiting for this rank's collectives (see metrics.cpp, rank_pass)
+    friend bool operator==(const Rank&, const Rank&) = default;
+  };
+  std::vector<Rank> ranks;  // per rank of the schedule; a twin's entry (same_as) is not read
+};
+
+// An idle interval [g0, g1) of a rank's compute stream that ends where op `op` (a compute op or
+// a receive, by program position) starts.
+struct IdleGap {
+  int op;
+  Tick g0, g1;
+};
+
 // Buffers that compute_result_into reuses between calls (one per sweep worker).
 struct ResultWorkspace {
   std::vector<OpTiming> collectives, merged_a;
   std::vector<int> coll_index;  // program positions of the rank's collectives
-  struct Gap {
-    int op;      // the op it ends at
-    Tick g0, g1;
-  };
-  std::vector<Gap> deferred;  // gaps before an op whose collective comes after it in the program
+  std::vector<IdleGap> gaps;    // the rank's, in program order
   std::vector<std::pair<double, std::vector<int>>> groups;  // over-capacity ranks by their peak
+  StepFigures figures;
 };
+
+// The part of a rank's compute-stream idle time that waited for its own collectives
+// (StepFigures::Rank::comm): split gap by gap (see metrics.cpp, rank_pass), then the tail from
+// `cursor` (where the stream's last op ended, or the step's start) to `end`. coll_index and
+// colls: the rank's collectives (found-inf checks included), program positions ascending, and
+// their intervals (sorted by start in place); merged: scratch.
+Tick idle_comm(const RankProgram& prog, const std::vector<IdleGap>& gaps, const std::vector<int>& coll_index,
+               std::vector<OpTiming>& colls, Tick cursor, Tick end, bool pipelined, std::vector<OpTiming>& merged);
 
 // Per rank of a schedule, the ops compute_result_into reads one by one (compute ops, receives
 // and collectives, in program order, each with what is done with it; the sends are read only
@@ -48,10 +75,17 @@ void result_index_into(const Schedule& schedule, ResultIndex& out);
 // rank): a rank whose program and timings equal those of rank same_as[r] (replicas found
 // identical by the simulator); its per-rank figures are copied instead of recomputed, and its
 // row of the timeline is not read (it may be empty). index (optional): result_index_into of
-// the timeline's schedule; the result is the same with or without it.
+// the timeline's schedule; the result is the same with or without it. The timeline's figures
+// (StepFigures) are left in ws.figures.
 void compute_result_into(const Plan& plan, const Timeline& timeline, const std::vector<MemoryBreakdown>& memory,
                          Result& out, ResultWorkspace& ws, const std::vector<int>* same_as = nullptr,
                          const ResultIndex* index = nullptr);
+
+// The same Result from the step's figures (StepFigures) instead of a timeline of `schedule`.
+// same_as as above: a twin's figures are not read (its counterpart's entry is copied).
+void result_from_figures(const Plan& plan, const Schedule& schedule, const StepFigures& figures,
+                         const std::vector<MemoryBreakdown>& memory, Result& out, ResultWorkspace& ws,
+                         const std::vector<int>* same_as = nullptr);
 
 // Length of the union of intervals in `a` that no interval of `b` covers.
 Tick uncovered_length(std::vector<OpTiming> a, std::vector<OpTiming> b);

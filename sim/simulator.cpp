@@ -68,6 +68,9 @@ struct CachedSchedule {
     std::size_t ops = 0;                 // 0: not built
     bool compile_tried = false;
     StepProgram program;                 // not compiled() when the step cannot complete
+    // Whether the ranks compute_result reads (all, or the first of each stage when replicas
+    // are symmetric) are the ones the program simulates: its figures then replace the Timeline.
+    bool figures = false;
     // Per stage, the first rank's forward and backward ops alone, in program order: all that
     // MemoryModel::peak_of reads (every other op leaves its walk unchanged), a third of the ops.
     std::vector<RankProgram> memory_walk;
@@ -90,6 +93,7 @@ struct CachedSchedule {
 struct Predictor::Workspace {
   Simulation sim;
   ResultWorkspace result;
+  StepFigures figures;
   std::vector<int> same_as;
   // Most recently used first: at most kMaxEntries schedules and, beyond the first, kMaxOps ops.
   std::vector<std::unique_ptr<CachedSchedule>> cache;
@@ -118,6 +122,7 @@ struct Predictor::Workspace {
       v->program.reset();  // lets go of the schedule
       v->ops = 0;
       v->compile_tried = false;
+    v->figures = false;
       v->memory_walk.clear();
       v->peaks.clear();
     }
@@ -242,16 +247,30 @@ const Result& Predictor::evaluate(const Plan& plan) {
       for (int st = 0; st < plan.pp && !v.memory_walk.empty(); ++st)
         if (!(memory.peak_of(v.memory_walk[st]) == memory.peak_of(v.schedule->ranks[plan.rank_of(st, 0)])))
           v.memory_walk.clear();
+      if (v.program.compiled()) {
+        v.figures = true;
+        for (int r = 0; r < static_cast<int>(v.schedule->ranks.size()); ++r)
+          v.figures = v.figures && v.program.simulated(r) == (!replica0_only || plan.rank_of(plan.stage_of(r), 0) >= r);
+      }
     }
     return v.program.compiled();
   };
+  // The step's figures from the program alone (no Timeline) where it can give them, else its
+  // Timeline; true for figures (in ws_->figures).
+  auto run = [&](CachedSchedule::Variant& v) {
+    if (v.figures && v.program.run_figures(compute, p2p, collective, plan.pp > 1, ws_->figures, ws_->result))
+      return true;
+    v.program.run(compute, p2p, collective, last_.timeline);
+    return false;
+  };
+  bool figures = false;
   bool symmetric = false;
   CachedSchedule::Variant* used = nullptr;
   if (plan.dp > 1) {
     CachedSchedule::Variant& v = built(entry.replica0, true);
     // Not compiled: replica 0 alone cannot complete (run_replica0 would refuse): the full path.
     if (replicas_symmetric(plan, *v.schedule, collective) && compiled(v, true)) {
-      v.program.run(compute, p2p, collective, last_.timeline);
+      figures = run(v);
       symmetric = true;
       used = &v;
     }
@@ -259,14 +278,15 @@ const Result& Predictor::evaluate(const Plan& plan) {
   if (!symmetric) {  // every rank simulated, as predict() does
     CachedSchedule::Variant& v = built(entry.full, false);
     if (compiled(v, false))
-      v.program.run(compute, p2p, collective, last_.timeline);
+      figures = run(v);
     else  // a step that deadlocks: the engine names the blocked ops
       ws_->sim.run(v.schedule, compute, p2p, collective, last_.timeline, false);
     used = &v;
   }
   const MemoryModel memory(plan);
+  const StepFigures* step = figures ? &ws_->figures : nullptr;
   if (used->memory_walk.empty()) {
-    finish(plan, memory, *used->schedule, symmetric, nullptr, nullptr, &used->result_index);
+    finish(plan, memory, *used->schedule, symmetric, nullptr, nullptr, &used->result_index, step);
     return last_.result;
   }
   // The stages' activation peaks, walked once per distinct table.
@@ -282,7 +302,8 @@ const Result& Predictor::evaluate(const Plan& plan) {
   } else {
     std::rotate(peaks.begin(), hit, hit + 1);
   }
-  finish(plan, memory, *used->schedule, symmetric, &used->memory_walk, &peaks.front().second, &used->result_index);
+  finish(plan, memory, *used->schedule, symmetric, &used->memory_walk, &peaks.front().second, &used->result_index,
+         step);
   return last_.result;
 }
 
@@ -290,10 +311,11 @@ const Result& Predictor::evaluate(const Plan& plan) {
 // alone was simulated (replicas 1.. may have no programs or timings: their figures are copied).
 // memory_walk (optional): per stage, what the memory model walks for its ranks; stage_peaks
 // (optional, with it): the activation peaks of those walks, already walked. index
-// (optional): result_index_into(s).
+// (optional): result_index_into(s). figures (optional): the step's figures, read instead of
+// last_.timeline (StepProgram::run_figures).
 void Predictor::finish(const Plan& plan, const MemoryModel& memory, const Schedule& s, bool symmetric,
                        const std::vector<RankProgram>* memory_walk, const std::vector<double>* stage_peaks,
-                       const ResultIndex* index) {
+                       const ResultIndex* index, const StepFigures* figures) {
   // Memory follows the program alone, the same for every replica of a stage.
   const int nranks = static_cast<int>(s.ranks.size());
   last_.memory.resize(nranks);
@@ -309,8 +331,11 @@ void Predictor::finish(const Plan& plan, const MemoryModel& memory, const Schedu
     else
       last_.memory[r] = memory.peak_of(memory_walk ? (*memory_walk)[stage] : s.ranks[r]);
   }
-  compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr,
-                      index);
+  if (figures)
+    result_from_figures(plan, s, *figures, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr);
+  else
+    compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result,
+                        symmetric ? &same_as : nullptr, index);
 }
 
 }  // namespace trainsim

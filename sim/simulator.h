@@ -14,6 +14,7 @@ namespace trainsim {
 
 class MemoryModel;
 struct ResultIndex;
+struct StepFigures;
 
 struct Prediction {
   std::shared_ptr<const Schedule> schedule;
@@ -70,7 +71,7 @@ class Predictor {
  private:
   void finish(const Plan& plan, const MemoryModel& memory, const Schedule& schedule, bool symmetric,
               const std::vector<RankProgram>* memory_walk = nullptr, const std::vector<double>* stage_peaks = nullptr,
-              const ResultIndex* index = nullptr);
+              const ResultIndex* index = nullptr, const StepFigures* figures = nullptr);
 
   struct Workspace;
   std::unique_ptr<Workspace> ws_;

@@ -295,6 +295,101 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
   EXPECT_GT(compared, 200);
 }
 
+// The figures compute_result_into reads from a Timeline (the step's span; each rank's busy,
+// collective and exposed-communication ticks), read from the program's cells by run_figures
+// without a Timeline: equal to those of run()'s Timeline, for every rank and for replica 0
+// alone (its ranks; the others are twins), with the default prices and with prices that
+// differ per rank, chunk and link, on random plans whose compute streams wait for ZeRO
+// gathers, found-inf checks and gradient reductions.
+void expect_same_figures(const StepFigures& got, const StepFigures& want, const std::vector<int>* same_as) {
+  ASSERT_EQ(got.begin, want.begin);
+  ASSERT_EQ(got.end, want.end);
+  ASSERT_EQ(got.ranks.size(), want.ranks.size());
+  for (std::size_t r = 0; r < got.ranks.size(); ++r) {
+    if (same_as && (*same_as)[r] < static_cast<int>(r)) continue;  // a twin: not read
+    const auto &x = got.ranks[r], &y = want.ranks[r];
+    ASSERT_TRUE(x == y) << "rank " << r << ": busy " << x.busy << " vs " << y.busy << ", collective " << x.collective
+                        << " vs " << y.collective << ", comm " << x.comm << " vs " << y.comm;
+  }
+}
+
+TEST(StepProgram, FiguresEqualThoseOfItsTimelineOnRandomPlans) {
+  RandomPlans random(20261201);
+  int compared = 0, replica0 = 0, exposed = 0;
+  StepProgram program;
+  Timeline timeline;
+  StepFigures got;
+  ResultWorkspace ws, scratch;
+  Result result;
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
+                                      << " p=" << c->parallelism.pipeline_parallel_size
+                                      << " d=" << c->parallelism.data_parallel_size
+                                      << " zero=" << c->parallelism.zero_stage);
+    const Plan plan = Plan::from_config(*c);
+    const RooflineComputeModel compute(plan);
+    const LinkP2PModel p2p(plan);
+    const NetworkCollectiveModel collective(plan);
+    const RankedCompute ranked_compute;
+    const RankedP2P ranked_p2p;
+    const SizedCollectives sized;
+    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+    std::vector<int> same_as(static_cast<std::size_t>(plan.num_ranks()));
+    for (int r = 0; r < plan.num_ranks(); ++r) same_as[r] = plan.rank_of(plan.stage_of(r), 0);
+    for (const bool half : {false, true}) {
+      auto s = std::make_shared<Schedule>();
+      if (half)
+        build_replica0_into(plan, *s);
+      else
+        build_schedule_into(plan, *s);
+      if (!program.compile(s, half)) continue;
+      const std::vector<int>* twins = half ? &same_as : nullptr;
+      for (const bool by_rank : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << (half ? "replica 0" : "every rank")
+                                          << (by_rank ? ", ranked prices" : ", default prices"));
+        if (by_rank) {
+          ASSERT_TRUE(program.run_figures(ranked, plan.pp > 1, got, scratch));
+          program.run(ranked, timeline);
+        } else {
+          ASSERT_TRUE(program.run_figures(compute, p2p, collective, plan.pp > 1, got, scratch));
+          program.run(compute, p2p, collective, timeline);
+        }
+        compute_result_into(plan, timeline, {}, result, ws, twins);
+        expect_same_figures(got, ws.figures, twins);
+        if (HasFailure()) return;
+        exposed += std::any_of(got.ranks.begin(), got.ranks.end(), [](const auto& f) { return f.comm > 0; });
+      }
+      ++(half ? replica0 : compared);
+    }
+  }
+  EXPECT_GT(compared, 250);
+  EXPECT_GT(replica0, 100);
+  EXPECT_GT(exposed, 100);  // idle time waiting for collectives, split gap by gap
+}
+
+// A price below zero breaks the order of a stream's intervals that run_figures relies on: it
+// refuses, and the caller takes the Timeline.
+TEST(StepProgram, FiguresRefuseANegativePrice) {
+  class Negative final : public P2PModel {
+   public:
+    Tick duration(int, int, Bytes) const override { return -5; }
+  };
+  const Plan plan = Plan::from_config(testing::small_config(2, 4, ScheduleKind::one_f_one_b, 1, 1));
+  auto s = std::make_shared<const Schedule>(build_schedule(plan));
+  StepProgram program;
+  ASSERT_TRUE(program.compile(s, false));
+  const RankedCompute compute;
+  const Negative p2p;
+  const SizedCollectives coll;
+  StepFigures figures;
+  ResultWorkspace ws;
+  EXPECT_FALSE(program.run_figures(CostModels{&compute, &p2p, &coll}, true, figures, ws));
+  const RankedP2P positive;
+  EXPECT_TRUE(program.run_figures(CostModels{&compute, &positive, &coll}, true, figures, ws));
+}
+
 // Hand-built schedules the generator never makes: an op whose dep is a receive, a local
 // check, a collective of one member, and a deadlock (not compiled: the engine reports it).
 TEST(StepProgram, UnusualSchedulesAndDeadlocks) {
@@ -330,6 +425,16 @@ TEST(StepProgram, UnusualSchedulesAndDeadlocks) {
   program.run(models, got);
   std::string where;
   EXPECT_TRUE(same_timeline(got, simulate_schedule(s, models), &where)) << where;
+  for (const bool pipelined : {false, true}) {  // and the figures read from the cells alone
+    StepFigures figures;
+    ResultWorkspace ws;
+    Result result;
+    ASSERT_TRUE(program.run_figures(models, pipelined, figures, ws));
+    Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::gpipe, 1, 1));
+    if (!pipelined) plan.pp = 1;
+    compute_result_into(plan, got, {}, result, ws);
+    expect_same_figures(figures, ws.figures, nullptr);
+  }
 
   auto dead = std::make_shared<Schedule>(*s);
   dead->ranks[0].ops.pop_back();  // the send is gone: the receive waits for ever
