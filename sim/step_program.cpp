@@ -511,17 +511,10 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
   t.predicted = true;
 }
 
+// D for several configurations: lane j of price p at D[p * B + j]; lanes past n repeat lane 0.
 template <int B>
-void StepProgram::run_lanes_impl(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
-                                 const NetworkCollectiveModel* const* collective, Timeline* const* out, int n) {
-  using Lanes = typename LanesOf<B>::type;
-  auto load = [](const Tick* p) {
-    Lanes v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  };
-  const Schedule& s = *schedule_;
-  // D: lane j of price p at D[p * B + j]; lanes past n repeat lane 0.
+void StepProgram::price_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                              const NetworkCollectiveModel* const* collective, int n) {
   const std::size_t nprices = 1 + compute_.size() + sends_.size() + collectives_.size();
   lane_prices_.resize(nprices * B);
   Tick* D = lane_prices_.data();
@@ -529,19 +522,35 @@ void StepProgram::run_lanes_impl(const RooflineComputeModel* const* compute, con
     const int l = j < n ? j : 0;
     price(DefaultModels{*compute[l], *p2p[l], *collective[l]}, D + j, B);
   }
+}
+
+// T for B lanes at the prices of price_lanes: lane j of cell c at T[c * B + j]. kTimeline:
+// each lane's Timeline written too, into *out[j] for the first n lanes.
+template <int B, bool kTimeline>
+void StepProgram::run_lanes_impl(Timeline* const* out, int n) {
+  using Lanes = typename LanesOf<B>::type;
+  auto load = [](const Tick* p) {
+    Lanes v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  const Schedule& s = *schedule_;
+  const Tick* D = lane_prices_.data();
   // Each lane's Timeline rows, as the engine sizes them: rows[r * B + j].
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
-  rows_.assign(static_cast<std::size_t>(nranks) * B, nullptr);
-  for (int j = 0; j < n; ++j) {
-    Timeline& t = *out[j];
-    t.ops.resize(nranks);
-    for (std::int32_t r = 0; r < nranks; ++r) {
-      if (first_slot_[r] < 0) {
-        t.ops[r].clear();
-        continue;
+  if constexpr (kTimeline) {
+    rows_.assign(static_cast<std::size_t>(nranks) * B, nullptr);
+    for (int j = 0; j < n; ++j) {
+      Timeline& t = *out[j];
+      t.ops.resize(nranks);
+      for (std::int32_t r = 0; r < nranks; ++r) {
+        if (first_slot_[r] < 0) {
+          t.ops[r].clear();
+          continue;
+        }
+        t.ops[r].resize(s.ranks[r].ops.size());
+        rows_[static_cast<std::size_t>(r) * B + j] = t.ops[r].data();
       }
-      t.ops[r].resize(s.ranks[r].ops.size());
-      rows_[static_cast<std::size_t>(r) * B + j] = t.ops[r].data();
     }
   }
   OpTiming* const* rows = rows_.data();
@@ -556,8 +565,8 @@ void StepProgram::run_lanes_impl(const RooflineComputeModel* const* compute, con
       std::memcpy(even, &e, sizeof e);
       std::memcpy(odd, &o, sizeof o);
       for (int q = 0; q < B / 2; ++q) {
-        std::memcpy(row[2 * q] + index, even + 2 * q, sizeof(OpTiming));
-        std::memcpy(row[2 * q + 1] + index, odd + 2 * q, sizeof(OpTiming));
+        row[2 * q][index] = OpTiming{even[2 * q], even[2 * q + 1]};
+        row[2 * q + 1][index] = OpTiming{odd[2 * q], odd[2 * q + 1]};
       }
     } else {
       for (int j = 0; j < n; ++j) row[j][index] = OpTiming{start[j], end[j]};
@@ -576,26 +585,42 @@ void StepProgram::run_lanes_impl(const RooflineComputeModel* const* compute, con
     end = end > third ? end : third;
     end += price;
     std::memcpy(T + (k + 1) * B, &end, sizeof end);
-    if (x.rank >= 0) write(x.rank & ~kRecv, x.index, (x.rank & kRecv) ? first : end - price, end);
+    if constexpr (kTimeline)
+      if (x.rank >= 0) write(x.rank & ~kRecv, x.index, (x.rank & kRecv) ? first : end - price, end);
   }
-  for (const Fanout& f : fanout_) {
-    const Lanes end = load(T + static_cast<std::size_t>(f.cell) * B);
-    write(f.rank, f.index, end - load(D + static_cast<std::size_t>(f.price) * B), end);
-  }
-  for (const Held& h : held_) {
-    const Lanes prev = load(T + static_cast<std::size_t>(h.prev) * B), sent = load(T + static_cast<std::size_t>(h.sent) * B);
-    write(h.rank, h.index, prev, prev > sent ? prev : sent);
-  }
-  for (int j = 0; j < n; ++j) {
-    out[j]->schedule = schedule_;
-    out[j]->predicted = true;
+  if constexpr (kTimeline) {
+    for (const Fanout& f : fanout_) {
+      const Lanes end = load(T + static_cast<std::size_t>(f.cell) * B);
+      write(f.rank, f.index, end - load(D + static_cast<std::size_t>(f.price) * B), end);
+    }
+    for (const Held& h : held_) {
+      const Lanes prev = load(T + static_cast<std::size_t>(h.prev) * B), sent = load(T + static_cast<std::size_t>(h.sent) * B);
+      write(h.rank, h.index, prev, prev > sent ? prev : sent);
+    }
+    for (int j = 0; j < n; ++j) {
+      out[j]->schedule = schedule_;
+      out[j]->predicted = true;
+    }
   }
 }
 
 void StepProgram::run_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
                             const NetworkCollectiveModel* const* collective, Timeline* const* out, int n) {
   if (n < 1 || n > kMaxLanes) throw std::invalid_argument("StepProgram::run_lanes: 1 to kMaxLanes lanes");
-  run_lanes_impl<kMaxLanes>(compute, p2p, collective, out, n);
+  price_lanes<kMaxLanes>(compute, p2p, collective, n);
+  run_lanes_impl<kMaxLanes, true>(out, n);
+}
+
+bool StepProgram::run_lanes_figures(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                                    const NetworkCollectiveModel* const* collective, bool pipelined,
+                                    StepFigures* const* out, ResultWorkspace& ws, int n) {
+  if (n < 1 || n > kMaxLanes) throw std::invalid_argument("StepProgram::run_lanes_figures: 1 to kMaxLanes lanes");
+  constexpr int B = kMaxLanes;
+  price_lanes<B>(compute, p2p, collective, n);
+  if (std::any_of(lane_prices_.begin(), lane_prices_.end(), [](Tick d) { return d < 0; })) return false;
+  run_lanes_impl<B, false>(nullptr, n);
+  for (int j = 0; j < n; ++j) figures_from_cells(lane_cells_.data() + j, lane_prices_.data() + j, B, pipelined, *out[j], ws);
+  return true;
 }
 
 template <class Models>

@@ -92,6 +92,11 @@ class StepProgram {
   bool run_figures(const RooflineComputeModel& compute, const LinkP2PModel& p2p,
                    const NetworkCollectiveModel& collective, bool pipelined, StepFigures& out, ResultWorkspace& ws);
   bool run_figures(const CostModels& models, bool pipelined, StepFigures& out, ResultWorkspace& ws);
+  // The same for several configurations at once, as run_lanes: *out[j] is what run_figures
+  // gives with lane j's models. False, writing nothing, where a lane has a negative price.
+  bool run_lanes_figures(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                         const NetworkCollectiveModel* const* collective, bool pipelined, StepFigures* const* out,
+                         ResultWorkspace& ws, int n);
 
   // Whether rank r's ops are simulated (false for replicas 1.. of a replica0_only program).
   bool simulated(int rank) const { return first_slot_[static_cast<std::size_t>(rank)] >= 0; }
@@ -174,8 +179,10 @@ class StepProgram {
   template <class Models>
   bool prices_hold_impl(const Models& models) const;
   template <int B>
-  void run_lanes_impl(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
-                      const NetworkCollectiveModel* const* collective, Timeline* const* out, int n);
+  void price_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                   const NetworkCollectiveModel* const* collective, int n);
+  template <int B, bool kTimeline>
+  void run_lanes_impl(Timeline* const* out, int n);
 
   std::shared_ptr<const Schedule> schedule_;
   bool replica0_only_ = false;

@@ -171,6 +171,18 @@ class SizedCollectives final : public CollectiveModel {
   }
 };
 
+void expect_same_figures(const StepFigures& got, const StepFigures& want, const std::vector<int>* same_as) {
+  ASSERT_EQ(got.begin, want.begin);
+  ASSERT_EQ(got.end, want.end);
+  ASSERT_EQ(got.ranks.size(), want.ranks.size());
+  for (std::size_t r = 0; r < got.ranks.size(); ++r) {
+    if (same_as && (*same_as)[r] < static_cast<int>(r)) continue;  // a twin: not read
+    const auto &x = got.ranks[r], &y = want.ranks[r];
+    ASSERT_TRUE(x == y) << "rank " << r << ": busy " << x.busy << " vs " << y.busy << ", collective " << x.collective
+                        << " vs " << y.collective << ", comm " << x.comm << " vs " << y.comm;
+  }
+}
+
 // The engine and the compiled program, on the same schedule, every rank and replica 0 alone.
 TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
   RandomPlans random(20261125);
@@ -278,6 +290,19 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
       std::vector<Timeline*> out;
       for (auto& t : got) out.push_back(&t);
       program.run_lanes(cs.data(), ps.data(), ks.data(), out.data(), lanes);
+      // And the figures alone (run_lanes_figures), lane by lane those of run_figures.
+      std::vector<StepFigures> figures(static_cast<std::size_t>(lanes));
+      std::vector<StepFigures*> figures_out;
+      for (auto& f : figures) figures_out.push_back(&f);
+      ResultWorkspace ws;
+      const bool pipelined = plans[0].pp > 1;
+      ASSERT_TRUE(program.run_lanes_figures(cs.data(), ps.data(), ks.data(), pipelined, figures_out.data(), ws, lanes));
+      for (int j = 0; j < lanes; ++j) {
+        StepFigures want;
+        ASSERT_TRUE(program.run_figures(*cs[j], *ps[j], *ks[j], pipelined, want, ws));
+        SCOPED_TRACE(::testing::Message() << "figures of lane " << j);
+        expect_same_figures(figures[j], want, nullptr);
+      }
       for (int j = 0; j < lanes; ++j) {
         Timeline want, engine;
         program.run(*cs[j], *ps[j], *ks[j], want);
@@ -301,18 +326,6 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
 // alone (its ranks; the others are twins), with the default prices and with prices that
 // differ per rank, chunk and link, on random plans whose compute streams wait for ZeRO
 // gathers, found-inf checks and gradient reductions.
-void expect_same_figures(const StepFigures& got, const StepFigures& want, const std::vector<int>* same_as) {
-  ASSERT_EQ(got.begin, want.begin);
-  ASSERT_EQ(got.end, want.end);
-  ASSERT_EQ(got.ranks.size(), want.ranks.size());
-  for (std::size_t r = 0; r < got.ranks.size(); ++r) {
-    if (same_as && (*same_as)[r] < static_cast<int>(r)) continue;  // a twin: not read
-    const auto &x = got.ranks[r], &y = want.ranks[r];
-    ASSERT_TRUE(x == y) << "rank " << r << ": busy " << x.busy << " vs " << y.busy << ", collective " << x.collective
-                        << " vs " << y.collective << ", comm " << x.comm << " vs " << y.comm;
-  }
-}
-
 TEST(StepProgram, FiguresEqualThoseOfItsTimelineOnRandomPlans) {
   RandomPlans random(20261201);
   int compared = 0, replica0 = 0, exposed = 0;
@@ -490,6 +503,49 @@ TEST(Predictor, EvaluateEqualsPredictAcrossSchedulesAndPrices) {
   EXPECT_GT(replicated, 150);
   EXPECT_GT(not_fitting, 50);
   EXPECT_GT(revisited, 30);
+}
+
+// evaluate_batch: plans a few at a time, as a sweep worker takes them (several prices of one
+// schedule, schedules met once, revisited or compiled within the batch, batches of 1 to 4),
+// each Result predict()'s whole, and evaluate() in between leaves it so.
+TEST(Predictor, EvaluateBatchEqualsPredict) {
+  RandomPlans random(20261202);
+  Predictor predictor;
+  std::vector<ScenarioConfig> drawn;
+  while (drawn.size() < 60)
+    if (auto c = random.next()) drawn.push_back(*c);
+  int compared = 0, lanes = 0;
+  for (int batch = 0; batch < 400; ++batch) {
+    const int n = random.pick({1, 2, 3, 4, 4, 4});
+    std::vector<Plan> plans;
+    const ScenarioConfig& base = drawn[static_cast<std::size_t>(batch / 5) % drawn.size()];
+    for (int j = 0; j < n; ++j) {
+      ScenarioConfig c = random.pick({0, 0, 0, 1}) ? drawn[static_cast<std::size_t>(random.pick({0, 7, 13, 29}) + batch) %
+                                                           drawn.size()]
+                                                   : base;
+      random.reprice(c);
+      try {
+        plans.push_back(Plan::from_config(c));
+      } catch (const ScenarioError&) {
+      }
+    }
+    std::vector<const Plan*> in;
+    for (const Plan& p : plans) in.push_back(&p);
+    std::vector<const Result*> out(in.size());
+    predictor.evaluate_batch(in.data(), static_cast<int>(in.size()), out.data());
+    for (std::size_t j = 0; j < in.size(); ++j) {
+      SCOPED_TRACE(::testing::Message() << "batch " << batch << " plan " << j << ": "
+                                        << schedule_name(plans[j].config.parallelism.schedule) << " p=" << plans[j].pp
+                                        << " d=" << plans[j].dp);
+      expect_same_result(*out[j], predict(plans[j]).result);
+      if (HasFailure()) return;
+      ++compared;
+    }
+    lanes += in.size() > 1;
+    if (batch % 13 == 0 && !plans.empty()) expect_same_result(predictor.evaluate(plans[0]), predict(plans[0]).result);
+  }
+  EXPECT_GT(compared, 1000);
+  EXPECT_GT(lanes, 250);
 }
 
 // ---- What the cache relies on --------------------------------------------------------

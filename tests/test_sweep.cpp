@@ -410,6 +410,46 @@ TEST(SweepRun, IdenticalOutputWhateverTheThreadCount) {
   }
 }
 
+// A sweep worker evaluates its rows a few at a time (evaluate_configurations, simulated ones
+// batched in the Predictor): the same rows, every field the reports write, as
+// evaluate_configuration one by one, with invalid, out-of-memory and constrained rows among them.
+TEST(SweepRun, RowsInBatchesEqualRowsOneByOne) {
+  // Neighbours that differ only in prices (the efficiency, last) are stepped together.
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  parallelism.schedule: [gpipe, 1f1b, zb-h1]
+  training.micro_batch_size: [1, 2, 3]
+  communication.overlap_grad_reduce: [false, true]
+  cluster.memory_gib: [12, 40]
+  cluster.compute_efficiency: [0.5, 0.55, 0.6, 0.65, 0.7]
+constraints:
+  max_micro_batch_size: 1
+)");
+  SweepOptions o;
+  o.threads = 1;
+  const SweepResult batched = run_sweep(sc, o);
+  SweepResult single;
+  single.keys = sweep_keys(sc);
+  Predictor predictor;
+  for (const SweepConfiguration& p : expand_sweep(sc))
+    single.rows.push_back(evaluate_configuration(predictor, p, sc.constraints));
+  rank_rows(single);
+  ASSERT_EQ(single.rows.size(), batched.rows.size());
+  EXPECT_GT(batched.counts.ok, 0u);
+  EXPECT_GT(batched.counts.invalid, 0u);
+  EXPECT_GT(batched.counts.out_of_memory, 0u);
+  EXPECT_GT(batched.counts.constraint, 0u);
+  EXPECT_EQ(sweep_to_json(single, sc).dump(2), sweep_to_json(batched, sc).dump(2));
+  std::ostringstream a, b;
+  write_sweep_csv(single, a);
+  write_sweep_csv(batched, b);
+  EXPECT_EQ(a.str(), b.str());
+  for (std::size_t i = 0; i < single.rows.size(); ++i) {
+    EXPECT_EQ(single.rows[i].reason, batched.rows[i].reason) << i;
+    EXPECT_EQ(single.rows[i].warnings, batched.rows[i].warnings) << i;
+  }
+}
+
 TEST(SweepRun, CountsRankingAndOrderAreConsistent) {
   const Scenario sc = postmortem_with(kSweep);
   std::size_t progress_calls = 0, last_done = 0;

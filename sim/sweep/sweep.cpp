@@ -1,10 +1,12 @@
 #include "sim/sweep/sweep.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -330,26 +332,23 @@ std::vector<Violation> constraint_violations(const SweepConstraints& k, const Pl
 
 }  // namespace
 
-SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
-                                const SweepConstraints& constraints) {
-  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
-}
+namespace {
 
-SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
-  SweepRow row;
-  row.point = std::move(moved);
+// The checks before simulation: the row's verdict where they refuse it (nothing returned),
+// else its plan.
+std::optional<Plan> admit(SweepRow& row) {
   const SweepConfiguration& point = row.point;
   if (!point.error.empty()) {
     row.status = SweepStatus::invalid;
     row.reason = point.error;
-    return row;
+    return std::nullopt;
   }
   if (std::string why = unsupported_precision(point.config); !why.empty()) {
     row.status = SweepStatus::unsupported_precision;
     row.reason = std::move(why);
-    return row;
+    return std::nullopt;
   }
-  Plan plan;
+  std::optional<Plan> plan;
   try {
     plan = Plan::from_config(point.config);
   } catch (const ScenarioError& e) {
@@ -358,76 +357,127 @@ SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved
     for (const auto& d : e.diagnostics())
       parts.push_back(d.key_path.empty() ? d.message : fmt::format("{}: {}", d.key_path, d.message));
     row.reason = fmt::format("{}", fmt::join(parts, "; "));
-    return row;
+    return std::nullopt;
   }
-  row.num_microbatches = plan.num_microbatches;
-  row.global_batch_size = plan.global_batch_size;
+  row.num_microbatches = plan->num_microbatches;
+  row.global_batch_size = plan->global_batch_size;
+  return plan;
+}
+
+// The row's metrics and verdict from its simulated Result.
+void judge(SweepRow& row, const Plan& plan, const Result& r, const SweepConstraints& constraints) {
+  SweepMetrics& m = row.metrics;
+  m.step_time_s = r.step_time_s;
+  m.tokens_per_s = r.tokens_per_s;
+  m.mfu = r.mfu;
+  m.tokens_per_s_per_gpu = r.tokens_per_s_per_gpu;
+  m.model_tflops_per_gpu = r.model_tflops_per_gpu;
+  m.hardware_tflops_per_gpu = r.hardware_tflops_per_gpu;
+  m.time_to_train_s = r.time_to_train_s;
+  m.gpu_hours = r.gpu_hours;
+  m.cost = r.cost;
+  m.bubble_fraction = r.bubble_fraction;
+  m.pipeline_bubble_fraction = r.pipeline_bubble_fraction;
+  m.exposed_comm_fraction = r.exposed_comm_fraction;
+  m.allreduce_time_s = r.allreduce_time_s;
+  m.exposed_comm_time_s = r.exposed_comm_time_s;
+  m.memory_capacity_bytes = r.memory_capacity_bytes;
+  m.stages.resize(static_cast<std::size_t>(plan.pp));
+  for (int s = 0; s < plan.pp; ++s) m.stages[static_cast<std::size_t>(s)].stage = s;
+  const RankResult* worst = nullptr;
+  for (const auto& rr : r.ranks) {
+    if (!worst || rr.peak_memory_bytes > worst->peak_memory_bytes) worst = &rr;
+    if (rr.stage >= 0 && rr.stage < plan.pp) {
+      auto& st = m.stages[static_cast<std::size_t>(rr.stage)];
+      st.peak_bytes = std::max(st.peak_bytes, rr.peak_memory_bytes);
+      st.activation_bytes = std::max(st.activation_bytes, rr.memory.activations);
+    }
+  }
+  if (worst) {
+    m.peak_memory_bytes = worst->peak_memory_bytes;
+    m.peak_memory_rank = worst->rank;
+  }
+  row.warnings = r.warnings;
+  row.simulated = true;
+  std::vector<std::string> reasons;
+  row.status = SweepStatus::ok;
+  row.shortfall = 0;
+  auto bind = [&](const std::string& key, double excess) {
+    if (row.binding.empty() || excess > row.shortfall) {
+      row.binding = key;
+      row.shortfall = excess;
+    }
+  };
+  if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
+    row.status = SweepStatus::out_of_memory;
+    reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
+                                  "{:.2f} GiB",
+                                  worst->rank, worst->stage, worst->replica,
+                                  bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
+                                  bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
+    bind("memory", worst->peak_memory_bytes / m.memory_capacity_bytes - 1);
+  }
+  for (auto& v : constraint_violations(constraints, plan, m)) {
+    if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
+    reasons.push_back(std::move(v.text));
+    bind(v.key, v.excess);
+  }
+  row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+}
+
+void simulation_failed(SweepRow& row, const std::exception& e) {
+  row.status = SweepStatus::invalid;
+  row.simulated = false;
+  row.metrics = {};
+  row.reason = fmt::format("the simulation failed: {}", e.what());
+}
+
+}  // namespace
+
+SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
+                                const SweepConstraints& constraints) {
+  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
+}
+
+SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
+  SweepRow row;
+  row.point = std::move(moved);
+  const std::optional<Plan> plan = admit(row);
+  if (!plan) return row;
   try {
-    const Result& r = predictor.evaluate(plan);
-    SweepMetrics& m = row.metrics;
-    m.step_time_s = r.step_time_s;
-    m.tokens_per_s = r.tokens_per_s;
-    m.mfu = r.mfu;
-    m.tokens_per_s_per_gpu = r.tokens_per_s_per_gpu;
-    m.model_tflops_per_gpu = r.model_tflops_per_gpu;
-    m.hardware_tflops_per_gpu = r.hardware_tflops_per_gpu;
-    m.time_to_train_s = r.time_to_train_s;
-    m.gpu_hours = r.gpu_hours;
-    m.cost = r.cost;
-    m.bubble_fraction = r.bubble_fraction;
-    m.pipeline_bubble_fraction = r.pipeline_bubble_fraction;
-    m.exposed_comm_fraction = r.exposed_comm_fraction;
-    m.allreduce_time_s = r.allreduce_time_s;
-    m.exposed_comm_time_s = r.exposed_comm_time_s;
-    m.memory_capacity_bytes = r.memory_capacity_bytes;
-    m.stages.resize(static_cast<std::size_t>(plan.pp));
-    for (int s = 0; s < plan.pp; ++s) m.stages[static_cast<std::size_t>(s)].stage = s;
-    const RankResult* worst = nullptr;
-    for (const auto& rr : r.ranks) {
-      if (!worst || rr.peak_memory_bytes > worst->peak_memory_bytes) worst = &rr;
-      if (rr.stage >= 0 && rr.stage < plan.pp) {
-        auto& st = m.stages[static_cast<std::size_t>(rr.stage)];
-        st.peak_bytes = std::max(st.peak_bytes, rr.peak_memory_bytes);
-        st.activation_bytes = std::max(st.activation_bytes, rr.memory.activations);
-      }
-    }
-    if (worst) {
-      m.peak_memory_bytes = worst->peak_memory_bytes;
-      m.peak_memory_rank = worst->rank;
-    }
-    row.warnings = r.warnings;
-    row.simulated = true;
-    std::vector<std::string> reasons;
-    row.status = SweepStatus::ok;
-    row.shortfall = 0;
-    auto bind = [&](const std::string& key, double excess) {
-      if (row.binding.empty() || excess > row.shortfall) {
-        row.binding = key;
-        row.shortfall = excess;
-      }
-    };
-    if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
-      row.status = SweepStatus::out_of_memory;
-      reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
-                                    "{:.2f} GiB",
-                                    worst->rank, worst->stage, worst->replica,
-                                    bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
-                                    bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
-      bind("memory", worst->peak_memory_bytes / m.memory_capacity_bytes - 1);
-    }
-    for (auto& v : constraint_violations(constraints, plan, m)) {
-      if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
-      reasons.push_back(std::move(v.text));
-      bind(v.key, v.excess);
-    }
-    row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+    judge(row, *plan, predictor.evaluate(*plan), constraints);
   } catch (const std::exception& e) {
-    row.status = SweepStatus::invalid;
-    row.simulated = false;
-    row.metrics = {};
-    row.reason = fmt::format("the simulation failed: {}", e.what());
+    simulation_failed(row, e);
   }
   return row;
+}
+
+void evaluate_configurations(Predictor& predictor, SweepConfiguration* points, SweepRow* rows, std::size_t n,
+                             const SweepConstraints& constraints) {
+  constexpr int kBatch = Predictor::kMaxBatch;
+  for (std::size_t i0 = 0; i0 < n; i0 += kBatch) {
+    const int count = static_cast<int>(std::min<std::size_t>(kBatch, n - i0));
+    std::array<std::optional<Plan>, kBatch> plans;
+    std::array<const Plan*, kBatch> admitted{};
+    std::array<SweepRow*, kBatch> admitted_rows{};
+    int k = 0;
+    for (int q = 0; q < count; ++q) {
+      SweepRow& row = rows[i0 + q];
+      row = SweepRow{};
+      row.point = std::move(points[i0 + q]);
+      plans[q] = admit(row);
+      if (!plans[q]) continue;
+      admitted[k] = &*plans[q];
+      admitted_rows[k++] = &row;
+    }
+    std::array<const Result*, kBatch> results{};
+    try {
+      predictor.evaluate_batch(admitted.data(), k, results.data());
+      for (int q = 0; q < k; ++q) judge(*admitted_rows[q], *admitted[q], *results[q], constraints);
+    } catch (const std::exception&) {  // one of them failed: each on its own, to say which
+      for (int q = 0; q < k; ++q) *admitted_rows[q] = evaluate_configuration(predictor, std::move(admitted_rows[q]->point), constraints);
+    }
+  }
 }
 
 std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
@@ -512,9 +562,13 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   std::condition_variable cv;
   auto worker = [&] {
     Predictor predictor;  // one per thread: its buffers are reused, nothing is shared
-    for (std::size_t i; (i = next.fetch_add(1)) < n;) {
-      res.rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints);
-      if (done.fetch_add(1) + 1 == n) {
+    // A few consecutive configurations at a time: a sweep's neighbours differ in prices, and
+    // the Predictor steps those of one schedule together.
+    constexpr std::size_t kChunk = Predictor::kMaxBatch;
+    for (std::size_t i; (i = next.fetch_add(kChunk)) < n;) {
+      const std::size_t count = std::min(kChunk, n - i);
+      evaluate_configurations(predictor, points.data() + i, res.rows.data() + i, count, constraints);
+      if (done.fetch_add(count) + count == n) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
       }

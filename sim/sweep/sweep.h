@@ -147,6 +147,10 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
                                 const SweepConstraints& constraints);
 // The same, the row taking `point` over instead of a copy of it.
 SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& point, const SweepConstraints& constraints);
+// rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints) for i < n, the
+// simulated ones Predictor::kMaxBatch at a time (Predictor::evaluate_batch): the same rows.
+void evaluate_configurations(Predictor& predictor, SweepConfiguration* points, SweepRow* rows, std::size_t n,
+                             const SweepConstraints& constraints);
 
 // ---- running a whole sweep --------------------------------------------------------------
 
