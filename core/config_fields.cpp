@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "core/diagnostics.h"
+#include "core/general6.h"
 #include "core/hardware_profile.h"
 #include "core/presets.h"
 
@@ -488,7 +489,7 @@ void append_field_value(std::string& out, const FieldValue& v) {
   struct Visitor {
     std::string& out;
     void operator()(std::int64_t x) const { fmt::format_to(std::back_inserter(out), "{}", x); }
-    void operator()(double x) const { fmt::format_to(std::back_inserter(out), "{:g}", x); }
+    void operator()(double x) const { append_general6(out, x); }  // "{:g}", i.e. "{:.6g}"
     void operator()(bool x) const { out += x ? "true" : "false"; }
     void operator()(const std::string& x) const { out += x; }
     void operator()(const IntList& x) const { fmt::format_to(std::back_inserter(out), "[{}]", fmt::join(x, ", ")); }

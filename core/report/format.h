@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "core/general6.h"  // write_general6, the CSV reports' numbers
+
 namespace trainsim {
 
 // 12.7K, 1.35B: three significant figures with a K/M/B/T suffix.
@@ -16,12 +18,5 @@ std::string format_duration(double s);
 std::string text_bar(double fraction, int width);
 // Rounded to 6 significant digits, as every JSON report writes figures: stable and readable.
 double round6(double x);
-
-// x as printf's "%.6g" (fmt's "{:.6g}") writes it, at a fraction of their cost: the CSV
-// reports' number format. Writes at most kGeneral6Chars characters from `out` and returns
-// the end.
-inline constexpr int kGeneral6Chars = 32;
-char* write_general6(char* out, double x);
-void append_general6(std::string& out, double x);
 
 }  // namespace trainsim

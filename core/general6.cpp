@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "core/report/format.h"
+#include "core/general6.h"
 
 namespace trainsim {
 
