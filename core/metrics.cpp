@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <charconv>
 #include <cstdint>
 #include <iterator>
@@ -371,46 +372,72 @@ void result_from_figures(const Plan& plan, const Schedule& s, const StepFigures&
     return w;
   };
   for (const auto& w : plan.warnings) next_warning() = w;
-  double worst = 0;
-  for (const auto& rr : res.ranks) worst = std::max(worst, rr.peak_memory_bytes);
-  constexpr double kFrameworkGib = 2.0;  // CUDA context, library workspaces, fragmentation
-  if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kFrameworkGib))
-    fmt::format_to(std::back_inserter(next_warning()),
-                   "only {:.1f} GiB of headroom on the fullest GPU: the CUDA context, library workspaces and allocator "
-                   "fragmentation (not modelled) typically take 0.5-2 GiB",
-                   bytes_to_gib(res.memory_capacity_bytes - worst));
-  // One warning per distinct need (the replicas of a stage need the same), not one per rank.
-  ws.groups.clear();
-  for (std::size_t r = 0; r < res.ranks.size(); ++r) {
-    const RankResult& rr = res.ranks[r];
-    if (rr.peak_memory_bytes <= res.memory_capacity_bytes) continue;
-    res.fits_in_memory = false;
-    auto g = std::find_if(ws.groups.begin(), ws.groups.end(),
-                          [&](const auto& x) { return x.first == rr.peak_memory_bytes; });
-    if (g == ws.groups.end()) {
-      ws.groups.emplace_back(rr.peak_memory_bytes, std::vector<int>{});
-      g = ws.groups.end() - 1;
-    }
-    g->second.push_back(static_cast<int>(r));
+  // The memory warnings: a function of every rank's (rank, stage, replica, peak), the
+  // capacity and memory_gib alone, so written again only when one of those changed since the
+  // last result (a sweep's neighbours differ in rates and links, not in memory).
+  auto bits = [](double x) { return std::bit_cast<std::uint64_t>(x); };
+  auto& key = ws.memory_key;
+  key.clear();
+  key.reserve(2 * res.ranks.size() + 2);
+  for (const auto& rr : res.ranks) {
+    key.push_back(static_cast<std::uint64_t>(static_cast<std::uint32_t>(rr.rank)) << 32 |
+                  static_cast<std::uint64_t>(static_cast<std::uint16_t>(rr.stage)) << 16 |
+                  static_cast<std::uint16_t>(rr.replica));
+    key.push_back(bits(rr.peak_memory_bytes));
   }
-  for (const auto& [peak, members] : ws.groups) {
-    std::vector<int> stages, ranks;
-    for (int r : members) {
-      ranks.push_back(res.ranks[r].rank);
-      if (std::find(stages.begin(), stages.end(), res.ranks[r].stage) == stages.end())
-        stages.push_back(res.ranks[r].stage);
+  key.push_back(bits(res.memory_capacity_bytes));
+  key.push_back(bits(cfg.cluster.memory_gib));
+  if (ws.memory_valid && key == ws.memory_written_from) {
+    for (const auto& w : ws.memory_warnings) next_warning() = w;
+    res.fits_in_memory = ws.memory_fits;
+  } else {
+    const std::size_t first = nw;
+    double worst = 0;
+    for (const auto& rr : res.ranks) worst = std::max(worst, rr.peak_memory_bytes);
+    constexpr double kFrameworkGib = 2.0;  // CUDA context, library workspaces, fragmentation
+    if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kFrameworkGib))
+      fmt::format_to(std::back_inserter(next_warning()),
+                     "only {:.1f} GiB of headroom on the fullest GPU: the CUDA context, library workspaces and "
+                     "allocator fragmentation (not modelled) typically take 0.5-2 GiB",
+                     bytes_to_gib(res.memory_capacity_bytes - worst));
+    // One warning per distinct need (the replicas of a stage need the same), not one per rank.
+    ws.groups.clear();
+    for (std::size_t r = 0; r < res.ranks.size(); ++r) {
+      const RankResult& rr = res.ranks[r];
+      if (rr.peak_memory_bytes <= res.memory_capacity_bytes) continue;
+      res.fits_in_memory = false;
+      auto g = std::find_if(ws.groups.begin(), ws.groups.end(),
+                            [&](const auto& x) { return x.first == rr.peak_memory_bytes; });
+      if (g == ws.groups.end()) {
+        ws.groups.emplace_back(rr.peak_memory_bytes, std::vector<int>{});
+        g = ws.groups.end() - 1;
+      }
+      g->second.push_back(static_cast<int>(r));
     }
-    std::sort(stages.begin(), stages.end());
-    std::string& w = next_warning();
-    if (ranks.size() == 1)
-      fmt::format_to(std::back_inserter(w), "rank {} (stage {}, replica {})", ranks[0], res.ranks[members[0]].stage,
-                     res.ranks[members[0]].replica);
-    else
-      fmt::format_to(std::back_inserter(w), "{} ranks ({} {}: ranks {})", ranks.size(),
-                     stages.size() == 1 ? "stage" : "stages", ranges_text(stages), ranges_text(ranks));
-    fmt::format_to(std::back_inserter(w), " need{} {:.1f} GiB, {:.1f} GiB more than the GPU's {:.1f} GiB",
-                   ranks.size() == 1 ? "s" : "", bytes_to_gib(peak), bytes_to_gib(peak - res.memory_capacity_bytes),
-                   cfg.cluster.memory_gib);
+    for (const auto& [peak, members] : ws.groups) {
+      std::vector<int> stages, ranks;
+      for (int r : members) {
+        ranks.push_back(res.ranks[r].rank);
+        if (std::find(stages.begin(), stages.end(), res.ranks[r].stage) == stages.end())
+          stages.push_back(res.ranks[r].stage);
+      }
+      std::sort(stages.begin(), stages.end());
+      std::string& w = next_warning();
+      if (ranks.size() == 1)
+        fmt::format_to(std::back_inserter(w), "rank {} (stage {}, replica {})", ranks[0], res.ranks[members[0]].stage,
+                       res.ranks[members[0]].replica);
+      else
+        fmt::format_to(std::back_inserter(w), "{} ranks ({} {}: ranks {})", ranks.size(),
+                       stages.size() == 1 ? "stage" : "stages", ranges_text(stages), ranges_text(ranks));
+      fmt::format_to(std::back_inserter(w), " need{} {:.1f} GiB, {:.1f} GiB more than the GPU's {:.1f} GiB",
+                     ranks.size() == 1 ? "s" : "", bytes_to_gib(peak), bytes_to_gib(peak - res.memory_capacity_bytes),
+                     cfg.cluster.memory_gib);
+    }
+    ws.memory_warnings.assign(res.warnings.begin() + static_cast<std::ptrdiff_t>(first),
+                              res.warnings.begin() + static_cast<std::ptrdiff_t>(nw));
+    ws.memory_fits = res.fits_in_memory;
+    ws.memory_written_from.swap(key);
+    ws.memory_valid = true;
   }
   if (res.step_time_s > 0 && res.exposed_comm_time_s > 0.1 * res.step_time_s)
     fmt::format_to(std::back_inserter(next_warning()), "{:.0f}% of the step is communication not hidden under compute{}",

@@ -51,6 +51,11 @@ struct ResultWorkspace {
   std::vector<IdleGap> gaps;    // the rank's, in program order
   std::vector<std::pair<double, std::vector<int>>> groups;  // over-capacity ranks by their peak
   StepFigures figures;
+  // The last result's memory warnings and fits_in_memory, and what they were written from
+  // (every rank's rank, stage, replica and peak, the capacity and memory_gib, as bits).
+  bool memory_valid = false, memory_fits = true;
+  std::vector<std::string> memory_warnings;
+  std::vector<std::uint64_t> memory_written_from, memory_key;
 };
 
 // The part of a rank's compute-stream idle time that waited for its own collectives

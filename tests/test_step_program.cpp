@@ -842,6 +842,34 @@ TEST(ComputeResult, OnePassEqualsTheFiguresComputedOneByOne) {
   EXPECT_GT(with_gaps, 50);
 }
 
+// One workspace reused result after result, as a sweep worker's is: the memory warnings it
+// keeps from the last result are those a fresh workspace writes, whether the memory, the
+// capacity or the ranks changed in between or not.
+TEST(ComputeResult, AReusedWorkspaceWritesEachResultsMemoryWarnings) {
+  RandomPlans random(20261203);
+  ResultWorkspace ws;
+  Result reused;
+  int compared = 0, over = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    const Prediction p = predict(Plan::from_config(*c));
+    for (const double gib : {0.001, 0.001, 0.08, 1e9, 0.08}) {
+      ScenarioConfig priced = *c;
+      priced.cluster.memory_gib = gib;
+      const Plan plan = Plan::from_config(priced);
+      compute_result_into(plan, p.timeline, p.memory, reused, ws);
+      const Result fresh = compute_result(plan, p.timeline, p.memory);
+      expect_same_result(reused, fresh);
+      if (HasFailure()) return;
+      ++compared;
+      over += !fresh.fits_in_memory;
+    }
+  }
+  EXPECT_GT(compared, 500);
+  EXPECT_GT(over, 100);
+}
+
 // An op whose dependency is a collective later in its rank's program (build_schedule makes
 // none): its gap is split with every collective of the rank known, as before.
 TEST(ComputeResult, GapBeforeAnOpWaitingForALaterCollective) {
