@@ -577,7 +577,20 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   const auto start = std::chrono::steady_clock::now();
   const double cpu_start = process_cpu_seconds();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
-  {
+  if (threads == 1) {
+    // One worker: this thread, which then reports progress between chunks (and allocates from
+    // the memory expansion just gave back, not from a new thread's).
+    Predictor predictor;
+    double reported = 0;
+    for (std::size_t i = 0; i < n; i += Predictor::kMaxBatch) {
+      const std::size_t count = std::min<std::size_t>(Predictor::kMaxBatch, n - i);
+      evaluate_configurations(predictor, points.data() + i, res.rows.data() + i, count, constraints);
+      if (options.progress && i + count < n && elapsed() - reported >= 0.1) {
+        reported = elapsed();
+        options.progress(SweepProgress{i + count, n, reported});
+      }
+    }
+  } else {
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (unsigned t = 0; t < threads; ++t) pool.emplace_back(worker);

@@ -9,7 +9,8 @@
 //     --ranking------->  feasible rows by tokens/s, the Pareto front of throughput against
 //                        peak memory per GPU
 //
-// Configurations are evaluated on std::thread workers, one Predictor per thread; results are
+// Configurations are evaluated on std::thread workers (on the calling thread when there is
+// one worker), a few consecutive ones at a time, one Predictor per thread; results are
 // stored by expansion index and every ordering is a total order on (metrics, index), so the
 // result is identical whatever the thread count.
 //
