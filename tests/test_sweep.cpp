@@ -152,6 +152,33 @@ sweep:
   EXPECT_EQ(seen.size(), points.size());
 }
 
+// Configurations that end up identical in every field (as format_field_value writes them,
+// which keeps six significant digits) are kept once, the first in expansion order, and the
+// others renumbered; a configuration whose value was refused keeps its own row per error.
+TEST(SweepExpand, IdenticalConfigurationsAreKeptOnce) {
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  training.micro_batch_size: [1, 2, 1]
+  cluster.compute_efficiency: [0.5, 0.50000001, 0.6]
+  communication.overlap_grad_reduce: [false, true]
+)");
+  const auto points = expand_sweep(sc);
+  ASSERT_EQ(points.size(), 2u * 2u * 2u);  // micro-batch 1 twice, 0.5 and 0.50000001 read the same
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    EXPECT_EQ(points[i].index, i);
+    EXPECT_EQ(points[i].config.training.micro_batch_size, i < 4 ? 1 : 2) << i;
+    EXPECT_EQ(points[i].config.cluster.compute_efficiency, i % 4 < 2 ? 0.5 : 0.6) << i;  // the first kept
+    EXPECT_EQ(points[i].config.communication.overlap_grad_reduce, i % 2 == 1) << i;
+  }
+  // An adjustment that makes configurations identical (plan's precision fixes do) drops them too.
+  const auto adjusted = expand_sweep(sc, [](ScenarioConfig& c) { c.communication.overlap_grad_reduce = true; });
+  ASSERT_EQ(adjusted.size(), 2u * 2u);
+  for (std::size_t i = 0; i < adjusted.size(); ++i) {
+    EXPECT_EQ(adjusted[i].index, i);
+    EXPECT_TRUE(std::get<bool>(adjusted[i].values[2].second));
+  }
+}
+
 TEST(SweepExpand, GeneratedAxesFollowTheGlobalBatch) {
   const Scenario sc = postmortem_with(R"(
 sweep:

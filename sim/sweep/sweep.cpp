@@ -49,15 +49,6 @@ std::string config_fingerprint(const ScenarioConfig& c) {
 
 bool is_setup_key(const std::string& path) { return path.rfind("cluster.", 0) == 0 || path.rfind("model.", 0) == 0; }
 
-namespace {
-
-struct Partial {
-  ScenarioConfig config;
-  std::string error;
-};
-
-}  // namespace
-
 std::vector<std::int64_t> divisors(std::int64_t n) {
   std::vector<std::int64_t> small, large;
   for (std::int64_t i = 1; i * i <= n; ++i)
@@ -113,8 +104,10 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       value_axes.push_back(&a);
   }
 
-  std::vector<Partial> cur{Partial{sc.config, ""}};
-  auto apply = [](Partial& p, const FieldSpec& f, const FieldValue& v) {
+  // Configurations as they are built (index and values set at the end, in place).
+  std::vector<SweepConfiguration> cur(1);
+  cur.front().config = sc.config;
+  auto apply = [](SweepConfiguration& p, const FieldSpec& f, const FieldValue& v) {
     try {
       f.set(p.config, v);
     } catch (const std::invalid_argument& e) {
@@ -123,11 +116,11 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   };
   auto product = [&](const SweepAxis& axis) {
     const FieldSpec& f = field(axis.path);
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     next.reserve(cur.size() * axis.values.size());
     for (const auto& p : cur)
       for (const auto& v : axis.values) {
-        Partial q = p;
+        SweepConfiguration q = p;
         apply(q, f, v);
         next.push_back(std::move(q));
       }
@@ -151,14 +144,14 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       fields.push_back(&field(a->path));
       combos *= a->values.size();
     }
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     next.reserve(cur.size() * combos);
     std::vector<std::size_t> at(value_axes.size());
     for (const auto& p : cur) {
       if (combos == 0) break;
       std::fill(at.begin(), at.end(), 0);
       for (std::size_t n = 0; n < combos; ++n) {
-        Partial& q = next.emplace_back(p);
+        SweepConfiguration& q = next.emplace_back(p);
         for (std::size_t k = 0; k < value_axes.size(); ++k) apply(q, *fields[k], value_axes[k]->values[at[k]]);
         for (std::size_t k = value_axes.size(); k-- > 0;) {  // the last axis turns fastest
           if (++at[k] < value_axes[k]->values.size()) break;
@@ -170,7 +163,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   }
 
   if (auto_parallel) {
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     for (const auto& p : cur) {
       const auto layouts = auto_parallel_layouts(p.config);
       if (layouts.empty()) {  // nothing fits the rule: the configuration as written, invalid or not
@@ -178,7 +171,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         continue;
       }
       for (const auto& l : layouts) {
-        Partial q = p;
+        SweepConfiguration q = p;
         q.config.parallelism.data_parallel_size = l.dp;
         q.config.parallelism.pipeline_parallel_size = l.pp;
         q.config.parallelism.tensor_parallel_size = l.tp;
@@ -188,7 +181,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     cur = std::move(next);
   }
   if (auto_micro) {
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     for (const auto& p : cur) {
       const std::int64_t gb = p.config.training.global_batch_size, d = p.config.parallelism.data_parallel_size;
       if (gb <= 0 || d <= 0 || gb % d != 0) {  // kept as written: Plan states why it cannot run
@@ -196,7 +189,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         continue;
       }
       for (std::int64_t b : divisors(gb / d)) {
-        Partial q = p;
+        SweepConfiguration q = p;
         q.config.training.micro_batch_size = static_cast<int>(b);
         next.push_back(std::move(q));
       }
@@ -207,21 +200,20 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   const std::vector<std::string> keys = sweep_keys(sc);
   std::vector<const FieldSpec*> key_fields;
   for (const auto& k : keys) key_fields.push_back(&field(k));
-  std::vector<SweepConfiguration> out;
-  out.reserve(cur.size());
+  // Kept configurations are compacted to the front of `cur`, in order.
+  std::size_t kept = 0;
   // A configuration is dropped when an earlier one kept has the same fingerprint and error.
   // Those have the same swept values too, so only configurations whose swept values (and
   // error) collide need their fingerprints (every field formatted) compared.
-  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices into out
-  std::vector<std::string> fingerprints;                                 // of out[i], "" until needed
+  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices of kept ones
+  std::vector<std::string> fingerprints;                                 // of kept ones, "" until needed
   std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
-    SweepConfiguration c;
-    c.values.reserve(keys.size());
-    for (std::size_t k = 0; k < keys.size(); ++k) c.values.emplace_back(keys[k], key_fields[k]->get(p.config));
+    p.values.reserve(keys.size());
+    for (std::size_t k = 0; k < keys.size(); ++k) p.values.emplace_back(keys[k], key_fields[k]->get(p.config));
     bucket.clear();
-    for (const auto& [k, v] : c.values) {
+    for (const auto& [k, v] : p.values) {
       append_field_value(bucket, v);
       bucket += '\x1f';
     }
@@ -231,7 +223,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       const std::string mine = config_fingerprint(p.config) + p.error;
       bool duplicate = false;
       for (std::size_t j : same_values) {
-        if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(out[j].config) + out[j].error;
+        if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(cur[j].config) + cur[j].error;
         if (fingerprints[j] == mine) {
           duplicate = true;
           break;
@@ -242,13 +234,13 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     } else {
       fingerprints.emplace_back();
     }
-    same_values.push_back(out.size());
-    c.index = out.size();
-    c.error = std::move(p.error);
-    c.config = std::move(p.config);
-    out.push_back(std::move(c));
+    same_values.push_back(kept);
+    p.index = kept;
+    if (&p != &cur[kept]) cur[kept] = std::move(p);
+    ++kept;
   }
-  return out;
+  cur.erase(cur.begin() + static_cast<std::ptrdiff_t>(kept), cur.end());
+  return cur;
 }
 
 std::string_view sweep_status_name(SweepStatus s) {
