@@ -437,7 +437,7 @@ TEST(SweepRun, IdenticalOutputWhateverTheThreadCount) {
   }
 }
 
-// A sweep worker evaluates its rows a few at a time (evaluate_configurations, simulated ones
+// A sweep worker evaluates its rows a few at a time (evaluate_rows, simulated ones
 // batched in the Predictor): the same rows, every field the reports write, as
 // evaluate_configuration one by one, with invalid, out-of-memory and constrained rows among them.
 TEST(SweepRun, RowsInBatchesEqualRowsOneByOne) {

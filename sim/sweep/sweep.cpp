@@ -432,8 +432,7 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
 }
 
 SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
-  SweepRow row;
-  row.point = std::move(moved);
+  SweepRow row(std::move(moved));
   const std::optional<Plan> plan = admit(row);
   if (!plan) return row;
   try {
@@ -444,8 +443,7 @@ SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved
   return row;
 }
 
-void evaluate_configurations(Predictor& predictor, SweepConfiguration* points, SweepRow* rows, std::size_t n,
-                             const SweepConstraints& constraints) {
+void evaluate_rows(Predictor& predictor, SweepRow* rows, std::size_t n, const SweepConstraints& constraints) {
   constexpr int kBatch = Predictor::kMaxBatch;
   for (std::size_t i0 = 0; i0 < n; i0 += kBatch) {
     const int count = static_cast<int>(std::min<std::size_t>(kBatch, n - i0));
@@ -455,8 +453,6 @@ void evaluate_configurations(Predictor& predictor, SweepConfiguration* points, S
     int k = 0;
     for (int q = 0; q < count; ++q) {
       SweepRow& row = rows[i0 + q];
-      row = SweepRow{};
-      row.point = std::move(points[i0 + q]);
       plans[q] = admit(row);
       if (!plans[q]) continue;
       admitted[k] = &*plans[q];
@@ -467,7 +463,8 @@ void evaluate_configurations(Predictor& predictor, SweepConfiguration* points, S
       predictor.evaluate_batch(admitted.data(), k, results.data());
       for (int q = 0; q < k; ++q) judge(*admitted_rows[q], *admitted[q], *results[q], constraints);
     } catch (const std::exception&) {  // one of them failed: each on its own, to say which
-      for (int q = 0; q < k; ++q) *admitted_rows[q] = evaluate_configuration(predictor, std::move(admitted_rows[q]->point), constraints);
+      for (int q = 0; q < k; ++q)
+        *admitted_rows[q] = evaluate_configuration(predictor, std::move(admitted_rows[q]->point), constraints);
     }
   }
 }
@@ -544,8 +541,14 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   SweepResult res;
   res.keys = std::move(keys);
   const std::size_t n = points.size();
-  for (std::size_t i = 0; i < n; ++i) points[i].index = i;
-  res.rows.resize(n);
+  // Each row takes its configuration over (no row is built empty first: an empty
+  // configuration allocates its defaults).
+  res.rows.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    points[i].index = i;
+    res.rows.emplace_back(std::move(points[i]));
+  }
+  points.clear();
 
   unsigned threads = options.threads ? options.threads : usable_cores();
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
@@ -559,7 +562,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     constexpr std::size_t kChunk = Predictor::kMaxBatch;
     for (std::size_t i; (i = next.fetch_add(kChunk)) < n;) {
       const std::size_t count = std::min(kChunk, n - i);
-      evaluate_configurations(predictor, points.data() + i, res.rows.data() + i, count, constraints);
+      evaluate_rows(predictor, res.rows.data() + i, count, constraints);
       if (done.fetch_add(count) + count == n) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
@@ -576,7 +579,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     double reported = 0;
     for (std::size_t i = 0; i < n; i += Predictor::kMaxBatch) {
       const std::size_t count = std::min<std::size_t>(Predictor::kMaxBatch, n - i);
-      evaluate_configurations(predictor, points.data() + i, res.rows.data() + i, count, constraints);
+      evaluate_rows(predictor, res.rows.data() + i, count, constraints);
       if (options.progress && i + count < n && elapsed() - reported >= 0.1) {
         reported = elapsed();
         options.progress(SweepProgress{i + count, n, reported});

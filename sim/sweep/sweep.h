@@ -120,6 +120,10 @@ struct SweepMetrics {
 };
 
 struct SweepRow {
+  SweepRow() = default;
+  // A row that holds its configuration and nothing else yet.
+  explicit SweepRow(SweepConfiguration p) : point(std::move(p)) {}
+
   SweepConfiguration point;
   SweepStatus status = SweepStatus::invalid;
   // Empty for ok rows. Otherwise why it cannot run, with the numbers, e.g.
@@ -148,10 +152,10 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
                                 const SweepConstraints& constraints);
 // The same, the row taking `point` over instead of a copy of it.
 SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& point, const SweepConstraints& constraints);
-// rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints) for i < n, the
-// simulated ones Predictor::kMaxBatch at a time (Predictor::evaluate_batch): the same rows.
-void evaluate_configurations(Predictor& predictor, SweepConfiguration* points, SweepRow* rows, std::size_t n,
-                             const SweepConstraints& constraints);
+// Rows that hold their configuration and nothing else (SweepRow(point)), evaluated in
+// place: rows[i] becomes evaluate_configuration(predictor, rows[i].point, constraints), the
+// simulated ones Predictor::kMaxBatch at a time (Predictor::evaluate_batch).
+void evaluate_rows(Predictor& predictor, SweepRow* rows, std::size_t n, const SweepConstraints& constraints);
 
 // ---- running a whole sweep --------------------------------------------------------------
 
