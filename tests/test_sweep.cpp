@@ -538,6 +538,65 @@ std::vector<std::size_t> brute_front(const std::vector<SweepRow>& rows) {
   return out;
 }
 
+// setup_groups against its definition written plainly: rows grouped by the text of their
+// setup values (cluster.*, model.*), groups in the order first met, each group's best the
+// first of its rows in the ranking; setup keys swept outermost, innermost and in between.
+TEST(SweepSetups, GroupsMatchTheirDefinition) {
+  for (const char* axes : {R"(
+sweep:
+  cluster.gpu: [a100-80gb, h100-80gb]
+  training.micro_batch_size: [1, 2]
+  cluster.compute_efficiency: [0.5, 0.6, 0.7]
+)",
+                           R"(
+sweep:
+  training.activation_recompute: [none, full]
+  cluster.memory_gib: [20, 40, 80]
+  communication.overlap_grad_reduce: [false, true]
+  cluster.inter_node.bandwidth_gbps: [12.5, 25]
+)",
+                           R"(
+sweep:
+  training.micro_batch_size: [1, 2]
+)"}) {
+    SCOPED_TRACE(axes);
+    const Scenario sc = postmortem_with(axes);
+    const SweepResult r = run_sweep(sc);
+    std::vector<std::string> names;
+    std::vector<SetupGroup> want;
+    auto text = [&](const SweepRow& row) {
+      std::string t;
+      for (std::size_t k = 0; k < r.keys.size(); ++k)
+        if (is_setup_key(r.keys[k])) t += format_field_value(row.point.values[k].second) + "|";
+      return t;
+    };
+    for (std::size_t i = 0; i < r.rows.size(); ++i) {
+      const std::string t = text(r.rows[i]);
+      auto it = std::find(names.begin(), names.end(), t);
+      if (it == names.end()) {
+        names.push_back(t);
+        SetupGroup g;
+        for (std::size_t k = 0; k < r.keys.size(); ++k)
+          if (is_setup_key(r.keys[k])) g.values.push_back(r.rows[i].point.values[k]);
+        want.push_back(g);
+        it = names.end() - 1;
+      }
+      want[static_cast<std::size_t>(it - names.begin())].rows.push_back(i);
+    }
+    for (std::size_t i : r.ranking) {
+      auto& g = want[static_cast<std::size_t>(std::find(names.begin(), names.end(), text(r.rows[i])) - names.begin())];
+      if (!g.best) g.best = i;
+    }
+    const std::vector<SetupGroup> got = setup_groups(r);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t g = 0; g < got.size(); ++g) {
+      EXPECT_EQ(got[g].values, want[g].values) << g;
+      EXPECT_EQ(got[g].rows, want[g].rows) << g;
+      EXPECT_EQ(got[g].best, want[g].best) << g;
+    }
+  }
+}
+
 TEST(SweepPareto, MatchesBruteForceOnARealSweep) {
   const SweepResult r = run_sweep(postmortem_with(kSweep));
   std::vector<std::size_t> got = r.pareto, want = brute_front(r.rows);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -647,29 +648,65 @@ void rank_rows(SweepResult& res) {
   res.pareto = pareto_front(res.rows);
 }
 
+namespace {
+
+// The same value, doubles bit for bit (so the same text: 0.0 and -0.0 are not the same).
+bool same_value(const FieldValue& a, const FieldValue& b) {
+  if (a.index() != b.index()) return false;
+  if (const double* x = std::get_if<double>(&a)) return std::bit_cast<std::uint64_t>(*x) == std::bit_cast<std::uint64_t>(std::get<double>(b));
+  return a == b;
+}
+
+}  // namespace
+
 std::vector<SetupGroup> setup_groups(const SweepResult& res) {
   std::vector<std::size_t> setup_columns;
   for (std::size_t k = 0; k < res.keys.size(); ++k)
     if (is_setup_key(res.keys[k])) setup_columns.push_back(k);
   std::vector<SetupGroup> groups;
   std::vector<std::string> names;
-  auto group_of = [&](const SweepRow& row) -> SetupGroup& {
-    std::string name;
-    std::vector<std::pair<std::string, FieldValue>> values;
+  // A row's group: the one whose setup values read the same. A row with the same values as
+  // the row before it (a sweep's neighbours mostly are) is in its group without reading them.
+  std::vector<std::size_t> group_of(res.rows.size());
+  std::string name;
+  for (std::size_t i = 0; i < res.rows.size(); ++i) {
+    const auto& values = res.rows[i].point.values;
+    if (i > 0) {
+      const auto& before = res.rows[i - 1].point.values;
+      bool same = true;
+      for (std::size_t k : setup_columns) {
+        const bool has = k < values.size();
+        if (has != (k < before.size()) || (has && !same_value(values[k].second, before[k].second))) {
+          same = false;
+          break;
+        }
+      }
+      if (same) {
+        group_of[i] = group_of[i - 1];
+        groups[group_of[i]].rows.push_back(i);
+        continue;
+      }
+    }
+    name.clear();
     for (std::size_t k : setup_columns) {
-      if (k >= row.point.values.size()) continue;
-      values.push_back(row.point.values[k]);
-      name += format_field_value(row.point.values[k].second) + '\x1f';
+      if (k >= values.size()) continue;
+      append_field_value(name, values[k].second);
+      name += '\x1f';
     }
     auto it = std::find(names.begin(), names.end(), name);
-    if (it != names.end()) return groups[static_cast<std::size_t>(it - names.begin())];
-    names.push_back(name);
-    groups.push_back(SetupGroup{std::move(values), {}, std::nullopt});
-    return groups.back();
-  };
-  for (std::size_t i = 0; i < res.rows.size(); ++i) group_of(res.rows[i]).rows.push_back(i);
+    if (it == names.end()) {
+      names.push_back(name);
+      std::vector<std::pair<std::string, FieldValue>> setup;
+      for (std::size_t k : setup_columns)
+        if (k < values.size()) setup.push_back(values[k]);
+      groups.push_back(SetupGroup{std::move(setup), {}, std::nullopt});
+      it = names.end() - 1;
+    }
+    group_of[i] = static_cast<std::size_t>(it - names.begin());
+    groups[group_of[i]].rows.push_back(i);
+  }
   for (std::size_t i : res.ranking) {
-    SetupGroup& g = group_of(res.rows[i]);
+    SetupGroup& g = groups[group_of[i]];
     if (!g.best) g.best = i;
   }
   return groups;
