@@ -1,6 +1,7 @@
 #include "core/config_fields.h"
 
 #include <algorithm>
+#include <bit>
 #include <cctype>
 #include <iterator>
 #include <stdexcept>
@@ -495,6 +496,13 @@ void append_field_value(std::string& out, const FieldValue& v) {
     void operator()(const IntList& x) const { fmt::format_to(std::back_inserter(out), "[{}]", fmt::join(x, ", ")); }
   };
   std::visit(Visitor{out}, v);
+}
+
+bool same_field_value(const FieldValue& a, const FieldValue& b) {
+  if (a.index() != b.index()) return false;
+  if (const double* x = std::get_if<double>(&a))
+    return std::bit_cast<std::uint64_t>(*x) == std::bit_cast<std::uint64_t>(std::get<double>(b)) && *x == *x;
+  return a == b;
 }
 
 std::string format_field_value(const FieldValue& v) {

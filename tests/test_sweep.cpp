@@ -632,6 +632,40 @@ TEST(SweepPareto, MatchesBruteForceWithTiesAndInfeasibleRows) {
 
 // ---- reports ----------------------------------------------------------------------------------
 
+// The CSV's value columns are each value's text (format_field_value), whatever the writer
+// keeps of the cells it wrote: a column of more distinct values than it keeps, values equal
+// to six digits, and 0 beside -0.
+TEST(SweepReport, CsvValueColumnsAreTheValuesText) {
+  std::string efficiencies;
+  for (int k = 0; k < 40; ++k) efficiencies += fmt::format("{}{}", k ? ", " : "", 0.3 + 0.01 * k);
+  const Scenario sc = postmortem_with(fmt::format(R"(
+sweep:
+  cluster.compute_efficiency: [{}, 0.5000001]
+  training.micro_batch_size: [1, 2]
+  cluster.price_per_gpu_hour: [0.0, -0.0, 2.5]
+)",
+                                                  efficiencies));
+  const SweepResult r = run_sweep(sc);
+  std::ostringstream csv;
+  write_sweep_csv(r, csv);
+  std::istringstream in(csv.str());
+  std::string line;
+  std::getline(in, line);  // the head
+  std::size_t lines = 0;
+  for (std::size_t at = 0; std::getline(in, line); ++at) {
+    std::vector<std::string> cells;
+    std::stringstream fields(line);
+    for (std::string c; cells.size() < 2 + r.keys.size() && std::getline(fields, c, ',');) cells.push_back(c);
+    const SweepRow& row = r.rows[r.order[at]];
+    ASSERT_EQ(cells[1], std::to_string(r.order[at]));
+    for (std::size_t k = 0; k < r.keys.size(); ++k)
+      ASSERT_EQ(cells[2 + k], format_field_value(row.point.values[k].second)) << "row " << r.order[at] << " " << r.keys[k];
+    ++lines;
+  }
+  EXPECT_EQ(lines, r.rows.size());
+  EXPECT_GT(r.rows.size(), 200u);
+}
+
 TEST(SweepReport, JsonCsvAndSvgHoldEveryConfiguration) {
   const Scenario sc = postmortem_with(kSweep);
   const SweepResult r = run_sweep(sc);

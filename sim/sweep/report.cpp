@@ -372,16 +372,34 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
   }
   text += '\n';
   auto integer = [&](std::size_t x) { fmt::format_to(std::back_inserter(text), "{}", x); };
+  // Each column's cells by value, the last few values met (a column holds a handful).
+  constexpr std::size_t kCellsPerColumn = 16;
+  std::vector<std::vector<std::pair<FieldValue, std::string>>> cells(s.keys.size());
   for (std::size_t idx : s.order) {
     const SweepRow& row = s.rows[idx];
     if (rank[idx]) integer(rank[idx]);
     text += ',';
     integer(idx);
-    for (const auto& [k, v] : row.point.values) {
+    for (std::size_t k = 0; k < row.point.values.size(); ++k) {
+      const FieldValue& v = row.point.values[k].second;
       text += ',';
+      auto* column = k < cells.size() ? &cells[k] : nullptr;
+      const std::pair<FieldValue, std::string>* known = nullptr;
+      if (column)
+        for (const auto& c : *column)
+          if (same_field_value(c.first, v)) known = &c;
+      if (known) {
+        text += known->second;
+        continue;
+      }
       cell.clear();
       append_field_value(cell, v);
+      const std::size_t at = text.size();
       append_csv_field(text, cell);
+      if (column) {
+        if (column->size() == kCellsPerColumn) column->erase(column->begin());
+        column->emplace_back(v, text.substr(at));
+      }
     }
     text += ',';
     text += sweep_status_name(row.status);

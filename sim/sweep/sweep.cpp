@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -648,17 +647,6 @@ void rank_rows(SweepResult& res) {
   res.pareto = pareto_front(res.rows);
 }
 
-namespace {
-
-// The same value, doubles bit for bit (so the same text: 0.0 and -0.0 are not the same).
-bool same_value(const FieldValue& a, const FieldValue& b) {
-  if (a.index() != b.index()) return false;
-  if (const double* x = std::get_if<double>(&a)) return std::bit_cast<std::uint64_t>(*x) == std::bit_cast<std::uint64_t>(std::get<double>(b));
-  return a == b;
-}
-
-}  // namespace
-
 std::vector<SetupGroup> setup_groups(const SweepResult& res) {
   std::vector<std::size_t> setup_columns;
   for (std::size_t k = 0; k < res.keys.size(); ++k)
@@ -676,7 +664,7 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
       bool same = true;
       for (std::size_t k : setup_columns) {
         const bool has = k < values.size();
-        if (has != (k < before.size()) || (has && !same_value(values[k].second, before[k].second))) {
+        if (has != (k < before.size()) || (has && !same_field_value(values[k].second, before[k].second))) {
           same = false;
           break;
         }
