@@ -143,6 +143,15 @@ double number(const std::string& path, const YAML::Node& map, const char* key, d
   return x;
 }
 
+// 0 (not measured, or nothing) or a value in [lo, hi]: a quantity between 0 and lo would give
+// infinite rates and ratios (a kernel that moved 1e-320 bytes scales to an infinite time).
+double number_or_zero(const std::string& path, const YAML::Node& map, const char* key, double lo, double hi) {
+  const double x = get<double>(path, map, key, 0);
+  if (!(x == 0 || (x >= lo && x <= hi)))
+    bad(path, map[key], fmt::format("{} must be 0 or between {:g} and {:g}, got {}", key, lo, hi, x));
+  return x;
+}
+
 long integer(const std::string& path, const YAML::Node& map, const char* key, long fallback, long lo, long hi) {
   const long x = get<long>(path, map, key, fallback);
   if (x < lo || x > hi) bad(path, map[key], fmt::format("{} must be between {} and {}, got {}", key, lo, hi, x));
@@ -152,6 +161,7 @@ long integer(const std::string& path, const YAML::Node& map, const char* key, lo
 // Bounds: far beyond any machine, near enough that products of them stay finite doubles.
 constexpr long kMaxDim = 1L << 40;        // matrix dimensions, batch, elements
 constexpr double kMaxBytes = 1e18;
+constexpr double kMinMicroseconds = 1e-6;  // one picosecond: the simulator's tick
 constexpr double kMaxMicroseconds = 1e12;  // about 11 days per launch or message
 constexpr double kMaxRate = 1e9;           // GB/s
 constexpr int kMaxRanks = 1 << 20;         // as cluster.num_gpus
@@ -167,7 +177,8 @@ LinkFit link_of(const std::string& path, const YAML::Node& n) {
   return LinkFit{number(path, n, "latency_us", 0, 0, kMaxMicroseconds), number(path, n, "bandwidth_gbps", 0, 0, kMaxRate)};
 }
 
-// `table: [[bytes, us], ...]`: sizes above zero (interpolated log-log), times not negative.
+// `table: [[bytes, us], ...]`: sizes of a byte or more (interpolated log-log), times 0 or a
+// tick or more.
 SizeTable table_of(const std::string& path, const YAML::Node& n) {
   SizeTable t;
   if (const YAML::Node rows = n["table"]) {
@@ -182,9 +193,11 @@ SizeTable table_of(const std::string& path, const YAML::Node& n) {
       } catch (const YAML::Exception&) {
         bad(path, r, "a table row is [bytes, us], two numbers");
       }
-      if (!(bytes > 0 && bytes <= kMaxBytes)) bad(path, r, fmt::format("table row bytes must be in (0, {:g}], got {}", kMaxBytes, bytes));
-      if (!(us >= 0 && us <= kMaxMicroseconds))
-        bad(path, r, fmt::format("table row us must be between 0 and {:g}, got {}", kMaxMicroseconds, us));
+      if (!(bytes >= 1 && bytes <= kMaxBytes))
+        bad(path, r, fmt::format("table row bytes must be between 1 and {:g}, got {}", kMaxBytes, bytes));
+      if (!(us == 0 || (us >= kMinMicroseconds && us <= kMaxMicroseconds)))
+        bad(path, r,
+            fmt::format("table row us must be 0 or between {:g} and {:g}, got {}", kMinMicroseconds, kMaxMicroseconds, us));
       t.rows.emplace_back(bytes, us * 1e-6);
     }
     std::sort(t.rows.begin(), t.rows.end());
@@ -243,11 +256,11 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
     r.shape.k = integer(path, k, "k", 0, 0, kMaxDim);
     r.shape.batch = integer(path, k, "batch", 1, 1, kMaxDim);
     r.shape.elements = integer(path, k, "elements", 0, 0, kMaxDim);
-    r.bytes = number(path, k, "bytes", 0, 0, kMaxBytes);
+    r.bytes = number_or_zero(path, k, "bytes", 1, kMaxBytes);
     const double us = get<double>(path, k, "us", 0);
     if (!(us >= 0))
       throw std::runtime_error(fmt::format("{}: kernel {} has a negative time (us)", where(path, k), r.kernel));
-    r.seconds = number(path, k, "us", 0, 0, kMaxMicroseconds) * 1e-6;
+    r.seconds = number_or_zero(path, k, "us", kMinMicroseconds, kMaxMicroseconds) * 1e-6;
     p.kernels.push_back(std::move(r));
   }
   if (const YAML::Node c = root["composition"]) {
