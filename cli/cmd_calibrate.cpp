@@ -5,14 +5,15 @@
 
 #include <iostream>
 #include <memory>
-#include <thread>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
 #include "cli/commands.h"
 #include "core/scenario.h"
+#include "runtime/backend.h"
 #include "runtime/calibrate/calibrate.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/runtime_plan.h"
 
 namespace trainsim::cli {
 
@@ -36,25 +37,25 @@ Command add_calibrate_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
-            const BackendChoice backend = backend_for(scenario, *sub, o->backend);
+            const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
+            if (!backend.kernels || !backend.comm_ranks)
+              throw std::invalid_argument("calibrate: the " + backend.name + " backend has no calibration");
             runtime::CalibrateOptions co;
+            co.placement = single_process_placement(backend, o->backend, "calibrate");
             co.comm.max_bytes = static_cast<std::size_t>(o->max_mib * (1 << 20));
             co.comm.group_sizes = o->ranks;
             if (co.comm.group_sizes.empty()) {
-              // The CPU backend's ranks are threads on its cores; the CUDA backend puts the plan's ranks on one GPU.
-              const int most = backend.name == "cuda" ? std::max(2, rp.plan.num_ranks())
-                                                      : static_cast<int>(std::max(2u, std::thread::hardware_concurrency()));
+              const int most = backend.comm_ranks(rp);
               for (int n = 2; n <= most; n *= 2) co.comm.group_sizes.push_back(n);
             }
             co.progress = [](const std::string& s) { std::cerr << "calibrate: " << s << "\n"; };
             runtime::CommBenchResult comm;
             const std::string name = o->name.empty() ? backend.name + "-" + scenario.config.name : o->name;
-            const HardwareProfile p = calibrate_on_backend(rp, name, co, backend, &comm);
+            const HardwareProfile p = runtime::calibrate_profile(backend, rp, name, co, &comm);
             std::cout << runtime::format_comm_table(comm);
             std::cout << fmt::format("\n# {} kernels of {} measured on {} ({})\n", p.kernels.size(),
-                                     scenario.config.name, p.device,
-                                     backend.name == "cuda" ? "CUDA events on rank 0's stream" : "one core, pinned");
+                                     scenario.config.name, p.device, backend.kernel_clock);
             std::cout << fmt::format("# {:<26} {:>6} {:>32} {:>10} {:>12}\n", "kernel", "dtype", "shape", "time(us)",
                                      "rate");
             for (const KernelRate& k : p.kernels) {

@@ -1,5 +1,6 @@
 // trainsim fields | presets | devices: what a scenario may say, and what this machine has.
 #include <iostream>
+#include <memory>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -35,7 +36,13 @@ Command add_fields_command(CLI::App& app) {
 
 Command add_presets_command(CLI::App& app) {
   auto* sub = app.add_subcommand("presets", "List the GPU and model presets");
-  return {sub, [] {
+  auto markdown = std::make_shared<bool>(false);
+  sub->add_flag("--markdown", *markdown, "The model table of docs/presets.md");
+  return {sub, [markdown] {
+            if (*markdown) {
+              std::cout << model_presets_markdown();
+              return 0;
+            }
             std::cout << "GPUs (cluster.gpu):\n";
             for (const auto& g : gpu_presets())
               std::cout << fmt::format(
@@ -48,8 +55,8 @@ Command add_presets_command(CLI::App& app) {
             for (const auto& mp : model_presets()) {
               const ModelShape s(mp.model);
               std::cout << fmt::format(
-                  "  {:<14} {:7.2f}B params  L={:<4} h={:<6} heads={:<4} ffn={:<6} seq={:<5} vocab={:<6} {}\n",
-                  mp.name, s.total_params() / 1e9, s.L, s.h, s.a, s.f, s.s, s.V, mp.summary);
+                  "  {:<14} {:>8} params  L={:<4} h={:<6} heads={:<4} ffn={:<6} seq={:<5} vocab={:<6} {}\n",
+                  mp.name, format_params(s.total_params()), s.L, s.h, s.a, s.f, s.s, s.V, mp.summary);
             }
             std::cout << "\nSources: docs/presets.md\n";
             return 0;

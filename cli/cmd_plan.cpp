@@ -17,6 +17,7 @@ Command add_plan_command(CLI::App& app) {
     bool json = false, keep_precision = false;
     std::size_t runners_up = 5;
     unsigned threads = 0;
+    double margin_pct = 100 * kPlanMargin;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
@@ -29,6 +30,11 @@ Command add_plan_command(CLI::App& app) {
   sub->add_option("--runners-up", o->runners_up, "Configurations shown after the chosen one")->capture_default_str();
   sub->add_flag("--keep-precision", o->keep_precision,
                 "Search with the file's precision settings instead of applying the precision fixes");
+  sub->add_option("--margin", o->margin_pct,
+                  "Percent of tokens/s a change must gain to replace the file's configuration (default: the model's "
+                  "own error, docs/sweep.md)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1000.0));
   sub->add_option("--threads", o->threads, "Worker threads (default: all cores)")->check(CLI::PositiveNumber);
   return {sub, [o] {
             const Scenario scenario = load_scenario_file(o->file);
@@ -36,6 +42,7 @@ Command add_plan_command(CLI::App& app) {
             options.threads = o->threads;
             options.runners_up = o->runners_up;
             options.fix_precision = !o->keep_precision;
+            options.margin = o->margin_pct / 100;
             options.progress = terminal_progress();
             const PlanResult plan = make_plan(scenario, options);
             if (o->json)
@@ -50,7 +57,7 @@ Command add_plan_command(CLI::App& app) {
                                                                  "`.\nRun: trainsim simulate " + o->write_scenario);
               });
             }
-            return 0;
+            return plan.chosen ? 0 : kExitNothingFeasible;
           }};
 }
 

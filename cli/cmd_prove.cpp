@@ -29,7 +29,7 @@ Command add_prove_command(CLI::App& app) {
   return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
             validation::ProveOptions po;
-            po.backend = validation_backend(backend_for(scenario, *sub, o->backend), "prove");
+            po.backend = validation_backend(scenario, *sub, o->backend, "prove");
             po.steps = o->steps;
             po.progress = [](const std::string& s) { std::cerr << "prove: " << s << "\n"; };
             const validation::IncidentReport r = validation::prove(scenario, po);

@@ -10,8 +10,9 @@
 #include "cli/commands.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
-#include "runtime/exec/executor.h"
-#include "runtime/exec/run_report.h"
+#include "runtime/backend.h"
+#include "runtime/loop/run_loop.h"
+#include "runtime/loop/run_report.h"
 
 namespace trainsim::cli {
 
@@ -51,7 +52,7 @@ Command add_run_command(CLI::App& app) {
   sub->add_flag("--no-pin", o->no_pin, "Do not pin rank threads to cores");
   return {sub, [o, sub] {
             const Scenario scenario = load_scenario_file(o->file);
-            const BackendChoice backend = backend_for(scenario, *sub, o->backend);
+            const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             const auto& rt = scenario.config.runtime;
 
@@ -64,6 +65,7 @@ Command add_run_command(CLI::App& app) {
             if (!opt.checkpoint_dir.empty() && opt.checkpoint_every_steps == 0) opt.checkpoint_every_steps = rt.steps;
             opt.resume_from = o->resume;
             opt.pin_threads = !o->no_pin;
+            opt.placement = placement_for(backend, o->backend);
             const int total = o->steps > 0 ? o->steps : rt.steps;
             const bool prints = prints_output(backend);
             if (prints && isatty(STDERR_FILENO))
@@ -72,7 +74,7 @@ Command add_run_command(CLI::App& app) {
                                          s.loss_scale, s.step_time_s * 1e3, s.skipped_ranks ? "  (skipped)" : "          ")
                           << std::flush;
               };
-            const runtime::RunReport report = run_on_backend(rp, opt, backend);
+            const runtime::RunReport report = runtime::run(backend, rp, opt);
             if (prints && isatty(STDERR_FILENO)) std::cerr << "\n";
             if (!prints) return report.failure ? kExitRunFailed : 0;
 

@@ -1,5 +1,8 @@
 // trainsim sweep FILE: simulate every configuration of the scenario's `sweep:` axes and rank them.
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <fmt/format.h>
 
 #include <cstdio>
 #include <iostream>
@@ -28,10 +31,23 @@ std::function<void(const SweepProgress&)> terminal_progress() {
   };
 }
 
+// --stats: the sweep's own figures, then the whole process so far (loading, expansion,
+// evaluation, ranking and writing the outputs), both in CPU time.
+void print_sweep_stats(const SweepResult& result) {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  const double cpu = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+                     1e-6 * static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+  std::cerr << "sweep stats: " << format_sweep_stats(result.stats, result.rows.size()) << "\n"
+            << "sweep stats: whole command " << fmt::format("{:.3f}", cpu) << " s CPU: "
+            << fmt::format("{:.0f}", cpu > 0 ? static_cast<double>(result.stats.evaluations) / cpu : 0.0)
+            << " evaluations per CPU-second end to end\n";
+}
+
 Command add_sweep_command(CLI::App& app) {
   struct Options {
-    std::string file, csv, svg;
-    bool json = false;
+    std::string file, csv, svg, html;
+    bool json = false, stats = false;
     std::size_t top = 10, infeasible = 10;
     unsigned threads = 0;
   };
@@ -44,7 +60,13 @@ Command add_sweep_command(CLI::App& app) {
   sub->add_flag("--json", o->json, "Print every configuration with its metrics as JSON instead of the table");
   sub->add_option("--csv", o->csv, "Write every configuration with its metrics as CSV");
   sub->add_option("--svg", o->svg, "Write a picture: throughput against peak memory per GPU, Pareto front marked");
-  sub->add_option("--threads", o->threads, "Worker threads (default: all cores)")->check(CLI::PositiveNumber);
+  sub->add_option("--html", o->html,
+                  "Write the same picture as an HTML page: hover any point for its configuration and figures");
+  sub->add_option("--threads", o->threads, "Worker threads (default: one per core it may run on, e.g. under taskset)")
+      ->check(CLI::PositiveNumber);
+  sub->add_flag("--stats", o->stats,
+                "After the outputs, print on stderr what the sweep cost: configurations evaluated (simulated) and "
+                "rejected, evaluations per CPU-second, and the whole command's CPU time");
   return {sub, [o] {
             const Scenario scenario = load_scenario_file(o->file);
             if (scenario.sweep.empty())
@@ -59,13 +81,18 @@ Command add_sweep_command(CLI::App& app) {
             } else {
               const std::string name = scenario.config.name.empty() ? o->file : scenario.config.name;
               std::cout << format_sweep_table(result, "sweep of " + name + " (" + o->file + ")", o->top,
-                                              o->infeasible);
+                                              o->infeasible)
+                        << format_sweep_notes(result, scenario);
             }
             std::cout << std::flush;
             if (!o->csv.empty()) write_output(o->csv, [&](std::ostream& out) { write_sweep_csv(result, out); });
             if (!o->svg.empty())
               write_output(o->svg, [&](std::ostream& out) { write_sweep_svg(result, scenario, out); });
-            return 0;
+            if (!o->html.empty())
+              write_output(o->html, [&](std::ostream& out) { write_sweep_html(result, scenario, out); },
+                           "open in a browser");
+            if (o->stats) print_sweep_stats(result);
+            return result.ranking.empty() ? kExitNothingFeasible : 0;
           }};
 }
 

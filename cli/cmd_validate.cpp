@@ -54,7 +54,7 @@ Command add_validate_command(CLI::App& app) {
             if (o->file.empty()) throw CLI::RequiredError("FILE");
             const Scenario scenario = load_scenario_file(o->file);
             validation::ValidateOptions vo;
-            vo.backend = validation_backend(backend_for(scenario, *sub, o->backend), "validate");
+            vo.backend = validation_backend(scenario, *sub, o->backend, "validate");
             vo.profile_path = o->profile;
             vo.steps = o->steps;
             vo.synthetic_data = o->synthetic;

@@ -9,11 +9,24 @@
 
 #include <CLI/CLI.hpp>
 
+#include "runtime/contract.h"
+
+namespace trainsim {
+struct Scenario;
+}  // namespace trainsim
+namespace trainsim::runtime {
+struct Backend;
+}  // namespace trainsim::runtime
+namespace trainsim::validation {
+struct ValidationBackend;
+}  // namespace trainsim::validation
+
 namespace trainsim::cli {
 
 inline constexpr int kExitBadInput = 2;  // the scenario or the arguments are wrong
 inline constexpr int kExitIoError = 3;   // files, or anything else that failed
 inline constexpr int kExitRunFailed = 4; // a run ended early (diverged, NaN): its report was still written
+inline constexpr int kExitNothingFeasible = 5;  // sweep/plan: no configuration fits (the report says why)
 
 struct Command {
   CLI::App* sub = nullptr;
@@ -33,44 +46,28 @@ Command add_prove_command(CLI::App& app);
 
 // The backend a run, calibration or validation uses, from --backend, --sm-sharing, --device.
 struct BackendChoice {
-  std::string name = "cpu";           // cpu or cuda
-  std::string sm_sharing = "auto";    // cuda, every rank on one GPU: auto, green or shared
-  int device = 0;                     // cuda, every rank on one GPU
+  std::string name = "cpu";  // a name of the registry (runtime/backends.cpp)
+  std::string sm_sharing = "auto";  // several ranks on one GPU: auto, green or shared
+  int device = 0;            // several ranks on one GPU
 };
 void add_backend_options(CLI::App* sub, BackendChoice& backend);
-}  // namespace trainsim::cli
 
-namespace trainsim {
-struct Scenario;
-struct HardwareProfile;
-}  // namespace trainsim
-namespace trainsim::runtime {
-struct RuntimePlan;
-struct RunOptions;
-struct RunReport;
-struct CalibrateOptions;
-struct CommBenchResult;
-}  // namespace trainsim::runtime
-namespace trainsim::validation {
-struct ValidationBackend;
-}  // namespace trainsim::validation
-
-namespace trainsim::cli {
-// cli/backend.cpp. The choice, with the scenario's runtime.backend where --backend was not given.
-BackendChoice backend_for(const Scenario& scenario, const CLI::App& sub, BackendChoice choice);
-// Runs on the chosen backend. cuda under a launcher (torchrun, mpirun, srun with more than one
-// process) runs this process's rank over NCCL; otherwise every rank shares one GPU.
-runtime::RunReport run_on_backend(const runtime::RuntimePlan& rp, const runtime::RunOptions& options,
-                                  const BackendChoice& backend);
-// False on every process but rank 0 of a multi-process CUDA run: one report, not one per GPU.
-bool prints_output(const BackendChoice& backend);
-// The backend's own rates at the plan's shapes (calibrate_cpu, or calibrate_cuda with every rank
-// on one GPU; refused under a launcher).
-HardwareProfile calibrate_on_backend(const runtime::RuntimePlan& rp, const std::string& name,
-                                     const runtime::CalibrateOptions& options, const BackendChoice& backend,
-                                     runtime::CommBenchResult* comm_table);
-// What validate and prove (`command`, for errors) run on.
-validation::ValidationBackend validation_backend(const BackendChoice& backend, const char* command);
+// cli/backend.cpp. The record chosen: --backend, or the scenario's runtime.backend where
+// --backend was not given. Throws when this build cannot use it (saying why).
+const runtime::Backend& backend_for(const Scenario& scenario, const CLI::App& sub, const BackendChoice& choice);
+// Where `backend` places the plan's ranks: under torchrun, mpirun or srun with more than one
+// process (for a backend that is launched so), this process's rank; otherwise every rank here.
+runtime::Placement placement_for(const runtime::Backend& backend, const BackendChoice& choice);
+// The same for commands that place every rank in one process (calibrate, validate and prove,
+// `command` names it in the error): refused under a launcher.
+runtime::Placement single_process_placement(const runtime::Backend& backend, const BackendChoice& choice,
+                                            const char* command);
+// What validate and prove (`command`, for errors) run on: backend_for's record, every rank in
+// this process.
+validation::ValidationBackend validation_backend(const Scenario& scenario, const CLI::App& sub,
+                                                const BackendChoice& choice, const char* command);
+// False on every process but rank 0 of a launched run: one report, not one per GPU.
+bool prints_output(const runtime::Backend& backend);
 
 // core/report/write_file.h's write_file (whole or not at all), then tells the user on stderr
 // where the file is (and how to open it).

@@ -21,4 +21,6 @@ std::string_view recompute_name(Recompute r) {
   return "?";
 }
 
+std::string_view runtime_backend_name(RuntimeBackend b) { return b == RuntimeBackend::cuda ? "cuda" : "cpu"; }
+
 }  // namespace trainsim

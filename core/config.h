@@ -32,6 +32,12 @@ enum class Normalization { layernorm, rmsnorm };
 // writes them, or separate unfused kernels (scores, softmax, dropout, each through memory).
 enum class AttentionKernel { flash, fused, naive };
 enum class RuntimeBackend { cpu, cuda };
+// Whose data-parallel sharding the ZeRO stages follow (docs/model.md, "Data-parallel
+// frameworks"): when gradients are reduced (once per step, or after every micro-batch), when
+// parameters are gathered, and which combinations the framework refuses. auto: Megatron-LM
+// for stages 0-1 (DDP, --use-distributed-optimizer), DeepSpeed for stages 2-3 (whose ZeRO
+// stages the key names).
+enum class Framework { auto_select, megatron, deepspeed, fsdp };
 
 struct ModelConfig {
   std::string preset;  // name from the catalog, or empty
@@ -52,11 +58,13 @@ struct ModelConfig {
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
   AttentionKernel attention = AttentionKernel::flash;
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
 struct LinkConfig {
   double bandwidth_gbps = 0;  // GB/s, one direction
   double latency_us = 0;
+  friend bool operator==(const LinkConfig&, const LinkConfig&) = default;
 };
 
 struct ClusterConfig {
@@ -71,11 +79,13 @@ struct ClusterConfig {
   double hbm_bandwidth_gbps = 2039;
   LinkConfig intra_node{300, 3};
   LinkConfig inter_node{25, 6};
+  double price_per_gpu_hour = 0;  // what one GPU-hour costs (any currency); 0: not given
   // A hardware profile measured by `trainsim calibrate` (path as written; relative to the
   // scenario's folder), applied like a GPU preset; the cost models then price each kernel at
   // its measured rate (core/hardware_profile.h).
   std::string profile;
   std::shared_ptr<const HardwareProfile> calibrated;
+  friend bool operator==(const ClusterConfig&, const ClusterConfig&) = default;
 };
 
 struct ParallelismConfig {
@@ -87,6 +97,11 @@ struct ParallelismConfig {
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   std::vector<int> layers_per_stage;  // empty: balanced
   int zero_stage = 0;
+  Framework framework = Framework::auto_select;
+  // FSDP only: accumulate unsharded gradients over the micro-batches (no_sync(), FSDP2's
+  // set_requires_gradient_sync(False)) and reduce-scatter once, after the last.
+  bool fsdp_no_sync = false;
+  friend bool operator==(const ParallelismConfig&, const ParallelismConfig&) = default;
 };
 
 struct TrainingConfig {
@@ -101,6 +116,10 @@ struct TrainingConfig {
   double adam_beta2 = 0.95;
   double adam_eps = 1e-8;
   double clip_grad = 1.0;  // clip by the global gradient norm across all stages; 0: off
+  // The whole training run, for time to train, GPU-hours and cost (0: not given).
+  double total_tokens = 0;
+  std::int64_t train_steps = 0;
+  friend bool operator==(const TrainingConfig&, const TrainingConfig&) = default;
 };
 
 struct LossScalingConfig {
@@ -110,6 +129,7 @@ struct LossScalingConfig {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int hysteresis = 2;
+  friend bool operator==(const LossScalingConfig&, const LossScalingConfig&) = default;
 };
 
 struct PrecisionConfig {
@@ -120,12 +140,14 @@ struct PrecisionConfig {
   AllReduceDivide allreduce_divide = AllReduceDivide::before;
   OverflowScope overflow_check = OverflowScope::global;
   LossScalingConfig loss_scaling;
+  friend bool operator==(const PrecisionConfig&, const PrecisionConfig&) = default;
 };
 
 struct CommunicationConfig {
   double bucket_size_mib = 25;
   bool overlap_grad_reduce = false;
   AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
+  friend bool operator==(const CommunicationConfig&, const CommunicationConfig&) = default;
 };
 
 // What `trainsim run` executes for real (the runtime issue); parsed and checked now so that
@@ -143,6 +165,7 @@ struct RuntimeConfig {
   bool data_synthetic = false;
   std::string checkpoint_dir;
   int checkpoint_every_steps = 0;
+  friend bool operator==(const RuntimeConfig&, const RuntimeConfig&) = default;
 };
 
 struct ScenarioConfig {
@@ -155,9 +178,14 @@ struct ScenarioConfig {
   PrecisionConfig precision;
   CommunicationConfig communication;
   RuntimeConfig runtime;
+  // Field by field, every field (a field added to any section is compared too): the
+  // Predictor's schedule cache (sim/simulator.cpp) is keyed on it.
+  friend bool operator==(const ScenarioConfig&, const ScenarioConfig&) = default;
 };
 
 std::string_view schedule_name(ScheduleKind s);
 std::string_view recompute_name(Recompute r);
+// The backend record runtime.backend names (runtime/backend.h find_backend).
+std::string_view runtime_backend_name(RuntimeBackend b);
 
 }  // namespace trainsim

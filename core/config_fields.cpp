@@ -1,10 +1,12 @@
 #include "core/config_fields.h"
 
 #include <algorithm>
+#include <cctype>
 #include <stdexcept>
 
 #include <fmt/format.h>
 
+#include "core/diagnostics.h"
 #include "core/hardware_profile.h"
 #include "core/presets.h"
 
@@ -123,6 +125,46 @@ FieldSpec peak_rate(DType d) {
   return f;
 }
 
+// "did you mean ...? " for a preset name: another case or separators ("llama2-70B",
+// "llama2_70b"), the start of a name ("h100" for h100-80gb), or a typo that keeps the first
+// letter (b200 is another GPU than h200, not a typo of it).
+std::string preset_hint(const std::string& name, const std::vector<std::string>& names) {
+  auto squash = [](const std::string& x) {
+    std::string o;
+    for (char ch : x)
+      if (ch != '-' && ch != '_' && ch != ' ') o += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return o;
+  };
+  const std::string w = squash(name);
+  std::string hint;
+  for (const auto& n : names)
+    if (squash(n) == w) hint = n;
+  if (hint.empty() && !w.empty())
+    for (const auto& n : names)
+      if (squash(n).rfind(w, 0) == 0) {
+        hint = n;
+        break;
+      }
+  if (hint.empty() && !w.empty()) {
+    std::vector<std::string> same_start;
+    for (const auto& n : names)
+      if (!n.empty() && std::tolower(static_cast<unsigned char>(n[0])) == w[0]) same_start.push_back(n);
+    hint = closest_match(name, same_start);
+  }
+  return hint.empty() ? "" : fmt::format("did you mean \"{}\"? ", hint);
+}
+
+std::vector<std::string> gpu_names() {
+  std::vector<std::string> v;
+  for (const auto& p : gpu_presets()) v.push_back(p.name);
+  return v;
+}
+std::vector<std::string> model_names() {
+  std::vector<std::string> v;
+  for (const auto& p : model_presets()) v.push_back(p.name);
+  return v;
+}
+
 std::string names_of_gpus() {
   std::string s;
   for (const auto& p : gpu_presets()) s += (s.empty() ? "" : ", ") + p.name;
@@ -152,7 +194,9 @@ std::vector<FieldSpec> make_fields() {
         return;
       }
       const ModelPreset* p = find_model_preset(name);
-      if (!p) throw std::invalid_argument("unknown model preset; known: " + names_of_models());
+      if (!p)
+        throw std::invalid_argument("unknown model preset; " + preset_hint(name, model_names()) +
+                                    "known: " + names_of_models());
       apply_model_preset(*p, c.model);
     };
     t.push_back(std::move(f));
@@ -201,7 +245,8 @@ std::vector<FieldSpec> make_fields() {
         return;
       }
       const GpuPreset* p = find_gpu_preset(name);
-      if (!p) throw std::invalid_argument("unknown GPU preset; known: " + names_of_gpus());
+      if (!p)
+        throw std::invalid_argument("unknown GPU preset; " + preset_hint(name, gpu_names()) + "known: " + names_of_gpus());
       apply_gpu_preset(*p, c.cluster);
     };
     t.push_back(std::move(f));
@@ -244,6 +289,8 @@ std::vector<FieldSpec> make_fields() {
                    "GB/s", "Per-GPU bandwidth between nodes, one direction"));
   t.push_back(real("cluster.inter_node.latency_us", FIELD(cluster.inter_node.latency_us), 0, 1e6, "us",
                    "Per-message latency between nodes"));
+  t.push_back(real("cluster.price_per_gpu_hour", FIELD(cluster.price_per_gpu_hour), 0, 1e9, "per GPU-hour",
+                   "What one GPU-hour costs (any currency), for the cost of training; 0: not given"));
 
   // ---- parallelism -------------------------------------------------------------------
   t.push_back(integer("parallelism.data_parallel_size", FIELD(parallelism.data_parallel_size), 1, 1 << 20, "",
@@ -282,6 +329,21 @@ std::vector<FieldSpec> make_fields() {
   }
   t.push_back(integer("parallelism.zero_stage", FIELD(parallelism.zero_stage), 0, 3, "",
                       "ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights, over replicas"));
+  t.push_back(choice("parallelism.framework", FIELD(parallelism.framework),
+                     {{"auto", Framework::auto_select},
+                      {"megatron", Framework::megatron},
+                      {"deepspeed", Framework::deepspeed},
+                      {"fsdp", Framework::fsdp}},
+                     "Whose sharding the ZeRO stages follow (docs/model.md): megatron (1: "
+                     "--use-distributed-optimizer, gradients reduce-scattered once per step; 2/3: Megatron-FSDP "
+                     "optim_grads/optim_grads_params), deepspeed (zero_optimization.stage; 2/3 reduce-scatter after "
+                     "every micro-batch; refuses 2/3 with pipeline parallelism), fsdp (PyTorch FSDP/FSDP2 as in "
+                     "torchtitan; 2: reshard_after_forward=False, 3: True; no stage 1); auto: megatron for 0-1, "
+                     "deepspeed for 2-3"));
+  t.push_back(boolean("parallelism.fsdp_no_sync", FIELD(parallelism.fsdp_no_sync),
+                      "framework fsdp: accumulate unsharded gradients over micro-batches (no_sync / "
+                      "set_requires_gradient_sync(False)) and reduce-scatter once, after the last; gradients are "
+                      "then not sharded in memory"));
 
   // ---- training ----------------------------------------------------------------------
   t.push_back(integer("training.micro_batch_size", FIELD(training.micro_batch_size), 1, 1 << 20, "",
@@ -304,6 +366,10 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(real("training.adam_eps", FIELD(training.adam_eps), 1e-30, 1, "", "Adam's denominator epsilon"));
   t.push_back(real("training.clip_grad", FIELD(training.clip_grad), 0, 1e30, "",
                    "Clip gradients to this global L2 norm across all stages (runtime); 0: no clipping"));
+  t.push_back(real("training.total_tokens", FIELD(training.total_tokens), 0, 1e18, "tokens",
+                   "Tokens of the whole run, for time to train, GPU-hours and cost; 0: not given"));
+  t.push_back(integer("training.train_steps", FIELD(training.train_steps), 0, 1e15, "steps",
+                      "Optimizer steps of the whole run (when total_tokens is not given); 0: not given"));
 
   // ---- precision ---------------------------------------------------------------------
   t.push_back(choice("precision.compute", FIELD(precision.compute),

@@ -1,8 +1,14 @@
 // Timeline -> Result: the one place step time, bubble fraction, utilization and
 // communication figures are computed, for predicted and measured timelines alike.
+//
+// Idle time: a rank's compute stream is idle for step time minus busy time; that idle time
+// is split by what the stream waited for (metrics.cpp, split_idle): a pipeline peer's
+// activation or gradient (pipeline_bubble_s) or this rank's collectives (exposed_comm_s).
+// bubble_fraction = 1 - mean utilization = pipeline_bubble_fraction + exposed_comm_fraction.
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/plan.h"
@@ -17,9 +23,9 @@ Result compute_result(const Plan& plan, const Timeline& timeline, const std::vec
 
 // Buffers that compute_result_into reuses between calls (one per sweep worker).
 struct ResultWorkspace {
-  std::vector<OpTiming> compute, collectives, sends, comm, merged_a, merged_b;
-  std::string tail;  // the rank-independent end of the last over-capacity warning
-  double tail_peak = -1;
+  std::vector<OpTiming> collectives, merged_a;
+  std::vector<int> coll_index;  // program positions of the rank's collectives
+  std::vector<std::pair<double, std::vector<int>>> groups;  // over-capacity ranks by their peak
 };
 
 // The same result into `out`, reusing its storage and `ws`. same_as (optional, one entry per

@@ -62,7 +62,22 @@ double ModelShape::model_flops_per_sample() const {
   return 3.0 * (L * layer_forward_flops(1) + lm_head_forward_flops(1));
 }
 
+double ModelShape::hardware_flops_per_sample(Recompute r) const {
+  const double again = r == Recompute::full        ? layer_forward_flops(1)
+                       : r == Recompute::selective ? layer_attention_core_flops(1)
+                                                   : 0.0;
+  return model_flops_per_sample() + L * again;
+}
+
 double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recompute r) const {
+  return activation_bytes(b, e, t, sp, r, false);
+}
+
+double ModelShape::layer_stored_activation_bytes(int b, int e, int t, bool sp, Recompute r) const {
+  return activation_bytes(b, e, t, sp, r, attention == AttentionKernel::flash);
+}
+
+double ModelShape::activation_bytes(int b, int e, int t, bool sp, Recompute r, bool flash) const {
   const double sbh = static_cast<double>(s) * b * h;
   const double as2b = static_cast<double>(a) * s * s * b;
   const double kv_frac = static_cast<double>(kv_heads) / a;
@@ -71,14 +86,23 @@ double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recomput
   // Replicated across tensor-parallel ranks unless sequence parallel: the two norms' inputs,
   // the QKV and MLP inputs (e bytes each) and two 1-byte dropout masks.
   const double replicated = (2 * e + e + e) * sbh + (hidden_dropout ? 2 * sbh : 0.0);
-  // Split over t: Q and K (and V) for QK^T, the projection input, the MLP activations
-  // (GELU in/out: 2 f/h e, SwiGLU gate, up and product: 3 f/h e), plus the s^2 terms:
-  // softmax output (e), its dropout mask (1) and the dropout output (e).
+  // Split over t: Q and K (and V) for QK^T, the projection input (the attention's output),
+  // the MLP activations (GELU in/out: 2 f/h e, SwiGLU gate, up and product: 3 f/h e), plus
+  // the attention core's own:
+  //  * flash: no s x s matrix, only the softmax's log-sum-exp per row (FP32, a*s*b); its
+  //    backward recomputes the scores, and attention dropout's mask is regenerated from the
+  //    RNG state (Dao et al. 2022);
+  //  * fused and naive: the s^2 softmax output (e), with attention dropout also its mask (1)
+  //    and output (e), unless selective recompute rebuilds them. Both keep the same tensors
+  //    (a softmax saves only its output); they differ in time, not memory.
   const double qkv = (1 + kv_frac) * e * sbh + kv_frac * e * sbh;
   const double proj_in = e * sbh;
   const double mlp = (swiglu ? 3.0 : 2.0) * ffn_ratio * e * sbh;
   double split = qkv + proj_in + mlp;
-  if (r == Recompute::none) split += (attention_dropout ? 2.0 * e + 1.0 : e) * as2b;
+  if (flash)
+    split += 4.0 * a * static_cast<double>(s) * b;
+  else if (r == Recompute::none)
+    split += (attention_dropout ? 2.0 * e + 1.0 : e) * as2b;
   return (sp ? replicated / t : replicated) + split / t;
 }
 

@@ -1,13 +1,16 @@
 // Parameter counts, FLOPs and activation sizes of a GPT-style decoder, from its shape.
 // Shared by the compute and memory cost models and by MFU. Formulas and their sources:
 //   forward FLOPs per layer (GPT, ffn = 4h): 24 b s h^2 + 4 b s^2 h  (Narayanan et al. 2021, eq. 3)
-//   activation bytes per layer, 16-bit, no recompute, no tensor parallelism:
+//   activation bytes per layer, 16-bit, no recompute, no tensor parallelism, an attention
+//   kernel that stores the scores (model.attention fused or naive):
 //       s b h (34 + 5 a s / h)                                        (Korthikanti et al. 2022, eq. 1)
 //   with t-way tensor parallelism: s b h (10 + 24/t + 5 a s / (h t)); with sequence
 //   parallelism: s b h (34 + 5 a s / h) / t; selective recompute drops the 5as/h term;
 //   full recompute keeps only each layer's input (2 s b h). Without dropout the masks (2 s b h
 //   bytes, a s^2 b bytes) and attention dropout's output (2 a s^2 b) are not kept: 16-bit,
-//   s b h (32 + 2 a s / h), which is what the runtime's decoder keeps.
+//   s b h (32 + 2 a s / h), which is what the runtime's decoder (naive attention) keeps.
+//   FlashAttention (model.attention: flash, the default) stores no s x s matrix: s b h 34
+//   plus its FP32 log-sum-exp, 4 a s b (Dao et al. 2022), whatever the recompute.
 #pragma once
 
 #include <cstdint>
@@ -32,14 +35,30 @@ struct ModelShape {
   double layer_attention_core_flops(int b) const;   // QK^T and AV: no weights
   double lm_head_forward_flops(int b) const;
 
-  // Model FLOPs per step for MFU: 3x forward (no recompute), for `samples` samples.
+  // Model FLOPs per sample for MFU: 3x forward (no recompute). For a GPT with ffn = 4h this is
+  // Korthikanti et al. 2022's 72 s l h^2 (1 + s/(6h) + V/(12 l h)).
   double model_flops_per_sample() const;
+  // The FLOPs the hardware runs per sample, recompute included (Narayanan et al. 2021, eq. 3,
+  // with full recompute: 96 s l h^2 (1 + s/(6h) + V/(16 l h))): full recompute adds each layer's
+  // forward again, selective its attention core (QK^T and AV). FlashAttention's own
+  // recomputation inside its backward is not counted.
+  double hardware_flops_per_sample(Recompute r) const;
 
   // Activation bytes kept for backward by one layer for one micro-batch, element size
-  // `elem_bytes` (2 for 16-bit), with t-way tensor parallelism.
+  // `elem_bytes` (2 for 16-bit), with t-way tensor parallelism, as model.attention keeps them
+  // (flash: no s x s matrix). What the memory model holds.
+  double layer_stored_activation_bytes(int b, int elem_bytes, int t, bool sequence_parallel, Recompute r) const;
+  // The same as a kernel that writes the attention scores keeps them (fused or naive,
+  // Korthikanti et al.'s formula), whatever model.attention says: what the compute model's
+  // memory-bound term reads and writes (attention's time is priced there).
   double layer_activation_bytes(int b, int elem_bytes, int t, bool sequence_parallel, Recompute r) const;
 
   int h, a, kv_heads, f, V, s, L;
+
+ private:
+  double activation_bytes(int b, int e, int t, bool sp, Recompute r, bool flash) const;
+
+ public:
   bool swiglu, learned_positions, tied, bias, layernorm;
   bool hidden_dropout, attention_dropout;  // > 0: their masks (and attention's output) are kept
   AttentionKernel attention;

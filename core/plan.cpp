@@ -30,6 +30,72 @@ double Plan::virtual_stage_params(int vs) const {
   return p;
 }
 
+bool Plan::reduces_every_microbatch() const {
+  if (zero() < 2) return false;
+  return !(framework == Framework::fsdp && config.parallelism.fsdp_no_sync);
+}
+bool Plan::gathers_before_forward() const { return zero() == 3 || (zero() == 2 && framework == Framework::fsdp); }
+bool Plan::gathers_before_backward() const { return zero() == 3; }
+bool Plan::gathers_after_step() const { return zero() == 1 || (zero() == 2 && framework != Framework::fsdp); }
+bool Plan::shards_gradients() const { return zero() >= 2 && reduces_every_microbatch(); }
+
+std::string Plan::framework_name() const {
+  switch (framework) {
+    case Framework::megatron: return "megatron";
+    case Framework::deepspeed: return "deepspeed";
+    case Framework::fsdp: return "fsdp";
+    case Framework::auto_select: break;
+  }
+  return "auto";
+}
+
+std::string Plan::framework_setting() const {
+  const int z = config.parallelism.zero_stage;
+  if (dp <= 1) return "no data parallelism (data_parallel_size 1): nothing is reduced or sharded across replicas";
+  const char* grads_each = "gradients reduce-scattered after every micro-batch's backward";
+  std::string what;
+  switch (framework) {
+    case Framework::megatron:
+      if (z == 0) what = "DistributedDataParallel (gradients all-reduced once per step)";
+      else if (z == 1)
+        what = "--use-distributed-optimizer (gradients reduce-scattered once per step, updated parameters "
+               "all-gathered after the optimizer step)";
+      else
+        what = fmt::format("--use-megatron-fsdp --data-parallel-sharding-strategy {} ({}{})",
+                           z == 2 ? "optim_grads" : "optim_grads_params",
+                           z == 3 ? "parameters gathered for every micro-batch's forward and backward, " : "", grads_each);
+      break;
+    case Framework::deepspeed:
+      what = fmt::format("zero_optimization.stage: {} ({})", z,
+                         z == 0   ? "gradients all-reduced at the gradient-accumulation boundary"
+                         : z == 1 ? "gradients reduced once per step, at the accumulation boundary; updated "
+                                    "parameters all-gathered after the step"
+                         : z == 2 ? "gradients reduce-scattered after every micro-batch; updated parameters "
+                                    "all-gathered after the step"
+                                  : "parameters gathered for every micro-batch's forward and backward, gradients "
+                                    "reduce-scattered after every micro-batch");
+      break;
+    case Framework::fsdp: {
+      const bool no_sync = config.parallelism.fsdp_no_sync;
+      const std::string grads = no_sync ? "unsharded gradients accumulated, reduce-scattered after the last "
+                                          "micro-batch (no_sync)"
+                                        : grads_each;
+      if (z == 0) what = "NO_SHARD / DDP (gradients all-reduced once per step)";
+      else if (z == 2)
+        what = fmt::format("fully_shard(reshard_after_forward=False) / SHARD_GRAD_OP (parameters gathered once per "
+                           "micro-batch, kept through its backward; {})",
+                           grads);
+      else
+        what = fmt::format("fully_shard(reshard_after_forward=True) / FULL_SHARD (parameters gathered for every "
+                           "micro-batch's forward and backward; {})",
+                           grads);
+      break;
+    }
+    case Framework::auto_select: break;
+  }
+  return what;
+}
+
 int Plan::weight_bytes() const {
   return config.precision.compute == DType::fp8 ? 2 : dtype_bytes(config.precision.compute);
 }
@@ -208,11 +274,32 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     plan.warnings.push_back(
         "overflow_check: local: each stage and replica decides alone whether to skip a step, so they can skip "
         "different steps and their weights drift apart; use overflow_check: global");
-  if (c.parallelism.zero_stage >= 2 && p > 1)
-    plan.warnings.push_back(fmt::format(
-        "zero_stage {} with pipeline_parallel_size {}: DeepSpeed refuses this combination (gradients or weights "
-        "would be gathered for every micro-batch); simulated anyway",
-        c.parallelism.zero_stage, p));
+  // ---- data-parallel framework ------------------------------------------------------
+  const int zs = par.zero_stage;
+  Framework fw = par.framework;
+  if (fw == Framework::auto_select) fw = zs >= 2 ? Framework::deepspeed : Framework::megatron;
+  const bool named = par.framework != Framework::auto_select;
+  if (fw == Framework::deepspeed && zs >= 2 && p > 1)
+    ck.error("parallelism.zero_stage",
+             fmt::format("DeepSpeed refuses ZeRO-{} with pipeline_parallel_size({}) > 1: its PipelineEngine asserts "
+                         "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\" (partitioned gradients "
+                         "would be reduce-scattered for every micro-batch of every stage){}",
+                         zs, p,
+                         named ? "; use zero_stage 1, or parallelism.framework: fsdp (torchtitan runs FSDP2 with "
+                                 "pipeline parallelism)"
+                               : "; zero_stage 2-3 follow DeepSpeed unless parallelism.framework names another (fsdp: "
+                                 "torchtitan runs FSDP2 with pipeline parallelism)"),
+             {"parallelism.pipeline_parallel_size", "parallelism.framework"});
+  if (fw == Framework::fsdp && zs == 1)
+    ck.error("parallelism.zero_stage",
+             "framework fsdp has no optimizer-only sharding (ShardingStrategy has NO_SHARD, SHARD_GRAD_OP, FULL_SHARD): "
+             "use zero_stage 0 (DDP), 2 (reshard_after_forward=False) or 3 (reshard_after_forward=True)",
+             {"parallelism.framework"});
+  if (par.fsdp_no_sync && fw != Framework::fsdp)
+    ck.error("parallelism.fsdp_no_sync",
+             fmt::format("fsdp_no_sync needs parallelism.framework: fsdp (it is {})",
+                         fw == Framework::megatron ? "megatron" : "deepspeed"),
+             {"parallelism.framework"});
 
   if (!ck.errors.empty()) throw ScenarioError(std::move(ck.errors));
 
@@ -223,6 +310,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.tp = t;
   plan.vpp = v;
   plan.num_microbatches = mb;
+  plan.framework = fw;
   plan.micro_batch_size = b;
   plan.global_batch_size = static_cast<int>(gb);
 }

@@ -25,6 +25,26 @@ struct Plan {
   // stage c lives on pipeline rank c % pp as its chunk c / pp (Megatron's interleaving).
   std::vector<int> layers_per_virtual_stage;
   std::vector<std::string> warnings;
+  // parallelism.framework with `auto` resolved: whose data-parallel sharding is simulated.
+  Framework framework = Framework::megatron;
+
+  // The data-parallel traffic of the ZeRO stage as `framework` runs it (docs/model.md), all
+  // false without data parallelism:
+  int zero() const { return dp > 1 ? config.parallelism.zero_stage : 0; }
+  // Gradients reduced (reduce-scattered) after every micro-batch's backward, not once per step.
+  bool reduces_every_microbatch() const;
+  // Parameters all-gathered before every micro-batch's forward / again before its backward
+  // (resharded in between), and after the optimizer step (the updated shards, for the next step).
+  bool gathers_before_forward() const;
+  bool gathers_before_backward() const;
+  bool gathers_after_step() const;
+  // Gradients kept sharded in memory (stage >= 2 unless FSDP accumulates them unsharded).
+  bool shards_gradients() const;
+  // The framework and its setting in its own words, e.g. "deepspeed" and
+  // "zero_optimization.stage: 3 (parameters gathered for every micro-batch's forward and
+  // backward, gradients reduce-scattered after every micro-batch)".
+  std::string framework_name() const;
+  std::string framework_setting() const;
 
   // Schedule ranks: one per (stage, replica); each stands for a tensor-parallel group of tp
   // GPUs. Numbered stage-major as Megatron does (rank = stage * dp + replica), so the ranks

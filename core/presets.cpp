@@ -1,5 +1,10 @@
 #include "core/presets.h"
 
+#include <fmt/format.h>
+
+#include "core/config_fields.h"
+#include "core/model_shape.h"
+
 namespace trainsim {
 
 namespace {
@@ -56,23 +61,25 @@ ModelConfig llama2(int layers, int hidden, int heads, int groups, int ffn) {
   m.untie_embeddings_and_output_weights = true;
   m.add_bias_linear = false;
   m.normalization = Normalization::rmsnorm;
+  m.hidden_dropout = 0;  // Llama trains without dropout (Touvron et al. 2023; the released
+  m.attention_dropout = 0;  // configs' attention_dropout is 0.0)
   return m;
 }
 
 std::vector<ModelPreset> make_models() {
   return {
       {"gpt3-125m", "GPT-3 Small (Brown et al. 2020, table 2.1)", gpt(12, 768, 12)},
-      {"gpt3-350m", "GPT-3 Medium", gpt(24, 1024, 16)},
-      {"gpt3-760m", "GPT-3 Large", gpt(24, 1536, 16)},
+      {"gpt3-350m", "GPT-3 Medium (Brown et al. 2020, table 2.1)", gpt(24, 1024, 16)},
+      {"gpt3-760m", "GPT-3 Large (Brown et al. 2020, table 2.1)", gpt(24, 1536, 16)},
       {"gpt3-1.3b", "GPT-3 XL (16 heads of 128: the paper's 24 heads do not divide 2048)", gpt(24, 2048, 16)},
-      {"gpt3-2.7b", "GPT-3 2.7B", gpt(32, 2560, 32)},
-      {"gpt3-6.7b", "GPT-3 6.7B", gpt(32, 4096, 32)},
+      {"gpt3-2.7b", "GPT-3 2.7B (Brown et al. 2020, table 2.1)", gpt(32, 2560, 32)},
+      {"gpt3-6.7b", "GPT-3 6.7B (Brown et al. 2020, table 2.1)", gpt(32, 4096, 32)},
       {"gpt3-13b", "GPT-3 13B (hidden 5120 as in Megatron-LM; the paper's 5140 does not split into 40 heads)",
        gpt(40, 5120, 40)},
-      {"gpt3-175b", "GPT-3 175B", gpt(96, 12288, 96)},
+      {"gpt3-175b", "GPT-3 175B (Brown et al. 2020, table 2.1)", gpt(96, 12288, 96)},
       {"llama2-7b", "Llama 2 7B (Touvron et al. 2023): SwiGLU, RoPE, RMSNorm, untied output", llama2(32, 4096, 32, 32, 11008)},
-      {"llama2-13b", "Llama 2 13B", llama2(40, 5120, 40, 40, 13824)},
-      {"llama2-70b", "Llama 2 70B: grouped-query attention with 8 KV heads", llama2(80, 8192, 64, 8, 28672)},
+      {"llama2-13b", "Llama 2 13B (Touvron et al. 2023), as llama2-7b", llama2(40, 5120, 40, 40, 13824)},
+      {"llama2-70b", "Llama 2 70B (Touvron et al. 2023): grouped-query attention with 8 KV heads", llama2(80, 8192, 64, 8, 28672)},
       {"megatron-22b", "Megatron 22B (Korthikanti et al. 2022, table 3)", megatron(48, 6144, 64)},
       {"megatron-530b", "Megatron-Turing 530B (Korthikanti et al. 2022, table 3)", megatron(105, 20480, 128)},
       {"megatron-1t", "Megatron 1T (Korthikanti et al. 2022, table 3; Narayanan et al. 2021, table 1)",
@@ -118,6 +125,38 @@ void apply_gpu_preset(const GpuPreset& p, ClusterConfig& c) {
 void apply_model_preset(const ModelPreset& p, ModelConfig& m) {
   m = p.model;
   m.preset = p.name;
+}
+
+std::string model_label(const ModelConfig& m) {
+  if (m.preset.empty()) return "";
+  const ModelPreset* p = find_model_preset(m.preset);
+  if (!p) return m.preset;
+  ScenarioConfig mine, preset;
+  mine.model = m;
+  preset.model = p->model;
+  preset.model.preset = m.preset;
+  std::string diffs;
+  for (const auto& f : scenario_fields()) {
+    if (f.path.rfind("model.", 0) != 0 || f.path == "model.preset" || !f.get) continue;
+    const std::string a = format_field_value(f.get(mine)), b = format_field_value(f.get(preset));
+    if (a != b) diffs += fmt::format("{}{} {}", diffs.empty() ? "" : ", ", f.path.substr(6), a);
+  }
+  return diffs.empty() ? m.preset : m.preset + " with " + diffs;
+}
+
+std::string format_params(double params) { return fmt::format("{:.2f}B", params / 1e9); }
+
+std::string model_presets_markdown() {
+  std::string out =
+      "| preset | layers | hidden | heads (KV) | FFN | seq | vocab | dropout (hidden / attention) | parameters | source |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& p : model_presets()) {
+    const ModelShape s(p.model);
+    out += fmt::format("| `{}` | {} | {} | {}{} | {} | {} | {} | {:g} / {:g} | {} | {} |\n", p.name, s.L, s.h, s.a,
+                       s.kv_heads != s.a ? fmt::format(" ({})", s.kv_heads) : "", s.f, s.s, s.V, p.model.hidden_dropout,
+                       p.model.attention_dropout, format_params(s.total_params()), p.summary);
+  }
+  return out;
 }
 
 }  // namespace trainsim

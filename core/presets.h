@@ -37,4 +37,14 @@ const ModelPreset* find_model_preset(std::string_view name);
 void apply_gpu_preset(const GpuPreset& preset, ClusterConfig& cluster);
 void apply_model_preset(const ModelPreset& preset, ModelConfig& model);
 
+// The shape a model configuration actually has, named after its preset: "llama2-13b", or
+// "llama2-13b with num_layers 60, hidden_size 6656" when keys override the preset; empty
+// without a preset.
+std::string model_label(const ModelConfig& model);
+
+// A parameter count as `trainsim presets` and docs/presets.md write it: "22.07B".
+std::string format_params(double params);
+// The model table of docs/presets.md, as `trainsim presets --markdown` prints it.
+std::string model_presets_markdown();
+
 }  // namespace trainsim

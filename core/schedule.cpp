@@ -157,12 +157,17 @@ class Builder {
       chunk_weight_bytes_.push_back(static_cast<Bytes>(std::llround(params * e_weights)));
     }
     const int stage_count = plan.pp;
+    // Gradient buckets: once per step, or (ZeRO-2/3 as DeepSpeed and FSDP run them) after every
+    // micro-batch's backward: then each (chunk, micro-batch, bucket) is its own collective.
+    per_microbatch_ = plan.reduces_every_microbatch();
+    const int reductions = per_microbatch_ ? m_ : 1;
     for (int vs = 0; vs < V_; ++vs) {
       bucket_base_.push_back(num_collectives_);
-      for (Bytes b : bucket_bytes_[vs])
-        stage_members(add_collective(zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce,
-                                     CollectivePurpose::gradients, b),
-                      vs % stage_count);
+      for (int mb = 0; mb < reductions; ++mb)
+        for (Bytes b : bucket_bytes_[vs])
+          stage_members(add_collective(zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce,
+                                       CollectivePurpose::gradients, b),
+                        vs % stage_count);
     }
     // Tied embeddings split over a pipeline: the first stage's input embedding and the last
     // stage's LM head are one parameter, so their gradients are summed across the two
@@ -177,7 +182,7 @@ class Builder {
         members.push_back(plan.rank_of(plan.pp - 1, d));
       }
     }
-    if (zero() >= 1 && plan.dp > 1) {
+    if (plan.gathers_after_step()) {
       param_gather_base_ = num_collectives_;
       for (int vs = 0; vs < V_; ++vs)
         stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs]),
@@ -188,11 +193,14 @@ class Builder {
       auto& all = add_collective(OpKind::OverflowCheck, CollectivePurpose::overflow, 4);
       for (int r = 0; r < plan.num_ranks(); ++r) all.push_back(r);
     }
-    if (zero() == 3 && plan.dp > 1) {
+    // Sharded parameters gathered for every micro-batch: before its forward, and again before
+    // its backward when they were resharded after the forward (ZeRO-3, reshard_after_forward).
+    gather_dirs_ = (plan.gathers_before_forward() ? 1 : 0) + (plan.gathers_before_backward() ? 1 : 0);
+    if (gather_dirs_ > 0) {
       zero3_base_ = num_collectives_;
       for (int vs = 0; vs < V_; ++vs)
         for (int mb = 0; mb < m_; ++mb)
-          for (int dir = 0; dir < 2; ++dir)
+          for (int dir = 0; dir < gather_dirs_; ++dir)
             stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs]),
                           vs % stage_count);
     }
@@ -256,8 +264,13 @@ class Builder {
     }
   }
 
-  int zero() const { return plan_.dp > 1 ? plan_.config.parallelism.zero_stage : 0; }
-  bool needs_overflow_check() const { return plan_.config.precision.loss_scaling.mode != LossScalingMode::none; }
+  int zero() const { return plan_.zero(); }
+  // A loss scale needs the found-inf check; FP8 (Transformer Engine's recipe) scales each tensor
+  // by its own amax history instead, with BF16 as the higher precision: no loss scale, no check.
+  bool needs_overflow_check() const {
+    return plan_.config.precision.loss_scaling.mode != LossScalingMode::none &&
+           plan_.config.precision.compute != DType::fp8;
+  }
 
   // The replicas of a stage, ascending: rank_of(stage, d) = rank_of(stage, 0) + d.
   void stage_members(std::vector<int>& v, int stage) const {
@@ -309,9 +322,9 @@ class Builder {
       const bool needs_weights = task.kind != OpKind::BackwardWeight;
 
       int gather = -1;
-      if (zero() == 3 && needs_weights) {
+      if (needs_weights && (fwd ? plan_.gathers_before_forward() : plan_.gathers_before_backward())) {
         Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs), mb};
-        ag.channel = zero3_base_ + (vs * m_ + mb) * 2 + (fwd ? 0 : 1);
+        ag.channel = zero3_base_ + (vs * m_ + mb) * gather_dirs_ + (fwd ? 0 : 1);
         ag.bytes = chunk_weight_bytes_[vs];
         ag.dep = compute_ops.size() >= 2 ? compute_ops[compute_ops.size() - 2] : -1;  // prefetch one ahead
         gather = push(ops, ag);
@@ -331,12 +344,17 @@ class Builder {
         push(ops, rc);
       }
 
-      // The compute itself; the chunk's last gradient-producing task is split at bucket
-      // bounds when reductions overlap with backward, each bucket leaving as soon as it is whole.
+      // The compute itself. The task that completes gradients to reduce (the chunk's last
+      // gradient-producing task, or every one when gradients are reduced per micro-batch) is
+      // split at bucket bounds when reductions overlap with backward, each bucket leaving as
+      // soon as it is whole; without overlap its buckets follow it whole.
       const auto& buckets = bucket_bytes_[vs];
       const bool completes_grads = i == last_grad_task[task.local_chunk];
+      const bool makes_grads = task.kind == OpKind::Backward || task.kind == OpKind::BackwardWeight;
+      const bool reduces_now = per_microbatch_ ? makes_grads : completes_grads;
+      const int reduction = per_microbatch_ ? mb : 0;
       int task_end = -1;
-      if (completes_grads && overlap && buckets.size() > 0) {
+      if (reduces_now && overlap && buckets.size() > 0) {
         for (std::size_t k = 0; k < buckets.size(); ++k) {
           Op seg{task.kind, static_cast<std::int16_t>(vs), mb};
           seg.bucket = static_cast<int>(k);
@@ -345,13 +363,16 @@ class Builder {
           if (k == 0 && gather >= 0) seg.dep = gather;
           task_end = push(ops, seg);
           compute_ops.push_back(task_end);
-          last_collective = push(ops, gradient_collective(vs, static_cast<int>(k), task_end));
+          last_collective = push(ops, gradient_collective(vs, reduction, static_cast<int>(k), task_end));
         }
       } else {
         Op c{task.kind, static_cast<std::int16_t>(vs), mb};
         c.dep = gather;
         task_end = push(ops, c);
         compute_ops.push_back(task_end);
+        if (reduces_now && per_microbatch_)
+          for (std::size_t k = 0; k < buckets.size(); ++k)
+            last_collective = push(ops, gradient_collective(vs, reduction, static_cast<int>(k), task_end));
       }
       if (completes_grads) chunks_done.push_back(task.local_chunk);
 
@@ -374,12 +395,12 @@ class Builder {
     }
     const int last_compute = compute_ops.empty() ? -1 : compute_ops.back();
 
-    // Without overlap, every bucket waits for the whole backward.
-    if (!overlap)
+    // Without overlap, every bucket of a once-per-step reduction waits for the whole backward.
+    if (!overlap && !per_microbatch_)
       for (int j : chunks_done) {
         const int vs = j * p + s;
         for (std::size_t k = 0; k < bucket_bytes_[vs].size(); ++k)
-          last_collective = push(ops, gradient_collective(vs, static_cast<int>(k), last_compute));
+          last_collective = push(ops, gradient_collective(vs, 0, static_cast<int>(k), last_compute));
       }
 
     // The tied embedding's gradient, summed between the first and last stage.
@@ -404,8 +425,9 @@ class Builder {
     step.dep = before_step;
     const int step_index = push(ops, step);
 
-    // ZeRO: each replica updated its shard; gather the new parameters.
-    if (zero() >= 1)
+    // ZeRO-1/2: each replica updated its shard; gather the new parameters (ZeRO-3 and FSDP
+    // gather them before the next step's forward instead).
+    if (plan_.gathers_after_step())
       for (int j = 0; j < v; ++j) {
         const int vs = j * p + s;
         Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs)};
@@ -416,10 +438,13 @@ class Builder {
       }
   }
 
-  Op gradient_collective(int vs, int bucket, int dep) const {
+  // Bucket `bucket` of virtual stage vs, of reduction `reduction` (the micro-batch when
+  // gradients are reduced per micro-batch, else 0).
+  Op gradient_collective(int vs, int reduction, int bucket, int dep) const {
     Op op{zero() >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce, static_cast<std::int16_t>(vs)};
     op.bucket = bucket;
-    op.channel = bucket_base_[vs] + bucket;
+    op.microbatch = per_microbatch_ ? reduction : -1;
+    op.channel = bucket_base_[vs] + reduction * static_cast<int>(bucket_bytes_[vs].size()) + bucket;
     op.bytes = bucket_bytes_[vs][bucket];
     op.dep = dep;
     return op;
@@ -435,6 +460,8 @@ class Builder {
   std::vector<std::vector<Bytes>> bucket_bytes_;
   std::vector<int> bucket_base_;
   int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1, embedding_base_ = -1;
+  bool per_microbatch_ = false;  // gradients reduced after every micro-batch
+  int gather_dirs_ = 0;          // per-micro-batch parameter gathers: 1 (forward) or 2 (and backward)
   // build_rank's scratch, reused rank after rank.
   std::vector<Task> tasks_;
   std::vector<int> last_grad_task_, compute_ops_, chunks_done_;

@@ -72,7 +72,7 @@ __global__ void scan_kernel(TensorScan* acc, const S* x, std::size_t n) {
 }  // namespace
 
 void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
-                 bool divide_before, bool divide_after, void* stream) {
+                 bool divide_before, bool divide_after, StreamHandle stream) {
   const char* name = "ring_reduce";
   require(n >= 1 && n <= kMaxRingMembers, name,
           "members must be 1.." + std::to_string(kMaxRingMembers) + ", got " + std::to_string(n));
@@ -81,23 +81,23 @@ void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count,
   for (int k = 0; k < n; ++k) m.ptr[k] = inputs[k];
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    ring_reduce_kernel<S><<<elementwise_blocks(count), kElementwiseThreads, 0, as_stream(stream)>>>(
+    ring_reduce_kernel<S><<<elementwise_blocks(count), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(out), m, n, count, op == MemberReduce::max, divide_before, divide_after);
   });
   check_launch(name);
 }
 
-void flag_to_float(float* out, const int* flag, void* stream) {
-  flag_to_float_kernel<<<1, 1, 0, as_stream(stream)>>>(out, flag);
+void flag_to_float(float* out, const int* flag, StreamHandle stream) {
+  flag_to_float_kernel<<<1, 1, 0, stream>>>(out, flag);
   check_launch("flag_to_float");
 }
 
-void scan_tensor(TensorScan* acc, const void* x, std::size_t n, DType dt, void* stream) {
+void scan_tensor(TensorScan* acc, const void* x, std::size_t n, DType dt, StreamHandle stream) {
   const char* name = "scan_tensor";
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    scan_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(acc, static_cast<const S*>(x), n);
+    scan_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(acc, static_cast<const S*>(x), n);
   });
   check_launch(name);
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "kernels/cuda_handles.h"
 
 namespace trainsim::cuda {
 
@@ -24,11 +25,11 @@ inline constexpr int kMaxRingMembers = 64;
 // So every member that computes it gets the same bits, equal to what the CPU backend's ring gives
 // for the same inputs. `out` may be one of the inputs only when n == 1.
 void ring_reduce(void* out, const void* const* inputs, int n, std::size_t count, DType dt, MemberReduce op,
-                 bool divide_before, bool divide_after, void* stream);
+                 bool divide_before, bool divide_after, StreamHandle stream);
 
 // *out = 1.0f when *flag != 0, else 0.0f: an overflow flag (kernels.h unscale_and_check) as the
 // float the global max-reduction carries.
-void flag_to_float(float* out, const int* flag, void* stream);
+void flag_to_float(float* out, const int* flag, StreamHandle stream);
 
 // Running numerics of tensors, accumulated on the device: the largest finite |x| (as float bits,
 // so an integer atomicMax orders them) and the count of inf/NaN values. Zero it before use.
@@ -37,7 +38,7 @@ struct TensorScan {
   std::uint32_t pad;
   unsigned long long nonfinite;
 };
-void scan_tensor(TensorScan* acc, const void* x, std::size_t n, DType dt, void* stream);
+void scan_tensor(TensorScan* acc, const void* x, std::size_t n, DType dt, StreamHandle stream);
 // The host view of max_abs_bits.
 float scan_max_abs(const TensorScan& s);
 

@@ -13,23 +13,19 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "kernels/cuda_check.h"
+#include "kernels/cuda_handles.h"
 
 namespace trainsim::cuda::detail {
 
 // ---------------------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------------------
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(err) + " (" +
-                             cudaGetErrorString(err) + ")");
-}
+using trainsim::cuda::check_cuda;  // kernels/cuda_check.h: the one CUDA error check
 
 // After every launch: a bad configuration (grid, block, shared memory) is reported here at once;
 // a fault while the kernel runs is reported by the next synchronising call.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
-
-inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 inline std::string dtype_label(DType d) { return std::string(dtype_name(d)); }
 

@@ -10,7 +10,7 @@
 
 namespace trainsim::cuda {
 
-using detail::check_cuda;
+
 
 bool device_available(std::string* why) {
   int count = 0;
@@ -116,21 +116,21 @@ Stream::Stream() {
 }
 
 Stream::~Stream() {
-  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  if (stream_) cudaStreamDestroy(stream_);
 }
 
 Stream::Stream(Stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
 
 Stream& Stream::operator=(Stream&& other) noexcept {
   if (this != &other) {
-    if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+    if (stream_) cudaStreamDestroy(stream_);
     stream_ = std::exchange(other.stream_, nullptr);
   }
   return *this;
 }
 
 void Stream::synchronize() const {
-  check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize (a kernel failed?)");
+  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (a kernel failed?)");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -149,22 +149,22 @@ EventTimer::EventTimer() {
 }
 
 EventTimer::~EventTimer() {
-  cudaEventDestroy(static_cast<cudaEvent_t>(start_));
-  cudaEventDestroy(static_cast<cudaEvent_t>(stop_));
+  cudaEventDestroy(start_);
+  cudaEventDestroy(stop_);
 }
 
-void EventTimer::start(void* stream) {
-  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(start_), static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+void EventTimer::start(StreamHandle stream) {
+  check_cuda(cudaEventRecord(start_, stream), "cudaEventRecord");
 }
 
-void EventTimer::stop(void* stream) {
-  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(stop_), static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+void EventTimer::stop(StreamHandle stream) {
+  check_cuda(cudaEventRecord(stop_, stream), "cudaEventRecord");
 }
 
 double EventTimer::elapsed_seconds() const {
-  check_cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(stop_)), "cudaEventSynchronize (a kernel failed?)");
+  check_cuda(cudaEventSynchronize(stop_), "cudaEventSynchronize (a kernel failed?)");
   float ms = 0;
-  check_cuda(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start_), static_cast<cudaEvent_t>(stop_)),
+  check_cuda(cudaEventElapsedTime(&ms, start_, stop_),
              "cudaEventElapsedTime");
   return static_cast<double>(ms) * 1e-3;
 }

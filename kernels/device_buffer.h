@@ -1,11 +1,13 @@
 // Device memory, streams and event timing for code compiled with plain g++ (tests, benchmarks,
-// the CUDA backend's host side). No CUDA types cross this header: streams are `void*`
-// (cudaStream_t). Every call that fails throws std::runtime_error saying what failed.
+// the CUDA backend's host side). No CUDA types cross this header: streams and events are the typed
+// handles of kernels/cuda_handles.h. Every call that fails throws std::runtime_error saying what failed.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <string>
+
+#include "kernels/cuda_handles.h"
 
 namespace trainsim::cuda {
 
@@ -88,11 +90,11 @@ class Stream {
   Stream& operator=(Stream&& other) noexcept;
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
-  void* get() const { return stream_; }
+  StreamHandle get() const { return stream_; }
   void synchronize() const;
 
  private:
-  void* stream_ = nullptr;
+  StreamHandle stream_ = nullptr;
 };
 
 // GPU time between two points of a stream, measured with CUDA events.
@@ -102,13 +104,13 @@ class EventTimer {
   ~EventTimer();
   EventTimer(const EventTimer&) = delete;
   EventTimer& operator=(const EventTimer&) = delete;
-  void start(void* stream);
-  void stop(void* stream);
+  void start(StreamHandle stream);
+  void stop(StreamHandle stream);
   double elapsed_seconds() const;  // waits for the stop event
 
  private:
-  void* start_ = nullptr;
-  void* stop_ = nullptr;
+  EventHandle start_ = nullptr;
+  EventHandle stop_ = nullptr;
 };
 
 // The device's memory system, from cudaDeviceGetAttribute: peak bandwidth = 2 (double data rate)

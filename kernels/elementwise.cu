@@ -152,89 +152,89 @@ void require_dims(const char* kernel, std::initializer_list<long long> dims) {
 // Launchers
 // ---------------------------------------------------------------------------------------
 void embedding_forward(void* out, const std::int32_t* tokens, const void* wte, const void* wpe, int B, int T, int C,
-                       int V, DType dt, void* stream) {
+                       int V, DType dt, StreamHandle stream) {
   const char* name = "embedding_forward";
   require_dims(name, {B, T, C, V});
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const std::size_t total = static_cast<std::size_t>(B) * T * C;
-    embedding_forward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, as_stream(stream)>>>(
+    embedding_forward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(out), tokens, static_cast<const S*>(wte), static_cast<const S*>(wpe), T, C, V, total);
   });
   check_launch(name);
 }
 
 void embedding_backward(float* dwte, float* dwpe, const void* dout, const std::int32_t* tokens, int B, int T, int C,
-                        int V, DType dt, void* stream) {
+                        int V, DType dt, StreamHandle stream) {
   const char* name = "embedding_backward";
   require_dims(name, {B, T, C, V});
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const S* d = static_cast<const S*>(dout);
     embedding_backward_wpe_kernel<S>
-        <<<elementwise_blocks(static_cast<std::size_t>(T) * C), kElementwiseThreads, 0, as_stream(stream)>>>(dwpe, d, B,
+        <<<elementwise_blocks(static_cast<std::size_t>(T) * C), kElementwiseThreads, 0, stream>>>(dwpe, d, B,
                                                                                                              T, C);
     check_launch("embedding_backward (wpe)");
-    embedding_backward_wte_kernel<S><<<V, kEmbedThreads, 0, as_stream(stream)>>>(dwte, d, tokens, B * T, C);
+    embedding_backward_wte_kernel<S><<<V, kEmbedThreads, 0, stream>>>(dwte, d, tokens, B * T, C);
     check_launch("embedding_backward (wte)");
   });
 }
 
-void gelu_forward(void* y, const void* x, std::size_t n, DType dt, void* stream) {
+void gelu_forward(void* y, const void* x, std::size_t n, DType dt, StreamHandle stream) {
   const char* name = "gelu_forward";
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    gelu_forward_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+    gelu_forward_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(y), static_cast<const S*>(x), n);
   });
   check_launch(name);
 }
 
-void gelu_backward(void* dx, const void* x, const void* dy, std::size_t n, DType dt, void* stream) {
+void gelu_backward(void* dx, const void* x, const void* dy, std::size_t n, DType dt, StreamHandle stream) {
   const char* name = "gelu_backward";
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    gelu_backward_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+    gelu_backward_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(dx), static_cast<const S*>(x), static_cast<const S*>(dy), n);
   });
   check_launch(name);
 }
 
-void residual_add(void* out, const void* a, const void* b, std::size_t n, DType dt, void* stream) {
+void residual_add(void* out, const void* a, const void* b, std::size_t n, DType dt, StreamHandle stream) {
   const char* name = "residual_add";
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    residual_add_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+    residual_add_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(out), static_cast<const S*>(a), static_cast<const S*>(b), n);
   });
   check_launch(name);
 }
 
-void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t n, void* stream) {
+void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t n, StreamHandle stream) {
   const char* name = "accumulate";
   if (n == 0) return;
   dispatch(acc_dt, name, [&](auto acc_tag) {
     using A = typename decltype(acc_tag)::type;
     dispatch(x_dt, name, [&](auto x_tag) {
       using X = typename decltype(x_tag)::type;
-      accumulate_kernel<A, X><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+      accumulate_kernel<A, X><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
           static_cast<A*>(acc), static_cast<const X*>(x), n);
     });
   });
   check_launch(name);
 }
 
-void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n, void* stream) {
+void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n, StreamHandle stream) {
   const char* name = "cast";
   if (n == 0) return;
   dispatch(dst_dt, name, [&](auto dst_tag) {
     using D = typename decltype(dst_tag)::type;
     dispatch(src_dt, name, [&](auto src_tag) {
       using S = typename decltype(src_tag)::type;
-      cast_kernel<D, S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+      cast_kernel<D, S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
           static_cast<D*>(dst), static_cast<const S*>(src), n);
     });
   });

@@ -97,7 +97,7 @@ struct GemmContext::Impl {
   }
 };
 
-GemmContext::GemmContext(void* stream, std::size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
+GemmContext::GemmContext(StreamHandle stream, std::size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
   check_cublas(cublasCreate(&impl_->handle), "cublasCreate (is a CUDA device present?)");
   if (workspace_bytes > 0) {
     check_cuda(cudaMalloc(&impl_->workspace, workspace_bytes), "cudaMalloc of the cuBLAS workspace");
@@ -111,15 +111,15 @@ GemmContext::GemmContext(void* stream, std::size_t workspace_bytes) : impl_(std:
                    impl_->handle,
                    static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
                "cublasSetMathMode");
-  impl_->bind(as_stream(stream));
+  impl_->bind(stream);
 }
 
 GemmContext::~GemmContext() = default;
 GemmContext::GemmContext(GemmContext&&) noexcept = default;
 GemmContext& GemmContext::operator=(GemmContext&&) noexcept = default;
 
-void GemmContext::set_stream(void* stream) { impl_->bind(as_stream(stream)); }
-void* GemmContext::stream() const { return impl_->stream; }
+void GemmContext::set_stream(StreamHandle stream) { impl_->bind(stream); }
+StreamHandle GemmContext::stream() const { return impl_->stream; }
 
 // ---------------------------------------------------------------------------------------
 // Products

@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "core/dtype.h"
+#include "kernels/cuda_handles.h"
 
 namespace trainsim::cuda {
 
@@ -27,15 +28,15 @@ namespace trainsim::cuda {
 class GemmContext {
  public:
   static constexpr std::size_t kDefaultWorkspaceBytes = 32u << 20;  // cuBLAS's recommendation for Hopper
-  explicit GemmContext(void* stream = nullptr, std::size_t workspace_bytes = kDefaultWorkspaceBytes);
+  explicit GemmContext(StreamHandle stream = nullptr, std::size_t workspace_bytes = kDefaultWorkspaceBytes);
   ~GemmContext();
   GemmContext(GemmContext&&) noexcept;
   GemmContext& operator=(GemmContext&&) noexcept;
   GemmContext(const GemmContext&) = delete;
   GemmContext& operator=(const GemmContext&) = delete;
 
-  void set_stream(void* stream);
-  void* stream() const;
+  void set_stream(StreamHandle stream);
+  StreamHandle stream() const;
 
   // The handle, workspace and stream, for kernels/gemm.cu; Impl is defined there only, so callers
   // cannot see a CUDA type.

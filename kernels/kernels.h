@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "kernels/cuda_handles.h"
 
 namespace trainsim::cuda {
 
@@ -42,13 +43,13 @@ namespace trainsim::cuda {
 // out (B,T,C) = wte[tokens] (V,C) + wpe[t] (T,C); out, wte, wpe in dt. A token outside [0, V)
 // makes its output row NaN (visible to the numerics scan) instead of reading out of bounds.
 void embedding_forward(void* out, const std::int32_t* tokens, const void* wte, const void* wpe, int B, int T, int C,
-                       int V, DType dt, void* stream);
+                       int V, DType dt, StreamHandle stream);
 
 // dwte (V,C) += dout rows by token; dwpe (T,C) += dout summed over b; dwte, dwpe fp32, dout in dt.
 // Every element receives its terms in the order of layers::embedding_backward ((b, t) order), so
 // the fp32 result is bit-identical to the CPU's.
 void embedding_backward(float* dwte, float* dwpe, const void* dout, const std::int32_t* tokens, int B, int T, int C,
-                        int V, DType dt, void* stream);
+                        int V, DType dt, StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // LayerNorm over the last dimension (eps = layers::kLayerNormEps = 1e-5)
@@ -56,27 +57,27 @@ void embedding_backward(float* dwte, float* dwpe, const void* dout, const std::i
 // out (N,C) = (x - mean) * rstd * gamma + beta; x, gamma, beta, out in dt; mean, rstd (N) fp32
 // (the statistics the backward reads, kept in fp32 as the CPU stash keeps them).
 void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const void* gamma, const void* beta, int N,
-                       int C, DType dt, void* stream);
+                       int C, DType dt, StreamHandle stream);
 
 // dx (N,C) = dresidual + (d out / d x)^T dout; dresidual may be null, and dx may be the same
 // buffer as dresidual. All tensors in dt except mean, rstd.
 void layernorm_backward_input(void* dx, const void* dout, const void* x, const float* mean, const float* rstd,
-                              const void* gamma, const void* dresidual, int N, int C, DType dt, void* stream);
+                              const void* gamma, const void* dresidual, int N, int C, DType dt, StreamHandle stream);
 
 // dgamma (C) += sum over rows of dout * xhat; dbeta (C) += sum over rows of dout (fp32).
 void layernorm_backward_weight(float* dgamma, float* dbeta, const void* dout, const void* x, const float* mean,
-                               const float* rstd, int N, int C, DType dt, void* stream);
+                               const float* rstd, int N, int C, DType dt, StreamHandle stream);
 
 // db (OC) += column sums of dy (N,OC): the bias gradient of a linear layer (fp32), the part of
 // layers::linear_backward_weight that is not a matrix product.
-void bias_backward(float* db, const void* dy, int N, int OC, DType dt, void* stream);
+void bias_backward(float* db, const void* dy, int N, int OC, DType dt, StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // GELU, tanh approximation, exactly as layers.h: y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 // ---------------------------------------------------------------------------------------
-void gelu_forward(void* y, const void* x, std::size_t n, DType dt, void* stream);
+void gelu_forward(void* y, const void* x, std::size_t n, DType dt, StreamHandle stream);
 // dx = dy * gelu'(x); dx may be the same buffer as dy.
-void gelu_backward(void* dx, const void* x, const void* dy, std::size_t n, DType dt, void* stream);
+void gelu_backward(void* dx, const void* x, const void* dy, std::size_t n, DType dt, StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // Causal softmax of attention, rows of (B*H, T, T) matrices (row i of a matrix: query i)
@@ -96,12 +97,12 @@ void gelu_backward(void* dx, const void* x, const void* dy, std::size_t n, DType
 
 // probs[r, j] = exp(scale*s[r,j] - max) / sum over j <= i (i = r mod T), 0 for j > i; the row sum
 // is inverted once and multiplied in (as layers.h). probs may be the same buffer as scores.
-void causal_softmax_forward(void* probs, const void* scores, int BH, int T, float scale, DType dt, void* stream);
+void causal_softmax_forward(void* probs, const void* scores, int BH, int T, float scale, DType dt, StreamHandle stream);
 
 // dscores[r, j] = probs * (dprobs - sum_{k<=i} probs*dprobs) * scale for j <= i, 0 for j > i.
 // dscores may be the same buffer as dprobs.
 void causal_softmax_backward(void* dscores, const void* probs, const void* dprobs, int BH, int T, float scale, DType dt,
-                             void* stream);
+                             StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // Cross-entropy (layers::cross_entropy_forward / _backward)
@@ -110,28 +111,28 @@ void causal_softmax_backward(void* dscores, const void* probs, const void* dprob
 // logits[n, targets[n]] (fp32). The micro-batch's mean loss, as layers.h returns it (summed in
 // double), is sum(losses) / N: see sum() below. A target outside [0, V) gives a NaN loss.
 void cross_entropy_forward(float* losses, float* lse, const void* logits, const std::int32_t* targets, int N, int V,
-                           DType dt, void* stream);
+                           DType dt, StreamHandle stream);
 
 // dlogits = scale * (softmax(logits) - onehot(target)), computed as layers.h does:
 // exp(logit - lse) * scale, minus scale at the target. The stage model passes
 // scale = loss_gradient_scale / N (loss scale / micro-batches, divided by the rows for the mean;
 // runtime/model/stage_model.cpp, StageModel::Impl::begin). dlogits may be the same buffer as logits.
 void cross_entropy_backward(void* dlogits, const void* logits, const float* lse, const std::int32_t* targets, int N,
-                            int V, float scale, DType dt, void* stream);
+                            int V, float scale, DType dt, StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // Elementwise
 // ---------------------------------------------------------------------------------------
 // out = a + b (the residual stream), all in dt; out may be a or b.
-void residual_add(void* out, const void* a, const void* b, std::size_t n, DType dt, void* stream);
+void residual_add(void* out, const void* a, const void* b, std::size_t n, DType dt, StreamHandle stream);
 
 // acc = acc + x, the sum in fp32 rounded to acc_dt (a micro-batch's gradient added into the
 // accumulation buffer, as StageModel::Impl::commit does; x in x_dt).
-void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t n, void* stream);
+void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t n, StreamHandle stream);
 
 // dst = src converted, for any pair of fp32, fp16, bf16: round-to-nearest-even, overflow to
 // +-inf, NaN stays NaN, subnormals as the format has them (exactly lowp.h's round_to).
-void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n, void* stream);
+void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n, StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // Mixed-precision optimizer step
@@ -140,7 +141,7 @@ void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n,
 // executor does it, then rounded to dt) and *found_inf = 1 if any gradient is inf or NaN before
 // or after the multiply. The flag is only ever set, never cleared: zero it before the step (it
 // may collect several buffers), read it after.
-void unscale_and_check(void* grads, std::size_t n, float inv_scale, int* found_inf, DType dt, void* stream);
+void unscale_and_check(void* grads, std::size_t n, float inv_scale, int* found_inf, DType dt, StreamHandle stream);
 
 // Deterministic two-pass reductions, accumulated in double (every fp32 square is exact in
 // double): a fixed grid of kReductionBlocks blocks writes one partial each into `scratch`, then
@@ -148,8 +149,8 @@ void unscale_and_check(void* grads, std::size_t n, float inv_scale, int* found_i
 // `accumulate` (to sum several ranges). scratch: kReductionScratchDoubles doubles on the device.
 inline constexpr int kReductionBlocks = 1024;
 inline constexpr std::size_t kReductionScratchDoubles = kReductionBlocks;
-void squared_norm(double* out, const void* x, std::size_t n, DType dt, double* scratch, bool accumulate, void* stream);
-void sum(double* out, const float* x, std::size_t n, double* scratch, bool accumulate, void* stream);
+void squared_norm(double* out, const void* x, std::size_t n, DType dt, double* scratch, bool accumulate, StreamHandle stream);
+void sum(double* out, const float* x, std::size_t n, double* scratch, bool accumulate, StreamHandle stream);
 
 // One Adam/AdamW step on fp32 master weights, matching runtime/numerics/optimizer.cpp element by
 // element: arithmetic in double, moments stored in fp32, Kingma & Ba's bias correction with
@@ -167,19 +168,19 @@ struct AdamParams {
   float grad_scale = 1.0f;
 };
 void adam_update(float* master, float* m, float* v, const void* grads, DType grad_dt, const std::uint8_t* decay_mask,
-                 void* working, DType working_dt, std::size_t n, const AdamParams& p, void* stream);
+                 void* working, DType working_dt, std::size_t n, const AdamParams& p, StreamHandle stream);
 
 // Plain SGD as optimizer.cpp: w -= lr * (grad * grad_scale + weight_decay * w where decayed), in
 // double; writes the working copy as adam_update does.
 void sgd_update(float* master, const void* grads, DType grad_dt, const std::uint8_t* decay_mask, void* working,
                 DType working_dt, std::size_t n, double learning_rate, double weight_decay, float grad_scale,
-                void* stream);
+                StreamHandle stream);
 
 // ---------------------------------------------------------------------------------------
 // Scaling
 // ---------------------------------------------------------------------------------------
 // x = x * factor in place: one fp32 multiply, rounded once to dt (the NCCL communicator's
 // Divide::after, factor = 1/n).
-void scale_inplace(void* x, std::size_t n, float factor, DType dt, void* stream);
+void scale_inplace(void* x, std::size_t n, float factor, DType dt, StreamHandle stream);
 
 }  // namespace trainsim::cuda

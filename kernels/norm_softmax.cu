@@ -209,12 +209,12 @@ void require_positive(const char* kernel, int a, int b) {
 // Launchers
 // ---------------------------------------------------------------------------------------
 void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const void* gamma, const void* beta, int N,
-                       int C, DType dt, void* stream) {
+                       int C, DType dt, StreamHandle stream) {
   const char* name = "layernorm_forward";
   require_positive(name, N, C);
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    layernorm_forward_kernel<S><<<row_blocks(N), kWarpRowThreads, 0, as_stream(stream)>>>(
+    layernorm_forward_kernel<S><<<row_blocks(N), kWarpRowThreads, 0, stream>>>(
         static_cast<S*>(out), mean, rstd, static_cast<const S*>(x), static_cast<const S*>(gamma),
         static_cast<const S*>(beta), N, C);
   });
@@ -222,12 +222,12 @@ void layernorm_forward(void* out, float* mean, float* rstd, const void* x, const
 }
 
 void layernorm_backward_input(void* dx, const void* dout, const void* x, const float* mean, const float* rstd,
-                              const void* gamma, const void* dresidual, int N, int C, DType dt, void* stream) {
+                              const void* gamma, const void* dresidual, int N, int C, DType dt, StreamHandle stream) {
   const char* name = "layernorm_backward_input";
   require_positive(name, N, C);
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    layernorm_backward_input_kernel<S><<<row_blocks(N), kWarpRowThreads, 0, as_stream(stream)>>>(
+    layernorm_backward_input_kernel<S><<<row_blocks(N), kWarpRowThreads, 0, stream>>>(
         static_cast<S*>(dx), static_cast<const S*>(dout), static_cast<const S*>(x), mean, rstd,
         static_cast<const S*>(gamma), static_cast<const S*>(dresidual), N, C);
   });
@@ -235,75 +235,75 @@ void layernorm_backward_input(void* dx, const void* dout, const void* x, const f
 }
 
 void layernorm_backward_weight(float* dgamma, float* dbeta, const void* dout, const void* x, const float* mean,
-                               const float* rstd, int N, int C, DType dt, void* stream) {
+                               const float* rstd, int N, int C, DType dt, StreamHandle stream) {
   const char* name = "layernorm_backward_weight";
   require_positive(name, N, C);
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const unsigned tiles = static_cast<unsigned>((C + kColumnTile - 1) / kColumnTile);
-    column_reduce_kernel<S, true><<<tiles, dim3(kColumnTile, kColumnTile), 0, as_stream(stream)>>>(
+    column_reduce_kernel<S, true><<<tiles, dim3(kColumnTile, kColumnTile), 0, stream>>>(
         dgamma, dbeta, static_cast<const S*>(dout), static_cast<const S*>(x), mean, rstd, N, C);
   });
   check_launch(name);
 }
 
-void bias_backward(float* db, const void* dy, int N, int OC, DType dt, void* stream) {
+void bias_backward(float* db, const void* dy, int N, int OC, DType dt, StreamHandle stream) {
   const char* name = "bias_backward";
   require_positive(name, N, OC);
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const unsigned tiles = static_cast<unsigned>((OC + kColumnTile - 1) / kColumnTile);
-    column_reduce_kernel<S, false><<<tiles, dim3(kColumnTile, kColumnTile), 0, as_stream(stream)>>>(
+    column_reduce_kernel<S, false><<<tiles, dim3(kColumnTile, kColumnTile), 0, stream>>>(
         nullptr, db, static_cast<const S*>(dy), nullptr, nullptr, nullptr, N, OC);
   });
   check_launch(name);
 }
 
-void causal_softmax_forward(void* probs, const void* scores, int BH, int T, float scale, DType dt, void* stream) {
+void causal_softmax_forward(void* probs, const void* scores, int BH, int T, float scale, DType dt, StreamHandle stream) {
   const char* name = "causal_softmax_forward";
   require_positive(name, BH, T);
   const std::size_t rows = static_cast<std::size_t>(BH) * T;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    causal_softmax_forward_kernel<S><<<row_blocks(rows), kWarpRowThreads, 0, as_stream(stream)>>>(
+    causal_softmax_forward_kernel<S><<<row_blocks(rows), kWarpRowThreads, 0, stream>>>(
         static_cast<S*>(probs), static_cast<const S*>(scores), rows, T, scale);
   });
   check_launch(name);
 }
 
 void causal_softmax_backward(void* dscores, const void* probs, const void* dprobs, int BH, int T, float scale, DType dt,
-                             void* stream) {
+                             StreamHandle stream) {
   const char* name = "causal_softmax_backward";
   require_positive(name, BH, T);
   const std::size_t rows = static_cast<std::size_t>(BH) * T;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    causal_softmax_backward_kernel<S><<<row_blocks(rows), kWarpRowThreads, 0, as_stream(stream)>>>(
+    causal_softmax_backward_kernel<S><<<row_blocks(rows), kWarpRowThreads, 0, stream>>>(
         static_cast<S*>(dscores), static_cast<const S*>(probs), static_cast<const S*>(dprobs), rows, T, scale);
   });
   check_launch(name);
 }
 
 void cross_entropy_forward(float* losses, float* lse, const void* logits, const std::int32_t* targets, int N, int V,
-                           DType dt, void* stream) {
+                           DType dt, StreamHandle stream) {
   const char* name = "cross_entropy_forward";
   require_positive(name, N, V);
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    cross_entropy_forward_kernel<S><<<static_cast<unsigned>(N), kRowThreads, 0, as_stream(stream)>>>(
+    cross_entropy_forward_kernel<S><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
         losses, lse, static_cast<const S*>(logits), targets, V);
   });
   check_launch(name);
 }
 
 void cross_entropy_backward(void* dlogits, const void* logits, const float* lse, const std::int32_t* targets, int N,
-                            int V, float scale, DType dt, void* stream) {
+                            int V, float scale, DType dt, StreamHandle stream) {
   const char* name = "cross_entropy_backward";
   require_positive(name, N, V);
   const std::size_t total = static_cast<std::size_t>(N) * V;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    cross_entropy_backward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, as_stream(stream)>>>(
+    cross_entropy_backward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(dlogits), static_cast<const S*>(logits), lse, targets, V, total, scale);
   });
   check_launch(name);

@@ -1,7 +1,7 @@
 // The optimizer step's kernels: the fused loss-scaling step (unscale + found-inf), deterministic
 // reductions (squared gradient norm, sum of the rows' losses), and Adam/AdamW/SGD on fp32 master
-// weights that also write the low-precision working copy. CPU references: the executor's
-// optimizer_step (runtime/exec/executor.cpp) and runtime/numerics/optimizer.cpp; tests:
+// weights that also write the low-precision working copy. CPU references: the engine's
+// optimizer_step (runtime/cpu/cpu_engine.cpp) and runtime/numerics/optimizer.cpp; tests:
 // tests/kernels/test_kernels.cpp.
 #include <cmath>
 #include <string>
@@ -127,31 +127,31 @@ __global__ void sgd_kernel(float* master, const G* grads, const std::uint8_t* ma
 // ---------------------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------------------
-void unscale_and_check(void* grads, std::size_t n, float inv_scale, int* found_inf, DType dt, void* stream) {
+void unscale_and_check(void* grads, std::size_t n, float inv_scale, int* found_inf, DType dt, StreamHandle stream) {
   const char* name = "unscale_and_check";
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    unscale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(static_cast<S*>(grads), n,
+    unscale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(static_cast<S*>(grads), n,
                                                                                             inv_scale, found_inf);
   });
   check_launch(name);
 }
 
-void squared_norm(double* out, const void* x, std::size_t n, DType dt, double* scratch, bool accumulate, void* stream) {
+void squared_norm(double* out, const void* x, std::size_t n, DType dt, double* scratch, bool accumulate, StreamHandle stream) {
   const char* name = "squared_norm";
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    reduce<S, true>(name, out, static_cast<const S*>(x), n, scratch, accumulate, as_stream(stream));
+    reduce<S, true>(name, out, static_cast<const S*>(x), n, scratch, accumulate, stream);
   });
 }
 
-void sum(double* out, const float* x, std::size_t n, double* scratch, bool accumulate, void* stream) {
-  reduce<float, false>("sum", out, x, n, scratch, accumulate, as_stream(stream));
+void sum(double* out, const float* x, std::size_t n, double* scratch, bool accumulate, StreamHandle stream) {
+  reduce<float, false>("sum", out, x, n, scratch, accumulate, stream);
 }
 
 void adam_update(float* master, float* m, float* v, const void* grads, DType grad_dt, const std::uint8_t* decay_mask,
-                 void* working, DType working_dt, std::size_t n, const AdamParams& p, void* stream) {
+                 void* working, DType working_dt, std::size_t n, const AdamParams& p, StreamHandle stream) {
   const char* name = "adam_update";
   require(p.beta1 >= 0 && p.beta1 < 1 && p.beta2 >= 0 && p.beta2 < 1, name,
           "beta1 and beta2 must be in [0, 1), got " + std::to_string(p.beta1) + " and " + std::to_string(p.beta2));
@@ -173,7 +173,7 @@ void adam_update(float* master, float* m, float* v, const void* grads, DType gra
     using G = typename decltype(grad_tag)::type;
     dispatch(working_dt, name, [&](auto working_tag) {
       using W = typename decltype(working_tag)::type;
-      adam_kernel<G, W><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+      adam_kernel<G, W><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
           master, m, v, static_cast<const G*>(grads), decay_mask, static_cast<W*>(working), n, k);
     });
   });
@@ -182,14 +182,14 @@ void adam_update(float* master, float* m, float* v, const void* grads, DType gra
 
 void sgd_update(float* master, const void* grads, DType grad_dt, const std::uint8_t* decay_mask, void* working,
                 DType working_dt, std::size_t n, double learning_rate, double weight_decay, float grad_scale,
-                void* stream) {
+                StreamHandle stream) {
   const char* name = "sgd_update";
   if (n == 0) return;
   dispatch(grad_dt, name, [&](auto grad_tag) {
     using G = typename decltype(grad_tag)::type;
     dispatch(working_dt, name, [&](auto working_tag) {
       using W = typename decltype(working_tag)::type;
-      sgd_kernel<G, W><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(
+      sgd_kernel<G, W><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
           master, static_cast<const G*>(grads), decay_mask, static_cast<W*>(working), n, learning_rate, weight_decay,
           static_cast<double>(grad_scale));
     });

@@ -20,13 +20,13 @@ __global__ void scale_kernel(T* x, std::size_t n, float factor) {
 
 }  // namespace
 
-void scale_inplace(void* x, std::size_t n, float factor, DType dt, void* stream) {
+void scale_inplace(void* x, std::size_t n, float factor, DType dt, StreamHandle stream) {
   const char* name = "scale_inplace";
   if (n == 0) return;
   require(x != nullptr, name, "x is null with n = " + std::to_string(n));
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    scale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, as_stream(stream)>>>(static_cast<S*>(x), n, factor);
+    scale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(static_cast<S*>(x), n, factor);
   });
   check_launch(name);
 }

@@ -1,11 +1,14 @@
 #include "sim/simulator.h"
 
+#include <algorithm>
+
 #include "core/metrics.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/memory_model.h"
 #include "sim/cost/p2p_model.h"
 #include "sim/engine.h"
+#include "sim/step_program.h"
 
 namespace trainsim {
 
@@ -21,10 +24,100 @@ Prediction predict(const Plan& plan) {
   return p;
 }
 
+void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
+  key = c;  // reuses key's storage
+  key.name.clear();
+  key.description.clear();
+  ModelConfig& m = key.model;
+  m.preset.clear();  // the shape it set is compared field by field
+  m.attention = {};
+  m.hidden_dropout = m.attention_dropout = 0;
+  ClusterConfig& cl = key.cluster;
+  cl.gpu.clear();
+  cl.profile.clear();  // `calibrated`, the profile itself, is compared
+  cl.memory_gib = 0;
+  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
+  cl.compute_efficiency = 0;
+  cl.hbm_bandwidth_gbps = 0;
+  cl.intra_node = cl.inter_node = {};
+  key.parallelism.sequence_parallel = false;
+  TrainingConfig& t = key.training;
+  t.activation_recompute = {};
+  t.optimizer = {};
+  t.lr = t.weight_decay = t.adam_beta1 = t.adam_beta2 = t.adam_eps = t.clip_grad = 0;
+  PrecisionConfig& pr = key.precision;
+  pr.master_weights = pr.grad_accumulation = {};
+  pr.allreduce_divide = {};
+  const LossScalingMode mode = pr.loss_scaling.mode;  // whether there is an overflow check
+  pr.loss_scaling = {};
+  pr.loss_scaling.mode = mode;
+  key.communication.allreduce_algorithm = {};
+  key.runtime = {};
+}
+
+namespace {
+
+// One schedule of the Predictor's cache. The first configuration with a given key is
+// evaluated as without a cache (the engine, on the Predictor's own schedule) and leaves only
+// its key here; the second builds the schedule and compiles it (sim/step_program.h), and
+// every later one only re-prices and evaluates the program. Two variants: replica 0's
+// programs alone (dp > 1, replicas symmetric) or every rank's, each built when first needed.
+struct CachedSchedule {
+  struct Variant {
+    std::shared_ptr<Schedule> schedule;  // storage, reused from an evicted entry when no one holds it
+    std::size_t ops = 0;                 // 0: not built
+    bool compile_tried = false;
+    StepProgram program;                 // not compiled() when the step cannot complete
+    // Per stage, the first rank's forward and backward ops alone, in program order: all that
+    // MemoryModel::peak_of reads (every other op leaves its walk unchanged), a third of the ops.
+    std::vector<RankProgram> memory_walk;
+  };
+  ScenarioConfig key;  // schedule_key_into
+  int uses = 0;
+  Variant replica0, full;
+  std::size_t ops() const { return replica0.ops + full.ops; }
+};
+
+}  // namespace
+
 struct Predictor::Workspace {
   Simulation sim;
   ResultWorkspace result;
   std::vector<int> same_as;
+  // Most recently used first: at most kMaxEntries schedules and, beyond the first, kMaxOps ops.
+  std::vector<std::unique_ptr<CachedSchedule>> cache;
+  ScenarioConfig key;
+  static constexpr std::size_t kMaxEntries = 8, kMaxOps = 1'000'000;
+
+  // The entry for `plan`'s schedule, moved to the front; a new one (nothing built) when
+  // there is none.
+  CachedSchedule& lookup(const Plan& plan) {
+    schedule_key_into(plan.config, key);
+    auto it = std::find_if(cache.begin(), cache.end(), [&](const auto& e) { return e->key == key; });
+    if (it != cache.end()) {
+      std::rotate(cache.begin(), it, it + 1);
+      return *cache.front();
+    }
+    std::size_t ops = 0;
+    for (const auto& e : cache) ops += e->ops();
+    std::unique_ptr<CachedSchedule> entry;
+    while (!cache.empty() && (cache.size() >= kMaxEntries || ops > kMaxOps)) {
+      ops -= cache.back()->ops();
+      entry = std::move(cache.back());  // the last one evicted is reused
+      cache.pop_back();
+    }
+    if (!entry) entry = std::make_unique<CachedSchedule>();
+    for (CachedSchedule::Variant* v : {&entry->replica0, &entry->full}) {
+      v->program.reset();  // lets go of the schedule
+      v->ops = 0;
+      v->compile_tried = false;
+      v->memory_walk.clear();
+    }
+    entry->key = key;
+    entry->uses = 0;
+    cache.insert(cache.begin(), std::move(entry));
+    return *cache.front();
+  }
 };
 
 Predictor::Predictor() : ws_(std::make_unique<Workspace>()) {}
@@ -74,37 +167,103 @@ const Prediction& Predictor::predict(const Plan& plan) {
   const NetworkCollectiveModel collective(plan);
   ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, replicas_symmetric(plan, s, collective));
   last_.schedule = schedule_;
-  finish(plan, ws_->sim.last_run_symmetric());
+  finish(plan, s, ws_->sim.last_run_symmetric());
   return last_;
 }
 
 const Result& Predictor::evaluate(const Plan& plan) {
   last_.schedule.reset();
   last_.timeline.schedule.reset();
-  if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
-  Schedule& s = *schedule_;
-
   const RooflineComputeModel compute(plan);
   const LinkP2PModel p2p(plan);
   const NetworkCollectiveModel collective(plan);
+  CachedSchedule& entry = ws_->lookup(plan);
+
+  if (++entry.uses == 1) {  // a schedule not met lately: the engine, as without the cache
+    if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
+    Schedule& s = *schedule_;
+    bool symmetric = false;
+    if (plan.dp > 1) {
+      build_replica0_into(plan, s);
+      symmetric = replicas_symmetric(plan, s, collective) &&
+                  ws_->sim.run_replica0(schedule_, compute, p2p, collective, last_.timeline);
+    }
+    if (!symmetric) {  // every rank simulated, as predict() does
+      build_schedule_into(plan, s);
+      ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, false);
+    }
+    finish(plan, s, symmetric);
+    return last_.result;
+  }
+
+  // Met before: its compiled program (built and compiled now if this variant is new), which
+  // gives the engine's Timeline (tests/test_step_program.cpp).
+  auto built = [&](CachedSchedule::Variant& v, bool replica0_only) -> CachedSchedule::Variant& {
+    if (v.ops == 0) {
+      if (!v.schedule || v.schedule.use_count() > 1) v.schedule = std::make_shared<Schedule>();
+      if (replica0_only)
+        build_replica0_into(plan, *v.schedule);
+      else
+        build_schedule_into(plan, *v.schedule);
+      v.ops = std::max<std::size_t>(1, v.schedule->total_ops());
+      v.memory_walk.resize(static_cast<std::size_t>(plan.pp));
+      for (int st = 0; st < plan.pp; ++st) {
+        const RankProgram& prog = v.schedule->ranks[plan.rank_of(st, 0)];
+        RankProgram& walk = v.memory_walk[st];
+        walk.rank = prog.rank;
+        walk.stage = prog.stage;
+        walk.replica = prog.replica;
+        walk.ops.clear();
+        for (const Op& op : prog.ops)
+          if (is_compute(op.kind) && op.kind != OpKind::OptimizerStep) walk.ops.push_back(op);
+      }
+    }
+    return v;
+  };
+  auto compiled = [&](CachedSchedule::Variant& v, bool replica0_only) {
+    if (!v.compile_tried) {
+      v.compile_tried = true;
+      // The program prices a compute op once per (rank, kind, chunk, work): a compute model
+      // that reads more of an op (its micro-batch, say) keeps this schedule on the engine.
+      if (v.program.compile(v.schedule, replica0_only) && !v.program.prices_hold(compute, p2p, collective))
+        v.program.reset();
+      // The memory walk's forward and backward ops alone must walk to what the whole
+      // programs walk to; a memory model that reads other ops gets the whole programs.
+      const MemoryModel memory(plan);
+      for (int st = 0; st < plan.pp && !v.memory_walk.empty(); ++st)
+        if (!(memory.peak_of(v.memory_walk[st]) == memory.peak_of(v.schedule->ranks[plan.rank_of(st, 0)])))
+          v.memory_walk.clear();
+    }
+    return v.program.compiled();
+  };
   bool symmetric = false;
+  CachedSchedule::Variant* used = nullptr;
   if (plan.dp > 1) {
-    build_replica0_into(plan, s);
-    symmetric = replicas_symmetric(plan, s, collective) &&
-                ws_->sim.run_replica0(schedule_, compute, p2p, collective, last_.timeline);
+    CachedSchedule::Variant& v = built(entry.replica0, true);
+    // Not compiled: replica 0 alone cannot complete (run_replica0 would refuse): the full path.
+    if (replicas_symmetric(plan, *v.schedule, collective) && compiled(v, true)) {
+      v.program.run(compute, p2p, collective, last_.timeline);
+      symmetric = true;
+      used = &v;
+    }
   }
   if (!symmetric) {  // every rank simulated, as predict() does
-    build_schedule_into(plan, s);
-    ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, false);
+    CachedSchedule::Variant& v = built(entry.full, false);
+    if (compiled(v, false))
+      v.program.run(compute, p2p, collective, last_.timeline);
+    else  // a step that deadlocks: the engine names the blocked ops
+      ws_->sim.run(v.schedule, compute, p2p, collective, last_.timeline, false);
+    used = &v;
   }
-  finish(plan, symmetric);
+  finish(plan, *used->schedule, symmetric, used->memory_walk.empty() ? nullptr : &used->memory_walk);
   return last_.result;
 }
 
-// Memory and result of the run in last_.timeline. symmetric: replica 0 alone was simulated
-// (replicas 1.. may have no programs or timings: their figures are copied).
-void Predictor::finish(const Plan& plan, bool symmetric) {
-  const Schedule& s = *schedule_;
+// Memory and result of the run in last_.timeline, of schedule `s`. symmetric: replica 0
+// alone was simulated (replicas 1.. may have no programs or timings: their figures are copied).
+// memory_walk (optional): per stage, what the memory model walks for its ranks.
+void Predictor::finish(const Plan& plan, const Schedule& s, bool symmetric,
+                       const std::vector<RankProgram>* memory_walk) {
   // Memory follows the program alone, the same for every replica of a stage.
   const int nranks = static_cast<int>(s.ranks.size());
   const MemoryModel memory(plan);
@@ -112,9 +271,12 @@ void Predictor::finish(const Plan& plan, bool symmetric) {
   auto& same_as = ws_->same_as;
   same_as.resize(nranks);
   for (int r = 0; r < nranks; ++r) {
-    const int first = plan.rank_of(plan.stage_of(r), 0);
+    const int stage = plan.stage_of(r), first = plan.rank_of(stage, 0);
     same_as[r] = first;
-    last_.memory[r] = first < r ? last_.memory[first] : memory.peak_of(s.ranks[r]);
+    if (first < r)
+      last_.memory[r] = last_.memory[first];
+    else
+      last_.memory[r] = memory.peak_of(memory_walk ? (*memory_walk)[stage] : s.ranks[r]);
   }
   compute_result_into(plan, last_.timeline, last_.memory, last_.result, ws_->result, symmetric ? &same_as : nullptr);
 }

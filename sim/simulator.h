@@ -22,6 +22,14 @@ struct Prediction {
 // The reference path (what `trainsim simulate` runs): fresh buffers, every rank simulated.
 Prediction predict(const Plan& plan);
 
+// `config` with every field cleared that only the cost models, the memory model or the
+// runtime read, into `key` (its storage reused): two configurations with equal keys have
+// the same schedule (build_schedule), which is what Predictor::evaluate's cache relies on.
+// Every other field is compared (operator==, so a new field is too), and
+// tests/test_step_program.cpp changes each cleared field on random plans and checks that
+// the schedule stays the same.
+void schedule_key_into(const ScenarioConfig& config, ScenarioConfig& key);
+
 // Predicts plan after plan on one thread, reusing its buffers between calls: what a sweep
 // worker keeps (one per thread; no state is shared between Predictors). Gives exactly what
 // predict() gives (tests/test_engine.cpp compares them on random plans), faster:
@@ -43,15 +51,22 @@ class Predictor {
   const Prediction& predict(const Plan& plan);
 
   // predict(plan).result alone, every field, rank and warning the same (tests/test_engine.cpp
-  // compares them on random plans), for callers that read nothing else (sweeps). When the
-  // replicas are symmetric, the programs and timings of replicas 1.. are never built: only
-  // replica 0's schedule is, and the other ranks' result entries are their stage's entries
-  // in replica 0 with rank and replica set. Valid until the next call on this Predictor;
-  // invalidates the Prediction of an earlier predict().
+  // and tests/test_step_program.cpp compare them whole on random plans), for callers that
+  // read nothing else (sweeps). When the replicas are symmetric, the programs and timings of
+  // replicas 1.. are never built: only replica 0's schedule is, and the other ranks' result
+  // entries are their stage's entries in replica 0 with rank and replica set.
+  // Schedules are cached across calls (the last 8, up to a million ops), keyed on
+  // schedule_key_into: a configuration that differs from an earlier one only in what prices
+  // its ops (rates, links, memory, recompute, ...) reuses its schedule. The first
+  // configuration of a schedule runs the engine on it, the second compiles it into a
+  // StepProgram (sim/step_program.h), and every later one re-prices and evaluates that
+  // program, which gives the engine's Timeline op for op. Valid until the next call on this
+  // Predictor; invalidates the Prediction of an earlier predict().
   const Result& evaluate(const Plan& plan);
 
  private:
-  void finish(const Plan& plan, bool symmetric);
+  void finish(const Plan& plan, const Schedule& schedule, bool symmetric,
+              const std::vector<RankProgram>* memory_walk = nullptr);
 
   struct Workspace;
   std::unique_ptr<Workspace> ws_;

@@ -20,6 +20,15 @@
 namespace trainsim {
 namespace {
 
+// A framework that runs `zero` with p pipeline stages (Plan refuses the others): FSDP has no
+// stage 1 and DeepSpeed (auto's choice for 2-3) refuses ZeRO-2/3 with a pipeline.
+template <class Pick>
+Framework random_framework(int zero, int p, Pick& pick) {
+  if (zero == 1) return static_cast<Framework>(pick({0, 1, 2}));
+  if (zero >= 2 && p > 1) return static_cast<Framework>(pick({1, 3}));
+  return static_cast<Framework>(pick({0, 1, 2, 3}));
+}
+
 using testing::FixedCollectives;
 using testing::FixedP2P;
 using testing::UniformCompute;
@@ -258,6 +267,8 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     c.parallelism.tensor_parallel_size = t;
     c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
     c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    c.parallelism.framework = random_framework(c.parallelism.zero_stage, p, pick);
+    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
     c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
     c.training.micro_batch_size = pick({1, 2});
     c.training.global_batch_size = m * d * c.training.micro_batch_size;
@@ -279,10 +290,19 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     EXPECT_LT(r.bubble_fraction, 1);
     EXPECT_TRUE(std::isfinite(r.tokens_per_s) && std::isfinite(r.mfu));
     ASSERT_EQ(r.ranks.size(), static_cast<std::size_t>(p * d));
+    // The idle time splits into pipeline bubble and exposed communication, per rank and
+    // overall; without a pipeline there is no pipeline bubble.
+    EXPECT_NEAR(r.pipeline_bubble_fraction + r.exposed_comm_fraction, r.bubble_fraction, 1e-12);
+    EXPECT_GE(r.pipeline_bubble_fraction, 0);
+    EXPECT_GE(r.exposed_comm_fraction, 0);
+    if (p == 1) EXPECT_EQ(r.pipeline_bubble_fraction, 0);
     for (const auto& rank : r.ranks) {
       EXPECT_LE(rank.busy_s, r.step_time_s * (1 + 1e-12));
       EXPECT_GT(rank.peak_memory_bytes, 0);
       EXPECT_GE(rank.exposed_comm_s, 0);
+      EXPECT_GE(rank.pipeline_bubble_s, 0);
+      EXPECT_NEAR(rank.pipeline_bubble_s + rank.exposed_comm_s, rank.idle_s, 1e-9 * r.step_time_s);
+      if (p == 1) EXPECT_EQ(rank.pipeline_bubble_s, 0);
     }
     ++simulated;
   }
@@ -333,8 +353,10 @@ void expect_same_memory(const MemoryBreakdown& a, const MemoryBreakdown& b) {
   EXPECT_EQ(a.buffers, b.buffers);
 }
 
-// Bit-for-bit: same doubles, same strings.
+// Bit-for-bit: same doubles, same strings; operator== covers every field, including any
+// added to Result later, and the lines below say which one differs.
 void expect_same_result(const Result& a, const Result& b) {
+  EXPECT_TRUE(a == b);
   EXPECT_EQ(a.step_time_s, b.step_time_s);
   EXPECT_EQ(a.bubble_fraction, b.bubble_fraction);
   EXPECT_EQ(a.tokens_per_s, b.tokens_per_s);
@@ -385,6 +407,8 @@ TEST(Predictor, ReusedAcrossRandomPlansMatchesPredict) {
     c.parallelism.tensor_parallel_size = t;
     c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
     c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    c.parallelism.framework = random_framework(c.parallelism.zero_stage, p, pick);
+    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
     c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
     c.training.micro_batch_size = pick({1, 2});
     c.training.global_batch_size = m * d * c.training.micro_batch_size;
@@ -442,6 +466,8 @@ TEST(Predictor, EvaluateMatchesPredictResultOnRandomPlans) {
     c.parallelism.tensor_parallel_size = t;
     c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
     c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    c.parallelism.framework = random_framework(c.parallelism.zero_stage, p, pick);
+    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
     c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
     c.training.micro_batch_size = pick({1, 2});
     c.training.global_batch_size = m * d * c.training.micro_batch_size;

@@ -2,6 +2,8 @@
 // per-layer activations; and the schedule walk's peak.
 #include <gtest/gtest.h>
 
+#include "core/config_fields.h"
+#include "core/presets.h"
 #include "sim/cost/memory_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
@@ -64,6 +66,23 @@ TEST(Activations, PublishedPerLayerFormulas) {
     EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, t, false, Recompute::selective), sbh * (10 + 24.0 / t));
   }
   EXPECT_DOUBLE_EQ(shape.layer_activation_bytes(2, 2, 1, false, Recompute::full), 2 * sbh);
+  // What the memory model holds follows model.attention: fused and naive keep the scores as
+  // above; FlashAttention keeps no s x s matrix, only its FP32 log-sum-exp (4 a s b), with or
+  // without recompute of the attention core (Dao et al. 2022).
+  for (AttentionKernel k : {AttentionKernel::fused, AttentionKernel::naive}) {
+    m.attention = k;
+    EXPECT_DOUBLE_EQ(ModelShape(m).layer_stored_activation_bytes(2, 2, 1, false, Recompute::none),
+                     sbh * (34 + 5 * a * s / h));
+  }
+  m.attention = AttentionKernel::flash;
+  const ModelShape flash(m);
+  for (int t : {1, 2, 8}) {
+    EXPECT_DOUBLE_EQ(flash.layer_stored_activation_bytes(2, 2, t, false, Recompute::none),
+                     sbh * (10 + 24.0 / t) + 4 * a * s * b / t);
+    EXPECT_DOUBLE_EQ(flash.layer_stored_activation_bytes(2, 2, t, false, Recompute::selective),
+                     sbh * (10 + 24.0 / t) + 4 * a * s * b / t);
+  }
+  EXPECT_DOUBLE_EQ(flash.layer_stored_activation_bytes(2, 2, 1, false, Recompute::full), 2 * sbh);
 }
 
 TEST(Activations, PeakFollowsTheSchedule) {
@@ -80,6 +99,42 @@ TEST(Activations, PeakFollowsTheSchedule) {
   }
 }
 
+// Llama 2 13B at 4,096 tokens, micro-batch 1, no tensor parallelism, no recompute: with
+// FlashAttention and Llama's zero dropout one micro-batch keeps about 26 GiB of activations
+// (what such runs measure; the scores-storing formula with dropout gave 152 GiB). Per layer,
+// 16-bit: the two norms' inputs and the QKV and MLP inputs 8 sbh, Q, K, V 6 sbh, projection
+// input 2 sbh, SwiGLU's gate, up and product 3 * 2 * f/h sbh, plus the FP32 log-sum-exp; the
+// last stage adds FP32 logits and the final norm's input.
+TEST(Activations, LlamaTwoThirteenBillionWithFlashAttention) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, std::string("llama2-13b"));
+  EXPECT_EQ(c.model.hidden_dropout, 0.0);
+  EXPECT_EQ(c.model.attention_dropout, 0.0);
+  EXPECT_EQ(c.model.attention, AttentionKernel::flash);
+  c.cluster.num_gpus = 1;
+  const Plan plan = Plan::from_config(c);
+  const MemoryModel mm(plan);
+  const double s = 4096, h = 5120, f = 13824, a = 40, L = 40, V = 32000;
+  const double per_layer = s * h * (8 + 6 + 2 + 6 * f / h) + 4 * a * s;
+  const double expected = L * per_layer + 4 * s * V + 2 * s * h;
+  EXPECT_NEAR(mm.activations_per_microbatch(0), expected, 1.0);
+  EXPECT_GT(bytes_to_gib(expected), 24.0);
+  EXPECT_LT(bytes_to_gib(expected), 28.0);
+  // The same layer with a kernel that stores the scores would keep a s^2 (2 bytes) more.
+  c.model.attention = AttentionKernel::fused;
+  const MemoryModel fused(Plan::from_config(c));
+  EXPECT_NEAR(fused.activations_per_microbatch(0) - mm.activations_per_microbatch(0), L * (2 * a * s * s - 4 * a * s), 1.0);
+}
+
+// Published dropout: Llama trains without it; GPT-3 and the Megatron models keep Megatron's 0.1.
+TEST(Presets, ModelsCarryTheirPublishedDropout) {
+  for (const auto& p : model_presets()) {
+    const bool llama = p.name.rfind("llama", 0) == 0;
+    EXPECT_EQ(p.model.hidden_dropout, llama ? 0.0 : 0.1) << p.name;
+    EXPECT_EQ(p.model.attention_dropout, llama ? 0.0 : 0.1) << p.name;
+  }
+}
+
 TEST(Activations, FullRecomputeAddsOneLayerDuringBackward) {
   ScenarioConfig c = testing::small_config(2, 4, ScheduleKind::gpipe);
   c.training.activation_recompute = Recompute::full;
@@ -87,7 +142,7 @@ TEST(Activations, FullRecomputeAddsOneLayerDuringBackward) {
   const MemoryModel mm(plan);
   const auto peak = mm.peak_per_rank(build_schedule(plan));
   const ModelShape shape = plan.shape();
-  const double one_layer = shape.layer_activation_bytes(1, plan.activation_bytes(), 1, false, Recompute::none);
+  const double one_layer = shape.layer_stored_activation_bytes(1, plan.activation_bytes(), 1, false, Recompute::none);
   EXPECT_DOUBLE_EQ(peak[0].activations, 4 * mm.activations_per_microbatch(0) + one_layer);
 }
 

@@ -2,8 +2,10 @@
 // fragment loads and simulates to the reported figures, each change is explained with its
 // own prediction, and the precision advice names every risk of the bundled incident.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -12,7 +14,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/model_shape.h"
 #include "core/plan.h"
+#include "core/schedule.h"
 #include "core/scenario.h"
 #include "core/units.h"
 #include "sim/simulator.h"
@@ -67,11 +71,15 @@ const PlanResult& default_plan() {
   return plan;
 }
 
-TEST(Plan, ChoosesTheFastestFeasibleConfiguration) {
+// The incident's own configuration trails the best by far more than the margin: the plan takes
+// the fastest (no simpler layout comes within the margin of it).
+TEST(Plan, ChoosesTheFastestWhenItBeatsTheFileByMoreThanTheMargin) {
   const PlanResult& p = default_plan();
   ASSERT_TRUE(p.chosen.has_value());
   const SweepRow& chosen = p.sweep.rows[*p.chosen];
   EXPECT_EQ(chosen.status, SweepStatus::ok);
+  EXPECT_EQ(p.choice, "fastest");
+  EXPECT_GT(chosen.metrics.tokens_per_s, (1 + p.margin) * p.original.metrics.tokens_per_s);
   for (const auto& row : p.sweep.rows)
     if (row.feasible()) {
       EXPECT_LE(row.metrics.tokens_per_s, chosen.metrics.tokens_per_s);
@@ -225,10 +233,26 @@ TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
     layouts.emplace(par.data_parallel_size, par.pipeline_parallel_size, par.tensor_parallel_size);
   }
   EXPECT_EQ(layouts.size(), auto_parallel_layouts(sc.config).size());
+  // No feasible row beats the chosen one by more than the margin.
   for (const auto& row : p.sweep.rows)
     if (row.feasible()) {
-      EXPECT_LE(row.metrics.tokens_per_s, p.sweep.rows[*p.chosen].metrics.tokens_per_s);
+      EXPECT_LE(row.metrics.tokens_per_s, p.sweep.rows[*p.chosen].metrics.tokens_per_s * (1 + p.margin));
     }
+  // The default space searches sequence parallelism and every ZeRO stage, folded where they
+  // mean nothing (sequence parallelism without tensor parallelism, ZeRO-2/3 with a pipeline
+  // under DeepSpeed), so no row is invalid for those reasons.
+  std::set<int> zero;
+  bool sp = false;
+  for (const auto& row : p.sweep.rows) {
+    const auto& par = row.point.config.parallelism;
+    zero.insert(par.zero_stage);
+    sp |= par.sequence_parallel;
+    if (par.sequence_parallel) EXPECT_GT(par.tensor_parallel_size, 1);
+    if (par.zero_stage >= 2) EXPECT_EQ(par.pipeline_parallel_size, 1);
+    EXPECT_EQ(row.reason.find("DeepSpeed refuses"), std::string::npos);
+  }
+  EXPECT_EQ(zero, (std::set<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(sp);
 }
 
 TEST(Plan, NothingFeasibleGivesNoChoice) {
@@ -240,6 +264,150 @@ TEST(Plan, NothingFeasibleGivesNoChoice) {
   EXPECT_TRUE(j["chosen"].is_null());
   EXPECT_TRUE(j["scenario_fragment"].is_null());
   EXPECT_NE(format_plan(p).find("no configuration"), std::string::npos);
+}
+
+// A dead end that helps (70B on one A100): the smallest need, the model states' floor
+// (bytes per parameter x parameters, over the GPU's memory), near misses ordered by how close
+// they came with the limit that bound each, suggestions, and a documented exit status.
+TEST(Plan, NothingFitsSaysWhatWouldMakeItFit) {
+  const Scenario sc = load_scenario_text(
+      "model: {preset: llama2-70b}\ncluster: {gpu: a100-80gb, num_gpus: 1}\ntraining: {global_batch_size: 4}\n",
+      "70b-on-one.yaml");
+  const PlanResult p = make_plan(sc);
+  ASSERT_FALSE(p.chosen.has_value());
+  ASSERT_TRUE(p.infeasible.has_value());
+  const Infeasibility& d = *p.infeasible;
+  // Model states: 2 (BF16 weights) + 4 (FP32 gradients) + 4 + 8 (FP32 master, Adam moments).
+  EXPECT_EQ(d.model_state_bytes_per_param, 18.0);
+  const double params = ModelShape(sc.config.model).total_params();
+  EXPECT_NEAR(d.model_state_bytes, 18.0 * params, 1.0);
+  EXPECT_EQ(d.min_gpus_zero3, static_cast<int>(std::ceil(18.0 * params / gib_to_bytes(sc.config.cluster.memory_gib))));
+  EXPECT_GE(d.min_gpus_zero3, 14);
+  ASSERT_TRUE(d.smallest.has_value());
+  for (const auto& row : p.sweep.rows)
+    if (row.simulated) {
+      EXPECT_GE(row.metrics.peak_memory_bytes, p.sweep.rows[*d.smallest].metrics.peak_memory_bytes);
+    }
+  ASSERT_FALSE(d.near_misses.empty());
+  for (std::size_t k = 1; k < d.near_misses.size(); ++k)
+    EXPECT_LE(p.sweep.rows[d.near_misses[k - 1]].shortfall, p.sweep.rows[d.near_misses[k]].shortfall);
+  for (std::size_t i : d.near_misses) {
+    EXPECT_EQ(p.sweep.rows[i].binding, "memory");
+    EXPECT_NEAR(p.sweep.rows[i].shortfall,
+                p.sweep.rows[i].metrics.peak_memory_bytes / p.sweep.rows[i].metrics.memory_capacity_bytes - 1, 1e-12);
+  }
+  const std::string text = format_plan(p);
+  for (const char* part : {"the smallest need found", "model states alone", "at least", "nearest misses",
+                           "what would make it fit", "more GPUs", "offload"})
+    EXPECT_NE(text.find(part), std::string::npos) << part;
+}
+
+// ---- the planner's judgement ------------------------------------------------------------------
+
+// A small search around the incident's configuration, fast enough to run several times.
+Scenario small_search(const std::string& axes) {
+  return load_scenario_text(postmortem_text() + "sweep:\n" + axes, "small.yaml");
+}
+
+// A change must gain more than the margin: a margin larger than any gain keeps the file's
+// configuration (with its precision fixes); margin 0 picks the fastest; the sentence says by
+// how much the file's configuration trails the best found.
+TEST(PlanJudgement, KeepsTheFilesConfigurationWithinTheMargin) {
+  const Scenario sc = small_search("  parallelism.schedule: [gpipe, 1f1b]\n  communication.overlap_grad_reduce: [false, true]\n");
+  PlanOptions wide;
+  wide.margin = 10.0;
+  const PlanResult kept = make_plan(sc, wide);
+  ASSERT_TRUE(kept.chosen && kept.incumbent && kept.fastest);
+  EXPECT_EQ(*kept.chosen, *kept.incumbent);
+  ScenarioConfig fixed = sc.config;
+  apply_precision_fixes(fixed);
+  expect_same_config(kept.sweep.rows[*kept.chosen].point.config, fixed);
+  EXPECT_EQ(kept.choice, "kept");
+  EXPECT_NE(kept.choice_reason.find("your configuration is within"), std::string::npos) << kept.choice_reason;
+  const double gap = kept.sweep.rows[*kept.fastest].metrics.tokens_per_s / kept.sweep.rows[*kept.chosen].metrics.tokens_per_s - 1;
+  EXPECT_NE(kept.choice_reason.find(fmt::format("{:.1f}%", 100 * gap)), std::string::npos) << kept.choice_reason;
+  EXPECT_NE(format_plan(kept).find("why: your configuration is within"), std::string::npos);
+
+  PlanOptions none;
+  none.margin = 0;
+  const PlanResult fastest = make_plan(sc, none);
+  ASSERT_TRUE(fastest.chosen);
+  EXPECT_EQ(*fastest.chosen, *fastest.fastest);
+  for (std::size_t i : fastest.sweep.ranking)
+    EXPECT_LE(fastest.sweep.rows[i].metrics.tokens_per_s, fastest.sweep.rows[*fastest.chosen].metrics.tokens_per_s);
+  EXPECT_EQ(kPlanMargin, 0.03);
+  EXPECT_EQ(PlanOptions{}.margin, kPlanMargin);
+}
+
+// Among configurations within the margin of the fastest, the simpler layout wins: fewer GPUs per
+// model replica first, then a shallower pipeline and a simpler schedule.
+TEST(PlanJudgement, PrefersTheSimplerLayoutAmongNearTies) {
+  EXPECT_LT(layout_complexity(load_scenario_text("parallelism: {data_parallel_size: 8}\n").config),
+            layout_complexity(load_scenario_text("cluster: {num_gpus: 8}\nparallelism: {data_parallel_size: 4, "
+                                                 "tensor_parallel_size: 2}\n").config));
+  Scenario sc = small_search("  parallelism: auto\n  parallelism.schedule: [1f1b, zb-h1]\n");
+  sc.config.parallelism.data_parallel_size = 3;  // the file's own layout cannot run: nothing to keep
+  PlanOptions wide;
+  wide.margin = 10.0;  // every feasible row is a near-tie of the fastest
+  const PlanResult p = make_plan(sc, wide);
+  ASSERT_TRUE(p.chosen && p.fastest);
+  EXPECT_EQ(p.choice, *p.chosen == *p.fastest ? "fastest" : "simpler");
+  for (std::size_t i : p.sweep.ranking)
+    EXPECT_LE(layout_complexity(p.sweep.rows[*p.chosen].point.config), layout_complexity(p.sweep.rows[i].point.config));
+  // 6.7B parameters' model states need a 4-way model split on 40 GB GPUs; of those, no pipeline.
+  EXPECT_EQ(layout_complexity(p.sweep.rows[*p.chosen].point.config), std::make_tuple(4, 1, 0, 1, 0));
+}
+
+// Hardware is not a knob: with the inter-node link swept, the plan chooses for the file's own
+// link and lists each link's best configuration beside it.
+TEST(PlanJudgement, HardwareIsComparedNotChosen) {
+  const Scenario sc = small_search("  cluster.inter_node.bandwidth_gbps: [1.5625, 25]\n  parallelism: auto\n");
+  const PlanResult p = make_plan(sc);
+  ASSERT_TRUE(p.chosen);
+  EXPECT_EQ(p.sweep.rows[*p.chosen].point.config.cluster.inter_node.bandwidth_gbps,
+            sc.config.cluster.inter_node.bandwidth_gbps);
+  for (const auto& step : p.steps)
+    for (const auto& k : step.keys) EXPECT_FALSE(is_setup_key(k)) << k;
+  EXPECT_EQ(p.setup_keys, std::vector<std::string>{"cluster.inter_node.bandwidth_gbps"});
+  ASSERT_EQ(p.setups.size(), 2u);
+  for (const auto& su : p.setups) {
+    ASSERT_TRUE(su.best.has_value());
+    const double link = std::get<double>(su.values.at(0).second);
+    for (const auto& row : p.sweep.rows)
+      if (row.feasible() && row.point.config.cluster.inter_node.bandwidth_gbps == link) {
+        EXPECT_LE(row.metrics.tokens_per_s, p.sweep.rows[*su.best].metrics.tokens_per_s);
+      }
+  }
+  EXPECT_NE(format_plan(p).find("setups compared, each with its own best configuration"), std::string::npos);
+}
+
+// BF16 where the GPU has it; FP8 advised with its caveats, never applied, and an FP8 run has
+// no loss-scaling found-inf check.
+TEST(PlanJudgement, Bf16AndFp8AdviceAsAnExpertGivesIt) {
+  ScenarioConfig a100 = load_scenario_text("cluster: {gpu: a100-80gb}\nprecision: {compute: fp16, loss_scaling: {mode: dynamic}}\n").config;
+  EXPECT_TRUE(has_issue(precision_issues(a100), "fp16_where_bf16_available"));
+  apply_precision_fixes(a100);
+  EXPECT_EQ(a100.precision.compute, DType::bf16);
+  EXPECT_EQ(a100.precision.loss_scaling.mode, LossScalingMode::none);
+
+  const Scenario h100 = load_scenario_text(
+      "model: {preset: gpt3-1.3b}\ncluster: {gpu: h100-80gb, num_gpus: 8}\nparallelism: {data_parallel_size: 8}\n"
+      "training: {global_batch_size: 64}\nsweep:\n  training.activation_recompute: [selective, full]\n",
+      "h100.yaml");
+  const PlanResult p = make_plan(h100);
+  ASSERT_TRUE(p.chosen);
+  EXPECT_EQ(p.sweep.rows[*p.chosen].point.config.precision.compute, DType::bf16) << "FP8 is never applied";
+  ASSERT_EQ(p.notes.size(), 1u);
+  EXPECT_EQ(p.notes[0].id, "fp8_option");
+  for (const char* caveat : {"upper bound", "amax", "no found-inf", "BF16 baseline"})
+    EXPECT_NE(p.notes[0].text.find(caveat), std::string::npos) << caveat;
+
+  ScenarioConfig fp8 = h100.config;
+  fp8.precision.compute = DType::fp8;
+  fp8.precision.loss_scaling.mode = LossScalingMode::dynamic;
+  const Schedule s = build_schedule(Plan::from_config(fp8));
+  for (const auto& prog : s.ranks)
+    for (const Op& op : prog.ops) EXPECT_NE(op.kind, OpKind::OverflowCheck);
 }
 
 // ---- the command ----------------------------------------------------------------------------
@@ -254,6 +422,23 @@ std::pair<int, std::string> run(const std::string& args) {
   while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
   const int st = ::pclose(pipe);
   return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+// Nothing fits: a documented non-zero exit status (5) from plan and sweep, the report still printed.
+TEST(PlanCli, NothingFeasibleExitsFive) {
+  const fs::path d = fs::temp_directory_path() / ("trainsim_plan5_" + std::to_string(::getpid()));
+  fs::create_directories(d);
+  const fs::path f = d / "70b.yaml";
+  std::ofstream(f) << "model: {preset: llama2-70b}\ncluster: {gpu: a100-80gb, num_gpus: 1}\n"
+                      "training: {global_batch_size: 4}\nsweep:\n  training.activation_recompute: [none, full]\n";
+  auto [status, text] = run("plan --threads 2 " + f.string());
+  EXPECT_EQ(status, 5);
+  EXPECT_NE(text.find("what would make it fit"), std::string::npos);
+  auto [status2, table] = run("sweep --threads 2 " + f.string());
+  EXPECT_EQ(status2, 5);
+  EXPECT_NE(table.find("nothing fits"), std::string::npos);
+  EXPECT_NE(table.find("model states alone"), std::string::npos);
+  fs::remove_all(d);
 }
 
 TEST(PlanCli, WrittenScenarioSimulatesToThePlansFigures) {

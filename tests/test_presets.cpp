@@ -1,12 +1,38 @@
 // Presets from public datasheets and papers (sources in docs/presets.md).
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "core/model_shape.h"
 #include "core/presets.h"
 #include "core/scenario.h"
 
 namespace trainsim {
 namespace {
+
+// docs/presets.md's model table is `trainsim presets --markdown`: the two cannot disagree
+// (the docs said 21.8B for megatron-22b while `presets` printed 22.07B).
+TEST(Presets, DocumentedModelTableIsWhatPresetsPrints) {
+  std::ifstream in(std::string(TRAINSIM_SOURCE_DIR) + "/docs/presets.md");
+  std::stringstream doc;
+  doc << in.rdbuf();
+  EXPECT_NE(doc.str().find(model_presets_markdown()), std::string::npos)
+      << "regenerate the table with `trainsim presets --markdown`";
+  EXPECT_NE(model_presets_markdown().find("| 22.07B |"), std::string::npos);
+}
+
+// The parameter count is labelled by the shape actually used: the preset's name alone only
+// when no key overrides it.
+TEST(Presets, ModelLabelNamesTheOverrides) {
+  ModelConfig m;
+  apply_model_preset(*find_model_preset("llama2-13b"), m);
+  EXPECT_EQ(model_label(m), "llama2-13b");
+  m.num_layers = 60;
+  m.hidden_size = 6656;
+  EXPECT_EQ(model_label(m), "llama2-13b with num_layers 60, hidden_size 6656");
+  EXPECT_EQ(model_label(ModelConfig{}), "");
+}
 
 TEST(Presets, TheRequiredCatalog) {
   for (const char* g : {"a100-40gb", "a100-80gb", "h100-80gb", "h200"}) EXPECT_NE(find_gpu_preset(g), nullptr) << g;

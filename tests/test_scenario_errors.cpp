@@ -327,7 +327,7 @@ cluster:
 )"));
   ASSERT_EQ(ds.size(), 1u) << dump(ds);
   expect_at(ds[0], 2, 8, "cluster.gpu");
-  EXPECT_CONTAINS(ds[0].message, "\"a100-40\": unknown GPU preset; known: ");
+  EXPECT_CONTAINS(ds[0].message, "\"a100-40\": unknown GPU preset; did you mean \"a100-40gb\"? known: ");
   for (const auto& p : gpu_presets()) EXPECT_CONTAINS(ds[0].message, p.name);
 }
 
@@ -338,8 +338,28 @@ model:
 )"));
   ASSERT_EQ(ds.size(), 1u) << dump(ds);
   expect_at(ds[0], 2, 11, "model.preset");
-  EXPECT_CONTAINS(ds[0].message, "\"gpt3-13\": unknown model preset; known: ");
+  EXPECT_CONTAINS(ds[0].message, "\"gpt3-13\": unknown model preset; did you mean \"gpt3-13b\"? known: ");
   for (const auto& p : model_presets()) EXPECT_CONTAINS(ds[0].message, p.name);
+}
+
+// Preset names as people type them: another case, the start of the name, separators; but a
+// different product (B200) is not taken for a typo of a catalog entry (H200).
+TEST(ScenarioErrors, PresetNamesGetADidYouMean) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"model:\n  preset: llama2-70B\n", "did you mean \"llama2-70b\"?"},
+      {"model:\n  preset: llama-2-13b\n", "did you mean \"llama2-13b\"?"},
+      {"model:\n  preset: megatron-22\n", "did you mean \"megatron-22b\"?"},
+      {"cluster:\n  gpu: h100\n", "did you mean \"h100-80gb\"?"},
+      {"cluster:\n  gpu: A100-80GB\n", "did you mean \"a100-80gb\"?"},
+  };
+  for (const auto& [text, hint] : cases) {
+    auto ds = load_errors(text);
+    ASSERT_EQ(ds.size(), 1u) << text << dump(ds);
+    EXPECT_CONTAINS(ds[0].message, hint);
+  }
+  auto ds = load_errors(yaml("cluster:\n  gpu: b200\n"));
+  ASSERT_EQ(ds.size(), 1u);
+  EXPECT_EQ(ds[0].message.find("did you mean"), std::string::npos) << ds[0].message;
 }
 
 // ---- keys given twice, syntax, empty and missing files ----------------------------------

@@ -28,6 +28,7 @@ nlohmann::ordered_json main_figures(const Result& r) {
     max_util = std::max(max_util, rank.utilization);
   }
   return {{"step_time_s", r.step_time_s},         {"bubble_fraction", r.bubble_fraction},
+          {"pipeline_bubble_fraction", r.pipeline_bubble_fraction}, {"exposed_comm_fraction", r.exposed_comm_fraction},
           {"tokens_per_s", r.tokens_per_s},       {"mfu", r.mfu},
           {"allreduce_time_s", r.allreduce_time_s}, {"exposed_comm_time_s", r.exposed_comm_time_s},
           {"max_peak_memory_gib", bytes_to_gib(peak)}, {"min_utilization", min_util},

@@ -4,8 +4,10 @@
 
 #include <fmt/format.h>
 
+#include "core/config_fields.h"
 #include "core/metrics.h"
 #include "sim/cost/memory_model.h"
+#include "sim/simulator.h"
 #include "tests/test_helpers.h"
 
 namespace trainsim {
@@ -110,17 +112,26 @@ TEST(Structure, AllSchedulesAreSoundAndComplete) {
   for (ScheduleKind kind :
        {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_1f1b, ScheduleKind::zb_h1})
     for (int d : {1, 2})
-      for (int zero : {0, 1, 3})
+      for (const auto& [zero, framework, no_sync] :
+           std::vector<std::tuple<int, Framework, bool>>{{0, Framework::auto_select, false},
+                                                          {1, Framework::auto_select, false},
+                                                          {2, Framework::megatron, false},
+                                                          {2, Framework::fsdp, false},
+                                                          {3, Framework::fsdp, false},
+                                                          {3, Framework::fsdp, true}})
         for (bool overlap : {false, true}) {
           const int v = kind == ScheduleKind::interleaved_1f1b ? 2 : 1;
           ScenarioConfig c = small_config(4, 8, kind, v, d);
           c.parallelism.zero_stage = zero;
+          c.parallelism.framework = framework;
+          c.parallelism.fsdp_no_sync = no_sync;
           c.communication.overlap_grad_reduce = overlap;
           c.communication.bucket_size_mib = 0.01;  // several buckets per chunk
           c.precision.loss_scaling.mode = LossScalingMode::dynamic;
           const Plan plan = Plan::from_config(c);
           const Schedule s = build_schedule(plan);
-          SCOPED_TRACE(fmt::format("{} d={} zero={} overlap={}", schedule_name(kind), d, zero, overlap));
+          SCOPED_TRACE(fmt::format("{} d={} zero={} framework={} no_sync={} overlap={}", schedule_name(kind), d, zero,
+                                   static_cast<int>(framework), no_sync, overlap));
           EXPECT_EQ(check_schedule(s), "");
           for (const auto& prog : s.ranks) {
             std::map<std::tuple<int, int, int>, double> work;  // (kind, chunk, microbatch) -> summed work
@@ -196,6 +207,154 @@ TEST(Embedding, TiedWeightsAreAllReducedBetweenFirstAndLastStage) {
   c.model.untie_embeddings_and_output_weights = true;
   for (const auto& coll : build_schedule(Plan::from_config(c)).collectives)
     EXPECT_NE(coll.purpose, CollectivePurpose::embedding);
+}
+
+}  // namespace
+}  // namespace trainsim
+
+namespace trainsim {
+namespace {
+
+// What each framework moves per step for data parallelism, counted in the schedule (one
+// replica's collectives) against the closed forms, with m micro-batches and G gradient bytes
+// and W weight bytes per rank:
+//   Megatron DDP (0)                      all-reduce G once
+//   Megatron --use-distributed-optimizer  reduce-scatter G once, all-gather W after the step
+//   DeepSpeed ZeRO-2                      reduce-scatter G after every micro-batch (m G), all-gather W after the step
+//   DeepSpeed ZeRO-3                      gather W before every forward and backward (2 m W), m G
+//   FSDP reshard_after_forward=False      gather W before every forward (m W), m G
+//   FSDP no_sync                          gradients reduced after the last micro-batch only (G)
+struct Traffic {
+  double allreduce = 0, reduce_scatter = 0, all_gather = 0;
+};
+
+Traffic traffic_of(const Schedule& s, int rank) {
+  Traffic t;
+  for (const Op& op : s.ranks[rank].ops) {
+    if (op.kind == OpKind::AllReduce) t.allreduce += static_cast<double>(op.bytes);
+    if (op.kind == OpKind::ReduceScatter) t.reduce_scatter += static_cast<double>(op.bytes);
+    if (op.kind == OpKind::AllGather) t.all_gather += static_cast<double>(op.bytes);
+  }
+  return t;
+}
+
+TEST(DataParallelTraffic, EachFrameworkMovesWhatItDoes) {
+  const int m = 16, d = 4;
+  auto config = [&](int zero, Framework fw, bool no_sync = false) {
+    ScenarioConfig c = small_config(1, m, ScheduleKind::one_f_one_b, 1, d);
+    c.parallelism.zero_stage = zero;
+    c.parallelism.framework = fw;
+    c.parallelism.fsdp_no_sync = no_sync;
+    c.communication.bucket_size_mib = 0.01;
+    return c;
+  };
+  const Plan probe = Plan::from_config(config(0, Framework::megatron));
+  const double G = std::llround(probe.virtual_stage_params(0) * dtype_bytes(probe.config.precision.allreduce));
+  const double W = std::llround(probe.virtual_stage_params(0) * probe.weight_bytes());
+  struct Case {
+    int zero;
+    Framework fw;
+    bool no_sync;
+    Traffic want;
+    const char* setting;
+  };
+  const std::vector<Case> cases = {
+      {0, Framework::auto_select, false, {G, 0, 0}, "DistributedDataParallel"},
+      {1, Framework::auto_select, false, {0, G, W}, "--use-distributed-optimizer"},
+      {1, Framework::deepspeed, false, {0, G, W}, "zero_optimization.stage: 1"},
+      {2, Framework::auto_select, false, {0, m * G, W}, "zero_optimization.stage: 2"},
+      {3, Framework::deepspeed, false, {0, m * G, 2 * m * W}, "zero_optimization.stage: 3"},
+      {2, Framework::megatron, false, {0, m * G, W}, "optim_grads"},
+      {3, Framework::megatron, false, {0, m * G, 2 * m * W}, "optim_grads_params"},
+      {2, Framework::fsdp, false, {0, m * G, m * W}, "reshard_after_forward=False"},
+      {3, Framework::fsdp, false, {0, m * G, 2 * m * W}, "reshard_after_forward=True"},
+      {3, Framework::fsdp, true, {0, G, 2 * m * W}, "no_sync"},
+  };
+  for (const auto& k : cases) {
+    SCOPED_TRACE(fmt::format("zero {} framework {} no_sync {}", k.zero, static_cast<int>(k.fw), k.no_sync));
+    for (bool overlap : {false, true}) {
+      ScenarioConfig c = config(k.zero, k.fw, k.no_sync);
+      c.communication.overlap_grad_reduce = overlap;
+      const Plan plan = Plan::from_config(c);
+      const Schedule s = build_schedule(plan);
+      ASSERT_EQ(check_schedule(s), "");
+      const Traffic t = traffic_of(s, 0);
+      EXPECT_EQ(t.allreduce, k.want.allreduce);
+      EXPECT_EQ(t.reduce_scatter, k.want.reduce_scatter);
+      EXPECT_EQ(t.all_gather, k.want.all_gather);
+      const Result r = predict(plan).result;
+      EXPECT_NE(r.framework_setting.find(k.setting), std::string::npos) << r.framework_setting;
+    }
+  }
+  // Gradients stay sharded in memory only when they are reduced per micro-batch.
+  const double P = probe.virtual_stage_params(0), g = dtype_bytes(probe.config.precision.grad_accumulation);
+  EXPECT_NEAR(model_state_bytes(Plan::from_config(config(3, Framework::fsdp)), P).gradients, P * g / d, 1e-6);
+  EXPECT_NEAR(model_state_bytes(Plan::from_config(config(3, Framework::fsdp, true)), P).gradients, P * g, 1e-6);
+}
+
+// DeepSpeed refuses ZeRO-2/3 with pipeline parallelism (its PipelineEngine asserts it); a
+// scenario that names a framework that runs them (FSDP, as torchtitan does) gets them.
+TEST(DataParallelTraffic, WhatTheFrameworkRefusesIsRefusedWithTheReason) {
+  for (Framework fw : {Framework::auto_select, Framework::deepspeed})
+    for (int zero : {2, 3}) {
+      ScenarioConfig c = small_config(2, 4, ScheduleKind::one_f_one_b, 1, 2);
+      c.parallelism.zero_stage = zero;
+      c.parallelism.framework = fw;
+      try {
+        Plan::from_config(c);
+        ADD_FAILURE() << "zero " << zero << " with a pipeline was accepted";
+      } catch (const ScenarioError& e) {
+        EXPECT_NE(std::string(e.what()).find("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+                  std::string::npos)
+            << e.what();
+      }
+      c.parallelism.framework = Framework::fsdp;
+      EXPECT_NO_THROW(Plan::from_config(c));
+    }
+  ScenarioConfig c = small_config(1, 4, ScheduleKind::one_f_one_b, 1, 2);
+  c.parallelism.zero_stage = 1;
+  c.parallelism.framework = Framework::fsdp;
+  EXPECT_THROW(Plan::from_config(c), ScenarioError) << "FSDP has no optimizer-only sharding";
+  c.parallelism.zero_stage = 3;
+  c.parallelism.framework = Framework::deepspeed;
+  c.parallelism.fsdp_no_sync = true;
+  EXPECT_THROW(Plan::from_config(c), ScenarioError) << "no_sync is FSDP's";
+}
+
+// The issue's case: Llama 2 13B as DP 4 x TP 4 with ZeRO-3 on 16 V100s and 16 micro-batches.
+// DeepSpeed reduce-scatters the gradients after each of the 16 micro-batches: 16 times the
+// once-per-step traffic, which now shows in the step.
+TEST(DataParallelTraffic, ZeroThreeOnSixteenMicroBatchesReducesSixteenTimes) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, std::string("llama2-13b"));
+  find_field("cluster.gpu")->set(c, std::string("v100-32gb"));
+  c.cluster.num_gpus = 16;
+  c.parallelism.data_parallel_size = 4;
+  c.parallelism.tensor_parallel_size = 4;
+  c.parallelism.zero_stage = 3;
+  c.training.global_batch_size = 64;
+  c.training.activation_recompute = Recompute::selective;
+  c.precision.compute = DType::fp16;
+  c.communication.overlap_grad_reduce = true;
+  const Plan deepspeed = Plan::from_config(c);
+  ASSERT_EQ(deepspeed.num_microbatches, 16);
+  c.parallelism.framework = Framework::fsdp;
+  c.parallelism.fsdp_no_sync = true;
+  const Plan once = Plan::from_config(c);
+  const Traffic per_mb = traffic_of(build_schedule(deepspeed), 0), per_step = traffic_of(build_schedule(once), 0);
+  EXPECT_EQ(per_mb.reduce_scatter, 16 * per_step.reduce_scatter);
+  const Prediction a = predict(deepspeed), b = predict(once);
+  EXPECT_EQ(a.result.framework, "deepspeed");
+  auto reduce_scatter_seconds = [](const Prediction& p) {
+    Tick t = 0;
+    const auto& ops = p.schedule->ranks[0].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].kind == OpKind::ReduceScatter) t += p.timeline.ops[0][i].end - p.timeline.ops[0][i].start;
+    return ticks_to_seconds(t);
+  };
+  EXPECT_NEAR(reduce_scatter_seconds(a), 16 * reduce_scatter_seconds(b), 1e-9);
+  // Its communication is now most of the step (the issue measured ~25 s against a 24 s step).
+  EXPECT_GT(a.result.allreduce_time_s, 0.5 * a.result.step_time_s);
 }
 
 }  // namespace

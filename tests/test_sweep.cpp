@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <unistd.h>
@@ -546,8 +547,10 @@ TEST(SweepReport, JsonCsvAndSvgHoldEveryConfiguration) {
   EXPECT_NE(s.find("out of memory"), std::string::npos);
   std::size_t circles = 0;
   for (std::size_t pos = 0; (pos = s.find("<circle", pos)) != std::string::npos; ++pos) ++circles;
-  // Feasible points, front rings, constraint points and the legend's three circles.
-  EXPECT_EQ(circles, r.counts.ok + r.pareto.size() + r.counts.constraint + 3);
+  // Feasible points, front rings (the best point, always on the front, gets its star instead
+  // of a ring), constraint points and the legend's three circles.
+  ASSERT_FALSE(r.ranking.empty());
+  EXPECT_EQ(circles, r.counts.ok + r.pareto.size() - 1 + r.counts.constraint + 3);
 }
 
 // ---- the command ------------------------------------------------------------------------------
@@ -593,6 +596,86 @@ TEST(SweepCli, JsonIsByteIdenticalAcrossThreadCountsAndFilesAreWritten) {
   ASSERT_EQ(t.status, 0);
   EXPECT_NE(t.out.find("best 3 of"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("headroom GiB"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace trainsim
+
+namespace trainsim {
+namespace {
+
+// The sweep picture: the best point is drawn last, as a star wider than a Pareto ring (the
+// ring of the best point is not drawn), and the HTML page carries one hover record per drawn
+// point, keyed like the points' data-i.
+TEST(SweepPicture, BestPointIsVisibleAndTheHtmlHovers) {
+  const Scenario sc = load_scenario_text(
+      "model: {preset: gpt3-1.3b}\ncluster: {gpu: a100-40gb, num_gpus: 8}\ntraining: {global_batch_size: 32}\n"
+      "sweep:\n  parallelism: auto\n  training.activation_recompute: [none, selective, full]\n",
+      "picture.yaml");
+  const SweepResult r = run_sweep(sc);
+  ASSERT_NE(r.best(), nullptr);
+  std::ostringstream svg;
+  write_sweep_svg(r, sc, svg);
+  const std::string s = svg.str();
+  const auto star = s.find("<path id=\"best\"");
+  ASSERT_NE(star, std::string::npos);
+  EXPECT_EQ(s.find("class=\"pt\"", s.find('>', star)), std::string::npos) << "no point is drawn over the best one";
+  const std::string best_ring = fmt::format("data-i=\"{}\" cx=", r.best()->point.index);
+  EXPECT_EQ(s.find(best_ring), s.rfind(best_ring)) << "only the feasible dot, no ring over the star";
+  // The star reaches further from the point than a Pareto ring (6.5 px radius, 2 px stroke).
+  std::smatch dot, d;
+  ASSERT_TRUE(std::regex_search(s, dot, std::regex(best_ring + "\"([0-9.]+)\" cy=\"([0-9.]+)\"")));
+  const double cx = std::stod(dot[1]), cy = std::stod(dot[2]);
+  const std::string star_tag = s.substr(star, s.find('>', star) - star);
+  ASSERT_TRUE(std::regex_search(star_tag, d, std::regex(" d=\"([^\"]+)\"")));
+  const std::string path = d[1];
+  double reach = 0;
+  const std::regex pt("([0-9.]+),([0-9.]+)");
+  for (std::sregex_iterator it(path.begin(), path.end(), pt), e; it != e; ++it)
+    reach = std::max(reach, std::hypot(std::stod((*it)[1]) - cx, std::stod((*it)[2]) - cy));
+  EXPECT_GT(reach, 6.5 + 1.0);
+
+  std::ostringstream html;
+  write_sweep_html(r, sc, html);
+  const std::string h = html.str();
+  EXPECT_EQ(h.rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(h.find("<svg"), std::string::npos);
+  EXPECT_NE(h.find("addEventListener('mousemove'"), std::string::npos);
+  EXPECT_EQ(h.find("<title>", h.find("<svg")), std::string::npos) << "the hover box replaces the native tooltips";
+  const auto start = h.find("const rows = ") + 13;
+  const auto end = h.find(";\n", start);
+  const auto rows = nlohmann::json::parse(h.substr(start, end - start));
+  std::size_t simulated = 0;
+  for (const auto& row : r.rows)
+    if (row.simulated) {
+      ++simulated;
+      ASSERT_TRUE(rows.contains(std::to_string(row.point.index))) << row.point.index;
+      EXPECT_EQ(rows[std::to_string(row.point.index)]["status"], std::string(sweep_status_name(row.status)));
+    }
+  EXPECT_EQ(rows.size(), simulated);
+}
+
+// Infeasible rows come nearest first, each with the limit that bound it.
+TEST(SweepPicture, NearMissesComeFirstWithTheirBindingLimit) {
+  const Scenario sc = load_scenario_text(
+      "model: {preset: gpt3-6.7b}\ncluster: {gpu: a100-40gb, num_gpus: 8}\ntraining: {global_batch_size: 16}\n"
+      "constraints: {max_memory_fraction: 0.8}\n"
+      "sweep:\n  parallelism: auto\n  training.activation_recompute: [none, full]\n",
+      "misses.yaml");
+  const SweepResult r = run_sweep(sc);
+  double prev = -1;
+  for (std::size_t k = r.ranking.size(); k < r.order.size(); ++k) {
+    const SweepRow& row = r.rows[r.order[k]];
+    if (!row.simulated) break;
+    EXPECT_GE(row.shortfall, prev);
+    prev = row.shortfall;
+    EXPECT_TRUE(row.binding == "memory" || row.binding == "max_memory_fraction") << row.binding;
+    if (row.binding == "memory")
+      EXPECT_NEAR(row.shortfall, row.metrics.peak_memory_bytes / row.metrics.memory_capacity_bytes - 1, 1e-12);
+    else
+      EXPECT_NEAR(row.shortfall, row.metrics.peak_memory_bytes / (0.8 * row.metrics.memory_capacity_bytes) - 1, 1e-12);
+  }
+  EXPECT_GT(prev, 0);
 }
 
 }  // namespace

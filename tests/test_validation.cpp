@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/hardware_profile.h"
@@ -15,7 +16,7 @@
 #include "core/model_shape.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
-#include "runtime/exec/executor.h"
+#include "runtime/cpu/cpu_engine.h"
 #include "sim/cost/compute_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
@@ -321,6 +322,29 @@ TEST(MemoryModel, PredictsTheRuntimesPeakPerRank) {
         EXPECT_NEAR(p / m - 1, 0, 0.05) << schedule_name(kind) << " " << dtype_name(dt) << " rank " << r;
       }
     }
+  }
+}
+
+// Measured runs report the idle split with the same code as predictions: pipeline bubble plus
+// exposed communication make the measured bubble fraction, and without a pipeline all of the
+// measured idle time is exposed communication.
+TEST(MeasuredResult, SplitsIdleTimeAsThePredictionDoes) {
+  for (auto [pp, dp] : {std::pair{2, 1}, std::pair{1, 2}}) {
+    ScenarioConfig rc = runtime_sized(pp, dp, ScheduleKind::one_f_one_b, DType::fp32);
+    rc.runtime.num_layers = 4, rc.runtime.hidden_size = 128, rc.runtime.num_attention_heads = 4;
+    rc.runtime.seq_length = 64, rc.runtime.vocab_size = 256, rc.runtime.data_synthetic = true;
+    const runtime::RuntimePlan rp = runtime::make_runtime_plan(rc);
+    runtime::RunOptions o;
+    o.steps = 1;
+    o.synthetic_data = true;
+    o.pin_threads = false;
+    const Result r = runtime::run_cpu(rp, o).result;
+    SCOPED_TRACE(fmt::format("pp {} dp {}", pp, dp));
+    EXPECT_NEAR(r.pipeline_bubble_fraction + r.exposed_comm_fraction, r.bubble_fraction, 1e-12);
+    if (pp == 1) EXPECT_EQ(r.pipeline_bubble_fraction, 0.0);
+    for (const auto& rank : r.ranks) EXPECT_NEAR(rank.pipeline_bubble_s + rank.exposed_comm_s, rank.idle_s, 1e-9);
+    const auto j = nlohmann::json::parse(result_to_json(r).dump());
+    EXPECT_TRUE(j.contains("pipeline_bubble_fraction") && j.contains("exposed_comm_fraction"));
   }
 }
 

@@ -13,7 +13,7 @@
 #include "core/report/format.h"
 #include "core/report/report.h"
 #include "core/report/write_file.h"
-#include "runtime/exec/run_report.h"
+#include "runtime/loop/run_report.h"
 
 namespace trainsim::validation {
 

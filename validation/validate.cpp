@@ -11,7 +11,8 @@
 
 #include "core/report/format.h"
 #include "core/report/report.h"
-#include "runtime/exec/run_report.h"
+#include "runtime/loop/run_loop.h"
+#include "runtime/loop/run_report.h"
 
 namespace trainsim::validation {
 
@@ -60,7 +61,9 @@ std::string describe_numerics(const NumericsSummary& n) {
 }
 
 std::string backend_title(const std::string& backend) {
-  return backend == "cpu" ? "CPU" : backend == "cuda" ? "CUDA" : backend;
+  for (const runtime::Backend* b : runtime::backends())
+    if (b->name == backend) return b->title;
+  return backend;
 }
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r) {
@@ -102,46 +105,57 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   co.communication = co.communication && !co.comm.group_sizes.empty();
   // The runtime model's gradient buffers are a few MiB: larger collectives only cost time.
   co.comm.max_bytes = std::min<std::size_t>(co.comm.max_bytes, 8u << 20);
+  co.placement = o.backend.placement;
   runtime::RunOptions ro;
+  ro.placement = o.backend.placement;
   ro.steps = o.steps;
   ro.synthetic_data = o.synthetic_data || scenario.config.runtime.data_synthetic;
   ro.data_path = o.data_path;
 
   v.backend = o.backend.name;
-  const bool cpu = !o.backend.run;
-  if (!cpu && !o.backend.calibrate && o.profile_path.empty())
+  const runtime::Backend& record = *o.backend.record;
+  const bool stand_in = o.backend.run || o.backend.calibrate;
+  auto run = [&] { return o.backend.run ? o.backend.run(v.plan, ro) : runtime::run(record, v.plan, ro); };
+  const std::string profile_name = o.backend.name + "-" + scenario.config.name;
+  std::function<HardwareProfile(const runtime::RuntimePlan&, const runtime::CalibrateOptions&)> calibrate =
+      o.backend.calibrate;
+  if (!stand_in && record.kernels)
+    calibrate = [&](const runtime::RuntimePlan& rp, const runtime::CalibrateOptions& options) {
+      return runtime::calibrate_profile(record, rp, profile_name, options);
+    };
+  const bool between_steps = !stand_in && record.calibrate_between_steps && record.kernels;
+  if (o.profile_path.empty() && !between_steps && !calibrate)
     throw std::invalid_argument("validate: the " + o.backend.name + " backend has no calibration; give a profile");
-  auto run = [&] { return cpu ? runtime::run_cpu(v.plan, ro) : o.backend.run(v.plan, ro); };
 
   if (!o.profile_path.empty()) {
     say("loading the hardware profile " + o.profile_path);
     v.profile = load_profile(o.profile_path);
     say("running");
     v.measured = run();
-  } else if (!cpu) {
+  } else if (!between_steps) {
     say("calibrating the " + o.backend.name + " backend at the plan's shapes");
     co.progress = o.progress;
     co.precisions = {v.plan.plan.config.precision.compute};  // the run's format only
-    v.profile = o.backend.calibrate(v.plan, co);
+    v.profile = calibrate(v.plan, co);
     say("running");
     v.measured = run();
   } else {
     // Calibrate before the run and between its steps, so that the kernels' rates and the
     // run come from the same stretch of a machine whose speed may wander.
-    say("calibrating the CPU backend at the plan's shapes");
+    say("calibrating the " + backend_title(o.backend.name) + " backend at the plan's shapes");
     co.progress = o.progress;
-    v.profile = runtime::describe_cpu_profile(v.plan, "cpu-" + scenario.config.name);
-    runtime::calibrate_communication(v.profile, co);
-    runtime::KernelCalibrator kernels(v.plan, co);
-    kernels.run_until_settled();
-    const int before = kernels.passes_done();
-    ro.on_step = [&](const runtime::StepRecord&) { kernels.run_passes(o.passes_between_steps); };
+    v.profile = record.describe(v.plan, profile_name, co);
+    runtime::calibrate_communication(record, v.profile, co);
+    const std::unique_ptr<runtime::KernelCalibrator> kernels = record.kernels(v.plan, co);
+    kernels->run_until_settled();
+    const int before = kernels->passes_done();
+    ro.on_step = [&](const runtime::StepRecord&) { kernels->run_passes(o.passes_between_steps); };
     say("running, with calibration passes between steps");
     v.measured = run();
-    v.profile.kernels = kernels.rates();
-    v.profile.composition = kernels.composition();
-    v.profile.core_factors = kernels.core_factors();
-    v.machine_drift = kernels.speed_change(before);
+    v.profile.kernels = kernels->rates();
+    v.profile.composition = kernels->composition();
+    v.profile.core_factors = kernels->core_factors();
+    v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;
   }
   v.numerics = summarize_numerics(v.measured);
@@ -173,6 +187,12 @@ std::vector<MetricError> errors_of(const Validation& v) {
   e.push_back({"bubble_fraction", p.bubble_fraction, m.bubble_fraction, p.bubble_fraction - m.bubble_fraction, false});
   e.push_back({"allreduce_time_s", p.allreduce_time_s, m.allreduce_time_s,
                relative(p.allreduce_time_s, m.allreduce_time_s), true});
+  // The bubble's two parts (docs/model.md, "Idle time"), so a bubble error says which one is
+  // off; after the first three, which baselines.cpp reads by position.
+  e.push_back({"pipeline_bubble_fraction", p.pipeline_bubble_fraction, m.pipeline_bubble_fraction,
+               p.pipeline_bubble_fraction - m.pipeline_bubble_fraction, false});
+  e.push_back({"exposed_comm_fraction", p.exposed_comm_fraction, m.exposed_comm_fraction,
+               p.exposed_comm_fraction - m.exposed_comm_fraction, false});
   for (std::size_t r = 0; r < std::min(p.ranks.size(), m.ranks.size()); ++r) {
     const RankResult &a = p.ranks[r], &b = m.ranks[r];
     e.push_back({fmt::format("rank {} utilization", r), a.utilization, b.utilization, a.utilization - b.utilization,

@@ -22,17 +22,27 @@
 #include "core/hardware_profile.h"
 #include "core/scenario.h"
 #include "runtime/calibrate/calibrate.h"
-#include "runtime/exec/executor.h"
+#include "runtime/backend.h"
+#include "runtime/contract.h"
 #include "sim/simulator.h"
 
 namespace trainsim::validation {
 
-// The backend that runs the plan and, without a profile, calibrates it at the plan's shapes.
-// Empty functions: the CPU backend, whose kernel calibration passes run between the run's steps
-// (above). The CUDA backend's (cli/cmd_validate.cpp) calibrates before the run: a GPU's speed
-// does not wander with a shared host's neighbours. Functions, so this library needs no CUDA.
+// The backend that runs the plan and, without a profile, calibrates it at the plan's shapes: a
+// record of the registry (runtime/backend.h). A backend whose machine's speed wanders (the CPU's:
+// Backend::calibrate_between_steps) has its kernels calibrated between the run's steps (above);
+// the others (the CUDA backend's: a GPU's speed does not wander with a shared host's neighbours)
+// calibrate before the run.
 struct ValidationBackend {
-  std::string name = "cpu";  // as reports say "measured on the <name> backend"
+  ValidationBackend() : ValidationBackend(runtime::cpu_backend()) {}
+  explicit ValidationBackend(const runtime::Backend& backend) : name(backend.name), record(&backend) {}
+
+  std::string name;  // as reports say "measured on the <name> backend" (backend_title)
+  const runtime::Backend* record;
+  runtime::Placement placement;  // where the record's run and calibration place the plan's ranks
+  // Stand-ins for the record's calibration (before the run) and run, for a backend outside the
+  // registry (tests). When either is set the record is not used to calibrate: without
+  // `calibrate`, a profile must be given.
   std::function<HardwareProfile(const runtime::RuntimePlan&, const runtime::CalibrateOptions&)> calibrate;
   std::function<runtime::RunReport(const runtime::RuntimePlan&, const runtime::RunOptions&)> run;
 };
@@ -98,7 +108,8 @@ void write_validation_trace(const Validation& v, std::ostream& out);
 void write_validation_svg(const Validation& v, std::ostream& out);
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r);
-// "CPU", "CUDA": a backend's name as a sentence says it.
+// "CPU", "CUDA": a backend's name as a sentence says it (its record's title; a name the registry
+// does not know, as it is).
 std::string backend_title(const std::string& backend);
 // One line: steps, loss, skips, where inf/NaN first appeared, drift, final scale, verdict.
 std::string describe_numerics(const NumericsSummary& n);

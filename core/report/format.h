@@ -10,6 +10,8 @@ namespace trainsim {
 std::string human_count(double x);
 // 2.581 s, 14.50 ms, 3.2 us.
 std::string format_seconds(double s);
+// 11.3 days, 5.2 hours, 14.0 minutes, or format_seconds below two minutes.
+std::string format_duration(double s);
 // "#####....." : `fraction` of `width` characters filled.
 std::string text_bar(double fraction, int width);
 // Rounded to 6 significant digits, as every JSON report writes figures: stable and readable.

@@ -6,6 +6,7 @@
 #include "core/report/format.h"
 #include "core/hardware_profile.h"
 #include "core/report/report.h"
+#include "core/presets.h"
 
 namespace trainsim {
 
@@ -23,6 +24,13 @@ std::string format_seconds(double s) {
   if (s >= 1) return fmt::format("{:.3f} s", s);
   if (s >= 1e-3) return fmt::format("{:.2f} ms", s * 1e3);
   return fmt::format("{:.1f} us", s * 1e6);
+}
+
+std::string format_duration(double s) {
+  if (s >= 2 * 86400) return fmt::format("{:.1f} days", s / 86400);
+  if (s >= 2 * 3600) return fmt::format("{:.1f} hours", s / 3600);
+  if (s >= 120) return fmt::format("{:.1f} minutes", s / 60);
+  return format_seconds(s);
 }
 
 std::string text_bar(double fraction, int width) {
@@ -62,9 +70,12 @@ std::string format_summary(const Plan& plan, const Result& res) {
   o += fmt::format("{}{}\n", c.name.empty() ? std::string("scenario") : c.name,
                    plan.source.empty() ? "" : fmt::format(" ({})", plan.source));
   if (!c.description.empty()) o += wrapped(c.description, 96, "  ");
-  o += fmt::format("  model    {} parameters{}: {} layers, hidden {}, {} heads, seq {}, vocab {}\n",
-                   human_count(m.total_params()), c.model.preset.empty() ? "" : " (" + c.model.preset + ")", m.L, m.h,
-                   m.a, m.s, m.V);
+  const std::string label = model_label(c.model);
+  o += fmt::format("  model    {} parameters{}: {} layers, hidden {}, {} heads, seq {}, vocab {}, {} attention\n",
+                   human_count(m.total_params()), label.empty() ? "" : " (" + label + ")", m.L, m.h, m.a, m.s, m.V,
+                   m.attention == AttentionKernel::flash   ? "flash"
+                   : m.attention == AttentionKernel::fused ? "fused"
+                                                           : "naive");
   const int nodes = (c.cluster.num_gpus + c.cluster.gpus_per_node - 1) / c.cluster.gpus_per_node;
   if (const auto& p = c.cluster.calibrated)
     o += fmt::format("  cluster  {} ranks priced by the calibrated profile {} ({}: {}, measured {}), {:.1f} GiB each\n",
@@ -79,6 +90,7 @@ std::string format_summary(const Plan& plan, const Result& res) {
       plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp, schedule_name(c.parallelism.schedule),
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
       recompute_name(c.training.activation_recompute));
+  o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);
   const auto& pr = c.precision;
   o += fmt::format("  numerics {} compute, {} master weights, {} grad accumulation, {} all-reduce (divide {}), "
                    "overflow check {}\n\n",
@@ -88,8 +100,22 @@ std::string format_summary(const Plan& plan, const Result& res) {
 
   o += fmt::format("  step time        {:>12}    tokens/s  {:>10}    MFU {:5.1f}%\n", format_seconds(res.step_time_s),
                    human_count(res.tokens_per_s), 100 * res.mfu);
-  o += fmt::format("  bubble fraction  {:>11.1f}%    all-reduce {:>9}    exposed communication {}\n",
-                   100 * res.bubble_fraction, format_seconds(res.allreduce_time_s), format_seconds(res.exposed_comm_time_s));
+  o += fmt::format("  per GPU          {:>12} tokens/s, model {:.1f} TFLOP/s, hardware {:.1f} TFLOP/s (with recompute)\n",
+                   human_count(res.tokens_per_s_per_gpu), res.model_tflops_per_gpu, res.hardware_tflops_per_gpu);
+  if (res.time_to_train_s >= 0)
+    o += fmt::format("  whole run        {} ({}), {} GPU-hours{}\n", format_duration(res.time_to_train_s),
+                     c.training.total_tokens > 0 ? fmt::format("{} tokens", human_count(c.training.total_tokens))
+                                                 : fmt::format("{} steps", c.training.train_steps),
+                     human_count(res.gpu_hours),
+                     res.cost >= 0 ? fmt::format(", cost {} at {:g} per GPU-hour", human_count(res.cost),
+                                                 c.cluster.price_per_gpu_hour)
+                                   : std::string(" (set cluster.price_per_gpu_hour for the cost)"));
+  o += fmt::format("  bubble fraction  {:>11.1f}%    = pipeline bubble {:.1f}% + exposed communication {:.1f}% "
+                   "(idle, mean over ranks)\n",
+                   100 * res.bubble_fraction, 100 * res.pipeline_bubble_fraction, 100 * res.exposed_comm_fraction);
+  o += fmt::format("  all-reduce       {:>12}    exposed communication {} (the most on one rank)\n",
+                   format_seconds(res.allreduce_time_s),
+                   format_seconds(res.exposed_comm_time_s));
   double worst = 0;
   int worst_rank = 0;
   for (const auto& r : res.ranks)

@@ -4,7 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <ostream>
-#include <regex>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -12,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "core/report/report.h"
+#include "core/report/svg_kit.h"
 
 namespace trainsim {
 
@@ -27,10 +29,10 @@ constexpr double kCommGap = 2;
 constexpr double kCommH = 8;   // split into two sublanes when a schedule has collectives and p2p
 constexpr double kRowGap = 10;
 constexpr double kRowPitch = kComputeH + kCommGap + kCommH + kRowGap;
-constexpr int kMaxRows = 128;        // more ranks than this: the first kMaxRows are drawn
+constexpr int kAllRows = 32;         // up to this many ranks every rank has its row; beyond, a sample (rows_to_draw)
 constexpr int kMaxTooltips = 6000;   // hover text per op only for pictures with fewer ops
 constexpr double kMinBoxPx = 0.5;    // a short op stays visible as a hairline
-constexpr double kMergePx = 1.5;     // neighbouring boxes narrower than this merge into one
+constexpr double kMergePx = 3.0;     // neighbouring ops of one kind narrower than this are drawn as one box
 constexpr double kOpCharPx = 6.1;    // width of a character of the 10 px monospace op labels
 
 // Fill classes (see the <style> block). Forward and backward have shades so that the model
@@ -48,6 +50,7 @@ enum Fill : int {
   kOverflow,
   kSendActivation,
   kSendGradient,
+  kMixed,  // a band of short ops of several kinds, too narrow to draw apart
   kNumFills,
 };
 
@@ -62,7 +65,7 @@ constexpr FillStyle kFills[kNumFills] = {
     {"b0", "#c8453b", true},  {"b1", "#eb8c83", false}, {"b2", "#8c2820", true},  {"b3", "#f3b2ab", false},
     {"bi", "#ea7a22", false}, {"bw", "#f2c74e", false}, {"op", "#3e9b5a", true},  {"ar", "#7a52a8", true},
     {"rs", "#a8559f", true},  {"ag", "#4f55c8", true},  {"oc", "#4a4a4a", true},  {"sa", "#2aa3a0", true},
-    {"sg", "#84d3cd", false},
+    {"sg", "#84d3cd", false}, {"mx", "#8f7fa8", true},
 };
 constexpr const char* kIdleColour = "#e8e8ec";
 constexpr const char* kCommIdleColour = "#f4f4f6";
@@ -89,19 +92,7 @@ int fill_of(const Op& op, int pp) {
   return -1;
 }
 
-std::string xml_escape(std::string_view s) {
-  std::string o;
-  o.reserve(s.size());
-  for (char c : s) switch (c) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      case '\'': o += "&apos;"; break;
-      default: o += c;
-    }
-  return o;
-}
+using svg::escape;
 
 std::string seconds_text(double s) {
   if (s >= 1) return fmt::format("{:.3f} s", s);
@@ -133,20 +124,27 @@ double nice_step(double span, int target) {
 // narrow to tell apart are merged, which keeps big schedules to a sane file size.
 class LaneWriter {
  public:
-  LaneWriter(std::string& out, double y, double h, bool labels, bool tooltips)
-      : out_(out), y_(y), h_(h), labels_(labels), tooltips_(tooltips) {}
+  LaneWriter(std::string& out, double y, double h, bool labels, bool tooltips, bool& mixed)
+      : out_(out), y_(y), h_(h), labels_(labels), tooltips_(tooltips), mixed_(mixed) {}
   ~LaneWriter() { flush(); }
 
+  // Repeated narrow ops of one kind (forwards of any model chunk, backwards of any chunk, or
+  // one fill) are grouped into one box, so thousands of slivers read as a band.
   void add(int fill, double x0, double x1, std::string label, std::string tooltip) {
     const double w = x1 - x0;
-    if (open_ && fill == box_.fill && w < kMergePx && box_.last_w < kMergePx && x0 - box_.x1 < kMinBoxPx) {
+    if (open_ && w < kMergePx && box_.last_w < kMergePx && x0 - box_.x1 < kMergePx) {
       box_.x1 = std::max(box_.x1, x1);
       box_.last_w = w;
+      box_.busy += w;
       box_.merged = true;
+      box_.fill = family(fill) == family(box_.fill) ? family(fill) : kMixed;  // 1F1B's F B F B: one band
+      if (box_.fill == kMixed) mixed_ = true;
+      ++box_.count;
+      box_.last_label = std::move(label);
       return;
     }
     flush();
-    box_ = {fill, x0, x1, w, false, std::move(label), std::move(tooltip)};
+    box_ = {fill, x0, x1, w, w, false, 1, std::move(label), std::move(tooltip), ""};
     open_ = true;
   }
 
@@ -158,10 +156,16 @@ class LaneWriter {
     double w = std::max(box_.x1 - box_.x0, kMinBoxPx);
     // A hair of background between back-to-back ops, so F1 F2 do not read as one box.
     if (!box_.merged && w > 3) w -= 0.6;
-    const bool tip = tooltips_ && !box_.merged && !box_.tooltip.empty();
-    out_ += fmt::format("<rect class=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\"{}", st.cls,
-                        box_.x0, y_, w, h_, tip ? ">" : "/>");
-    if (tip) out_ += fmt::format("<title>{}</title></rect>", xml_escape(box_.tooltip));
+    // A grouped band always says what it holds (bands are few: at most one per few pixels).
+    const bool tip = box_.merged || (tooltips_ && !box_.tooltip.empty());
+    const double filled = box_.merged ? std::clamp(box_.busy / std::max(w, 1e-9), 0.2, 1.0) : 1.0;
+    out_ += fmt::format("<rect class=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\"{}{}", st.cls,
+                        box_.x0, y_, w, h_, filled < 0.95 ? fmt::format(" fill-opacity=\"{:.2f}\"", filled) : "",
+                        tip ? ">" : "/>");
+    if (tip && !box_.merged) out_ += fmt::format("<title>{}</title></rect>", escape(box_.tooltip));
+    if (tip && box_.merged)
+      out_ += fmt::format("<title>{} ops, {} .. {}</title></rect>", box_.count, escape(box_.label),
+                          escape(box_.last_label));
     out_ += "\n";
     if (!labels_ || box_.merged || box_.label.empty()) return;
     // The whole label (F3, BW12) if it fits, else the micro-batch number, else nothing.
@@ -172,18 +176,28 @@ class LaneWriter {
     }
     if (text.empty() || text.size() * kOpCharPx + 3 > w) return;
     out_ += fmt::format("<text class=\"ol {}\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", st.white_text ? "tw" : "td",
-                        box_.x0 + w / 2, y_ + h_ / 2 + 3.5, xml_escape(text));
+                        box_.x0 + w / 2, y_ + h_ / 2 + 3.5, escape(text));
+  }
+
+  // Forwards of every chunk shade are one family, backwards another; other fills are their own.
+  static int family(int fill) {
+    if (fill >= kForward0 && fill < kForward0 + kShades) return kForward0;
+    if (fill >= kBackward0 && fill < kBackward0 + kShades) return kBackward0;
+    return fill;
   }
 
   struct Box {
     int fill = 0;
     double x0 = 0, x1 = 0, last_w = 0;
+    double busy = 0;  // the ops' own width; a grouped band with gaps is drawn that much opaque
     bool merged = false;
-    std::string label, tooltip;
+    int count = 1;
+    std::string label, tooltip, last_label;
   };
   std::string& out_;
   double y_, h_;
   bool labels_, tooltips_;
+  bool& mixed_;
   Box box_;
   bool open_ = false;
 };
@@ -202,9 +216,47 @@ void legend_line(std::string& o, double y, const char* heading, const std::vecto
     const std::string fill = it.fill < 0 ? fmt::format("fill=\"{}\" stroke=\"#b8b8c0\"", kIdleColour)
                                          : fmt::format("class=\"{}\"", kFills[it.fill].cls);
     o += fmt::format("<rect {} x=\"{:.2f}\" y=\"{:.2f}\" width=\"16\" height=\"11\"/>\n", fill, x, y);
-    o += fmt::format("<text class=\"lg\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x + 21, y + 9.5, xml_escape(it.text));
+    o += fmt::format("<text class=\"lg\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x + 21, y + 9.5, escape(it.text));
     x += 21 + 6.6 * static_cast<double>(it.text.size()) + 22;
   }
+}
+
+// The ranks that get a row. Up to kAllRows ranks: all. Beyond, the replicas of a stage run the
+// same program (their timings differ only by link placement), so each stage shows its first
+// and last replica, or its first alone when that is still too many; with more stages than
+// kAllRows, stages are sampled evenly, the first and last included.
+std::vector<int> rows_to_draw(const Plan& plan, int nranks) {
+  std::vector<int> out;
+  if (nranks <= kAllRows || plan.num_ranks() != nranks) {
+    for (int r = 0; r < std::min(nranks, kAllRows); ++r) out.push_back(r);
+    return out;
+  }
+  const int p = plan.pp, d = plan.dp;
+  std::vector<int> stages;
+  if (p <= kAllRows) {
+    for (int st = 0; st < p; ++st) stages.push_back(st);
+  } else {
+    for (int k = 0; k < kAllRows; ++k) {
+      const int st = static_cast<int>(std::lround(static_cast<double>(k) * (p - 1) / (kAllRows - 1)));
+      if (stages.empty() || stages.back() != st) stages.push_back(st);
+    }
+  }
+  const bool both = d > 1 && 2 * static_cast<int>(stages.size()) <= kAllRows;
+  for (int st : stages) {
+    out.push_back(plan.rank_of(st, 0));
+    if (both) out.push_back(plan.rank_of(st, d - 1));
+  }
+  return out;
+}
+
+std::string sample_text(const Plan& plan, int nranks) {
+  const std::vector<int> rows = rows_to_draw(plan, nranks);
+  const bool all_stages = plan.pp <= kAllRows;
+  const bool both = plan.dp > 1 && rows.size() >= 2 && plan.replica_of(rows[1]) == plan.dp - 1 &&
+                    plan.stage_of(rows[1]) == plan.stage_of(rows[0]);
+  return fmt::format("{} of {} {}", both ? fmt::format("replicas 0 and {}", plan.dp - 1) : std::string("replica 0"),
+                     all_stages ? "every" : "a sample of the", all_stages ? fmt::format("stage ({})", plan.pp)
+                                                                           : fmt::format("{} stages", plan.pp));
 }
 
 }  // namespace
@@ -220,7 +272,10 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
   auto x_of = [&](Tick t) { return kLeft + static_cast<double>(t - t0) * px_per_tick; };
 
   const int nranks = static_cast<int>(s.ranks.size());
-  const int rows = std::min(nranks, kMaxRows);
+  const std::vector<int> drawn = rows_to_draw(plan, nranks);
+  const int rows = static_cast<int>(drawn.size());
+  std::vector<bool> is_drawn(static_cast<std::size_t>(nranks), false);
+  for (int r : drawn) is_drawn[static_cast<std::size_t>(r)] = true;
 
   // What takes time in this step decides the legend and whether the thin lane is split
   // (a local found-inf check, for one, takes none and is not drawn).
@@ -232,7 +287,7 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
       const OpTiming& t = timeline.ops.at(r).at(i);
       if (f < 0 || t.end <= t.start) continue;
       present[f] = true;
-      if (r < rows) ++drawn_ops;
+      if (is_drawn[static_cast<std::size_t>(r)]) ++drawn_ops;
     }
   const bool tooltips = drawn_ops <= static_cast<std::size_t>(kMaxTooltips);
   bool has_collective = false, has_p2p = false;
@@ -266,11 +321,9 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
 
   std::string o;
   o.reserve(4096 + drawn_ops * 96);
-  o += fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\">\n",
-      kWidth, height, kWidth, height);
+  o += svg::open(kWidth, height, true);
   const std::string name = cfg.name.empty() ? std::string("scenario") : cfg.name;
-  o += fmt::format("<title>trainsim timeline: {} ({})</title>\n", xml_escape(name), schedule_name(s.kind));
+  o += fmt::format("<title>trainsim timeline: {} ({})</title>\n", escape(name), schedule_name(s.kind));
   o += "<style>\n"
        "text{font-family:Helvetica,Arial,sans-serif;fill:#222}\n"
        ".t{font-size:17px;font-weight:bold}\n"
@@ -288,68 +341,36 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
 
   // Title and what the picture is of.
   o += fmt::format("<text class=\"t\" x=\"12\" y=\"26\">{}: {} schedule, step {}, bubble {:.1f}%</text>\n",
-                   xml_escape(name), schedule_name(s.kind), seconds_text(result.step_time_s),
+                   escape(name), schedule_name(s.kind), seconds_text(result.step_time_s),
                    100 * result.bubble_fraction);
   std::string sub = fmt::format("{} | data {} x pipeline {}{} x tensor {} | {} micro-batches of {} per replica",
                                 timeline.predicted ? "predicted" : "measured", plan.dp, plan.pp,
                                 plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp, plan.num_microbatches,
                                 plan.micro_batch_size);
-  if (rows < nranks) sub += fmt::format(" | showing ranks 0-{} of {}", rows - 1, nranks);
+  if (rows < nranks) sub += fmt::format(" | showing {} of {} ranks: {}", rows, nranks, sample_text(plan, nranks));
   if (!plan.source.empty()) sub += " | " + plan.source;
-  o += fmt::format("<text class=\"st\" x=\"12\" y=\"46\">{}</text>\n", xml_escape(sub));
+  o += fmt::format("<text class=\"st\" x=\"12\" y=\"46\">{}</text>\n", escape(sub));
 
-  o += "<g id=\"legend\">\n";
-  legend_line(o, legend_y, "compute", compute_items);
-  legend_line(o, legend_y + 20, "communication", comm_items);
-  o += "</g>\n";
-
-  // Lane backgrounds first, the grid over them, the ops over both.
-  o += "<g id=\"lanes\">\n";
-  for (int r = 0; r < rows; ++r) {
-    const double y = rows_y + r * kRowPitch;
-    o += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"/>\n", kLeft, y,
-                     kPlotWidth, kComputeH, kIdleColour);
-    o += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"/>\n", kLeft,
-                     y + kComputeH + kCommGap, kPlotWidth, kCommH, kCommIdleColour);
-    // A rule between pipeline stages when each stage has several replicas.
-    if (r > 0 && plan.dp > 1 && s.ranks[r].stage != s.ranks[r - 1].stage)
-      o += fmt::format("<line x1=\"12\" x2=\"{:.2f}\" y1=\"{:.2f}\" y2=\"{:.2f}\" stroke=\"#c4c4cc\"/>\n",
-                       kWidth - kRight, y - kRowGap / 2, y - kRowGap / 2);
-  }
-  o += "</g>\n";
-
+  // The ranks' rows, drawn first so the legend can name what they needed (a band of mixed ops).
+  std::string body;
+  bool mixed = false;
   const TimeUnit unit = axis_unit(span_s);
-  const double step_u = nice_step(span_s / unit.seconds, 10);
-  const int decimals = std::max(0, -static_cast<int>(std::floor(std::log10(step_u) + 1e-9)));
-  o += "<g id=\"axis\">\n";
-  for (int k = 0;; ++k) {
-    const double t_u = k * step_u;
-    if (t_u > span_s / unit.seconds * (1 + 1e-9)) break;
-    const double x = kLeft + t_u * unit.seconds / span_s * kPlotWidth;
-    const std::string label = fmt::format("{:.{}f} {}", t_u, decimals, unit.name);
-    o += fmt::format("<line x1=\"{0:.2f}\" x2=\"{0:.2f}\" y1=\"{1:.2f}\" y2=\"{2:.2f}\" stroke=\"#000\" "
-                     "stroke-opacity=\"0.13\"/>\n",
-                     x, rows_y - 4, rows_end + 4);
-    o += fmt::format("<text class=\"ax\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x, axis_top_y, label);
-    o += fmt::format("<text class=\"ax\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x, axis_bottom_y, label);
-  }
-  o += "</g>\n";
-
-  for (int r = 0; r < rows; ++r) {
+  for (int row = 0; row < rows; ++row) {
+    const int r = drawn[static_cast<std::size_t>(row)];
     const RankProgram& prog = s.ranks[r];
     const auto& times = timeline.ops.at(r);
-    const double y = rows_y + r * kRowPitch;
+    const double y = rows_y + row * kRowPitch;
     const double util = r < static_cast<int>(result.ranks.size()) ? result.ranks[r].utilization : 0;
-    o += fmt::format("<g id=\"rank{}\">\n", prog.rank);
-    o += fmt::format("<text class=\"rl\" xml:space=\"preserve\" x=\"12\" y=\"{:.2f}\">rank {}  s {} / d {}  util "
+    body += fmt::format("<g id=\"rank{}\">\n", prog.rank);
+    body += fmt::format("<text class=\"rl\" xml:space=\"preserve\" x=\"12\" y=\"{:.2f}\">rank {}  s {} / d {}  util "
                      "{:.0f}%</text>\n",
                      y + 13, prog.rank, prog.stage, prog.replica, 100 * util);
     {
       const double comm_y = y + kComputeH + kCommGap;
       const double half = kCommH / 2;
-      LaneWriter compute(o, y, kComputeH, true, tooltips);
-      LaneWriter collective(o, comm_y, split_comm ? half : kCommH, false, tooltips);
-      LaneWriter p2p(o, split_comm ? comm_y + half : comm_y, split_comm ? half : kCommH, false, tooltips);
+      LaneWriter compute(body, y, kComputeH, true, tooltips, mixed);
+      LaneWriter collective(body, comm_y, split_comm ? half : kCommH, false, tooltips, mixed);
+      LaneWriter p2p(body, split_comm ? comm_y + half : comm_y, split_comm ? half : kCommH, false, tooltips, mixed);
       for (std::size_t i = 0; i < prog.ops.size(); ++i) {
         const Op& op = prog.ops[i];
         const OpTiming& t = times.at(i);
@@ -366,39 +387,73 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
         lane.add(fill, x_of(t.start), x_of(t.end), label, std::move(tip));
       }
     }  // the lanes write their last boxes here, inside the row's group
-    o += "</g>\n";
+    body += "</g>\n";
   }
+  if (mixed) compute_items.push_back({kMixed, "short ops of several kinds, grouped (hover: how many)"});
+  o += "<g id=\"legend\">\n";
+  legend_line(o, legend_y, "compute", compute_items);
+  legend_line(o, legend_y + 20, "communication", comm_items);
+  o += "</g>\n";
+
+  // Lane backgrounds first, the grid over them, the ops over both.
+  o += "<g id=\"lanes\">\n";
+  for (int row = 0; row < rows; ++row) {
+    const int r = drawn[static_cast<std::size_t>(row)];
+    const double y = rows_y + row * kRowPitch;
+    o += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"/>\n", kLeft, y,
+                     kPlotWidth, kComputeH, kIdleColour);
+    o += fmt::format("<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" fill=\"{}\"/>\n", kLeft,
+                     y + kComputeH + kCommGap, kPlotWidth, kCommH, kCommIdleColour);
+    // A rule between pipeline stages when each stage has several replicas.
+    if (row > 0 && plan.dp > 1 && s.ranks[r].stage != s.ranks[drawn[static_cast<std::size_t>(row) - 1]].stage)
+      o += fmt::format("<line x1=\"12\" x2=\"{:.2f}\" y1=\"{:.2f}\" y2=\"{:.2f}\" stroke=\"#c4c4cc\"/>\n",
+                       kWidth - kRight, y - kRowGap / 2, y - kRowGap / 2);
+  }
+  o += "</g>\n";
+
+  const double step_u = nice_step(span_s / unit.seconds, 10);
+  const int decimals = std::max(0, -static_cast<int>(std::floor(std::log10(step_u) + 1e-9)));
+  o += "<g id=\"axis\">\n";
+  for (int k = 0;; ++k) {
+    const double t_u = k * step_u;
+    if (t_u > span_s / unit.seconds * (1 + 1e-9)) break;
+    const double x = kLeft + t_u * unit.seconds / span_s * kPlotWidth;
+    const std::string label = fmt::format("{:.{}f} {}", t_u, decimals, unit.name);
+    o += fmt::format("<line x1=\"{0:.2f}\" x2=\"{0:.2f}\" y1=\"{1:.2f}\" y2=\"{2:.2f}\" stroke=\"#000\" "
+                     "stroke-opacity=\"0.13\"/>\n",
+                     x, rows_y - 4, rows_end + 4);
+    o += fmt::format("<text class=\"ax\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x, axis_top_y, label);
+    o += fmt::format("<text class=\"ax\" x=\"{:.2f}\" y=\"{:.2f}\">{}</text>\n", x, axis_bottom_y, label);
+  }
+  o += "</g>\n";
+
+  o += body;
   if (rows < nranks)
-    o += fmt::format("<text class=\"st\" x=\"12\" y=\"{:.2f}\">... {} more ranks not drawn (the trace has them "
-                     "all)</text>\n",
+    o += fmt::format("<text class=\"st\" x=\"12\" y=\"{:.2f}\">{} more ranks not drawn: the replicas of a stage run the "
+                     "same program (the trace has every rank)</text>\n",
                      axis_bottom_y + 22, nranks - rows);
-  o += "</svg>\n";
+  o += svg::kClose;
   out << o;
 }
 
 void stack_svgs(const std::vector<std::string>& svgs, std::ostream& out) {
-  // Each part is a whole <svg> document from this file; its size is on its first line.
-  static const std::regex size(R"re(width="([0-9.]+)" height="([0-9.]+)")re");
   double width = 0, height = 0;
   std::vector<double> heights;
   for (const std::string& part : svgs) {
-    std::smatch m;
-    const std::string first = part.substr(0, part.find('\n'));
-    if (!std::regex_search(first, m, size)) throw std::invalid_argument("stack_svgs: a part has no width and height");
-    width = std::max(width, std::stod(m[1]));
-    heights.push_back(std::stod(m[2]));
+    const std::optional<svg::Size> size = svg::size_of(part);
+    if (!size) throw std::invalid_argument("stack_svgs: a part has no width and height");
+    width = std::max(width, size->width);
+    heights.push_back(size->height);
     height += heights.back();
   }
-  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0:.0f}\" height=\"{1:.0f}\" "
-                     "viewBox=\"0 0 {0:.0f} {1:.0f}\">\n",
-                     width, height);
+  out << svg::open(width, height, true);
   double y = 0;
   for (std::size_t i = 0; i < svgs.size(); ++i) {
     // A nested <svg> is placed by its x and y attributes.
-    out << fmt::format("<svg x=\"0\" y=\"{:.0f}\"", y) << svgs[i].substr(svgs[i].find("<svg") + 4);
+    out << svg::nested(svgs[i], y);
     y += heights[i];
   }
-  out << "</svg>\n";
+  out << svg::kClose;
 }
 
 }  // namespace trainsim

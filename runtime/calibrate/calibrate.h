@@ -1,14 +1,17 @@
-// `trainsim calibrate --backend cpu`: the CPU backend's own rates, measured with the runtime's
-// own kernels (runtime/model/layers.h, runtime/numerics/) at the shapes of the plan to be run,
-// into a HardwareProfile (core/hardware_profile.h), plus the communicator's point-to-point and
-// all-reduce latency and bandwidth (comm_bench.h).
+// `trainsim calibrate`: a backend's own rates, measured with the backend's own kernels at the
+// shapes of the plan to be run, into a HardwareProfile (core/hardware_profile.h), plus its
+// communicator's point-to-point and all-reduce latency and bandwidth (comm_bench.h). One method
+// for every backend (calibrate_profile), driven by the backend's record (runtime/backend.h): its
+// profile description, its kernel calibrator and its communication benchmark.
 //
-// Each kernel of the plan's inventory (core/kernel_inventory.h) runs on buffers of fresh
-// random values, pinned to one core like a rank's compute thread; its time is the median of
-// its launches, timed round-robin with the others (every pass launches each kernel once)
-// after a warm-up, each timed launch right after an untimed one (operands in cache). Every pass
-// also runs a stage of the runtime's own blocks, forward and backward: the ratio of its time
-// to the sum of its kernels' is the profile's `composition` (core/hardware_profile.h).
+// Kernels (KernelCalibrator): each kernel of the plan's inventory (core/kernel_inventory.h) runs
+// on buffers of fresh random values where a rank's compute runs (CPU: pinned to one core like a
+// rank's compute thread; CUDA: rank 0's compute stream); its time is the median of its launches,
+// timed round-robin with the others (every pass launches each kernel once) after a warm-up, each
+// timed launch right after an untimed one (operands in cache). Every pass also runs a stage of the
+// runtime's own blocks, forward and backward: the ratio of its time to the sum of its kernels' is
+// the profile's `composition` (core/hardware_profile.h); the same stage on every rank's core (or
+// streams) at once against it alone gives `core_factors`.
 #pragma once
 
 #include <functional>
@@ -17,8 +20,11 @@
 #include <string>
 
 #include "core/hardware_profile.h"
+#include "core/kernel_inventory.h"
+#include "runtime/backend.h"
 #include "runtime/calibrate/comm_bench.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/contract.h"
+#include "runtime/runtime_plan.h"
 
 namespace trainsim::runtime {
 
@@ -27,60 +33,99 @@ struct CalibrateOptions {
   // and `min_seconds` of launches in all, at most `max_passes`.
   int min_passes = 9, max_passes = 200;
   double min_seconds = 0.6;
-  bool pin = true;            // time on core 0, as rank 0's compute thread runs
+  bool pin = true;            // CPU: time on core 0, as rank 0's compute thread runs
+  Placement placement;        // devices: where the plan's ranks are placed (as the run places them)
   bool communication = true;  // also run the point-to-point and all-reduce benchmarks
-  // calibrate_cpu: compute formats measured besides the plan's own (the CPU backend emulates
-  // them all by rounding; fp8 it does not run). validate measures only the plan's.
+  // calibrate_profile: compute formats measured besides the plan's own, those the backend's
+  // kernels run (Backend::calibrates_format). validate measures only the plan's.
   std::vector<DType> precisions = {DType::fp32, DType::tf32, DType::fp16, DType::bf16};
   CommBenchOptions comm;
   std::function<void(const std::string&)> progress;  // a line per kernel group measured
 };
 
-// Measures every kernel of `plan`'s inventory; `name` names the profile. The communication
-// benchmark's rows go to `comm_table` when given (its nccl-tests table).
-HardwareProfile calibrate_cpu(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options,
-                              CommBenchResult* comm_table = nullptr);
+// A backend's side of kernel calibration: how it times one kernel, one stage alone, and one stage
+// per rank at once, on its device (a pinned core; a rank's streams). KernelCalibrator owns the
+// method around it.
+class KernelClock {
+ public:
+  virtual ~KernelClock() = default;
+  // Where kernels are timed, for progress lines: "core 0, pinned", "green contexts: ...".
+  virtual std::string placement() const = 0;
+  // Runs `body` on the thread kernels are timed from (a pinned core; the rank's device context),
+  // rethrowing what it throws.
+  virtual void on_timing_thread(const std::function<void()>& body) = 0;
+  // On the timing thread: seconds of one launch of kernel `i` of the calibrator's inventory right
+  // after an untimed one; 0 for work this backend does not do.
+  virtual double time_kernel(std::size_t i) = 0;
+  // On the timing thread: seconds of one forward and one backward of rank 0's middle stage.
+  virtual std::pair<double, double> time_stage() = 0;
+  // How many ranks' stages time_stages_together runs (1: rank 0's alone, no factors).
+  virtual int stage_ranks() const = 0;
+  // The middle stage on every rank at once: seconds (forward + backward) per rank.
+  virtual std::vector<double> time_stages_together() = 0;
+};
 
-// The kernel half of calibration, in passes: each pass launches every kernel of the plan's
-// inventory once (round-robin), so all kernels' samples fall in the same stretch of time and a
-// machine that changes speed (a shared host's neighbours) moves them together. Passes can be
-// run between the steps of a run (validate does), so that calibration and measurement see
-// the same machine; a kernel's time is the median of all its samples.
+// Every backend's kernel calibrator: the pass loop, the rates, composition and per-rank factors,
+// around a backend's KernelClock. Kernels are calibrated in passes: each pass launches every
+// kernel of the plan's inventory once (round-robin), so all kernels' samples fall in the same
+// stretch of time and a machine that changes speed (a shared host's neighbours) moves them
+// together. Passes can be run between the steps of a run (validate does, for a backend whose speed
+// wanders), so that calibration and measurement see the same machine; a kernel's time is the
+// median of all its samples.
 class KernelCalibrator {
  public:
-  KernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options);
-  ~KernelCalibrator();
+  // Times `kernels` (the plan's inventory) with the clock `make_clock` builds for them (warmed up:
+  // every kernel and stage launched once); `storage_bytes`: bytes per stored element the
+  // composition's kernels are priced with (the CPU's 4-byte floats, the device's compute format).
+  using ClockFactory = std::function<std::unique_ptr<KernelClock>(
+      const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)>;
+  KernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options, std::vector<KernelWork> kernels,
+                   int storage_bytes, const ClockFactory& make_clock);
+  virtual ~KernelCalibrator();
+  KernelCalibrator(const KernelCalibrator&) = delete;
+  KernelCalibrator& operator=(const KernelCalibrator&) = delete;
+
   void run_passes(int passes);
   void run_until_settled();  // passes until options' min_passes and min_seconds
-  std::vector<KernelRate> rates() const;
+  std::vector<KernelRate> rates() const;  // throws std::logic_error before any pass
   // The runtime's own blocks (a middle stage of kComposeLayers) against the sum of their
   // kernels' times: how much faster or slower kernels run in sequence inside a layer than
   // alone (operands left in cache by the kernel before, or evicted by the layer's traffic).
   Composition composition() const;
   static constexpr int kComposeLayers = 2;
-  // Per rank's core: the stage's time with every rank's core running it at once, against its
-  // time alone on core 0 (HardwareProfile::core_factors). Empty for one rank, or more ranks
-  // than cores.
+  // Per rank: the stage's time with every rank running it at once (each on its core or its
+  // streams), against its time alone on rank 0's (HardwareProfile::core_factors). Empty for one
+  // rank, or when the ranks are not timed together.
   std::vector<double> core_factors() const;
   std::size_t num_kernels() const;
   int passes_done() const;
   // Median pass time after the first `first_passes` passes against before them, minus 1.
   double speed_change(int first_passes) const;
+  std::string placement() const;  // the clock's
 
  private:
-  void time_stages_on_every_core();
-  struct State;
-  const RuntimePlan& plan_;
+  RuntimePlan plan_;
   CalibrateOptions options_;
-  std::unique_ptr<State> s_;
+  std::vector<KernelWork> kernels_;
+  int storage_bytes_;
+  std::unique_ptr<KernelClock> clock_;
+  std::vector<std::vector<double>> samples_;       // [kernel][pass]
+  std::vector<double> pass_seconds_;               // all kernels, per pass
+  std::vector<double> stage_forward_, stage_backward_;  // rank 0 alone, per pass
+  std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
 };
 
-// A profile with the machine's description and no rates yet.
-HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name);
-// The communication benchmark into `p` (when options.communication).
-void calibrate_communication(HardwareProfile& p, const CalibrateOptions& options, CommBenchResult* comm_table = nullptr);
+// Everything, on `backend`: a profile describing it, the plan's kernels in its compute format and
+// in each other format of options.precisions the backend calibrates, composition, core factors and
+// (when options.communication) the communication benchmark, whose table goes to `comm_table` when
+// given. Throws std::invalid_argument when the backend has no calibration.
+HardwareProfile calibrate_profile(const Backend& backend, const RuntimePlan& plan, const std::string& name,
+                                  const CalibrateOptions& options, CommBenchResult* comm_table = nullptr);
+// The communication benchmark of `backend` into `p` (when options.communication).
+void calibrate_communication(const Backend& backend, HardwareProfile& p, const CalibrateOptions& options,
+                             CommBenchResult* comm_table = nullptr);
 
-// What a backend's calibration shares (this one's and the CUDA backend's, runtime/cuda/calibrate_cuda.h):
+// What every backend's calibration shares:
 
 // The profile's `measured`: local time as YYYY-MM-DDTHH:MM:SS.
 std::string now_iso();
@@ -114,8 +159,5 @@ Composition stage_composition(const ScenarioConfig& config, int layers, int stor
 // elements: "calibrate: <op> of <bytes> bytes over <ranks> ranks<where> gave <n> wrong elements"
 // (`where` names the transport, e.g. " on the single-GPU world", or is empty).
 void apply_comm_bench(HardwareProfile& p, const CommBenchResult& comm, const std::string& where = "");
-
-// The machine's CPU model and core count, for the profile's `device`.
-std::string cpu_description();
 
 }  // namespace trainsim::runtime

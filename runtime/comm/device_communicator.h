@@ -3,8 +3,8 @@
 //  * NCCL, one process per GPU (runtime/cuda/nccl_communicator.h);
 //  * every rank of a plan sharing one GPU in one process, exchanging through device memory
 //    (runtime/cuda/device_world.h).
-// Plain C++: no CUDA type crosses this header (STYLE.md habit 7); streams are `void*`
-// (cudaStream_t), buffers are device pointers.
+// Plain C++: no CUDA type crosses this header (STYLE.md habit 7); streams are
+// kernels/cuda_handles.h's typed handles, buffers are device pointers.
 //
 // Contract (where it differs from communicator.h, it says so):
 //  * Calls are stream-ordered. Each one is queued on `stream` and returns to the host without
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/cuda_handles.h"
 #include "runtime/comm/communicator.h"  // ReduceOp, Divide, CommError
 
 namespace trainsim::runtime {
@@ -55,13 +56,13 @@ class DeviceCommunicator {
   // "single-gpu world (8 ranks on one device)", "nccl 2.28.3" ...: what ran, for the output.
   virtual std::string describe() const = 0;
 
-  virtual void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, void* stream) = 0;
-  virtual void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) = 0;
+  virtual void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, StreamHandle stream) = 0;
+  virtual void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) = 0;
   virtual void group_begin() = 0;
   virtual void group_end() = 0;
 
   virtual void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
-                          ReduceOp op, Divide divide, void* stream) = 0;
+                          ReduceOp op, Divide divide, StreamHandle stream) = 0;
 
   // Every rank passes a host blob and gets every rank's, indexed by rank (the executor gathers
   // each step's timings and numerics this way). Blocking on the host; every rank of the world

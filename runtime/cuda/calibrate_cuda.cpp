@@ -1,6 +1,6 @@
 // `trainsim calibrate --backend cuda` (calibrate_cuda.h): runtime/calibrate/calibrate.cpp's
 // method on the device. Each kernel of the inventory is timed through the launches the CUDA
-// stage model (stage_model_cuda.cpp) or the CUDA executor's optimizer step (executor_cuda.cpp)
+// stage model (stage_model_cuda.cpp) or the CUDA engine's optimizer step (cuda_engine.cpp)
 // make for that piece of work, so those files are the reference for every launch here.
 #include "runtime/cuda/calibrate_cuda.h"
 
@@ -27,16 +27,17 @@
 #include "kernels/kernels.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/cuda/stream_ops.h"
-#include "runtime/exec/step_common.h"
+#include "runtime/cuda/cuda_engine.h"
+#include "runtime/cuda/optimizer_cuda.h"
 
 namespace trainsim::runtime::cuda {
 
 namespace k = ::trainsim::cuda;  // the kernels (not this namespace)
 using k::DeviceBuffer;
 
-namespace {
-
 bool stored_by_kernels(DType t) { return t == DType::fp32 || t == DType::fp16 || t == DType::bf16; }
+
+namespace {
 
 // The formats the plan asks the kernels to store, refused before any device work.
 void check_formats(const Plan& plan) {
@@ -70,7 +71,7 @@ void on_rank_thread(const SmPartition& partition, int rank, F&& body) {
 
 // `values` stored into `dst` in format `dt` on `stream` (through an fp32 copy and kernels.h
 // cast when dt is narrower); waits for the stream.
-void upload(void* dst, DType dt, const std::vector<float>& values, void* stream) {
+void upload(void* dst, DType dt, const std::vector<float>& values, StreamHandle stream) {
   if (values.empty()) return;
   const std::size_t bytes = values.size() * sizeof(float);
   if (dt == DType::fp32) {
@@ -99,7 +100,7 @@ void* at(void* base, std::size_t i, std::size_t bytes) { return static_cast<char
 // stream (rank 0's compute stream; its context current when created and used).
 class KernelTimer {
  public:
-  KernelTimer(const RuntimePlan& plan, void* stream) : plan_(plan), stream_(stream), gemm_(stream), rng_(12345) {
+  KernelTimer(const RuntimePlan& plan, StreamHandle stream) : plan_(plan), stream_(stream), gemm_(stream), rng_(12345) {
     const ModelDims& d = plan.dims;
     const auto& pr = plan.plan.config.precision;
     B_ = plan.plan.micro_batch_size;
@@ -120,7 +121,7 @@ class KernelTimer {
   std::function<void()> launcher(const KernelWork& w) {
     const std::string& kn = w.kernel;
     const KernelShape& s = w.shape;
-    void* const S = stream_;
+    const StreamHandle S = stream_;
     const DType dt = dt_;
     if (kn == "linear.forward") {  // y (m, n) = x (m, k) w^T (n, k) + b
       const int m = static_cast<int>(s.m), n = static_cast<int>(s.n), kk = static_cast<int>(s.k);
@@ -320,7 +321,7 @@ class KernelTimer {
     const std::size_t eb = eb_, c = static_cast<std::size_t>(C), rows = static_cast<std::size_t>(B) * T;
     const std::size_t scores = static_cast<std::size_t>(B) * H * static_cast<std::size_t>(TT);
     const DType dt = dt_;
-    void* const S = stream_;
+    const StreamHandle S = stream_;
     k::GemmContext* const gemm = &gemm_;
     void* qkv = random(rows * 3 * c, dt);
     void* scratch = output(scores, dt);
@@ -373,13 +374,13 @@ class KernelTimer {
     };
   }
 
-  // The CUDA executor's update of one chunk: Adam/AdamW or SGD on the fp32 master weights, the
+  // The CUDA engine's update of one chunk: Adam/AdamW or SGD on the fp32 master weights, the
   // master rounded to its format when that is not fp32, the working copy refreshed in the
-  // compute format (executor_cuda.cpp optimizer_step and round_master).
+  // compute format (cuda_engine.cpp optimizer_step and round_master).
   std::function<void()> optimizer(std::size_t n) {
     const OptimizerSettings os = optimizer_settings(plan_.plan.config);
     const DType dt = dt_, gacc = gacc_, master_format = master_;
-    void* const S = stream_;
+    const StreamHandle S = stream_;
     auto* master = static_cast<float*>(random(n, DType::fp32, 0.02f));
     void* grads = random(n, gacc, 1e-3f);
     const std::vector<std::uint8_t> everywhere(n, 1);
@@ -395,31 +396,23 @@ class KernelTimer {
       }
       if (working) k::cast(working, dt, master, DType::fp32, n, S);
     };
-    if (os.kind == Optimizer::sgd)
-      return [=] {
-        k::sgd_update(master, grads, gacc, mask, nullptr, DType::fp32, n, os.learning_rate, os.weight_decay, 1.0f, S);
-        refresh();
-      };
-    auto* m = static_cast<float*>(random(n, DType::fp32, 1e-3f));
-    std::vector<float> second = normal_floats(n, rng_, 1e-3f);
-    for (float& x : second) x *= x;  // a second moment is not negative
-    auto* v = static_cast<float*>(output(n, DType::fp32));
-    upload(v, DType::fp32, second, S);
-    k::AdamParams p;
-    p.learning_rate = os.learning_rate;
-    p.beta1 = os.beta1;
-    p.beta2 = os.beta2;
-    p.eps = os.eps;
-    p.weight_decay = os.weight_decay;
-    p.decoupled = os.kind == Optimizer::adamw;
+    float* m = nullptr;
+    float* v = nullptr;
+    if (os.kind != Optimizer::sgd) {
+      m = static_cast<float*>(random(n, DType::fp32, 1e-3f));
+      std::vector<float> second = normal_floats(n, rng_, 1e-3f);
+      for (float& x : second) x *= x;  // a second moment is not negative
+      v = static_cast<float*>(output(n, DType::fp32));
+      upload(v, DType::fp32, second, S);
+    }
     return [=] {
-      k::adam_update(master, m, v, grads, gacc, mask, nullptr, DType::fp32, n, p, S);
+      update_chunk(os, master, m, v, grads, gacc, mask, n, 1, 1.0f, S);
       refresh();
     };
   }
 
   const RuntimePlan& plan_;
-  void* stream_;
+  StreamHandle stream_;
   k::GemmContext gemm_;
   std::mt19937 rng_;
   int B_, T_, C_, V_;
@@ -437,7 +430,7 @@ struct StageBench {
   DeviceBuffer in, out, grad_out, grad_in;
   k::EventTimer forward_timer, backward_timer;
 
-  StageBench(const StageSpec& spec, void* stream, std::uint32_t seed) : model(spec, stream) {
+  StageBench(const StageSpec& spec, StreamHandle stream, std::uint32_t seed) : model(spec, stream) {
     model.init(seed);
     model.reserve(1, 1, 0, 0);  // no allocation inside a timed forward or backward
     const std::size_t act = model.activation_elements();
@@ -453,7 +446,7 @@ struct StageBench {
   }
   // Device seconds of one forward and one backward of micro-batch 0.
   std::pair<double, double> time() {
-    void* s = model.stream();
+    const StreamHandle s = model.stream();
     forward_timer.start(s);
     model.forward(0, nullptr, nullptr, in.data(), out.data());
     forward_timer.stop(s);
@@ -469,26 +462,54 @@ struct StageBench {
 
 }  // namespace
 
-struct CudaKernelCalibrator::State {
-  RuntimePlan plan;
-  CalibrateOptions options;
-  // Destroyed after everything below, whose streams and contexts it owns.
-  SmPartition partition;
-  std::vector<KernelWork> kernels;
-  std::unique_ptr<KernelTimer> timer;     // on rank 0's compute stream
-  std::unique_ptr<k::EventTimer> events;  // in rank 0's context
-  std::vector<std::function<void()>> calls;  // empty: not done on the device (0 seconds)
-  std::vector<std::vector<double>> samples;  // [kernel][pass]
-  std::vector<double> pass_seconds;          // all kernels, per pass
-  std::vector<std::unique_ptr<StageBench>> stages;    // [rank], each on its rank's compute stream
-  std::vector<double> stage_forward, stage_backward;  // rank 0 alone, per pass
-  std::vector<std::vector<double>> rank_seconds;      // [rank][pass]: forward + backward, all ranks at once
+namespace {
 
-  State(const RuntimePlan& p, const CalibrateOptions& o, const CudaCalibrateOptions& cuda)
-      : plan(p), options(o), partition(p.plan.num_ranks(), cuda.sm_sharing, cuda.device) {}
+// The device's side of calibration: the backend's launches on rank 0's compute stream, timed with
+// CUDA events, and a stage of its blocks on every rank's streams.
+class CudaClock final : public KernelClock {
+ public:
+  CudaClock(const RuntimePlan& plan, const std::vector<KernelWork>& kernels, const CudaCalibrateOptions& cuda)
+      : partition_(plan.plan.num_ranks(), cuda.sm_sharing, cuda.device) {
+    // A middle stage (no embedding, no head) of kComposeLayers blocks at the plan's shapes, one per
+    // rank.
+    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    on_timing_thread([&] {
+      const StreamHandle stream = partition_.streams(0).compute;
+      timer_ = std::make_unique<KernelTimer>(plan, stream);
+      events_ = std::make_unique<k::EventTimer>();
+      for (const KernelWork& w : kernels) calls_.push_back(timer_->launcher(w));
+      for (const auto& c : calls_)  // warm-up: cuBLAS heuristics, first launches
+        if (c) c();
+      stages_.push_back(std::make_unique<StageBench>(spec, stream, 7));
+      stages_[0]->time();
+    });
+    for (int r = 1; r < partition_.ranks(); ++r)
+      on_rank_thread(partition_, r, [&] {
+        stages_.push_back(std::make_unique<StageBench>(spec, partition_.streams(r).compute, 7));
+      });
+  }
 
-  void time_stages_on_every_rank() {
-    const int n = static_cast<int>(stages.size());
+  std::string placement() const override { return partition_.describe(); }
+
+  void on_timing_thread(const std::function<void()>& body) override { on_rank_thread(partition_, 0, body); }
+
+  double time_kernel(std::size_t i) override {
+    const auto& call = calls_[i];
+    if (!call) return 0;
+    const StreamHandle stream = partition_.streams(0).compute;
+    call();  // untimed: its operands in L2, as a kernel finds what the one before it wrote
+    events_->start(stream);
+    call();
+    events_->stop(stream);
+    return events_->elapsed_seconds();
+  }
+
+  std::pair<double, double> time_stage() override { return stages_[0]->time(); }
+  int stage_ranks() const override { return static_cast<int>(stages_.size()); }
+
+  std::vector<double> time_stages_together() override {
+    const int n = static_cast<int>(stages_.size());
+    std::vector<double> seconds(static_cast<std::size_t>(n));
     std::barrier start(n);
     std::vector<std::exception_ptr> failed(static_cast<std::size_t>(n));
     std::vector<std::thread> threads;
@@ -497,11 +518,11 @@ struct CudaKernelCalibrator::State {
         const auto ru = static_cast<std::size_t>(r);
         bool arrived = false;
         try {
-          partition.make_current(r);
+          partition_.make_current(r);
           arrived = true;
           start.arrive_and_wait();
-          const auto [f, b] = stages[ru]->time();
-          rank_seconds[ru].push_back(f + b);
+          const auto [f, b] = stages_[ru]->time();
+          seconds[ru] = f + b;
         } catch (...) {
           failed[ru] = std::current_exception();
           if (!arrived) start.arrive_and_drop();
@@ -510,110 +531,36 @@ struct CudaKernelCalibrator::State {
     for (auto& t : threads) t.join();
     for (const auto& e : failed)
       if (e) std::rethrow_exception(e);
+    return seconds;
   }
+
+ private:
+  // Destroyed after everything below, whose streams and contexts it owns.
+  SmPartition partition_;
+  std::unique_ptr<KernelTimer> timer_;     // on rank 0's compute stream
+  std::unique_ptr<k::EventTimer> events_;  // in rank 0's context
+  std::vector<std::function<void()>> calls_;  // empty: not done on the device (0 seconds)
+  std::vector<std::unique_ptr<StageBench>> stages_;  // [rank], each on its rank's compute stream
 };
 
-CudaKernelCalibrator::CudaKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options,
-                                           const CudaCalibrateOptions& cuda) {
+// The plan, checked before any device work: its formats, and a device to time on.
+const RuntimePlan& checked(const RuntimePlan& plan, const CudaCalibrateOptions& cuda) {
   check_formats(plan.plan);
   find_device(cuda.device);
-  s_ = std::make_unique<State>(plan, options, cuda);
-  State& s = *s_;
-  // The CUDA backend stores activations in the compute format (compute_model.cpp prices with
-  // the same storage when the profile is not emulated).
-  s.kernels = distinct_kernels(s.plan.plan, s.plan.plan.activation_bytes());
-  s.samples.resize(s.kernels.size());
-
-  // A middle stage (no embedding, no head) of kComposeLayers blocks at the plan's shapes, one per
-  // rank when there are several.
-  StageSpec spec;
-  spec.dims = s.plan.dims;
-  spec.first_layer = 0;
-  spec.num_layers = kComposeLayers;
-  spec.compute = s.plan.plan.config.precision.compute;
-  spec.grad_accumulation = s.plan.plan.config.precision.grad_accumulation;
-  spec.micro_batch_size = s.plan.plan.micro_batch_size;
-  const int ranks = s.partition.ranks();
-  on_rank_thread(s.partition, 0, [&] {
-    void* stream = s.partition.streams(0).compute;
-    s.timer = std::make_unique<KernelTimer>(s.plan, stream);
-    s.events = std::make_unique<k::EventTimer>();
-    for (const KernelWork& w : s.kernels) s.calls.push_back(s.timer->launcher(w));
-    for (const auto& c : s.calls)  // warm-up: cuBLAS heuristics, first launches
-      if (c) c();
-    s.stages.push_back(std::make_unique<StageBench>(spec, stream, 7));
-    s.stages[0]->time();
-  });
-  if (ranks > 1) {
-    for (int r = 1; r < ranks; ++r)
-      on_rank_thread(s.partition, r, [&] {
-        s.stages.push_back(std::make_unique<StageBench>(spec, s.partition.streams(r).compute, 7));
-      });
-    s.rank_seconds.resize(static_cast<std::size_t>(ranks));
-    s.time_stages_on_every_rank();
-    for (auto& v : s.rank_seconds) v.clear();  // ranks 1.. ran their stage for the first time: a warm-up
-  }
+  return plan;
 }
 
-CudaKernelCalibrator::~CudaKernelCalibrator() = default;
+}  // namespace
 
-std::size_t CudaKernelCalibrator::num_kernels() const { return s_->kernels.size(); }
-int CudaKernelCalibrator::passes_done() const { return static_cast<int>(s_->pass_seconds.size()); }
-std::string CudaKernelCalibrator::placement() const { return s_->partition.describe(); }
-
-void CudaKernelCalibrator::run_passes(int passes) {
-  State& s = *s_;
-  on_rank_thread(s.partition, 0, [&] {
-    void* stream = s.partition.streams(0).compute;
-    for (int p = 0; p < passes; ++p) {
-      double total = 0;
-      for (std::size_t i = 0; i < s.calls.size(); ++i) {
-        const auto& call = s.calls[i];
-        double t = 0;
-        if (call) {
-          call();  // untimed: its operands in L2, as a kernel finds what the one before it wrote
-          s.events->start(stream);
-          call();
-          s.events->stop(stream);
-          t = s.events->elapsed_seconds();
-        }
-        s.samples[i].push_back(t);
-        total += t;
-      }
-      s.pass_seconds.push_back(total);
-      const auto [f, b] = s.stages[0]->time();
-      s.stage_forward.push_back(f);
-      s.stage_backward.push_back(b);
-    }
-  });
-  if (s.stages.size() > 1)
-    for (int p = 0; p < passes; ++p) s.time_stages_on_every_rank();
-}
-
-void CudaKernelCalibrator::run_until_settled() {
-  while (!calibration_settled(s_->options, s_->pass_seconds)) run_passes(1);
-}
-
-std::vector<KernelRate> CudaKernelCalibrator::rates() const {
-  std::vector<KernelRate> out;
-  for (std::size_t i = 0; i < s_->kernels.size(); ++i) {
-    if (s_->samples[i].empty()) throw std::logic_error("CudaKernelCalibrator::rates before any pass");
-    const KernelWork& w = s_->kernels[i];
-    out.push_back(KernelRate{w.kernel, w.dtype, w.shape, w.bytes, median(s_->samples[i])});
-  }
-  return out;
-}
-
-Composition CudaKernelCalibrator::composition() const {
-  // The same stage priced from its kernels, with the device's storage bytes.
-  return stage_composition(s_->plan.plan.config, kComposeLayers, s_->plan.plan.activation_bytes(), rates(),
-                           median(s_->stage_forward), median(s_->stage_backward));
-}
-
-std::vector<double> CudaKernelCalibrator::core_factors() const {
-  if (s_->stages.size() <= 1) return {};
-  return stage_factors(s_->stage_forward, s_->stage_backward, s_->rank_seconds);
-}
+CudaKernelCalibrator::CudaKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options,
+                                           const CudaCalibrateOptions& cuda)
+    // The CUDA backend stores activations in the compute format (compute_model.cpp prices with
+    // the same storage when the profile is not emulated).
+    : KernelCalibrator(checked(plan, cuda), options, distinct_kernels(plan.plan, plan.plan.activation_bytes()),
+                       plan.plan.activation_bytes(),
+                       [cuda](const RuntimePlan& p, const CalibrateOptions&, const std::vector<KernelWork>& kernels) {
+                         return std::make_unique<CudaClock>(p, kernels, cuda);
+                       }) {}
 
 HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string& name,
                                       const CudaCalibrateOptions& cuda) {
@@ -635,37 +582,9 @@ HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string
 HardwareProfile calibrate_cuda(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options,
                                const CudaCalibrateOptions& cuda, CommBenchResult* comm_table) {
   check_formats(plan.plan);
-  HardwareProfile p = describe_cuda_profile(plan, name, cuda);
-  {
-    CudaKernelCalibrator kernels(plan, options, cuda);
-    if (options.progress)
-      options.progress(fmt::format("timing {} kernels at the plan's shapes in {} on {}", kernels.num_kernels(),
-                                   dtype_name(plan.plan.config.precision.compute), kernels.placement()));
-    kernels.run_until_settled();
-    p.kernels = kernels.rates();
-    p.composition = kernels.composition();
-    p.core_factors = kernels.core_factors();
-  }
-  // The other formats the kernels store, so that a scenario naming this profile may compute in
-  // any of them: the same shapes, stored in that format.
-  for (DType d : options.precisions) {
-    if (d == plan.plan.config.precision.compute || !stored_by_kernels(d)) continue;
-    RuntimePlan other = plan;
-    ScenarioConfig c = plan.plan.config;
-    c.precision.compute = d;
-    other.plan = Plan::from_config(c);
-    CudaKernelCalibrator k(other, options, cuda);
-    if (options.progress) options.progress(fmt::format("timing {} kernels in {}", k.num_kernels(), dtype_name(d)));
-    k.run_until_settled();
-    for (const KernelRate& r : k.rates()) p.kernels.push_back(r);
-  }
-  if (!options.communication) return p;
-  // As calibrate_communication (runtime/calibrate/calibrate.h), over the single-GPU world.
-  if (options.progress) options.progress("point-to-point and all-reduce benchmarks on the single-GPU world");
-  const CommBenchResult comm = bench_device_world_comm(options.comm, cuda.device);
-  apply_comm_bench(p, comm, " on the single-GPU world");
-  if (comm_table) *comm_table = comm;
-  return p;
+  CalibrateOptions o = options;
+  o.placement = cuda;
+  return calibrate_profile(cuda_backend(), plan, name, o, comm_table);
 }
 
 }  // namespace trainsim::runtime::cuda

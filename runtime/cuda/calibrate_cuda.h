@@ -34,14 +34,16 @@
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
 #include "runtime/cuda/sm_partition.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/runtime_plan.h"
 
 namespace trainsim::runtime::cuda {
 
-struct CudaCalibrateOptions {
-  int device = 0;
-  SmSharing sm_sharing = SmSharing::automatic;  // as the run: green contexts where the driver has them
-};
+// Where the plan's ranks are placed: runtime/contract.h's Placement (device, sm_sharing), as the
+// run places them (green contexts where the driver has them, by default).
+using CudaCalibrateOptions = Placement;
+
+// The formats the kernels store: fp32, fp16, bf16 (the only ones the CUDA backend calibrates).
+bool stored_by_kernels(DType t);
 
 // A profile describing the device and placement, with no rates yet: backend "cuda", device
 // "<GPU name>, <n> SMs" plus the SM sharing line, memory_gib = the device's memory divided by the
@@ -49,33 +51,13 @@ struct CudaCalibrateOptions {
 // every link is intra-node), emulated_low_precision false.
 HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string& name, const CudaCalibrateOptions& cuda);
 
-// The kernel half, in passes, as runtime::KernelCalibrator (same meaning of every member).
-class CudaKernelCalibrator {
+// The kernel half, in passes: runtime::KernelCalibrator's method (calibrate.h), its clock the
+// backend's launches timed with CUDA events. placement() is SmPartition::describe() of the
+// placement timed. Throws std::runtime_error when no device can be used (saying why),
+// std::invalid_argument for a compute format the kernels do not store (tf32, fp8).
+class CudaKernelCalibrator final : public KernelCalibrator {
  public:
-  // Throws std::runtime_error when no device can be used (saying why), std::invalid_argument for
-  // a compute format the kernels do not store (tf32, fp8).
   CudaKernelCalibrator(const RuntimePlan& plan, const CalibrateOptions& options, const CudaCalibrateOptions& cuda);
-  ~CudaKernelCalibrator();
-  CudaKernelCalibrator(const CudaKernelCalibrator&) = delete;
-  CudaKernelCalibrator& operator=(const CudaKernelCalibrator&) = delete;
-
-  void run_passes(int passes);
-  void run_until_settled();  // passes until options' min_passes and min_seconds (of device time)
-  std::vector<KernelRate> rates() const;
-  // A middle stage of kComposeLayers blocks (CudaStageModel), forward and backward on rank 0's
-  // stream, against the sum of its kernels' times.
-  Composition composition() const;
-  static constexpr int kComposeLayers = 2;
-  // Per rank: the stage's time with every rank running it at once on its own streams, against
-  // rank 0 alone. Empty for one rank.
-  std::vector<double> core_factors() const;
-  std::size_t num_kernels() const;
-  int passes_done() const;
-  std::string placement() const;  // SmPartition::describe() of the placement timed
-
- private:
-  struct State;
-  std::unique_ptr<State> s_;
 };
 
 // send/recv ping-pong and all-reduce over the single-GPU world on `device`, as

@@ -35,7 +35,7 @@ constexpr DType kWires[] = {DType::fp32, DType::fp16, DType::bf16};  // what the
 // for the stream: it happens outside the timed calls.
 class RankBuffer {
  public:
-  RankBuffer(std::size_t max_count, DType dt, void* stream)
+  RankBuffer(std::size_t max_count, DType dt, StreamHandle stream)
       : dt_(dt), stream_(stream), data_(max_count * static_cast<std::size_t>(dtype_bytes(dt))),
         host_(max_count) {
     if (dt != DType::fp32) wide_ = k::DeviceBuffer(max_count * sizeof(float));
@@ -57,7 +57,7 @@ class RankBuffer {
 
  private:
   DType dt_;
-  void* stream_;
+  StreamHandle stream_;
   k::DeviceBuffer data_, wide_;
   std::vector<float> host_;
 };
@@ -72,7 +72,7 @@ void run_section(const CommSection& s, const CommBenchOptions& o, int device, Co
   const auto rank = [&](int r, const std::function<void(const CommRankCalls&)>& measure) {
     DeviceCommunicator& comm = *comms[static_cast<std::size_t>(r)];
     streams.make_current(r);
-    void* stream = streams.streams(r).compute;
+    StreamHandle stream = streams.streams(r).compute;
     RankBuffer buffer(s.max_count, s.wire, stream);
     k::EventTimer timer;
     std::uint64_t tag = 0;  // every rank counts its calls alike

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/collective.h"
+#include "kernels/cuda_check.h"
 #include "runtime/comm/arguments.h"
 #include "runtime/comm/mailbox.h"
 
@@ -22,12 +23,7 @@ namespace {
 // a collective's contributions, its "done reading" events, and host gathers.
 constexpr std::uint32_t kPointToPoint = 0, kContribution = 1, kDone = 2, kGather = 3;
 
-void check(cudaError_t err, const std::string& what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
-}
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+using ::trainsim::cuda::check_cuda;
 
 std::size_t element_bytes(DType dt, const std::string& who) {
   switch (dt) {
@@ -56,18 +52,18 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   }
 
   // An event recorded on `stream`, returned to this pool by its last holder.
-  std::shared_ptr<void> record(void* stream, const std::string& what) {
+  std::shared_ptr<void> record(StreamHandle stream, const std::string& what) {
     cudaEvent_t ev = take(stream);
-    if (ev == nullptr) check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
+    if (ev == nullptr) check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), what + ": cudaEventCreate");
     std::shared_ptr<void> owned(ev, [pool = shared_from_this(), stream](void* e) {
       pool->give_back(stream, static_cast<cudaEvent_t>(e));
     });
-    check(cudaEventRecord(ev, as_stream(stream)), what + ": cudaEventRecord");
+    check_cuda(cudaEventRecord(ev, stream), what + ": cudaEventRecord");
     return owned;
   }
 
  private:
-  cudaEvent_t take(void* stream) {
+  cudaEvent_t take(StreamHandle stream) {
     std::lock_guard lock(mutex_);
     auto& events = free_[stream];
     if (events.empty()) return nullptr;
@@ -75,7 +71,7 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
     events.pop_back();
     return e;
   }
-  void give_back(void* stream, cudaEvent_t e) {
+  void give_back(StreamHandle stream, cudaEvent_t e) {
     std::lock_guard lock(mutex_);
     free_[stream].push_back(e);
   }
@@ -84,8 +80,8 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
   std::map<void*, std::vector<cudaEvent_t>> free_;
 };
 
-void wait_event(void* stream, const std::shared_ptr<void>& ev, const std::string& what) {
-  check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(ev.get()), 0), what + ": cudaStreamWaitEvent");
+void wait_event(StreamHandle stream, const std::shared_ptr<void>& ev, const std::string& what) {
+  check_cuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(ev.get()), 0), what + ": cudaStreamWaitEvent");
 }
 
 struct DeviceMessage {
@@ -112,7 +108,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     return "single-GPU world: " + std::to_string(s_->world_size()) + " ranks on one device, exchanging through device memory";
   }
 
-  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, void* stream) override {
+  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, StreamHandle stream) override {
     check_peer(prefix(), peer, s_->world_size(), "send to");
     const std::string op = "send to rank " + std::to_string(peer) + " tag " + std::to_string(tag);
     const std::string what = prefix() + op;
@@ -127,7 +123,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     s_->post(peer, MailKey{rank_, 0, kPointToPoint}, std::move(msg));
   }
 
-  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) override {
+  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) override {
     check_peer(prefix(), peer, s_->world_size(), "recv from");
     const std::size_t bytes = count * element_bytes(dt, prefix());
     auto op = [&] { return "recv from rank " + std::to_string(peer) + " tag " + std::to_string(tag); };
@@ -140,9 +136,9 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     const std::string what = prefix() + op();
     wait_event(stream, msg.ready, what);
     if (bytes > 0) {
-      check(cudaMemcpyAsync(data, msg.staging, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)),
+      check_cuda(cudaMemcpyAsync(data, msg.staging, bytes, cudaMemcpyDeviceToDevice, stream),
             what + ": cudaMemcpyAsync");
-      check(cudaFreeAsync(msg.staging, as_stream(stream)), what + ": cudaFreeAsync");
+      check_cuda(cudaFreeAsync(msg.staging, stream), what + ": cudaFreeAsync");
     }
   }
 
@@ -151,7 +147,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
   void group_end() override {}
 
   void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
-                  ReduceOp op, Divide divide, void* stream) override {
+                  ReduceOp op, Divide divide, StreamHandle stream) override {
     const int me = member_position(prefix(), members, rank_, s_->world_size(), tag);
     const int n = static_cast<int>(members.size());
     if (n > trainsim::cuda::kMaxRingMembers)
@@ -203,7 +199,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
       DeviceMessage m = s_->take(rank_, MailKey{members[k], tag, kDone}, prefix(), peer_op);
       wait_event(stream, m.ready, what);
     }
-    check(cudaFreeAsync(my_staging, as_stream(stream)), what + ": cudaFreeAsync");
+    check_cuda(cudaFreeAsync(my_staging, stream), what + ": cudaFreeAsync");
   }
 
   std::vector<std::vector<std::uint8_t>> gather_host(std::span<const std::uint8_t> blob) override {
@@ -231,11 +227,11 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
   std::string prefix() const { return "rank " + std::to_string(rank_) + ": "; }
 
   // A stream-ordered copy of `bytes` of `data` into a fresh device buffer.
-  static void* stage(const void* data, std::size_t bytes, void* stream, const std::string& what) {
+  static void* stage(const void* data, std::size_t bytes, StreamHandle stream, const std::string& what) {
     if (bytes == 0) return nullptr;
     void* staging = nullptr;
-    check(cudaMallocAsync(&staging, bytes, as_stream(stream)), what + ": cudaMallocAsync of " + std::to_string(bytes) + " bytes");
-    check(cudaMemcpyAsync(staging, data, bytes, cudaMemcpyDeviceToDevice, as_stream(stream)), what + ": cudaMemcpyAsync");
+    check_cuda(cudaMallocAsync(&staging, bytes, stream), what + ": cudaMallocAsync of " + std::to_string(bytes) + " bytes");
+    check_cuda(cudaMemcpyAsync(staging, data, bytes, cudaMemcpyDeviceToDevice, stream), what + ": cudaMemcpyAsync");
     return staging;
   }
 

@@ -17,6 +17,7 @@
 #include <thread>
 #include <utility>
 
+#include "kernels/cuda_check.h"
 #include "kernels/kernels.h"
 #include "runtime/comm/arguments.h"
 #include "runtime/launch/rendezvous.h"
@@ -56,8 +57,6 @@ ncclDataType_t nccl_type(DType dt, const std::string& where) {
 }
 
 std::string count_text(std::size_t count, DType dt) { return std::to_string(count) + " " + std::string(dtype_name(dt)); }
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 // Lets the map of sub-communicators be searched with the caller's span, without a copy.
 struct RanksLess {
@@ -158,7 +157,7 @@ struct NcclCommunicator::Impl {
     std::size_t count;
     float factor;
     DType dt;
-    void* stream;
+    StreamHandle stream;
     std::string op;
   };
   std::vector<DeferredScale> deferred_scales;
@@ -222,7 +221,7 @@ struct NcclCommunicator::Impl {
 
   void check_cuda(cudaError_t err, const std::string& op) {
     if (err == cudaSuccess) return;
-    const std::string message = who() + op + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+    const std::string message = who() + ::trainsim::cuda::cuda_error_text(err, op);
     abort(message);
     throw CommError(message);
   }
@@ -290,7 +289,7 @@ struct NcclCommunicator::Impl {
     return guard;
   }
 
-  void scale(void* data, std::size_t count, float factor, DType dt, void* stream, const std::string& op) {
+  void scale(void* data, std::size_t count, float factor, DType dt, StreamHandle stream, const std::string& op) {
     try {
       ::trainsim::cuda::scale_inplace(data, count, factor, dt, stream);
     } catch (const std::exception& e) {
@@ -544,22 +543,22 @@ std::string NcclCommunicator::describe() const {
 }
 
 void NcclCommunicator::send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt,
-                            void* stream) {
+                            StreamHandle stream) {
   Impl& m = *impl_;
   ncclDataType_t type;
   const std::string op = m.prepare_p2p(true, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
   const auto [comm, comm_peer] = m.p2p_communicator(m.rank, peer);
-  m.check(ncclSend(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
+  m.check(ncclSend(data, count, type, comm_peer, comm, stream), comm, op);
 }
 
-void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) {
+void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) {
   Impl& m = *impl_;
   ncclDataType_t type;
   const std::string op = m.prepare_p2p(false, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
   const auto [comm, comm_peer] = m.p2p_communicator(peer, m.rank);
-  m.check(ncclRecv(data, count, type, comm_peer, comm, as_stream(stream)), comm, op);
+  m.check(ncclRecv(data, count, type, comm_peer, comm, stream), comm, op);
 }
 
 void NcclCommunicator::group_begin() {
@@ -597,7 +596,7 @@ void NcclCommunicator::group_end() {
 }
 
 void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members,
-                                  std::uint64_t tag, ReduceOp op, Divide divide, void* stream) {
+                                  std::uint64_t tag, ReduceOp op, Divide divide, StreamHandle stream) {
   Impl& m = *impl_;
   member_position(m.who(), members, m.rank, m.world_size, tag);
   const std::string what = "all_reduce tag " + std::to_string(tag) + " (members " + ranks_text(members) + ", " +
@@ -639,7 +638,7 @@ void NcclCommunicator::all_reduce(void* data, std::size_t count, DType dt, std::
     m.check(ncclRedOpCreatePreMulSum(&redop, scalar, type, ncclScalarHostImmediate, comm), comm,
             what + ": ncclRedOpCreatePreMulSum");
   }
-  const ncclResult_t res = ncclAllReduce(data, data, count, type, redop, comm, as_stream(stream));
+  const ncclResult_t res = ncclAllReduce(data, data, count, type, redop, comm, stream);
   if (premultiply) {
     if (m.group_depth > 0 && res == ncclSuccess) {
       // NCCL may read the operator until the group is launched: destroyed after group_end.
@@ -727,11 +726,11 @@ std::vector<std::vector<std::uint8_t>> NcclCommunicator::gather_host(std::span<c
 
 void NcclCommunicator::abort(const std::string& reason) { impl_->abort(reason); }
 
-void NcclCommunicator::synchronize(void* stream, const std::string& what) {
+void NcclCommunicator::synchronize(StreamHandle stream, const std::string& what) {
   Impl& m = *impl_;
   m.throw_if_aborted();
   m.make_current();
-  m.wait(as_stream(stream), what);
+  m.wait(stream, what);
 }
 
 }  // namespace trainsim::runtime::cuda

@@ -1,7 +1,7 @@
 // The NCCL implementation of DeviceCommunicator (runtime/comm/device_communicator.h): one
 // process per GPU, ranks found through the launcher's variables (runtime/launch/launch_env.h),
 // rank 0's ncclUniqueId handed out over TCP (runtime/launch/rendezvous.h). Plain C++: no CUDA or
-// NCCL type crosses this header; streams are `void*` (cudaStream_t).
+// NCCL type crosses this header; streams are kernels/cuda_handles.h's typed handles.
 //
 // Communicators. One world communicator (ncclCommInitRank over every rank), used for
 // gather_host, all-reduces over the whole world and sends/receives on links given none; one
@@ -123,12 +123,12 @@ class NcclCommunicator final : public DeviceCommunicator {
   std::string describe() const override;
   int device() const;  // the CUDA device index this rank uses
 
-  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, void* stream) override;
-  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, void* stream) override;
+  void send(int peer, std::uint64_t tag, const void* data, std::size_t count, DType dt, StreamHandle stream) override;
+  void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) override;
   void group_begin() override;
   void group_end() override;
   void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag, ReduceOp op,
-                  Divide divide, void* stream) override;
+                  Divide divide, StreamHandle stream) override;
   std::vector<std::vector<std::uint8_t>> gather_host(std::span<const std::uint8_t> mine) override;
   void abort(const std::string& reason) override;
 
@@ -136,7 +136,7 @@ class NcclCommunicator final : public DeviceCommunicator {
   // CUDA: polls the stream, the communicators' asynchronous errors and the aborted flag under
   // a watchdog guard named `what`. Throws CommError when the stream reports an error, a
   // communicator has failed, the watchdog fired, or abort() was called.
-  void synchronize(void* stream, const std::string& what);
+  void synchronize(StreamHandle stream, const std::string& what);
   // Guards the caller's own host waits (guard(...)); on timeout it aborts this communicator.
   Watchdog& watchdog();
   bool aborted() const;

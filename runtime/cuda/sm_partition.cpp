@@ -14,6 +14,8 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include "kernels/cuda_check.h"
+
 #include <algorithm>
 #include <initializer_list>
 #include <stdexcept>
@@ -26,11 +28,7 @@ namespace trainsim::runtime::cuda {
 
 namespace {
 
-void check(cudaError_t err, const std::string& what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error("CUDA error in " + what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                             ")");
-}
+using ::trainsim::cuda::check_cuda;
 
 std::string cuda_version_text(int version) { return fmt::format("{}.{}", version / 1000, version % 1000 / 10); }
 
@@ -121,7 +119,7 @@ struct SmPartition::State {
   // not destroy them with the context). Errors are ignored: nothing can be done about them here.
   void release() noexcept {
     for (const RankStreams& rank : streams) {
-      for (void* stream : {rank.compute, rank.comm, rank.send}) {
+      for (StreamHandle stream : {rank.compute, rank.comm, rank.send}) {
         if (stream == nullptr) continue;
         if (streams_are_green)
           driver.stream_destroy(static_cast<CUstream>(stream));
@@ -140,9 +138,9 @@ struct SmPartition::State {
     for (int r = 0; r < ranks; ++r) {
       RankStreams& rank = streams.emplace_back();
       rank.sms = device_sms;
-      for (void** stream : {&rank.compute, &rank.comm, &rank.send}) {
+      for (StreamHandle* stream : {&rank.compute, &rank.comm, &rank.send}) {
         cudaStream_t created = nullptr;
-        check(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
+        check_cuda(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking),
               fmt::format("cudaStreamCreateWithFlags for rank {} of {}", r, ranks));
         *stream = created;
       }
@@ -211,7 +209,7 @@ struct SmPartition::State {
 
       RankStreams& rank = streams.emplace_back();
       rank.sms = static_cast<int>(groups[static_cast<std::size_t>(r)].sm.smCount);
-      const std::pair<void**, CUgreenCtx> made_in[] = {
+      const std::pair<StreamHandle*, CUgreenCtx> made_in[] = {
           {&rank.compute, contexts[0]}, {&rank.send, contexts[0]}, {&rank.comm, contexts[1]}};
       for (const auto& [stream, context] : made_in) {
         CUstream created = nullptr;
@@ -236,10 +234,10 @@ SmPartition::SmPartition(int ranks, SmSharing sharing, int device) : state_(std:
   s.device = device;
   // The primary context first: green contexts share its memory, and the driver documentation
   // asks for it to exist before green contexts are made.
-  check(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device));
-  check(cudaFree(nullptr), fmt::format("cudaFree(nullptr) creating the primary context of device {}", device));
+  check_cuda(cudaSetDevice(device), fmt::format("cudaSetDevice({})", device));
+  check_cuda(cudaFree(nullptr), fmt::format("cudaFree(nullptr) creating the primary context of device {}", device));
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, device), fmt::format("cudaGetDeviceProperties({})", device));
+  check_cuda(cudaGetDeviceProperties(&prop, device), fmt::format("cudaGetDeviceProperties({})", device));
   s.device_name = prop.name;
   s.compute_major = prop.major;
   s.compute_minor = prop.minor;

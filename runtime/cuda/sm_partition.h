@@ -5,13 +5,17 @@
 // one per rank, and each rank's streams belong to a green context on its group, so concurrent
 // ranks do not take each other's SMs.
 //
-// Plain C++: no CUDA types cross this header (streams are `void*`, i.e. cudaStream_t), and the SM
+// Plain C++: no CUDA types cross this header (streams are kernels/cuda_handles.h's), and the SM
 // arithmetic below is header-only so it is tested without a GPU (tests/runtime/test_sm_split.cpp).
 #pragma once
 
 #include <algorithm>
 #include <memory>
 #include <string>
+
+#include "kernels/cuda_handles.h"
+#include "runtime/contract.h"
+#include "runtime/engine/rank_threads.h"
 
 namespace trainsim::runtime::cuda {
 
@@ -52,25 +56,19 @@ inline SmGranularity sm_granularity_guideline(int compute_major) {
 // Streams and partitions on the device
 // ---------------------------------------------------------------------------------------
 
-enum class SmSharing {
-  automatic,       // green contexts where the driver and the device allow them, else shared
-  green_contexts,  // green contexts or an exception saying why not
-  shared,          // ordinary streams of the primary context; every rank may use every SM
-};
+// SmSharing: runtime/contract.h (a placement option).
 
 // One rank's streams (cudaStream_t, all non-blocking) and the SMs its kernels may run on: its
 // partition under green contexts, the whole device when shared. `compute` and `send` are driven
 // by the rank's compute thread, `comm` by its communication thread (RankThread).
 struct RankStreams {
-  void* compute = nullptr;
-  void* comm = nullptr;
-  void* send = nullptr;
+  StreamHandle compute = nullptr;
+  StreamHandle comm = nullptr;
+  StreamHandle send = nullptr;
   int sms = 0;
 };
 
-// The two host threads that drive a rank: the compute thread (compute and send streams) and the
-// communication thread (comm stream).
-enum class RankThread { compute, comm };
+// RankThread: runtime/engine/rank_threads.h.
 
 // Streams for `ranks` ranks on one device, created by the constructor and destroyed with the
 // object. Move-only.

@@ -105,7 +105,7 @@ struct CudaStageModel::Impl {
   std::size_t total = 0, largest = 0;
   bool fast_grads;
 
-  void* stream;
+  StreamHandle stream;
   k::GemmContext gemm;
   DeviceBuffer master, working, grads;
 
@@ -121,7 +121,7 @@ struct CudaStageModel::Impl {
   DeviceBuffer mb_loss_sums;  // per micro-batch: its rows' losses summed, in double
   std::size_t loss_slots = 0;
 
-  Impl(const StageSpec& s, void* st);
+  Impl(const StageSpec& s, StreamHandle st);
 
   // -- parameters --
   const void* w(int p) const {
@@ -171,7 +171,7 @@ struct CudaStageModel::Impl {
   }
 };
 
-CudaStageModel::Impl::Impl(const StageSpec& s, void* st)
+CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
     : spec(checked(s)),
       dt(s.compute),
       gacc(s.grad_accumulation),
@@ -595,13 +595,13 @@ void CudaStageModel::Impl::wgrad_embedding(const void* dx, const std::int32_t* t
 // ---------------------------------------------------------------------------------------
 // CudaStageModel
 // ---------------------------------------------------------------------------------------
-CudaStageModel::CudaStageModel(const StageSpec& spec, void* stream) : impl_(std::make_unique<Impl>(spec, stream)) {}
+CudaStageModel::CudaStageModel(const StageSpec& spec, StreamHandle stream) : impl_(std::make_unique<Impl>(spec, stream)) {}
 CudaStageModel::~CudaStageModel() = default;
 CudaStageModel::CudaStageModel(CudaStageModel&&) noexcept = default;
 CudaStageModel& CudaStageModel::operator=(CudaStageModel&&) noexcept = default;
 
 const StageSpec& CudaStageModel::spec() const { return impl_->spec; }
-void* CudaStageModel::stream() const { return impl_->stream; }
+StreamHandle CudaStageModel::stream() const { return impl_->stream; }
 
 void CudaStageModel::init(std::uint64_t seed) {
   StageModel reference(impl_->spec);

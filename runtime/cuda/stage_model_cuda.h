@@ -1,10 +1,10 @@
 // The CUDA backend's pipeline stage: the device counterpart of runtime/model/stage_model.h's
-// StageModel, for the CUDA executor. Same StageSpec, same parameters in the same order and
+// StageModel, for the CUDA engine. Same StageSpec, same parameters in the same order and
 // layout (params(), so gradients compare element by element with the CPU model's), same call
 // sequence (forward, then backward_begin / backward_unit x backward_units() / backward_end), same
 // per-micro-batch stashes and the same mixed-precision rules, computed with the launchers of
 // kernels/kernels.h and the cuBLAS products of kernels/gemm.h. Plain C++: no CUDA type crosses
-// this header (STYLE.md habit 7); streams are `void*` (cudaStream_t).
+// this header (STYLE.md habit 7); streams are kernels/cuda_handles.h's typed handles.
 //
 // Where values live:
 //  * weights: FP32 master weights on the device, and a working copy in the compute format
@@ -24,7 +24,7 @@
 // compute = grad_accumulation = fp32, where, as on the CPU, products accumulate straight into it.
 // Compute formats: fp32, fp16, bf16 (tf32 and fp8 are refused: the kernels do not store them).
 //
-// What it does not do yet (the CPU model does): the per-step StageNumerics scans (the executor
+// What it does not do yet (the CPU model does): the per-step StageNumerics scans (the engine
 // scans what passes between stages instead) and stashed_tensors() inspection.
 //
 // Work is queued on `stream`; calls return before the device finishes, except forward on the
@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "kernels/cuda_handles.h"
 #include "runtime/model/stage_model.h"
 
 namespace trainsim::runtime::cuda {
@@ -47,7 +48,7 @@ class CudaStageModel {
   // Validates the spec as StageModel does, and refuses compute or grad_accumulation formats the
   // kernels do not store (tf32, fp8), before touching the device (std::invalid_argument). Then
   // allocates the weights, gradients and scratch on the current device.
-  explicit CudaStageModel(const StageSpec& spec, void* stream = nullptr);
+  explicit CudaStageModel(const StageSpec& spec, StreamHandle stream = nullptr);
   ~CudaStageModel();
   CudaStageModel(CudaStageModel&&) noexcept;
   CudaStageModel& operator=(CudaStageModel&&) noexcept;
@@ -55,7 +56,7 @@ class CudaStageModel {
   CudaStageModel& operator=(const CudaStageModel&) = delete;
 
   const StageSpec& spec() const;
-  void* stream() const;
+  StreamHandle stream() const;
 
   // Initialises a CPU StageModel of the same spec with `seed` and copies its master weights to
   // the device, so both start from identical weights; refreshes the working copy.
@@ -73,7 +74,7 @@ class CudaStageModel {
   // Rounds the master weights into the compute-format working copy; after each optimizer step.
   void refresh_working_weights();
 
-  // Device buffers, for the executor (optimizer, all-reduce): params() layout.
+  // Device buffers, for the engine (optimizer, all-reduce): params() layout.
   float* master_weights_device();                 // fp32
   void* gradients_device();                       // gradient_format()
   DType gradient_format() const;                  // spec().grad_accumulation

@@ -1,8 +1,8 @@
 // Stream-ordered copies and fills for the CUDA stage model (runtime/cuda/stage_model_cuda.cpp).
 // kernels/device_buffer.h's copy_to_device/copy_to_host/fill_zero run on the legacy default
 // stream, which does not order with the non-blocking streams (kernels/device_buffer.h Stream)
-// an executor runs ranks on; these take the stream. Plain C++: streams are `void*`
-// (cudaStream_t; nullptr is the legacy default stream). Every call that fails throws
+// an engine runs ranks on; these take the stream. Plain C++: streams are kernels/cuda_handles.h's
+// StreamHandle (cudaStream_t; nullptr is the legacy default stream). Every call that fails throws
 // std::runtime_error saying what failed.
 //
 // Host memory may be ordinary (pageable) memory or a PinnedBuffer. CUDA's documented behaviour
@@ -17,14 +17,16 @@
 #include <cstddef>
 #include <string>
 
+#include "kernels/cuda_handles.h"
+
 namespace trainsim::runtime::cuda {
 
-void copy_host_to_device(void* dst, const void* src, std::size_t bytes, void* stream);
-void copy_device_to_host(void* dst, const void* src, std::size_t bytes, void* stream);
-void copy_device_to_device(void* dst, const void* src, std::size_t bytes, void* stream);
-void fill_zero(void* dst, std::size_t bytes, void* stream);
+void copy_host_to_device(void* dst, const void* src, std::size_t bytes, StreamHandle stream);
+void copy_device_to_host(void* dst, const void* src, std::size_t bytes, StreamHandle stream);
+void copy_device_to_device(void* dst, const void* src, std::size_t bytes, StreamHandle stream);
+void fill_zero(void* dst, std::size_t bytes, StreamHandle stream);
 // Waits for the work queued on `stream`; reports an error a kernel on it raised.
-void synchronize(void* stream);
+void synchronize(StreamHandle stream);
 
 // Page-locked host memory (cudaMallocHost), freed with the object. Move-only.
 class PinnedBuffer {
@@ -60,14 +62,14 @@ class MemoryPool {
   MemoryPool& operator=(const MemoryPool&) = delete;
 
   // Throws std::runtime_error naming `what` and the size when the pool cannot grow.
-  void* allocate(std::size_t bytes, void* stream, const std::string& what);
-  void free(void* p, void* stream);
+  void* allocate(std::size_t bytes, StreamHandle stream, const std::string& what);
+  void free(void* p, StreamHandle stream);
   std::size_t used_high() const;
   std::size_t reserved_high() const;  // cudaMemPoolAttrReservedMemHigh: what the pool took from the device
   void reset_high();                  // both marks down to what is in use (reserved) now
 
  private:
-  void* pool_ = nullptr;  // cudaMemPool_t
+  PoolHandle pool_ = nullptr;
   std::size_t used_floor_ = 0, reserved_floor_ = 0;
 };
 

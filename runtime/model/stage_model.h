@@ -1,7 +1,7 @@
 // One pipeline stage (model chunk) of the GPT-style decoder the runtime trains: token and
 // position embeddings (first stage), pre-LayerNorm blocks (causal multi-head attention, GELU
 // MLP), final LayerNorm, LM head and cross-entropy (last stage). Each data-parallel replica
-// holds a full pipeline of these; the executor (runtime/executor.h) drives them in the order
+// holds a full pipeline of these; an engine (runtime/cpu/cpu_engine.h) drives them in the order
 // the schedule says.
 //
 // Mixed precision, as tensor cores and mixed-precision training do it (runtime/numerics/lowp.h):
@@ -102,7 +102,7 @@ class StageModel {
   // returns the micro-batch's mean cross-entropy (FP32); others write `output` and return 0.
   float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input, float* output);
 
-  // Backward in units so the executor can end a step's last backward at gradient-bucket
+  // Backward in units so an engine can end a step's last backward at gradient-bucket
   // bounds: begin (the last stage seeds d(loss)/d(logits) times loss_gradient_scale, i.e.
   // loss scale / micro-batches; the others take grad_output), then backward_units() units,
   // then end (writes grad_input, except on the first stage, and frees the micro-batch's stash).

@@ -9,7 +9,7 @@ namespace trainsim {
 
 ModelStateBytes model_state_bytes(const Plan& plan, double params) {
   const auto& pr = plan.config.precision;
-  const int zero = plan.dp > 1 ? plan.config.parallelism.zero_stage : 0;
+  const int zero = plan.zero();
   const double n = plan.dp;
   const double w = plan.weight_bytes();
   const double g = dtype_bytes(pr.grad_accumulation);
@@ -19,7 +19,7 @@ ModelStateBytes model_state_bytes(const Plan& plan, double params) {
   const double moments = plan.config.training.optimizer == Optimizer::sgd ? 4.0 : 8.0;
   ModelStateBytes b;
   b.weights = params * w / (zero >= 3 ? n : 1.0);
-  b.gradients = params * g / (zero >= 2 ? n : 1.0);
+  b.gradients = params * g / (plan.shards_gradients() ? n : 1.0);
   b.optimizer = params * (master + moments) / (zero >= 1 ? n : 1.0);
   return b;
 }
@@ -30,8 +30,8 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
   const int b = plan.micro_batch_size, t = plan.tp, e = plan.activation_bytes();
   const bool sp = cfg.parallelism.sequence_parallel;
   const Recompute rc = cfg.training.activation_recompute;
-  const double per_layer = m.layer_activation_bytes(b, e, t, sp, rc);
-  const double full_layer = m.layer_activation_bytes(b, e, t, sp, Recompute::none);
+  const double per_layer = m.layer_stored_activation_bytes(b, e, t, sp, rc);
+  const double full_layer = m.layer_stored_activation_bytes(b, e, t, sp, Recompute::none);
   const int V = plan.num_virtual_stages();
   for (int vs = 0; vs < V; ++vs) {
     double a = plan.layers_per_virtual_stage[vs] * per_layer;
@@ -71,7 +71,7 @@ MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
     buffers += 2.0 * plan_.micro_batch_size * shape_.s * shape_.h * plan_.activation_bytes() / plan_.tp;
   if (plan_.dp > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
     buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
-  if (plan_.dp > 1 && cfg.parallelism.zero_stage == 3)
+  if (plan_.zero() == 3)
     buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();
 
   double live = 0, peak = 0;

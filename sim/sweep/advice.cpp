@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/plan.h"
+#include "core/presets.h"
 #include "core/report/format.h"
 #include "core/units.h"
 #include "sim/simulator.h"
@@ -82,6 +83,14 @@ std::vector<PrecisionIssue> precision_issues(const ScenarioConfig& c) {
                       "at once with a global check) and grows back after a run of clean steps",
                       gpu));
   }
+  else if (fp16 && has_bf16)
+    add("fp16_where_bf16_available",
+        fmt::format("FP16 on {}, which has BF16 at the same peak rate: FP16 needs its loss scale (skipped steps on "
+                    "every overflow, a found-inf check every step) only for its narrow exponent range",
+                    gpu),
+        {{"precision.compute", text("bf16")}, {"precision.loss_scaling.mode", text("none")}},
+        "BF16 is the standard on A100 and H100 (Megatron-LM, torchtitan, Llama): FP32's exponent range, no loss "
+        "scale, no skipped steps, same speed");
   if (pr.master_weights != DType::fp32)
     add("low_precision_master_weights",
         fmt::format("{} master weights: an update smaller than 2^-{} of a weight rounds away and is lost",
@@ -154,10 +163,38 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
     axes.push_back(SweepAxis{"training.micro_batch_size", {}, {}, SweepAxisKind::auto_micro_batch_size});
   values("parallelism.schedule", {text("gpipe"), text("1f1b"), text("interleaved-1f1b"), text("zb-h1")});
   values("parallelism.virtual_pipeline_stages", {std::int64_t{1}, std::int64_t{2}});
+  values("parallelism.sequence_parallel", {false, true});
   values("training.activation_recompute", {text("none"), text("selective"), text("full")});
-  values("parallelism.zero_stage", {std::int64_t{0}, std::int64_t{1}});
+  values("parallelism.zero_stage", {std::int64_t{0}, std::int64_t{1}, std::int64_t{2}, std::int64_t{3}});
   values("communication.overlap_grad_reduce", {false, true});
   return axes;
+}
+
+void normalize_default_candidate(ScenarioConfig& c) {
+  auto& p = c.parallelism;
+  if (p.pipeline_parallel_size == 1) p.schedule = ScheduleKind::one_f_one_b;  // all schedules are one without stages
+  if (p.schedule != ScheduleKind::interleaved_1f1b) p.virtual_pipeline_stages = 1;
+  else if (p.virtual_pipeline_stages < 2) p.virtual_pipeline_stages = 2;
+  if (p.tensor_parallel_size == 1) p.sequence_parallel = false;
+  if (p.data_parallel_size == 1) {
+    p.zero_stage = 0;
+    c.communication.overlap_grad_reduce = false;
+  }
+  const Framework fw = p.framework == Framework::auto_select
+                           ? (p.zero_stage >= 2 ? Framework::deepspeed : Framework::megatron)
+                           : p.framework;
+  if (fw == Framework::deepspeed && p.zero_stage >= 2 && p.pipeline_parallel_size > 1) p.zero_stage = 1;
+  if (fw == Framework::fsdp && p.zero_stage == 1) p.zero_stage = 2;
+}
+
+std::tuple<int, int, int, int, int> layout_complexity(const ScenarioConfig& c) {
+  const auto& p = c.parallelism;
+  const int schedule = p.pipeline_parallel_size == 1                     ? 0
+                       : p.schedule == ScheduleKind::interleaved_1f1b ? 1
+                       : p.schedule == ScheduleKind::zb_h1            ? 2
+                                                                      : 0;
+  return {p.pipeline_parallel_size * p.tensor_parallel_size, p.pipeline_parallel_size, schedule,
+          p.virtual_pipeline_stages, p.data_parallel_size > 1 ? p.zero_stage : 0};
 }
 
 // ---- explaining the changes ---------------------------------------------------------
@@ -232,17 +269,22 @@ std::string describe_effect(const SweepRow& a, const SweepRow& b) {
   if (!b.simulated) return fmt::format("{} ({})", sweep_status_name(b.status), b.reason);
   const SweepMetrics &x = a.metrics, &y = b.metrics;
   if (!a.simulated) {
-    parts.push_back(fmt::format("now runs: tokens/s {}, bubble {}, peak memory {}", human_count(y.tokens_per_s),
-                                pct(y.bubble_fraction), gib(y.peak_memory_bytes)));
+    parts.push_back(fmt::format("now runs: tokens/s {}, pipeline bubble {}, exposed communication {}, peak memory {}",
+                                human_count(y.tokens_per_s), pct(y.pipeline_bubble_fraction),
+                                pct(y.exposed_comm_fraction), gib(y.peak_memory_bytes)));
     return fmt::format("{}", fmt::join(parts, ", "));
   }
-  if (std::fabs(x.bubble_fraction - y.bubble_fraction) >= 0.005)
-    parts.push_back(fmt::format("bubble {} -> {}", pct(x.bubble_fraction), pct(y.bubble_fraction)));
+  // The idle time, by what it waits for: each part named only when it moved.
+  if (std::fabs(x.pipeline_bubble_fraction - y.pipeline_bubble_fraction) >= 0.005)
+    parts.push_back(fmt::format("pipeline bubble {} -> {}", pct(x.pipeline_bubble_fraction),
+                                pct(y.pipeline_bubble_fraction)));
   const double step = std::max(x.step_time_s, y.step_time_s);
-  if (std::fabs(x.exposed_comm_time_s - y.exposed_comm_time_s) > std::max(1e-3, 0.01 * step))
-    parts.push_back(fmt::format("exposed communication {} -> {}", secs(x.exposed_comm_time_s),
-                                secs(y.exposed_comm_time_s)));
-  else if (std::fabs(x.allreduce_time_s - y.allreduce_time_s) > std::max(1e-3, 0.01 * step))
+  const bool comm_moved = std::fabs(x.exposed_comm_fraction - y.exposed_comm_fraction) >= 0.005;
+  if (comm_moved)
+    parts.push_back(fmt::format("exposed communication {} -> {} of the step", pct(x.exposed_comm_fraction),
+                                pct(y.exposed_comm_fraction)));
+  if (!comm_moved && std::fabs(x.allreduce_time_s - y.allreduce_time_s) > std::max(1e-3, 0.01 * step) &&
+      std::fabs(x.exposed_comm_time_s - y.exposed_comm_time_s) <= std::max(1e-3, 0.01 * step))
     parts.push_back(fmt::format("all-reduce {} -> {} (hidden under compute)", secs(x.allreduce_time_s),
                                 secs(y.allreduce_time_s)));
   // Activation memory: per stage when the stages are the same, else the largest stage's.
@@ -386,17 +428,114 @@ std::string scenario_fragment_yaml(const nlohmann::ordered_json& fragment, const
   return out;
 }
 
+// ---- when nothing fits ------------------------------------------------------------------
+
+Infeasibility diagnose_infeasible(const SweepResult& sweep, const ScenarioConfig& c) {
+  Infeasibility d;
+  bool searched_zero3 = false, searched_full = false;
+  for (std::size_t i = 0; i < sweep.rows.size(); ++i) {
+    const SweepRow& r = sweep.rows[i];
+    if (r.point.config.parallelism.zero_stage == 3 && r.point.config.parallelism.data_parallel_size > 1)
+      searched_zero3 = true;
+    if (r.point.config.training.activation_recompute == Recompute::full) searched_full = true;
+    if (!r.simulated) continue;
+    if (!d.smallest || r.metrics.peak_memory_bytes < sweep.rows[*d.smallest].metrics.peak_memory_bytes) d.smallest = i;
+  }
+  for (std::size_t k = sweep.ranking.size(); k < sweep.order.size() && d.near_misses.size() < 5; ++k)
+    if (sweep.rows[sweep.order[k]].simulated) d.near_misses.push_back(sweep.order[k]);
+
+  // Model states alone, as the file's precision and optimizer keep them, sharded over every GPU.
+  const auto& pr = c.precision;
+  const double w = pr.compute == DType::fp8 ? 2.0 : dtype_bytes(pr.compute);
+  const double master = pr.master_weights != pr.compute && !(pr.compute == DType::tf32 && pr.master_weights == DType::fp32)
+                            ? dtype_bytes(pr.master_weights)
+                            : 0.0;
+  const double moments = c.training.optimizer == Optimizer::sgd ? 4.0 : 8.0;
+  d.model_state_bytes_per_param = w + dtype_bytes(pr.grad_accumulation) + master + moments;
+  d.model_state_bytes = d.model_state_bytes_per_param * ModelShape(c.model).total_params();
+  const double cap = gib_to_bytes(c.cluster.memory_gib);
+  d.min_gpus_zero3 = cap > 0 ? static_cast<int>(std::ceil(d.model_state_bytes / cap)) : 0;
+
+  const int n = c.cluster.num_gpus;
+  if (d.min_gpus_zero3 > n)
+    d.suggestions.push_back(fmt::format(
+        "more GPUs: the model states alone ({:g} bytes x {} parameters = {:.0f} GB) need at least {} GPUs of {:.0f} "
+        "GiB with ZeRO-3 sharding them over all GPUs (you have {}), before any activation",
+        d.model_state_bytes_per_param, human_count(ModelShape(c.model).total_params()), d.model_state_bytes / 1e9,
+        d.min_gpus_zero3, c.cluster.memory_gib, n));
+  if (!searched_zero3 && n > 1)
+    d.suggestions.push_back("ZeRO-3 (parallelism.zero_stage: 3): shards the weights too, over the data-parallel ranks");
+  if (!searched_full)
+    d.suggestions.push_back("full activation recompute (training.activation_recompute: full): keeps only each "
+                            "layer's input");
+  d.suggestions.push_back(fmt::format(
+      "offload the optimizer states to CPU memory (DeepSpeed ZeRO-Offload, FSDP CPUOffload; not modelled here): "
+      "{:g} of the {:g} bytes per parameter leave the GPU, at the price of PCIe traffic every step",
+      master + moments, d.model_state_bytes_per_param));
+  if (d.smallest) {
+    const double need = sweep.rows[*d.smallest].metrics.peak_memory_bytes;
+    const GpuPreset* bigger = nullptr;
+    for (const auto& g : gpu_presets())
+      if (gib_to_bytes(g.memory_gib) >= need && g.memory_gib > c.cluster.memory_gib &&
+          (!bigger || g.memory_gib < bigger->memory_gib))
+        bigger = &g;
+    if (bigger)
+      d.suggestions.push_back(fmt::format("a GPU with more memory: {} ({:.1f} GiB) holds the smallest configuration "
+                                          "found ({:.1f} GiB)",
+                                          bigger->name, bigger->memory_gib, bytes_to_gib(need)));
+  }
+  return d;
+}
+
 // ---- the plan -------------------------------------------------------------------------
+
+namespace {
+
+// What FP8 would buy on this GPU, and what it costs: said, never applied.
+std::vector<PlanNote> fp8_notes(const ScenarioConfig& chosen, const SweepRow& chosen_row,
+                                const SweepConstraints& constraints) {
+  std::vector<PlanNote> out;
+  if (rate_of(chosen.cluster, DType::fp8) <= 0) return out;
+  const char* caveats =
+      "only the linear layers' matrix products run in FP8 (attention's core, norms, softmax and the optimizer stay in "
+      "BF16), so the prediction, which prices the products at the FP8 peak, is an upper bound; each tensor is scaled "
+      "by its own amax history (Transformer Engine's delayed scaling), not by a loss scale, so there is no found-inf "
+      "check; the first and last layers are usually kept in BF16; and FP8 runs must be checked against a BF16 "
+      "baseline's loss curve (FP8 recipes have diverged at scale)";
+  if (chosen.precision.compute == DType::fp8) {
+    out.push_back({"fp8_caveats", fmt::format("FP8 compute: {}.", caveats)});
+    return out;
+  }
+  if (chosen.precision.compute != DType::bf16 && chosen.precision.compute != DType::fp16) return out;
+  ScenarioConfig f = chosen;
+  f.precision.compute = DType::fp8;
+  f.precision.loss_scaling.mode = LossScalingMode::none;
+  Predictor predictor;
+  SweepConfiguration point;
+  point.config = f;
+  const SweepRow row = evaluate_configuration(predictor, point, constraints);
+  const std::string gpu = chosen.cluster.gpu.empty() ? std::string("this GPU") : chosen.cluster.gpu;
+  if (!row.simulated || chosen_row.metrics.tokens_per_s <= 0) return out;
+  out.push_back({"fp8_option",
+                 fmt::format("FP8 option (not applied): {} has FP8 at {:g} TFLOP/s; with precision.compute: fp8 the "
+                             "chosen configuration would run at {} tokens/s ({:+.0f}%){}. Caveats: {}.",
+                             gpu, rate_of(chosen.cluster, DType::fp8), human_count(row.metrics.tokens_per_s),
+                             100 * (row.metrics.tokens_per_s / chosen_row.metrics.tokens_per_s - 1),
+                             row.feasible() ? "" : fmt::format(" but {}", row.reason), caveats)});
+  return out;
+}
+
+}  // namespace
 
 PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
   PlanResult plan;
   plan.scenario = scenario;
+  plan.margin = options.margin;
   {
     Predictor predictor;
     SweepConfiguration own;
     own.config = scenario.config;
     plan.original = evaluate_configuration(predictor, own, scenario.constraints);
-    for (const auto& k : sweep_keys(scenario)) plan.original.point.values.emplace_back(k, find_field(k)->get(own.config));
   }
   plan.precision = precision_issues(scenario.config);
 
@@ -409,19 +548,114 @@ PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
   SweepOptions so;
   so.threads = options.threads;
   so.progress = options.progress;
-  if (options.fix_precision) so.adjust = [](ScenarioConfig& c) { apply_precision_fixes(c); };
+  const bool fix = options.fix_precision, normalize = plan.default_space;
+  if (fix || normalize)
+    so.adjust = [fix, normalize](ScenarioConfig& c) {
+      if (normalize) normalize_default_candidate(c);
+      if (fix) apply_precision_fixes(c);
+    };
   plan.sweep = run_sweep(search, so);
   // The original's row reports the same keys as the candidates.
   plan.original.point.values.clear();
   for (const auto& k : plan.sweep.keys) plan.original.point.values.emplace_back(k, find_field(k)->get(scenario.config));
 
-  if (!plan.sweep.ranking.empty()) {
-    plan.chosen = plan.sweep.ranking.front();
-    for (std::size_t i = 1; i < plan.sweep.ranking.size() && plan.runners_up.size() < options.runners_up; ++i)
-      plan.runners_up.push_back(plan.sweep.ranking[i]);
-    const ScenarioConfig& chosen = plan.sweep.rows[*plan.chosen].point.config;
+  // Setups: hardware and model are not choices. Only rows of the file's own setup (its swept
+  // hardware and model keys as the file writes them) are chosen from; each setup gets its own best.
+  ScenarioConfig incumbent = scenario.config;  // the file's configuration as the plan runs it
+  if (fix) apply_precision_fixes(incumbent);
+  for (const auto& k : plan.sweep.keys)
+    if (is_setup_key(k)) plan.setup_keys.push_back(k);
+  auto is_own = [&](const SweepRow& row) {
+    for (const auto& [k, v] : row.point.values)
+      if (is_setup_key(k) && format_field_value(v) != format_field_value(find_field(k)->get(incumbent))) return false;
+    return true;
+  };
+  bool own_setup_swept = false;
+  for (const auto& row : plan.sweep.rows) own_setup_swept |= is_own(row);
+
+  // The file's configuration is a candidate too: found among the rows, or added to them when
+  // its setup is one the sweep searches.
+  {
+    const std::string want = config_fingerprint(incumbent);
+    for (std::size_t i = 0; i < plan.sweep.rows.size() && !plan.incumbent; ++i)
+      if (plan.sweep.rows[i].point.error.empty() && config_fingerprint(plan.sweep.rows[i].point.config) == want)
+        plan.incumbent = i;
+    if (!plan.incumbent && own_setup_swept) {
+      Predictor predictor;
+      SweepConfiguration point;
+      point.index = plan.sweep.rows.size();
+      point.config = incumbent;
+      for (const auto& k : plan.sweep.keys) point.values.emplace_back(k, find_field(k)->get(incumbent));
+      plan.sweep.rows.push_back(evaluate_configuration(predictor, point, scenario.constraints));
+      rank_rows(plan.sweep);
+      plan.incumbent = point.index;
+    }
+  }
+
+  std::vector<bool> own_row(plan.sweep.rows.size(), true);
+  if (!plan.setup_keys.empty()) {
+    if (own_setup_swept)  // else the file's setup is not searched: choose among all
+      for (std::size_t i = 0; i < plan.sweep.rows.size(); ++i) own_row[i] = is_own(plan.sweep.rows[i]);
+    for (const auto& g : setup_groups(plan.sweep)) {
+      SetupOption o{g.values, g.best, g.rows.size(), own_setup_swept && !g.rows.empty() && own_row[g.rows.front()]};
+      plan.setups.push_back(std::move(o));
+    }
+    std::stable_partition(plan.setups.begin(), plan.setups.end(), [](const SetupOption& o) { return o.own; });
+  }
+
+  std::vector<std::size_t> ranked;  // the own setup's feasible rows, fastest first
+  for (std::size_t i : plan.sweep.ranking)
+    if (own_row[i]) ranked.push_back(i);
+  if (!ranked.empty()) {
+    plan.fastest = ranked.front();
+    const SweepRow& fastest = plan.sweep.rows[*plan.fastest];
+    const double best = fastest.metrics.tokens_per_s;
+    const SweepRow* inc = plan.incumbent ? &plan.sweep.rows[*plan.incumbent] : nullptr;
+    if (inc && inc->feasible() && best <= inc->metrics.tokens_per_s * (1 + plan.margin)) {
+      plan.chosen = plan.incumbent;
+      plan.choice = *plan.chosen == *plan.fastest ? "fastest" : "kept";
+    } else {
+      // Among the near-ties of the fastest, the simplest layout (the fastest of those).
+      std::size_t pick = *plan.fastest;
+      for (std::size_t i : ranked) {
+        const SweepRow& r = plan.sweep.rows[i];
+        if (r.metrics.tokens_per_s * (1 + plan.margin) < best) break;
+        if (layout_complexity(r.point.config) < layout_complexity(plan.sweep.rows[pick].point.config)) pick = i;
+      }
+      plan.chosen = pick;
+      plan.choice = pick == *plan.fastest ? "fastest" : "simpler";
+    }
+    const SweepRow& c = plan.sweep.rows[*plan.chosen];
+    const double gap = best / c.metrics.tokens_per_s - 1;
+    if (plan.incumbent && *plan.incumbent == *plan.fastest)
+      plan.choice_reason = "your configuration is the best found";
+    else if (plan.choice == "kept")
+      plan.choice_reason = fmt::format(
+          "your configuration is within {:.1f}% of the best found ({} tokens/s), inside the {:g}% margin that a "
+          "change must beat (the model's own error, docs/sweep.md): kept",
+          100 * gap, human_count(best), 100 * plan.margin);
+    else {
+      const std::string yours =
+          !inc              ? std::string("your configuration's setup is not among the swept ones")
+          : inc->feasible() ? fmt::format("your configuration is {:.1f}% below the best found (more than the {:g}% "
+                                          "margin)",
+                                          100 * (1 - inc->metrics.tokens_per_s / best), 100 * plan.margin)
+                            : fmt::format("your configuration is not feasible ({})", sweep_status_name(inc->status));
+      plan.choice_reason =
+          plan.choice == "simpler"
+              ? fmt::format("the fastest found ({} tokens/s) is only {:.1f}% faster, inside the {:g}% margin: the "
+                            "simpler layout is chosen; {}",
+                            human_count(best), 100 * gap, 100 * plan.margin, yours)
+              : fmt::format("the best found; {}", yours);
+    }
+    for (std::size_t i : ranked)
+      if (i != *plan.chosen && plan.runners_up.size() < options.runners_up) plan.runners_up.push_back(i);
+    const ScenarioConfig& chosen = c.point.config;
     plan.steps = explain(scenario.config, plan.original, chosen, scenario.constraints);
     plan.fragment = scenario_fragment(scenario, chosen);
+    plan.notes = fp8_notes(chosen, c, scenario.constraints);
+  } else {
+    plan.infeasible = diagnose_infeasible(plan.sweep, scenario.config);
   }
   return plan;
 }

@@ -5,10 +5,13 @@
 #include <map>
 #include <ostream>
 #include <set>
+#include <sstream>
 
 #include <fmt/format.h>
 
+#include "core/model_shape.h"
 #include "core/report/format.h"
+#include "core/report/svg_kit.h"
 #include "core/units.h"
 
 namespace trainsim {
@@ -62,18 +65,6 @@ std::string csv_field(const std::string& s) {
   return q + "\"";
 }
 
-std::string xml_escape(const std::string& s) {
-  std::string o;
-  for (char ch : s) switch (ch) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      default: o += ch;
-    }
-  return o;
-}
-
 nlohmann::ordered_json axes_json(const std::vector<SweepAxis>& axes) {
   auto out = nlohmann::ordered_json::array();
   for (const auto& a : axes) {
@@ -117,6 +108,67 @@ bool on_front(const SweepResult& s, std::size_t index) {
   return std::find(s.pareto.begin(), s.pareto.end(), index) != s.pareto.end();
 }
 
+
+std::string setup_text(const std::vector<std::pair<std::string, FieldValue>>& values) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : values) parts.push_back(abbreviation(k) + " " + format_field_value(v));
+  return parts.empty() ? std::string("(as written)") : fmt::format("{}", fmt::join(parts, ", "));
+}
+
+// The swept keys of `row` other than the setup keys, as "dp=2 pp=4 ...".
+std::string choice_text(const SweepRow& row) {
+  std::vector<std::string> parts;
+  for (const auto& [k, v] : row.point.values)
+    if (!is_setup_key(k)) parts.push_back(abbreviation(k) + "=" + format_field_value(v));
+  return parts.empty() ? std::string("(as written)") : fmt::format("{}", fmt::join(parts, " "));
+}
+
+std::string binding_text(const SweepRow& r) {
+  if (r.binding.empty()) return std::string(sweep_status_name(r.status));
+  if (r.binding == "memory")
+    return fmt::format("memory, {:.1f}% over ({:.1f} of {:.1f} GiB)", 100 * r.shortfall,
+                       bytes_to_gib(r.metrics.peak_memory_bytes), bytes_to_gib(r.metrics.memory_capacity_bytes));
+  return fmt::format("{}, {:.1f}% over", r.binding, 100 * r.shortfall);
+}
+
+// "nothing fits": the smallest need, the model states' floor, the nearest misses and what would help.
+std::string infeasible_text(const SweepResult& s, const Infeasibility& d, const ScenarioConfig& c) {
+  std::string o;
+  if (d.smallest) {
+    const SweepRow& r = s.rows[*d.smallest];
+    o += fmt::format("  the smallest need found: {:.1f} GiB per GPU against {:.1f} GiB ({})\n",
+                     bytes_to_gib(r.metrics.peak_memory_bytes), bytes_to_gib(r.metrics.memory_capacity_bytes),
+                     config_text(r));
+  }
+  o += fmt::format("  model states alone: {:g} bytes x {} parameters = {:.0f} GB; ZeRO-3 over every GPU needs at "
+                   "least {} GPUs of {:.1f} GiB ({} here)\n",
+                   d.model_state_bytes_per_param, human_count(ModelShape(c.model).total_params()),
+                   d.model_state_bytes / 1e9, d.min_gpus_zero3, c.cluster.memory_gib, c.cluster.num_gpus);
+  if (!d.near_misses.empty()) {
+    o += "  nearest misses, and the limit that bound each:\n";
+    for (std::size_t i : d.near_misses)
+      o += fmt::format("    {}: {}\n", config_text(s.rows[i]), binding_text(s.rows[i]));
+  }
+  if (!d.suggestions.empty()) {
+    o += "  what would make it fit:\n";
+    for (const auto& x : d.suggestions) o += fmt::format("    - {}\n", x);
+  }
+  return o;
+}
+
+nlohmann::ordered_json infeasible_json(const SweepResult& s, const Infeasibility& d) {
+  nlohmann::ordered_json j;
+  j["smallest"] = d.smallest ? sweep_row_to_json(s.rows[*d.smallest], std::nullopt, false) : nlohmann::ordered_json();
+  j["model_state_bytes_per_param"] = d.model_state_bytes_per_param;
+  j["model_state_gib"] = gib(d.model_state_bytes);
+  j["min_gpus_zero3"] = d.min_gpus_zero3;
+  auto near = nlohmann::ordered_json::array();
+  for (std::size_t i : d.near_misses) near.push_back(sweep_row_to_json(s.rows[i], std::nullopt, false));
+  j["near_misses"] = std::move(near);
+  j["suggestions"] = d.suggestions;
+  return j;
+}
+
 }  // namespace
 
 // ---- table ------------------------------------------------------------------------------
@@ -127,21 +179,22 @@ std::string format_sweep_table(const SweepResult& s, const std::string& title, s
   // Columns: rank, then one per swept key, then the metrics.
   std::vector<std::string> head{"rank"};
   for (const auto& k : s.keys) head.push_back(abbreviation(k));
-  const std::vector<std::string> metric_head{"microbatches", "tokens/s", "step time", "bubble", "exposed comm", "peak GiB",
-                                             "headroom GiB"};
+  const std::vector<std::string> metric_head{"microbatches", "tokens/s", "step time", "pp bubble", "exposed comm",
+                                             "peak GiB", "headroom GiB"};
   head.insert(head.end(), metric_head.begin(), metric_head.end());
   std::vector<std::vector<std::string>> cells;
   const std::size_t shown = std::min(top, s.ranking.size());
   for (std::size_t r = 0; r < shown; ++r) {
     const SweepRow& row = s.rows[s.ranking[r]];
-    std::vector<std::string> c{fmt::format("{}{}", r + 1, on_front(s, s.ranking[r]) ? "*" : "")};
+    std::vector<std::string> c{fmt::format("{}{}{}", r + 1, on_front(s, s.ranking[r]) ? "*" : "",
+                                           precision_issues(row.point.config).empty() ? "" : "!")};
     for (const auto& [k, v] : row.point.values) c.push_back(format_field_value(v));
     const SweepMetrics& m = row.metrics;
     c.push_back(std::to_string(row.num_microbatches));
     c.push_back(human_count(m.tokens_per_s));
     c.push_back(format_seconds(m.step_time_s));
-    c.push_back(fmt::format("{:.1f}%", 100 * m.bubble_fraction));
-    c.push_back(format_seconds(m.exposed_comm_time_s));
+    c.push_back(fmt::format("{:.1f}%", 100 * m.pipeline_bubble_fraction));
+    c.push_back(fmt::format("{:.1f}%", 100 * m.exposed_comm_fraction));
     c.push_back(fmt::format("{:.2f}", bytes_to_gib(m.peak_memory_bytes)));
     c.push_back(fmt::format("{:.2f}", bytes_to_gib(m.headroom_bytes())));
     cells.push_back(std::move(c));
@@ -160,7 +213,7 @@ std::string format_sweep_table(const SweepResult& s, const std::string& title, s
       return l + "\n";
     };
     o += fmt::format("\nbest {} of {} feasible, by tokens/s (* on the Pareto front of tokens/s against peak memory per "
-                     "GPU):\n",
+                     "GPU; ! a numerics risk, see trainsim plan; pp bubble and exposed comm: idle shares of the step):\n",
                      shown, s.ranking.size());
     o += line(head);
     for (const auto& c : cells) o += line(c);
@@ -170,11 +223,51 @@ std::string format_sweep_table(const SweepResult& s, const std::string& title, s
   const std::size_t bad = s.order.size() - s.ranking.size();
   if (bad > 0 && infeasible > 0) {
     const std::size_t n = std::min(infeasible, bad);
-    o += fmt::format("\nnot feasible ({} of {}{}):\n", n, bad, n < bad ? "; --csv or --json list them all" : "");
+    o += fmt::format("\nnot feasible ({} of {}, nearest misses first{}):\n", n, bad,
+                     n < bad ? "; --csv or --json list them all" : "");
     for (std::size_t i = 0; i < n; ++i) {
       const SweepRow& row = s.rows[s.order[s.ranking.size() + i]];
       o += fmt::format("  {}: {}: {}\n", config_text(row), sweep_status_name(row.status), row.reason);
     }
+  }
+  return o;
+}
+
+std::string format_sweep_notes(const SweepResult& s, const Scenario& sc) {
+  std::string o;
+  const std::vector<SetupGroup> groups = setup_groups(s);
+  if (groups.size() > 1) {
+    o += "\nbest configuration of each setup (the swept hardware and model keys), each searched on its own:\n";
+    double first = 0;
+    for (const auto& g : groups) {
+      if (!g.best) {
+        o += fmt::format("  {}: nothing feasible ({} configurations)\n", setup_text(g.values), g.rows.size());
+        continue;
+      }
+      const SweepRow& b = s.rows[*g.best];
+      if (first <= 0) first = b.metrics.tokens_per_s;
+      o += fmt::format("  {}: {} tokens/s ({:.2f}x), {}, peak {:.1f} GiB\n", setup_text(g.values),
+                       human_count(b.metrics.tokens_per_s), b.metrics.tokens_per_s / first, choice_text(b),
+                       bytes_to_gib(b.metrics.peak_memory_bytes));
+    }
+  }
+  if (const SweepRow* b = s.best()) {
+    const auto issues = precision_issues(b->point.config);
+    if (!issues.empty()) {
+      std::vector<std::string> ids;
+      for (const auto& i : issues) ids.push_back(i.id);
+      o += fmt::format("\nnote: the fastest row has numerics risks ({}); `trainsim plan` applies its precision fixes "
+                       "to every candidate before ranking, keeps the file's configuration unless a change gains more "
+                       "than {:g}%, and chooses only for the file's own hardware, so its choice can differ from this "
+                       "table's first row\n",
+                       fmt::join(ids, ", "), 100 * kPlanMargin);
+    } else if (groups.size() > 1) {
+      o += fmt::format("\nnote: `trainsim plan` chooses only for the file's own setup and keeps the file's "
+                       "configuration unless a change gains more than {:g}%\n",
+                       100 * kPlanMargin);
+    }
+  } else {
+    o += "\nnothing fits:\n" + infeasible_text(s, diagnose_infeasible(s, sc.config), sc.config);
   }
   return o;
 }
@@ -195,7 +288,12 @@ nlohmann::ordered_json sweep_row_to_json(const SweepRow& row, std::optional<std:
   metric("step_time_s", m.step_time_s);
   metric("tokens_per_s", m.tokens_per_s);
   metric("mfu", m.mfu);
+  metric("tokens_per_s_per_gpu", m.tokens_per_s_per_gpu);
+  metric("model_tflops_per_gpu", m.model_tflops_per_gpu);
+  metric("hardware_tflops_per_gpu", m.hardware_tflops_per_gpu);
   metric("bubble_fraction", m.bubble_fraction);
+  metric("pipeline_bubble_fraction", m.pipeline_bubble_fraction);
+  metric("exposed_comm_fraction", m.exposed_comm_fraction);
   metric("allreduce_time_s", m.allreduce_time_s);
   metric("exposed_comm_time_s", m.exposed_comm_time_s);
   j["peak_memory_gib"] = row.simulated ? nlohmann::ordered_json(gib(m.peak_memory_bytes)) : nullptr;
@@ -204,6 +302,12 @@ nlohmann::ordered_json sweep_row_to_json(const SweepRow& row, std::optional<std:
   j["headroom_gib"] = row.simulated ? nlohmann::ordered_json(gib(m.headroom_bytes())) : nullptr;
   j["num_microbatches"] = row.num_microbatches > 0 ? nlohmann::ordered_json(row.num_microbatches) : nullptr;
   j["global_batch_size"] = row.global_batch_size > 0 ? nlohmann::ordered_json(row.global_batch_size) : nullptr;
+  auto given = [&](double v) { return row.simulated && v >= 0 ? nlohmann::ordered_json(r6(v)) : nlohmann::ordered_json(); };
+  j["time_to_train_s"] = given(m.time_to_train_s);
+  j["gpu_hours"] = given(m.gpu_hours);
+  j["cost"] = given(m.cost);
+  j["binding"] = row.binding.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(row.binding);
+  j["shortfall"] = row.binding.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(r6(row.shortfall));
   j["pareto"] = pareto;
   j["warnings"] = row.warnings;
   return j;
@@ -218,6 +322,19 @@ nlohmann::ordered_json sweep_to_json(const SweepResult& s, const Scenario& sc) {
   j["counts"] = counts_json(s.counts);
   j["best"] = s.ranking.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(s.ranking.front());
   j["pareto"] = s.pareto;
+  auto setups = nlohmann::ordered_json::array();
+  for (const auto& g : setup_groups(s)) {
+    if (g.values.empty()) continue;
+    nlohmann::ordered_json e;
+    nlohmann::ordered_json v = nlohmann::ordered_json::object();
+    for (const auto& [k, x] : g.values) v[k] = value_json(x);
+    e["setup"] = std::move(v);
+    e["best"] = g.best ? nlohmann::ordered_json(*g.best) : nlohmann::ordered_json();
+    e["configurations"] = g.rows.size();
+    setups.push_back(std::move(e));
+  }
+  j["setups"] = std::move(setups);
+  j["infeasible"] = s.ranking.empty() ? infeasible_json(s, diagnose_infeasible(s, sc.config)) : nlohmann::ordered_json();
   auto rows = nlohmann::ordered_json::array();
   for (std::size_t i : s.order) rows.push_back(sweep_row_to_json(s.rows[i], rank_of(s, i), on_front(s, i)));
   j["rows"] = std::move(rows);
@@ -229,7 +346,8 @@ nlohmann::ordered_json sweep_to_json(const SweepResult& s, const Scenario& sc) {
 void write_sweep_csv(const SweepResult& s, std::ostream& out) {
   std::vector<std::string> head{"rank", "index"};
   head.insert(head.end(), s.keys.begin(), s.keys.end());
-  for (const char* h : {"status", "reason", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "allreduce_time_s",
+  for (const char* h : {"status", "reason", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
+                        "pipeline_bubble_fraction", "exposed_comm_fraction", "allreduce_time_s",
                         "exposed_comm_time_s", "peak_memory_gib", "peak_memory_rank", "memory_capacity_gib",
                         "headroom_gib", "num_microbatches", "global_batch_size", "pareto"})
     head.emplace_back(h);
@@ -250,6 +368,8 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
     c.push_back(num(m.tokens_per_s));
     c.push_back(num(m.mfu));
     c.push_back(num(m.bubble_fraction));
+    c.push_back(num(m.pipeline_bubble_fraction));
+    c.push_back(num(m.exposed_comm_fraction));
     c.push_back(num(m.allreduce_time_s));
     c.push_back(num(m.exposed_comm_time_s));
     c.push_back(num(bytes_to_gib(m.peak_memory_bytes)));
@@ -276,6 +396,18 @@ double tick_step(double max, int n) {
   for (double m : {1.0, 2.0, 5.0, 10.0})
     if (m * p >= raw) return m * p;
   return 10 * p;
+}
+
+// The best point's marker: a five-pointed star of outer radius r, larger than a Pareto ring
+// (6.5 px plus its 2 px stroke), so the ring of a best point on the front cannot hide it.
+constexpr double kBestStarRadius = 11;
+std::string star_path(double x, double y, double r) {
+  std::string d;
+  for (int k = 0; k < 10; ++k) {
+    const double a = -M_PI / 2 + k * M_PI / 5, rr = k % 2 == 0 ? r : 0.45 * r;
+    d += fmt::format("{}{:.1f},{:.1f}", k == 0 ? "M" : " L", x + rr * std::cos(a), y + rr * std::sin(a));
+  }
+  return d + " Z";
 }
 
 std::string tick_label(double v, double step) {
@@ -316,14 +448,12 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
   auto X = [&](double g) { return left + pw * std::min(g, x_max) / x_max; };
   auto Y = [&](double t) { return top + ph * (1 - t / y_max); };
 
-  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" viewBox=\"0 0 {:.0f} "
-                     "{:.0f}\" font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n",
-                     W, H, W, H);
+  out << svg::open(W, H, true, " font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\"");
   out << fmt::format("<rect width=\"{:.0f}\" height=\"{:.0f}\" fill=\"white\"/>\n", W, H);
   const std::string name = sc.config.name.empty() ? sc.file : sc.config.name;
   out << fmt::format("<text x=\"{:.0f}\" y=\"26\" font-size=\"16\" font-weight=\"bold\">{}</text>\n", left,
-                     xml_escape("sweep of " + name + ": throughput against peak memory per GPU"));
-  out << fmt::format("<text x=\"{:.0f}\" y=\"44\" fill=\"#555\">{}</text>\n", left, xml_escape(counts_text(s.counts)));
+                     svg::escape("sweep of " + name + ": throughput against peak memory per GPU"));
+  out << fmt::format("<text x=\"{:.0f}\" y=\"44\" fill=\"#555\">{}</text>\n", left, svg::escape(counts_text(s.counts)));
 
   // Memory beyond the GPU: shaded.
   out << fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"#fdecea\"/>\n", X(cap_gib),
@@ -375,13 +505,13 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
 
   // Points, in index order: infeasible first so feasible ones stay on top.
   auto tooltip = [&](const SweepRow& r) {
-    std::string t = fmt::format("#{} {}\ntokens/s {}, step {}, bubble {:.1f}%, exposed comm {}\npeak {:.2f} GiB (rank {})",
-                                r.point.index, config_text(r), human_count(r.metrics.tokens_per_s),
-                                format_seconds(r.metrics.step_time_s), 100 * r.metrics.bubble_fraction,
-                                format_seconds(r.metrics.exposed_comm_time_s), bytes_to_gib(r.metrics.peak_memory_bytes),
-                                r.metrics.peak_memory_rank);
+    std::string t = fmt::format(
+        "#{} {}\ntokens/s {}, step {}, pipeline bubble {:.1f}%, exposed comm {:.1f}%\npeak {:.2f} GiB (rank {})",
+        r.point.index, config_text(r), human_count(r.metrics.tokens_per_s), format_seconds(r.metrics.step_time_s),
+        100 * r.metrics.pipeline_bubble_fraction, 100 * r.metrics.exposed_comm_fraction,
+        bytes_to_gib(r.metrics.peak_memory_bytes), r.metrics.peak_memory_rank);
     if (!r.reason.empty()) t += "\n" + std::string(sweep_status_name(r.status)) + ": " + r.reason;
-    return "<title>" + xml_escape(t) + "</title>";
+    return "<title>" + svg::escape(t) + "</title>";
   };
   for (const auto& r : s.rows) {
     if (!r.simulated || r.feasible()) continue;
@@ -389,22 +519,25 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
     const double x = X(g), y = Y(r.metrics.tokens_per_s);
     if (r.status == SweepStatus::out_of_memory) {
       if (g > x_max)  // beyond the axis: an arrow at the edge
-        out << fmt::format("<g>{}<path d=\"M{:.1f},{:.1f} l-8,-4 v8 z\" fill=\"#c62828\" opacity=\"0.7\"/></g>\n",
-                           tooltip(r), x, y);
+        out << fmt::format("<g class=\"pt\" data-i=\"{}\">{}<path d=\"M{:.1f},{:.1f} l-8,-4 v8 z\" fill=\"#c62828\" "
+                           "opacity=\"0.7\"/></g>\n",
+                           r.point.index, tooltip(r), x, y);
       else
-        out << fmt::format("<g>{0}<path d=\"M{1:.1f},{2:.1f} l8,8 M{3:.1f},{2:.1f} l-8,8\" stroke=\"#c62828\" "
-                           "stroke-width=\"1.6\" opacity=\"0.75\"/></g>\n",
-                           tooltip(r), x - 4, y - 4, x + 4);
+        out << fmt::format("<g class=\"pt\" data-i=\"{4}\">{0}<path d=\"M{1:.1f},{2:.1f} l8,8 M{3:.1f},{2:.1f} l-8,8\" "
+                           "stroke=\"#c62828\" stroke-width=\"1.6\" opacity=\"0.75\"/></g>\n",
+                           tooltip(r), x - 4, y - 4, x + 4, r.point.index);
     } else {
-      out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4.5\" fill=\"none\" stroke=\"#ef6c00\" "
-                         "stroke-width=\"1.6\">{}</circle>\n",
-                         x, y, tooltip(r));
+      out << fmt::format("<circle class=\"pt\" data-i=\"{}\" cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4.5\" fill=\"none\" "
+                         "stroke=\"#ef6c00\" stroke-width=\"1.6\">{}</circle>\n",
+                         r.point.index, x, y, tooltip(r));
     }
   }
   for (const auto& r : s.rows) {
     if (!r.feasible()) continue;
-    out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"#1565c0\" fill-opacity=\"0.55\">{}</circle>\n",
-                       X(bytes_to_gib(r.metrics.peak_memory_bytes)), Y(r.metrics.tokens_per_s), tooltip(r));
+    out << fmt::format("<circle class=\"pt\" data-i=\"{}\" cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"#1565c0\" "
+                       "fill-opacity=\"0.55\">{}</circle>\n",
+                       r.point.index, X(bytes_to_gib(r.metrics.peak_memory_bytes)), Y(r.metrics.tokens_per_s),
+                       tooltip(r));
   }
   // Pareto front: a staircase (more memory buys more throughput), its points ringed.
   if (!s.pareto.empty()) {
@@ -416,25 +549,30 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
     }
     out << fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"#2e7d32\" stroke-width=\"2\"/>\n", d);
     for (std::size_t i : s.pareto) {
+      if (!s.ranking.empty() && i == s.ranking.front()) continue;  // the best point's star stands there instead
       const auto& m = s.rows[i].metrics;
-      out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"6.5\" fill=\"none\" stroke=\"#2e7d32\" "
-                         "stroke-width=\"2\">{}</circle>\n",
-                         X(bytes_to_gib(m.peak_memory_bytes)), Y(m.tokens_per_s), tooltip(s.rows[i]));
+      out << fmt::format("<circle class=\"pt\" data-i=\"{}\" cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"6.5\" fill=\"none\" "
+                         "stroke=\"#2e7d32\" stroke-width=\"2\">{}</circle>\n",
+                         i, X(bytes_to_gib(m.peak_memory_bytes)), Y(m.tokens_per_s), tooltip(s.rows[i]));
     }
   }
-  // The best point, labelled.
+  // The best point, last so that nothing covers it: a star larger than the Pareto rings,
+  // outlined in white so it stands out from the points under it.
   if (const SweepRow* b = s.best()) {
     const double x = X(bytes_to_gib(b->metrics.peak_memory_bytes)), y = Y(b->metrics.tokens_per_s);
-    out << fmt::format("<path d=\"M{:.1f},{:.1f} l4,9 l-9,-6 h10 l-9,6 z\" fill=\"#f9a825\" stroke=\"#6d4c00\" "
-                       "stroke-width=\"0.8\">{}</path>\n",
-                       x, y - 7, tooltip(*b));
+    out << fmt::format("<path id=\"best\" class=\"pt\" data-i=\"{}\" d=\"{}\" fill=\"#f9a825\" stroke=\"#ffffff\" "
+                       "stroke-width=\"1.5\" paint-order=\"stroke\">{}</path>\n",
+                       b->point.index, star_path(x, y, kBestStarRadius), tooltip(*b));
+    out << fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"#6d4c00\" stroke-width=\"0.8\" "
+                       "pointer-events=\"none\"/>\n",
+                       star_path(x, y, kBestStarRadius));
   }
 
   // Legend.
   const double lx = left + pw + 24;
   double ly = top + 10;
   auto legend_text = [&](const std::string& t) {
-    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", lx + 20, ly + 4, xml_escape(t));
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", lx + 20, ly + 4, svg::escape(t));
     ly += 24;
   };
   out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"#1565c0\" fill-opacity=\"0.55\"/>\n", lx + 6, ly);
@@ -442,8 +580,8 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
   out << fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"6.5\" fill=\"none\" stroke=\"#2e7d32\" stroke-width=\"2\"/>\n",
                      lx + 6, ly);
   legend_text(fmt::format("Pareto front ({})", s.pareto.size()));
-  out << fmt::format("<path d=\"M{:.1f},{:.1f} l4,9 l-9,-6 h10 l-9,6 z\" fill=\"#f9a825\" stroke=\"#6d4c00\"/>\n", lx + 6,
-                     ly - 7);
+  out << fmt::format("<path d=\"{}\" fill=\"#f9a825\" stroke=\"#6d4c00\" stroke-width=\"0.8\"/>\n",
+                     star_path(lx + 6, ly, 8));
   legend_text("best (max tokens/s)");
   out << fmt::format("<path d=\"M{0:.1f},{1:.1f} l8,8 M{2:.1f},{1:.1f} l-8,8\" stroke=\"#c62828\" stroke-width=\"1.6\"/>\n",
                      lx + 2, ly - 4, lx + 10);
@@ -469,15 +607,84 @@ void write_sweep_svg(const SweepResult& s, const Scenario& sc, std::ostream& out
     out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" font-weight=\"bold\">best: {} tokens/s</text>\n", lx, ly,
                        human_count(b->metrics.tokens_per_s));
     ly += 16;
-    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#333\">peak {:.1f} GiB, bubble {:.1f}%</text>\n", lx, ly,
-                       bytes_to_gib(b->metrics.peak_memory_bytes), 100 * b->metrics.bubble_fraction);
+    out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#333\">peak {:.1f} GiB, pipeline bubble {:.1f}%</text>\n",
+                       lx, ly, bytes_to_gib(b->metrics.peak_memory_bytes), 100 * b->metrics.pipeline_bubble_fraction);
     for (const auto& [k, v] : b->point.values) {
       ly += 15;
       out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#333\">{} = {}</text>\n", lx + 8, ly,
-                         xml_escape(abbreviation(k)), xml_escape(format_field_value(v)));
+                         svg::escape(abbreviation(k)), svg::escape(format_field_value(v)));
     }
   }
-  out << "</svg>\n";
+  out << svg::kClose;
+}
+
+void write_sweep_html(const SweepResult& s, const Scenario& sc, std::ostream& out) {
+  std::ostringstream svg_out;
+  write_sweep_svg(s, sc, svg_out);
+  // The page's own hover box replaces the SVG's <title> tooltips (a browser would show both).
+  std::string svg = svg_out.str();
+  for (auto at = svg.find("<title>"); at != std::string::npos; at = svg.find("<title>", at)) {
+    const auto end = svg.find("</title>", at);
+    if (end == std::string::npos) break;
+    svg.erase(at, end + 8 - at);
+  }
+  // One record per drawn point, keyed by its index: what the hover box shows.
+  nlohmann::ordered_json rows = nlohmann::ordered_json::object();
+  for (const auto& r : s.rows) {
+    if (!r.simulated) continue;
+    nlohmann::ordered_json e;
+    nlohmann::ordered_json cfg = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : r.point.values) cfg[k] = value_json(v);
+    e["config"] = std::move(cfg);
+    e["status"] = std::string(sweep_status_name(r.status));
+    e["reason"] = r.reason;
+    e["rank"] = rank_of(s, r.point.index) ? nlohmann::ordered_json(*rank_of(s, r.point.index)) : nlohmann::ordered_json();
+    e["tokens_per_s"] = human_count(r.metrics.tokens_per_s);
+    e["step"] = format_seconds(r.metrics.step_time_s);
+    e["pipeline_bubble"] = fmt::format("{:.1f}%", 100 * r.metrics.pipeline_bubble_fraction);
+    e["exposed_comm"] = fmt::format("{:.1f}%", 100 * r.metrics.exposed_comm_fraction);
+    e["peak_gib"] = fmt::format("{:.2f} of {:.2f}", bytes_to_gib(r.metrics.peak_memory_bytes),
+                                bytes_to_gib(r.metrics.memory_capacity_bytes));
+    e["mfu"] = fmt::format("{:.1f}%", 100 * r.metrics.mfu);
+    rows[std::to_string(r.point.index)] = std::move(e);
+  }
+  std::string data = rows.dump();
+  // Inside <script>, "</" must not appear.
+  for (std::size_t at = data.find("</"); at != std::string::npos; at = data.find("</", at + 2)) data.replace(at, 2, "<\\/");
+  const std::string name = sc.config.name.empty() ? sc.file : sc.config.name;
+  out << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>" << svg::escape("sweep of " + name)
+      << "</title>\n<style>\nbody{font-family:Helvetica,Arial,sans-serif;margin:16px}\n"
+         "#tip{position:fixed;display:none;background:#fff;border:1px solid #888;border-radius:4px;padding:6px 9px;"
+         "font-size:12px;box-shadow:0 2px 6px rgba(0,0,0,.25);pointer-events:none;max-width:420px}\n"
+         "#tip table{border-collapse:collapse}#tip td{padding:0 6px 0 0;vertical-align:top}\n"
+         ".pt{cursor:pointer}.pt:hover{stroke:#000;stroke-width:2.5}\n"
+         "</style></head>\n<body>\n";
+  out << svg;
+  out << "<div id=\"tip\"></div>\n<p style=\"color:#555;font-size:12px\">Hover a point for its configuration and "
+         "figures.</p>\n<script>\nconst rows = "
+      << data << ";\n"
+      << R"JS(const tip = document.getElementById('tip');
+function esc(t) { return String(t).replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c])); }
+document.querySelectorAll('.pt').forEach(el => {
+  el.addEventListener('mousemove', ev => {
+    const r = rows[el.dataset.i];
+    if (!r) return;
+    let h = '<b>#' + el.dataset.i + (r.rank ? ' (rank ' + r.rank + ')' : '') + ': ' + esc(r.status) + '</b><table>';
+    for (const [k, v] of Object.entries(r.config)) h += '<tr><td>' + esc(k) + '</td><td>' + esc(v) + '</td></tr>';
+    h += '<tr><td>tokens/s</td><td>' + r.tokens_per_s + '</td></tr><tr><td>step</td><td>' + r.step + '</td></tr>';
+    h += '<tr><td>pipeline bubble</td><td>' + r.pipeline_bubble + '</td></tr><tr><td>exposed comm</td><td>' +
+         r.exposed_comm + '</td></tr><tr><td>peak GiB</td><td>' + r.peak_gib + '</td></tr><tr><td>MFU</td><td>' +
+         r.mfu + '</td></tr></table>';
+    if (r.reason) h += '<div style="color:#a00">' + esc(r.reason) + '</div>';
+    tip.innerHTML = h;
+    tip.style.display = 'block';
+    tip.style.left = Math.min(ev.clientX + 14, window.innerWidth - 440) + 'px';
+    tip.style.top = (ev.clientY + 14) + 'px';
+  });
+  el.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
+});
+)JS"
+      << "</script>\n</body></html>\n";
 }
 
 std::string format_progress(const SweepProgress& p, int bar_width) {
@@ -518,10 +725,11 @@ std::string layout_text(const ScenarioConfig& c, int microbatches) {
 std::string figures_text(const SweepRow& r) {
   if (!r.simulated) return fmt::format("{}: {}", sweep_status_name(r.status), r.reason);
   const SweepMetrics& m = r.metrics;
-  std::string s = fmt::format("tokens/s {}, step {}, bubble {:.1f}%, exposed comm {}, peak {:.1f} of {:.1f} GiB",
-                              human_count(m.tokens_per_s), format_seconds(m.step_time_s), 100 * m.bubble_fraction,
-                              format_seconds(m.exposed_comm_time_s), bytes_to_gib(m.peak_memory_bytes),
-                              bytes_to_gib(m.memory_capacity_bytes));
+  std::string s = fmt::format(
+      "tokens/s {}, step {}, pipeline bubble {:.1f}%, exposed comm {:.1f}% ({}), peak {:.1f} of {:.1f} GiB",
+      human_count(m.tokens_per_s), format_seconds(m.step_time_s), 100 * m.pipeline_bubble_fraction,
+      100 * m.exposed_comm_fraction, format_seconds(m.exposed_comm_time_s), bytes_to_gib(m.peak_memory_bytes),
+      bytes_to_gib(m.memory_capacity_bytes));
   if (r.status != SweepStatus::ok) s += fmt::format(" -- {}: {}", sweep_status_name(r.status), r.reason);
   return s;
 }
@@ -536,13 +744,14 @@ std::string format_plan(const PlanResult& p) {
   o += fmt::format("  searched {}: {}\n",
                    p.default_space ? "the default space (no `sweep:` in the file; see docs/sweep.md)" : "the file's sweep",
                    counts_text(p.sweep.counts));
+  if (!p.setups.empty())
+    o += fmt::format("  setups compared (swept {}): each searched on its own; only the file's own is chosen from\n",
+                     fmt::join(p.setup_keys, ", "));
   o += fmt::format("\n  as written  {}\n              {}\n", layout_text(sc.config, p.original.num_microbatches),
                    figures_text(p.original));
   if (!p.chosen) {
-    o += "\nno configuration in the search space is feasible; the most common reasons:\n";
-    std::map<std::string, std::size_t> reasons;
-    for (const auto& r : p.sweep.rows) ++reasons[std::string(sweep_status_name(r.status))];
-    for (const auto& [k, n] : reasons) o += fmt::format("  {} {}\n", n, k);
+    o += "\nno configuration in the search space is feasible.\n";
+    if (p.infeasible) o += infeasible_text(p.sweep, *p.infeasible, sc.config);
   } else {
     const SweepRow& c = p.sweep.rows[*p.chosen];
     o += fmt::format("  chosen      {}\n              {}\n", layout_text(c.point.config, c.num_microbatches),
@@ -550,6 +759,22 @@ std::string format_plan(const PlanResult& p) {
     if (p.original.simulated && p.original.metrics.tokens_per_s > 0)
       o += fmt::format("              {:+.0f}% tokens/s against the configuration as written\n",
                        100 * (c.metrics.tokens_per_s / p.original.metrics.tokens_per_s - 1));
+    o += fmt::format("              why: {}\n", p.choice_reason);
+    const SweepMetrics& m = c.metrics;
+    o += fmt::format("              per GPU: {} tokens/s, model {:.0f} TFLOP/s, hardware {:.0f} TFLOP/s (with "
+                     "recompute), MFU {:.1f}%\n",
+                     human_count(m.tokens_per_s_per_gpu), m.model_tflops_per_gpu, m.hardware_tflops_per_gpu,
+                     100 * m.mfu);
+    if (m.time_to_train_s >= 0)
+      o += fmt::format("              whole run: {}, {} GPU-hours{}\n", format_duration(m.time_to_train_s),
+                       human_count(m.gpu_hours),
+                       m.cost >= 0 ? fmt::format(", cost {}", human_count(m.cost))
+                                   : std::string(" (cluster.price_per_gpu_hour gives the cost)"));
+    if (p.fastest && *p.fastest != *p.chosen) {
+      const SweepRow& f = p.sweep.rows[*p.fastest];
+      o += fmt::format("  fastest     {}\n              {}\n", layout_text(f.point.config, f.num_microbatches),
+                       figures_text(f));
+    }
     constexpr double kMarginGib = 2.0;  // what the simulator's headroom warning names
     if (bytes_to_gib(c.metrics.headroom_bytes()) < kMarginGib && !sc.constraints.min_memory_headroom_gib)
       o += fmt::format("              note: only {:.1f} GiB stays free on the fullest GPU; the CUDA context and the "
@@ -557,13 +782,36 @@ std::string format_plan(const PlanResult& p) {
                        "margin)\n",
                        bytes_to_gib(c.metrics.headroom_bytes()), kMarginGib);
     if (p.steps.empty()) {
-      o += "\nthe configuration as written is already the best one found.\n";
+      o += "\nthe configuration as written is kept unchanged.\n";
     } else {
       o += "\nwhat changes, and what each change buys (predicted, applied in this order):\n";
       for (std::size_t i = 0; i < p.steps.size(); ++i)
         o += fmt::format("  {}. {}:\n     {}\n", i + 1, p.steps[i].change, p.steps[i].effect);
     }
   }
+  if (!p.setups.empty()) {
+    o += "\nsetups compared, each with its own best configuration (not a choice the plan makes):\n";
+    double own = 0;
+    for (const auto& su : p.setups)
+      if (su.own && su.best) own = p.sweep.rows[*su.best].metrics.tokens_per_s;
+    for (const auto& su : p.setups) {
+      if (!su.best) {
+        o += fmt::format("  {}{}: nothing feasible ({} configurations)\n", setup_text(su.values),
+                         su.own ? " (yours)" : "", su.candidates);
+        continue;
+      }
+      const SweepRow& b = p.sweep.rows[*su.best];
+      o += fmt::format("  {}{}: {} tokens/s{}, {}, peak {:.1f} GiB\n", setup_text(su.values), su.own ? " (yours)" : "",
+                       human_count(b.metrics.tokens_per_s),
+                       own > 0 && !su.own ? fmt::format(" ({:.2f}x yours at its best)", b.metrics.tokens_per_s / own) : "",
+                       choice_text(b), bytes_to_gib(b.metrics.peak_memory_bytes));
+    }
+  }
+  if (p.chosen && (!p.precision.empty() || !p.setups.empty()))
+    o += fmt::format("\n`trainsim sweep` ranks the same candidates as written{}{}, so its first row can differ "
+                     "from this choice (`plan --keep-precision --margin 0` ranks as it does).\n",
+                     p.precision.empty() ? "" : ", without the precision fixes",
+                     p.setups.empty() ? "" : " and across every setup");
   if (!p.precision.empty()) {
     o += "\nprecision (each fix is part of the chosen configuration):\n";
     for (const auto& i : p.precision)
@@ -581,12 +829,13 @@ std::string format_plan(const PlanResult& p) {
         if (format_field_value(r.point.values[i].second) != format_field_value(c.point.values[i].second))
           diff.push_back(fmt::format("{}={}", abbreviation(r.point.values[i].first),
                                      format_field_value(r.point.values[i].second)));
-      o += fmt::format("  {}. {:+.2f}% tokens/s, peak {:.1f} GiB, bubble {:.1f}%: {}\n", k + 2,
+      o += fmt::format("  {}. {:+.2f}% tokens/s, peak {:.1f} GiB, pipeline bubble {:.1f}%: {}\n", k + 2,
                        100 * (r.metrics.tokens_per_s / c.metrics.tokens_per_s - 1),
-                       bytes_to_gib(r.metrics.peak_memory_bytes), 100 * r.metrics.bubble_fraction,
+                       bytes_to_gib(r.metrics.peak_memory_bytes), 100 * r.metrics.pipeline_bubble_fraction,
                        diff.empty() ? config_text(r) : fmt::format("{}", fmt::join(diff, " ")));
     }
   }
+  for (const auto& n : p.notes) o += fmt::format("\n{}\n", n.text);
   if (p.chosen)
     o += "\nsave the chosen configuration: trainsim plan FILE --write-scenario chosen.yaml (then trainsim simulate "
          "chosen.yaml)\n";
@@ -612,6 +861,30 @@ nlohmann::ordered_json plan_to_json(const PlanResult& p) {
   for (std::size_t i = 0; i < p.runners_up.size(); ++i)
     ru.push_back(sweep_row_to_json(p.sweep.rows[p.runners_up[i]], i + 2, on_front(p.sweep, p.runners_up[i])));
   j["runners_up"] = std::move(ru);
+  j["margin"] = p.margin;
+  j["choice"] = p.choice.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(p.choice);
+  j["choice_reason"] = p.choice_reason;
+  j["fastest"] = p.fastest ? sweep_row_to_json(p.sweep.rows[*p.fastest], rank_of(p.sweep, *p.fastest),
+                                               on_front(p.sweep, *p.fastest))
+                           : nlohmann::ordered_json();
+  auto setups = nlohmann::ordered_json::array();
+  for (const auto& su : p.setups) {
+    nlohmann::ordered_json e;
+    nlohmann::ordered_json v = nlohmann::ordered_json::object();
+    for (const auto& [k, x] : su.values) v[k] = value_json(x);
+    e["setup"] = std::move(v);
+    e["own"] = su.own;
+    e["configurations"] = su.candidates;
+    e["best"] = su.best ? sweep_row_to_json(p.sweep.rows[*su.best], rank_of(p.sweep, *su.best),
+                                            on_front(p.sweep, *su.best))
+                        : nlohmann::ordered_json();
+    setups.push_back(std::move(e));
+  }
+  j["setups"] = std::move(setups);
+  auto notes = nlohmann::ordered_json::array();
+  for (const auto& n : p.notes) notes.push_back({{"id", n.id}, {"text", n.text}});
+  j["notes"] = std::move(notes);
+  j["infeasible"] = p.infeasible ? infeasible_json(p.sweep, *p.infeasible) : nlohmann::ordered_json();
   auto steps = nlohmann::ordered_json::array();
   for (const auto& s : p.steps) {
     nlohmann::ordered_json e;

@@ -9,7 +9,9 @@
 //    "reason": "",  "step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "allreduce_time_s",
 //    "exposed_comm_time_s", "peak_memory_gib", "peak_memory_rank", "memory_capacity_gib",
 //    "headroom_gib", "num_microbatches", "global_batch_size", "pareto": true | false,
-//    "warnings": [...]}
+//    "warnings": [...]}, plus pipeline_bubble_fraction, exposed_comm_fraction, the per-GPU
+//    figures, time_to_train_s / gpu_hours / cost (null when not given), binding and shortfall
+//    (null for feasible rows).
 #pragma once
 
 #include <cstddef>
@@ -33,6 +35,12 @@ namespace trainsim {
 std::string format_sweep_table(const SweepResult& sweep, const std::string& title, std::size_t top = 10,
                                std::size_t infeasible = 10);
 
+// What follows the table: each swept setup's best configuration (hardware compared, each on
+// its own best layout), why `trainsim plan` may choose differently, and, when nothing is
+// feasible, the smallest need, the nearest misses with the limit that bound each, and what
+// would make it fit.
+std::string format_sweep_notes(const SweepResult& sweep, const Scenario& scenario);
+
 nlohmann::ordered_json sweep_row_to_json(const SweepRow& row, std::optional<std::size_t> rank, bool pareto);
 
 // {"scenario", "name", "axes": [{"key", "values"} | {"key", "generated": "auto"}],
@@ -49,6 +57,9 @@ void write_sweep_csv(const SweepResult& sweep, std::ostream& out);
 // constraint violations distinguished, GPU memory (and max_memory_fraction) marked, the
 // Pareto front drawn as a line, the best point labelled; every point has a tooltip.
 void write_sweep_svg(const SweepResult& sweep, const Scenario& scenario, std::ostream& out);
+// The same picture in a self-contained HTML page: hovering any point shows its swept
+// configuration, status and figures in a box (no network access needed).
+void write_sweep_html(const SweepResult& sweep, const Scenario& scenario, std::ostream& out);
 
 // One line of a progress bar, e.g. "[#########...........]  412/960 configurations  85.3/s  6 s left".
 std::string format_progress(const SweepProgress& progress, int bar_width = 30);

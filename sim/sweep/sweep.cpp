@@ -8,6 +8,10 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <unordered_map>
+
+#include <sched.h>
+#include <time.h>
 
 #include <fmt/format.h>
 
@@ -29,8 +33,9 @@ const FieldSpec& field(const std::string& path) {
   return *f;
 }
 
-// Every field's value, as one string: equal strings mean equal configurations.
-std::string fingerprint(const ScenarioConfig& c) {
+}  // namespace
+
+std::string config_fingerprint(const ScenarioConfig& c) {
   std::string s;
   for (const auto& f : scenario_fields()) {
     if (!f.get) continue;
@@ -39,6 +44,10 @@ std::string fingerprint(const ScenarioConfig& c) {
   }
   return s;
 }
+
+bool is_setup_key(const std::string& path) { return path.rfind("cluster.", 0) == 0 || path.rfind("model.", 0) == 0; }
+
+namespace {
 
 struct Partial {
   ScenarioConfig config;
@@ -171,14 +180,41 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   const std::vector<std::string> keys = sweep_keys(sc);
   std::vector<SweepConfiguration> out;
   out.reserve(cur.size());
-  std::set<std::string> seen;
+  // A configuration is dropped when an earlier one kept has the same fingerprint and error.
+  // Those have the same swept values too, so only configurations whose swept values (and
+  // error) collide need their fingerprints (every field formatted) compared.
+  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices into out
+  std::vector<std::string> fingerprints;                                 // of out[i], "" until needed
+  std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
-    if (!seen.insert(fingerprint(p.config) + p.error).second) continue;
     SweepConfiguration c;
+    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
+    bucket.clear();
+    for (const auto& [k, v] : c.values) {
+      bucket += format_field_value(v);
+      bucket += '\x1f';
+    }
+    bucket += p.error;
+    std::vector<std::size_t>& same_values = by_values[bucket];
+    if (!same_values.empty()) {
+      const std::string mine = config_fingerprint(p.config) + p.error;
+      bool duplicate = false;
+      for (std::size_t j : same_values) {
+        if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(out[j].config) + out[j].error;
+        if (fingerprints[j] == mine) {
+          duplicate = true;
+          break;
+        }
+      }
+      if (duplicate) continue;
+      fingerprints.push_back(mine);
+    } else {
+      fingerprints.emplace_back();
+    }
+    same_values.push_back(out.size());
     c.index = out.size();
     c.error = std::move(p.error);
-    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
     c.config = std::move(p.config);
     out.push_back(std::move(c));
   }
@@ -221,25 +257,38 @@ std::string unsupported_precision(const ScenarioConfig& c) {
   return "";
 }
 
-std::vector<std::string> constraint_violations(const SweepConstraints& k, const Plan& plan, const SweepMetrics& m) {
-  std::vector<std::string> v;
+struct Violation {
+  std::string text;
+  std::string key;     // the constraint (or "memory")
+  double excess = 0;   // by how much, relative to the limit
+};
+
+std::vector<Violation> constraint_violations(const SweepConstraints& k, const Plan& plan, const SweepMetrics& m) {
+  std::vector<Violation> v;
   const double cap = m.memory_capacity_bytes;
   // Out of memory already says more than these two.
   const bool oom = m.peak_memory_bytes > cap;
   if (!oom && k.max_memory_fraction < 1 && m.peak_memory_bytes > k.max_memory_fraction * cap)
-    v.push_back(fmt::format("max_memory_fraction: peak {:.2f} GiB on rank {} > {:g} x {:.2f} GiB = {:.2f} GiB (by {:.2f} "
-                            "GiB)",
-                            bytes_to_gib(m.peak_memory_bytes), m.peak_memory_rank, k.max_memory_fraction,
-                            bytes_to_gib(cap), bytes_to_gib(k.max_memory_fraction * cap),
-                            bytes_to_gib(m.peak_memory_bytes - k.max_memory_fraction * cap)));
+    v.push_back({fmt::format("max_memory_fraction: peak {:.2f} GiB on rank {} > {:g} x {:.2f} GiB = {:.2f} GiB (by {:.2f} "
+                             "GiB)",
+                             bytes_to_gib(m.peak_memory_bytes), m.peak_memory_rank, k.max_memory_fraction,
+                             bytes_to_gib(cap), bytes_to_gib(k.max_memory_fraction * cap),
+                             bytes_to_gib(m.peak_memory_bytes - k.max_memory_fraction * cap)),
+                 "max_memory_fraction", m.peak_memory_bytes / (k.max_memory_fraction * cap) - 1});
   if (!oom && k.min_memory_headroom_gib && bytes_to_gib(m.headroom_bytes()) < *k.min_memory_headroom_gib)
-    v.push_back(fmt::format("min_memory_headroom_gib: {:.2f} GiB free on rank {} < {:g} GiB",
-                            bytes_to_gib(m.headroom_bytes()), m.peak_memory_rank, *k.min_memory_headroom_gib));
+    v.push_back({fmt::format("min_memory_headroom_gib: {:.2f} GiB free on rank {} < {:g} GiB",
+                             bytes_to_gib(m.headroom_bytes()), m.peak_memory_rank, *k.min_memory_headroom_gib),
+                 "min_memory_headroom_gib",
+                 (gib_to_bytes(*k.min_memory_headroom_gib) - m.headroom_bytes()) / std::max(cap, 1.0)});
   auto at_most = [&](const std::optional<std::int64_t>& lim, const char* key, const char* what, std::int64_t x) {
-    if (lim && x > *lim) v.push_back(fmt::format("{}: {}({}) > {}", key, what, x, *lim));
+    if (lim && x > *lim)
+      v.push_back({fmt::format("{}: {}({}) > {}", key, what, x, *lim), key,
+                   static_cast<double>(x) / static_cast<double>(std::max<std::int64_t>(*lim, 1)) - 1});
   };
   auto at_least = [&](const std::optional<std::int64_t>& lim, const char* key, const char* what, std::int64_t x) {
-    if (lim && x < *lim) v.push_back(fmt::format("{}: {}({}) < {}", key, what, x, *lim));
+    if (lim && x < *lim)
+      v.push_back({fmt::format("{}: {}({}) < {}", key, what, x, *lim), key,
+                   static_cast<double>(*lim) / static_cast<double>(std::max<std::int64_t>(x, 1)) - 1});
   };
   at_least(k.min_global_batch_size, "min_global_batch_size", "global_batch_size", plan.global_batch_size);
   at_most(k.max_global_batch_size, "max_global_batch_size", "global_batch_size", plan.global_batch_size);
@@ -255,8 +304,13 @@ std::vector<std::string> constraint_violations(const SweepConstraints& k, const 
 
 SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
                                 const SweepConstraints& constraints) {
+  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
+}
+
+SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
   SweepRow row;
-  row.point = point;
+  row.point = std::move(moved);
+  const SweepConfiguration& point = row.point;
   if (!point.error.empty()) {
     row.status = SweepStatus::invalid;
     row.reason = point.error;
@@ -286,7 +340,15 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
     m.step_time_s = r.step_time_s;
     m.tokens_per_s = r.tokens_per_s;
     m.mfu = r.mfu;
+    m.tokens_per_s_per_gpu = r.tokens_per_s_per_gpu;
+    m.model_tflops_per_gpu = r.model_tflops_per_gpu;
+    m.hardware_tflops_per_gpu = r.hardware_tflops_per_gpu;
+    m.time_to_train_s = r.time_to_train_s;
+    m.gpu_hours = r.gpu_hours;
+    m.cost = r.cost;
     m.bubble_fraction = r.bubble_fraction;
+    m.pipeline_bubble_fraction = r.pipeline_bubble_fraction;
+    m.exposed_comm_fraction = r.exposed_comm_fraction;
     m.allreduce_time_s = r.allreduce_time_s;
     m.exposed_comm_time_s = r.exposed_comm_time_s;
     m.memory_capacity_bytes = r.memory_capacity_bytes;
@@ -309,6 +371,13 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
     row.simulated = true;
     std::vector<std::string> reasons;
     row.status = SweepStatus::ok;
+    row.shortfall = 0;
+    auto bind = [&](const std::string& key, double excess) {
+      if (row.binding.empty() || excess > row.shortfall) {
+        row.binding = key;
+        row.shortfall = excess;
+      }
+    };
     if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
       row.status = SweepStatus::out_of_memory;
       reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
@@ -316,10 +385,12 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
                                     worst->rank, worst->stage, worst->replica,
                                     bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
                                     bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
+      bind("memory", worst->peak_memory_bytes / m.memory_capacity_bytes - 1);
     }
     for (auto& v : constraint_violations(constraints, plan, m)) {
       if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
-      reasons.push_back(std::move(v));
+      reasons.push_back(std::move(v.text));
+      bind(v.key, v.excess);
     }
     row.reason = fmt::format("{}", fmt::join(reasons, "; "));
   } catch (const std::exception& e) {
@@ -360,6 +431,44 @@ std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
   return front;
 }
 
+namespace {
+
+// Cores this process may run on (its affinity mask: `taskset -c 1 trainsim sweep` gets one
+// worker, not one per core of the machine).
+unsigned usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return static_cast<unsigned>(CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// CPU time of the whole process, every thread, in seconds.
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// 12345 as "12,345".
+std::string with_thousands(double x) {
+  std::string digits = fmt::format("{:.0f}", x), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0 && digits[i - 1] != '-') out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_sweep_stats(const SweepStats& st, std::size_t configurations) {
+  return fmt::format(
+      "{} configurations: {} evaluated, {} rejected before simulation; evaluation {:.3f} s CPU ({:.3f} s wall, {} "
+      "thread{}): {} evaluations per CPU-second; expansion {:.3f} s",
+      configurations, st.evaluations, st.rejected, st.evaluate_cpu_s, st.evaluate_wall_s, st.threads,
+      st.threads == 1 ? "" : "s", with_thousands(st.evaluations_per_cpu_s()), st.expand_s);
+}
+
 SweepResult run_configurations(std::vector<SweepConfiguration> points, const SweepConstraints& constraints,
                                std::vector<std::string> keys, const SweepOptions& options) {
   SweepResult res;
@@ -368,7 +477,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   for (std::size_t i = 0; i < n; ++i) points[i].index = i;
   res.rows.resize(n);
 
-  unsigned threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
+  unsigned threads = options.threads ? options.threads : usable_cores();
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
   std::atomic<std::size_t> next{0}, done{0};
   std::mutex mu;
@@ -376,7 +485,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   auto worker = [&] {
     Predictor predictor;  // one per thread: its buffers are reused, nothing is shared
     for (std::size_t i; (i = next.fetch_add(1)) < n;) {
-      res.rows[i] = evaluate_configuration(predictor, points[i], constraints);
+      res.rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints);
       if (done.fetch_add(1) + 1 == n) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
@@ -384,6 +493,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     }
   };
   const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = process_cpu_seconds();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
   {
     std::vector<std::thread> pool;
@@ -397,10 +507,22 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     lock.unlock();
     for (auto& t : pool) t.join();
   }
+  res.stats.evaluate_cpu_s = process_cpu_seconds() - cpu_start;
+  res.stats.evaluate_wall_s = elapsed();
+  res.stats.threads = threads;
   if (options.progress) options.progress(SweepProgress{n, n, elapsed()});
 
+  rank_rows(res);
+  return res;
+}
+
+void rank_rows(SweepResult& res) {
+  const std::size_t n = res.rows.size();
+  res.counts = {};
+  res.ranking.clear();
   for (std::size_t i = 0; i < n; ++i) {
     const SweepRow& r = res.rows[i];
+    ++(r.simulated ? res.stats.evaluations : res.stats.rejected);
     ++res.counts.total;
     switch (r.status) {
       case SweepStatus::ok: ++res.counts.ok; res.ranking.push_back(i); break;
@@ -422,7 +544,9 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
     if (rows[i].feasible()) continue;
     (rows[i].simulated ? simulated : other).push_back(i);
   }
+  // Near misses first: by how far the binding limit is exceeded, then tokens/s.
   std::sort(simulated.begin(), simulated.end(), [&](std::size_t a, std::size_t b) {
+    if (rows[a].shortfall != rows[b].shortfall) return rows[a].shortfall < rows[b].shortfall;
     if (rows[a].metrics.tokens_per_s != rows[b].metrics.tokens_per_s)
       return rows[a].metrics.tokens_per_s > rows[b].metrics.tokens_per_s;
     return a < b;
@@ -431,12 +555,43 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   res.order.insert(res.order.end(), simulated.begin(), simulated.end());
   res.order.insert(res.order.end(), other.begin(), other.end());
   res.pareto = pareto_front(res.rows);
-  return res;
+}
+
+std::vector<SetupGroup> setup_groups(const SweepResult& res) {
+  std::vector<std::size_t> setup_columns;
+  for (std::size_t k = 0; k < res.keys.size(); ++k)
+    if (is_setup_key(res.keys[k])) setup_columns.push_back(k);
+  std::vector<SetupGroup> groups;
+  std::vector<std::string> names;
+  auto group_of = [&](const SweepRow& row) -> SetupGroup& {
+    std::string name;
+    std::vector<std::pair<std::string, FieldValue>> values;
+    for (std::size_t k : setup_columns) {
+      if (k >= row.point.values.size()) continue;
+      values.push_back(row.point.values[k]);
+      name += format_field_value(row.point.values[k].second) + '\x1f';
+    }
+    auto it = std::find(names.begin(), names.end(), name);
+    if (it != names.end()) return groups[static_cast<std::size_t>(it - names.begin())];
+    names.push_back(name);
+    groups.push_back(SetupGroup{std::move(values), {}, std::nullopt});
+    return groups.back();
+  };
+  for (std::size_t i = 0; i < res.rows.size(); ++i) group_of(res.rows[i]).rows.push_back(i);
+  for (std::size_t i : res.ranking) {
+    SetupGroup& g = group_of(res.rows[i]);
+    if (!g.best) g.best = i;
+  }
+  return groups;
 }
 
 SweepResult run_sweep(const Scenario& scenario, const SweepOptions& options) {
-  return run_configurations(expand_sweep(scenario, options.adjust), scenario.constraints, sweep_keys(scenario),
-                            options);
+  const auto start = std::chrono::steady_clock::now();
+  auto points = expand_sweep(scenario, options.adjust);
+  const double expand_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  SweepResult res = run_configurations(std::move(points), scenario.constraints, sweep_keys(scenario), options);
+  res.stats.expand_s = expand_s;
+  return res;
 }
 
 }  // namespace trainsim

@@ -17,8 +17,8 @@
 #include <fstream>
 #include <string>
 
-#include "runtime/exec/executor.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/cpu/cpu_engine.h"
+#include "runtime/runtime_plan.h"
 #include "runtime/numerics/lowp.h"
 
 namespace {

@@ -10,13 +10,17 @@
 
 #include <vector>
 
+#include "core/metrics.h"
 #include "core/plan.h"
 #include "core/presets.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
+#include "sim/cost/memory_model.h"
 #include "sim/cost/p2p_model.h"
 #include "sim/engine.h"
 #include "sim/simulator.h"
+#include "sim/step_program.h"
+#include "sim/sweep/sweep.h"
 
 namespace {
 
@@ -186,6 +190,113 @@ void BM_Sweep_PlanOnly(benchmark::State& state) {
       benchmark::Counter(static_cast<double>(population.size()), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_Sweep_PlanOnly)->Unit(benchmark::kMillisecond);
+
+// ---- A sweep file, as `trainsim sweep` evaluates it -----------------------------------
+// tests/bench/sweep-gpt3-175b.yaml: GPT-3 175B, TP 8 x PP 8, interleaved v = 3, global batch
+// 64, 2,016 variants, every one simulated (docs/performance.md compares it with Calculon).
+// One iteration evaluates every configuration once, on one thread, with one Predictor:
+// exactly what a sweep worker does per row (evaluate_configuration: precision check,
+// Plan::from_config, Predictor::evaluate, the row's metrics and verdict).
+const std::vector<SweepConfiguration>& gpt3_175b_points() {
+  static const std::vector<SweepConfiguration> points =
+      expand_sweep(load_scenario_file(TRAINSIM_SOURCE_DIR "/tests/bench/sweep-gpt3-175b.yaml"));
+  return points;
+}
+
+void BM_SweepFile_GPT3_175B(benchmark::State& state) {
+  const auto& points = gpt3_175b_points();
+  const SweepConstraints none;
+  Predictor predictor;
+  std::size_t simulated = 0;
+  for (const auto& p : points) simulated += evaluate_configuration(predictor, p, none).simulated;
+  for (auto _ : state)
+    for (const auto& p : points) benchmark::DoNotOptimize(evaluate_configuration(predictor, p, none));
+  const double n = static_cast<double>(simulated);  // rows rejected before simulation do not count
+  state.counters["configs"] = static_cast<double>(points.size());
+  state.counters["evaluations_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["s_per_evaluation"] =
+      benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_SweepFile_GPT3_175B)->Unit(benchmark::kMillisecond);
+
+// One configuration of that file (a100-80gb, micro-batch 1: 64 micro-batches, 8,200 ops),
+// three ways: the engine, compiling its schedule (once per schedule in a sweep) and the
+// compiled program (every configuration after that).
+Plan gpt3_175b_m64() { return Plan::from_config(gpt3_175b_points().front().config); }
+
+void BM_GPT3_175B_m64_Engine(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  Simulation sim;
+  Timeline timeline;
+  for (auto _ : state) sim.run(schedule, compute, p2p, collective, timeline, false);
+  state.counters["ops"] = static_cast<double>(schedule->total_ops());
+}
+BENCHMARK(BM_GPT3_175B_m64_Engine)->Unit(benchmark::kMicrosecond);
+
+void BM_GPT3_175B_m64_Compile(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  StepProgram program;
+  for (auto _ : state) benchmark::DoNotOptimize(program.compile(schedule, false));
+  state.counters["instructions"] = static_cast<double>(program.num_instructions());
+  state.counters["prices"] = static_cast<double>(program.num_prices());
+}
+BENCHMARK(BM_GPT3_175B_m64_Compile)->Unit(benchmark::kMicrosecond);
+
+void BM_GPT3_175B_m64_Program(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  StepProgram program;
+  program.compile(schedule, false);
+  Timeline timeline;
+  for (auto _ : state) program.run(compute, p2p, collective, timeline);
+}
+BENCHMARK(BM_GPT3_175B_m64_Program)->Unit(benchmark::kMicrosecond);
+
+// What turns that Timeline into the Result (core/metrics.cpp), and the memory walk.
+void BM_GPT3_175B_m64_Result(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  const Prediction p = predict(plan);
+  Result result;
+  ResultWorkspace ws;
+  for (auto _ : state) compute_result_into(plan, p.timeline, p.memory, result, ws);
+}
+BENCHMARK(BM_GPT3_175B_m64_Result)->Unit(benchmark::kMicrosecond);
+
+void BM_GPT3_175B_m64_Memory(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  const Schedule s = build_schedule(plan);
+  for (auto _ : state) benchmark::DoNotOptimize(MemoryModel(plan).peak_per_rank(s));
+}
+BENCHMARK(BM_GPT3_175B_m64_Memory)->Unit(benchmark::kMicrosecond);
+
+// Expanding the file's axes into its 2,016 configurations (run_sweep's first step).
+void BM_SweepFile_GPT3_175B_Expand(benchmark::State& state) {
+  const Scenario scenario = load_scenario_file(TRAINSIM_SOURCE_DIR "/tests/bench/sweep-gpt3-175b.yaml");
+  for (auto _ : state) benchmark::DoNotOptimize(expand_sweep(scenario));
+}
+BENCHMARK(BM_SweepFile_GPT3_175B_Expand)->Unit(benchmark::kMillisecond);
+
+// The whole sweep as `trainsim sweep FILE --threads 1` runs it after loading the file:
+// expansion, evaluation, ranking.
+void BM_SweepFile_GPT3_175B_RunSweep(benchmark::State& state) {
+  const Scenario scenario = load_scenario_file(TRAINSIM_SOURCE_DIR "/tests/bench/sweep-gpt3-175b.yaml");
+  SweepOptions options;
+  options.threads = 1;
+  std::size_t simulated = 0;
+  for (const auto& r : run_sweep(scenario, options).rows) simulated += r.simulated;
+  for (auto _ : state) benchmark::DoNotOptimize(run_sweep(scenario, options));
+  state.counters["evaluations_per_s"] =
+      benchmark::Counter(static_cast<double>(simulated), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_SweepFile_GPT3_175B_RunSweep)->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -20,7 +20,7 @@
 #include "kernels/device_buffer.h"
 #include "kernels/device_info.h"
 #include "runtime/cuda/calibrate_cuda.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/runtime_plan.h"
 #include "tests/runtime/runtime_test_config.h"
 #include "tests/runtime/comm_bench_checks.h"
 

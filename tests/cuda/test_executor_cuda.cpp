@@ -1,4 +1,4 @@
-// The CUDA executor (runtime/cuda/executor_cuda.h) against the CPU executor, the reference: the
+// The CUDA executor (runtime/cuda/cuda_engine.h) against the CPU engine, the reference: the
 // same plan, seed and data must train the same model.
 //
 // Tolerances. Both backends start from identical weights and compute the same function with the
@@ -19,9 +19,9 @@
 
 #include "core/metrics.h"
 #include "cuda_test_helpers.h"
-#include "runtime/cuda/executor_cuda.h"
-#include "runtime/exec/executor.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/cuda/cuda_engine.h"
+#include "runtime/cpu/cpu_engine.h"
+#include "runtime/runtime_plan.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime::cuda {

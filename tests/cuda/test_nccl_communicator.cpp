@@ -111,7 +111,7 @@ std::uint64_t seed_of(DType dt, std::size_t count, int rank, int variant) {
 }
 
 // `values` (already representable in dt) stored as dt on the device.
-k::DeviceBuffer upload(const std::vector<float>& values, DType dt, void* stream) {
+k::DeviceBuffer upload(const std::vector<float>& values, DType dt, StreamHandle stream) {
   k::DeviceBuffer fp32(values.size() * sizeof(float)), out(values.size() * static_cast<std::size_t>(dtype_bytes(dt)));
   copy_host_to_device(fp32.data(), values.data(), values.size() * sizeof(float), stream);
   k::cast(out.data(), dt, fp32.data(), DType::fp32, values.size(), stream);
@@ -119,7 +119,7 @@ k::DeviceBuffer upload(const std::vector<float>& values, DType dt, void* stream)
   return out;
 }
 
-std::vector<float> download(const k::DeviceBuffer& buffer, std::size_t n, DType dt, void* stream) {
+std::vector<float> download(const k::DeviceBuffer& buffer, std::size_t n, DType dt, StreamHandle stream) {
   k::DeviceBuffer fp32(n * sizeof(float));
   k::cast(fp32.data(), DType::fp32, buffer.data(), dt, n, stream);
   std::vector<float> out(n);
@@ -289,7 +289,7 @@ TEST_F(NcclWorldOfOneHost, RefusesBadArgumentsAndStaysUsable) {
   const int world[] = {0};
   const int none[] = {0, 0};
   const int stranger[] = {1};
-  void* s = stream.get();
+  StreamHandle s = stream.get();
   expect_throw_with<std::invalid_argument>([&] { comm->send(0, 1, buffer.data(), 64, DType::fp8, s); }, "fp8");
   expect_throw_with<std::invalid_argument>([&] { comm->recv(0, 1, buffer.data(), 64, DType::tf32, s); }, "tf32");
   expect_throw_with<std::invalid_argument>([&] { comm->send(1, 1, buffer.data(), 64, DType::fp32, s); },
@@ -320,7 +320,7 @@ TEST_F(NcclWorldOfOneHost, AbortMakesEveryLaterCallThrowTheReason) {
   k::Stream stream;
   k::DeviceBuffer buffer(64 * sizeof(float));
   const int world[] = {0};
-  void* s = stream.get();
+  StreamHandle s = stream.get();
   comm->abort("rank 0: injected failure");
   comm->abort("rank 0: a second reason, ignored");
   EXPECT_TRUE(comm->aborted());
@@ -539,7 +539,7 @@ void expect_matches_reference(const std::vector<float>& got, const std::vector<s
 
 // Checks an all-reduce over `members` of every format, size and case; returns the hashes of the
 // results (for the cross-rank comparison).
-std::vector<std::uint64_t> check_all_reduce(NcclCommunicator& comm, const std::vector<int>& members, void* stream) {
+std::vector<std::uint64_t> check_all_reduce(NcclCommunicator& comm, const std::vector<int>& members, StreamHandle stream) {
   std::vector<std::uint64_t> hashes;
   const auto mine = static_cast<std::size_t>(std::find(members.begin(), members.end(), comm.rank()) - members.begin());
   for (DType dt : kFormats) {
@@ -577,7 +577,7 @@ void run_ranks_role() {
   EXPECT_NE(comm->describe().find("rank " + std::to_string(me) + " of " + std::to_string(n)), std::string::npos)
       << comm->describe();
   k::Stream stream;
-  void* s = stream.get();
+  StreamHandle s = stream.get();
 
   // All-reduce over the world: against the host, and identical on every rank.
   std::vector<int> everyone(static_cast<std::size_t>(n));

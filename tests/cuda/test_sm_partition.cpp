@@ -36,7 +36,7 @@ class SmPartitionTest : public ::testing::Test {
 };
 
 // The thread that drives each of a rank's streams (sm_partition.h).
-constexpr std::pair<void* RankStreams::*, RankThread> kStreamThreads[] = {
+constexpr std::pair<StreamHandle RankStreams::*, RankThread> kStreamThreads[] = {
     {&RankStreams::compute, RankThread::compute}, {&RankStreams::comm, RankThread::comm},
     {&RankStreams::send, RankThread::compute}};
 
@@ -44,7 +44,7 @@ constexpr std::pair<void* RankStreams::*, RankThread> kStreamThreads[] = {
 // queued with the context of its thread current.
 void expect_working_streams(const SmPartition& partition, int ranks) {
   ASSERT_EQ(partition.ranks(), ranks);
-  std::set<void*> seen;
+  std::set<StreamHandle> seen;
   constexpr std::size_t kBytes = 1 << 20;
   k::DeviceBuffer buffer(kBytes * 3 * static_cast<std::size_t>(ranks));
   auto* base = buffer.as<unsigned char>();
@@ -53,7 +53,7 @@ void expect_working_streams(const SmPartition& partition, int ranks) {
     EXPECT_GT(s.sms, 0) << "rank " << r;
     int index = 0;
     for (auto [member, thread] : kStreamThreads) {
-      void* stream = s.*member;
+      StreamHandle stream = s.*member;
       ASSERT_NE(stream, nullptr) << "rank " << r << " stream " << index;
       EXPECT_TRUE(seen.insert(stream).second) << "rank " << r << " stream " << index << " is shared";
       partition.make_current(r, thread);

@@ -13,10 +13,10 @@
 #include <map>
 
 #include "core/metrics.h"
-#include "runtime/exec/executor.h"
-#include "runtime/exec/run_report.h"
-#include "runtime/exec/runtime_plan.h"
-#include "runtime/exec/step_common.h"
+#include "runtime/cpu/cpu_engine.h"
+#include "runtime/loop/run_report.h"
+#include "runtime/runtime_plan.h"
+#include "runtime/loop/run_loop.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {

@@ -15,8 +15,8 @@
 #include <tuple>
 
 #include "core/schedule.h"
-#include "runtime/exec/runtime_plan.h"
-#include "runtime/exec/step_common.h"
+#include "runtime/runtime_plan.h"
+#include "runtime/engine/schedule_ops.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {

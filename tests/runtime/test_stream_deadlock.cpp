@@ -1,4 +1,4 @@
-// A model checker for how the CUDA backend's executor (runtime/cuda/executor_cuda.cpp:
+// A model checker for how the CUDA backend's engine (runtime/cuda/cuda_engine.cpp:
 // rank_main, comm_main, send, run_op, optimizer_step) issues one training step onto CUDA
 // streams and NCCL communicators, and what it proves about communicator layouts. No GPU is
 // involved: the model runs on the schedule (core/schedule.h) alone.
@@ -61,7 +61,7 @@
 
 #include "core/diagnostics.h"
 #include "core/schedule.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/runtime_plan.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {

@@ -1,4 +1,4 @@
-#include "runtime/exec/run_report.h"
+#include "runtime/loop/run_report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,22 +9,11 @@
 
 #include "core/report/format.h"
 #include "core/report/report.h"
+#include "core/report/svg_kit.h"
 
 namespace trainsim::runtime {
 
 namespace {
-
-std::string xml_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
-}
 
 double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 
@@ -62,10 +51,9 @@ std::string format_run_summary(const RunReport& rep) {
   const auto& c = plan.config;
   const auto& d = rep.runtime_plan.dims;
   const Result& res = rep.result;
-  const bool cpu = rep.execution.rfind("cuda", 0) != 0;
   std::string o;
   o += fmt::format("{}{} — measured on the {} backend\n", c.name.empty() ? std::string("scenario") : c.name,
-                   plan.source.empty() ? "" : fmt::format(" ({})", plan.source), cpu ? "CPU" : "CUDA");
+                   plan.source.empty() ? "" : fmt::format(" ({})", plan.source), rep.backend_title);
   o += fmt::format("  model    executed: {} layers, hidden {}, {} heads, seq {}, vocab {}{}\n", d.num_layers,
                    d.hidden_size, d.num_heads, d.seq_length, d.vocab_size, d.tied_embeddings ? ", tied embeddings" : "");
   o += fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
@@ -82,11 +70,7 @@ std::string format_run_summary(const RunReport& rep) {
                    pr.overflow_check == OverflowScope::global ? "global" : "local",
                    ls.mode == LossScalingMode::none ? "none" : ls.mode == LossScalingMode::static_scale ? "static" : "dynamic",
                    ls.mode == LossScalingMode::none ? "" : fmt::format(" from {:g}", ls.initial_scale));
-  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks(),
-                   !cpu                 ? ""
-                   : rep.threads_pinned ? " as threads pinned to cores"
-                                        : " as threads (not pinned: more ranks than cores)",
-                   rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
+  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks(), rep.ranks_as, rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
   if (!rep.execution.empty()) o += fmt::format("  backend  {}\n", rep.execution);
   o += "\n";
 
@@ -176,7 +160,7 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
   }
   j["steps"] = std::move(steps);
   const auto& d = rep.runtime_plan.dims;
-  j["run"] = {{"backend", rep.execution.rfind("cuda", 0) == 0 ? "cuda" : "cpu"},
+  j["run"] = {{"backend", rep.backend},
               {"execution", rep.execution},
               {"model", {{"num_layers", d.num_layers}, {"hidden_size", d.hidden_size}, {"num_attention_heads", d.num_heads},
                          {"seq_length", d.seq_length}, {"vocab_size", d.vocab_size}}},
@@ -193,23 +177,14 @@ void write_run_svg(const RunReport& rep, std::ostream& out) {
   // The timeline, drawn by the simulator's own writer, nested above a loss chart.
   std::ostringstream tl;
   write_timeline_svg(rep.runtime_plan.plan, rep.timeline, rep.result, tl);
-  std::string timeline = tl.str();
-  if (timeline.rfind("<?xml", 0) == 0) timeline = timeline.substr(timeline.find("?>") + 2);
-  double width = 1400, height = 400;
-  {
-    // Read the nested picture's size from its root element.
-    const auto w = timeline.find("width=\"");
-    const auto h = timeline.find("height=\"");
-    if (w != std::string::npos) width = std::stod(timeline.substr(w + 7));
-    if (h != std::string::npos) height = std::stod(timeline.substr(h + 8));
-  }
+  const std::string timeline = tl.str();
+  const svg::Size size = svg::size_of(timeline).value_or(svg::Size{1400, 400});
+  const double width = size.width, height = size.height;
   const double chart_h = 260, left = 250, right = 24, top = height + 30;
   const double total_h = top + chart_h + 64;
-  out << fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
-                     "font-family=\"sans-serif\" font-size=\"12\">\n",
-                     width, total_h);
+  out << svg::open(width, total_h, false, " font-family=\"sans-serif\" font-size=\"12\"");
   out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  out << timeline << "\n";
+  out << svg::nested(timeline) << "\n";
   const auto& steps = rep.steps;
   out << fmt::format("<text x=\"{:.0f}\" y=\"{:.0f}\" font-size=\"14\" font-weight=\"bold\">Loss per step "
                      "(measured){}</text>\n",
@@ -218,7 +193,7 @@ void write_run_svg(const RunReport& rep, std::ostream& out) {
     std::string why = rep.failure->message;
     if (why.size() > 190) why = why.substr(0, 187) + "...";
     out << fmt::format("<text x=\"{:.0f}\" y=\"{:.0f}\" fill=\"#c0392b\">{}</text>\n", left, top + chart_h + 52,
-                       xml_escape(why));
+                       svg::escape(why));
   }
   const double pw = width - left - right;
   out << fmt::format("<rect x=\"{:.0f}\" y=\"{:.0f}\" width=\"{:.0f}\" height=\"{:.0f}\" fill=\"none\" "
@@ -268,7 +243,7 @@ void write_run_svg(const RunReport& rep, std::ostream& out) {
   out << fmt::format("<text x=\"{:.0f}\" y=\"{:.0f}\" text-anchor=\"middle\">optimizer step (yellow: an update was "
                      "skipped on some rank)</text>\n",
                      left + pw / 2, top + chart_h + 36);
-  out << "</svg>\n";
+  out << svg::kClose;
 }
 
 }  // namespace trainsim::runtime

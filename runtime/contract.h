@@ -1,11 +1,11 @@
-// The CPU backend's executor: runs the plan's Schedule for real, a rank per thread, and
-// measures it (DESIGN.md "Runtime"). Every rank walks its program from build_schedule:
-// compute ops and receives on its compute thread, collectives on its communication thread
-// (so a bucket's all-reduce overlaps the backward that follows it, as the schedule says),
-// sends inline (they only copy). Every op is timestamped into the same Timeline type the
-// simulator predicts, and the same compute_result turns it into the result fields.
+// What a run promises, whatever runs it (DESIGN.md "Runtime"): the options a run takes, the
+// report it returns, the per-step numerics log, why a run ended early, and the fingerprint a
+// checkpoint carries. The run loop (runtime/loop/run_loop.h) fills these from any device engine
+// (runtime/engine/device_engine.h); calibration, validation, the CLI and the reports read them.
+// Nothing here names a backend.
 //
-// Numerics follow the plan's precision settings (runtime/model/stage_model.h for the model):
+// Numerics follow the plan's precision settings (runtime/model/stage_model.h for the model), on
+// every engine:
 //  * the last stage seeds backward with loss_scale / micro-batches, so summed micro-batch
 //    gradients are the scaled mean; replicas all-reduce in precision.allreduce, dividing by
 //    data_parallel_size before or after the sum; tied embeddings are summed between the
@@ -31,9 +31,25 @@
 
 #include "core/result.h"
 #include "core/timeline.h"
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/launch/launch_env.h"
+#include "runtime/runtime_plan.h"
 
 namespace trainsim::runtime {
+
+// How ranks share the SMs of one GPU (an engine that puts several ranks on one device reads it).
+enum class SmSharing {
+  automatic,       // green contexts where the driver and the device allow them, else shared
+  green_contexts,  // green contexts or an exception saying why not
+  shared,          // ordinary streams of the primary context; every rank may use every SM
+};
+
+// Where an engine puts the plan's ranks. Engines read what applies to them: the CPU engine puts
+// every rank on a thread of this process and reads none of it.
+struct Placement {
+  SmSharing sm_sharing = SmSharing::automatic;  // every rank on one device
+  std::optional<LaunchEnv> launch;              // set: one process per device, this process one rank
+  int device = 0;                               // every rank on one device: which
+};
 
 // What one rank saw in one step.
 struct RankStepNumerics {
@@ -76,6 +92,7 @@ struct RunOptions {
   std::string resume_from;            // a checkpoint file or folder; empty: fresh start
   bool pin_threads = true;            // pin rank r's compute thread to core r when ranks <= cores
   std::chrono::milliseconds comm_timeout{std::chrono::seconds(120)};
+  Placement placement;                // devices and processes, for engines that have them
   std::function<void(const StepRecord&)> on_step;  // progress, called after every step
 };
 
@@ -93,15 +110,14 @@ struct RunReport {
   std::vector<StepRecord> steps;
   std::optional<RunFailure> failure;
   std::string data_source;
+  std::string backend = "cpu";        // the backend record that ran it (runtime/backend.h): its name
+  std::string backend_title = "CPU";  // and as a sentence says it
   bool threads_pinned = false;
   std::string execution;              // how it ran, in words: "cpu: 4 rank threads, ...", "cuda: ..."
+  std::string ranks_as;               // how ranks ran, for the summary: " as threads pinned to cores", or ""
   int first_step = 1;                 // > 1 when resumed
   std::vector<std::string> checkpoints;  // written by this run
 };
-
-// Runs the plan. Throws ScenarioError/std::runtime_error for bad setup (data, checkpoint to
-// resume from); a run that goes numerically wrong returns with `failure` set.
-RunReport run_cpu(const RuntimePlan& plan, const RunOptions& options);
 
 // Identifies what a checkpoint belongs to: model, parallel layout, schedule and precision.
 std::string plan_fingerprint(const RuntimePlan& plan);

@@ -10,6 +10,7 @@
 #include "core/plan.h"
 #include "core/scenario.h"
 #include "runtime/model/stage_model.h"
+#include "runtime/numerics/optimizer.h"
 
 namespace trainsim::runtime {
 
@@ -24,5 +25,12 @@ struct RuntimePlan {
 // the width, fp8 compute, ...
 RuntimePlan make_runtime_plan(const Scenario& scenario);
 RuntimePlan make_runtime_plan(const ScenarioConfig& config);
+
+// The executed StageSpec of virtual stage `vstage`.
+StageSpec stage_spec(const RuntimePlan& rp, int vstage);
+// A middle stage (no embedding, no head) of `layers` blocks at the plan's shapes: what the
+// kernel calibrators time against the sum of their kernels (composition, per-rank factors).
+StageSpec middle_stage_spec(const RuntimePlan& rp, int layers);
+OptimizerSettings optimizer_settings(const ScenarioConfig& config);
 
 }  // namespace trainsim::runtime

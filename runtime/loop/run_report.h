@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/exec/executor.h"
+#include "runtime/contract.h"
 
 namespace trainsim::runtime {
 

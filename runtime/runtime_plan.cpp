@@ -1,4 +1,4 @@
-#include "runtime/exec/runtime_plan.h"
+#include "runtime/runtime_plan.h"
 
 #include <algorithm>
 
@@ -115,5 +115,44 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
 
 RuntimePlan make_runtime_plan(const Scenario& scenario) { return build(scenario.config, &scenario); }
 RuntimePlan make_runtime_plan(const ScenarioConfig& config) { return build(config, nullptr); }
+
+StageSpec stage_spec(const RuntimePlan& rp, int vs) {
+  const Plan& plan = rp.plan;
+  const int V = plan.num_virtual_stages();
+  int first_layer = 0;
+  for (int v = 0; v < vs; ++v) first_layer += plan.layers_per_virtual_stage[v];
+  StageSpec spec;
+  spec.dims = rp.dims;
+  spec.first_layer = first_layer;
+  spec.num_layers = plan.layers_per_virtual_stage[vs];
+  spec.has_embedding = vs == 0;
+  spec.has_head = vs == V - 1;
+  spec.compute = plan.config.precision.compute;
+  spec.grad_accumulation = plan.config.precision.grad_accumulation;
+  spec.micro_batch_size = plan.micro_batch_size;
+  return spec;
+}
+
+StageSpec middle_stage_spec(const RuntimePlan& rp, int layers) {
+  StageSpec spec;
+  spec.dims = rp.dims;
+  spec.first_layer = 0;
+  spec.num_layers = layers;
+  spec.compute = rp.plan.config.precision.compute;
+  spec.grad_accumulation = rp.plan.config.precision.grad_accumulation;
+  spec.micro_batch_size = rp.plan.micro_batch_size;
+  return spec;
+}
+
+OptimizerSettings optimizer_settings(const ScenarioConfig& cfg) {
+  OptimizerSettings os;
+  os.kind = cfg.training.optimizer;
+  os.learning_rate = cfg.training.lr;
+  os.beta1 = cfg.training.adam_beta1;
+  os.beta2 = cfg.training.adam_beta2;
+  os.eps = cfg.training.adam_eps;
+  os.weight_decay = cfg.training.weight_decay;
+  return os;
+}
 
 }  // namespace trainsim::runtime

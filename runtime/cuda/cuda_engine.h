@@ -1,9 +1,10 @@
-// The CUDA backend's executor: the plan's Schedule on NVIDIA GPUs (DESIGN.md "Runtime"), with the
-// CPU executor's semantics (runtime/exec/executor.h: numerics, overflow checks, optimizer,
-// report) and its measurements taken with CUDA events.
+// The CUDA backend's engine: the plan's Schedule on NVIDIA GPUs (DESIGN.md "Runtime"), driven by
+// the one run loop (runtime/loop/run_loop.h) through the DeviceEngine interface
+// (runtime/engine/device_engine.h), with the CPU engine's semantics (runtime/contract.h:
+// numerics, overflow checks, optimizer) and its measurements taken with CUDA events.
 //
 // Two ways to place ranks:
-//  * one GPU, every rank (CudaRunOptions::launch empty): all ranks in this process, a host
+//  * one GPU, every rank (Placement::launch empty): all ranks in this process, a host
 //    thread pair per rank, each rank with its own compute, communication and send streams,
 //    the SMs split between ranks with green contexts where the driver has them
 //    (runtime/cuda/sm_partition.h), exchanging through device memory (device_world.h);
@@ -25,16 +26,16 @@
 // times are measured from an event recorded on the rank's compute stream when the step starts.
 // A collective's start event is recorded after its stream waited for its producer, so its time
 // is when this rank reached it; the Timeline then starts a collective when its last member
-// reaches it, as the CPU executor and the simulator do.
+// reaches it, as the CPU engine and the simulator do.
 //
-// Numerics, as the CPU executor (same StepRecord): overflow flags per rank before and after each
+// Numerics, as the CPU engine (same StepRecord): overflow flags per rank before and after each
 // gradient all-reduce (so a report can say "the bf16 all-reduce of gradient bucket 0" made the
 // first inf/NaN), the largest |activation| sent and |gradient| returned, and inf/NaN counts.
 //
-// Checkpoints are the CPU backend's (runtime/checkpoint.h): same file, same plan fingerprint, so
-// either backend resumes the other's. With one process per GPU every process gathers every
-// rank's state (gather_host) and the one holding rank 0 writes the file; on resume every process
-// reads it (a path all nodes see) and loads its own ranks. Master weights held in a format other
+// Checkpoints are every backend's (runtime/checkpoint.h, written by the run loop): same file, same
+// plan fingerprint, so either backend resumes the other's. With one process per GPU every process
+// gathers every rank's state (gather_host) and the one holding rank 0 writes the file; on resume
+// every process reads it (a path all nodes see) and loads its own ranks. Master weights held in a format other
 // than fp32 are rounded to it with two casts after every update (round_master).
 //
 // Memory: each rank's DeviceBuffers and cuBLAS workspaces are charged to its MemoryAccount, and
@@ -42,23 +43,26 @@
 // sum of the two peaks, beside the accounted breakdown in RunReport::memory.
 #pragma once
 
-#include <optional>
+#include <memory>
 
-#include "runtime/cuda/sm_partition.h"
-#include "runtime/exec/executor.h"
-#include "runtime/launch/launch_env.h"
+#include "runtime/backend.h"
+#include "runtime/contract.h"
+#include "runtime/engine/device_engine.h"
 
 namespace trainsim::runtime::cuda {
 
-struct CudaRunOptions {
-  SmSharing sm_sharing = SmSharing::automatic;  // one GPU, every rank
-  std::optional<LaunchEnv> launch;              // set: one process per GPU over NCCL
-  int device = 0;                               // one GPU, every rank: which
-};
+// Where the engine places ranks: runtime/contract.h's Placement (sm_sharing, launch, device).
+using CudaRunOptions = Placement;
 
-// Throws std::invalid_argument for what the CUDA backend cannot run (formats the kernels do not
-// store), CheckpointError for a checkpoint that cannot be resumed, std::runtime_error when no device can be used (saying
-// why); a run that goes numerically wrong returns with `failure` set, as run_cpu.
+// The engine for `plan` on options.placement. Throws std::invalid_argument for what the CUDA
+// backend cannot run (formats the kernels do not store), std::runtime_error when no device can be
+// used (saying why).
+std::unique_ptr<DeviceEngine> make_cuda_engine(const RuntimePlan& plan, const Dataset& data, const RunOptions& options);
+
+// The CUDA backend's record (runtime/backend.h).
+const Backend& cuda_backend();
+
+// run(cuda_backend(), plan, options with `cuda` as its placement) (runtime/loop/run_loop.h).
 RunReport run_cuda(const RuntimePlan& plan, const RunOptions& options, const CudaRunOptions& cuda);
 
 }  // namespace trainsim::runtime::cuda

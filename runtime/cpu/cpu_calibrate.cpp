@@ -1,0 +1,361 @@
+// The CPU backend's calibration (cpu_calibrate.h): every kernel timed with the runtime's own
+// implementation of it (runtime/model/layers.h, runtime/numerics/), on a thread pinned to core 0.
+#include "runtime/cpu/cpu_calibrate.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <random>
+#include <span>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/kernel_inventory.h"
+#include "runtime/model/layers.h"
+#include "runtime/model/stage_model.h"
+#include "runtime/numerics/lowp.h"
+#include "runtime/numerics/optimizer.h"
+
+namespace trainsim::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<float> random_floats(std::size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(std::max<std::size_t>(n, 1));
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+
+// Times one kernel of the inventory with the runtime's implementation of it.
+class KernelTimer {
+ public:
+  KernelTimer(const RuntimePlan& plan, const CalibrateOptions& o) : plan_(plan), o_(o), rng_(12345) {
+    const ModelDims& d = plan.dims;
+    B_ = plan.plan.micro_batch_size;
+    T_ = d.seq_length;
+    C_ = d.hidden_size;
+    V_ = d.vocab_size;
+  }
+
+  // A call that runs the runtime's implementation of `w` once on buffers of fresh random
+  // values (owned by this timer, so the call stays valid as long as it).
+  std::function<void()> launcher(const KernelWork& w) {
+    const std::string& k = w.kernel;
+    const KernelShape& s = w.shape;
+    if (k == "linear.forward") {
+      auto x = floats(s.m * s.k), wt = floats(s.n * s.k), b = floats(s.n), y = floats(s.m * s.n);
+      return launch([=, this] { layers::linear_forward(y.data(), x.data(), wt.data(), b.data(), s.m, s.k, s.n); });
+    }
+    if (k == "linear.backward_input") {  // dx (N, in) = dy (N, out) W (out, in): m = N, n = in, k = out
+      auto dy = floats(s.m * s.k), wt = floats(s.k * s.n), dx = floats(s.m * s.n);
+      return launch([=, this] { layers::linear_backward_input(dx.data(), dy.data(), wt.data(), s.m, s.n, s.k); });
+    }
+    if (k == "linear.backward_weight") {  // dW (out, in) += dy^T x: m = out, n = in, k = N
+      auto dy = floats(s.k * s.m), x = floats(s.k * s.n), dw = floats(s.m * s.n), db = floats(s.m);
+      return launch([=, this] { layers::linear_backward_weight(dw.data(), db.data(), dy.data(), x.data(), s.k, s.n, s.m, true); });
+    }
+    if (k == "attention.forward" || k == "attention.backward") {
+      // The inventory counts attention's products per head and sample: 2 forward (QK^T, AV),
+      // 4 backward; the launch itself covers all heads of the micro-batch.
+      const int heads = static_cast<int>(s.batch / (k == "attention.forward" ? 2 : 4) / B_);
+      const int C = heads * static_cast<int>(s.k);
+      auto qkv = floats(static_cast<std::size_t>(B_) * T_ * 3 * C), out = floats(static_cast<std::size_t>(B_) * T_ * C);
+      auto probs = floats(static_cast<std::size_t>(B_) * heads * T_ * T_), scratch = floats(static_cast<std::size_t>(T_) * T_);
+      layers::attention_forward(out.data(), probs.data(), scratch.data(), qkv.data(), B_, T_, C, heads, layers::no_post);
+      if (k == "attention.forward")
+        return launch([=, this] {
+          layers::attention_forward(out.data(), probs.data(), scratch.data(), qkv.data(), B_, T_, C, heads,
+                                    layers::no_post);
+        });
+      auto dqkv = floats(qkv.size()), dout = floats(out.size());
+      return launch([=, this] {
+        layers::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), probs.data(), B_, T_, C, heads,
+                                   layers::no_post);
+      });
+    }
+    const std::size_t n = static_cast<std::size_t>(s.elements);
+    const int rows = static_cast<int>(n / C_);
+    if (k == "layernorm.forward" || k == "layernorm.backward_input" || k == "layernorm.backward_weight") {
+      auto x = floats(n), out = floats(n), g = floats(C_), b = floats(C_), mean = floats(rows), rstd = floats(rows);
+      layers::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), rows, C_);
+      if (k == "layernorm.forward")
+        return launch([=, this] {
+          layers::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), g.data(), b.data(), rows, C_);
+        });
+      auto dout = floats(n), dres = floats(n);
+      if (k == "layernorm.backward_input")
+        return launch([=, this] {
+          layers::layernorm_backward_input(out.data(), dout.data(), x.data(), mean.data(), rstd.data(), g.data(),
+                                           dres.data(), rows, C_);
+        });
+      return launch([=, this] {
+        layers::layernorm_backward_weight(g.data(), b.data(), dout.data(), x.data(), mean.data(), rstd.data(), rows, C_);
+      });
+    }
+    if (k == "gelu.forward") {
+      auto x = floats(n), y = floats(n);
+      return launch([=, this] { layers::gelu_forward(y.data(), x.data(), n); });
+    }
+    if (k == "gelu.backward") {
+      auto x = floats(n), dy = floats(n), dx = floats(n);
+      return launch([=, this] { layers::gelu_backward(dx.data(), x.data(), dy.data(), n); });
+    }
+    if (k == "residual") {
+      auto a = floats(n), b = floats(n), y = floats(n);
+      return launch([=, this] {
+        for (std::size_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+      });
+    }
+    if (k == "copy") {
+      auto a = floats(n), y = floats(n);
+      return launch([=, this] { std::copy(a.begin(), a.end(), y.begin()); });
+    }
+    if (k == "round") {
+      auto a = floats(n);
+      return launch([=, this] { round_and_scan(w.dtype, a.data(), n); });
+    }
+    if (k == "embedding.forward" || k == "embedding.backward") {
+      const int b = std::max(1, rows / T_);
+      auto tokens = ints(static_cast<std::size_t>(b) * T_);
+      std::uniform_int_distribution<int> pick(0, V_ - 1);
+      for (auto& t : tokens) t = pick(rng_);
+      auto wte = floats(static_cast<std::size_t>(V_) * C_), wpe = floats(static_cast<std::size_t>(T_) * C_), out = floats(n);
+      if (k == "embedding.forward")
+        return launch([=, this] { layers::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), b, T_, C_); });
+      return launch([=, this] { layers::embedding_backward(wte.data(), wpe.data(), out.data(), tokens.data(), b, T_, C_); });
+    }
+    if (k == "cross_entropy.forward" || k == "cross_entropy.backward") {
+      const int rows_v = static_cast<int>(n / V_);
+      auto targets = ints(rows_v);
+      std::uniform_int_distribution<int> pick(0, V_ - 1);
+      for (auto& t : targets) t = pick(rng_);
+      auto logits = floats(n), lse = floats(rows_v), dlogits = floats(n);
+      layers::cross_entropy_forward(lse.data(), logits.data(), targets.data(), rows_v, V_);
+      if (k == "cross_entropy.forward")
+        return launch([=, this] { layers::cross_entropy_forward(lse.data(), logits.data(), targets.data(), rows_v, V_); });
+      return launch([=, this] {
+        layers::cross_entropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), rows_v, V_, 1.0f);
+      });
+    }
+    if (k == "commit") {  // a weight gradient into the accumulation buffer (stage_model.cpp commit)
+      const auto& pr = plan_.plan.config.precision;
+      auto produced = floats(n), acc = floats(n);
+      if (w.bytes <= 4.0 * static_cast<double>(n)) return launch([=, this] { scan(acc.data(), n); });
+      return launch([=, this] {
+        round_and_scan(pr.compute, produced.data(), n);
+        for (std::size_t i = 0; i < n; ++i) acc[i] += produced[i];
+        round_and_scan(pr.grad_accumulation, acc.data(), n);
+      });
+    }
+    if (k == "grad_norm") {
+      auto g = floats(n);
+      return launch([=, this] {
+        double sumsq = 0;
+        for (float v : g) sumsq += static_cast<double>(v) * v;
+        sink_ += sumsq;
+      });
+    }
+    if (k == "adam" || k == "sgd") {
+      const auto& tr = plan_.plan.config.training;
+      OptimizerSettings set;
+      set.kind = tr.optimizer;
+      set.learning_rate = tr.lr;
+      set.beta1 = tr.adam_beta1, set.beta2 = tr.adam_beta2, set.eps = tr.adam_eps, set.weight_decay = tr.weight_decay;
+      OptimizerState* opt = optimizers_.emplace_back(std::make_unique<OptimizerState>(set, n)).get();
+      auto weights = floats(n, 0.02f), grads = floats(n, 1e-3f);
+      const DType master = plan_.plan.config.precision.master_weights;
+      return launch([=, this] {
+        opt->step(weights, grads, 1.0f);
+        if (master != DType::fp32) round_inplace(master, weights);
+      });
+    }
+    if (k == "zero") {
+      auto g = floats(n);
+      return launch([=, this] { std::fill(g.begin(), g.end(), 0.0f); });
+    }
+    throw std::logic_error("calibrate: no CPU implementation to time for kernel " + k);
+  }
+
+ private:
+  std::span<float> floats(long n, float scale = 1.0f) {
+    return floats_.emplace_back(random_floats(static_cast<std::size_t>(n), rng_, scale));
+  }
+  std::span<std::int32_t> ints(std::size_t n) { return ints_.emplace_back(n); }
+  template <class F>
+  std::function<void()> launch(F&& f) {
+    return std::function<void()>(std::forward<F>(f));
+  }
+  std::deque<std::vector<float>> floats_;  // stable addresses: launchers keep references
+  std::deque<std::vector<std::int32_t>> ints_;
+  std::vector<std::unique_ptr<OptimizerState>> optimizers_;
+
+  const RuntimePlan& plan_;
+  const CalibrateOptions& o_;
+  std::mt19937 rng_;
+  int B_, T_, C_, V_;
+  double sink_ = 0;
+};
+
+double machine_memory_gib() {
+  const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && size > 0 ? static_cast<double>(pages) * size / (1024.0 * 1024 * 1024) : 0;
+}
+
+void pin_to(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+// A stage of the runtime's own blocks with its input and gradient buffers.
+struct StageBench {
+  std::unique_ptr<StageModel> model;
+  std::vector<float> in, out, grad_out, grad_in;
+
+  StageBench(const StageSpec& spec, std::uint32_t seed) : model(std::make_unique<StageModel>(spec)) {
+    model->init(seed);
+    std::mt19937 rng(seed);
+    const std::size_t act = model->activation_elements();
+    in = random_floats(act, rng);
+    grad_out = random_floats(act, rng, 1e-3f);
+    out.resize(act);
+    grad_in.resize(act);
+  }
+  // Seconds of one forward and one backward of micro-batch 0.
+  std::pair<double, double> time() {
+    StageModel& st = *model;
+    const auto a = Clock::now();
+    st.forward(0, nullptr, nullptr, in.data(), out.data());
+    const auto b = Clock::now();
+    st.backward_begin(0, grad_out.data(), 1.0f);
+    for (int u = 0; u < st.backward_units(); ++u) st.backward_unit(0);
+    st.backward_end(0, grad_in.data());
+    const auto c = Clock::now();
+    st.zero_gradients();
+    return {std::chrono::duration<double>(b - a).count(), std::chrono::duration<double>(c - b).count()};
+  }
+};
+
+}  // namespace
+
+std::string cpu_description() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model = "unknown CPU";
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      model = line.substr(line.find(':') + 2);
+      break;
+    }
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return fmt::format("{}, {} cores", model, cores);
+}
+
+namespace {
+
+// The CPU's side of calibration: the runtime's own kernels on a thread pinned to core 0, and a
+// stage of its blocks on every rank's core.
+class CpuClock final : public KernelClock {
+ public:
+  CpuClock(const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)
+      : pin_(options.pin), timer_(plan, options) {
+    for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
+    // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
+    // (none beyond the cores: oversubscribed ranks are not pinned).
+    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int ranks = plan.plan.num_ranks() <= cores && pin_ ? plan.plan.num_ranks() : 1;
+    for (int c = 0; c < ranks; ++c) stages_.emplace_back(spec, 7);
+    on_timing_thread([&] {
+      for (const auto& c : calls_) c();  // warm-up: first touches, lazy allocations
+      stages_[0].time();
+    });
+  }
+
+  std::string placement() const override { return pin_ ? "core 0, pinned" : "one thread"; }
+
+  void on_timing_thread(const std::function<void()>& body) override {
+    on_own_thread([&] {
+      if (pin_) pin_to(0);
+      body();
+    });
+  }
+
+  double time_kernel(std::size_t i) override {
+    calls_[i]();  // untimed: its operands in cache, as a kernel finds what the one before it wrote
+    const auto a = Clock::now();
+    calls_[i]();
+    return std::chrono::duration<double>(Clock::now() - a).count();
+  }
+
+  std::pair<double, double> time_stage() override { return stages_[0].time(); }
+  int stage_ranks() const override { return static_cast<int>(stages_.size()); }
+
+  std::vector<double> time_stages_together() override {
+    const int n = static_cast<int>(stages_.size());
+    std::vector<double> seconds(static_cast<std::size_t>(n));
+    std::barrier start(n);
+    std::vector<std::thread> threads;
+    for (int c = 0; c < n; ++c)
+      threads.emplace_back([&, c] {
+        pin_to(c);
+        start.arrive_and_wait();
+        const auto [f, b] = stages_[static_cast<std::size_t>(c)].time();
+        seconds[static_cast<std::size_t>(c)] = f + b;
+      });
+    for (auto& t : threads) t.join();
+    return seconds;
+  }
+
+ private:
+  bool pin_;
+  KernelTimer timer_;
+  std::vector<std::function<void()>> calls_;
+  std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
+};
+
+}  // namespace
+
+std::unique_ptr<KernelCalibrator> make_cpu_kernel_calibrator(const RuntimePlan& plan, const CalibrateOptions& options) {
+  return std::make_unique<KernelCalibrator>(
+      plan, options, distinct_kernels(plan.plan, 4), 4,
+      [](const RuntimePlan& p, const CalibrateOptions& o, const std::vector<KernelWork>& kernels) {
+        return std::make_unique<CpuClock>(p, o, kernels);
+      });
+}
+
+HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {
+  HardwareProfile p;
+  p.name = name;
+  p.backend = "cpu";
+  p.device = cpu_description();
+  p.measured = now_iso();
+  p.scenario = plan.plan.source;
+  p.emulated_low_precision = true;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  p.ranks_per_node = cores;
+  p.memory_gib = machine_memory_gib() / cores;
+  return p;
+}
+
+HardwareProfile calibrate_cpu(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options,
+                              CommBenchResult* comm_table) {
+  return calibrate_profile(cpu_backend(), plan, name, options, comm_table);
+}
+
+}  // namespace trainsim::runtime

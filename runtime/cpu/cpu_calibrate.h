@@ -1,0 +1,28 @@
+// `trainsim calibrate --backend cpu`: the CPU backend's kernel calibrator (runtime/calibrate/
+// calibrate.h's method) and its profile. Each kernel of the plan's inventory is timed with the
+// runtime's own implementation of it (runtime/model/layers.h, runtime/numerics/) on buffers of
+// fresh random values, on a thread pinned to core 0 like rank 0's compute thread; its stage of
+// the runtime's own blocks runs alone on core 0 and on every rank's core at once.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "core/hardware_profile.h"
+#include "runtime/calibrate/calibrate.h"
+#include "runtime/runtime_plan.h"
+
+namespace trainsim::runtime {
+
+// The CPU backend's kernel calibrator for `plan` (its clock: the runtime's own kernels, pinned).
+std::unique_ptr<KernelCalibrator> make_cpu_kernel_calibrator(const RuntimePlan& plan, const CalibrateOptions& options);
+
+// A profile with the machine's description and no rates yet.
+HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name);
+// The machine's CPU model and core count, for the profile's `device`.
+std::string cpu_description();
+// calibrate_profile(cpu_backend(), ...).
+HardwareProfile calibrate_cpu(const RuntimePlan& plan, const std::string& name, const CalibrateOptions& options,
+                              CommBenchResult* comm_table = nullptr);
+
+}  // namespace trainsim::runtime

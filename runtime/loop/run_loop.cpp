@@ -1,0 +1,210 @@
+#include "runtime/loop/run_loop.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/metrics.h"
+#include "runtime/checkpoint.h"
+#include "runtime/engine/rank_threads.h"
+#include "runtime/engine/weights.h"
+
+namespace trainsim::runtime {
+
+RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& options) {
+  backend.require_available();
+  RunReport report;
+  report.runtime_plan = rp;
+  report.backend = backend.name;
+  report.backend_title = backend.title;
+  const Plan& plan = report.runtime_plan.plan;
+  const int steps = options.steps > 0 ? options.steps : plan.config.runtime.steps;
+  const auto samples_per_step = static_cast<std::uint64_t>(plan.global_batch_size);
+  const std::string fingerprint = plan_fingerprint(rp);
+
+  // The data and the engine that runs the steps.
+  const Dataset data = open_run_data(rp, options, report.data_source);
+  const std::unique_ptr<DeviceEngine> engine = backend.engine(report.runtime_plan, data, options);
+  const World& world = engine->world();
+  report.schedule = engine->schedule();
+  const Execution execution = engine->execution();
+  report.execution = execution.text;
+  report.ranks_as = execution.ranks_as;
+  report.threads_pinned = execution.threads_pinned;
+
+  // Resume: every backend writes and reads the same checkpoint format, so any resumes any other's.
+  int first = 1;
+  if (!options.resume_from.empty()) {
+    const Checkpoint ck = load_checkpoint(options.resume_from, fingerprint);
+    if (static_cast<int>(ck.ranks.size()) != world.size())
+      throw CheckpointError(fmt::format("checkpoint has {} ranks, the plan {}", ck.ranks.size(), world.size()));
+    engine->restore(ck);
+    first = ck.step + 1;
+  }
+  report.first_step = first;
+
+  std::vector<Timeline> timelines;
+  LossWatch loss_watch;
+  for (int step = first; step <= steps; ++step) {
+    // One optimizer step on every rank.
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<RankStep> ranks = engine->run_step(step, static_cast<std::uint64_t>(step - 1) * samples_per_step);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    // A rank that failed (a communication timeout, a device error, a bug) ends the run with its error.
+    for (int r = 0; r < world.size(); ++r)
+      if (!ranks[static_cast<std::size_t>(r)].error.empty()) {
+        report.failure = RunFailure{
+            step, fmt::format("rank {} failed at step {}: {}", r, step, ranks[static_cast<std::size_t>(r)].error)};
+        break;
+      }
+    if (report.failure) break;
+
+    // What it measured: the step's timeline and numerics, and the replicas' weights.
+    timelines.push_back(measured_timeline(report.schedule, ranks));
+    std::string first_nonfinite;
+    StepRecord rec = step_record(step, seconds, ranks, &first_nonfinite);
+    std::vector<std::uint64_t> hashes;
+    for (const RankStep& r : ranks) hashes.push_back(r.weights_hash);
+    rec.replica_checksums = replica_checksums(world, hashes);
+    const std::optional<double> drift = engine->replica_drift();
+    const bool identical = std::all_of(rec.replica_checksums.begin(), rec.replica_checksums.end(),
+                                       [&](std::uint64_t h) { return h == rec.replica_checksums[0]; });
+    // Replicas differ, by how much is only known when all ranks are at hand.
+    rec.replica_drift = drift ? *drift : identical ? 0.0 : INFINITY;
+    if (options.on_step) options.on_step(rec);
+    report.steps.push_back(rec);
+
+    // Stop a run that went numerically wrong; checkpoint one that did not.
+    report.failure = loss_watch.check(rec, first, first_nonfinite);
+    if (checkpoint_due(options, step, steps) && !report.failure) {
+      Checkpoint ck;
+      ck.fingerprint = fingerprint;
+      ck.step = step;
+      ck.data_position = static_cast<std::uint64_t>(step) * samples_per_step;
+      ck.seed = static_cast<std::uint64_t>(plan.config.runtime.seed);
+      ck.ranks = engine->save();
+      if (engine->writes_files()) report.checkpoints.push_back(save_checkpoint(options.checkpoint_dir, ck));
+    }
+    if (report.failure) break;
+  }
+
+  // The result: the median step's timeline, through the simulator's own metrics.
+  if (const int chosen = median_step_index(report.steps); chosen >= 0) {
+    report.timeline = timelines[static_cast<std::size_t>(chosen)];
+    report.timeline_step = report.steps[static_cast<std::size_t>(chosen)].step;
+  } else {
+    report.timeline.schedule = report.schedule;
+    report.timeline.predicted = false;
+    report.timeline.ops.assign(report.schedule->ranks.size(), {});
+    for (std::size_t r = 0; r < report.schedule->ranks.size(); ++r)
+      report.timeline.ops[r].assign(report.schedule->ranks[r].ops.size(), {});
+  }
+  report.memory = engine->memory_peaks();
+  report.allocated_peak_bytes = engine->allocated_peaks();
+  report.result = compute_result(plan, report.timeline, report.memory);
+  report.result.mfu = 0;  // against the scenario's GPU, not this device: not claimed (calibrate measures it)
+  for (const auto& n : rp.notes) report.result.warnings.push_back("runtime: " + n);
+  return report;
+}
+
+Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::string& source) {
+  const auto& rt = rp.plan.config.runtime;
+  const int seq = rp.dims.seq_length;
+  const auto seed = static_cast<std::uint64_t>(rt.seed);
+  if (options.synthetic_data) {
+    source = fmt::format("synthetic (order-2 Markov chain over {} tokens, seed {})", rp.dims.vocab_size, seed);
+    return Dataset::synthetic(rp.dims.vocab_size, std::size_t{1} << 20, seq, seed);
+  }
+  const std::string path = options.data_path.empty() ? bundled_corpus_path() : options.data_path;
+  source = path;
+  return Dataset::from_file(path, seq, seed);
+}
+
+Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::vector<RankStep>& ranks) {
+  Timeline tl;
+  tl.schedule = schedule;
+  tl.predicted = false;
+  tl.ops.reserve(ranks.size());
+  for (const RankStep& r : ranks) tl.ops.push_back(r.timing);
+  std::vector<Tick> last_arrival(schedule->collectives.size(), -1);
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const auto& ops = schedule->ranks[r].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].channel >= 0 && is_collective(ops[i].kind))
+        last_arrival[ops[i].channel] = std::max(last_arrival[ops[i].channel], ranks[r].arrival[i]);
+  }
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const auto& ops = schedule->ranks[r].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].channel >= 0 && is_collective(ops[i].kind))
+        tl.ops[r][i].start = std::min(tl.ops[r][i].end, std::max(tl.ops[r][i].start, last_arrival[ops[i].channel]));
+  }
+  return tl;
+}
+
+StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ranks, std::string* first_nonfinite) {
+  StepRecord rec;
+  rec.step = step;
+  rec.step_time_s = seconds;
+  double loss_sum = 0;
+  int loss_count = 0;
+  Tick first_bad = -1;
+  std::string first_bad_what;
+  for (const RankStep& r : ranks) {
+    loss_sum += r.loss_sum;
+    loss_count += r.loss_count;
+    rec.nonfinite_count += r.numerics.nonfinite_count;
+    rec.skipped_ranks += r.numerics.skipped ? 1 : 0;
+    if (r.first_nonfinite_at >= 0 && (first_bad < 0 || r.first_nonfinite_at < first_bad)) {
+      first_bad = r.first_nonfinite_at;
+      first_bad_what = r.numerics.first_nonfinite;
+    }
+    rec.ranks.push_back(r.numerics);
+  }
+  rec.loss = loss_count > 0 ? loss_sum / loss_count : NAN;
+  if (!ranks.empty()) {
+    rec.grad_norm = ranks[0].grad_norm;
+    rec.loss_scale = ranks[0].numerics.loss_scale;
+    rec.skipped = ranks[0].numerics.skipped;
+  }
+  if (first_nonfinite) *first_nonfinite = first_bad_what;
+  return rec;
+}
+
+std::optional<RunFailure> LossWatch::check(const StepRecord& rec, int first_step,
+                                           const std::string& step_first_nonfinite) {
+  if (!have_first_ || std::isnan(first_loss_)) {
+    first_loss_ = rec.loss;
+    have_first_ = true;
+  }
+  if (first_trouble_.empty() && !step_first_nonfinite.empty())
+    first_trouble_ = fmt::format("non-finite values first appeared at step {}, in {}", rec.step, step_first_nonfinite);
+  const std::string origin = first_trouble_.empty() ? "" : "; " + first_trouble_;
+  if (!std::isfinite(rec.loss))
+    return RunFailure{rec.step, fmt::format("loss became {} at step {}{}", std::isnan(rec.loss) ? "NaN" : "infinite",
+                                            rec.step, origin)};
+  if (rec.step > first_step + 2 && rec.loss > 3 * first_loss_)
+    return RunFailure{rec.step, fmt::format("loss diverged at step {}: {:.3f}, more than 3x the first step's {:.3f}{}",
+                                            rec.step, rec.loss, first_loss_, origin)};
+  return std::nullopt;
+}
+
+bool checkpoint_due(const RunOptions& options, int step, int steps) {
+  return !options.checkpoint_dir.empty() && options.checkpoint_every_steps > 0 &&
+         (step % options.checkpoint_every_steps == 0 || step == steps);
+}
+
+int median_step_index(const std::vector<StepRecord>& steps) {
+  if (steps.empty()) return -1;
+  std::vector<int> idx;
+  for (int i = steps.size() > 1 ? 1 : 0; i < static_cast<int>(steps.size()); ++i) idx.push_back(i);
+  std::sort(idx.begin(), idx.end(), [&](int a, int b) {
+    return steps[a].step_time_s < steps[b].step_time_s || (steps[a].step_time_s == steps[b].step_time_s && a < b);
+  });
+  return idx[idx.size() / 2];
+}
+
+}  // namespace trainsim::runtime

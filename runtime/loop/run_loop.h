@@ -1,0 +1,76 @@
+// The run loop: `trainsim run` on any backend, written once (DESIGN.md "Runtime"). It owns the
+// run: the data, resuming from a checkpoint, the steps, the numerics log, the loss watch, the
+// replica checksums, the checkpoints, and the measured result (the median step's Timeline through
+// the simulator's own compute_result). A device engine (runtime/engine/device_engine.h), built
+// from the backend's record (runtime/backend.h), runs each step of the schedule.
+//
+//   run(backend, plan, options)
+//     data   = open_run_data(plan, options)
+//     engine = backend.engine(plan, data, options)
+//     if resuming: engine.restore(load_checkpoint(...))
+//     for step in first..steps:
+//       ranks    = engine.run_step(step, data position)        per-rank timings and numerics
+//       timeline = measured_timeline(schedule, ranks)
+//       record   = step_record(step, ranks) + replica checksums and drift
+//       failure  = a rank's error, or loss_watch.check(record)
+//       if checkpoint_due: save_checkpoint(engine.save())
+//     result = compute_result(plan, timeline of the median step, engine.memory_peaks())
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/timeline.h"
+#include "runtime/backend.h"
+#include "runtime/contract.h"
+#include "runtime/data/dataset.h"
+#include "runtime/engine/device_engine.h"
+
+namespace trainsim::runtime {
+
+// Runs the plan on `backend`. Throws ScenarioError/std::runtime_error for bad setup (data, a
+// checkpoint to resume from, a backend this build cannot use), std::invalid_argument for a plan the
+// backend cannot run; a run that goes numerically wrong, or whose rank fails, returns with
+// `failure` set.
+RunReport run(const Backend& backend, const RuntimePlan& plan, const RunOptions& options);
+
+// The pieces of the loop, for its tests.
+
+// The run's tokens: synthetic, the file options.data_path names, or the bundled corpus; `source`
+// says which, in words.
+Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::string& source);
+
+// The measured Timeline of one step from every rank's op timings and, for collectives, when
+// each rank reached them: a collective starts when its last member reaches it (as the
+// simulator defines it).
+Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::vector<RankStep>& ranks);
+
+// The step's record from every rank's, by rank: the mean loss, counts, rank 0's norm, scale and
+// verdict. Replica checksums and drift are the loop's. *first_nonfinite: where inf/NaN appeared
+// first in time this step, or "".
+StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ranks, std::string* first_nonfinite);
+
+// Ends a run that went numerically wrong: loss not finite, or more than 3x the first step's
+// after two steps. The failure says where inf/NaN first appeared in the run (step_record's
+// first_nonfinite, passed every step; the earliest is kept).
+class LossWatch {
+ public:
+  std::optional<RunFailure> check(const StepRecord& rec, int first_step, const std::string& step_first_nonfinite);
+
+ private:
+  double first_loss_ = -1;
+  bool have_first_ = false;
+  std::string first_trouble_;
+};
+
+// A checkpoint is written after `step` of `steps` when options ask for them every N steps: at
+// every multiple of N and at the last step.
+bool checkpoint_due(const RunOptions& options, int step, int steps);
+
+// The step a report describes: the median by time, leaving out the first (warm-up: first
+// touches of memory) when there are others. Index into `steps`; -1 when empty.
+int median_step_index(const std::vector<StepRecord>& steps);
+
+}  // namespace trainsim::runtime

@@ -1,0 +1,232 @@
+// The run loop (runtime/loop/run_loop.h), on the null engine (runtime/null/null_engine.h): what the
+// loop owns, whatever engine runs the steps. Resuming is bitwise, checkpoints come at their
+// cadence and never after a failure, a failed rank or a NaN/diverging loss ends the run with a
+// message that says where, the report describes the median step, and with an engine that plays
+// back the prediction the measured result is the predicted one.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include "runtime/backend.h"
+#include "runtime/checkpoint.h"
+#include "runtime/loop/run_loop.h"
+#include "runtime/null/null_engine.h"
+#include "runtime/runtime_plan.h"
+#include "sim/simulator.h"
+#include "tests/runtime/runtime_test_config.h"
+
+namespace trainsim::runtime {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+ScenarioConfig config(int dp, int pp, ScheduleKind schedule, int vpp = 1, int steps = 5) {
+  ScenarioConfig c = testing::tiny_training(dp, pp, schedule, vpp);
+  c.runtime.steps = steps;
+  return c;
+}
+
+// The null backend with `faults`, reporting (not sleeping) unless they say so.
+Backend faulty(const NullFaults& faults) {
+  Backend b = null_backend();
+  b.engine = [faults](const RuntimePlan& plan, const Dataset&, const RunOptions& options) {
+    return make_null_engine(plan, options, faults);
+  };
+  return b;
+}
+
+RunReport run_null(const ScenarioConfig& c, RunOptions options = {}, const NullFaults& faults = {}) {
+  options.synthetic_data = true;
+  return run(faulty(faults), make_runtime_plan(c), options);
+}
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / ("trainsim_test_run_" + name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+RunOptions checkpoints_every(int steps, const fs::path& dir) {
+  RunOptions o;
+  o.checkpoint_dir = dir.string();
+  o.checkpoint_every_steps = steps;
+  return o;
+}
+
+TEST(RunLoop, PlaysBackThePredictionAsTheMeasuredResult) {
+  for (const ScenarioConfig& c : {config(2, 2, ScheduleKind::one_f_one_b), config(1, 4, ScheduleKind::gpipe),
+                                  config(2, 2, ScheduleKind::interleaved_1f1b, 2), config(1, 2, ScheduleKind::zb_h1)}) {
+    SCOPED_TRACE(std::string(schedule_name(c.parallelism.schedule)));
+    const RuntimePlan rp = make_runtime_plan(c);
+    const RunReport r = run_null(c);
+    ASSERT_FALSE(r.failure) << r.failure->message;
+    ASSERT_EQ(r.steps.size(), 5u);
+    EXPECT_EQ(r.first_step, 1);
+    EXPECT_EQ(r.backend, "null");
+    EXPECT_FALSE(r.timeline.predicted);
+    const Prediction p = predict(rp.plan);
+    EXPECT_EQ(r.result.step_time_s, p.result.step_time_s);
+    EXPECT_EQ(r.result.bubble_fraction, p.result.bubble_fraction);
+    EXPECT_EQ(r.result.allreduce_time_s, p.result.allreduce_time_s);
+    ASSERT_EQ(r.result.ranks.size(), p.result.ranks.size());
+    for (std::size_t k = 0; k < r.result.ranks.size(); ++k)
+      EXPECT_EQ(r.result.ranks[k].peak_memory_bytes, p.result.ranks[k].peak_memory_bytes) << "rank " << k;
+    EXPECT_EQ(r.result.mfu, 0) << "a run claims no MFU";
+    for (const StepRecord& s : r.steps) {
+      EXPECT_EQ(s.replica_checksums.size(), static_cast<std::size_t>(rp.plan.dp));
+      for (std::uint64_t h : s.replica_checksums) EXPECT_EQ(h, s.replica_checksums[0]) << "replicas stay identical";
+      EXPECT_EQ(s.replica_drift, 0.0);
+      EXPECT_EQ(s.ranks.size(), static_cast<std::size_t>(rp.plan.num_ranks()));
+    }
+    EXPECT_LT(r.steps.back().loss, r.steps.front().loss) << "the stand-in trains";
+  }
+}
+
+TEST(RunLoop, ResumingFromACheckpointIsBitwiseAndCheckpointsComeAtTheirCadence) {
+  const fs::path dir = fresh_dir("resume");
+  const ScenarioConfig c = config(2, 2, ScheduleKind::one_f_one_b, 1, 7);
+  const RunReport whole = run_null(c, checkpoints_every(3, dir));
+  ASSERT_FALSE(whole.failure);
+  // Every multiple of 3, and the last step.
+  ASSERT_EQ(whole.checkpoints.size(), 3u);
+  EXPECT_EQ(load_checkpoint(whole.checkpoints[0]).step, 3);
+  EXPECT_EQ(load_checkpoint(whole.checkpoints[1]).step, 6);
+  EXPECT_EQ(load_checkpoint(whole.checkpoints[2]).step, 7);
+  EXPECT_EQ(load_checkpoint(dir.string()).step, 7) << "the folder resumes from its latest";
+
+  RunOptions resume;
+  resume.resume_from = whole.checkpoints[0];
+  const RunReport rest = run_null(c, resume);
+  ASSERT_FALSE(rest.failure);
+  ASSERT_EQ(rest.first_step, 4);
+  ASSERT_EQ(rest.steps.size(), 4u);
+  for (const StepRecord& again : rest.steps) {
+    const StepRecord& first_time = whole.steps[static_cast<std::size_t>(again.step - 1)];
+    EXPECT_EQ(again.loss, first_time.loss) << "step " << again.step << ", bitwise";
+    EXPECT_EQ(again.replica_checksums, first_time.replica_checksums) << "step " << again.step;
+  }
+  EXPECT_TRUE(rest.checkpoints.empty()) << "no checkpoint dir, no checkpoints";
+
+  // A checkpoint of another plan is refused before any step.
+  ScenarioConfig other = c;
+  other.parallelism.schedule = ScheduleKind::gpipe;
+  EXPECT_THROW(run_null(other, resume), CheckpointError);
+  fs::remove_all(dir);
+}
+
+TEST(RunLoop, AFailedRankEndsTheRunNamingItAndWritesNothingAfter) {
+  const fs::path dir = fresh_dir("fail");
+  NullFaults f;
+  f.fail_rank = 2;
+  f.fail_step = 3;
+  const RunReport r = run_null(config(2, 2, ScheduleKind::one_f_one_b), checkpoints_every(1, dir), f);
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 3);
+  EXPECT_NE(r.failure->message.find("rank 2 failed at step 3: the null engine's injected failure"), std::string::npos)
+      << r.failure->message;
+  EXPECT_EQ(r.steps.size(), 2u) << "the failed step has no record";
+  EXPECT_EQ(r.checkpoints.size(), 2u) << "checkpoints of the steps that completed, none after";
+  EXPECT_EQ(r.timeline_step, 2) << "the result describes a step that completed";
+  fs::remove_all(dir);
+}
+
+TEST(RunLoop, ANonFiniteLossEndsTheRunSayingWhereItFirstAppeared) {
+  const fs::path dir = fresh_dir("nan");
+  NullFaults f;
+  f.nan_step = 2;
+  const RunReport r = run_null(config(1, 2, ScheduleKind::gpipe), checkpoints_every(1, dir), f);
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 2);
+  EXPECT_EQ(r.failure->message,
+            "loss became NaN at step 2; non-finite values first appeared at step 2, in the null engine's injected NaN "
+            "(stage 1, replica 0)");
+  ASSERT_EQ(r.steps.size(), 2u) << "the step that went wrong is recorded";
+  EXPECT_TRUE(std::isnan(r.steps[1].loss));
+  EXPECT_EQ(r.checkpoints.size(), 1u) << "no checkpoint of a failed step";
+  fs::remove_all(dir);
+}
+
+TEST(RunLoop, ADivergingLossEndsTheRun) {
+  NullFaults f;
+  f.diverge_step = 4;
+  const RunReport r = run_null(config(1, 1, ScheduleKind::one_f_one_b, 1, 8), {}, f);
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 4);
+  EXPECT_EQ(r.failure->message.rfind("loss diverged at step 4", 0), 0u) << r.failure->message;
+  EXPECT_EQ(r.steps.size(), 4u);
+}
+
+TEST(RunLoop, TheReportDescribesTheMedianStepNotTheFirstOrTheSlowest) {
+  NullFaults f;
+  f.step_sleep = {milliseconds(150), milliseconds(2), milliseconds(120), milliseconds(2), milliseconds(2)};
+  const RunReport r = run_null(config(1, 2, ScheduleKind::one_f_one_b), {}, f);
+  ASSERT_FALSE(r.failure);
+  ASSERT_EQ(r.steps.size(), 5u);
+  EXPECT_GE(r.steps[2].step_time_s, 0.1) << "the loop times each step";
+  EXPECT_NE(r.timeline_step, 1) << "the first step is left out (warm-up)";
+  EXPECT_NE(r.timeline_step, 3) << "the slow step is not the median";
+  EXPECT_EQ(r.steps[static_cast<std::size_t>(median_step_index(r.steps))].step, r.timeline_step);
+}
+
+TEST(RunLoop, MedianStepLeavesOutTheFirstWhenThereAreOthers) {
+  auto steps = [](std::vector<double> seconds) {
+    std::vector<StepRecord> out;
+    for (std::size_t i = 0; i < seconds.size(); ++i) {
+      StepRecord s;
+      s.step = static_cast<int>(i) + 1;
+      s.step_time_s = seconds[i];
+      out.push_back(s);
+    }
+    return out;
+  };
+  EXPECT_EQ(median_step_index({}), -1);
+  EXPECT_EQ(median_step_index(steps({5})), 0) << "one step is its own median";
+  EXPECT_EQ(median_step_index(steps({0.1, 9, 1})), 1) << "of {9, 1}: the upper middle";
+  EXPECT_EQ(median_step_index(steps({9, 3, 1, 2})), 3) << "of {3, 1, 2}: 2";
+  EXPECT_EQ(median_step_index(steps({9, 2, 2, 2})), 2) << "ties: the earlier of the middle";
+}
+
+TEST(RunLoop, ABackendThisBuildCannotUseSaysWhyBeforeRunning) {
+  Backend b = null_backend();
+  b.unavailable = "this trainsim was built without the example device";
+  bool built = false;
+  b.engine = [&](const RuntimePlan& plan, const Dataset&, const RunOptions& options) {
+    built = true;
+    return make_null_engine(plan, options);
+  };
+  RunOptions o;
+  o.synthetic_data = true;
+  try {
+    (void)run(b, make_runtime_plan(config(1, 1, ScheduleKind::gpipe)), o);
+    FAIL() << "ran on an unavailable backend";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "this trainsim was built without the example device");
+  }
+  EXPECT_FALSE(built);
+}
+
+TEST(Backends, EveryBackendIsFoundByItsNameOnce) {
+  std::vector<std::string> names;
+  for (const Backend* b : backends()) {
+    names.push_back(b->name);
+    EXPECT_EQ(&find_backend(b->name), b);
+    EXPECT_FALSE(b->title.empty()) << b->name;
+    EXPECT_TRUE(b->engine || !b->unavailable.empty()) << b->name << ": an engine, or why not";
+  }
+  for (const char* expected : {"cpu", "cuda", "null"})
+    EXPECT_EQ(std::count(names.begin(), names.end(), expected), 1) << expected;
+  EXPECT_EQ(&cpu_backend(), &find_backend("cpu"));
+  try {
+    (void)find_backend("tpu");
+    FAIL() << "found a backend that does not exist";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu, cuda, null"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace trainsim::runtime

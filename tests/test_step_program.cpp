@@ -1,0 +1,456 @@
+// The sweep's fast path against the discrete-event engine it replaces, on random plans:
+//  * StepProgram (a schedule compiled into a max-plus program, sim/step_program.h) gives the
+//    engine's Timeline op for op, for every rank or for replica 0 alone, with the default
+//    cost models and with others that price every rank differently;
+//  * Predictor::evaluate, which caches schedules and their programs across configurations,
+//    gives predict()'s Result whole (operator==: every field of the Result and of every rank,
+//    memory and warnings included, and any field added to them later), configuration after
+//    configuration, as the prices, the memory, the placement and the schedule change;
+//  * what the cache relies on: changing a field that schedule_key_into clears leaves the
+//    schedule unchanged, and the compute model prices an op without reading its micro-batch,
+//    message, bucket, bytes, peer or dep.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+
+#include "core/config_fields.h"
+#include "sim/cost/collective_model.h"
+#include "sim/cost/compute_model.h"
+#include "sim/cost/p2p_model.h"
+#include "sim/simulator.h"
+#include "sim/step_program.h"
+#include "tests/test_helpers.h"
+
+namespace trainsim {
+namespace {
+
+bool same_timeline(const Timeline& a, const Timeline& b, std::string* where = nullptr) {
+  if (a.ops.size() != b.ops.size()) return false;
+  for (std::size_t r = 0; r < a.ops.size(); ++r) {
+    if (a.ops[r].size() != b.ops[r].size()) {
+      if (where) *where = "rank " + std::to_string(r) + " has a different number of ops";
+      return false;
+    }
+    for (std::size_t i = 0; i < a.ops[r].size(); ++i)
+      if (a.ops[r][i].start != b.ops[r][i].start || a.ops[r][i].end != b.ops[r][i].end) {
+        if (where)
+          *where = "rank " + std::to_string(r) + " op " + std::to_string(i) + ": [" + std::to_string(a.ops[r][i].start) +
+                   ", " + std::to_string(a.ops[r][i].end) + ") vs [" + std::to_string(b.ops[r][i].start) + ", " +
+                   std::to_string(b.ops[r][i].end) + ")";
+        return false;
+      }
+  }
+  return true;
+}
+
+// The whole Result (operator==), and where it differs when it does.
+void expect_same_result(const Result& got, const Result& want) {
+  if (got == want) return;
+  ADD_FAILURE() << "results differ";
+  EXPECT_EQ(got.step_time_s, want.step_time_s);
+  EXPECT_EQ(got.bubble_fraction, want.bubble_fraction);
+  EXPECT_EQ(got.tokens_per_s, want.tokens_per_s);
+  EXPECT_EQ(got.allreduce_time_s, want.allreduce_time_s);
+  EXPECT_EQ(got.exposed_comm_time_s, want.exposed_comm_time_s);
+  EXPECT_EQ(got.fits_in_memory, want.fits_in_memory);
+  EXPECT_EQ(got.warnings, want.warnings);
+  ASSERT_EQ(got.ranks.size(), want.ranks.size());
+  for (std::size_t r = 0; r < got.ranks.size(); ++r) {
+    const RankResult &x = got.ranks[r], &y = want.ranks[r];
+    if (x == y) continue;
+    ADD_FAILURE() << "rank " << r << ": busy " << x.busy_s << " vs " << y.busy_s << ", utilization " << x.utilization
+                  << " vs " << y.utilization << ", exposed " << x.exposed_comm_s << " vs " << y.exposed_comm_s
+                  << ", peak " << x.peak_memory_bytes << " vs " << y.peak_memory_bytes;
+  }
+}
+
+// A random valid configuration of the small test model: every schedule, 1-8 stages,
+// 1-4 replicas, tensor parallelism, ZeRO 0-3, recompute, overlapped and bucketed gradients,
+// loss scaling with global or local checks, untied embeddings, and placements where a
+// replica's pipeline boundaries fall on other nodes than replica 0's (dp = 3 on small nodes).
+struct RandomPlans {
+  std::mt19937 rng;
+  explicit RandomPlans(unsigned seed) : rng(seed) {}
+  int pick(std::initializer_list<int> xs) {
+    std::uniform_int_distribution<std::size_t> u(0, xs.size() - 1);
+    return *(xs.begin() + u(rng));
+  }
+  // Empty when the draw is not a valid layout.
+  std::optional<ScenarioConfig> next() {
+    const auto kind = static_cast<ScheduleKind>(pick({0, 1, 2, 3}));
+    const int p = pick({1, 2, 4, 8}), d = pick({1, 2, 3, 4}), t = pick({1, 2});
+    const int v = kind == ScheduleKind::interleaved_1f1b ? pick({2, 3}) : 1;
+    if (kind == ScheduleKind::interleaved_1f1b && p < 2) return std::nullopt;
+    const int m = kind == ScheduleKind::interleaved_1f1b ? p * pick({1, 2, 3}) : pick({1, 2, 3, 8, 16});
+    ScenarioConfig c = testing::small_config(p, m, kind, v, d);
+    c.cluster.num_gpus = p * d * t;
+    c.cluster.gpus_per_node = pick({1, 2, 4, 8});
+    if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) return std::nullopt;
+    c.parallelism.tensor_parallel_size = t;
+    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
+    c.parallelism.zero_stage = pick({0, 1, 2, 3});
+    // A framework that runs this ZeRO stage with this pipeline (FSDP has no stage 1;
+    // DeepSpeed, auto's choice for 2-3, refuses ZeRO-2/3 with a pipeline).
+    const int zero = c.parallelism.zero_stage;
+    c.parallelism.framework = static_cast<Framework>(zero == 1              ? pick({0, 1, 2})
+                                                     : zero >= 2 && p > 1 ? pick({1, 3})
+                                                                          : pick({0, 1, 2, 3}));
+    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
+    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+    c.training.micro_batch_size = pick({1, 2});
+    c.training.global_batch_size = m * d * c.training.micro_batch_size;
+    c.communication.overlap_grad_reduce = pick({0, 1});
+    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
+    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
+    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
+    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
+    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
+    c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
+    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    try {  // any other invariant a plan must meet
+      Plan::from_config(c);
+    } catch (const ScenarioError&) {
+      return std::nullopt;
+    }
+    return c;
+  }
+  // What a sweep varies without changing the schedule: rates, links, memory, recompute.
+  void reprice(ScenarioConfig& c) {
+    c.cluster.compute_efficiency = pick({30, 45, 60, 75}) / 100.0;
+    c.cluster.hbm_bandwidth_gbps = pick({900, 2039, 3350});
+    c.cluster.intra_node.bandwidth_gbps = pick({50, 300, 450});
+    c.cluster.inter_node.bandwidth_gbps = pick({3, 12, 25, 50});
+    c.cluster.inter_node.latency_us = pick({2, 6, 30});
+    c.cluster.peak_tflops[c.precision.compute] = pick({100, 312, 989});
+    c.cluster.memory_gib = pick({1, 80}) / 1000.0;
+    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+    c.parallelism.sequence_parallel = c.parallelism.tensor_parallel_size > 1 && pick({0, 1});
+  }
+};
+
+// Prices that differ per rank and per chunk and are all distinct primes-ish, so that a
+// price read for the wrong op, rank or collective shows.
+class RankedCompute final : public ComputeModel {
+ public:
+  Tick duration(const Op& op, int rank) const override {
+    Tick base = 0;
+    switch (op.kind) {
+      case OpKind::Forward: base = 1009; break;
+      case OpKind::Backward: base = 2003; break;
+      case OpKind::BackwardInput: base = 1201; break;
+      case OpKind::BackwardWeight: base = 809; break;
+      case OpKind::OptimizerStep: return 307 + 13 * rank;
+      default: return 0;
+    }
+    const Tick whole = base + 17 * rank + 7 * op.chunk;
+    return op.work == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * op.work + 0.5);
+  }
+};
+// A model the compiled program cannot serve: it prices each micro-batch differently.
+class MicrobatchCompute final : public ComputeModel {
+ public:
+  Tick duration(const Op& op, int) const override { return is_compute(op.kind) ? 1000 + op.microbatch : 0; }
+};
+class RankedP2P final : public P2PModel {
+ public:
+  Tick duration(int from, int to, Bytes bytes) const override { return 31 + 5 * from + 3 * to + bytes % 97; }
+};
+class SizedCollectives final : public CollectiveModel {
+ public:
+  Tick duration(const Collective& c) const override {
+    return 101 + c.bytes % 1013 + 11 * static_cast<Tick>(c.members.size()) + 41 * static_cast<Tick>(c.kind);
+  }
+};
+
+// The engine and the compiled program, on the same schedule, every rank and replica 0 alone.
+TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
+  RandomPlans random(20261125);
+  int compared = 0, replica0 = 0, refused = 0;
+  Simulation sim;
+  StepProgram program;
+  Timeline want, got;
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
+                                      << " p=" << c->parallelism.pipeline_parallel_size
+                                      << " d=" << c->parallelism.data_parallel_size
+                                      << " v=" << c->parallelism.virtual_pipeline_stages);
+    const Plan plan = Plan::from_config(*c);
+    const RooflineComputeModel compute(plan);
+    const LinkP2PModel p2p(plan);
+    const NetworkCollectiveModel collective(plan);
+    const RankedCompute ranked_compute;
+    const RankedP2P ranked_p2p;
+    const SizedCollectives sized;
+    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+    const MicrobatchCompute microbatch_compute;
+    const CostModels by_microbatch{&microbatch_compute, &ranked_p2p, &sized};
+    std::string where;
+
+    auto full = std::make_shared<const Schedule>(build_schedule(plan));
+    ASSERT_TRUE(program.compile(full, false));
+    EXPECT_TRUE(program.prices_hold(compute, p2p, collective));
+    EXPECT_TRUE(program.prices_hold(ranked));
+    if (plan.num_microbatches > 1) EXPECT_FALSE(program.prices_hold(by_microbatch));
+    sim.run(full, compute, p2p, collective, want, false);
+    program.run(compute, p2p, collective, got);
+    ASSERT_TRUE(same_timeline(got, want, &where)) << where;
+    EXPECT_EQ(got.schedule, full);
+    sim.run(full, ranked, want);
+    program.run(ranked, got);
+    ASSERT_TRUE(same_timeline(got, want, &where)) << "ranked prices: " << where;
+    ++compared;
+
+    auto half = std::make_shared<Schedule>();
+    build_replica0_into(plan, *half);
+    const bool engine_ok = sim.run_replica0(half, compute, p2p, collective, want);
+    ASSERT_EQ(program.compile(half, true), engine_ok);
+    if (!engine_ok) {
+      ++refused;
+      continue;
+    }
+    program.run(compute, p2p, collective, got);
+    ASSERT_TRUE(same_timeline(got, want, &where)) << "replica 0: " << where;
+    ++replica0;
+  }
+  EXPECT_GT(compared, 250);
+  EXPECT_GT(replica0, 100);
+}
+
+// Hand-built schedules the generator never makes: an op whose dep is a receive, a local
+// check, a collective of one member, and a deadlock (not compiled: the engine reports it).
+TEST(StepProgram, UnusualSchedulesAndDeadlocks) {
+  auto s = std::make_shared<Schedule>();
+  s->num_messages = 1;
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 64, {1}});
+  RankProgram r0{0, 0, 0, {}}, r1{1, 1, 0, {}};
+  Op f{OpKind::Forward, 0, 0};
+  r0.ops.push_back(f);
+  Op send{OpKind::SendActivation, 0, 0};
+  send.peer = 1, send.channel = 0, send.dep = 0, send.bytes = 100;
+  r0.ops.push_back(send);
+  Op recv{OpKind::RecvActivation, 1, 0};
+  recv.peer = 0, recv.channel = 0;
+  r1.ops.push_back(recv);
+  Op ar{OpKind::AllReduce, 1};
+  ar.channel = 0, ar.dep = 0;  // waits for the receive itself
+  r1.ops.push_back(ar);
+  Op check{OpKind::OverflowCheck};
+  check.dep = 1;  // local: no collective
+  r1.ops.push_back(check);
+  Op g{OpKind::Forward, 1, 0};
+  g.dep = 2;
+  r1.ops.push_back(g);
+  s->ranks = {r0, r1};
+  const RankedCompute compute;
+  const RankedP2P p2p;
+  const SizedCollectives coll;
+  const CostModels models{&compute, &p2p, &coll};
+  StepProgram program;
+  ASSERT_TRUE(program.compile(s, false));
+  Timeline got;
+  program.run(models, got);
+  std::string where;
+  EXPECT_TRUE(same_timeline(got, simulate_schedule(s, models), &where)) << where;
+
+  auto dead = std::make_shared<Schedule>(*s);
+  dead->ranks[0].ops.pop_back();  // the send is gone: the receive waits for ever
+  EXPECT_FALSE(program.compile(dead, false));
+  EXPECT_FALSE(program.compiled());
+  EXPECT_THROW(simulate_schedule(dead, models), std::logic_error);
+}
+
+// The sweep's path: one Predictor evaluating configuration after configuration, several
+// per schedule at different prices (so each schedule is met once by the engine and then by
+// its compiled program), with predict() of the same plan as the reference each time.
+TEST(Predictor, EvaluateEqualsPredictAcrossSchedulesAndPrices) {
+  RandomPlans random(20261126);
+  Predictor predictor;
+  int compared = 0, programs = 0, replicated = 0, not_fitting = 0, revisited = 0;
+  std::vector<ScenarioConfig> seen;
+  for (int trial = 0; trial < 240; ++trial) {
+    auto drawn = random.next();
+    if (!drawn) continue;
+    // Now and then an earlier schedule again (the cache holds several).
+    if (!seen.empty() && random.pick({0, 0, 1})) {
+      drawn = seen[static_cast<std::size_t>(random.pick({0, 1, 2, 3, 4, 5, 6, 7})) % seen.size()];
+      ++revisited;
+    }
+    seen.push_back(*drawn);
+    const int repeats = random.pick({1, 3, 4});
+    for (int k = 0; k < repeats; ++k) {
+      ScenarioConfig c = *drawn;
+      if (k > 0) random.reprice(c);
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << " price " << k << ": "
+                                        << schedule_name(c.parallelism.schedule)
+                                        << " p=" << c.parallelism.pipeline_parallel_size
+                                        << " d=" << c.parallelism.data_parallel_size
+                                        << " v=" << c.parallelism.virtual_pipeline_stages
+                                        << " gpus_per_node=" << c.cluster.gpus_per_node);
+      const Plan plan = Plan::from_config(c);
+      const Prediction want = predict(plan);
+      if (trial % 11 == 5 && k == 0) {  // a full prediction in between must not disturb the cache
+        const Prediction& full = predictor.predict(plan);
+        expect_same_result(full.result, want.result);
+      }
+      const Result& got = predictor.evaluate(plan);
+      expect_same_result(got, want.result);
+      if (HasFailure()) return;
+      ++compared;
+      programs += k >= 1;
+      replicated += plan.dp > 1;
+      not_fitting += !want.result.fits_in_memory;
+    }
+  }
+  EXPECT_GT(compared, 300);
+  EXPECT_GT(programs, 150);
+  EXPECT_GT(replicated, 150);
+  EXPECT_GT(not_fitting, 50);
+  EXPECT_GT(revisited, 30);
+}
+
+// ---- What the cache relies on --------------------------------------------------------
+
+bool same_op(const Op& a, const Op& b) {
+  return a.kind == b.kind && a.chunk == b.chunk && a.microbatch == b.microbatch && a.dep == b.dep &&
+         a.peer == b.peer && a.channel == b.channel && a.bucket == b.bucket && a.bytes == b.bytes && a.work == b.work;
+}
+
+std::string schedule_difference(const Schedule& a, const Schedule& b) {
+  if (a.kind != b.kind || a.num_stages != b.num_stages || a.num_replicas != b.num_replicas ||
+      a.num_chunks != b.num_chunks || a.num_microbatches != b.num_microbatches || a.num_messages != b.num_messages)
+    return "shape";
+  if (a.ranks.size() != b.ranks.size()) return "rank count";
+  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
+    const auto &x = a.ranks[r], &y = b.ranks[r];
+    if (x.rank != y.rank || x.stage != y.stage || x.replica != y.replica || x.ops.size() != y.ops.size())
+      return "rank " + std::to_string(r);
+    for (std::size_t i = 0; i < x.ops.size(); ++i)
+      if (!same_op(x.ops[i], y.ops[i])) return "rank " + std::to_string(r) + " op " + std::to_string(i);
+  }
+  if (a.collectives.size() != b.collectives.size()) return "collective count";
+  for (std::size_t c = 0; c < a.collectives.size(); ++c) {
+    const auto &x = a.collectives[c], &y = b.collectives[c];
+    if (x.kind != y.kind || x.purpose != y.purpose || x.bytes != y.bytes || x.members != y.members)
+      return "collective " + std::to_string(c);
+  }
+  return "";
+}
+
+// Other values of a field, of its kind, within its bounds.
+std::vector<FieldValue> other_values(const FieldSpec& f, const FieldValue& now) {
+  std::vector<FieldValue> out;
+  auto in_bounds = [&](double x) { return x >= f.min && x <= f.max; };
+  switch (f.kind) {
+    case FieldKind::integer: {
+      const auto x = std::get<std::int64_t>(now);
+      for (std::int64_t y : {x + 1, x * 2, x - 1, std::int64_t{0}, std::int64_t{1}, std::int64_t{3}})
+        if (y != x && in_bounds(static_cast<double>(y))) out.emplace_back(y);
+      break;
+    }
+    case FieldKind::real: {
+      const double x = std::get<double>(now);
+      for (double y : {x * 1.5 + 0.25, x * 0.5, 0.0, 1.0, 7.0})
+        if (y != x && in_bounds(y)) out.emplace_back(y);
+      break;
+    }
+    case FieldKind::boolean: out.emplace_back(!std::get<bool>(now)); break;
+    case FieldKind::choice:
+      for (const auto& c : f.choices)
+        if (FieldValue(c) != now) out.emplace_back(c);
+      break;
+    case FieldKind::text: out.emplace_back(std::string("other")); break;
+    case FieldKind::integer_list: out.emplace_back(IntList{}); break;
+  }
+  return out;
+}
+
+// Every field that schedule_key_into clears (found from the field table: changing it leaves
+// the key equal), changed on random plans to every other value of its kind: the schedule
+// (every op of every rank, every collective) stays the same, whenever the changed plan is
+// valid. A field that starts to shape the schedule fails here until it is compared.
+TEST(ScheduleKey, ClearedFieldsLeaveTheScheduleUnchanged) {
+  RandomPlans random(20261127);
+  std::vector<ScenarioConfig> bases;
+  while (bases.size() < 40)
+    if (auto c = random.next()) bases.push_back(*c);
+  std::set<std::string> cleared, compared;
+  int checked = 0;
+  ScenarioConfig key_a, key_b;
+  for (const FieldSpec& f : scenario_fields()) {
+    if (!f.get || !f.set) continue;
+    for (const ScenarioConfig& base : bases) {
+      for (const FieldValue& v : other_values(f, f.get(base))) {
+        ScenarioConfig changed = base;
+        try {
+          f.set(changed, v);
+        } catch (const std::exception&) {  // e.g. a preset or profile that does not exist
+          continue;
+        }
+        schedule_key_into(base, key_a);
+        schedule_key_into(changed, key_b);
+        if (!(key_a == key_b)) {
+          compared.insert(f.path);
+          continue;
+        }
+        cleared.insert(f.path);
+        Plan a, b;
+        try {
+          a = Plan::from_config(base);
+          b = Plan::from_config(changed);
+        } catch (const ScenarioError&) {
+          continue;
+        }
+        const std::string diff = schedule_difference(build_schedule(a), build_schedule(b));
+        EXPECT_EQ(diff, "") << f.path << " = " << format_field_value(v) << " changes the schedule";
+        ++checked;
+      }
+    }
+  }
+  // The fields a sweep varies most without touching the schedule are among the cleared ones.
+  for (const char* path : {"cluster.compute_efficiency", "cluster.inter_node.bandwidth_gbps", "cluster.memory_gib",
+                           "training.activation_recompute", "parallelism.sequence_parallel"})
+    EXPECT_TRUE(cleared.count(path)) << path;
+  for (const char* path : {"training.micro_batch_size", "parallelism.pipeline_parallel_size", "precision.compute",
+                           "communication.bucket_size_mib", "cluster.gpus_per_node"})
+    EXPECT_TRUE(compared.count(path)) << path;
+  EXPECT_GT(checked, 1000);
+}
+
+// The compute model prices an op from its kind, chunk, work and rank: the same op with
+// another micro-batch, message, bucket, byte count, peer or dep costs the same. StepProgram
+// prices one op per (rank, kind, chunk, work) and relies on it.
+TEST(StepProgram, ComputePriceReadsOnlyKindChunkWorkAndRank) {
+  RandomPlans random(20261128);
+  int ops = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    const Plan plan = Plan::from_config(*c);
+    const RooflineComputeModel model(plan);
+    const Schedule s = build_schedule(plan);
+    for (const auto& prog : s.ranks)
+      for (const Op& op : prog.ops) {
+        if (!is_compute(op.kind)) continue;
+        Op other = op;
+        other.microbatch = op.microbatch + 5;
+        other.channel = 12345;
+        other.bucket = op.bucket + 3;
+        other.bytes = op.bytes * 3 + 1;
+        other.peer = prog.rank + 1;
+        other.dep = -1;
+        ASSERT_EQ(model.duration(other, prog.rank), model.duration(op, prog.rank))
+            << op_label(op) << " on rank " << prog.rank;
+        ++ops;
+      }
+  }
+  EXPECT_GT(ops, 10000);
+}
+
+}  // namespace
+}  // namespace trainsim
