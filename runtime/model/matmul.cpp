@@ -32,31 +32,28 @@ namespace trainsim::runtime::matmul {
 #if TRAINSIM_PACKED_GEMM
 namespace {
 
+// The vector operations, on 512-bit registers with AVX-512, else on 256-bit ones.
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kWidth = 16;
-inline Vec vload(const float* p) { return _mm512_load_ps(p); }
-inline Vec vloadu(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstoreu(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vset1(float x) { return _mm512_set1_ps(x); }
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+#define TRAINSIM_VEC(op) _mm512_##op
 // 8 rows x 2 vectors: 16 accumulators of the 32 registers, 2 loads and 8 broadcasts per k.
 constexpr int kMr = 8, kVecs = 2;
 #else
 using Vec = __m256;
 constexpr int kWidth = 8;
-inline Vec vload(const float* p) { return _mm256_load_ps(p); }
-inline Vec vloadu(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstoreu(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vset1(float x) { return _mm256_set1_ps(x); }
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+#define TRAINSIM_VEC(op) _mm256_##op
 // 6 rows x 2 vectors: 12 accumulators of the 16 registers (BLIS's and OpenBLAS's Haswell shape).
 constexpr int kMr = 6, kVecs = 2;
 #endif
+inline Vec vload(const float* p) { return TRAINSIM_VEC(load_ps)(p); }
+inline Vec vloadu(const float* p) { return TRAINSIM_VEC(loadu_ps)(p); }
+inline void vstoreu(float* p, Vec v) { TRAINSIM_VEC(storeu_ps)(p, v); }
+inline Vec vset1(float x) { return TRAINSIM_VEC(set1_ps)(x); }
+inline Vec vzero() { return TRAINSIM_VEC(setzero_ps)(); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return TRAINSIM_VEC(fmadd_ps)(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return TRAINSIM_VEC(mul_ps)(a, b); }
+#undef TRAINSIM_VEC
 constexpr int kNr = kVecs * kWidth;
 // k block: a B sliver (kKc x kNr floats: 32 KiB with AVX-512, 16 KiB with AVX2) stays in L1 while
 // the A slivers of a row block stream past it; the packed A block (kMc x kKc) stays in L2.
