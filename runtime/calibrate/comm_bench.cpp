@@ -359,13 +359,14 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
   const CommBenchOptions o = checked_comm_options(options, kWires, "the in-process communicator");
   CommBenchResult result;
   for (const CommSection& s : comm_sections(o)) {
+    // Rank r on core r, as the executor pins a rank's threads, when the cores suffice.
+    const bool pinned = s.ranks <= static_cast<int>(std::thread::hardware_concurrency());
     InProcessWorld world(s.ranks, kTimeout);
     std::vector<std::unique_ptr<Communicator>> comms;
-    for (int r = 0; r < s.ranks; ++r) comms.push_back(world.communicator(r));
+    for (int r = 0; r < s.ranks; ++r) comms.push_back(world.communicator(r, pinned ? o.poll : std::chrono::microseconds{0}));
     const auto rank = [&](int r, const std::function<void(const CommRankCalls&)>& measure) {
       Communicator& comm = *comms[static_cast<std::size_t>(r)];
-      // Rank r on core r, as the executor pins a rank's threads, when the cores suffice.
-      if (s.ranks <= static_cast<int>(std::thread::hardware_concurrency())) {
+      if (pinned) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(r, &set);

@@ -32,6 +32,7 @@
 // an all-reduce of n ranks, algbw for sendrecv. GB/s is 1e9 bytes per second.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -75,6 +76,9 @@ struct CommBenchOptions {
   DType wire = DType::fp32;            // all_reduce wire format: fp32, tf32, fp16 or bf16 (no fp8)
   std::vector<ReduceOp> redops = {ReduceOp::sum};  // one all_reduce table per group size and op
   bool sendrecv = true;                // run the point-to-point table (and fit `p2p`)
+  // In-process worlds whose ranks each have a core (they are pinned then): how long a waiting rank
+  // polls before it sleeps (InProcessWorld's `poll`), as the engine that will run the plan does.
+  std::chrono::microseconds poll{0};
   // Called as each row is finished (progress / streaming print), on a benchmark thread, one
   // row at a time, in the order of CommBenchResult::rows. An exception it throws stops the
   // run and comes out of bench_in_process_comm.

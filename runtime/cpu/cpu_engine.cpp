@@ -39,7 +39,8 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
 struct Rank {
   int rank = 0, stage = 0, replica = 0;
   const RankProgram* program = nullptr;
-  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Communicator> comm;        // its compute thread's: receives, sends, the norm
+  std::unique_ptr<Communicator> collectives;  // its communication thread's
   std::vector<StageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   std::vector<OptimizerState> optimizers;
   std::vector<std::vector<std::uint8_t>> decay_masks;
@@ -78,6 +79,7 @@ class CpuEngine final : public DeviceEngine {
         data_(data),
         world_(World::of(rp.plan)),
         shape_(rp.plan),
+        pinned_(cpu_pins_ranks(options, world_.size())),
         comm_world_(world_.size(), options.comm_timeout) {
     schedule_ = std::make_shared<const Schedule>(build_schedule(plan_));
     const auto& cfg = plan_.config;
@@ -92,7 +94,13 @@ class CpuEngine final : public DeviceEngine {
       rk->stage = world_.coord(r).pp;
       rk->replica = world_.coord(r).dp;
       rk->program = &schedule_->ranks[static_cast<std::size_t>(r)];
-      rk->comm = comm_world_.communicator(r);
+      // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
+      // thread always (its communication thread preempts it when woken), the communication thread
+      // only briefly where the plan reduces gradients while the backward runs on the same core.
+      const auto off = std::chrono::microseconds{0};
+      rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
+      rk->collectives = comm_world_.communicator(
+          r, !pinned_ ? off : cfg.communication.overlap_grad_reduce ? kCpuOverlapPoll : kCpuCommPoll);
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk->stage, j);
         rk->chunks.emplace_back(stage_spec(rp_, vs));
@@ -111,9 +119,6 @@ class CpuEngine final : public DeviceEngine {
       rk->arrival.assign(rk->program->ops.size(), -1);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
-
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    pinned_ = options.pin_threads && world_.size() <= cores;
   }
 
   const World& world() const override { return world_; }
@@ -391,7 +396,7 @@ class CpuEngine final : public DeviceEngine {
         const bool data_parallel = c.purpose == CollectivePurpose::gradients;
         if (data_parallel) rk.local_nonfinite += count_nonfinite(grads);
         const bool finite_before = count_nonfinite(grads) == 0;
-        rk.comm->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
+        rk.collectives->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
         if (finite_before && count_nonfinite(grads) > 0)
           record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", allreduce_label(op, pr.allreduce), rk.stage,
                                            rk.replica));
@@ -410,7 +415,8 @@ class CpuEngine final : public DeviceEngine {
         for (auto& c : rk.chunks) n += count_nonfinite(c.gradients());
         float flag = n > 0 ? 1.0f : 0.0f;
         const Collective& c = schedule_->collectives[op.channel];
-        rk.comm->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32, Divide::none);
+        rk.collectives->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32,
+                                   Divide::none);
         rk.found_nonfinite = !(flag == 0.0f);
         return;
       }
@@ -488,15 +494,20 @@ class CpuEngine final : public DeviceEngine {
   const Dataset& data_;
   World world_;
   StepShape shape_;
+  bool pinned_;
   InProcessWorld comm_world_;
   std::shared_ptr<const Schedule> schedule_;
   GradientBuckets buckets_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   Clock::time_point epoch_;
-  bool pinned_ = false;
 };
 
 }  // namespace
+
+bool cpu_pins_ranks(const RunOptions& options, int ranks) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return options.pin_threads && ranks <= cores;
+}
 
 std::unique_ptr<DeviceEngine> make_cpu_engine(const RuntimePlan& plan, const Dataset& data, const RunOptions& options) {
   return std::make_unique<CpuEngine>(plan, data, options);
@@ -514,7 +525,12 @@ const Backend& cpu_backend() {
                      const CalibrateOptions&) { return describe_cpu_profile(plan, name); },
       .kernels = make_cpu_kernel_calibrator,
       .calibrates_format = [](DType) { return true; },  // low precision is emulated by rounding
-      .comm_bench = [](const CommBenchOptions& options, const Placement&) { return bench_in_process_comm(options); },
+      .comm_bench =
+          [](const CommBenchOptions& options, const Placement&) {
+            CommBenchOptions o = options;
+            o.poll = kCpuCommPoll;  // as the engine's pinned ranks wait
+            return bench_in_process_comm(o);
+          },
       // Ranks are threads on the machine's cores.
       .comm_ranks = [](const RuntimePlan&) { return static_cast<int>(std::max(2u, std::thread::hardware_concurrency())); },
       .kernel_clock = "one core, pinned",
