@@ -54,6 +54,17 @@ struct Rank {
   std::vector<int> units_done;                                         // [slot]
   std::vector<OpTiming> timing;
   std::vector<Tick> arrival;          // collectives: when this rank's communication thread started them
+  // Backward ops: whether the op's chunk had accumulated only finite gradients when it ended (the
+  // model scans every accumulation), so a collective that depends on it need not scan them again.
+  std::vector<char> finite_after;
+  // Reductions of gradients that were all finite, for the optimizer step to check afterwards.
+  struct Reduced {
+    int chunk;
+    std::size_t offset, count;
+    const Op* op;  // the all-reduce
+    Tick at;       // when it ended
+  };
+  std::vector<Reduced> reduced;
   std::int64_t local_nonfinite = 0;   // in its own gradients, before any reduction
   bool found_nonfinite = false;
   double loss_sum = 0;
@@ -117,6 +128,7 @@ class CpuEngine final : public DeviceEngine {
       rk->scaler = std::make_unique<LossScaler>(cfg.precision.loss_scaling);
       rk->timing.resize(rk->program->ops.size());
       rk->arrival.assign(rk->program->ops.size(), -1);
+      rk->finite_after.assign(rk->program->ops.size(), 0);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
   }
@@ -202,8 +214,13 @@ class CpuEngine final : public DeviceEngine {
     }
     void run_compute(int i) override {
       const Tick start = e_.now();
-      e_.run_op(rk_, i, rk_.program->ops[static_cast<std::size_t>(i)]);
+      const Op& op = rk_.program->ops[static_cast<std::size_t>(i)];
+      e_.run_op(rk_, i, op);
       rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
+      // Before the op is marked done: a collective that waits for it reads this.
+      if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::BackwardWeight)
+        rk_.finite_after[static_cast<std::size_t>(i)] =
+            rk_.chunks[e_.shape_.local_chunk(op)].numerics().nonfinite_gradients == 0;
     }
     void finished_compute(int) override {
       e_.account_memory(rk_);
@@ -258,6 +275,7 @@ class CpuEngine final : public DeviceEngine {
     rk.walk.reset(rk.program->ops.size());
     std::fill(rk.arrival.begin(), rk.arrival.end(), -1);
     rk.local_nonfinite = 0;
+    rk.reduced.clear();
     rk.found_nonfinite = false;
     rk.loss_sum = 0;
     rk.loss_count = 0;
@@ -394,12 +412,14 @@ class CpuEngine final : public DeviceEngine {
         const auto [offset, count] = collective_range(op, buckets_, model.token_embedding());
         auto grads = model.gradients().subspan(offset, count);
         const bool data_parallel = c.purpose == CollectivePurpose::gradients;
-        if (data_parallel) rk.local_nonfinite += count_nonfinite(grads);
-        const bool finite_before = count_nonfinite(grads) == 0;
+        // The numerics' bookkeeping stays off the collective (NCCL makes no pass of its own over a
+        // bucket): gradients the model found finite as it accumulated them are not scanned again,
+        // and whether the reduction made them non-finite is checked by the optimizer step.
+        const bool finite = op.dep >= 0 && rk.finite_after[static_cast<std::size_t>(op.dep)];
+        const std::int64_t nonfinite_before = finite ? 0 : count_nonfinite(grads);
+        if (data_parallel) rk.local_nonfinite += nonfinite_before;
         rk.collectives->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
-        if (finite_before && count_nonfinite(grads) > 0)
-          record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", allreduce_label(op, pr.allreduce), rk.stage,
-                                           rk.replica));
+        if (nonfinite_before == 0) rk.reduced.push_back({shape_.local_chunk(op), offset, count, &op, now()});
         return;
       }
       case OpKind::OverflowCheck: {
@@ -429,6 +449,13 @@ class CpuEngine final : public DeviceEngine {
   void optimizer_step(Rank& rk) {
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
+    // Reductions that made finite gradients non-finite (a wire format that overflowed).
+    for (const Rank::Reduced& r : rk.reduced)
+      if (count_nonfinite(rk.chunks[static_cast<std::size_t>(r.chunk)].gradients().subspan(r.offset, r.count)) > 0)
+        record_nonfinite(rk,
+                         fmt::format("{} (stage {}, replica {})", allreduce_label(*r.op, cfg.precision.allreduce),
+                                     rk.stage, rk.replica),
+                         r.at);
     // Unscale, and this rank's share of the global squared norm (norm_excluded).
     double sumsq = 0;
     for (int j = 0; j < shape_.vpp; ++j) {
@@ -478,14 +505,16 @@ class CpuEngine final : public DeviceEngine {
     for (auto& c : rk.chunks)
       if (!c.numerics().first_nonfinite.empty()) {
         record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", c.numerics().first_nonfinite, rk.stage,
-                                         rk.replica));
+                                         rk.replica),
+                         now());
         return;
       }
   }
 
-  void record_nonfinite(Rank& rk, std::string what) {
-    if (rk.first_nonfinite_at >= 0) return;
-    rk.first_nonfinite_at = now();
+  // The earliest wins (a reduction is checked after the compute ops that followed it).
+  void record_nonfinite(Rank& rk, std::string what, Tick at) {
+    if (rk.first_nonfinite_at >= 0 && rk.first_nonfinite_at <= at) return;
+    rk.first_nonfinite_at = at;
     rk.first_nonfinite = std::move(what);
   }
 
