@@ -4,9 +4,16 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <optional>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include <fmt/format.h>
@@ -34,6 +41,94 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
   for (float x : xs) n += !std::isfinite(x);
   return n;
 }
+
+// Where ranks share cores: hands the cores to the ranks' compute ops one op at a time, each op whole,
+// in the order given (RunOptions::core_turns) or first come first served. Left to the operating
+// system, 8 rank threads on 2 cores were time-sliced at its tick (4 ms) over ops of 1-2 ms, and the
+// same run measured per-rank utilizations 0.1-0.2 apart from one run to the next; with the order
+// fixed, what a rank waits for is decided before the run (validation/core_sharing.h predicts it).
+class CoreGate {
+ public:
+  CoreGate(int cores, int ranks, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout)
+      : cores_(cores), turns_(std::move(turns)), timeout_(timeout), woken_(static_cast<std::size_t>(ranks)) {}
+
+  // Before each step (not measured).
+  void reset() {
+    std::lock_guard lock(mu_);
+    free_ = cores_;
+    next_ = 0;
+    waiting_.clear();
+    aborted_ = false;
+  }
+
+  // Waits for a core for rank `rank`'s op `op` (part `part`).
+  void acquire(const CoreTurn& turn) {
+    std::unique_lock lock(mu_);
+    if (turns_.empty()) waiting_.push_back(turn);
+    const bool ready = woken_[static_cast<std::size_t>(turn.rank)].wait_for(lock, timeout_, [&] {
+      return aborted_ || (free_ > 0 && (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
+    });
+    if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", turn.rank));
+    if (!ready)
+      throw std::runtime_error(fmt::format("rank {}: op {} waited {} ms for its turn at a core", turn.rank, turn.op,
+                                           timeout_.count()));
+    if (turns_.empty())
+      waiting_.pop_front();
+    else
+      ++next_;
+    --free_;
+    wake_next();
+  }
+
+  void release() {
+    std::lock_guard lock(mu_);
+    ++free_;
+    wake_next();
+  }
+
+  void abort() {
+    std::lock_guard lock(mu_);
+    aborted_ = true;
+    for (auto& w : woken_) w.notify_all();
+  }
+
+  // Holds a core for one op (part) of a rank, if there is a gate.
+  class Hold {
+   public:
+    Hold(CoreGate* gate, const CoreTurn& turn) : gate_(gate) {
+      if (gate_) gate_->acquire(turn);
+    }
+    ~Hold() {
+      if (gate_) gate_->release();
+    }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    CoreGate* gate_;
+  };
+
+ private:
+  // Under mu_: wakes the rank whose turn comes next, if a core is free for it.
+  void wake_next() {
+    if (free_ <= 0) return;
+    if (turns_.empty()) {
+      if (!waiting_.empty()) woken_[static_cast<std::size_t>(waiting_.front().rank)].notify_one();
+    } else if (next_ < turns_.size()) {
+      woken_[static_cast<std::size_t>(turns_[next_].rank)].notify_one();
+    }
+  }
+
+  const int cores_;
+  const std::vector<CoreTurn> turns_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::vector<std::condition_variable> woken_;  // per rank: its compute thread waits here
+  int free_ = 0;
+  std::size_t next_ = 0;
+  std::deque<CoreTurn> waiting_;  // first come, first served
+  bool aborted_ = false;
+};
 
 // One rank: its model chunks, optimizer, scaler, buffers and this step's state.
 struct Rank {
@@ -131,6 +226,12 @@ class CpuEngine final : public DeviceEngine {
       rk->finite_after.assign(rk->program->ops.size(), 0);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
+    sent_at_ = std::vector<std::atomic<Tick>>(static_cast<std::size_t>(schedule_->num_messages));
+    if (!pinned_) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      check_turns(options.core_turns);
+      gate_ = std::make_unique<CoreGate>(cores, world_.size(), options.core_turns, options.comm_timeout);
+    }
   }
 
   const World& world() const override { return world_; }
@@ -145,6 +246,8 @@ class CpuEngine final : public DeviceEngine {
     // Everything a rank needs before the step begins (outside the measured step): its
     // micro-batches, clean gradients and numerics counters.
     for (auto& rk : ranks_) prepare_step(*rk, step, data_position);
+    if (gate_) gate_->reset();
+    for (auto& t : sent_at_) t.store(-1);
     epoch_ = Clock::now();
     std::vector<std::thread> threads;
     threads.reserve(ranks_.size());
@@ -213,10 +316,29 @@ class CpuEngine final : public DeviceEngine {
       if (e_.pinned_) pin(rk_.rank);
     }
     void run_compute(int i) override {
-      const Tick start = e_.now();
+      // An op starts when the one before it on this thread and what it waits for have ended, and a
+      // receive ends when its message was there, as the simulator times them: however long a woken
+      // thread then waited for a core is the op's, as a time-shared rank's wait would be.
       const Op& op = rk_.program->ops[static_cast<std::size_t>(i)];
-      e_.run_op(rk_, i, op);
-      rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
+      Tick start = e_.now();
+      if (previous_end_ >= 0) {
+        Tick ready = previous_end_;
+        if (op.dep >= 0 && is_collective(rk_.program->ops[static_cast<std::size_t>(op.dep)].kind))
+          ready = std::max(ready, rk_.timing[static_cast<std::size_t>(op.dep)].end);
+        start = std::min(start, ready);
+      }
+      {
+        const bool gated = is_compute(op.kind) && op.kind != OpKind::OptimizerStep;  // the optimizer: inside
+        CoreGate::Hold core(gated ? e_.gate_.get() : nullptr, CoreTurn{rk_.rank, i, 0});
+        e_.run_op(rk_, i, op);
+      }
+      Tick end = e_.now();
+      if (is_recv(op.kind)) {
+        const Tick sent = e_.sent_at_[static_cast<std::size_t>(op.channel)].load(std::memory_order_acquire);
+        if (sent >= 0) end = std::clamp(sent, start, end);
+      }
+      rk_.timing[static_cast<std::size_t>(i)] = {start, end};
+      previous_end_ = end;
       // Before the op is marked done: a collective that waits for it reads this.
       if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::BackwardWeight)
         rk_.finite_after[static_cast<std::size_t>(i)] =
@@ -236,7 +358,10 @@ class CpuEngine final : public DeviceEngine {
       e_.run_collective(rk_, rk_.program->ops[static_cast<std::size_t>(i)]);
       rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
     }
-    void abort(const std::string& reason) override { rk_.comm->abort(reason); }
+    void abort(const std::string& reason) override {
+      if (e_.gate_) e_.gate_->abort();
+      rk_.comm->abort(reason);
+    }
 
    private:
     static void pin(int core) {
@@ -247,7 +372,26 @@ class CpuEngine final : public DeviceEngine {
     }
     CpuEngine& e_;
     Rank& rk_;
+    Tick previous_end_ = -1;  // of this thread's last op this step
   };
+
+  // Core turns must name every compute op of every rank once, and the optimizer's second part.
+  void check_turns(const std::vector<CoreTurn>& turns) const {
+    if (turns.empty()) return;
+    std::vector<CoreTurn> want, got = turns;
+    for (const RankProgram& p : schedule_->ranks)
+      for (int i = 0; i < static_cast<int>(p.ops.size()); ++i)
+        if (is_compute(p.ops[static_cast<std::size_t>(i)].kind)) {
+          want.push_back({p.rank, i, 0});
+          if (p.ops[static_cast<std::size_t>(i)].kind == OpKind::OptimizerStep) want.push_back({p.rank, i, 1});
+        }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    if (got != want)
+      throw std::invalid_argument(fmt::format("cpu engine: the order of core turns lists {} turns; the schedule's compute "
+                                              "ops take {} (each once, the optimizer step twice)",
+                                              turns.size(), want.size()));
+  }
 
   void round_master(StageModel& model) const {
     const DType master = plan_.config.precision.master_weights;
@@ -353,6 +497,7 @@ class CpuEngine final : public DeviceEngine {
       case OpKind::SendGradient: {
         auto& buf = op.kind == OpKind::SendActivation ? rk.act_out[s] : rk.grad_in[s];
         rk.comm->send(op.peer, message_tag(rk.step, op.channel), buf);
+        sent_at_[static_cast<std::size_t>(op.channel)].store(now(), std::memory_order_release);
         release(rk, buf);
         return;
       }
@@ -394,7 +539,7 @@ class CpuEngine final : public DeviceEngine {
         // Split at bucket bounds only in name: the weight pass runs whole in its first segment.
         if (op.bucket <= 0) rk.chunks[shape_.local_chunk(op)].backward_weight(op.microbatch);
         return;
-      case OpKind::OptimizerStep: optimizer_step(rk); return;
+      case OpKind::OptimizerStep: optimizer_step(rk, index); return;
       default: break;
     }
     throw std::logic_error(fmt::format("rank {}: op {} ({}) cannot run on the compute thread", rk.rank, index,
@@ -446,7 +591,10 @@ class CpuEngine final : public DeviceEngine {
                                        rk.rank, op_label(op)));
   }
 
-  void optimizer_step(Rank& rk) {
+  // Where ranks share cores, the step takes two turns at a core: before its gradient norm's
+  // all-reduce over every rank, and after it (none is held while the ranks wait for each other).
+  void optimizer_step(Rank& rk, int index) {
+    std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{rk.rank, index, 0});
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
     // Reductions that made finite gradients non-finite (a wire format that overflowed).
@@ -469,9 +617,11 @@ class CpuEngine final : public DeviceEngine {
       for (std::size_t i = skip_from + skip_count; i < g.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
     }
     float total = static_cast<float>(sumsq / plan_.dp);
+    core.reset();
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         DType::fp32, Divide::none);
     rk.grad_norm = std::sqrt(static_cast<double>(total));
+    core.emplace(gate_.get(), CoreTurn{rk.rank, index, 1});
 
     const bool checks = cfg.precision.loss_scaling.mode != LossScalingMode::none;
     rk.skipped = rk.scaler->update(checks && rk.found_nonfinite);
@@ -524,6 +674,8 @@ class CpuEngine final : public DeviceEngine {
   World world_;
   StepShape shape_;
   bool pinned_;
+  std::unique_ptr<CoreGate> gate_;  // ranks share cores
+  std::vector<std::atomic<Tick>> sent_at_;  // per message of the step: when its send returned, or -1
   InProcessWorld comm_world_;
   std::shared_ptr<const Schedule> schedule_;
   GradientBuckets buckets_;
@@ -564,6 +716,7 @@ const Backend& cpu_backend() {
       .comm_ranks = [](const RuntimePlan&) { return static_cast<int>(std::max(2u, std::thread::hardware_concurrency())); },
       .kernel_clock = "one core, pinned",
       .calibrate_between_steps = true,  // a shared host's speed wanders
+      .shares_by_turns = true,          // ranks beyond the cores: the engine's CoreGate
   };
   return backend;
 }
