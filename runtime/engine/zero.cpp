@@ -234,8 +234,18 @@ void GatherGate::gathered() {
 
 void GatherGate::acquire() {
   std::unique_lock lock(mu_);
+  const bool waits = gathered_ <= acquired_ && failed_.empty() && before_wait_;
+  if (waits) {
+    lock.unlock();
+    before_wait_();
+    lock.lock();
+  }
   wait(lock, [&] { return gathered_ > acquired_; });
   ++acquired_;
+  if (waits) {
+    lock.unlock();
+    after_wait_();
+  }
 }
 
 void GatherGate::release(int key) {

@@ -160,6 +160,11 @@ class GatherGate {
   explicit GatherGate(int capacity = 2) : capacity_(capacity) {}
   void reset();
   void fail(const std::string& reason);
+  // Called around acquire()'s wait when it has to wait (a CPU rank gives its core back meanwhile).
+  void on_wait(std::function<void()> before, std::function<void()> after) {
+    before_wait_ = std::move(before);
+    after_wait_ = std::move(after);
+  }
   // Communication thread: wait for room (and for `key` to be free), then hand the unit over.
   void reserve(int key);
   void gathered();
@@ -175,6 +180,7 @@ class GatherGate {
   std::vector<int> held_;  // keys reserved and not yet given back
   long gathered_ = 0, acquired_ = 0;
   std::string failed_;
+  std::function<void()> before_wait_, after_wait_;
 };
 
 // Stage 3's all-gather before a pass of chunk `zero` (its key_base in the rank's gate): every unit

@@ -1,6 +1,7 @@
 #include "sim/cost/memory_model.h"
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 
 #include "core/units.h"
@@ -33,33 +34,44 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
   const double per_layer = m.layer_stored_activation_bytes(b, e, t, sp, rc);
   const double full_layer = m.layer_stored_activation_bytes(b, e, t, sp, Recompute::none);
   const int V = plan.num_virtual_stages();
+  tables_.act.reserve(V);
+  tables_.transient.reserve(V);
+  tables_.weight_pass.reserve(V);
+  tables_.unsharded.reserve(V);
   for (int vs = 0; vs < V; ++vs) {
     double a = plan.layers_per_virtual_stage[vs] * per_layer;
     // The last stage keeps the FP32 logits for the loss, and the final norm's input (its backward)
     // and output (the LM head's input, for its weight gradient).
     if (vs == V - 1) a += 4.0 * b * m.s * static_cast<double>(m.V) / t + 2.0 * e * static_cast<double>(b) * m.s * m.h;
-    act_.push_back(a);
+    tables_.act.push_back(a);
     // During a backward, recompute rebuilds one layer at a time: full, the layer's activations;
     // selective, what it does not keep (the attention core's s x s tensors; none with flash).
     const bool has_layers = plan.layers_per_virtual_stage[vs] > 0;
-    transient_.push_back(!has_layers                    ? 0.0
-                         : rc == Recompute::full      ? full_layer
-                         : rc == Recompute::selective ? full_layer - per_layer
-                                                      : 0.0);
+    tables_.transient.push_back(!has_layers                    ? 0.0
+                                : rc == Recompute::full      ? full_layer
+                                : rc == Recompute::selective ? full_layer - per_layer
+                                                             : 0.0);
+    // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the
+    // bucket it fills and the one being reduce-scattered (DeepSpeed's reduce buckets, FSDP's
+    // unit), each at most a bucket of the chunk's gradients in the reduction's format.
+    const double grads = plan.virtual_stage_params(vs) / t * dtype_bytes(cfg.precision.allreduce);
+    tables_.unsharded.push_back(plan.shards_gradients()
+                                    ? 2.0 * std::min(grads, std::max(1.0, mib_to_bytes(cfg.communication.bucket_size_mib)))
+                                    : 0.0);
     // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
     // first and second products and both norms (dW = dY^T X needs dY); per stage the
     // gradient at its input, and on the last the logits' and the final norm's.
     const double qkv = m.h + 2.0 * m.h / m.a * m.kv_heads, mlp_in = (m.swiglu ? 2.0 : 1.0) * m.f;
     double w = plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s * (qkv + m.h + mlp_in + m.h + 2.0 * m.h) / t;
+    w += e * static_cast<double>(b) * m.s * m.h;
+    if (vs == V - 1) w += e * static_cast<double>(b) * m.s * (static_cast<double>(m.V) / t + m.h);
     // Full recompute keeps only the layer's input: the input pass, which rebuilt the layer, keeps
     // for the weight pass the products' inputs (QKV's, the projection's, both MLP products') and
     // the second norm's input.
     if (rc == Recompute::full)
       w += plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s *
            ((sp ? 3.0 / t : 3.0) * m.h + (m.h + m.f) / t);
-    w += e * static_cast<double>(b) * m.s * m.h;
-    if (vs == V - 1) w += e * static_cast<double>(b) * m.s * (static_cast<double>(m.V) / t + m.h);
-    weight_pass_.push_back(w);
+    tables_.weight_pass.push_back(w);
   }
 }
 
@@ -70,11 +82,48 @@ std::vector<MemoryBreakdown> MemoryModel::peak_per_rank(const Schedule& schedule
   return out;
 }
 
-MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
+bool same_bits(const ActivationTables& a, const ActivationTables& b) {
+  auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
+    return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0);
+  };
+  return same(a.act, b.act) && same(a.transient, b.transient) && same(a.weight_pass, b.weight_pass) &&
+         same(a.unsharded, b.unsharded);
+}
+
+double activation_peak(const ActivationTables& t, const RankProgram& prog) {
+  const double* act = t.act.data();
+  const double* transient = t.transient.data();
+  const double* weight_pass = t.weight_pass.data();
+  const double* unsharded = t.unsharded.data();
+  double live = 0, peak = 0;
+  for (const Op& op : prog.ops) {
+    switch (op.kind) {
+      case OpKind::Forward:
+        live += act[op.chunk] * op.work;
+        peak = std::max(peak, live);
+        break;
+      case OpKind::Backward:
+        peak = std::max(peak, live + transient[op.chunk] + unsharded[op.chunk]);
+        live -= act[op.chunk] * op.work;
+        break;
+      case OpKind::BackwardInput:
+        peak = std::max(peak, live + transient[op.chunk]);
+        live += weight_pass[op.chunk] * op.work;
+        peak = std::max(peak, live);
+        break;
+      case OpKind::BackwardWeight:
+        peak = std::max(peak, live + unsharded[op.chunk]);
+        live -= (act[op.chunk] + weight_pass[op.chunk]) * op.work;
+        break;
+      default: break;
+    }
+  }
+  return peak;
+}
+
+MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activation_peak) const {
   const auto& cfg = plan_.config;
-  double params = 0;
-  for (int j = 0; j < plan_.vpp; ++j) params += plan_.virtual_stage_params(j * plan_.pp + prog.stage);
-  params /= plan_.tp;
+  const double params = plan_.stage_params(prog.stage) / plan_.tp;
   const ModelStateBytes states = model_state_bytes(plan_, params);
 
   // Communication buffers: activation send/receive, gradient buckets cast to another
@@ -84,52 +133,15 @@ MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
     buffers += 2.0 * plan_.micro_batch_size * shape_.s * shape_.h * plan_.activation_bytes() / plan_.tp;
   if (plan_.dp > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
     buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
-  // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the bucket
-  // it fills and the one being reduce-scattered (DeepSpeed's reduce buckets, FSDP's unit).
-  double unsharded = 0;
-  if (plan_.shards_gradients())
-    for (const Op& op : prog.ops)
-      if (op.kind == OpKind::ReduceScatter) unsharded = std::max(unsharded, 2.0 * static_cast<double>(op.bytes));
   if (plan_.zero() == 3)
     buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();
 
-  // The walk's peak, split into activations (stashes and what recompute rebuilds) and the
-  // unsharded gradient buckets a backward holds (buffers).
-  double live = 0, peak = 0, peak_activations = 0, peak_buckets = 0;
-  auto consider = [&](double activations, double buckets) {
-    if (activations + buckets <= peak) return;
-    peak = activations + buckets;
-    peak_activations = activations;
-    peak_buckets = buckets;
-  };
-  for (const Op& op : prog.ops) {
-    switch (op.kind) {
-      case OpKind::Forward:
-        live += act_[op.chunk] * op.work;
-        consider(live, 0);
-        break;
-      case OpKind::Backward:
-        consider(live + transient_[op.chunk], unsharded);
-        live -= act_[op.chunk] * op.work;
-        break;
-      case OpKind::BackwardInput:
-        consider(live + transient_[op.chunk], 0);
-        live += weight_pass_[op.chunk] * op.work;
-        consider(live, 0);
-        break;
-      case OpKind::BackwardWeight:
-        consider(live, unsharded);
-        live -= (act_[op.chunk] + weight_pass_[op.chunk]) * op.work;
-        break;
-      default: break;
-    }
-  }
   MemoryBreakdown b;
   b.weights = states.weights;
   b.gradients = states.gradients;
   b.optimizer = states.optimizer;
-  b.activations = peak_activations;
-  b.buffers = buffers + peak_buckets;
+  b.activations = activation_peak;
+  b.buffers = buffers;
   return b;
 }
 
