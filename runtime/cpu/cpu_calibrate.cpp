@@ -24,6 +24,7 @@
 #include "core/kernel_inventory.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
 
@@ -229,6 +230,9 @@ struct StageBench {
   std::vector<float> in, out, grad_out, grad_in;
 
   StageBench(const StageSpec& spec, std::uint32_t seed) : model(std::make_unique<StageModel>(spec)) {
+    // A tensor-parallel shard is timed alone: its work, without its group's collectives (the
+    // profile's communication table prices those).
+    model->set_tensor_parallel_group(&TimingOnlyGroup::instance());
     model->init(seed);
     std::mt19937 rng(seed);
     const std::size_t act = model->activation_elements();
@@ -279,7 +283,8 @@ class CpuClock final : public KernelClock {
     // (none beyond the cores: oversubscribed ranks are not pinned).
     const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int ranks = plan.plan.num_ranks() <= cores && pin_ ? plan.plan.num_ranks() : 1;
+    const int world = plan.plan.num_ranks() * plan.plan.tp;  // every tensor-parallel shard on its own core
+    const int ranks = world <= cores && pin_ ? world : 1;
     for (int c = 0; c < ranks; ++c) stages_.emplace_back(spec, 7);
     on_timing_thread([&] {
       for (const auto& c : calls_) c();  // warm-up: first touches, lazy allocations
