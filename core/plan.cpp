@@ -30,6 +30,14 @@ double Plan::virtual_stage_params(int vs) const {
   return p;
 }
 
+double Plan::shard_params(int vs) const {
+  const ModelShape m = shape();
+  double replicated = layers_per_virtual_stage.at(vs) * m.replicated_params_per_layer();
+  if (vs == 0 && m.learned_positions) replicated += static_cast<double>(m.s) * m.h;
+  if (vs == num_virtual_stages() - 1) replicated += m.final_norm_params();
+  return (virtual_stage_params(vs) - replicated) / tp + replicated;
+}
+
 bool Plan::reduces_every_microbatch() const {
   if (zero() < 2) return false;
   return !(framework == Framework::fsdp && config.parallelism.fsdp_no_sync);

@@ -64,6 +64,9 @@ struct Plan {
   // embeddings on the first and the LM head on the last (a copy of tied embeddings when
   // the pipeline has more than one stage, as Megatron-LM keeps it).
   double virtual_stage_params(int vstage) const;
+  // The same held by one tensor-parallel shard: 1/tp of the split tensors and all of the
+  // replicated ones (ModelShape::replicated_params_per_layer, position embeddings, final norm).
+  double shard_params(int vstage) const;
   // Bytes per element of working weights and of stored activations: the compute format,
   // except fp8, whose weights and activations are kept in 16 bits between matrix products.
   int weight_bytes() const;

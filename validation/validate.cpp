@@ -32,11 +32,11 @@ Plan calibrated_plan(const runtime::RuntimePlan& rp, const HardwareProfile& prof
   return plan;
 }
 
-// Group sizes the plan's collectives use: the data-parallel groups and every rank (the
-// global overflow check and gradient norm).
+// Group sizes the plan's collectives use: the data-parallel groups, the tensor-parallel groups
+// and every rank (the global overflow check and gradient norm).
 std::vector<int> collective_group_sizes(const Plan& plan) {
   std::vector<int> g;
-  for (int n : {plan.dp, plan.num_ranks(), plan.pp > 1 ? 2 : 1})
+  for (int n : {plan.dp, plan.num_ranks() * plan.tp, plan.pp > 1 ? 2 : 1, plan.tp})
     if (n >= 2 && std::find(g.begin(), g.end(), n) == g.end()) g.push_back(n);
   std::sort(g.begin(), g.end());
   return g;
@@ -167,7 +167,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   // (ranks x mean utilization) / cores, the utilization taken from the prediction itself until
   // it settles (a few rounds).
   const int cores = std::max(1, v.profile.ranks_per_node);
-  const int ranks = v.plan.plan.num_ranks();
+  const int ranks = v.plan.plan.num_ranks() * v.plan.plan.tp;  // every tensor-parallel shard is a thread
   if (ranks > cores && v.profile.core_factors.empty()) {
     for (int round = 0; round < 4; ++round) {
       const double busy = ranks * (1.0 - v.predicted.result.bubble_fraction) / cores;
@@ -222,13 +222,17 @@ std::string format_validation(const Validation& v) {
                      v.profile.core_factors.empty()
                          ? std::string()
                          : fmt::format(", cores x{:.2f}", fmt::join(v.profile.core_factors, "/x")));
-  out << fmt::format("  plan     data {} x pipeline {}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
-                     plan.pp, schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
+  out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
+                     plan.pp,
+                     plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
+                                               plan.config.parallelism.sequence_parallel ? " (sequence parallel)" : "")
+                                 : "",
+                     schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
                      plan.micro_batch_size, dtype_name(plan.config.precision.compute));
   if (v.oversubscribed)
     out << fmt::format("  cores    {} ranks share {} cores: compute scaled x{:.2f} (busy ranks per core, from the "
                        "prediction)\n",
-                       v.plan.plan.num_ranks(), v.profile.ranks_per_node, v.profile.core_factor(0));
+                       v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_factor(0));
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);

@@ -41,11 +41,14 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     transient_.push_back(rc == Recompute::full && plan.layers_per_virtual_stage[vs] > 0 ? full_layer : 0.0);
     // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
     // first and second products and both norms (dW = dY^T X needs dY); per stage the
-    // gradient at its input, and on the last the logits' and the final norm's.
+    // gradient at its input, and on the last the logits' and the final norm's. Under tensor
+    // parallelism QKV's and the MLP's first product's are split t ways; the others are the
+    // residual stream's width, whole on every shard unless sequence parallel.
     const double qkv = m.h + 2.0 * m.h / m.a * m.kv_heads, mlp_in = (m.swiglu ? 2.0 : 1.0) * m.f;
-    double w = plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s * (qkv + m.h + mlp_in + m.h + 2.0 * m.h) / t;
-    w += e * static_cast<double>(b) * m.s * m.h;
-    if (vs == V - 1) w += e * static_cast<double>(b) * m.s * (static_cast<double>(m.V) / t + m.h);
+    const double rows = e * static_cast<double>(b) * m.s, stream_split = sp ? t : 1;
+    double w = plan.layers_per_virtual_stage[vs] * rows * ((qkv + mlp_in) / t + (m.h + m.h + 2.0 * m.h) / stream_split);
+    w += rows * m.h / stream_split;
+    if (vs == V - 1) w += rows * (static_cast<double>(m.V) / t + m.h / stream_split);
     weight_pass_.push_back(w);
   }
 }
@@ -60,8 +63,7 @@ std::vector<MemoryBreakdown> MemoryModel::peak_per_rank(const Schedule& schedule
 MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
   const auto& cfg = plan_.config;
   double params = 0;
-  for (int j = 0; j < plan_.vpp; ++j) params += plan_.virtual_stage_params(j * plan_.pp + prog.stage);
-  params /= plan_.tp;
+  for (int j = 0; j < plan_.vpp; ++j) params += plan_.shard_params(j * plan_.pp + prog.stage);
   const ModelStateBytes states = model_state_bytes(plan_, params);
 
   // Communication buffers: activation send/receive, gradient buckets cast to another
