@@ -19,6 +19,7 @@
 #include "runtime/engine/schedule_ops.h"
 #include "runtime/engine/weights.h"
 #include "runtime/loop/run_loop.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/loss_scaler.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
@@ -37,9 +38,10 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
 
 // One rank: its model chunks, optimizer, scaler, buffers and this step's state.
 struct Rank {
-  int rank = 0, stage = 0, replica = 0;
-  const RankProgram* program = nullptr;
+  int rank = 0, stage = 0, replica = 0, shard = 0;  // shard: its tensor-parallel coordinate
+  const RankProgram* program = nullptr;             // its cell's (World::cell)
   std::unique_ptr<Communicator> comm;
+  std::unique_ptr<CommunicatorGroup> tensor_parallel;  // its tensor-parallel group (tp > 1)
   std::vector<StageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   std::vector<OptimizerState> optimizers;
   std::vector<std::vector<std::uint8_t>> decay_masks;
@@ -91,12 +93,16 @@ class CpuEngine final : public DeviceEngine {
       rk->rank = r;
       rk->stage = world_.coord(r).pp;
       rk->replica = world_.coord(r).dp;
-      rk->program = &schedule_->ranks[static_cast<std::size_t>(r)];
+      rk->shard = world_.coord(r).tp;
+      rk->program = &schedule_->ranks[static_cast<std::size_t>(world_.cell(r))];
       rk->comm = comm_world_.communicator(r);
+      if (world_.tensor_parallel() > 1)
+        rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->comm, world_.tensor_parallel_group(r));
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk->stage, j);
-        rk->chunks.emplace_back(stage_spec(rp_, vs));
+        rk->chunks.emplace_back(stage_spec(rp_, vs, rk->shard));
         StageModel& model = rk->chunks.back();
+        model.set_tensor_parallel_group(rk->tensor_parallel.get());
         model.init(static_cast<std::uint64_t>(cfg.runtime.seed));
         round_master(model);
         rk->optimizers.emplace_back(os, model.master_weights().size());
@@ -120,7 +126,9 @@ class CpuEngine final : public DeviceEngine {
   std::shared_ptr<const Schedule> schedule() const override { return schedule_; }
   Execution execution() const override {
     const int n = world_.size();
-    return {fmt::format("cpu: {} rank threads{}", n, pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : ""),
+    const std::string shards =
+        world_.tensor_parallel() > 1 ? fmt::format(" ({} tensor-parallel shards of each)", world_.tensor_parallel()) : "";
+    return {fmt::format("cpu: {} rank threads{}{}", n, shards, pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : ""),
             pinned_ ? " as threads pinned to cores" : " as threads (not pinned: more ranks than cores)", pinned_};
   }
 
@@ -251,6 +259,7 @@ class CpuEngine final : public DeviceEngine {
       c.numerics() = StageNumerics{};
     }
     rk.walk.reset(rk.program->ops.size());
+    if (rk.tensor_parallel) rk.tensor_parallel->restart(tensor_parallel_tag(step));
     std::fill(rk.arrival.begin(), rk.arrival.end(), -1);
     rk.local_nonfinite = 0;
     rk.found_nonfinite = false;
@@ -275,6 +284,7 @@ class CpuEngine final : public DeviceEngine {
     n.rank = rk.rank;
     n.stage = rk.stage;
     n.replica = rk.replica;
+    n.shard = rk.shard;
     std::uint64_t h = kFnvOffset;
     for (auto& c : rk.chunks) {
       const StageNumerics& sn = c.numerics();
@@ -315,21 +325,23 @@ class CpuEngine final : public DeviceEngine {
   }
 
   float gradient_scale(const Rank& rk) const { return loss_gradient_scale(rk.scaler->scale(), shape_.microbatches); }
+  // The rank a point-to-point op of the cell's program talks to: the same shard of the peer cell.
+  int peer(const Rank& rk, const Op& op) const { return world_.shard(op.peer, rk.shard); }
 
   void run_op(Rank& rk, int index, const Op& op) {
     const int vs = op.chunk;
     const int s = shape_.slot(op);
     switch (op.kind) {
       case OpKind::RecvActivation:
-        rk.comm->recv(op.peer, message_tag(rk.step, op.channel), alloc(rk, rk.act_in[s]));
+        rk.comm->recv(peer(rk, op), message_tag(rk.step, op.channel), alloc(rk, rk.act_in[s]));
         return;
       case OpKind::RecvGradient:
-        rk.comm->recv(op.peer, message_tag(rk.step, op.channel), alloc(rk, rk.grad_out[s]));
+        rk.comm->recv(peer(rk, op), message_tag(rk.step, op.channel), alloc(rk, rk.grad_out[s]));
         return;
       case OpKind::SendActivation:
       case OpKind::SendGradient: {
         auto& buf = op.kind == OpKind::SendActivation ? rk.act_out[s] : rk.grad_in[s];
-        rk.comm->send(op.peer, message_tag(rk.step, op.channel), buf);
+        rk.comm->send(peer(rk, op), message_tag(rk.step, op.channel), buf);
         release(rk, buf);
         return;
       }
@@ -391,7 +403,8 @@ class CpuEngine final : public DeviceEngine {
         const bool data_parallel = c.purpose == CollectivePurpose::gradients;
         if (data_parallel) rk.local_nonfinite += count_nonfinite(grads);
         const bool finite_before = count_nonfinite(grads) == 0;
-        rk.comm->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
+        rk.comm->all_reduce(grads, collective_members(c, world_, rk.shard), tag, ReduceOp::sum, pr.allreduce,
+                            divide_of(c, pr));
         if (finite_before && count_nonfinite(grads) > 0)
           record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", allreduce_label(op, pr.allreduce), rk.stage,
                                            rk.replica));
@@ -410,7 +423,8 @@ class CpuEngine final : public DeviceEngine {
         for (auto& c : rk.chunks) n += count_nonfinite(c.gradients());
         float flag = n > 0 ? 1.0f : 0.0f;
         const Collective& c = schedule_->collectives[op.channel];
-        rk.comm->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32, Divide::none);
+        rk.comm->all_reduce(std::span<float>(&flag, 1), collective_members(c, world_, rk.shard), tag, ReduceOp::max,
+                            DType::fp32, Divide::none);
         rk.found_nonfinite = !(flag == 0.0f);
         return;
       }
@@ -423,17 +437,16 @@ class CpuEngine final : public DeviceEngine {
   void optimizer_step(Rank& rk) {
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
-    // Unscale, and this rank's share of the global squared norm (norm_excluded).
+    // Unscale, and this rank's share of the global squared norm (norm_ranges).
     double sumsq = 0;
     for (int j = 0; j < shape_.vpp; ++j) {
       StageModel& model = rk.chunks[j];
       auto g = model.gradients();
       for (float& x : g) x *= inv_scale;
-      const auto [skip_from, skip_count] =
-          norm_excluded(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.token_embedding());
-      // In index order around the range left out, as one pass that skipped it would add them.
-      for (std::size_t i = 0; i < skip_from; ++i) sumsq += static_cast<double>(g[i]) * g[i];
-      for (std::size_t i = skip_from + skip_count; i < g.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
+      // In index order over the ranges counted, as one pass that skipped the others would add them.
+      for (const auto& [from, to] : norm_ranges(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages,
+                                                model.params(), model.token_embedding(), rk.shard))
+        for (std::size_t i = from; i < to; ++i) sumsq += static_cast<double>(g[i]) * g[i];
     }
     float total = static_cast<float>(sumsq / plan_.dp);
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
