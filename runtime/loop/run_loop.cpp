@@ -168,7 +168,7 @@ std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>
       continue;
     }
     for (std::size_t i = 0; i < s.timing.size(); ++i) {
-      cells[c].timing[i].start = std::min(cells[c].timing[i].start, s.timing[i].start);
+      cells[c].timing[i].start = std::max(cells[c].timing[i].start, s.timing[i].start);
       cells[c].timing[i].end = std::max(cells[c].timing[i].end, s.timing[i].end);
       cells[c].arrival[i] = std::max(cells[c].arrival[i], s.arrival[i]);
     }

@@ -115,6 +115,12 @@ TEST(Executor, TensorParallelMatchesOneRankInFp32) {
         EXPECT_EQ(e.schedule_rank, e.pp * l.dp + e.dp);
       }
       EXPECT_EQ(r.result.ranks.size(), static_cast<std::size_t>(l.dp * l.pp));
+      // run --json lists them with their coordinates.
+      const auto executed = run_to_json(r)["run"]["executed_ranks"];
+      ASSERT_EQ(executed.size(), r.executed_ranks.size());
+      EXPECT_EQ(executed.back()["tp"].get<int>(), 1);
+      EXPECT_EQ(executed.back()["pp"].get<int>(), l.pp - 1);
+      EXPECT_EQ(executed.back()["dp"].get<int>(), l.dp - 1);
     }
 }
 
