@@ -80,8 +80,13 @@ std::string format_run_summary(const RunReport& rep) {
   const double tokens = static_cast<double>(plan.global_batch_size) * d.seq_length;
   o += fmt::format("  step time        {:>10}  (step {}, the median)   tokens/s {:>10.0f}\n", format_seconds(res.step_time_s),
                    rep.timeline_step, res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
-  o += fmt::format("  bubble fraction  {:>9.1f}%   all-reduce {:>10}   exposed communication {}\n",
-                   100 * res.bubble_fraction, format_seconds(res.allreduce_time_s), format_seconds(res.exposed_comm_time_s));
+  // The simulator's split (core/metrics.h): idle waiting for pipeline peers plus idle waiting for
+  // collectives, so a data-parallel run's exposed all-reduce is not read as a pipeline bubble.
+  o += fmt::format("  bubble fraction  {:>9.1f}%   = pipeline bubble {:.1f}% + exposed communication {:.1f}% "
+                   "(idle, mean over ranks)\n",
+                   100 * res.bubble_fraction, 100 * res.pipeline_bubble_fraction, 100 * res.exposed_comm_fraction);
+  o += fmt::format("  all-reduce       {:>10}   exposed communication {} (the most on one rank)\n",
+                   format_seconds(res.allreduce_time_s), format_seconds(res.exposed_comm_time_s));
   // On the GPU the allocators' own peak follows the accounted one: the difference is cuBLAS
   // workspaces, scratch and the pool's rounding.
   const bool allocated = rep.allocated_peak_bytes.size() == res.ranks.size() && !res.ranks.empty();

@@ -10,9 +10,12 @@
 #include <cmath>
 #include <filesystem>
 
+#include <fmt/format.h>
+
 #include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/loop/run_loop.h"
+#include "runtime/loop/run_report.h"
 #include "runtime/null/null_engine.h"
 #include "runtime/runtime_plan.h"
 #include "sim/simulator.h"
@@ -123,6 +126,21 @@ TEST(RunLoop, FoldsTensorParallelShardsIntoTheirScheduleRank) {
   EXPECT_EQ(cells[0].timing[1].start, 12);
   EXPECT_EQ(cells[0].timing[1].end, 30);
   EXPECT_EQ(cells[0].arrival[1], 12);
+}
+
+// The run's summary splits idle time as the simulator's does: a data-parallel run's idle time is
+// exposed communication, not a pipeline bubble, and the two parts add up to the bubble fraction.
+TEST(RunLoop, TheSummarySplitsIdleTimeIntoPipelineBubbleAndExposedCommunication) {
+  for (const ScenarioConfig& c : {config(2, 1, ScheduleKind::one_f_one_b), config(1, 2, ScheduleKind::one_f_one_b)}) {
+    const RunReport r = run_null(c);
+    ASSERT_FALSE(r.failure) << r.failure->message;
+    const Result& res = r.result;
+    EXPECT_NEAR(res.pipeline_bubble_fraction + res.exposed_comm_fraction, res.bubble_fraction, 1e-12);
+    if (c.parallelism.pipeline_parallel_size == 1) EXPECT_EQ(res.pipeline_bubble_fraction, 0.0);
+    const std::string line = fmt::format("= pipeline bubble {:.1f}% + exposed communication {:.1f}%",
+                                         100 * res.pipeline_bubble_fraction, 100 * res.exposed_comm_fraction);
+    EXPECT_NE(format_run_summary(r).find(line), std::string::npos) << line << "\n" << format_run_summary(r);
+  }
 }
 
 TEST(RunLoop, ResumingFromACheckpointIsBitwiseAndCheckpointsComeAtTheirCadence) {
