@@ -187,6 +187,7 @@ HardwareProfile load_profile(const std::string& path) {
   if (const YAML::Node c = root["composition"])
     p.composition = Composition{get<double>(path, c, "forward", 1), get<double>(path, c, "backward", 1)};
   if (const YAML::Node f = root["core_factors"]) p.core_factors = f.as<std::vector<double>>();
+  p.core_factors_include_tensor_parallel = get<bool>(path, root, "core_factors_include_tensor_parallel", false);
   if (root["p2p"]) {
     p.p2p = link_of(path, root["p2p"]);
     p.p2p_table = table_of(path, root["p2p"]);
@@ -215,6 +216,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
       << YAML::Value << p.composition.forward << YAML::Key << "backward" << YAML::Value << p.composition.backward
       << YAML::EndMap;
   if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
+  if (p.core_factors_include_tensor_parallel)
+    out << YAML::Key << "core_factors_include_tensor_parallel" << YAML::Value << true;
   out << YAML::Key << "p2p" << YAML::Value << YAML::BeginMap << YAML::Key << "latency_us" << YAML::Value
       << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps;
   emit_table(out, p.p2p_table);

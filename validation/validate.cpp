@@ -155,6 +155,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.profile.kernels = kernels->rates();
     v.profile.composition = kernels->composition();
     v.profile.core_factors = kernels->core_factors();
+    v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;
   }

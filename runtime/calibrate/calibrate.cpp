@@ -82,6 +82,10 @@ std::vector<double> KernelCalibrator::core_factors() const {
   return stage_factors(stage_forward_, stage_backward_, rank_seconds_);
 }
 
+bool KernelCalibrator::core_factors_include_tensor_parallel() const {
+  return clock_->stage_ranks() > 1 && clock_->stages_run_tensor_parallel();
+}
+
 double KernelCalibrator::speed_change(int first_passes) const {
   const auto& t = pass_seconds_;
   if (first_passes <= 0 || static_cast<std::size_t>(first_passes) >= t.size()) return 0;
@@ -105,6 +109,7 @@ HardwareProfile calibrate_profile(const Backend& backend, const RuntimePlan& pla
     p.kernels = kernels->rates();
     p.composition = kernels->composition();
     p.core_factors = kernels->core_factors();
+    p.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
   }
   // The other formats the backend runs, so that a scenario naming this profile may compute in
   // any of them: the same shapes in that format.

@@ -22,6 +22,8 @@
 #include <fmt/format.h>
 
 #include "core/kernel_inventory.h"
+#include "runtime/comm/in_process.h"
+#include "runtime/engine/world.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
 #include "runtime/model/tensor_parallel.h"
@@ -230,8 +232,7 @@ struct StageBench {
   std::vector<float> in, out, grad_out, grad_in;
 
   StageBench(const StageSpec& spec, std::uint32_t seed) : model(std::make_unique<StageModel>(spec)) {
-    // A tensor-parallel shard is timed alone: its work, without its group's collectives (the
-    // profile's communication table prices those).
+    // A tensor-parallel shard timed alone: its work, without its group's collectives.
     model->set_tensor_parallel_group(&TimingOnlyGroup::instance());
     model->init(seed);
     std::mt19937 rng(seed);
@@ -281,11 +282,26 @@ class CpuClock final : public KernelClock {
     for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
     // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
     // (none beyond the cores: oversubscribed ranks are not pinned).
-    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int world = plan.plan.num_ranks() * plan.plan.tp;  // every tensor-parallel shard on its own core
+    const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;  // every shard on its own core
     const int ranks = world <= cores && pin_ ? world : 1;
-    for (int c = 0; c < ranks; ++c) stages_.emplace_back(spec, 7);
+    for (int c = 0; c < ranks; ++c) {
+      spec.tensor_parallel_rank = c % tp;
+      stages_.emplace_back(spec, 7);
+    }
+    // Under tensor parallelism the stages on the cores, timed together, are the world's shards and
+    // run their groups' collectives for real (an in-process world of their own): what waiting for
+    // one another costs on this machine, now, goes into the core factors (a shard is on every
+    // layer's critical path of its group), as the run will pay it.
+    if (tp > 1 && ranks == world) {
+      const World grid = World::of(plan.plan);
+      tp_world_ = std::make_unique<InProcessWorld>(world);
+      for (int c = 0; c < world; ++c) {
+        comms_.push_back(tp_world_->communicator(c));
+        groups_.push_back(std::make_unique<CommunicatorGroup>(*comms_.back(), grid.tensor_parallel_group(c)));
+      }
+    }
     on_timing_thread([&] {
       for (const auto& c : calls_) c();  // warm-up: first touches, lazy allocations
       stages_[0].time();
@@ -316,22 +332,36 @@ class CpuClock final : public KernelClock {
     std::vector<double> seconds(static_cast<std::size_t>(n));
     std::barrier start(n);
     std::vector<std::thread> threads;
+    const std::uint64_t first_tag = next_tag_;
+    next_tag_ += 1ull << 32;  // each pass's collectives under tags of their own
     for (int c = 0; c < n; ++c)
       threads.emplace_back([&, c] {
         pin_to(c);
+        StageModel& model = *stages_[static_cast<std::size_t>(c)].model;
+        if (!groups_.empty()) {
+          groups_[static_cast<std::size_t>(c)]->restart(first_tag);
+          model.set_tensor_parallel_group(groups_[static_cast<std::size_t>(c)].get());
+        }
         start.arrive_and_wait();
         const auto [f, b] = stages_[static_cast<std::size_t>(c)].time();
         seconds[static_cast<std::size_t>(c)] = f + b;
+        model.set_tensor_parallel_group(&TimingOnlyGroup::instance());  // stage 0 is also timed alone
       });
     for (auto& t : threads) t.join();
     return seconds;
   }
+  bool stages_run_tensor_parallel() const override { return !groups_.empty(); }
 
  private:
   bool pin_;
   KernelTimer timer_;
   std::vector<std::function<void()>> calls_;
   std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
+  // Tensor parallelism: the shards' groups when they are timed together.
+  std::unique_ptr<InProcessWorld> tp_world_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::vector<std::unique_ptr<CommunicatorGroup>> groups_;
+  std::uint64_t next_tag_ = 1;
 };
 
 }  // namespace

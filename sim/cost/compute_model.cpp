@@ -71,7 +71,9 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   const std::vector<ChunkKernels> kernels = chunk_kernels(plan, storage);
   for (int vs = 0; vs < static_cast<int>(kernels.size()); ++vs) {
     const ChunkKernels& k = kernels[static_cast<std::size_t>(vs)];
-    const ChunkSeconds tp = tensor_parallel_seconds(plan, vs, profile, storage);
+    // Core factors timed with the shards' real collectives already hold them.
+    const bool in_factors = profile.core_factors_include_tensor_parallel && !profile.core_factors.empty();
+    const ChunkSeconds tp = in_factors ? ChunkSeconds{} : tensor_parallel_seconds(plan, vs, profile, storage);
     ChunkSeconds c;
     const Composition& in_layer = profile.composition;
     c.forward = in_layer.forward * kernels_seconds(k.forward, profile, rate, hbm) + tp.forward;
