@@ -34,6 +34,12 @@ RunReport run(const ScenarioConfig& c, RunOptions opt = {}) {
   return run_cpu(make_runtime_plan(c), opt);
 }
 
+// A (dp x pp) layout with vpp virtual stages under `schedule`.
+struct Layout {
+  int dp, pp, vpp;
+  ScheduleKind schedule;
+};
+
 std::vector<double> losses(const RunReport& r) {
   std::vector<double> l;
   for (const auto& s : r.steps) l.push_back(s.loss);
@@ -47,10 +53,6 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
   // Training happens: the loss moves.
   EXPECT_NE(reference.steps[0].loss, reference.steps[2].loss);
 
-  struct Layout {
-    int dp, pp, vpp;
-    ScheduleKind schedule;
-  };
   const Layout layouts[] = {
       {2, 4, 1, ScheduleKind::gpipe},           {1, 4, 1, ScheduleKind::gpipe},
       {2, 1, 1, ScheduleKind::gpipe},           {2, 4, 1, ScheduleKind::one_f_one_b},
@@ -81,10 +83,6 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
 TEST(Executor, TensorParallelMatchesOneRankInFp32) {
   const RunReport reference = run(small_config(1, 1, ScheduleKind::one_f_one_b));
   ASSERT_FALSE(reference.failure) << reference.failure->message;
-  struct Layout {
-    int dp, pp, vpp;
-    ScheduleKind schedule;
-  };
   const Layout layouts[] = {
       {1, 1, 1, ScheduleKind::one_f_one_b},      {2, 1, 1, ScheduleKind::one_f_one_b},
       {1, 2, 1, ScheduleKind::gpipe},            {1, 2, 1, ScheduleKind::one_f_one_b},
