@@ -127,7 +127,9 @@ class CpuEngine final : public DeviceEngine {
   Execution execution() const override {
     const int n = world_.size();
     const std::string shards =
-        world_.tensor_parallel() > 1 ? fmt::format(" ({} tensor-parallel shards of each)", world_.tensor_parallel()) : "";
+        world_.tensor_parallel() > 1
+            ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
+            : "";
     return {fmt::format("cpu: {} rank threads{}{}", n, shards, pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : ""),
             pinned_ ? " as threads pinned to cores" : " as threads (not pinned: more ranks than cores)", pinned_};
   }
