@@ -46,6 +46,19 @@ std::vector<double> losses(const RunReport& r) {
   return l;
 }
 
+// Every step of `r` against the one-rank `reference`: the loss to `relative`, the gradient norm
+// to 1e-4, replicas bit-identical.
+void expect_trains_like(const RunReport& r, const RunReport& reference, double relative) {
+  ASSERT_FALSE(r.failure) << r.failure->message;
+  ASSERT_EQ(r.steps.size(), reference.steps.size());
+  for (std::size_t i = 0; i < r.steps.size(); ++i) {
+    EXPECT_NEAR(r.steps[i].loss, reference.steps[i].loss, relative * std::fabs(reference.steps[i].loss))
+        << "step " << i + 1;
+    EXPECT_NEAR(r.steps[i].grad_norm, reference.steps[i].grad_norm, 1e-4 * reference.steps[i].grad_norm);
+    EXPECT_EQ(r.steps[i].replica_drift, 0.0) << "replicas hold bit-identical weights";
+  }
+}
+
 TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
   const RunReport reference = run(small_config(1, 1, ScheduleKind::one_f_one_b));
   ASSERT_FALSE(reference.failure) << reference.failure->message;
@@ -64,14 +77,8 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
     SCOPED_TRACE(::testing::Message() << "dp " << l.dp << " pp " << l.pp << " v " << l.vpp << " "
                                       << schedule_name(l.schedule));
     const RunReport r = run(small_config(l.dp, l.pp, l.schedule, l.vpp));
-    ASSERT_FALSE(r.failure) << r.failure->message;
-    ASSERT_EQ(r.steps.size(), reference.steps.size());
-    for (std::size_t i = 0; i < r.steps.size(); ++i) {
-      // Same samples, same weights, same updates: only the order of FP32 sums differs.
-      EXPECT_NEAR(r.steps[i].loss, reference.steps[i].loss, 2e-5 * std::fabs(reference.steps[i].loss)) << "step " << i + 1;
-      EXPECT_NEAR(r.steps[i].grad_norm, reference.steps[i].grad_norm, 1e-4 * reference.steps[i].grad_norm);
-      EXPECT_EQ(r.steps[i].replica_drift, 0.0) << "replicas hold bit-identical weights";
-    }
+    // Same samples, same weights, same updates: only the order of FP32 sums differs.
+    expect_trains_like(r, reference, 2e-5);
   }
 }
 
@@ -98,14 +105,9 @@ TEST(Executor, TensorParallelMatchesOneRankInFp32) {
       c.parallelism.tensor_parallel_size = 2;
       c.parallelism.sequence_parallel = sp;
       const RunReport r = run(c);
-      ASSERT_FALSE(r.failure) << r.failure->message;
-      ASSERT_EQ(r.steps.size(), reference.steps.size());
-      for (std::size_t i = 0; i < r.steps.size(); ++i) {
-        EXPECT_NEAR(r.steps[i].loss, reference.steps[i].loss, 1e-6 * std::fabs(reference.steps[i].loss)) << "step " << i + 1;
-        EXPECT_NEAR(r.steps[i].grad_norm, reference.steps[i].grad_norm, 1e-4 * reference.steps[i].grad_norm);
-        EXPECT_EQ(r.steps[i].replica_drift, 0.0) << "replicas hold bit-identical weights";
-        EXPECT_EQ(r.steps[i].ranks.size(), static_cast<std::size_t>(2 * l.dp * l.pp)) << "a rank per shard";
-      }
+      expect_trains_like(r, reference, 1e-6);
+      for (const StepRecord& step : r.steps)
+        EXPECT_EQ(step.ranks.size(), static_cast<std::size_t>(2 * l.dp * l.pp)) << "a rank per shard";
       // Every rank ran with its coordinates; the result has a rank per (dp, pp) cell.
       ASSERT_EQ(r.executed_ranks.size(), static_cast<std::size_t>(2 * l.dp * l.pp));
       for (const ExecutedRank& e : r.executed_ranks) {
