@@ -23,6 +23,7 @@
 
 #include "core/kernel_inventory.h"
 #include "runtime/comm/in_process.h"
+#include "runtime/cpu/cpu_engine.h"
 #include "runtime/engine/world.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
@@ -279,26 +280,28 @@ class CpuClock final : public KernelClock {
  public:
   CpuClock(const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)
       : pin_(options.pin), timer_(plan, options) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    shared_ = pin_ && plan.plan.num_ranks() * plan.plan.tp > cores;
     for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
     // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
-    // (none beyond the cores: oversubscribed ranks are not pinned).
+    // (ranks that share cores run one compute op per core at a time: as many as the cores; a
+    // tensor-parallel plan's ranks are its shards).
     StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;  // every shard on its own core
-    const int ranks = world <= cores && pin_ ? world : 1;
+    const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;
+    const int ranks = pin_ ? std::min(world, cores) : 1;
     for (int c = 0; c < ranks; ++c) {
       spec.tensor_parallel_rank = c % tp;
       stages_.emplace_back(spec, 7);
     }
-    // Under tensor parallelism the stages on the cores, timed together, are the world's shards and
-    // run their groups' collectives for real (an in-process world of their own): what waiting for
-    // one another costs on this machine, now, goes into the core factors (a shard is on every
-    // layer's critical path of its group), as the run will pay it.
-    if (tp > 1 && ranks == world) {
+    // Under tensor parallelism with a core per shard, the stages timed together are the world's
+    // shards and run their groups' collectives for real (an in-process world of their own): what
+    // waiting for one another costs on this machine, now, goes into the core factors (a shard is on
+    // every layer's critical path of its group), as the run will pay it.
+    if (tp > 1 && pin_ && world <= cores) {
       const World grid = World::of(plan.plan);
       tp_world_ = std::make_unique<InProcessWorld>(world);
       for (int c = 0; c < world; ++c) {
-        comms_.push_back(tp_world_->communicator(c));
+        comms_.push_back(tp_world_->communicator(c, kCpuCommPoll));  // as the engine's pinned ranks wait
         groups_.push_back(std::make_unique<CommunicatorGroup>(*comms_.back(), grid.tensor_parallel_group(c)));
       }
     }
@@ -337,15 +340,20 @@ class CpuClock final : public KernelClock {
     for (int c = 0; c < n; ++c)
       threads.emplace_back([&, c] {
         pin_to(c);
-        StageModel& model = *stages_[static_cast<std::size_t>(c)].model;
-        if (!groups_.empty()) {
+        StageBench& stage = stages_[static_cast<std::size_t>(shared_ ? (c + 1) % n : c)];
+        if (!groups_.empty()) {  // not shared: stage c is shard c
           groups_[static_cast<std::size_t>(c)]->restart(first_tag);
-          model.set_tensor_parallel_group(groups_[static_cast<std::size_t>(c)].get());
+          stage.model->set_tensor_parallel_group(groups_[static_cast<std::size_t>(c)].get());
         }
+        // A rank with a core of its own runs its stage warm: each stage once untimed first (core 0's
+        // was just timed alone, and its caches hold it; the others' read 10% slower). Ranks that
+        // share cores find their data where another rank's op left the core: each core runs the
+        // stage another core ran last, cold.
+        if (!shared_) stage.time();
         start.arrive_and_wait();
-        const auto [f, b] = stages_[static_cast<std::size_t>(c)].time();
+        const auto [f, b] = stage.time();
         seconds[static_cast<std::size_t>(c)] = f + b;
-        model.set_tensor_parallel_group(&TimingOnlyGroup::instance());  // stage 0 is also timed alone
+        stage.model->set_tensor_parallel_group(&TimingOnlyGroup::instance());  // stage 0 is also timed alone
       });
     for (auto& t : threads) t.join();
     return seconds;
@@ -354,6 +362,7 @@ class CpuClock final : public KernelClock {
 
  private:
   bool pin_;
+  bool shared_ = false;  // more ranks than cores
   KernelTimer timer_;
   std::vector<std::function<void()>> calls_;
   std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
