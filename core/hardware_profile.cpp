@@ -281,6 +281,7 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
       p.core_factors.push_back(v);
     }
   }
+  p.core_factors_include_tensor_parallel = get<bool>(path, root, "core_factors_include_tensor_parallel", false);
   if (const YAML::Node l = root["p2p"]) {
     expect_map(path, l, "p2p");
     p.p2p = link_of(path, l);
@@ -314,6 +315,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
       << YAML::Value << p.composition.forward << YAML::Key << "backward" << YAML::Value << p.composition.backward
       << YAML::EndMap;
   if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
+  if (p.core_factors_include_tensor_parallel)
+    out << YAML::Key << "core_factors_include_tensor_parallel" << YAML::Value << true;
   out << YAML::Key << "p2p" << YAML::Value << YAML::BeginMap << YAML::Key << "latency_us" << YAML::Value
       << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps;
   emit_table(out, p.p2p_table);

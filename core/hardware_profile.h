@@ -84,6 +84,11 @@ struct HardwareProfile {
   // is slower than the others (a busy neighbour on a shared host) and what running side by
   // side costs (shared cache and memory bandwidth). Empty: all 1.
   std::vector<double> core_factors;
+  // The core factors were timed with each tensor-parallel shard's stage running its group's real
+  // collectives against the others' (the CPU backend under tensor parallelism): they hold what
+  // the shards' waiting for one another costs on this machine as it is, and the compute model
+  // adds no separate price for those collectives.
+  bool core_factors_include_tensor_parallel = false;
   double core_factor(int rank) const {
     return core_factors.empty() ? 1.0 : core_factors[static_cast<std::size_t>(rank) % core_factors.size()];
   }

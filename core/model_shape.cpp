@@ -31,6 +31,11 @@ double ModelShape::params_per_layer() const {
   return p;
 }
 
+double ModelShape::replicated_params_per_layer() const {
+  const double H = h;
+  return 2 * (layernorm ? 2 * H : H) + (bias ? 2 * H : 0.0);
+}
+
 double ModelShape::embedding_params() const {
   return static_cast<double>(V) * h + (learned_positions ? static_cast<double>(s) * h : 0.0);
 }

@@ -28,6 +28,10 @@ struct ModelShape {
   double output_params() const;     // LM-head weights held by the last stage (a copy when tied and p > 1)
   double final_norm_params() const;
   double total_params() const;      // unique parameters: tied output weights counted once
+  // Parameters every tensor-parallel shard holds whole, as Megatron-LM keeps them: a layer's norms
+  // and the biases added after its row-parallel products' reduction (attention output, MLP out);
+  // learned position embeddings; the final norm. The rest is split t ways.
+  double replicated_params_per_layer() const;
 
   // Forward FLOPs for one micro-batch of b samples (no tensor-parallel split).
   double layer_forward_flops(int b) const;

@@ -43,6 +43,22 @@ double Plan::stage_params(int stage) const {
   return params;
 }
 
+double Plan::shard_params(int vs) const {
+  if (tp == 1) return virtual_stage_params(vs);
+  const ModelShape m = shape();
+  double replicated = layers_per_virtual_stage.at(vs) * m.replicated_params_per_layer();
+  if (vs == 0 && m.learned_positions) replicated += static_cast<double>(m.s) * m.h;
+  if (vs == num_virtual_stages() - 1) replicated += m.final_norm_params();
+  return (virtual_stage_params(vs) - replicated) / tp + replicated;
+}
+
+double Plan::shard_stage_params(int stage) const {
+  if (tp == 1) return stage_params(stage);
+  double params = 0;
+  for (int j = 0; j < vpp; ++j) params += shard_params(j * pp + stage);
+  return params;
+}
+
 bool Plan::reduces_every_microbatch() const {
   if (zero() < 2) return false;
   return !(framework == Framework::fsdp && config.parallelism.fsdp_no_sync);

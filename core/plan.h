@@ -67,6 +67,11 @@ struct Plan {
   // What a rank of pipeline stage `stage` holds of them: virtual_stage_params(j * pp + stage)
   // summed over its chunks j = 0, 1, ... (the shape computed once).
   double stage_params(int stage) const;
+  // The same held by one tensor-parallel shard: 1/tp of the split tensors and all of the
+  // replicated ones (ModelShape::replicated_params_per_layer, position embeddings, final norm);
+  // with tp = 1, exactly the former.
+  double shard_params(int vstage) const;
+  double shard_stage_params(int stage) const;
   // Bytes per element of working weights and of stored activations: the compute format,
   // except fp8, whose weights and activations are kept in 16 bits between matrix products.
   int weight_bytes() const;

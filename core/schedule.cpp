@@ -145,7 +145,7 @@ class Builder {
     // Gradient buckets and collective ids, identical for every replica of a stage.
     bucket_bytes_.resize(V_);
     for (int vs = 0; vs < V_; ++vs) {
-      const double params = plan.virtual_stage_params(vs) / plan.tp;
+      const double params = plan.shard_params(vs);
       const Bytes grad = static_cast<Bytes>(std::llround(params * dtype_bytes(cfg.precision.allreduce)));
       std::vector<Bytes>& buckets = bucket_bytes_[vs];
       if (plan.dp > 1 && grad > 0) {

@@ -87,6 +87,35 @@ __global__ void embedding_backward_wte_kernel(float* dwte, const T* dout, const 
   }
 }
 
+// Tensor parallelism. Grid-stride, one thread per output element.
+template <class T>
+__global__ void embedding_shard_forward_kernel(T* out, const std::int32_t* local_tokens, const T* wte, int C, int Vl,
+                                               std::size_t total) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::size_t n = i / C, c = i % C;
+    const std::int32_t tok = local_tokens[n];
+    out[i] = tok >= 0 && tok < Vl ? wte[static_cast<std::size_t>(tok) * C + c] : from_float<T>(0.0f);
+  }
+}
+
+template <class T>
+__global__ void add_position_embedding_kernel(T* out, const T* wpe, std::size_t row0, int seq, int C, std::size_t total) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::size_t n = i / C, c = i % C;
+    const std::size_t t = (row0 + n) % static_cast<std::size_t>(seq);
+    out[i] = from_float<T>(to_float(out[i]) + to_float(wpe[t * C + c]));
+  }
+}
+
+template <class T>
+__global__ void add_bias_kernel(T* y, const T* b, int OC, std::size_t total) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    y[i] = from_float<T>(to_float(y[i]) + to_float(b[i % OC]));
+}
+
 // ---------------------------------------------------------------------------------------
 // GELU (tanh approximation), with layers.h's constants and order of operations; fp32 inside.
 // ---------------------------------------------------------------------------------------
@@ -178,6 +207,46 @@ void embedding_backward(float* dwte, float* dwpe, const void* dout, const std::i
     embedding_backward_wte_kernel<S><<<V, kEmbedThreads, 0, stream>>>(dwte, d, tokens, B * T, C);
     check_launch("embedding_backward (wte)");
   });
+}
+
+void embedding_shard_forward(void* out, const std::int32_t* local_tokens, const void* wte_shard, int N, int C, int Vl,
+                             DType dt, StreamHandle stream) {
+  const char* name = "embedding_shard_forward";
+  require_dims(name, {N, C, Vl});
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    const std::size_t total = static_cast<std::size_t>(N) * C;
+    embedding_shard_forward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(out), local_tokens, static_cast<const S*>(wte_shard), C, Vl, total);
+  });
+  check_launch(name);
+}
+
+void add_position_embedding(void* out, const void* wpe, std::size_t row0, std::size_t rows, int T, int C, DType dt,
+                            StreamHandle stream) {
+  const char* name = "add_position_embedding";
+  require_dims(name, {T, C});
+  const std::size_t total = rows * static_cast<std::size_t>(C);
+  if (total == 0) return;
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    add_position_embedding_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(out), static_cast<const S*>(wpe), row0, T, C, total);
+  });
+  check_launch(name);
+}
+
+void add_bias(void* y, const void* b, std::size_t N, int OC, DType dt, StreamHandle stream) {
+  const char* name = "add_bias";
+  require_dims(name, {OC});
+  const std::size_t total = N * static_cast<std::size_t>(OC);
+  if (total == 0) return;
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    add_bias_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(y), static_cast<const S*>(b), OC, total);
+  });
+  check_launch(name);
 }
 
 void gelu_forward(void* y, const void* x, std::size_t n, DType dt, StreamHandle stream) {

@@ -27,6 +27,8 @@
 //   cross-entropy      cross_entropy_forward / cross_entropy_backward, mean loss via sum()
 //   residual stream    residual_add; gradient accumulation: accumulate
 //   mixed precision    cast, unscale_and_check, squared_norm, adam_update, sgd_update
+//   tensor parallelism embedding_shard_forward, add_position_embedding, add_bias,
+//                      cross_entropy_shard_*                      layers::*_shard_*, add_*
 #pragma once
 
 #include <cstddef>
@@ -182,5 +184,33 @@ void sgd_update(float* master, const void* grads, DType grad_dt, const std::uint
 // x = x * factor in place: one fp32 multiply, rounded once to dt (the NCCL communicator's
 // Divide::after, factor = 1/n).
 void scale_inplace(void* x, std::size_t n, float factor, DType dt, StreamHandle stream);
+
+// ---------------------------------------------------------------------------------------
+// Tensor parallelism (Megatron-LM; runtime/model/layers.h's shard functions). A shard holds the
+// vocabulary rows [vocab0, vocab0 + Vl); the ids these launchers take are its LOCAL ids: id - vocab0
+// where the shard holds the id, -1 where it does not. With local ids, a shard's embedding gradient
+// is embedding_backward(dwte_shard, dwpe, dout, local_tokens, B, T, C, Vl) and its cross-entropy
+// gradient cross_entropy_backward(dlogits, logits, lse, local_targets, N, Vl, ...).
+// ---------------------------------------------------------------------------------------
+// out (N,C) = wte_shard[local token] (Vl,C), zeros where the local token is -1 (the group's sum is the
+// lookup): layers::embedding_shard_forward.
+void embedding_shard_forward(void* out, const std::int32_t* local_tokens, const void* wte_shard, int N, int C, int Vl,
+                             DType dt, StreamHandle stream);
+// out (rows,C) += wpe[(row0 + i) % T] (T,C) for row i: one fp32 add rounded to dt
+// (layers::add_position_embedding, then the stage model's rounding).
+void add_position_embedding(void* out, const void* wpe, std::size_t row0, std::size_t rows, int T, int C, DType dt,
+                            StreamHandle stream);
+// y (N,OC) += b (OC) broadcast over the rows, rounded to dt: the bias of a row-parallel product,
+// added once after the group summed its partial products (layers::add_bias).
+void add_bias(void* y, const void* b, std::size_t N, int OC, DType dt, StreamHandle stream);
+// Vocabulary-parallel cross-entropy, fp32: rowmax (N) = the shard's row maxima (max-reduced over
+// the group by the caller); sums[n] = sum of exp(logit - rowmax[n]) over the shard's Vl columns and
+// sums[N + n] = the local target's logit (0 where it is -1), both summed over the group by the
+// caller; then lse[n] = rowmax[n] + log(sums[n]) and losses[n] = lse[n] - sums[N + n].
+void cross_entropy_shard_max(float* rowmax, const void* logits, int N, int Vl, DType dt, StreamHandle stream);
+void cross_entropy_shard_sums(float* sums, const void* logits, const float* rowmax, const std::int32_t* local_targets,
+                              int N, int Vl, DType dt, StreamHandle stream);
+void cross_entropy_shard_loss(float* losses, float* lse, const float* rowmax, const float* sums, int N,
+                              StreamHandle stream);
 
 }  // namespace trainsim::cuda

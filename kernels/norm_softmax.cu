@@ -163,20 +163,31 @@ __global__ void causal_softmax_backward_kernel(T* dscores, const T* probs, const
 // ---------------------------------------------------------------------------------------
 constexpr int kRowThreads = 256;  // block-per-row kernels
 
-// One block of 256 threads per row of V logits: block max, block sum of exp(l - max) (strided
-// per thread, then warp butterflies and the 8 warp partials in order), lse = max + log(sum).
+// A block's reductions over one row of V logits: its maximum, and the sum of exp(l - mx) (strided
+// per thread, then warp butterflies and the 8 warp partials in order). Every thread gets the result.
+template <class T>
+__device__ float row_max(const T* l, int V, float* shared) {
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, to_float(l[j]));
+  return block_max(mx, shared);
+}
+template <class T>
+__device__ float row_exp_sum(const T* l, int V, float mx, float* shared) {
+  float s = 0.0f;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_float(l[j]) - mx);
+  return block_sum(s, shared);
+}
+
+// One block of 256 threads per row of V logits: block max, block sum of exp(l - max), lse = max +
+// log(sum).
 template <class T>
 __global__ void cross_entropy_forward_kernel(float* losses, float* lse, const T* logits, const std::int32_t* targets,
                                              int V) {
   __shared__ float shared[32];
   const std::size_t n = blockIdx.x;
   const T* l = logits + n * V;
-  float mx = -INFINITY;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, to_float(l[j]));
-  mx = block_max(mx, shared);
-  float s = 0.0f;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_float(l[j]) - mx);
-  s = block_sum(s, shared);
+  const float mx = row_max(l, V, shared);
+  const float s = row_exp_sum(l, V, mx, shared);
   if (threadIdx.x == 0) {
     const float z = mx + logf(s);
     lse[n] = z;
@@ -196,6 +207,38 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const
     float d = expf(to_float(logits[i]) - lse[n]) * scale;
     if (j == targets[n]) d -= scale;
     dlogits[i] = from_float<T>(d);
+  }
+}
+
+// Vocabulary-parallel cross-entropy: one block of 256 threads per row of the shard's Vl logits,
+// the reductions of cross_entropy_forward_kernel.
+template <class T>
+__global__ void cross_entropy_shard_max_kernel(float* rowmax, const T* logits, int Vl) {
+  __shared__ float shared[32];
+  const float mx = row_max(logits + static_cast<std::size_t>(blockIdx.x) * Vl, Vl, shared);
+  if (threadIdx.x == 0) rowmax[blockIdx.x] = mx;
+}
+
+template <class T>
+__global__ void cross_entropy_shard_sums_kernel(float* sums, const T* logits, const float* rowmax,
+                                                const std::int32_t* local_targets, int N, int Vl) {
+  __shared__ float shared[32];
+  const std::size_t n = blockIdx.x;
+  const T* l = logits + n * Vl;
+  const float s = row_exp_sum(l, Vl, rowmax[n], shared);
+  if (threadIdx.x == 0) {
+    sums[n] = s;
+    const std::int32_t t = local_targets[n];
+    sums[static_cast<std::size_t>(N) + n] = t >= 0 && t < Vl ? to_float(l[t]) : 0.0f;
+  }
+}
+
+__global__ void cross_entropy_shard_loss_kernel(float* losses, float* lse, const float* rowmax, const float* sums,
+                                                int N) {
+  for (int n = blockIdx.x * blockDim.x + threadIdx.x; n < N; n += gridDim.x * blockDim.x) {
+    const float z = rowmax[n] + logf(sums[n]);
+    lse[n] = z;
+    losses[n] = z - sums[N + n];
   }
 }
 
@@ -306,6 +349,38 @@ void cross_entropy_backward(void* dlogits, const void* logits, const float* lse,
     cross_entropy_backward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
         static_cast<S*>(dlogits), static_cast<const S*>(logits), lse, targets, V, total, scale);
   });
+  check_launch(name);
+}
+
+void cross_entropy_shard_max(float* rowmax, const void* logits, int N, int Vl, DType dt, StreamHandle stream) {
+  const char* name = "cross_entropy_shard_max";
+  require_positive(name, N, Vl);
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    cross_entropy_shard_max_kernel<S><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
+        rowmax, static_cast<const S*>(logits), Vl);
+  });
+  check_launch(name);
+}
+
+void cross_entropy_shard_sums(float* sums, const void* logits, const float* rowmax, const std::int32_t* local_targets,
+                              int N, int Vl, DType dt, StreamHandle stream) {
+  const char* name = "cross_entropy_shard_sums";
+  require_positive(name, N, Vl);
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    cross_entropy_shard_sums_kernel<S><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
+        sums, static_cast<const S*>(logits), rowmax, local_targets, N, Vl);
+  });
+  check_launch(name);
+}
+
+void cross_entropy_shard_loss(float* losses, float* lse, const float* rowmax, const float* sums, int N,
+                              StreamHandle stream) {
+  const char* name = "cross_entropy_shard_loss";
+  require_positive(name, N, 1);
+  cross_entropy_shard_loss_kernel<<<elementwise_blocks(static_cast<std::size_t>(N)), kElementwiseThreads, 0, stream>>>(
+      losses, lse, rowmax, sums, N);
   check_launch(name);
 }
 

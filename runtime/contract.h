@@ -55,6 +55,7 @@ struct Placement {
 // What one rank saw in one step.
 struct RankStepNumerics {
   int rank = 0, stage = 0, replica = 0;
+  int shard = 0;  // its tensor-parallel coordinate (runtime/engine/world.h)
   double max_abs_activation = 0, max_abs_gradient = 0;
   std::int64_t nonfinite_count = 0;  // inf/NaN values among its activations and gradients
   bool found_nonfinite = false;      // its overflow verdict (after the global reduction, if global)
@@ -108,12 +109,21 @@ struct RunOptions {
   std::function<void(const StepRecord&)> on_step;  // progress, called after every step
 };
 
+// A rank as the engine ran it: its coordinates in the plan's grid (runtime/engine/world.h) and
+// the schedule rank (stage * dp + replica) whose program it ran, with its accounted memory peak.
+struct ExecutedRank {
+  int rank = 0, dp = 0, pp = 0, tp = 0;
+  int schedule_rank = 0;
+  MemoryBreakdown memory;
+};
+
 struct RunReport {
   RuntimePlan runtime_plan;
   std::shared_ptr<const Schedule> schedule;
   Timeline timeline;                  // the measured step the result describes
   int timeline_step = 0;              // which one: the median-time step, the first excluded when there are more
-  std::vector<MemoryBreakdown> memory;  // per rank, at its peak over the run
+  std::vector<MemoryBreakdown> memory;  // per schedule rank, at its peak over the run (its largest shard's)
+  std::vector<ExecutedRank> executed_ranks;  // every rank the engine ran (dp * pp * tp of them)
   // Per rank, the device memory its allocators handed out at its peak step (CUDA backend: the
   // rank's charged cudaMallocs plus its stream-ordered pool's high-water mark); empty on the CPU,
   // where ranks share one heap and `memory` is the only account.

@@ -60,6 +60,35 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
                       "runtime.data.synthetic: true",
                       rt.vocab_size),
           {"runtime.data.path"});
+  // Tensor parallelism shards the runtime model's heads, MLP and vocabulary (and, under sequence
+  // parallelism, its rows): each must divide evenly (runtime/model/stage_layout.h).
+  const int tp = par.tensor_parallel_size;
+  if (tp > 1) {
+    const auto tp_key = "parallelism.tensor_parallel_size";
+    if (rt.num_attention_heads % tp != 0)
+      error("runtime.model.num_attention_heads",
+            fmt::format("num_attention_heads({}) is not divisible by tensor_parallel_size({}): each shard holds "
+                        "whole heads",
+                        rt.num_attention_heads, tp),
+            {tp_key});
+    if (rt.hidden_size % tp != 0 || (4 * rt.hidden_size) % tp != 0)
+      error("runtime.model.hidden_size",
+            fmt::format("hidden_size({}) and the MLP's ffn({}) must be divisible by tensor_parallel_size({})",
+                        rt.hidden_size, 4 * rt.hidden_size, tp),
+            {tp_key});
+    if (rt.vocab_size % tp != 0)
+      error("runtime.model.vocab_size",
+            fmt::format("vocab_size({}) is not divisible by tensor_parallel_size({}): the embedding and the LM head "
+                        "are split over the vocabulary",
+                        rt.vocab_size, tp),
+            {tp_key});
+    if (par.sequence_parallel && rt.seq_length % tp != 0)
+      error("runtime.model.seq_length",
+            fmt::format("seq_length({}) is not divisible by tensor_parallel_size({}) under sequence_parallel: each "
+                        "shard holds 1/{} of the sequence",
+                        rt.seq_length, tp, tp),
+            {tp_key, "parallelism.sequence_parallel"});
+  }
   if (!errors.empty()) throw ScenarioError(std::move(errors));
 
   // Layers per virtual stage: the scenario's split when it fits the runtime model, else as
@@ -80,16 +109,8 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
       out.notes.push_back("parallelism.layers_per_stage does not sum to the runtime model's layers; split evenly");
   }
 
-  // A rank of the schedule is a whole tensor-parallel group: the runtime computes its share
-  // on one thread, so tensor parallelism itself is not executed.
-  if (par.tensor_parallel_size > 1) {
-    out.notes.push_back(fmt::format("tensor_parallel_size {} is not executed: each rank computes its whole "
-                                    "tensor-parallel group's work",
-                                    par.tensor_parallel_size));
-    c.parallelism.tensor_parallel_size = 1;
-    c.parallelism.sequence_parallel = false;
-  }
-  c.cluster.num_gpus = c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size;
+  c.cluster.num_gpus = c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size *
+                       c.parallelism.tensor_parallel_size;
   c.cluster.gpus_per_node = std::max(1, std::min(c.cluster.gpus_per_node, c.cluster.num_gpus));
   out.plan = scenario ? [&] {
     Scenario s = *scenario;
@@ -106,7 +127,16 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
 RuntimePlan make_runtime_plan(const Scenario& scenario) { return build(scenario.config, &scenario); }
 RuntimePlan make_runtime_plan(const ScenarioConfig& config) { return build(config, nullptr); }
 
-StageSpec stage_spec(const RuntimePlan& rp, int vs) {
+namespace {
+// The tensor-parallel settings of every stage of the plan.
+void set_tensor_parallel(StageSpec& spec, const Plan& plan, int tensor_parallel_rank) {
+  spec.tensor_parallel_size = plan.tp;
+  spec.tensor_parallel_rank = tensor_parallel_rank;
+  spec.sequence_parallel = plan.tp > 1 && plan.config.parallelism.sequence_parallel;
+}
+}  // namespace
+
+StageSpec stage_spec(const RuntimePlan& rp, int vs, int tensor_parallel_rank) {
   const Plan& plan = rp.plan;
   const int V = plan.num_virtual_stages();
   int first_layer = 0;
@@ -121,6 +151,7 @@ StageSpec stage_spec(const RuntimePlan& rp, int vs) {
   spec.grad_accumulation = plan.config.precision.grad_accumulation;
   spec.micro_batch_size = plan.micro_batch_size;
   spec.recompute = plan.config.training.activation_recompute;
+  set_tensor_parallel(spec, plan, tensor_parallel_rank);
   return spec;
 }
 
@@ -133,6 +164,7 @@ StageSpec middle_stage_spec(const RuntimePlan& rp, int layers) {
   spec.grad_accumulation = rp.plan.config.precision.grad_accumulation;
   spec.micro_batch_size = rp.plan.micro_batch_size;
   spec.recompute = rp.plan.config.training.activation_recompute;
+  set_tensor_parallel(spec, rp.plan, 0);
   return spec;
 }
 

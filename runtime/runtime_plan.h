@@ -22,14 +22,16 @@ struct RuntimePlan {
 
 // Throws ScenarioError (located in the file when `scenario` has locations) when the runtime
 // cannot execute the scenario: fewer runtime layers than virtual stages, heads not dividing
-// the width, fp8 compute, ...
+// the width, heads, width or vocabulary not dividing among tensor-parallel shards, a sequence not
+// dividing under sequence parallelism, fp8 compute, ...
 RuntimePlan make_runtime_plan(const Scenario& scenario);
 RuntimePlan make_runtime_plan(const ScenarioConfig& config);
 
-// The executed StageSpec of virtual stage `vstage`.
-StageSpec stage_spec(const RuntimePlan& rp, int vstage);
-// A middle stage (no embedding, no head) of `layers` blocks at the plan's shapes: what the
-// kernel calibrators time against the sum of their kernels (composition, per-rank factors).
+// The executed StageSpec of virtual stage `vstage`, on tensor-parallel shard `tensor_parallel_rank`.
+StageSpec stage_spec(const RuntimePlan& rp, int vstage, int tensor_parallel_rank = 0);
+// A middle stage (no embedding, no head) of `layers` blocks at the plan's shapes (shard 0 of a
+// tensor-parallel plan's): what the kernel calibrators time against the sum of their kernels
+// (composition, per-rank factors).
 StageSpec middle_stage_spec(const RuntimePlan& rp, int layers);
 OptimizerSettings optimizer_settings(const ScenarioConfig& config);
 

@@ -35,11 +35,11 @@ Plan calibrated_plan(const runtime::RuntimePlan& rp, const HardwareProfile& prof
   return plan;
 }
 
-// Group sizes the plan's collectives use: the data-parallel groups and every rank (the
-// global overflow check and gradient norm).
+// Group sizes the plan's collectives use: the data-parallel groups, the tensor-parallel groups
+// and every rank (the global overflow check and gradient norm).
 std::vector<int> collective_group_sizes(const Plan& plan) {
   std::vector<int> g;
-  for (int n : {plan.dp, plan.num_ranks(), plan.pp > 1 ? 2 : 1})
+  for (int n : {plan.dp, plan.num_ranks() * plan.tp, plan.pp > 1 ? 2 : 1, plan.tp})
     if (n >= 2 && std::find(g.begin(), g.end(), n) == g.end()) g.push_back(n);
   std::sort(g.begin(), g.end());
   return g;
@@ -90,11 +90,12 @@ std::vector<char> skipped_updates(const runtime::RunReport& r) {
 CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<runtime::CoreTurn> turns,
                        std::vector<char> skipped = {}) {
   CoreSharing sh;
-  sh.cores = std::max(1, p.ranks_per_node);
+  // A schedule rank's turn takes a core per tensor-parallel shard (the engine's CoreGate).
+  sh.cores = std::max(1, p.ranks_per_node / plan.tp);
   sh.turns = std::move(turns);
   sh.optimizer_first_part = optimizer_norm_share(plan, p);
   sh.skipped_update = std::move(skipped);
-  if (const auto it = p.allreduce.find(plan.num_ranks()); it != p.allreduce.end())
+  if (const auto it = p.allreduce.find(plan.num_ranks() * plan.tp); it != p.allreduce.end())
     sh.norm_allreduce = seconds_to_ticks(it->second.latency_us * 1e-6);
   return sh;
 }
@@ -175,11 +176,11 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   // More ranks than cores, on a backend that shares them by turns: the order of the turns comes from
   // a prediction with the profile measured so far, and the run follows it.
   const auto shares_by_turns = [&](const HardwareProfile& p) {
-    return record.shares_by_turns && !stand_in && v.plan.plan.num_ranks() > std::max(1, p.ranks_per_node);
+    return record.shares_by_turns && !stand_in && v.plan.plan.num_ranks() * v.plan.plan.tp > std::max(1, p.ranks_per_node);
   };
   auto run = [&](const HardwareProfile& before) {
     if (shares_by_turns(before)) {
-      const HardwareProfile p = turn_profile(before, v.plan.plan.num_ranks());
+      const HardwareProfile p = turn_profile(before, v.plan.plan.num_ranks() * v.plan.plan.tp);
       const Plan plan = calibrated_plan(v.plan, p);
       ro.core_turns = share_cores(predict(plan).timeline, sharing_of(plan, p, {})).turns;
     }
@@ -228,6 +229,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.profile.kernels = kernels->rates();
     v.profile.composition = kernels->composition();
     v.profile.core_factors = kernels->core_factors();
+    v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;
   }
@@ -235,7 +237,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
 
   say("predicting");
   const int cores = std::max(1, v.profile.ranks_per_node);
-  const int ranks = v.plan.plan.num_ranks();
+  const int ranks = v.plan.plan.num_ranks() * v.plan.plan.tp;  // every tensor-parallel shard is a thread
   if (shares_by_turns(v.profile)) {
     // Op by op, with the profile measured during the run, in the order of turns the run followed.
     v.profile = turn_profile(v.profile, ranks);
@@ -326,13 +328,17 @@ std::string format_validation(const Validation& v) {
                      v.profile.core_factors.empty()
                          ? std::string()
                          : fmt::format(", cores x{:.2f}", fmt::join(v.profile.core_factors, "/x")));
-  out << fmt::format("  plan     data {} x pipeline {}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
-                     plan.pp, schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
+  out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
+                     plan.pp,
+                     plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
+                                               plan.config.parallelism.sequence_parallel ? " (sequence parallel)" : "")
+                                 : "",
+                     schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
                      plan.micro_batch_size, dtype_name(plan.config.precision.compute));
   if (v.oversubscribed)
     out << fmt::format("  cores    {} ranks share {} cores: compute scaled x{:.2f} (busy ranks per core, from the "
                        "prediction)\n",
-                       v.plan.plan.num_ranks(), v.profile.ranks_per_node, v.profile.core_factor(0));
+                       v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_factor(0));
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);

@@ -82,6 +82,10 @@ std::vector<double> KernelCalibrator::core_factors() const {
   return stage_factors(stage_forward_, stage_backward_, rank_seconds_);
 }
 
+bool KernelCalibrator::core_factors_include_tensor_parallel() const {
+  return clock_->stage_ranks() > 1 && clock_->stages_run_tensor_parallel();
+}
+
 double KernelCalibrator::speed_change(int first_passes) const {
   const auto& t = pass_seconds_;
   if (first_passes <= 0 || static_cast<std::size_t>(first_passes) >= t.size()) return 0;
@@ -105,6 +109,7 @@ HardwareProfile calibrate_profile(const Backend& backend, const RuntimePlan& pla
     p.kernels = kernels->rates();
     p.composition = kernels->composition();
     p.core_factors = kernels->core_factors();
+    p.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
   }
   // The other formats the backend runs, so that a scenario naming this profile may compute in
   // any of them: the same shapes in that format.
@@ -155,7 +160,7 @@ Composition stage_composition(const ScenarioConfig& config, int layers, int stor
   c.parallelism.schedule = ScheduleKind::one_f_one_b;
   c.parallelism.layers_per_stage = {layers, layers, layers};
   c.model.num_layers = 3 * layers;
-  c.cluster.num_gpus = c.cluster.gpus_per_node = 3;
+  c.cluster.num_gpus = c.cluster.gpus_per_node = 3 * c.parallelism.tensor_parallel_size;  // a shard's stages
   c.training.global_batch_size = 0;
   const ChunkKernels middle = chunk_kernels(Plan::from_config(c), storage)[1];
   auto priced = [&](const std::vector<KernelWork>& ws) {

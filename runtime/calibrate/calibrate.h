@@ -63,6 +63,9 @@ class KernelClock {
   virtual int stage_ranks() const = 0;
   // The middle stage on every rank at once: seconds (forward + backward) per rank.
   virtual std::vector<double> time_stages_together() = 0;
+  // Whether time_stages_together runs tensor-parallel shards with their group's real collectives
+  // (HardwareProfile::core_factors_include_tensor_parallel).
+  virtual bool stages_run_tensor_parallel() const { return false; }
 };
 
 // Every backend's kernel calibrator: the pass loop, the rates, composition and per-rank factors,
@@ -97,6 +100,8 @@ class KernelCalibrator {
   // streams), against its time alone on rank 0's (HardwareProfile::core_factors). Empty for one
   // rank, or when the ranks are not timed together.
   std::vector<double> core_factors() const;
+  // core_factors() hold the tensor-parallel shards' collectives (KernelClock::stages_run_tensor_parallel).
+  bool core_factors_include_tensor_parallel() const;
   std::size_t num_kernels() const;
   int passes_done() const;
   // Median pass time after the first `first_passes` passes against before them, minus 1.

@@ -22,8 +22,12 @@
 #include <fmt/format.h>
 
 #include "core/kernel_inventory.h"
+#include "runtime/comm/in_process.h"
+#include "runtime/cpu/cpu_engine.h"
+#include "runtime/engine/world.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
 
@@ -229,6 +233,8 @@ struct StageBench {
   std::vector<float> in, out, grad_out, grad_in;
 
   StageBench(const StageSpec& spec, std::uint32_t seed) : model(std::make_unique<StageModel>(spec)) {
+    // A tensor-parallel shard timed alone: its work, without its group's collectives.
+    model->set_tensor_parallel_group(&TimingOnlyGroup::instance());
     model->init(seed);
     std::mt19937 rng(seed);
     const std::size_t act = model->activation_elements();
@@ -275,13 +281,30 @@ class CpuClock final : public KernelClock {
   CpuClock(const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)
       : pin_(options.pin), timer_(plan, options) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    shared_ = pin_ && plan.plan.num_ranks() > cores;
+    shared_ = pin_ && plan.plan.num_ranks() * plan.plan.tp > cores;
     for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
     // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
-    // (ranks that share cores run one compute op per core at a time: as many as the cores).
-    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
-    const int ranks = pin_ ? std::min(plan.plan.num_ranks(), cores) : 1;
-    for (int c = 0; c < ranks; ++c) stages_.emplace_back(spec, 7);
+    // (ranks that share cores run one compute op per core at a time: as many as the cores; a
+    // tensor-parallel plan's ranks are its shards).
+    StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;
+    const int ranks = pin_ ? std::min(world, cores) : 1;
+    for (int c = 0; c < ranks; ++c) {
+      spec.tensor_parallel_rank = c % tp;
+      stages_.emplace_back(spec, 7);
+    }
+    // Under tensor parallelism with a core per shard, the stages timed together are the world's
+    // shards and run their groups' collectives for real (an in-process world of their own): what
+    // waiting for one another costs on this machine, now, goes into the core factors (a shard is on
+    // every layer's critical path of its group), as the run will pay it.
+    if (tp > 1 && pin_ && world <= cores) {
+      const World grid = World::of(plan.plan);
+      tp_world_ = std::make_unique<InProcessWorld>(world);
+      for (int c = 0; c < world; ++c) {
+        comms_.push_back(tp_world_->communicator(c, kCpuCommPoll));  // as the engine's pinned ranks wait
+        groups_.push_back(std::make_unique<CommunicatorGroup>(*comms_.back(), grid.tensor_parallel_group(c)));
+      }
+    }
     on_timing_thread([&] {
       for (const auto& c : calls_) c();  // warm-up: first touches, lazy allocations
       stages_[0].time();
@@ -312,22 +335,30 @@ class CpuClock final : public KernelClock {
     std::vector<double> seconds(static_cast<std::size_t>(n));
     std::barrier start(n);
     std::vector<std::thread> threads;
+    const std::uint64_t first_tag = next_tag_;
+    next_tag_ += 1ull << 32;  // each pass's collectives under tags of their own
     for (int c = 0; c < n; ++c)
       threads.emplace_back([&, c] {
         pin_to(c);
+        StageBench& stage = stages_[static_cast<std::size_t>(shared_ ? (c + 1) % n : c)];
+        if (!groups_.empty()) {  // not shared: stage c is shard c
+          groups_[static_cast<std::size_t>(c)]->restart(first_tag);
+          stage.model->set_tensor_parallel_group(groups_[static_cast<std::size_t>(c)].get());
+        }
         // A rank with a core of its own runs its stage warm: each stage once untimed first (core 0's
         // was just timed alone, and its caches hold it; the others' read 10% slower). Ranks that
         // share cores find their data where another rank's op left the core: each core runs the
         // stage another core ran last, cold.
-        StageBench& stage = stages_[static_cast<std::size_t>(shared_ ? (c + 1) % n : c)];
         if (!shared_) stage.time();
         start.arrive_and_wait();
         const auto [f, b] = stage.time();
         seconds[static_cast<std::size_t>(c)] = f + b;
+        stage.model->set_tensor_parallel_group(&TimingOnlyGroup::instance());  // stage 0 is also timed alone
       });
     for (auto& t : threads) t.join();
     return seconds;
   }
+  bool stages_run_tensor_parallel() const override { return !groups_.empty(); }
 
  private:
   bool pin_;
@@ -335,6 +366,11 @@ class CpuClock final : public KernelClock {
   KernelTimer timer_;
   std::vector<std::function<void()>> calls_;
   std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
+  // Tensor parallelism: the shards' groups when they are timed together.
+  std::unique_ptr<InProcessWorld> tp_world_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::vector<std::unique_ptr<CommunicatorGroup>> groups_;
+  std::uint64_t next_tag_ = 1;
 };
 
 }  // namespace

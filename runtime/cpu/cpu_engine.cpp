@@ -29,6 +29,7 @@
 #include "runtime/engine/weights.h"
 #include "runtime/engine/zero.h"
 #include "runtime/loop/run_loop.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/loss_scaler.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
@@ -50,10 +51,19 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
 // system, 8 rank threads on 2 cores were time-sliced at its tick (4 ms) over ops of 1-2 ms, and the
 // same run measured per-rank utilizations 0.1-0.2 apart from one run to the next; with the order
 // fixed, what a rank waits for is decided before the run (validation/core_sharing.h predicts it).
+// A turn is a schedule rank's (CoreTurn::rank: the cell, World::cell): under tensor parallelism its
+// `shards` shards run the op together (they meet at collectives inside it), so the turn takes
+// min(shards, cores) cores at once and every shard of the cell joins it; the cores come back when
+// the last shard releases it.
 class CoreGate {
  public:
-  CoreGate(int cores, int ranks, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout)
-      : cores_(cores), turns_(std::move(turns)), timeout_(timeout), woken_(static_cast<std::size_t>(ranks)) {}
+  CoreGate(int cores, int cells, int shards, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout)
+      : cores_(cores),
+        shards_(shards),
+        take_(std::min(shards, cores)),
+        turns_(std::move(turns)),
+        timeout_(timeout),
+        woken_(static_cast<std::size_t>(cells)) {}
 
   // Before each step (not measured).
   void reset() {
@@ -61,37 +71,57 @@ class CoreGate {
     free_ = cores_;
     next_ = 0;
     waiting_.clear();
+    granted_.clear();
     aborted_ = false;
   }
 
-  // Waits for a core for rank `rank`'s op `op` (part `part`).
+  // Waits for cores for cell `turn.rank`'s op `op` (part `part`), or joins its shards already on them.
   void acquire(const CoreTurn& turn) {
     std::unique_lock lock(mu_);
-    if (turns_.empty()) waiting_.push_back(turn);
+    if (auto g = granted_.find(turn); g != granted_.end()) {
+      ++g->second.joined;
+      return;
+    }
+    if (turns_.empty() && std::find(waiting_.begin(), waiting_.end(), turn) == waiting_.end()) waiting_.push_back(turn);
     const bool ready = woken_[static_cast<std::size_t>(turn.rank)].wait_for(lock, timeout_, [&] {
-      return aborted_ || (free_ > 0 && (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
+      return aborted_ || granted_.count(turn) > 0 ||
+             (free_ >= take_ &&
+              (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
     });
     if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", turn.rank));
     if (!ready)
       throw std::runtime_error(fmt::format("rank {}: op {} waited {} ms for its turn at a core", turn.rank, turn.op,
                                            timeout_.count()));
+    if (auto g = granted_.find(turn); g != granted_.end()) {  // another shard of the cell took it
+      ++g->second.joined;
+      return;
+    }
     if (turns_.empty())
       waiting_.pop_front();
     else
       ++next_;
-    --free_;
+    free_ -= take_;
+    granted_[turn] = Granted{1, 0};
+    woken_[static_cast<std::size_t>(turn.rank)].notify_all();  // the cell's other shards join
     wake_next();
   }
 
-  void release() {
+  void release(const CoreTurn& turn) {
     std::lock_guard lock(mu_);
-    ++free_;
+    auto g = granted_.find(turn);
+    if (g == granted_.end() || ++g->second.released < shards_) return;
+    granted_.erase(g);
+    free_ += take_;
     wake_next();
   }
 
   // A rank that must wait in the middle of an op (ZeRO-3's next unit, which a peer's gather needs
   // that peer's core for) gives its core back and takes any free one again, outside the turns.
-  void pause() { release(); }
+  void pause() {
+    std::lock_guard lock(mu_);
+    ++free_;
+    wake_next();
+  }
   void resume(int rank) {
     std::unique_lock lock(mu_);
     ++resuming_;
@@ -112,50 +142,56 @@ class CoreGate {
   // Holds a core for one op (part) of a rank, if there is a gate.
   class Hold {
    public:
-    Hold(CoreGate* gate, const CoreTurn& turn) : gate_(gate) {
+    Hold(CoreGate* gate, const CoreTurn& turn) : gate_(gate), turn_(turn) {
       if (gate_) gate_->acquire(turn);
     }
     ~Hold() {
-      if (gate_) gate_->release();
+      if (gate_) gate_->release(turn_);
     }
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
 
    private:
     CoreGate* gate_;
+    CoreTurn turn_;
   };
 
  private:
-  // Under mu_: wakes the rank whose turn comes next, if a core is free for it.
+  struct Granted {
+    int joined = 0, released = 0;  // shards of the cell that took the turn, and that gave it back
+  };
+  // Under mu_: wakes the cell whose turn comes next, if cores are free for it.
   void wake_next() {
-    if (free_ <= 0) return;
-    if (resuming_ > 0) resumed_.notify_all();
+    if (resuming_ > 0 && free_ > 0) resumed_.notify_all();
+    if (free_ < take_) return;
     if (turns_.empty()) {
-      if (!waiting_.empty()) woken_[static_cast<std::size_t>(waiting_.front().rank)].notify_one();
+      if (!waiting_.empty()) woken_[static_cast<std::size_t>(waiting_.front().rank)].notify_all();
     } else if (next_ < turns_.size()) {
-      woken_[static_cast<std::size_t>(turns_[next_].rank)].notify_one();
+      woken_[static_cast<std::size_t>(turns_[next_].rank)].notify_all();
     }
   }
 
   int resuming_ = 0;                  // ranks waiting to resume an op (pause/resume)
   std::condition_variable resumed_;
-  const int cores_;
+  const int cores_, shards_, take_;
   const std::vector<CoreTurn> turns_;
   const std::chrono::milliseconds timeout_;
   std::mutex mu_;
-  std::vector<std::condition_variable> woken_;  // per rank: its compute thread waits here
+  std::vector<std::condition_variable> woken_;  // per cell: its shards' compute threads wait here
   int free_ = 0;
   std::size_t next_ = 0;
   std::deque<CoreTurn> waiting_;  // first come, first served
+  std::map<CoreTurn, Granted> granted_;  // turns on cores now
   bool aborted_ = false;
 };
 
 // One rank: its model chunks, optimizer, scaler, buffers and this step's state.
 struct Rank {
-  int rank = 0, stage = 0, replica = 0;
-  const RankProgram* program = nullptr;
-  std::unique_ptr<Communicator> comm;        // its compute thread's: receives, sends, the norm
+  int rank = 0, stage = 0, replica = 0, shard = 0;  // shard: its tensor-parallel coordinate
+  const RankProgram* program = nullptr;             // its cell's (World::cell)
+  std::unique_ptr<Communicator> comm;         // its compute thread's: receives, sends, the norm, TP collectives
   std::unique_ptr<Communicator> collectives;  // its communication thread's
+  std::unique_ptr<CommunicatorGroup> tensor_parallel;  // its tensor-parallel group (tp > 1), over `comm`
   std::vector<StageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   std::vector<OptimizerState> optimizers;
   std::vector<std::vector<std::uint8_t>> decay_masks;
@@ -237,7 +273,8 @@ class CpuEngine final : public DeviceEngine {
       rk->rank = r;
       rk->stage = world_.coord(r).pp;
       rk->replica = world_.coord(r).dp;
-      rk->program = &schedule_->ranks[static_cast<std::size_t>(r)];
+      rk->shard = world_.coord(r).tp;
+      rk->program = &schedule_->ranks[static_cast<std::size_t>(world_.cell(r))];
       // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
       // thread always (its communication thread preempts it when woken), the communication thread
       // only briefly where the plan reduces gradients while the backward runs on the same core.
@@ -245,10 +282,13 @@ class CpuEngine final : public DeviceEngine {
       rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
       rk->collectives = comm_world_.communicator(
           r, !pinned_ ? off : cfg.communication.overlap_grad_reduce ? kCpuOverlapPoll : kCpuCommPoll);
+      if (world_.tensor_parallel() > 1)
+        rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->comm, world_.tensor_parallel_group(r));
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk->stage, j);
-        rk->chunks.emplace_back(stage_spec(rp_, vs));
+        rk->chunks.emplace_back(stage_spec(rp_, vs, rk->shard));
         StageModel& model = rk->chunks.back();
+        model.set_tensor_parallel_group(rk->tensor_parallel.get());
         model.init(static_cast<std::uint64_t>(cfg.runtime.seed));
         round_master(model);
         rk->optimizers.emplace_back(os, model.master_weights().size());
@@ -264,11 +304,13 @@ class CpuEngine final : public DeviceEngine {
       rk->finite_after.assign(rk->program->ops.size(), 0);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
-    sent_at_ = std::vector<std::atomic<Tick>>(static_cast<std::size_t>(schedule_->num_messages));
+    sent_at_ = std::vector<std::atomic<Tick>>(static_cast<std::size_t>(schedule_->num_messages) *
+                                              static_cast<std::size_t>(world_.tensor_parallel()));
     if (!pinned_) {
       const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
       check_turns(options.core_turns);
-      gate_ = std::make_unique<CoreGate>(cores, world_.size(), options.core_turns, options.comm_timeout);
+      gate_ = std::make_unique<CoreGate>(cores, world_.num_cells(), world_.tensor_parallel(), options.core_turns,
+                                         options.comm_timeout);
     }
     if (plan_.zero() >= 1) setup_zero(os);
   }
@@ -277,7 +319,11 @@ class CpuEngine final : public DeviceEngine {
   std::shared_ptr<const Schedule> schedule() const override { return schedule_; }
   Execution execution() const override {
     const int n = world_.size();
-    return {fmt::format("cpu: {} rank threads{}", n, pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : ""),
+    const std::string shards =
+        world_.tensor_parallel() > 1
+            ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
+            : "";
+    return {fmt::format("cpu: {} rank threads{}{}", n, shards, pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : ""),
             pinned_ ? " as threads pinned to cores" : " as threads (not pinned: more ranks than cores)", pinned_};
   }
 
@@ -411,7 +457,7 @@ class CpuEngine final : public DeviceEngine {
       }
       {
         const bool gated = is_compute(op.kind) && op.kind != OpKind::OptimizerStep;  // the optimizer: inside
-        CoreGate::Hold core(gated ? e_.gate_.get() : nullptr, CoreTurn{rk_.rank, i, 0});
+        CoreGate::Hold core(gated ? e_.gate_.get() : nullptr, CoreTurn{e_.world_.cell(rk_.rank), i, 0});
         e_.run_op(rk_, i, op);
         if (e_.stages_buckets_ && is_compute(op.kind)) {
           e_.stage_buckets(rk_, i, op);
@@ -420,7 +466,7 @@ class CpuEngine final : public DeviceEngine {
       }
       Tick end = e_.now();
       if (is_recv(op.kind)) {
-        const Tick sent = e_.sent_at_[static_cast<std::size_t>(op.channel)].load(std::memory_order_acquire);
+        const Tick sent = e_.sent_at_[e_.sent_index(rk_, op)].load(std::memory_order_acquire);
         if (sent >= 0) end = std::clamp(sent, start, end);
       }
       rk_.timing[static_cast<std::size_t>(i)] = {start, end};
@@ -513,6 +559,7 @@ class CpuEngine final : public DeviceEngine {
       c.numerics() = StageNumerics{};
     }
     rk.walk.reset(rk.program->ops.size());
+    if (rk.tensor_parallel) rk.tensor_parallel->restart(tensor_parallel_tag(step));
     std::fill(rk.arrival.begin(), rk.arrival.end(), -1);
     rk.local_nonfinite = 0;
     rk.reduced.clear();
@@ -538,6 +585,7 @@ class CpuEngine final : public DeviceEngine {
     n.rank = rk.rank;
     n.stage = rk.stage;
     n.replica = rk.replica;
+    n.shard = rk.shard;
     std::uint64_t h = kFnvOffset;
     for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
       StageModel& c = rk.chunks[j];
@@ -579,22 +627,29 @@ class CpuEngine final : public DeviceEngine {
   }
 
   float gradient_scale(const Rank& rk) const { return loss_gradient_scale(rk.scaler->scale(), shape_.microbatches); }
+  // The rank a point-to-point op of the cell's program talks to: the same shard of the peer cell.
+  int peer(const Rank& rk, const Op& op) const { return world_.shard(op.peer, rk.shard); }
+  // Where a message's send time is kept: per message of the cell's program and shard.
+  std::size_t sent_index(const Rank& rk, const Op& op) const {
+    return static_cast<std::size_t>(op.channel) * static_cast<std::size_t>(world_.tensor_parallel()) +
+           static_cast<std::size_t>(rk.shard);
+  }
 
   void run_op(Rank& rk, int index, const Op& op) {
     const int vs = op.chunk;
     const int s = shape_.slot(op);
     switch (op.kind) {
       case OpKind::RecvActivation:
-        rk.comm->recv(op.peer, message_tag(rk.step, op.channel), alloc(rk, rk.act_in[s]));
+        rk.comm->recv(peer(rk, op), message_tag(rk.step, op.channel), alloc(rk, rk.act_in[s]));
         return;
       case OpKind::RecvGradient:
-        rk.comm->recv(op.peer, message_tag(rk.step, op.channel), alloc(rk, rk.grad_out[s]));
+        rk.comm->recv(peer(rk, op), message_tag(rk.step, op.channel), alloc(rk, rk.grad_out[s]));
         return;
       case OpKind::SendActivation:
       case OpKind::SendGradient: {
         auto& buf = op.kind == OpKind::SendActivation ? rk.act_out[s] : rk.grad_in[s];
-        rk.comm->send(op.peer, message_tag(rk.step, op.channel), buf);
-        sent_at_[static_cast<std::size_t>(op.channel)].store(now(), std::memory_order_release);
+        rk.comm->send(peer(rk, op), message_tag(rk.step, op.channel), buf);
+        sent_at_[sent_index(rk, op)].store(now(), std::memory_order_release);
         release(rk, buf);
         return;
       }
@@ -668,7 +723,8 @@ class CpuEngine final : public DeviceEngine {
         const bool finite = op.dep >= 0 && rk.finite_after[static_cast<std::size_t>(op.dep)];
         const std::int64_t nonfinite_before = finite ? 0 : count_nonfinite(grads);
         if (data_parallel) rk.local_nonfinite += nonfinite_before;
-        rk.collectives->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
+        rk.collectives->all_reduce(grads, collective_members(c, world_, rk.shard), tag, ReduceOp::sum, pr.allreduce,
+                                   divide_of(c, pr));
         if (nonfinite_before == 0) rk.reduced.push_back({shape_.local_chunk(op), offset, count, &op, now()});
         return;
       }
@@ -686,8 +742,8 @@ class CpuEngine final : public DeviceEngine {
         for (auto& z : rk.zero) n += count_nonfinite(z.grads);  // (ZeRO: the reduced gradients are these)
         float flag = n > 0 ? 1.0f : 0.0f;
         const Collective& c = schedule_->collectives[op.channel];
-        rk.collectives->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32,
-                                   Divide::none);
+        rk.collectives->all_reduce(std::span<float>(&flag, 1), collective_members(c, world_, rk.shard), tag,
+                                   ReduceOp::max, DType::fp32, Divide::none);
         rk.found_nonfinite = !(flag == 0.0f);
         return;
       }
@@ -700,7 +756,7 @@ class CpuEngine final : public DeviceEngine {
   // Where ranks share cores, the step takes two turns at a core: before its gradient norm's
   // all-reduce over every rank, and after it (none is held while the ranks wait for each other).
   void optimizer_step(Rank& rk, int index) {
-    std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{rk.rank, index, 0});
+    std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{world_.cell(rk.rank), index, 0});
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
     // Reductions that made finite gradients non-finite (a wire format that overflowed).
@@ -711,42 +767,40 @@ class CpuEngine final : public DeviceEngine {
                                      rk.stage, rk.replica),
                          r.at);
     // What each chunk updates: all of it, or under ZeRO this rank's shard. Unscale, and this
-    // rank's share of the global squared norm (norm_excluded), each element once over the
+    // rank's share of the global squared norm (norm_ranges), each element once over the
     // data-parallel group: a replica's whole copy counts 1/dp, a shard (padding is zero) once.
     struct Part {
       std::span<float> master, grads;
       std::span<const std::uint8_t> mask;
-      std::pair<std::size_t, std::size_t> skip;
+      std::vector<std::pair<std::size_t, std::size_t>> counted;
     };
     std::vector<Part> parts;
     for (int j = 0; j < shape_.vpp; ++j) {
       StageModel& model = rk.chunks[j];
-      const int vs = shape_.vstage_of_chunk(rk.stage, j);
+      auto counted = norm_ranges(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.params(),
+                                 model.token_embedding(), rk.shard);
       if (rk.zero.empty()) {
-        parts.push_back({model.master_weights(), model.gradients(), rk.decay_masks[j],
-                         norm_excluded(vs, shape_.virtual_stages, model.token_embedding())});
+        parts.push_back({model.master_weights(), model.gradients(), rk.decay_masks[j], std::move(counted)});
         continue;
       }
       auto& z = rk.zero[j];
       if (!plan_.reduces_every_microbatch())  // stage 1: the shard from where the reduce-scatters left it
         z.plan.layout.take(z.plan.layout.position(), model.gradients(), z.grads);
-      parts.push_back({z.master, z.grads, z.mask, shard_norm_excluded(z.plan, shape_.last(vs))});
+      parts.push_back({z.master, z.grads, z.mask, shard_ranges(z.plan.layout, counted)});
     }
     double sumsq = 0;
     for (const Part& p : parts) {
       for (float& x : p.grads) x *= inv_scale;
-      // In index order around the range left out, as one pass that skipped it would add them.
-      const auto [skip_from, skip_count] = p.skip;
-      for (std::size_t i = 0; i < skip_from; ++i) sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
-      for (std::size_t i = skip_from + skip_count; i < p.grads.size(); ++i)
-        sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
+      // In index order over the ranges counted, as one pass that skipped the others would add them.
+      for (const auto& [from, to] : p.counted)
+        for (std::size_t i = from; i < to; ++i) sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
     }
     float total = static_cast<float>(rk.zero.empty() ? sumsq / plan_.dp : sumsq);
     core.reset();
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         DType::fp32, Divide::none);
     rk.grad_norm = std::sqrt(static_cast<double>(total));
-    core.emplace(gate_.get(), CoreTurn{rk.rank, index, 1});
+    core.emplace(gate_.get(), CoreTurn{world_.cell(rk.rank), index, 1});
 
     const bool checks = cfg.precision.loss_scaling.mode != LossScalingMode::none;
     rk.skipped = rk.scaler->update(checks && rk.found_nonfinite);
@@ -945,7 +999,7 @@ class CpuEngine final : public DeviceEngine {
     if (g.section == 0) return;
     const std::int64_t local = count_nonfinite(buf);
     rk.local_nonfinite += local;
-    rk.collectives->reduce_scatter(buf, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
+    rk.collectives->reduce_scatter(buf, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
                             divide_of(c, pr));
     const std::size_t at = static_cast<std::size_t>(position(rk)) * g.section;
     const std::span<const float> own = std::span<const float>(buf).subspan(at, g.section);
@@ -986,7 +1040,7 @@ class CpuEngine final : public DeviceEngine {
         std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(piece.flat), piece.count,
                     buf.begin() + static_cast<std::ptrdiff_t>(piece.other));
     const bool finite_before = count_nonfinite(buf) == 0;
-    rk.collectives->all_reduce(buf, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
+    rk.collectives->all_reduce(buf, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
                                Divide::none);
     if (in_shard)
       std::copy_n(buf.begin() + own, g.section, z.grads.begin() + static_cast<std::ptrdiff_t>(g.shard_offset));
@@ -1011,7 +1065,7 @@ class CpuEngine final : public DeviceEngine {
           z.plan, gather_serves_forward(*rk.program, index), rk.gather_gate, unit_key(j, 0),
           [&](int u, int part) {
             for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-              gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
+              gather_group(rk, j, g, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel, part++), true);
           },
           [&] { rk.walk.done_early(index); });  // the pass may begin with the first unit
       return;
@@ -1019,7 +1073,7 @@ class CpuEngine final : public DeviceEngine {
     // FSDP's stage 2 gathers before every forward what the first one already brought: the values
     // are the same, and the chunk's passes may be reading them.
     const bool keep = op.microbatch < 0 || !z.gathered;
-    gather_group(rk, j, z.plan.layout.whole(), c.members, collective_tag(rk.step, op.channel), keep);
+    gather_group(rk, j, z.plan.layout.whole(), collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), keep);
     z.gathered = true;
   }
 
@@ -1058,7 +1112,7 @@ class CpuEngine final : public DeviceEngine {
   StepShape shape_;
   bool pinned_;
   std::unique_ptr<CoreGate> gate_;  // ranks share cores
-  std::vector<std::atomic<Tick>> sent_at_;  // per message of the step: when its send returned, or -1
+  std::vector<std::atomic<Tick>> sent_at_;  // per message of the step and shard: when its send returned, or -1
   InProcessWorld comm_world_;
   std::shared_ptr<const Schedule> schedule_;
   GradientBuckets buckets_;

@@ -235,9 +235,10 @@ struct CudaRank {
   // (persistent buffers, stashes, cuBLAS workspaces) or comes from `pool` (what is in flight).
   k::MemoryAccount memory;
   std::unique_ptr<MemoryPool> pool;
-  int rank = 0, stage = 0, replica = 0;
-  const RankProgram* program = nullptr;
+  int rank = 0, stage = 0, replica = 0, shard = 0;  // shard: its tensor-parallel coordinate
+  const RankProgram* program = nullptr;             // its cell's (World::cell)
   std::unique_ptr<DeviceCommunicator> comm;
+  std::unique_ptr<DeviceCommunicatorGroup> tensor_parallel;  // its tensor-parallel group (tp > 1)
   RankStreams streams;
   std::vector<CudaStageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   struct OptimizerBuffers {
@@ -329,10 +330,10 @@ class CudaEngine final : public DeviceEngine {
     std::vector<int> local;
     if (placement.launch) {
       if (placement.launch->world_size != world)
-        throw std::invalid_argument(fmt::format("the launcher started {} processes, the plan has {} ranks (dp {} x pp {})",
-                                                placement.launch->world_size, world, plan_.dp, plan_.pp));
-      auto comm = NcclCommunicator::create(*placement.launch, reduction_groups(*schedule_, world), options.comm_timeout,
-                                           p2p_links(*schedule_));
+        throw std::invalid_argument(fmt::format("the launcher started {} processes, the plan has {} ranks (dp {} x pp {} x tp {})",
+                                                placement.launch->world_size, world, plan_.dp, plan_.pp, plan_.tp));
+      auto comm = NcclCommunicator::create(*placement.launch, reduction_groups(*schedule_, world_), options.comm_timeout,
+                                           p2p_links(*schedule_, world_));
       nccl_ = comm.get();
       partition_ = std::make_unique<SmPartition>(1, SmSharing::shared, current_device());
       local.push_back(placement.launch->rank);
@@ -358,7 +359,10 @@ class CudaEngine final : public DeviceEngine {
       rk.rank = local[li];
       rk.stage = world_.coord(rk.rank).pp;
       rk.replica = world_.coord(rk.rank).dp;
-      rk.program = &schedule_->ranks[static_cast<std::size_t>(rk.rank)];
+      rk.shard = world_.coord(rk.rank).tp;
+      rk.program = &schedule_->ranks[static_cast<std::size_t>(world_.cell(rk.rank))];
+      if (world_.tensor_parallel() > 1)
+        rk.tensor_parallel = std::make_unique<DeviceCommunicatorGroup>(*rk.comm, world_.tensor_parallel_group(rk.rank));
       rk.partition_index = all_local_ ? rk.rank : 0;
       rk.streams = partition_->streams(rk.partition_index);
       // Everything this rank creates (events, cuBLAS handles, buffers) belongs to its context
@@ -369,8 +373,9 @@ class CudaEngine final : public DeviceEngine {
       rk.epoch = std::make_unique<Event>();
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk.stage, j);
-        rk.chunks.emplace_back(stage_spec(rp_, vs), rk.streams.compute);
+        rk.chunks.emplace_back(stage_spec(rp_, vs, rk.shard), rk.streams.compute);
         CudaStageModel& model = rk.chunks.back();
+        model.set_tensor_parallel_group(rk.tensor_parallel.get());
         model.init(static_cast<std::uint64_t>(cfg.runtime.seed));
         const InFlight most = in_flight(*rk.program, vs);
         model.reserve(most.stashes, most.backwards, most.split_backwards, shape_.last(vs) ? shape_.microbatches : 0);
@@ -421,7 +426,7 @@ class CudaEngine final : public DeviceEngine {
     // StageModel of the same spec has the same parameters (stage_model_cuda.h).
     for (int vs = 0; vs < shape_.virtual_stages; ++vs)
       if (grad_elems[static_cast<std::size_t>(vs)] == 0)
-        grad_elems[static_cast<std::size_t>(vs)] = StageModel(stage_spec(rp_, vs)).gradients().size();
+        grad_elems[static_cast<std::size_t>(vs)] = StageModel(stage_spec(rp_, vs, 0)).gradients().size();
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
     if (plan_.zero() >= 1) setup_zero(os);
     for (auto& rk : ranks_) {
@@ -484,6 +489,7 @@ class CudaEngine final : public DeviceEngine {
       rep.step.numerics.rank = static_cast<int>(r);
       rep.step.numerics.stage = c.pp;
       rep.step.numerics.replica = c.dp;
+      rep.step.numerics.shard = c.tp;
       if (all_done) {
         if (rep.peak.total() > peaks_[r].total()) peaks_[r] = rep.peak;
         allocated_[r] = std::max(allocated_[r], static_cast<double>(rep.allocated_peak));
@@ -878,7 +884,7 @@ class CudaEngine final : public DeviceEngine {
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.before(at_op)), pr.grad_accumulation, st);
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.local()), pr.grad_accumulation, st);
     on_wire(rk, buf, count, [&](void* wire) {
-      rk.comm->reduce_scatter(wire, count, pr.allreduce, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum,
+      rk.comm->reduce_scatter(wire, count, pr.allreduce, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum,
                               divide_of(c, pr), st);
     });
     const std::size_t own = static_cast<std::size_t>(position(rk)) * g.section;
@@ -914,7 +920,7 @@ class CudaEngine final : public DeviceEngine {
     const auto at_op = static_cast<std::size_t>(i);
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.before(at_op)), pr.grad_accumulation, st);
     on_wire(rk, buf, count, [&](void* wire) {
-      rk.comm->all_reduce(wire, count, pr.allreduce, c.members, collective_tag(rk.step, op.channel), ReduceOp::sum,
+      rk.comm->all_reduce(wire, count, pr.allreduce, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum,
                           Divide::none, st);
     });
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.after(at_op)), pr.grad_accumulation, st);
@@ -937,14 +943,14 @@ class CudaEngine final : public DeviceEngine {
           [&](int u, int part) {
             wait_event(st, z.unit_freed[static_cast<std::size_t>(u)].e);  // its last pass has let it go
             for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-              gather_group(rk, j, g, c.members, collective_tag(rk.step, op.channel, part++), true);
+              gather_group(rk, j, g, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel, part++), true);
             record(z.unit_ready[static_cast<std::size_t>(u)].e, st);
           },
           [&] { rk.walk.done_early(i); });  // the pass may begin with the first unit
       return;
     }
     const bool keep = op.microbatch < 0 || !z.gathered;
-    gather_group(rk, j, z.plan.layout.whole(), c.members, collective_tag(rk.step, op.channel), keep);
+    gather_group(rk, j, z.plan.layout.whole(), collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), keep);
     z.gathered = true;
   }
 
@@ -1027,6 +1033,7 @@ class CudaEngine final : public DeviceEngine {
     fill_zero(rk.flags.data(), rk.flags.bytes(), rk.streams.compute);
     fill_zero(rk.scans.data(), rk.scans.bytes(), rk.streams.compute);
     rk.walk.reset(rk.program->ops.size());
+    if (rk.tensor_parallel) rk.tensor_parallel->restart(tensor_parallel_tag(step));
     rk.grad_norm = 0;
     rk.skipped = false;
     rk.found_nonfinite = false;
@@ -1071,6 +1078,8 @@ class CudaEngine final : public DeviceEngine {
   Scalars* scalars(CudaRank& rk) { return rk.scalars.as<Scalars>(); }
 
   float gradient_scale(const CudaRank& rk) const { return loss_gradient_scale(rk.scaler->scale(), shape_.microbatches); }
+  // The rank a point-to-point op of the cell's program talks to: the same shard of the peer cell.
+  int peer(const CudaRank& rk, const Op& op) const { return world_.shard(op.peer, rk.shard); }
 
   // A send waits (on the device) for everything queued on the compute stream before it, and
   // runs on the send stream, so the compute that follows never waits for the receiver.
@@ -1079,7 +1088,7 @@ class CudaEngine final : public DeviceEngine {
     record(rk.start[static_cast<std::size_t>(i)].e, cs);
     wait_event(ss, rk.start[static_cast<std::size_t>(i)].e);
     void*& buf = op.kind == OpKind::SendActivation ? rk.act_out[shape_.slot(op)] : rk.grad_in[shape_.slot(op)];
-    rk.comm->send(op.peer, message_tag(rk.step, op.channel), buf, act_elems(rk), act_format(), ss);
+    rk.comm->send(peer(rk, op), message_tag(rk.step, op.channel), buf, act_elems(rk), act_format(), ss);
     release(rk, buf, ss);
     record(rk.end[static_cast<std::size_t>(i)].e, ss);
   }
@@ -1092,7 +1101,7 @@ class CudaEngine final : public DeviceEngine {
       case OpKind::RecvActivation:
       case OpKind::RecvGradient: {
         void*& buf = op.kind == OpKind::RecvActivation ? rk.act_in[s] : rk.grad_out[s];
-        rk.comm->recv(op.peer, message_tag(rk.step, op.channel), alloc(rk, buf, cs), act_elems(rk), act_format(), cs);
+        rk.comm->recv(peer(rk, op), message_tag(rk.step, op.channel), alloc(rk, buf, cs), act_elems(rk), act_format(), cs);
         return;
       }
       case OpKind::Forward: {
@@ -1146,6 +1155,7 @@ class CudaEngine final : public DeviceEngine {
     const StreamHandle st = rk.streams.comm;
     const std::uint64_t tag = collective_tag(rk.step, op.channel);
     const Collective& c = schedule_->collectives[op.channel];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     const auto at = static_cast<std::size_t>(i);
     if (!rk.zero.empty()) {  // ZeRO's collectives work on shards
       if (op.kind == OpKind::ReduceScatter) return zero_reduce_scatter(rk, i, op);
@@ -1164,14 +1174,14 @@ class CudaEngine final : public DeviceEngine {
         if (data_parallel) k::unscale_and_check(grads, count, 1.0f, flag(rk, rk.flags_at.local()), gdt, st);
         const Divide divide = divide_of(c, pr);
         if (pr.allreduce == gdt) {
-          rk.comm->all_reduce(grads, count, gdt, c.members, tag, ReduceOp::sum, divide, st);
+          rk.comm->all_reduce(grads, count, gdt, members, tag, ReduceOp::sum, divide, st);
         } else {
           // NCCL reduces in the buffer's type: cast to the wire format and back.
           void* wire = rk.pool->allocate(count * dtype_bytes(pr.allreduce), st,
                                          fmt::format("rank {}: the all-reduce's {} copy", rk.rank,
                                                      dtype_name(pr.allreduce)));
           k::cast(wire, pr.allreduce, grads, gdt, count, st);
-          rk.comm->all_reduce(wire, count, pr.allreduce, c.members, tag, ReduceOp::sum, divide, st);
+          rk.comm->all_reduce(wire, count, pr.allreduce, members, tag, ReduceOp::sum, divide, st);
           k::cast(grads, gdt, wire, pr.allreduce, count, st);
           rk.pool->free(wire, st);
         }
@@ -1195,7 +1205,7 @@ class CudaEngine final : public DeviceEngine {
                                pr.grad_accumulation, st);
         float* verdict = &scalars(rk)->verdict;
         k::flag_to_float(verdict, flag(rk, rk.flags_at.global()), st);
-        rk.comm->all_reduce(verdict, 1, DType::fp32, c.members, tag, ReduceOp::max, Divide::none, st);
+        rk.comm->all_reduce(verdict, 1, DType::fp32, members, tag, ReduceOp::max, Divide::none, st);
         return;
       }
       default: break;
@@ -1224,23 +1234,23 @@ class CudaEngine final : public DeviceEngine {
       void* grads;
       float* master;
       std::size_t n;
-      std::pair<std::size_t, std::size_t> skip;
+      std::vector<std::pair<std::size_t, std::size_t>> counted;  // norm_ranges, in what it updates
       const std::uint8_t* mask;
     };
     std::vector<Part> parts;
     for (int j = 0; j < shape_.vpp; ++j) {
       CudaStageModel& model = rk.chunks[static_cast<std::size_t>(j)];
-      const int vs = shape_.vstage_of_chunk(rk.stage, j);
+      auto counted = norm_ranges(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.params(),
+                                 model.token_embedding(), rk.shard);
       if (rk.zero.empty()) {
         parts.push_back({model.gradients_device(), model.master_weights_device(), model.num_parameters(),
-                         norm_excluded(vs, shape_.virtual_stages, model.token_embedding()),
-                         rk.optimizers[static_cast<std::size_t>(j)].mask.as<std::uint8_t>()});
+                         std::move(counted), rk.optimizers[static_cast<std::size_t>(j)].mask.as<std::uint8_t>()});
         continue;
       }
       auto& z = rk.zero[static_cast<std::size_t>(j)];
       if (!plan_.reduces_every_microbatch()) take_flat_gradients(rk, j);  // stage 1: the shard, from in place
       parts.push_back({z.grads.data(), z.master.as<float>(), z.plan.layout.shard_size(),
-                       shard_norm_excluded(z.plan, shape_.last(vs)), z.mask.as<std::uint8_t>()});
+                       shard_ranges(z.plan.layout, counted), z.mask.as<std::uint8_t>()});
     }
     for (int j = 0; j < shape_.vpp; ++j) {
       const Part& part = parts[static_cast<std::size_t>(j)];
@@ -1249,17 +1259,11 @@ class CudaEngine final : public DeviceEngine {
       const DType gdt = cfg.precision.grad_accumulation;
       k::scan_tensor(scan_of(rk, index), g, n, gdt, cs);  // the scaled gradients, as the backward left them
       k::unscale_and_check(g, n, inv_scale, flag(rk, rk.flags_at.unused()), gdt, cs);
-      // This rank's share of the global squared norm (norm_excluded), each element once over the
+      // This rank's share of the global squared norm (norm_ranges), each element once over the
       // data-parallel group: a replica's whole copy counts 1/dp (below), a shard once.
-      const auto [skip_from, skip_count] = part.skip;
       double* scratch = rk.scratch.as<double>();
-      if (skip_count > 0) {
-        k::squared_norm(&sc->sumsq, g, skip_from, gdt, scratch, true, cs);
-        k::squared_norm(&sc->sumsq, offset(g, skip_from + skip_count, gdt), n - skip_from - skip_count, gdt, scratch,
-                        true, cs);
-      } else {
-        k::squared_norm(&sc->sumsq, g, n, gdt, scratch, true, cs);
-      }
+      for (const auto& [from, to] : part.counted)
+        k::squared_norm(&sc->sumsq, offset(g, from, gdt), to - from, gdt, scratch, true, cs);
     }
     // Read back through pinned memory: a copy into pageable memory would block in CUDA until the
     // stream drains, outside wait_idle's watchdog (stream_ops.h).

@@ -1,13 +1,17 @@
 // The CUDA stage model (stage_model_cuda.h). Host code only: it owns device buffers and calls
 // the launchers of kernels/kernels.h and kernels/gemm.h in the order
 // runtime/model/stage_model.cpp calls layers.h, step by step, so that file is the reference for
-// every line here (the same names: stash, backward, units, commit, wgrad_*).
+// every line here (the same names: stash, backward, units, commit, wgrad_*, and for a
+// tensor-parallel shard reduce_rows, gather_rows, row_parallel, column_parallel_input_grad,
+// flush_norms). The stash layout is stage_layout.h's, shared with it.
 //
 // Storage: every tensor the CPU model rounds to the compute format (its finish() calls) is a
 // device buffer in that format, written by the kernel or product that makes it (one rounding of
 // the FP32 result: kernels.h and gemm.h contracts). Attention follows kernels.h's split of the
 // 1/sqrt(hs) scale: alpha of the scores product in the forward (softmax scale 1), and the
-// softmax backward's `scale` in the backward, which is where layers.h applies it.
+// softmax backward's `scale` in the backward, which is where layers.h applies it. A shard keeps
+// its LOCAL token and target ids on the device (kernels.h: id - vocab0, or -1), so the whole
+// model's embedding and cross-entropy gradient kernels serve it unchanged.
 #include "runtime/cuda/stage_model_cuda.h"
 
 #include <algorithm>
@@ -20,6 +24,7 @@
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
 #include "runtime/cuda/stream_ops.h"
+#include "runtime/model/stage_layout.h"
 
 namespace trainsim::runtime::cuda {
 
@@ -50,41 +55,16 @@ const void* at(const void* base, std::size_t i, std::size_t bytes) {
 // ---------------------------------------------------------------------------------------
 // State (mirrors StageModel::Impl)
 // ---------------------------------------------------------------------------------------
-struct CudaStageModel::Impl {
+struct CudaStageModel::Impl : StageShape {
+  using StashT = Stash<DeviceBuffer, DeviceBuffer>;
+  using BackwardT = runtime::Backward<DeviceBuffer>;
+  using Grads = BlockGrads<DeviceBuffer>;
   struct BlockParams {
     int ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
   };
-  // What a block's forward keeps for its backward (compute format, except the fp32 statistics).
-  struct BlockStash {
-    DeviceBuffer ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (N,C) (N,3C) (B,H,T,T) (N,C)x3 (N,F)x2
-    DeviceBuffer mean1, rstd1, mean2, rstd2;               // (N) fp32
-    // Full recompute under a split backward: the stash holds a block's room (allocated before the
-    // step: no allocation while NCCL may wait), in use only from the input pass that rebuilt it to
-    // the weight pass, and then only for what the weight pass reads.
-    bool kept = false;
-  };
-  struct Stash {
-    DeviceBuffer tokens, targets;  // (N) int32
-    std::vector<DeviceBuffer> x;   // residual stream: x[0] stage input, x[l+1] block l's output
-    std::vector<BlockStash> blocks;
-    DeviceBuffer lnf, logits;        // (N,C) (N,V)
-    DeviceBuffer meanf, rstdf, lse;  // (N) fp32
-  };
-  // Gradients a block's weight gradients read: shared scratch in the unsplit backward, kept per
-  // micro-batch between backward_input and backward_weight in the split one.
-  struct BlockGrads {
-    DeviceBuffer dfc, dln2, dx1, dqkv, dln1;  // (N,F) (N,C) (N,C) (N,3C) (N,C)
-  };
-  struct Backward {
-    bool split = false, inputs_done = false;
-    DeviceBuffer dlogits, dlnf;      // (N,V) (N,C), last stage
-    std::vector<DeviceBuffer> dres;  // residual-stream gradient: positions alternating (pos % size), all L+1 when split
-    std::vector<BlockGrads> blocks;  // split only: every block's, for its weight pass
-    void* res(int pos) { return dres[static_cast<std::size_t>(pos) % dres.size()].data(); }
-  };
   struct Slot {
-    std::unique_ptr<Stash> stash;
-    std::unique_ptr<Backward> backward;
+    std::unique_ptr<StashT> stash;
+    std::unique_ptr<BackwardT> backward;
     int units_done = 0;
     bool complete = false;
   };
@@ -99,8 +79,7 @@ struct CudaStageModel::Impl {
   DType dt;            // compute (storage) format
   DType gacc;          // grad_accumulation format
   std::size_t eb;      // bytes of a compute-format element
-  int B, T, C, H, F, V, L;
-  std::size_t N;
+  DeviceTensorParallelGroup* group = nullptr;
 
   std::vector<ParamInfo> params;
   std::vector<BlockParams> blocks;
@@ -114,16 +93,21 @@ struct CudaStageModel::Impl {
   DeviceBuffer master, working, grads;
 
   std::vector<Slot> slots;
-  std::vector<std::unique_ptr<Stash>> free_stashes;
-  std::vector<std::unique_ptr<Backward>> free_backwards;
+  std::vector<std::unique_ptr<StashT>> free_stashes;
+  std::vector<std::unique_ptr<BackwardT>> free_backwards;
 
   // Scratch shared by all micro-batches (a forward or a unit is queued whole before another).
-  BlockGrads shared_grads;
-  DeviceBuffer tmp, dgelu, datt, attn_scratch;  // (N,C) (N,F) (N,C) (B,H,T,T): scores, then d(probs)
+  Grads shared_grads;
+  DeviceBuffer tmp, dgelu, datt, attn_scratch;  // (N,C) (N,Fl) (N,Cl) (B,Hl,T,T): scores, then d(probs)
   DeviceBuffer wscratch, bscratch, gscratch;    // fp32 produced gradients; their compute-format copy
   DeviceBuffer losses, reduce_scratch;
   DeviceBuffer mb_loss_sums;  // per micro-batch: its rows' losses summed, in double
   std::size_t loss_slots = 0;
+  // Tensor parallelism (as StageModel): gathered rows, the cross-entropy's row statistics (fp32:
+  // max N, sums 2N), the norms' partial gradients under SP, the local ids on their way up.
+  DeviceBuffer gathered, dy_full, dx1_full, ce, norm_partials;
+  std::vector<int> pending_norms;  // pairs (weight, bias) of parameters, flattened
+  std::vector<std::int32_t> host_ids;
 
   Impl(const StageSpec& s, StreamHandle st);
 
@@ -136,19 +120,80 @@ struct CudaStageModel::Impl {
 
   DeviceBuffer act(std::size_t elements) const { return DeviceBuffer(elements * eb); }
   static DeviceBuffer f32(std::size_t elements) { return DeviceBuffer(elements * sizeof(float)); }
+  DeviceBuffer make(std::size_t elements, Held h) const { return h == Held::compute ? act(elements) : f32(elements); }
   void* row(const DeviceBuffer& b, std::size_t i) const { return at(b.data(), i, eb); }
+
+  // -- the tensor-parallel group's collectives (StageModel::Impl's, on this stream) --
+  DeviceTensorParallelGroup& tp_group() {
+    if (!group)
+      throw std::logic_error("CudaStageModel: tensor-parallel shard " + std::to_string(tp_rank) + " of " +
+                             std::to_string(tp) + " has no group (set_tensor_parallel_group)");
+    return *group;
+  }
+  void* reduce_rows(void* partial, int width) {
+    const std::size_t n = N * static_cast<std::size_t>(width);
+    if (!sp) {
+      tp_group().all_reduce(partial, n, dt, ReduceOp::sum, stream);
+      return partial;
+    }
+    tp_group().reduce_scatter(partial, n, dt, stream);
+    return at(partial, row0 * width, eb);
+  }
+  const void* gather_rows(const void* local, DeviceBuffer& full, int width) {
+    if (!sp) return local;
+    void* mine = row(full, row0 * width);
+    if (local != mine) copy_device_to_device(mine, local, Nl * width * eb, stream);
+    tp_group().all_gather(full.data(), N * static_cast<std::size_t>(width), dt, stream);
+    return full.data();
+  }
+  const void* row_parallel(const void* x, int pw, int pb, int in) {
+    const int n = static_cast<int>(N);
+    if (tp == 1) {
+      k::linear_forward(gemm, tmp.data(), x, w(pw), w(pb), n, in, C, dt);
+      return tmp.data();
+    }
+    k::linear_forward(gemm, tmp.data(), x, w(pw), nullptr, n, in, C, dt);
+    void* y = reduce_rows(tmp.data(), C);
+    k::add_bias(y, w(pb), Nl, C, dt, stream);
+    return y;
+  }
+  void column_parallel_input_grad(void* out, const void* dy, const void* wt, int out_width) {
+    const int n = static_cast<int>(N);
+    if (tp == 1) {
+      k::linear_backward_input(gemm, out, dy, wt, n, C, out_width, dt);
+      return;
+    }
+    k::linear_backward_input(gemm, tmp.data(), dy, wt, n, C, out_width, dt);
+    const void* d = reduce_rows(tmp.data(), C);
+    copy_device_to_device(out, d, Nl * C * eb, stream);
+  }
+  // The ids a shard keeps on the device: its local ones (kernels.h), or the ids themselves.
+  void upload_ids(DeviceBuffer& to, const std::int32_t* ids) {
+    host_ids.assign(ids, ids + N);
+    if (tp > 1)
+      for (std::int32_t& id : host_ids) id = id >= vocab0 && id < vocab0 + Vl ? id - vocab0 : -1;
+    copy_host_to_device(to.data(), host_ids.data(), N * sizeof(std::int32_t), stream);
+  }
 
   Slot& slot(int mb) {
     if (mb < 0) throw std::invalid_argument("micro-batch index " + std::to_string(mb) + " is negative");
     if (static_cast<std::size_t>(mb) >= slots.size()) slots.resize(static_cast<std::size_t>(mb) + 1);
     return slots[static_cast<std::size_t>(mb)];
   }
-  std::unique_ptr<Stash> take_stash();  // a free one, or a new one
-  std::unique_ptr<Stash> new_stash();
-  std::unique_ptr<Backward> take_backward(bool split);  // a free one of the kind, or a new one
-  std::unique_ptr<Backward> new_backward(bool split);
+  std::unique_ptr<StashT> take_stash();  // a free one, or a new one
+  std::unique_ptr<StashT> new_stash() {
+    auto make_buf = [this](std::size_t n, Held h) { return make(n, h); };
+    auto make_ids = [](std::size_t n) { return DeviceBuffer(n * sizeof(std::int32_t)); };
+    return std::make_unique<StashT>(make_stash<DeviceBuffer, DeviceBuffer>(
+        shape(), spec.has_embedding, spec.has_head, spec.recompute, split_room, make_buf, make_ids));
+  }
+  std::unique_ptr<BackwardT> take_backward(bool split);  // a free one of the kind, or a new one
+  std::unique_ptr<BackwardT> new_backward(bool split) {
+    return std::make_unique<BackwardT>(
+        make_backward<DeviceBuffer>(shape(), spec.has_head, split, [this](std::size_t n, Held h) { return make(n, h); }));
+  }
   void release(Slot& s) {
-    for (BlockStash& b : s.stash->blocks) b.kept = false;
+    for (BlockStash<DeviceBuffer>& b : s.stash->blocks) b.kept = false;
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
     s.complete = true;
@@ -157,19 +202,21 @@ struct CudaStageModel::Impl {
   void forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
   // Room for micro-batch losses 0..count-1, the ones already there kept.
   void ensure_loss_slots(std::size_t count);
-  void block_forward(int li, Stash& s);
-  void attention_forward(BlockStash& st);
+  void block_forward(int li, StashT& s);
+  void head_forward(int mb, StashT& s);
+  void attention_forward(BlockStash<DeviceBuffer>& st);
   void begin(int mb, const void* grad_output, float scale, bool split);
-  void unit_input(const Unit& u, Stash& s, Backward& b);
-  void unit_weight(const Unit& u, Stash& s, Backward& b);
-  void block_backward_input(int li, Stash& s, Backward& b);
-  void block_backward_weight(int li, Stash& s, Backward& b);
-  void attention_backward(void* dqkv, const void* dout, const BlockStash& st);
+  void unit_input(const Unit& u, StashT& s, BackwardT& b);
+  void unit_weight(const Unit& u, StashT& s, BackwardT& b);
+  void block_backward_input(int li, StashT& s, BackwardT& b);
+  void block_backward_weight(int li, StashT& s, BackwardT& b);
+  void attention_backward(void* dqkv, const void* dout, const BlockStash<DeviceBuffer>& st);
 
   void commit(int p, const float* produced);
   void wgrad_linear(int pw, int pb, const void* dy, const void* x, int in, int out);
   void wgrad_layernorm(int pw, int pb, const void* dy, const void* x, const float* mean, const float* rstd);
-  void wgrad_embedding(const void* dx, const std::int32_t* tokens);
+  void flush_norms();
+  void wgrad_embedding(const void* dx, const std::int32_t* local_tokens);
 
   void refresh_working() {
     if (dt != DType::fp32) k::cast(working.data(), dt, master.data(), DType::fp32, total, stream);
@@ -178,31 +225,19 @@ struct CudaStageModel::Impl {
   // Activation recompute (spec.recompute), as StageModel::Impl's: the stash keeps less, and a
   // block's backward first rebuilds what it needs in this workspace with the forward's kernels.
   struct RecomputeWork {
-    BlockStash block;
+    BlockStash<DeviceBuffer> block;
     DeviceBuffer probs, out;
   } redo;
-  void forward_block(int li, Stash& s);
-  void rebuild(const Unit& u, Stash& s, bool split);
-  void rerun_block(int li, Stash& s);
-  void drop_rebuilt(const Unit& u, Stash& s, bool weights_done);
-  const DeviceBuffer& stage_output(const Stash& s) const {
+  void forward_block(int li, StashT& s);
+  void rebuild(const Unit& u, StashT& s, bool split);
+  void rerun_block(int li, StashT& s);
+  void drop_rebuilt(const Unit& u, StashT& s, bool weights_done);
+  const DeviceBuffer& stage_output(const StashT& s) const {
     return s.x[static_cast<std::size_t>(L)].bytes() == 0 ? redo.out : s.x[static_cast<std::size_t>(L)];
   }
-  // A block's bytes in use: all of its buffers, or (full recompute) what its weight pass reads while kept.
-  std::size_t block_bytes(const BlockStash& b) const {
-    const std::size_t inputs = b.ln1.bytes() + b.att.bytes() + b.x1.bytes() + b.ln2.bytes() + b.gelu.bytes() +
-                               b.mean1.bytes() + b.rstd1.bytes() + b.mean2.bytes() + b.rstd2.bytes();
-    if (spec.recompute == Recompute::full && &b != &redo.block) return b.kept ? inputs : 0;
-    return inputs + b.qkv.bytes() + b.probs.bytes() + b.fc.bytes();
-  }
-  bool split_room = false;  // reserve() asked for split backwards: full recompute's stashes hold block room
-  BlockStash new_block_stash() const {
-    const std::size_t nc = N * C, n = N;
-    return {act(nc),     act(3 * nc), act(static_cast<std::size_t>(B) * H * T * T),
-            act(nc),     act(nc),     act(nc),
-            act(n * F),  act(n * F),  f32(n),
-            f32(n),      f32(n),      f32(n)};
-  }
+  // Full recompute under a split backward rebuilds a block in its stash's room, allocated with the
+  // stash (no allocation mid-step, while NCCL may wait): reserve() asked for split backwards.
+  bool split_room = false;
 
   // Weights read through the engine's gate (set_weight_gate), piece by piece.
   GateCalls gate;
@@ -211,24 +246,16 @@ struct CudaStageModel::Impl {
 };
 
 CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
-    : spec(checked(s)),
+    : StageShape(checked(s)),
+      spec(s),
       dt(s.compute),
       gacc(s.grad_accumulation),
       eb(static_cast<std::size_t>(dtype_bytes(s.compute))),
       // The CPU model validates the spec (before any device call) and is the one source of the
-      // parameter list and layout.
+      // parameter list, its layout and its shards.
       params(StageModel(s).params()),
       stream(st),
       gemm(st) {
-  const ModelDims& d = s.dims;
-  B = s.micro_batch_size;
-  T = d.seq_length;
-  C = d.hidden_size;
-  H = d.num_heads;
-  F = d.ffn();
-  V = d.vocab_size;
-  L = s.num_layers;
-  N = static_cast<std::size_t>(B) * T;
 
   auto index = [&](const std::string& name) {
     for (std::size_t i = 0; i < params.size(); ++i)
@@ -236,6 +263,7 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
     throw std::logic_error("CudaStageModel: StageModel has no parameter " + name);
   };
   auto end_of = [&](int p) { return params[p].offset + params[p].size; };
+  const ModelDims& d = s.dims;
   // Units in StageModel's order: head, blocks from last to first, embedding.
   if (s.has_head) {
     head_w = index(d.tied_embeddings ? "wte" : "lm_head.weight");
@@ -276,100 +304,43 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
   if (dt != DType::fp32) working = act(total);
   fast_grads = dt == DType::fp32 && gacc == DType::fp32;
 
-  const std::size_t nc = N * C, nf = N * F;
+  const std::size_t nc = N * C;
   tmp = act(nc);
-  dgelu = act(nf);
-  datt = act(nc);
-  attn_scratch = act(static_cast<std::size_t>(B) * H * T * T);
+  dgelu = act(N * Fl);
+  datt = act(N * Cl);
+  attn_scratch = act(static_cast<std::size_t>(B) * Hl * T * T);
   if (!fast_grads) {
     const std::size_t scratch = std::max(largest, static_cast<std::size_t>(T) * C);
     wscratch = f32(scratch);
     bscratch = f32(scratch);
     gscratch = act(scratch);
   }
-  shared_grads = {act(nf), act(nc), act(nc), act(3 * nc), act(nc)};
+  shared_grads = make_block_grads<DeviceBuffer>(shape(), [this](std::size_t n, Held h) { return make(n, h); });
   if (s.has_head) {
     losses = f32(N);
     reduce_scratch = DeviceBuffer(k::kReductionScratchDoubles * sizeof(double));
+    if (tp > 1) ce = f32(3 * N);
+  }
+  if (sp) {
+    gathered = act(nc);
+    dy_full = act(nc);
+    dx1_full = act(nc);
+    norm_partials = f32(4 * static_cast<std::size_t>(C));
+  }
+  if (s.recompute == Recompute::selective) redo.probs = act(static_cast<std::size_t>(B) * Hl * T * T);
+  if (s.recompute == Recompute::full) {
+    redo.block = make_block_stash<DeviceBuffer>(shape(), true, [this](std::size_t n, Held h) { return make(n, h); });
+    redo.out = act(Nl * C);
   }
   fill_zero(grads.data(), grads.bytes(), stream);
-  if (s.recompute == Recompute::selective) redo.probs = act(static_cast<std::size_t>(B) * H * T * T);
-  if (s.recompute == Recompute::full) {
-    redo.block = new_block_stash();
-    redo.out = act(nc);
-  }
 }
 
-std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::take_stash() {
-  if (!free_stashes.empty()) {
-    auto s = std::move(free_stashes.back());
-    free_stashes.pop_back();
-    return s;
-  }
-  return new_stash();
+std::unique_ptr<CudaStageModel::Impl::StashT> CudaStageModel::Impl::take_stash() {
+  return reuse_or_make(free_stashes, [&] { return new_stash(); });
 }
 
-std::unique_ptr<CudaStageModel::Impl::Stash> CudaStageModel::Impl::new_stash() {
-  auto s = std::make_unique<Stash>();
-  const std::size_t nc = N * C, n = N;
-  if (spec.has_embedding) s->tokens = DeviceBuffer(n * sizeof(std::int32_t));
-  if (spec.has_head) {
-    s->targets = DeviceBuffer(n * sizeof(std::int32_t));
-    s->lnf = act(nc);
-    s->logits = act(n * V);
-    s->meanf = f32(n);
-    s->rstdf = f32(n);
-    s->lse = f32(n);
-  }
-  for (int i = 0; i <= L; ++i) s->x.push_back(act(nc));
-  s->blocks.resize(static_cast<std::size_t>(L));
-  if (spec.recompute == Recompute::full) {  // each block's input only (and the head's)
-    if (!spec.has_head && L > 0) s->x[static_cast<std::size_t>(L)] = DeviceBuffer();
-    if (split_room)
-      for (BlockStash& b : s->blocks) b = new_block_stash();
-    return s;
-  }
-  for (BlockStash& b : s->blocks) {
-    b.ln1 = act(nc);
-    b.qkv = act(3 * nc);
-    if (spec.recompute == Recompute::none) b.probs = act(static_cast<std::size_t>(B) * H * T * T);
-    b.att = act(nc);
-    b.x1 = act(nc);
-    b.ln2 = act(nc);
-    b.fc = act(n * F);
-    b.gelu = act(n * F);
-    b.mean1 = f32(n);
-    b.rstd1 = f32(n);
-    b.mean2 = f32(n);
-    b.rstd2 = f32(n);
-  }
-  return s;
-}
-
-std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::take_backward(bool split) {
-  // Reuse one of the same kind (the split kind holds every position and block).
-  for (auto it = free_backwards.begin(); it != free_backwards.end(); ++it)
-    if ((*it)->split == split) {
-      auto b = std::move(*it);
-      free_backwards.erase(it);
-      b->inputs_done = false;
-      return b;
-    }
-  return new_backward(split);
-}
-
-std::unique_ptr<CudaStageModel::Impl::Backward> CudaStageModel::Impl::new_backward(bool split) {
-  auto b = std::make_unique<Backward>();
-  b->split = split;
-  const std::size_t nc = N * C, nf = N * F;
-  if (spec.has_head) {
-    b->dlogits = act(N * V);
-    b->dlnf = act(nc);
-  }
-  for (int i = 0; i < (split ? L + 1 : std::min(L + 1, 2)); ++i) b->dres.push_back(act(nc));
-  if (split)
-    for (int i = 0; i < L; ++i) b->blocks.push_back({act(nf), act(nc), act(nc), act(3 * nc), act(nc)});
-  return b;
+std::unique_ptr<CudaStageModel::Impl::BackwardT> CudaStageModel::Impl::take_backward(bool split) {
+  return reuse_or_make(free_backwards, split, [&] { return new_backward(split); });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -388,6 +359,7 @@ void CudaStageModel::Impl::ensure_loss_slots(std::size_t count) {
 void CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
                                    void* output) {
   check_forward_arguments(spec, "CudaStageModel::forward", tokens, targets, input != nullptr);
+  if (tp > 1) tp_group();  // a shard without its group fails before it keeps anything
 
   Slot& sl = slot(mb);
   if (sl.stash)
@@ -396,92 +368,117 @@ void CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std
   sl.stash = take_stash();
   sl.units_done = 0;
   sl.complete = false;
-  Stash& s = *sl.stash;
-  const std::size_t nc = N * C;
+  StashT& s = *sl.stash;
+  const std::size_t nlc = Nl * C;
 
   void* x0 = s.x[0].data();
   if (spec.has_embedding) {
-    copy_host_to_device(s.tokens.data(), tokens, N * sizeof(std::int32_t), stream);
+    upload_ids(s.tokens, tokens);
     gate.take(WeightPiece::embedding);
-    k::embedding_forward(x0, s.tokens.as<std::int32_t>(), w(wte), w(wpe), B, T, C, V, dt, stream);
+    if (tp == 1) {
+      k::embedding_forward(x0, s.tokens.as<std::int32_t>(), w(wte), w(wpe), B, T, C, V, dt, stream);
+    } else {
+      // Vocabulary-parallel: the shard's rows, summed over the group, then the position embedding.
+      k::embedding_shard_forward(tmp.data(), s.tokens.as<std::int32_t>(), w(wte), static_cast<int>(N), C, Vl, dt,
+                                 stream);
+      copy_device_to_device(x0, reduce_rows(tmp.data(), C), nlc * eb, stream);
+      k::add_position_embedding(x0, w(wpe), row0, Nl, T, C, dt, stream);
+    }
     gate.give(WeightPiece::embedding);
   } else {
-    copy_device_to_device(x0, input, nc * eb, stream);  // already in the compute format
+    copy_device_to_device(x0, input, nlc * eb, stream);  // already in the compute format
   }
   for (int li = 0; li < L; ++li) {
     gate.take(WeightPiece::block, li);
     forward_block(li, s);
     gate.give(WeightPiece::block, li);
   }
-  const void* xl = stage_output(s).data();
   if (!spec.has_head) {
-    if (output) copy_device_to_device(output, xl, nc * eb, stream);
+    if (output) copy_device_to_device(output, stage_output(s).data(), nlc * eb, stream);
     return;
   }
-  copy_host_to_device(s.targets.data(), targets, N * sizeof(std::int32_t), stream);
+  upload_ids(s.targets, targets);
   gate.take(WeightPiece::head);
-  k::layernorm_forward(s.lnf.data(), s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b),
-                       static_cast<int>(N), C, dt, stream);
-  k::linear_forward(gemm, s.logits.data(), s.lnf.data(), w(head_w), nullptr, static_cast<int>(N), C, V, dt);
+  head_forward(mb, s);
   gate.give(WeightPiece::head);
-  k::cross_entropy_forward(losses.as<float>(), s.lse.as<float>(), s.logits.data(), s.targets.as<std::int32_t>(),
-                           static_cast<int>(N), V, dt, stream);
+}
+
+void CudaStageModel::Impl::head_forward(int mb, StashT& s) {
+  const int n = static_cast<int>(N);
+  const void* xl = s.x[static_cast<std::size_t>(L)].data();
+  void* lnf_rows = row(s.lnf, row0 * C);
+  k::layernorm_forward(lnf_rows, s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b), static_cast<int>(Nl),
+                       C, dt, stream);
+  gather_rows(lnf_rows, s.lnf, C);
+  k::linear_forward(gemm, s.logits.data(), s.lnf.data(), w(head_w), nullptr, n, C, Vl, dt);
+  const std::int32_t* targets = s.targets.as<std::int32_t>();
+  if (tp == 1) {
+    k::cross_entropy_forward(losses.as<float>(), s.lse.as<float>(), s.logits.data(), targets, n, V, dt, stream);
+  } else {
+    float* rowmax = ce.as<float>();
+    float* sums = rowmax + N;
+    k::cross_entropy_shard_max(rowmax, s.logits.data(), n, Vl, dt, stream);
+    tp_group().all_reduce(rowmax, N, DType::fp32, ReduceOp::max, stream);
+    k::cross_entropy_shard_sums(sums, s.logits.data(), rowmax, targets, n, Vl, dt, stream);
+    tp_group().all_reduce(sums, 2 * N, DType::fp32, ReduceOp::sum, stream);
+    k::cross_entropy_shard_loss(losses.as<float>(), s.lse.as<float>(), rowmax, sums, n, stream);
+  }
   // layers::cross_entropy_forward: the rows' losses summed in double (divided by N, as float,
   // when read: losses()). Left on the device: a read here would stall the host every micro-batch.
   ensure_loss_slots(static_cast<std::size_t>(mb) + 1);
   k::sum(mb_loss_sums.as<double>() + mb, losses.as<float>(), N, reduce_scratch.as<double>(), false, stream);
 }
 
-void CudaStageModel::Impl::block_forward(int li, Stash& s) {
+void CudaStageModel::Impl::block_forward(int li, StashT& s) {
   const BlockParams& p = blocks[static_cast<std::size_t>(li)];
-  BlockStash& b = s.blocks[static_cast<std::size_t>(li)];
-  const int n = static_cast<int>(N);
-  const std::size_t nc = N * C, nf = N * F;
+  BlockStash<DeviceBuffer>& b = s.blocks[static_cast<std::size_t>(li)];
+  const int n = static_cast<int>(N), nl = static_cast<int>(Nl);
+  const std::size_t nlc = Nl * C;
   const void* x0 = s.x[static_cast<std::size_t>(li)].data();
   void* x2 = s.x[static_cast<std::size_t>(li) + 1].data();
 
-  k::layernorm_forward(b.ln1.data(), b.mean1.as<float>(), b.rstd1.as<float>(), x0, w(p.ln1_w), w(p.ln1_b), n, C, dt,
+  k::layernorm_forward(b.ln1.data(), b.mean1.as<float>(), b.rstd1.as<float>(), x0, w(p.ln1_w), w(p.ln1_b), nl, C, dt,
                        stream);
-  k::linear_forward(gemm, b.qkv.data(), b.ln1.data(), w(p.qkv_w), w(p.qkv_b), n, C, 3 * C, dt);
+  k::linear_forward(gemm, b.qkv.data(), gather_rows(b.ln1.data(), gathered, C), w(p.qkv_w), w(p.qkv_b), n, C,
+                    3 * Cl, dt);
   attention_forward(b);
-  k::linear_forward(gemm, tmp.data(), b.att.data(), w(p.attn_proj_w), w(p.attn_proj_b), n, C, C, dt);
-  k::residual_add(b.x1.data(), x0, tmp.data(), nc, dt, stream);
-  k::layernorm_forward(b.ln2.data(), b.mean2.as<float>(), b.rstd2.as<float>(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), n,
+  k::residual_add(b.x1.data(), x0, row_parallel(b.att.data(), p.attn_proj_w, p.attn_proj_b, Cl), nlc, dt, stream);
+  k::layernorm_forward(b.ln2.data(), b.mean2.as<float>(), b.rstd2.as<float>(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), nl,
                        C, dt, stream);
-  k::linear_forward(gemm, b.fc.data(), b.ln2.data(), w(p.fc_w), w(p.fc_b), n, C, F, dt);
-  k::gelu_forward(b.gelu.data(), b.fc.data(), nf, dt, stream);
-  k::linear_forward(gemm, tmp.data(), b.gelu.data(), w(p.mlp_proj_w), w(p.mlp_proj_b), n, F, C, dt);
-  k::residual_add(x2, b.x1.data(), tmp.data(), nc, dt, stream);
+  k::linear_forward(gemm, b.fc.data(), gather_rows(b.ln2.data(), gathered, C), w(p.fc_w), w(p.fc_b), n, C, Fl, dt);
+  k::gelu_forward(b.gelu.data(), b.fc.data(), N * Fl, dt, stream);
+  k::residual_add(x2, b.x1.data(), row_parallel(b.gelu.data(), p.mlp_proj_w, p.mlp_proj_b, Fl), nlc, dt, stream);
 }
 
-// layers::attention_forward, per (b, h), heads as the batch of one strided product per row b:
+// layers::attention_forward over the shard's Hl heads of width hs (its qkv rows are (N, 3 Cl)),
+// per (b, h), heads as the batch of one strided product per row b:
 //   scores = (1/sqrt(hs)) q k^T   (alpha; rounded to dt), probs = causal softmax(scores) (scale 1),
-//   att    = probs v              (heads side by side in (T, C)).
-// q, k, v of head h start at qkv + b*T*3C + {0, C, 2C} + h*hs, row stride 3C (gemm.h).
-void CudaStageModel::Impl::attention_forward(BlockStash& st) {
-  const int hs = C / H, C3 = 3 * C;
+//   att    = probs v              (heads side by side in (T, Cl)).
+// q, k, v of head h start at qkv + b*T*3Cl + {0, Cl, 2Cl} + h*hs, row stride 3Cl (gemm.h).
+void CudaStageModel::Impl::attention_forward(BlockStash<DeviceBuffer>& st) {
+  const int hs = Cl / Hl, C3 = 3 * Cl;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));  // as layers.h: S(1) / sqrt(S(hs))
   const long long TT = static_cast<long long>(T) * T;
   for (int b = 0; b < B; ++b) {
     const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
-    void* s = row(attn_scratch, static_cast<std::size_t>(b) * H * TT);
-    k::gemm_strided_batched(gemm, false, true, T, T, hs, scale, q, C3, hs, at(q, C, eb), C3, hs, 0.0f, s, T, TT, H, dt,
-                            dt);
+    void* s = row(attn_scratch, static_cast<std::size_t>(b) * Hl * TT);
+    k::gemm_strided_batched(gemm, false, true, T, T, hs, scale, q, C3, hs, at(q, Cl, eb), C3, hs, 0.0f, s, T, TT, Hl,
+                            dt, dt);
   }
-  k::causal_softmax_forward(st.probs.data(), attn_scratch.data(), B * H, T, 1.0f, dt, stream);
+  k::causal_softmax_forward(st.probs.data(), attn_scratch.data(), B * Hl, T, 1.0f, dt, stream);
   for (int b = 0; b < B; ++b) {
     const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
-    const void* p = row(st.probs, static_cast<std::size_t>(b) * H * TT);
-    k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, p, T, TT, at(q, 2 * static_cast<std::size_t>(C), eb),
-                            C3, hs, 0.0f, row(st.att, static_cast<std::size_t>(b) * T * C), C, hs, H, dt, dt);
+    const void* p = row(st.probs, static_cast<std::size_t>(b) * Hl * TT);
+    k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, p, T, TT, at(q, 2 * static_cast<std::size_t>(Cl), eb),
+                            C3, hs, 0.0f, row(st.att, static_cast<std::size_t>(b) * T * Cl), Cl, hs, Hl, dt, dt);
   }
 }
 
 // ---------------------------------------------------------------------------------------
 // Activation recompute (StageModel::Impl's, with device buffers)
 // ---------------------------------------------------------------------------------------
-void CudaStageModel::Impl::forward_block(int li, Stash& s) {
-  BlockStash& b = s.blocks[static_cast<std::size_t>(li)];
+void CudaStageModel::Impl::forward_block(int li, StashT& s) {
+  BlockStash<DeviceBuffer>& b = s.blocks[static_cast<std::size_t>(li)];
   switch (spec.recompute) {
     case Recompute::none:
       block_forward(li, s);
@@ -504,21 +501,21 @@ void CudaStageModel::Impl::forward_block(int li, Stash& s) {
   }
 }
 
-void CudaStageModel::Impl::rerun_block(int li, Stash& s) {
+void CudaStageModel::Impl::rerun_block(int li, StashT& s) {
   DeviceBuffer& next = s.x[static_cast<std::size_t>(li) + 1];
   std::swap(next, redo.out);  // the kept next input is left as it is
   block_forward(li, s);
   std::swap(next, redo.out);
 }
 
-void CudaStageModel::Impl::rebuild(const Unit& u, Stash& s, bool split) {
+void CudaStageModel::Impl::rebuild(const Unit& u, StashT& s, bool split) {
   if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
-  BlockStash& st = s.blocks[static_cast<std::size_t>(u.block)];
+  BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(u.block)];
   if (spec.recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
     std::swap(st.probs, redo.probs);
-    std::swap(st.att, tmp);  // the kept attention output is left as it is
+    std::swap(st.att, datt);  // the kept attention output is left as it is (datt: (N,Cl), free until the input pass)
     attention_forward(st);
-    std::swap(st.att, tmp);
+    std::swap(st.att, datt);
     return;
   }
   if (!split) {
@@ -531,14 +528,14 @@ void CudaStageModel::Impl::rebuild(const Unit& u, Stash& s, bool split) {
   rerun_block(u.block, s);
 }
 
-void CudaStageModel::Impl::drop_rebuilt(const Unit& u, Stash& s, bool weights_done) {
+void CudaStageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_done) {
   if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
-  BlockStash& st = s.blocks[static_cast<std::size_t>(u.block)];
+  BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(u.block)];
   if (spec.recompute == Recompute::selective) {
     std::swap(st.probs, redo.probs);
   } else if (weights_done) {
     std::swap(st, redo.block);
-  }  // else: kept; block_bytes counts only what the weight pass reads
+  }  // else: kept; stash_bytes counts only what the weight pass reads
 }
 
 // ---------------------------------------------------------------------------------------
@@ -554,21 +551,22 @@ void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale, b
     throw std::invalid_argument("CudaStageModel: this stage's backward needs grad_output");
   sl.backward = take_backward(split);
   sl.units_done = 0;
-  Stash& s = *sl.stash;
-  Backward& b = *sl.backward;
-  if (spec.has_head)
+  StashT& s = *sl.stash;
+  BackwardT& b = *sl.backward;
+  if (spec.has_head)  // a shard's local targets: the whole model's kernel over its Vl columns
     k::cross_entropy_backward(b.dlogits.data(), s.logits.data(), s.lse.as<float>(), s.targets.as<std::int32_t>(),
-                              static_cast<int>(N), V, scale / static_cast<float>(N), dt, stream);
+                              static_cast<int>(N), Vl, scale / static_cast<float>(N), dt, stream);
   else
-    copy_device_to_device(b.res(L), grad_output, N * C * eb, stream);  // already in the compute format
+    copy_device_to_device(b.res(L).data(), grad_output, Nl * C * eb, stream);  // already in the compute format
 }
 
-void CudaStageModel::Impl::unit_input(const Unit& u, Stash& s, Backward& b) {
+void CudaStageModel::Impl::unit_input(const Unit& u, StashT& s, BackwardT& b) {
   switch (u.kind) {
     case UnitKind::head:
-      k::linear_backward_input(gemm, b.dlnf.data(), b.dlogits.data(), w(head_w), static_cast<int>(N), C, V, dt);
-      k::layernorm_backward_input(b.res(L), b.dlnf.data(), s.x[static_cast<std::size_t>(L)].data(), s.meanf.as<float>(),
-                                  s.rstdf.as<float>(), w(lnf_w), nullptr, static_cast<int>(N), C, dt, stream);
+      column_parallel_input_grad(b.dlnf.data(), b.dlogits.data(), w(head_w), Vl);
+      k::layernorm_backward_input(b.res(L).data(), b.dlnf.data(), s.x[static_cast<std::size_t>(L)].data(),
+                                  s.meanf.as<float>(), s.rstdf.as<float>(), w(lnf_w), nullptr, static_cast<int>(Nl), C,
+                                  dt, stream);
       break;
     case UnitKind::block:
       block_backward_input(u.block, s, b);
@@ -578,86 +576,95 @@ void CudaStageModel::Impl::unit_input(const Unit& u, Stash& s, Backward& b) {
   }
 }
 
-void CudaStageModel::Impl::unit_weight(const Unit& u, Stash& s, Backward& b) {
+void CudaStageModel::Impl::unit_weight(const Unit& u, StashT& s, BackwardT& b) {
   switch (u.kind) {
     case UnitKind::head:
-      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, V);
+      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, Vl);
       wgrad_layernorm(lnf_w, lnf_b, b.dlnf.data(), s.x[static_cast<std::size_t>(L)].data(), s.meanf.as<float>(),
                       s.rstdf.as<float>());
+      flush_norms();
       break;
     case UnitKind::block:
       block_backward_weight(u.block, s, b);
       break;
     case UnitKind::embedding:
-      wgrad_embedding(b.res(0), s.tokens.as<std::int32_t>());
+      wgrad_embedding(gather_rows(b.res(0).data(), tmp, C), s.tokens.as<std::int32_t>());
       break;
   }
 }
 
-void CudaStageModel::Impl::block_backward_input(int li, Stash& s, Backward& b) {
+void CudaStageModel::Impl::block_backward_input(int li, StashT& s, BackwardT& b) {
   const BlockParams& p = blocks[static_cast<std::size_t>(li)];
-  const BlockStash& st = s.blocks[static_cast<std::size_t>(li)];
-  BlockGrads& g = b.split ? b.blocks[static_cast<std::size_t>(li)] : shared_grads;
-  const int n = static_cast<int>(N);
-  const std::size_t nf = N * F;
-  const void* dx2 = b.res(li + 1);  // gradient of the block's output
-  void* dx0 = b.res(li);            // gradient of its input
+  const BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(li)];
+  Grads& g = b.split ? b.blocks[static_cast<std::size_t>(li)] : shared_grads;
+  const int n = static_cast<int>(N), nl = static_cast<int>(Nl);
+  const void* dx2 = b.res(li + 1).data();  // gradient of the block's output (the shard's rows)
+  void* dx0 = b.res(li).data();            // gradient of its input
 
-  k::linear_backward_input(gemm, dgelu.data(), dx2, w(p.mlp_proj_w), n, F, C, dt);
-  k::gelu_backward(g.dfc.data(), st.fc.data(), dgelu.data(), nf, dt, stream);
-  k::linear_backward_input(gemm, g.dln2.data(), g.dfc.data(), w(p.fc_w), n, C, F, dt);
+  k::linear_backward_input(gemm, dgelu.data(), gather_rows(dx2, dy_full, C), w(p.mlp_proj_w), n, Fl, C, dt);
+  k::gelu_backward(g.dfc.data(), st.fc.data(), dgelu.data(), N * Fl, dt, stream);
+  column_parallel_input_grad(g.dln2.data(), g.dfc.data(), w(p.fc_w), Fl);
   k::layernorm_backward_input(g.dx1.data(), g.dln2.data(), st.x1.data(), st.mean2.as<float>(), st.rstd2.as<float>(),
-                              w(p.ln2_w), dx2, n, C, dt, stream);
-  k::linear_backward_input(gemm, datt.data(), g.dx1.data(), w(p.attn_proj_w), n, C, C, dt);
+                              w(p.ln2_w), dx2, nl, C, dt, stream);
+  k::linear_backward_input(gemm, datt.data(), gather_rows(g.dx1.data(), dx1_full, C), w(p.attn_proj_w), n, Cl, C,
+                           dt);
   attention_backward(g.dqkv.data(), datt.data(), st);
-  k::linear_backward_input(gemm, g.dln1.data(), g.dqkv.data(), w(p.qkv_w), n, C, 3 * C, dt);
+  column_parallel_input_grad(g.dln1.data(), g.dqkv.data(), w(p.qkv_w), 3 * Cl);
   k::layernorm_backward_input(dx0, g.dln1.data(), s.x[static_cast<std::size_t>(li)].data(), st.mean1.as<float>(),
-                              st.rstd1.as<float>(), w(p.ln1_w), g.dx1.data(), n, C, dt, stream);
+                              st.rstd1.as<float>(), w(p.ln1_w), g.dx1.data(), nl, C, dt, stream);
 }
 
-// layers::attention_backward, per (b, h), with the same strided products:
+// layers::attention_backward over the shard's heads, per (b, h), with the same strided products:
 //   dprobs  = dout v^T                                    (rounded to dt)
 //   dscores = probs * (dprobs - rowdot) * (1/sqrt(hs))    causal_softmax_backward, in place
-//   dq = dscores k, dk = dscores^T q, dv = probs^T dout   (into dqkv, row stride 3C)
-void CudaStageModel::Impl::attention_backward(void* dqkv, const void* dout, const BlockStash& st) {
-  const int hs = C / H, C3 = 3 * C;
+//   dq = dscores k, dk = dscores^T q, dv = probs^T dout   (into dqkv, row stride 3Cl)
+void CudaStageModel::Impl::attention_backward(void* dqkv, const void* dout, const BlockStash<DeviceBuffer>& st) {
+  const int hs = Cl / Hl, C3 = 3 * Cl;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const long long TT = static_cast<long long>(T) * T;
-  const std::size_t c = static_cast<std::size_t>(C);
+  const std::size_t c = static_cast<std::size_t>(Cl);
   for (int b = 0; b < B; ++b) {
     const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
-    const void* dy = at(dout, static_cast<std::size_t>(b) * T * C, eb);
-    void* dp = row(attn_scratch, static_cast<std::size_t>(b) * H * TT);
-    k::gemm_strided_batched(gemm, false, true, T, T, hs, 1.0f, dy, C, hs, at(q, 2 * c, eb), C3, hs, 0.0f, dp, T, TT, H,
-                            dt, dt);
+    const void* dy = at(dout, static_cast<std::size_t>(b) * T * Cl, eb);
+    void* dp = row(attn_scratch, static_cast<std::size_t>(b) * Hl * TT);
+    k::gemm_strided_batched(gemm, false, true, T, T, hs, 1.0f, dy, Cl, hs, at(q, 2 * c, eb), C3, hs, 0.0f, dp, T, TT,
+                            Hl, dt, dt);
   }
-  k::causal_softmax_backward(attn_scratch.data(), st.probs.data(), attn_scratch.data(), B * H, T, scale, dt, stream);
+  k::causal_softmax_backward(attn_scratch.data(), st.probs.data(), attn_scratch.data(), B * Hl, T, scale, dt, stream);
   for (int b = 0; b < B; ++b) {
     const void* q = row(st.qkv, static_cast<std::size_t>(b) * T * C3);
-    const void* p = row(st.probs, static_cast<std::size_t>(b) * H * TT);
-    const void* ds = row(attn_scratch, static_cast<std::size_t>(b) * H * TT);
-    const void* dy = at(dout, static_cast<std::size_t>(b) * T * C, eb);
+    const void* p = row(st.probs, static_cast<std::size_t>(b) * Hl * TT);
+    const void* ds = row(attn_scratch, static_cast<std::size_t>(b) * Hl * TT);
+    const void* dy = at(dout, static_cast<std::size_t>(b) * T * Cl, eb);
     void* dq = at(dqkv, static_cast<std::size_t>(b) * T * C3, eb);
-    k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, ds, T, TT, at(q, c, eb), C3, hs, 0.0f, dq, C3, hs, H,
+    k::gemm_strided_batched(gemm, false, false, T, hs, T, 1.0f, ds, T, TT, at(q, c, eb), C3, hs, 0.0f, dq, C3, hs, Hl,
                             dt, dt);
-    k::gemm_strided_batched(gemm, true, false, T, hs, T, 1.0f, ds, T, TT, q, C3, hs, 0.0f, at(dq, c, eb), C3, hs, H,
+    k::gemm_strided_batched(gemm, true, false, T, hs, T, 1.0f, ds, T, TT, q, C3, hs, 0.0f, at(dq, c, eb), C3, hs, Hl,
                             dt, dt);
-    k::gemm_strided_batched(gemm, true, false, T, hs, T, 1.0f, p, T, TT, dy, C, hs, 0.0f, at(dq, 2 * c, eb), C3, hs,
-                            H, dt, dt);
+    k::gemm_strided_batched(gemm, true, false, T, hs, T, 1.0f, p, T, TT, dy, Cl, hs, 0.0f, at(dq, 2 * c, eb), C3, hs,
+                            Hl, dt, dt);
   }
 }
 
-void CudaStageModel::Impl::block_backward_weight(int li, Stash& s, Backward& b) {
+void CudaStageModel::Impl::block_backward_weight(int li, StashT& s, BackwardT& b) {
   const BlockParams& p = blocks[static_cast<std::size_t>(li)];
-  const BlockStash& st = s.blocks[static_cast<std::size_t>(li)];
-  const BlockGrads& g = b.split ? b.blocks[static_cast<std::size_t>(li)] : shared_grads;
-  wgrad_linear(p.mlp_proj_w, p.mlp_proj_b, b.res(li + 1), st.gelu.data(), F, C);
-  wgrad_linear(p.fc_w, p.fc_b, g.dfc.data(), st.ln2.data(), C, F);
+  const BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(li)];
+  const Grads& g = b.split ? b.blocks[static_cast<std::size_t>(li)] : shared_grads;
+  // All rows of the output and attn residual gradients (StageModel::Impl::block_backward_weight).
+  const void* dy = b.res(li + 1).data();
+  const void* dx1 = g.dx1.data();
+  if (sp) {
+    dy = b.split ? gather_rows(dy, dy_full, C) : dy_full.data();
+    dx1 = b.split ? gather_rows(dx1, dx1_full, C) : dx1_full.data();
+  }
+  wgrad_linear(p.mlp_proj_w, p.mlp_proj_b, dy, st.gelu.data(), Fl, C);
+  wgrad_linear(p.fc_w, p.fc_b, g.dfc.data(), gather_rows(st.ln2.data(), gathered, C), C, Fl);
   wgrad_layernorm(p.ln2_w, p.ln2_b, g.dln2.data(), st.x1.data(), st.mean2.as<float>(), st.rstd2.as<float>());
-  wgrad_linear(p.attn_proj_w, p.attn_proj_b, g.dx1.data(), st.att.data(), C, C);
-  wgrad_linear(p.qkv_w, p.qkv_b, g.dqkv.data(), st.ln1.data(), C, 3 * C);
+  wgrad_linear(p.attn_proj_w, p.attn_proj_b, dx1, st.att.data(), Cl, C);
+  wgrad_linear(p.qkv_w, p.qkv_b, g.dqkv.data(), gather_rows(st.ln1.data(), gathered, C), C, 3 * Cl);
   wgrad_layernorm(p.ln1_w, p.ln1_b, g.dln1.data(), s.x[static_cast<std::size_t>(li)].data(), st.mean1.as<float>(),
                   st.rstd1.as<float>());
+  flush_norms();
 }
 
 // One micro-batch's gradient of parameter p, produced in fp32: rounded to the compute format,
@@ -672,6 +679,7 @@ void CudaStageModel::Impl::commit(int p, const float* produced) {
   }
 }
 
+// A product's weight (and bias) gradients over all N rows.
 void CudaStageModel::Impl::wgrad_linear(int pw, int pb, const void* dy, const void* x, int in, int out) {
   const int n = static_cast<int>(N);
   if (fast_grads) {
@@ -688,28 +696,55 @@ void CudaStageModel::Impl::wgrad_linear(int pw, int pb, const void* dy, const vo
   }
 }
 
+// A norm's gradients over the shard's rows; under sequence parallelism partial sums that
+// flush_norms sums over the group first (StageModel::Impl::wgrad_layernorm).
 void CudaStageModel::Impl::wgrad_layernorm(int pw, int pb, const void* dy, const void* x, const float* mean,
                                            const float* rstd) {
-  const int n = static_cast<int>(N);
+  const int nl = static_cast<int>(Nl);
+  if (sp) {
+    float* partial = norm_partials.as<float>() + pending_norms.size() * static_cast<std::size_t>(C);
+    fill_zero(partial, 2 * static_cast<std::size_t>(C) * sizeof(float), stream);
+    k::layernorm_backward_weight(partial, partial + C, dy, x, mean, rstd, nl, C, dt, stream);
+    pending_norms.push_back(pw);
+    pending_norms.push_back(pb);
+    return;
+  }
   if (fast_grads) {
-    k::layernorm_backward_weight(g32(pw), g32(pb), dy, x, mean, rstd, n, C, dt, stream);
+    k::layernorm_backward_weight(g32(pw), g32(pb), dy, x, mean, rstd, nl, C, dt, stream);
     return;
   }
   fill_zero(wscratch.data(), static_cast<std::size_t>(C) * sizeof(float), stream);
   fill_zero(bscratch.data(), static_cast<std::size_t>(C) * sizeof(float), stream);
-  k::layernorm_backward_weight(wscratch.as<float>(), bscratch.as<float>(), dy, x, mean, rstd, n, C, dt, stream);
+  k::layernorm_backward_weight(wscratch.as<float>(), bscratch.as<float>(), dy, x, mean, rstd, nl, C, dt, stream);
   commit(pw, wscratch.as<float>());
   commit(pb, bscratch.as<float>());
 }
 
-void CudaStageModel::Impl::wgrad_embedding(const void* dx, const std::int32_t* tokens) {
+void CudaStageModel::Impl::flush_norms() {
+  if (pending_norms.empty()) return;
+  float* partials = norm_partials.as<float>();
+  tp_group().all_reduce(partials, pending_norms.size() * static_cast<std::size_t>(C), DType::fp32, ReduceOp::sum,
+                        stream);
+  for (std::size_t i = 0; i < pending_norms.size(); ++i) {
+    const float* produced = partials + i * static_cast<std::size_t>(C);
+    if (fast_grads)
+      k::accumulate(g(pending_norms[i]), gacc, produced, DType::fp32, static_cast<std::size_t>(C), stream);
+    else
+      commit(pending_norms[i], produced);
+  }
+  pending_norms.clear();
+}
+
+// The embedding's gradients from all N rows' gradient dx; the shard's local token ids make the
+// whole model's kernel scatter into its Vl rows only.
+void CudaStageModel::Impl::wgrad_embedding(const void* dx, const std::int32_t* local_tokens) {
   if (fast_grads) {
-    k::embedding_backward(g32(wte), g32(wpe), dx, tokens, B, T, C, V, dt, stream);
+    k::embedding_backward(g32(wte), g32(wpe), dx, local_tokens, B, T, C, Vl, dt, stream);
     return;
   }
   fill_zero(wscratch.data(), params[wte].size * sizeof(float), stream);
   fill_zero(bscratch.data(), params[wpe].size * sizeof(float), stream);
-  k::embedding_backward(wscratch.as<float>(), bscratch.as<float>(), dx, tokens, B, T, C, V, dt, stream);
+  k::embedding_backward(wscratch.as<float>(), bscratch.as<float>(), dx, local_tokens, B, T, C, Vl, dt, stream);
   commit(wte, wscratch.as<float>());
   commit(wpe, bscratch.as<float>());
 }
@@ -723,6 +758,7 @@ CudaStageModel::CudaStageModel(CudaStageModel&&) noexcept = default;
 CudaStageModel& CudaStageModel::operator=(CudaStageModel&&) noexcept = default;
 
 const StageSpec& CudaStageModel::spec() const { return impl_->spec; }
+void CudaStageModel::set_tensor_parallel_group(DeviceTensorParallelGroup* group) { impl_->group = group; }
 StreamHandle CudaStageModel::stream() const { return impl_->stream; }
 
 void CudaStageModel::init(std::uint64_t seed) {
@@ -746,7 +782,7 @@ const std::vector<ParamInfo>& CudaStageModel::params() const { return impl_->par
 std::size_t CudaStageModel::num_parameters() const { return impl_->total; }
 
 ParamInfo CudaStageModel::token_embedding() const {
-  if (impl_->wte < 0) return ParamInfo{"", 0, 0, true};
+  if (impl_->wte < 0) return ParamInfo{};
   return impl_->params[impl_->wte];
 }
 
@@ -787,7 +823,7 @@ std::vector<float> CudaStageModel::gradients_to_host() const {
   return out;
 }
 
-std::size_t CudaStageModel::activation_elements() const { return impl_->N * impl_->C; }
+std::size_t CudaStageModel::activation_elements() const { return impl_->Nl * impl_->C; }
 DType CudaStageModel::activation_format() const { return impl_->dt; }
 
 void CudaStageModel::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input,
@@ -844,7 +880,7 @@ void CudaStageModel::backward_input(int mb, const void* grad_output, float loss_
   }
   sl.backward->inputs_done = true;
   if (!m.spec.has_embedding && grad_input)
-    copy_device_to_device(grad_input, sl.backward->res(0), m.N * m.C * m.eb, m.stream);
+    copy_device_to_device(grad_input, sl.backward->res(0).data(), m.Nl * m.C * m.eb, m.stream);
 }
 
 void CudaStageModel::backward_weight(int mb) {
@@ -906,34 +942,31 @@ void CudaStageModel::backward_end(int mb, void* grad_input) {
                            std::to_string(sl.units_done) + " of " + std::to_string(m.units.size()) +
                            " backward units");
   if (!m.spec.has_embedding && grad_input)
-    copy_device_to_device(grad_input, sl.backward->res(0), m.N * m.C * m.eb, m.stream);
+    copy_device_to_device(grad_input, sl.backward->res(0).data(), m.Nl * m.C * m.eb, m.stream);
   m.release(sl);
 }
 
 std::size_t CudaStageModel::activation_bytes() const {
   std::size_t bytes = 0;
+  auto count = [&](const DeviceBuffer& b, Held) { bytes += b.bytes(); };
   for (const Impl::Slot& sl : impl_->slots) {
-    if (sl.stash) {
-      const Impl::Stash& s = *sl.stash;
-      bytes += s.tokens.bytes() + s.targets.bytes() + s.lnf.bytes() + s.logits.bytes() + s.meanf.bytes() +
-               s.rstdf.bytes() + s.lse.bytes();
-      for (const DeviceBuffer& x : s.x) bytes += x.bytes();
-      for (const Impl::BlockStash& b : s.blocks) bytes += impl_->block_bytes(b);
-    }
-    if (sl.backward) {
-      const Impl::Backward& b = *sl.backward;
-      bytes += b.dlogits.bytes() + b.dlnf.bytes();
-      for (const DeviceBuffer& r : b.dres) bytes += r.bytes();
-      for (const Impl::BlockGrads& g : b.blocks)
-        bytes += g.dfc.bytes() + g.dln2.bytes() + g.dx1.bytes() + g.dqkv.bytes() + g.dln1.bytes();
-    }
+    if (sl.stash)
+      bytes += stash_bytes(
+          *sl.stash, impl_->spec.recompute, [](const DeviceBuffer& b, Held) { return b.bytes(); },
+          [](const DeviceBuffer& ids) { return ids.bytes(); });
+    if (sl.backward) for_each_tensor(*sl.backward, count);
   }
   return bytes;
 }
 
 std::size_t CudaStageModel::recompute_bytes() const {
   const Impl& m = *impl_;
-  return m.block_bytes(m.redo.block) + m.redo.probs.bytes() + m.redo.out.bytes();
+  const auto& b = m.redo.block;
+  std::size_t bytes = m.redo.probs.bytes() + m.redo.out.bytes();
+  for (const DeviceBuffer* t : {&b.ln1, &b.qkv, &b.probs, &b.att, &b.x1, &b.ln2, &b.fc, &b.gelu, &b.mean1, &b.rstd1,
+                                &b.mean2, &b.rstd2})
+    bytes += t->bytes();
+  return bytes;
 }
 
 }  // namespace trainsim::runtime::cuda

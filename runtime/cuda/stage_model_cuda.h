@@ -24,6 +24,9 @@
 // compute = grad_accumulation = fp32, where, as on the CPU, products accumulate straight into it.
 // Compute formats: fp32, fp16, bf16 (tf32 and fp8 are refused: the kernels do not store them).
 //
+// Tensor and sequence parallelism as StageModel (stage_model.h, stage_layout.h): the same shards,
+// the same collectives in the same order, over a DeviceTensorParallelGroup on the model's stream.
+//
 // What it does not do yet (the CPU model does): the per-step StageNumerics scans (the engine
 // scans what passes between stages instead) and stashed_tensors() inspection.
 //
@@ -39,9 +42,58 @@
 
 #include "core/dtype.h"
 #include "kernels/cuda_handles.h"
+#include "runtime/comm/device_communicator.h"
 #include "runtime/model/stage_model.h"
 
 namespace trainsim::runtime::cuda {
+
+// The collectives a tensor-parallel shard runs inside its forward and backward, on its stream,
+// over its group: runtime/model/tensor_parallel.h's TensorParallelGroup in device terms (buffers
+// of `count` elements of `dt`, in place; reduce_scatter and all_gather as device_communicator.h's,
+// one equal chunk per member, member p's chunk p).
+class DeviceTensorParallelGroup {
+ public:
+  virtual ~DeviceTensorParallelGroup() = default;
+  virtual void all_reduce(void* data, std::size_t count, DType dt, ReduceOp op, StreamHandle stream) = 0;
+  virtual void reduce_scatter(void* data, std::size_t count, DType dt, StreamHandle stream) = 0;
+  virtual void all_gather(void* data, std::size_t count, DType dt, StreamHandle stream) = 0;
+};
+
+// Over a DeviceCommunicator (the single-GPU world, or NCCL's sub-communicator for the members):
+// the group's members in tensor-parallel order and a tag per call from a counter every member
+// advances in the same order, restarted by the engine before each step (CommunicatorGroup's).
+class DeviceCommunicatorGroup final : public DeviceTensorParallelGroup {
+ public:
+  DeviceCommunicatorGroup(DeviceCommunicator& comm, std::vector<int> members)
+      : comm_(comm), members_(std::move(members)) {}
+  void restart(std::uint64_t first_tag) { next_tag_ = first_tag; }
+  void all_reduce(void* data, std::size_t count, DType dt, ReduceOp op, StreamHandle stream) override {
+    comm_.all_reduce(data, count, dt, members_, next_tag_++, op, Divide::none, stream);
+  }
+  void reduce_scatter(void* data, std::size_t count, DType dt, StreamHandle stream) override {
+    comm_.reduce_scatter(data, count, dt, members_, next_tag_++, ReduceOp::sum, Divide::none, stream);
+  }
+  void all_gather(void* data, std::size_t count, DType dt, StreamHandle stream) override {
+    comm_.all_gather(data, count, dt, members_, next_tag_++, stream);
+  }
+
+ private:
+  DeviceCommunicator& comm_;
+  std::vector<int> members_;
+  std::uint64_t next_tag_ = 0;
+};
+
+// A shard timed alone (the CUDA kernel calibrator's composition stage): collectives do nothing.
+class TimingOnlyDeviceGroup final : public DeviceTensorParallelGroup {
+ public:
+  void all_reduce(void*, std::size_t, DType, ReduceOp, StreamHandle) override {}
+  void reduce_scatter(void*, std::size_t, DType, StreamHandle) override {}
+  void all_gather(void*, std::size_t, DType, StreamHandle) override {}
+  static TimingOnlyDeviceGroup& instance() {
+    static TimingOnlyDeviceGroup group;
+    return group;
+  }
+};
 
 class CudaStageModel {
  public:
@@ -57,6 +109,9 @@ class CudaStageModel {
 
   const StageSpec& spec() const;
   StreamHandle stream() const;
+  // A tensor-parallel shard's group (spec().tensor_parallel_size > 1), as StageModel's; it must
+  // outlive the model.
+  void set_tensor_parallel_group(DeviceTensorParallelGroup* group);
 
   // Initialises a CPU StageModel of the same spec with `seed` and copies its master weights to
   // the device, so both start from identical weights; refreshes the working copy.
@@ -89,7 +144,7 @@ class CudaStageModel {
   std::vector<float> gradients_to_host() const;   // converted to float from gradient_format()
 
   // Activations passed between stages: micro_batch_size * seq_length * hidden_size elements in
-  // activation_format() (= spec().compute).
+  // activation_format() (= spec().compute); 1/tp of them under sequence parallelism.
   std::size_t activation_elements() const;
   DType activation_format() const;
 

@@ -58,25 +58,42 @@ std::string allreduce_label(const Op& op, DType wire) {
                                     : std::string("the tied embedding gradient"));
 }
 
-std::pair<std::size_t, std::size_t> norm_excluded(int vstage, int virtual_stages, const ParamInfo& token_embedding) {
+std::vector<std::pair<std::size_t, std::size_t>> norm_ranges(int vstage, int virtual_stages,
+                                                             const std::vector<ParamInfo>& params,
+                                                             const ParamInfo& token_embedding, int tensor_parallel_rank) {
   const bool tied_copy = vstage == virtual_stages - 1 && virtual_stages > 1 && token_embedding.size > 0;
-  if (!tied_copy) return {0, 0};
-  return {token_embedding.offset, token_embedding.size};
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  for (const ParamInfo& p : params) {
+    if (tied_copy && p.offset == token_embedding.offset) continue;
+    if (tensor_parallel_rank > 0 && !p.tensor_parallel) continue;
+    if (p.size == 0) continue;
+    if (!out.empty() && out.back().second == p.offset)
+      out.back().second += p.size;  // adjacent parameters: one range
+    else
+      out.emplace_back(p.offset, p.offset + p.size);
+  }
+  return out;
 }
 
 float clip_coefficient(double clip, double norm) {
   return clip > 0 && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
 }
 
-std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, int world_size) {
+std::vector<int> collective_members(const Collective& collective, const World& world, int tp) {
+  return collective.purpose == CollectivePurpose::overflow ? world.all_shards(collective.members)
+                                                          : world.members(collective.members, tp);
+}
+
+std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, const World& world) {
   std::vector<std::vector<int>> groups;
   auto add = [&](const std::vector<int>& members) {
     if (std::find(groups.begin(), groups.end(), members) == groups.end()) groups.push_back(members);
   };
-  for (const Collective& c : schedule.collectives) add(c.members);
-  std::vector<int> everyone(world_size);
-  for (int r = 0; r < world_size; ++r) everyone[r] = r;
-  add(everyone);
+  for (const Collective& c : schedule.collectives)
+    for (int tp = 0; tp < world.tensor_parallel(); ++tp) add(collective_members(c, world, tp));
+  if (world.tensor_parallel() > 1)
+    for (int cell = 0; cell < world.num_cells(); ++cell) add(world.tensor_parallel_group(world.shard(cell, 0)));
+  add(world.everyone());
   return groups;
 }
 
@@ -122,11 +139,12 @@ InFlight in_flight(const RankProgram& program, int chunk) {
   return most;
 }
 
-std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule) {
+std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule, const World& world) {
   std::vector<std::pair<int, int>> links;
   for (int r = 0; r < static_cast<int>(schedule.ranks.size()); ++r)
     for (const Op& op : schedule.ranks[r].ops)
-      if (is_send(op.kind)) links.emplace_back(r, op.peer);
+      if (is_send(op.kind))
+        for (int tp = 0; tp < world.tensor_parallel(); ++tp) links.emplace_back(world.shard(r, tp), world.shard(op.peer, tp));
   std::sort(links.begin(), links.end());
   links.erase(std::unique(links.begin(), links.end()), links.end());
   return links;

@@ -16,6 +16,7 @@
 #include "core/plan.h"
 #include "core/schedule.h"
 #include "runtime/comm/communicator.h"
+#include "runtime/engine/world.h"
 #include "runtime/model/stage_model.h"
 
 namespace trainsim::runtime {
@@ -36,6 +37,10 @@ inline std::uint64_t collective_tag(int step, int id, int part) {
 inline std::uint64_t norm_tag(int step, const Schedule& schedule) {
   return collective_tag(step, static_cast<int>(schedule.collectives.size()));
 }
+// The tensor-parallel collectives inside a step's forwards and backwards (not ops of the schedule:
+// the simulator prices them inside the compute ops) count up from this tag, in the order a shard
+// runs them, the same on every member of a group (runtime/model/tensor_parallel.h).
+inline std::uint64_t tensor_parallel_tag(int step) { return kCollectiveTag | (1ull << 61) | message_tag(step, 0); }
 
 // Gradient buckets of every virtual stage as element ranges of its gradient buffer: the
 // schedule sizes them in bytes of the scenario's all-reduce format; the same fractions of the
@@ -106,9 +111,13 @@ Divide divide_of(const Collective& collective, const PrecisionConfig& precision)
 std::string allreduce_label(const Op& op, DType wire);
 
 // A rank's share of the global squared gradient norm covers its stage's gradients once per
-// replica; the last virtual stage's copy of a tied embedding is not counted again. The range of
-// chunk `vstage`'s gradients left out, as [offset, offset + count): {0, 0} when none.
-std::pair<std::size_t, std::size_t> norm_excluded(int vstage, int virtual_stages, const ParamInfo& token_embedding);
+// replica; the last virtual stage's copy of a tied embedding is not counted again, nor, on a
+// tensor-parallel shard other than the first, the parameters every shard holds the same copy of
+// (Megatron counts those on shard 0). The ranges [begin, end) of chunk `vstage`'s gradients
+// counted, ascending.
+std::vector<std::pair<std::size_t, std::size_t>> norm_ranges(int vstage, int virtual_stages,
+                                                             const std::vector<ParamInfo>& params,
+                                                             const ParamInfo& token_embedding, int tensor_parallel_rank);
 // The clipping coefficient for a gradient norm: clip / (norm + 1e-6) above `clip` (when > 0), else 1.
 float clip_coefficient(double clip, double norm);
 // The last stage seeds its backward with loss_scale / micro-batches: summed micro-batch gradients
@@ -117,10 +126,15 @@ inline float loss_gradient_scale(double loss_scale, int microbatches) {
   return static_cast<float>(loss_scale / microbatches);
 }
 
-// The member sets of every all-reduce the engines run, in a fixed order (the schedule's
-// collectives, then the global gradient-norm sum over all ranks), each once: what a
-// communicator must be able to reduce over (NCCL splits a communicator per set).
-std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, int world_size);
+// The ranks of `world` a collective of the schedule runs over on shard `tp` of its cells: that
+// shard of each member cell, or, for the global overflow check, every shard of them.
+std::vector<int> collective_members(const Collective& collective, const World& world, int tp);
+
+// The member sets of every collective the engines run, in a fixed order (the schedule's
+// collectives shard by shard, the tensor-parallel groups, then the global gradient-norm sum over
+// all ranks), each once: what a communicator must be able to reduce over (NCCL splits a
+// communicator per set).
+std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, const World& world);
 
 // What one chunk (virtual stage `chunk`) of a rank holds at once during a step, from its
 // program: forward stashes (a micro-batch's Forward to the op that ends its backward: the final
@@ -132,8 +146,9 @@ struct InFlight {
 };
 InFlight in_flight(const RankProgram& program, int chunk);
 
-// Every directed pair (from, to) such that `from` sends to `to` in the step, ascending, each
-// once: NCCL gives each its own communicator (nccl_communicator.h says why).
-std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule);
+// Every directed pair (from, to) of ranks of `world` such that `from` sends to `to` in the step
+// (shard tp of a cell sends to shard tp of its peer), ascending, each once: NCCL gives each its
+// own communicator (nccl_communicator.h says why).
+std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule, const World& world);
 
 }  // namespace trainsim::runtime

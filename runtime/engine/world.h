@@ -6,8 +6,14 @@
 //   rank = tp + TP * (dp + DP * pp)
 // so a tensor-parallel group (the most traffic) is consecutive ranks on one node, and with
 // TP = 1 it is the schedule's numbering (core/plan.h: rank = stage * dp + replica).
+//
+// The schedule (core/schedule.h) has a program per (dp, pp) cell, its "schedule rank"
+// stage * dp + replica; under tensor parallelism each of the cell's TP shards is a rank of the
+// world running that program, with its point-to-point peers and reduction partners the same shard
+// of the peer cells (cell(), shard(), members()).
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "core/plan.h"
@@ -17,7 +23,7 @@ namespace trainsim::runtime {
 struct RankCoord {
   int dp = 0;  // replica
   int pp = 0;  // pipeline stage
-  int tp = 0;  // tensor-parallel shard (0 while the runtime executes tensor_parallel_size 1)
+  int tp = 0;  // tensor-parallel shard
   bool operator==(const RankCoord&) const = default;
 };
 
@@ -55,6 +61,30 @@ class World {
     const RankCoord c = coord(rank);
     std::vector<int> out;
     for (int tp = 0; tp < tp_; ++tp) out.push_back(this->rank({c.dp, c.pp, tp}));
+    return out;
+  }
+  // The schedule rank (cell) that `rank` is a shard of: stage * dp + replica (core/plan.h).
+  int cell(int rank) const {
+    const RankCoord c = coord(rank);
+    return c.pp * dp_ + c.dp;
+  }
+  int num_cells() const { return dp_ * pp_; }
+  // Shard `tp` of schedule rank `cell`.
+  int shard(int cell, int tp) const { return rank({cell % dp_, cell / dp_, tp}); }
+  // The ranks a collective of the schedule over `cells` runs over for shard `tp`: that shard of
+  // each cell, ascending (each shard reduces its own slice of the weights with its peers).
+  std::vector<int> members(const std::vector<int>& cells, int tp) const {
+    std::vector<int> out;
+    for (int c : cells) out.push_back(shard(c, tp));
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  // Every shard of each of `cells`, ascending (the global overflow check: every rank's verdict).
+  std::vector<int> all_shards(const std::vector<int>& cells) const {
+    std::vector<int> out;
+    for (int c : cells)
+      for (int tp = 0; tp < tp_; ++tp) out.push_back(shard(c, tp));
+    std::sort(out.begin(), out.end());
     return out;
   }
   // Every rank, ascending: the gradient norm's and the global overflow check's group.

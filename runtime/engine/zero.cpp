@@ -80,6 +80,25 @@ std::vector<ShardPiece> ShardLayout::shard_pieces(const ShardGroup& g, int p) co
   return out;
 }
 
+std::vector<std::pair<std::size_t, std::size_t>> shard_ranges(
+    const ShardLayout& layout, const std::vector<std::pair<std::size_t, std::size_t>>& flat_ranges) {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  for (const ShardPiece& c : layout.shard_pieces(layout.whole(), layout.position()))
+    for (const auto& [from, to] : flat_ranges) {
+      const std::size_t lo = std::max(from, c.flat), hi = std::min(to, c.flat + c.count);
+      if (lo < hi) out.emplace_back(c.other + (lo - c.flat), c.other + (hi - c.flat));
+    }
+  std::sort(out.begin(), out.end());
+  std::vector<std::pair<std::size_t, std::size_t>> merged;
+  for (const auto& r : out) {
+    if (!merged.empty() && merged.back().second == r.first)
+      merged.back().second = r.second;
+    else
+      merged.push_back(r);
+  }
+  return merged;
+}
+
 void ShardLayout::pack(const ShardGroup& g, std::span<const float> flat, std::span<float> buffer) const {
   std::fill(buffer.begin(), buffer.begin() + static_cast<std::ptrdiff_t>(g.section * members_), 0.0f);
   for (int p = 0; p < members_; ++p)

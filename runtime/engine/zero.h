@@ -126,13 +126,11 @@ struct ZeroChunk {
   std::vector<int> gathers(bool forward) const;
 };
 
-// The range of a chunk's shard its rank leaves out of the global gradient norm, as
-// [offset, offset + count): on the last virtual stage, its part of the tied embedding's copy
-// (norm_excluded's rule on a shard); {0, 0} elsewhere.
-inline std::pair<std::size_t, std::size_t> shard_norm_excluded(const ZeroChunk& z, bool last_vstage) {
-  if (!last_vstage || z.tied.section == 0) return {0, 0};
-  return {z.tied.shard_offset, z.tied.section};
-}
+// norm_ranges (flat ranges of a chunk's gradients counted in the global norm) mapped onto this
+// rank's shard of `layout`: the shard's ranges [begin, end) holding those elements, ascending
+// (padding is left out: it is zero).
+std::vector<std::pair<std::size_t, std::size_t>> shard_ranges(
+    const ShardLayout& layout, const std::vector<std::pair<std::size_t, std::size_t>>& flat_ranges);
 
 // The buckets of chunk `vstage` moved, when a tied embedding [lo, hi) sits inside a bucket's
 // interior bound, to the end of the embedding, so that it is one segment on every stage that

@@ -63,7 +63,7 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     if (report.failure) break;
 
     // What it measured: the step's timeline and numerics, and the replicas' weights.
-    timelines.push_back(measured_timeline(report.schedule, ranks));
+    timelines.push_back(measured_timeline(report.schedule, cell_steps(world, ranks)));
     std::string first_nonfinite;
     StepRecord rec = step_record(step, seconds, ranks, &first_nonfinite);
     std::vector<std::uint64_t> hashes;
@@ -102,7 +102,16 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     for (std::size_t r = 0; r < report.schedule->ranks.size(); ++r)
       report.timeline.ops[r].assign(report.schedule->ranks[r].ops.size(), {});
   }
-  report.memory = engine->memory_peaks();
+  // Memory per rank as the engine ran them, and per schedule rank (its largest shard) for the result.
+  const std::vector<MemoryBreakdown> peaks = engine->memory_peaks();
+  report.memory.assign(static_cast<std::size_t>(world.num_cells()), MemoryBreakdown{});
+  for (int r = 0; r < world.size() && r < static_cast<int>(peaks.size()); ++r) {
+    const RankCoord c = world.coord(r);
+    const MemoryBreakdown& m = peaks[static_cast<std::size_t>(r)];
+    report.executed_ranks.push_back({r, c.dp, c.pp, c.tp, world.cell(r), m});
+    MemoryBreakdown& cell = report.memory[static_cast<std::size_t>(world.cell(r))];
+    if (m.total() > cell.total()) cell = m;
+  }
   report.allocated_peak_bytes = engine->allocated_peaks();
   report.result = compute_result(plan, report.timeline, report.memory);
   report.result.mfu = 0;  // against the scenario's GPU, not this device: not claimed (calibrate measures it)
@@ -143,6 +152,28 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
         tl.ops[r][i].start = std::min(tl.ops[r][i].end, std::max(tl.ops[r][i].start, last_arrival[ops[i].channel]));
   }
   return tl;
+}
+
+std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>& ranks) {
+  if (world.tensor_parallel() == 1) return ranks;
+  std::vector<RankStep> cells(static_cast<std::size_t>(world.num_cells()));
+  std::vector<bool> seen(cells.size(), false);
+  for (int r = 0; r < world.size(); ++r) {
+    const RankStep& s = ranks[static_cast<std::size_t>(r)];
+    const auto c = static_cast<std::size_t>(world.cell(r));
+    if (!seen[c]) {
+      cells[c].timing = s.timing;
+      cells[c].arrival = s.arrival;
+      seen[c] = true;
+      continue;
+    }
+    for (std::size_t i = 0; i < s.timing.size(); ++i) {
+      cells[c].timing[i].start = std::max(cells[c].timing[i].start, s.timing[i].start);
+      cells[c].timing[i].end = std::max(cells[c].timing[i].end, s.timing[i].end);
+      cells[c].arrival[i] = std::max(cells[c].arrival[i], s.arrival[i]);
+    }
+  }
+  return cells;
 }
 
 StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ranks, std::string* first_nonfinite) {

@@ -10,7 +10,7 @@
 //     if resuming: engine.restore(load_checkpoint(...))
 //     for step in first..steps:
 //       ranks    = engine.run_step(step, data position)        per-rank timings and numerics
-//       timeline = measured_timeline(schedule, ranks)
+//       timeline = measured_timeline(schedule, cell_steps(world, ranks))
 //       record   = step_record(step, ranks) + replica checksums and drift
 //       failure  = a rank's error, or loss_watch.check(record)
 //       if checkpoint_due: save_checkpoint(engine.save())
@@ -42,10 +42,17 @@ RunReport run(const Backend& backend, const RuntimePlan& plan, const RunOptions&
 // says which, in words.
 Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::string& source);
 
-// The measured Timeline of one step from every rank's op timings and, for collectives, when
-// each rank reached them: a collective starts when its last member reaches it (as the
+// The measured Timeline of one step from every schedule rank's op timings and, for collectives,
+// when each rank reached them: a collective starts when its last member reaches it (as the
 // simulator defines it).
 Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::vector<RankStep>& ranks);
+
+// The schedule ranks' steps (timings and arrivals) from the world's, by rank: a schedule rank
+// stands for its tensor-parallel shards, so its op runs from when its last shard starts it to
+// when its last shard ends it (each shard starts an op after its own previous one ended, so the
+// cell's ops stay in order and never overlap), and it reaches a collective when its last shard
+// does. Without tensor parallelism, the ranks' own.
+std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>& ranks);
 
 // The step's record from every rank's, by rank: the mean loss, counts, rank 0's norm, scale and
 // verdict. Replica checksums and drift are the loop's. *first_nonfinite: where inf/NaN appeared

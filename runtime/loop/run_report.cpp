@@ -56,9 +56,12 @@ std::string format_run_summary(const RunReport& rep) {
                    plan.source.empty() ? "" : fmt::format(" ({})", plan.source), rep.backend_title);
   o += fmt::format("  model    executed: {} layers, hidden {}, {} heads, seq {}, vocab {}{}\n", d.num_layers,
                    d.hidden_size, d.num_heads, d.seq_length, d.vocab_size, d.tied_embeddings ? ", tied embeddings" : "");
-  o += fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
+  o += fmt::format("  plan     data {} x pipeline {}{}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
                    "layers per stage {}\n",
                    plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "",
+                   plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
+                                             c.parallelism.sequence_parallel ? " (sequence parallel)" : "")
+                               : "",
                    schedule_name(c.parallelism.schedule), plan.num_microbatches, plan.micro_batch_size,
                    plan.global_batch_size, fmt::join(plan.layers_per_virtual_stage, "/"));
   const auto& pr = c.precision;
@@ -70,7 +73,7 @@ std::string format_run_summary(const RunReport& rep) {
                    pr.overflow_check == OverflowScope::global ? "global" : "local",
                    ls.mode == LossScalingMode::none ? "none" : ls.mode == LossScalingMode::static_scale ? "static" : "dynamic",
                    ls.mode == LossScalingMode::none ? "" : fmt::format(" from {:g}", ls.initial_scale));
-  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks(), rep.ranks_as, rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
+  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks() * plan.tp, rep.ranks_as, rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
   if (!rep.execution.empty()) o += fmt::format("  backend  {}\n", rep.execution);
   o += "\n";
 
@@ -151,6 +154,7 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
       rj["rank"] = r.rank;
       rj["stage"] = r.stage;
       rj["replica"] = r.replica;
+      rj["shard"] = r.shard;
       rj["max_abs_activation"] = finite_or_null(r.max_abs_activation);
       rj["max_abs_gradient"] = finite_or_null(r.max_abs_gradient);
       rj["nonfinite_count"] = r.nonfinite_count;
@@ -174,6 +178,23 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
               {"threads_pinned", rep.threads_pinned},
               {"first_step", rep.first_step}};
   if (!rep.allocated_peak_bytes.empty()) j["run"]["allocated_peak_bytes"] = rep.allocated_peak_bytes;
+  // Every rank the engine ran, with its coordinates (runtime/engine/world.h) and the schedule rank
+  // whose program it ran (the `ranks` of the result: one per (dp, pp) cell).
+  nlohmann::ordered_json executed = nlohmann::ordered_json::array();
+  for (const ExecutedRank& e : rep.executed_ranks)
+    executed.push_back({{"rank", e.rank},
+                        {"dp", e.dp},
+                        {"pp", e.pp},
+                        {"tp", e.tp},
+                        {"schedule_rank", e.schedule_rank},
+                        {"peak_memory_bytes", e.memory.total()},
+                        {"memory_bytes",
+                         {{"weights", e.memory.weights},
+                          {"gradients", e.memory.gradients},
+                          {"optimizer", e.memory.optimizer},
+                          {"activations", e.memory.activations},
+                          {"buffers", e.memory.buffers}}}});
+  j["run"]["executed_ranks"] = std::move(executed);
   if (rep.failure) j["failure"] = {{"step", rep.failure->step}, {"message", rep.failure->message}};
   return j;
 }

@@ -330,4 +330,93 @@ void cross_entropy_backward(S* dlogits, const S* logits, const S* lse, const std
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Tensor parallelism's pieces (Megatron-LM): a shard holds vocabulary rows [vocab0, vocab0 + Vl)
+// of wte (or the LM head). The stage model sums the shards' results over the group between them.
+// ---------------------------------------------------------------------------------------
+// Vocabulary-parallel embedding: out (N,C) = wte_shard[token - vocab0] for the tokens this shard
+// holds, 0 for the others (the group's sum is the lookup; no position embedding yet).
+template <class S>
+void embedding_shard_forward(S* out, const std::int32_t* tokens, const S* wte_shard, int vocab0, int Vl, int N, int C) {
+  for (int n = 0; n < N; ++n) {
+    RowMap<S> o(out + static_cast<std::size_t>(n) * C, C);
+    const int v = tokens[n] - vocab0;
+    if (v >= 0 && v < Vl)
+      o = ConstRowMap<S>(wte_shard + static_cast<std::size_t>(v) * C, C);
+    else
+      o.setZero();
+  }
+}
+
+// out (rows,C) += wpe[position]: row i of out is row row0 + i of the (B,T) micro-batch, at
+// position (row0 + i) % T.
+template <class S>
+void add_position_embedding(S* out, const S* wpe, std::size_t row0, std::size_t rows, int T, int C) {
+  for (std::size_t i = 0; i < rows; ++i)
+    RowMap<S>(out + i * C, C) += ConstRowMap<S>(wpe + ((row0 + i) % static_cast<std::size_t>(T)) * C, C);
+}
+
+// dwte_shard[token - vocab0] += dout for the tokens this shard holds; dwpe[t] += dout (all rows,
+// dwpe may be null). Rows are added in (b, t) order, as embedding_backward adds them.
+template <class S>
+void embedding_shard_backward(S* dwte_shard, S* dwpe, const S* dout, const std::int32_t* tokens, int vocab0, int Vl,
+                              int N, int T, int C) {
+  for (int n = 0; n < N; ++n) {
+    ConstRowMap<S> d(dout + static_cast<std::size_t>(n) * C, C);
+    const int v = tokens[n] - vocab0;
+    if (v >= 0 && v < Vl) RowMap<S>(dwte_shard + static_cast<std::size_t>(v) * C, C) += d;
+    if (dwpe) RowMap<S>(dwpe + static_cast<std::size_t>(n % T) * C, C) += d;
+  }
+}
+
+// Vocabulary-parallel cross-entropy (Megatron's vocab_parallel_cross_entropy): each shard holds
+// the logits (N,Vl) of its vocabulary rows. (1) rowmax = this shard's row maxima, max-reduced over
+// the group; (2) sums[n] = sum exp(logit - rowmax) over the shard's columns and sums[N + n] = the
+// target's logit where the shard holds it (else 0), both summed over the group; (3) the loss.
+template <class S>
+void cross_entropy_shard_max(S* rowmax, const S* logits, int N, int Vl) {
+  for (int n = 0; n < N; ++n) rowmax[n] = ConstRowMap<S>(logits + static_cast<std::size_t>(n) * Vl, Vl).maxCoeff();
+}
+template <class S>
+void cross_entropy_shard_sums(S* sums, const S* logits, const S* rowmax, const std::int32_t* targets, int vocab0,
+                              int N, int Vl) {
+  for (int n = 0; n < N; ++n) {
+    ConstRowMap<S> l(logits + static_cast<std::size_t>(n) * Vl, Vl);
+    sums[n] = (l - rowmax[n]).exp().sum();
+    const int v = targets[n] - vocab0;
+    sums[N + n] = v >= 0 && v < Vl ? l[v] : S(0);
+  }
+}
+// lse[n] = rowmax + log(sum); returns the mean of lse - target logit over the rows (in double),
+// as cross_entropy_forward does.
+template <class S>
+S cross_entropy_shard_loss(S* lse, const S* rowmax, const S* sums, int N) {
+  double total = 0;
+  for (int n = 0; n < N; ++n) {
+    lse[n] = rowmax[n] + std::log(sums[n]);
+    total += static_cast<double>(lse[n] - sums[N + n]);
+  }
+  return static_cast<S>(total / N);
+}
+// dlogits (N,Vl) = scale * (softmax - onehot(target)) on the shard's columns: cross_entropy_backward
+// with the target's column where the shard holds it.
+template <class S>
+void cross_entropy_shard_backward(S* dlogits, const S* logits, const S* lse, const std::int32_t* targets, int vocab0,
+                                  int N, int Vl, S scale) {
+  for (int n = 0; n < N; ++n) {
+    const std::size_t row = static_cast<std::size_t>(n) * Vl;
+    RowMap<S> d(dlogits + row, Vl);
+    d = (ConstRowMap<S>(logits + row, Vl) - lse[n]).exp() * scale;
+    const int v = targets[n] - vocab0;
+    if (v >= 0 && v < Vl) d[v] -= scale;
+  }
+}
+
+// y (N,out) += b broadcast over rows: the bias of a row-parallel product, added once after its
+// partial products are summed over the group.
+template <class S>
+void add_bias(S* y, const S* b, std::size_t N, int out) {
+  MatMap<S>(y, static_cast<Eigen::Index>(N), out).rowwise() += Eigen::Map<const Eigen::Matrix<S, 1, Eigen::Dynamic>>(b, out);
+}
+
 }  // namespace trainsim::runtime::layers

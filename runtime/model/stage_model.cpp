@@ -1,6 +1,11 @@
 // One pipeline stage of the GPT-2 style decoder (see stage_model.h for the contract and the
-// mixed-precision rules). The math lives in layers.h; this file owns the parameters, the
-// per-micro-batch stashes, the order of backward units and the rounding to the formats.
+// mixed-precision rules). The math lives in layers.h, the stash layout in stage_layout.h; this
+// file owns the parameters, the per-micro-batch stashes, the order of backward units, the rounding
+// to the formats and, for a tensor-parallel shard, where its group's collectives go (Megatron-LM:
+// column-parallel qkv and mlp.fc, row-parallel attn.proj and mlp.proj, an all-reduce after each
+// row-parallel product in the forward and before each column-parallel input in the backward — the
+// f/g pair —, a vocabulary-parallel embedding and cross-entropy; under sequence parallelism each
+// all-reduce becomes a reduce-scatter into the shard's rows and an all-gather of them).
 #include "runtime/model/stage_model.h"
 
 #include <algorithm>
@@ -12,8 +17,9 @@
 #include <string_view>
 
 #include "runtime/model/layers.h"
+#include "runtime/model/stage_layout.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
-
 
 namespace trainsim::runtime {
 
@@ -80,38 +86,19 @@ Buffer floats(std::size_t n) { return Buffer(n); }
 // ---------------------------------------------------------------------------------------
 // State
 // ---------------------------------------------------------------------------------------
-struct StageModel::Impl {
+// A stage's sizes are its own (StageShape: B, T, C, ..., the shard's Cl, Hl, Fl, Vl, N, Nl).
+struct StageModel::Impl : StageShape {
+  using Ids = std::vector<std::int32_t>;
+  using StashT = Stash<Buffer, Ids>;
+  using BackwardT = runtime::Backward<Buffer>;
+  using Grads = BlockGrads<Buffer>;
   // Indices into params of one block's tensors.
   struct BlockParams {
     int ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
   };
-  // What a block's forward keeps for its backward (compute format, except the fp32 statistics).
-  struct BlockStash {
-    Buffer ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (N,C) (N,3C) (B,H,T,T) (N,C)x3 (N,F)x2
-    Buffer mean1, rstd1, mean2, rstd2;               // (N)
-  };
-  struct Stash {
-    std::vector<std::int32_t> tokens, targets;  // (N)
-    std::vector<Buffer> x;                      // residual stream: x[0] stage input, x[l+1] block l's output
-    std::vector<BlockStash> blocks;
-    Buffer lnf, logits;        // (N,C) (N,V)
-    Buffer meanf, rstdf, lse;  // (N)
-  };
-  // Gradients a block's weight gradients read (kept per micro-batch between backward_input and
-  // backward_weight; shared scratch in the unsplit backward).
-  struct BlockGrads {
-    Buffer dfc, dln2, dx1, dqkv, dln1;  // (N,F) (N,C) (N,C) (N,3C) (N,C)
-  };
-  struct Backward {
-    bool split = false, inputs_done = false;
-    Buffer dlogits, dlnf;            // (N,V) (N,C), last stage
-    std::vector<Buffer> dres;        // residual-stream gradient: all L+1 positions when split, else 2
-    std::vector<BlockGrads> blocks;  // split only
-    float* res(int pos) { return dres[split ? pos : pos % dres.size()].data(); }
-  };
   struct Slot {
-    std::unique_ptr<Stash> stash;
-    std::unique_ptr<Backward> backward;
+    std::unique_ptr<StashT> stash;
+    std::unique_ptr<BackwardT> backward;
     int units_done = 0;
     bool complete = false;
   };
@@ -124,8 +111,8 @@ struct StageModel::Impl {
   };
 
   StageSpec spec;
-  int B, T, C, H, F, V, L;
-  std::size_t N;  // rows: B * T
+  TensorParallelGroup* group = nullptr;
+  DType wire;  // what the activations' collectives carry
 
   std::vector<ParamInfo> params;
   std::vector<Init> inits;
@@ -136,46 +123,55 @@ struct StageModel::Impl {
   bool fast_grads;  // compute and accumulation both fp32: weight gradients go straight into grads
 
   std::vector<Slot> slots;  // by micro-batch
-  std::vector<std::unique_ptr<Stash>> free_stashes;
-  std::vector<std::unique_ptr<Backward>> free_backwards;
+  std::vector<std::unique_ptr<StashT>> free_stashes;
+  std::vector<std::unique_ptr<BackwardT>> free_backwards;
 
   // Scratch shared by all micro-batches (a forward or a unit runs to its end before another).
-  BlockGrads shared_grads;
+  Grads shared_grads;
   Buffer tmp, dgelu, datt, attn_scratch, wscratch, bscratch;
+  // Tensor parallelism: all N rows of a gathered input, of the gathered output gradient and attn
+  // residual gradient (sequence parallel), the cross-entropy's row statistics, and the norms'
+  // partial gradients a sequence-parallel shard sums over its group.
+  Buffer gathered, dy_full, dx1_full, ce, norm_partials;
+  struct PendingNorm {
+    int pw, pb;
+  };
+  std::vector<PendingNorm> pending_norms;
 
   StageNumerics numerics;
 
   // Activation recompute (spec.recompute), wrapped around block_forward and the block's backward:
-  // the stash keeps less, and a block's backward first rebuilds what it needs in this workspace
-  // (full: one block's whole stash and output; selective: one softmax output), with the same
-  // code and inputs as the forward, so bitwise the same values. Numerics are recorded once, in
-  // the forward.
+  // the stash keeps less (stage_layout.h), and a block's backward first rebuilds what it needs in
+  // this workspace (full: one block's whole stash and output; selective: one softmax output), with
+  // the same code and inputs as the forward, so bitwise the same values (and, for a shard, the same
+  // collectives on every shard of the group). Numerics are recorded once, in the forward.
   struct RecomputeWork {
-    BlockStash block;
+    BlockStash<Buffer> block;
     Buffer probs, out;
     bool active = false;  // rebuilding: record() is quiet
   } redo;
-  void forward_block(int li, Stash& s, int mb);       // block_forward, keeping what spec.recompute keeps
-  void rebuild(const Unit& u, Stash& s, int mb, bool split);  // before unit u's input pass
-  void rerun_block(int li, Stash& s, int mb);         // block_forward into s.blocks[li], output aside
-  void drop_rebuilt(const Unit& u, Stash& s, bool weights_done);  // after its pass(es)
-  const Buffer& stage_output(const Stash& s) const { return s.x[L].empty() ? redo.out : s.x[L]; }
+  void forward_block(int li, StashT& s, int mb);              // block_forward, keeping what spec.recompute keeps
+  void rebuild(const Unit& u, StashT& s, int mb, bool split);  // before unit u's input pass
+  void rerun_block(int li, StashT& s, int mb);                // block_forward into s.blocks[li], output aside
+  void drop_rebuilt(const Unit& u, StashT& s, bool weights_done);  // after its pass(es)
+  const Buffer& stage_output(const StashT& s) const { return s.x[L].empty() ? redo.out : s.x[L]; }
 
   // Weights read through the engine's gate (set_weight_gate), piece by piece.
   GateCalls gate;
   // A backward unit's input pass (and its rebuild) reads the unit's weights; the embedding's none.
   bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
   WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
-  std::size_t block_bytes(const BlockStash& b) const;
 
   explicit Impl(const StageSpec& s);
 
   // -- parameters --
-  int add_param(std::string name, std::size_t size, Init init, bool decay) {
+  int add_param(std::string name, const ParamShard& shard, Init init, bool decay) {
     ParamInfo p;
     p.name = std::move(name);
-    p.size = size;
+    p.size = shard.size();
     p.decay = decay;
+    p.tensor_parallel = tp > 1 && shard.size() != shard.full_rows * shard.full_cols;
+    p.shard = shard;
     params.push_back(std::move(p));
     inits.push_back(init);
     return static_cast<int>(params.size()) - 1;
@@ -208,32 +204,92 @@ struct StageModel::Impl {
     record(round_and_scan(spec.compute, x, n), tag, backward, mb);
   }
 
+  // -- the tensor-parallel group's collectives --
+  TensorParallelGroup& tp_group() {
+    if (!group)
+      throw std::logic_error("StageModel: tensor-parallel shard " + std::to_string(tp_rank) + " of " +
+                             std::to_string(tp) + " has no group (set_tensor_parallel_group)");
+    return *group;
+  }
+  // Partial products (all N rows of `width`) summed over the group: all rows (all-reduce), or under
+  // sequence parallelism the shard's rows (reduce-scatter). Returns the shard's Nl rows, in place.
+  float* reduce_rows(float* partial, int width) {
+    const std::size_t n = N * static_cast<std::size_t>(width);
+    if (!sp) {
+      tp_group().all_reduce({partial, n}, ReduceOp::sum, wire);
+      return partial;
+    }
+    tp_group().reduce_scatter({partial, n}, wire);
+    return partial + row0 * width;
+  }
+  // All N rows of `width` from the shards' rows (sequence parallelism: an all-gather into `full`,
+  // `local` may already be its place there); without sequence parallelism the shard holds them all.
+  const float* gather_rows(const float* local, Buffer& full, int width) {
+    if (!sp) return local;
+    float* mine = full.data() + row0 * width;
+    if (local != mine) std::copy(local, local + Nl * width, mine);
+    tp_group().all_gather({full.data(), N * static_cast<std::size_t>(width)}, wire);
+    return full.data();
+  }
+  // A row-parallel product (attn.proj, mlp.proj): out = x w^T + b over this shard's rows. Whole:
+  // the product with its bias; a shard: its partial product, summed over the group, then the bias.
+  const float* row_parallel(const float* x, int pw, int pb, int in, const Tag& tag, int mb) {
+    if (tp == 1) {
+      layers::linear_forward(tmp.data(), x, w(pw), w(pb), N, in, C);
+      finish(tmp.data(), N * C, tag, false, mb);
+      return tmp.data();
+    }
+    layers::linear_forward(tmp.data(), x, w(pw), static_cast<const float*>(nullptr), N, in, C);
+    finish(tmp.data(), N * C, tag, false, mb);
+    float* y = reduce_rows(tmp.data(), C);
+    layers::add_bias(y, w(pb), Nl, C);
+    finish(y, Nl * C, tag, false, mb);
+    return y;
+  }
+  // The gradient at a column-parallel product's input (ln outputs, lnf output): dy w from this
+  // shard's columns, summed over the group into `out` (the shard's rows).
+  void column_parallel_input_grad(float* out, const float* dy, const float* wt, int out_width, const Tag& tag, int mb) {
+    if (tp == 1) {
+      layers::linear_backward_input(out, dy, wt, N, C, out_width);
+      finish(out, N * C, tag, true, mb);
+      return;
+    }
+    layers::linear_backward_input(tmp.data(), dy, wt, N, C, out_width);
+    finish(tmp.data(), N * C, tag, true, mb);
+    const float* d = reduce_rows(tmp.data(), C);
+    std::copy(d, d + Nl * C, out);
+    finish(out, Nl * C, tag, true, mb);
+  }
+
   // -- micro-batch bookkeeping --
   Slot& slot(int mb) {
     if (mb < 0) throw std::invalid_argument("micro-batch index " + std::to_string(mb) + " is negative");
     if (static_cast<std::size_t>(mb) >= slots.size()) slots.resize(mb + 1);
     return slots[mb];
   }
-  std::unique_ptr<Stash> take_stash();
-  std::unique_ptr<Backward> take_backward(bool split);
+  static Buffer make(std::size_t n, Held) { return floats(n); }
+  std::unique_ptr<StashT> take_stash();
+  std::unique_ptr<BackwardT> take_backward(bool split);
   void release(Slot& s) {
-    if (spec.recompute == Recompute::full)  // what a split backward kept for its weight pass
-      for (BlockStash& b : s.stash->blocks) b = BlockStash{};
+    for (BlockStash<Buffer>& b : s.stash->blocks)  // full recompute: what a split backward kept for its weight pass
+      if (b.kept) b = BlockStash<Buffer>{};
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
     s.complete = true;
   }
-  std::size_t stash_bytes(const Stash& s) const;
-  std::size_t backward_bytes(const Backward& b) const;
+  std::size_t held_bytes(std::size_t elements, Held h) const {
+    return elements * (h == Held::compute ? dtype_bytes(spec.compute) : 4);
+  }
 
   // -- passes --
   float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input, float* output);
-  void block_forward(int li, Stash& s, int mb);
+  void block_forward(int li, StashT& s, int mb);
+  float head_forward(StashT& s, int mb);
   void begin(int mb, const float* grad_output, float scale, bool split);
-  void unit_input(const Unit& u, Stash& s, Backward& b, int mb);
-  void unit_weight(const Unit& u, Stash& s, Backward& b, int mb);
-  void block_backward_input(int li, Stash& s, Backward& b, int mb);
-  void block_backward_weight(int li, Stash& s, Backward& b, int mb);
+  void unit_input(const Unit& u, StashT& s, BackwardT& b, int mb);
+  void unit_weight(const Unit& u, StashT& s, BackwardT& b, int mb);
+  void block_backward_input(int li, StashT& s, BackwardT& b, int mb);
+  void block_backward_weight(int li, StashT& s, BackwardT& b, int mb);
 
   // -- weight gradients of one micro-batch into the accumulation buffer --
   void commit(int p, float* produced, int mb);
@@ -242,67 +298,62 @@ struct StageModel::Impl {
   }
   void wgrad_linear(int pw, int pb, const float* dy, const float* x, int in, int out, int mb);
   void wgrad_layernorm(int pw, int pb, const float* dy, const float* x, const float* mean, const float* rstd, int mb);
+  void flush_norms(int mb);
   void wgrad_embedding(const float* dx, const std::int32_t* tokens, int mb);
 
   void refresh_working();
 };
 
-StageModel::Impl::Impl(const StageSpec& s) : spec(s) {
-  const ModelDims& d = s.dims;
-  B = s.micro_batch_size;
-  T = d.seq_length;
-  C = d.hidden_size;
-  H = d.num_heads;
-  F = d.ffn();
-  V = d.vocab_size;
-  L = s.num_layers;
-  auto fail = [](const std::string& m) { throw std::invalid_argument("StageSpec: " + m); };
-  if (B < 1 || T < 1 || C < 1 || H < 1 || V < 1 || F < 1 || d.num_layers < 0)
-    fail("micro_batch_size(" + std::to_string(B) + "), seq_length(" + std::to_string(T) + "), hidden_size(" +
-         std::to_string(C) + "), num_heads(" + std::to_string(H) + "), ffn(" + std::to_string(F) + ") and vocab_size(" +
-         std::to_string(V) + ") must be positive");
-  if (C % H != 0)
-    fail("hidden_size(" + std::to_string(C) + ") is not a multiple of num_heads(" + std::to_string(H) + ")");
-  if (s.first_layer < 0 || L < 0 || s.first_layer + L > d.num_layers)
-    fail("blocks [" + std::to_string(s.first_layer) + ", " + std::to_string(s.first_layer + L) +
-         ") are not within the model's " + std::to_string(d.num_layers) + " layers");
+StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
+  wire = tensor_parallel_wire(s.compute);
   for (DType t : {s.compute, s.grad_accumulation})
-    if (t == DType::fp8) fail("fp8 is not emulated by the runtime (compute or grad_accumulation)");
-  N = static_cast<std::size_t>(B) * T;
-  const std::size_t c = C, f = F, v = V;
+    if (t == DType::fp8) throw std::invalid_argument("StageSpec: fp8 is not emulated by the runtime (compute or grad_accumulation)");
+  const std::size_t c = C, f = F, v = V, r = tp_rank, cl = Cl, fl = Fl;
+  const ModelDims& d = s.dims;
+
+  // How each tensor is cut: rows of blocks and a range of columns (stage_layout.h).
+  const ParamShard replicated_c = ParamShard::whole(c, 1);
+  const ParamShard vocab_rows{v, c, {static_cast<std::size_t>(vocab0)}, v / tp, 0, c};
+  auto rows = [&](std::size_t full, std::size_t cols, std::vector<std::size_t> begins, std::size_t n) {
+    return ParamShard{full, cols, std::move(begins), n, 0, cols};
+  };
+  auto columns = [&](std::size_t full_rows, std::size_t full_cols, std::size_t begin, std::size_t n) {
+    return ParamShard{full_rows, full_cols, {0}, full_rows, begin, n};
+  };
+  const std::vector<std::size_t> qkv_rows{r * cl, c + r * cl, 2 * c + r * cl};  // this shard's heads' q, k, v
 
   // Parameters in gradient-completion order: head, blocks from last to first, embedding.
   auto end_unit = [&](UnitKind k, int b) { units.push_back({k, b, static_cast<int>(params.size()), 0}); };
   if (s.has_head) {
     if (!d.tied_embeddings)
-      head_w = add_param("lm_head.weight", v * c, Init::normal, true);
+      head_w = add_param("lm_head.weight", vocab_rows, Init::normal, true);
     else if (!s.has_embedding)
-      head_w = wte = add_param("wte", v * c, Init::normal, true);  // the last stage's copy
-    lnf_w = add_param("lnf.weight", c, Init::ones, false);
-    lnf_b = add_param("lnf.bias", c, Init::zeros, false);
+      head_w = wte = add_param("wte", vocab_rows, Init::normal, true);  // the last stage's copy
+    lnf_w = add_param("lnf.weight", replicated_c, Init::ones, false);
+    lnf_b = add_param("lnf.bias", replicated_c, Init::zeros, false);
     end_unit(UnitKind::head, -1);
   }
   blocks.resize(L);
   for (int li = L - 1; li >= 0; --li) {
     const std::string pre = "block." + std::to_string(s.first_layer + li) + ".";
     BlockParams& bp = blocks[li];
-    bp.mlp_proj_w = add_param(pre + "mlp.proj.weight", c * f, Init::normal_residual, true);
-    bp.mlp_proj_b = add_param(pre + "mlp.proj.bias", c, Init::zeros, false);
-    bp.fc_w = add_param(pre + "mlp.fc.weight", f * c, Init::normal, true);
-    bp.fc_b = add_param(pre + "mlp.fc.bias", f, Init::zeros, false);
-    bp.ln2_w = add_param(pre + "ln2.weight", c, Init::ones, false);
-    bp.ln2_b = add_param(pre + "ln2.bias", c, Init::zeros, false);
-    bp.attn_proj_w = add_param(pre + "attn.proj.weight", c * c, Init::normal_residual, true);
-    bp.attn_proj_b = add_param(pre + "attn.proj.bias", c, Init::zeros, false);
-    bp.qkv_w = add_param(pre + "attn.qkv.weight", 3 * c * c, Init::normal, true);
-    bp.qkv_b = add_param(pre + "attn.qkv.bias", 3 * c, Init::zeros, false);
-    bp.ln1_w = add_param(pre + "ln1.weight", c, Init::ones, false);
-    bp.ln1_b = add_param(pre + "ln1.bias", c, Init::zeros, false);
+    bp.mlp_proj_w = add_param(pre + "mlp.proj.weight", columns(c, f, r * fl, fl), Init::normal_residual, true);
+    bp.mlp_proj_b = add_param(pre + "mlp.proj.bias", replicated_c, Init::zeros, false);
+    bp.fc_w = add_param(pre + "mlp.fc.weight", rows(f, c, {r * fl}, fl), Init::normal, true);
+    bp.fc_b = add_param(pre + "mlp.fc.bias", rows(f, 1, {r * fl}, fl), Init::zeros, false);
+    bp.ln2_w = add_param(pre + "ln2.weight", replicated_c, Init::ones, false);
+    bp.ln2_b = add_param(pre + "ln2.bias", replicated_c, Init::zeros, false);
+    bp.attn_proj_w = add_param(pre + "attn.proj.weight", columns(c, c, r * cl, cl), Init::normal_residual, true);
+    bp.attn_proj_b = add_param(pre + "attn.proj.bias", replicated_c, Init::zeros, false);
+    bp.qkv_w = add_param(pre + "attn.qkv.weight", rows(3 * c, c, qkv_rows, cl), Init::normal, true);
+    bp.qkv_b = add_param(pre + "attn.qkv.bias", rows(3 * c, 1, qkv_rows, cl), Init::zeros, false);
+    bp.ln1_w = add_param(pre + "ln1.weight", replicated_c, Init::ones, false);
+    bp.ln1_b = add_param(pre + "ln1.bias", replicated_c, Init::zeros, false);
     end_unit(UnitKind::block, li);
   }
   if (s.has_embedding) {
-    wte = add_param("wte", v * c, Init::normal, true);
-    wpe = add_param("wpe", static_cast<std::size_t>(T) * c, Init::normal, true);
+    wte = add_param("wte", vocab_rows, Init::normal, true);
+    wpe = add_param("wpe", ParamShard::whole(static_cast<std::size_t>(T), c), Init::normal, true);
     if (s.has_head && d.tied_embeddings) head_w = wte;
     end_unit(UnitKind::embedding, -1);
   }
@@ -322,113 +373,39 @@ StageModel::Impl::Impl(const StageSpec& s) : spec(s) {
   fast_grads = s.compute == DType::fp32 && s.grad_accumulation == DType::fp32;
 
   tmp = floats(N * c);
-  dgelu = floats(N * f);
-  datt = floats(N * c);
+  dgelu = floats(N * fl);
+  datt = floats(N * cl);
   attn_scratch = floats(static_cast<std::size_t>(T) * T);
   if (!fast_grads) {
     wscratch = floats(largest);
     bscratch = floats(std::max(largest, static_cast<std::size_t>(T) * c));
   }
-  shared_grads = {floats(N * f), floats(N * c), floats(N * c), floats(3 * N * c), floats(N * c)};
-  if (s.recompute == Recompute::selective) redo.probs = floats(static_cast<std::size_t>(B) * H * T * T);
+  shared_grads = make_block_grads<Buffer>(shape(), make);
+  if (tp > 1 && s.has_head) ce = floats(3 * N);
+  if (sp) {
+    gathered = floats(N * c);
+    dy_full = floats(N * c);
+    dx1_full = floats(N * c);
+    norm_partials = floats(4 * c);
+  }
+  if (s.recompute == Recompute::selective) redo.probs = floats(static_cast<std::size_t>(B) * Hl * T * T);
   if (s.recompute == Recompute::full) {
-    redo.block = {floats(N * c), floats(3 * N * c), floats(static_cast<std::size_t>(B) * H * T * T), floats(N * c),
-                  floats(N * c), floats(N * c), floats(N * f), floats(N * f), floats(N), floats(N), floats(N), floats(N)};
-    redo.out = floats(N * c);
+    redo.block = make_block_stash<Buffer>(shape(), true, make);
+    redo.out = floats(Nl * c);
   }
 }
 
-std::unique_ptr<StageModel::Impl::Stash> StageModel::Impl::take_stash() {
-  if (!free_stashes.empty()) {
-    auto s = std::move(free_stashes.back());
-    free_stashes.pop_back();
-    return s;
-  }
-  auto s = std::make_unique<Stash>();
-  const std::size_t nc = N * C, n = N;
-  if (spec.has_embedding) s->tokens.resize(n);
-  if (spec.has_head) {
-    s->targets.resize(n);
-    s->lnf = floats(nc);
-    s->logits = floats(n * V);
-    s->meanf = floats(n);
-    s->rstdf = floats(n);
-    s->lse = floats(n);
-  }
-  s->x.assign(L + 1, floats(nc));
-  s->blocks.resize(L);
-  if (spec.recompute == Recompute::full) {  // each block's input only (and the head's)
-    if (!spec.has_head && L > 0) s->x[L] = Buffer();
-    return s;
-  }
-  for (BlockStash& b : s->blocks) {
-    b.ln1 = floats(nc);
-    b.qkv = floats(3 * nc);
-    if (spec.recompute == Recompute::none) b.probs = floats(static_cast<std::size_t>(B) * H * T * T);
-    b.att = floats(nc);
-    b.x1 = floats(nc);
-    b.ln2 = floats(nc);
-    b.fc = floats(n * F);
-    b.gelu = floats(n * F);
-    b.mean1 = floats(n);
-    b.rstd1 = floats(n);
-    b.mean2 = floats(n);
-    b.rstd2 = floats(n);
-  }
-  return s;
+std::unique_ptr<StageModel::Impl::StashT> StageModel::Impl::take_stash() {
+  return reuse_or_make(free_stashes, [&] {
+    return std::make_unique<StashT>(
+        make_stash<Buffer, Ids>(shape(), spec.has_embedding, spec.has_head, spec.recompute, false, make,
+                                [](std::size_t n) { return Ids(n); }));
+  });
 }
 
-std::unique_ptr<StageModel::Impl::Backward> StageModel::Impl::take_backward(bool split) {
-  std::unique_ptr<Backward> b;
-  if (!free_backwards.empty()) {
-    b = std::move(free_backwards.back());
-    free_backwards.pop_back();
-  } else {
-    b = std::make_unique<Backward>();
-  }
-  const std::size_t nc = N * C;
-  b->split = split;
-  b->inputs_done = false;
-  if (spec.has_head) {
-    b->dlogits.resize(N * V);
-    b->dlnf.resize(nc);
-  }
-  b->dres.resize(split ? L + 1 : std::min(L + 1, 2));
-  for (auto& r : b->dres) r.resize(nc);
-  b->blocks.resize(split ? L : 0);
-  for (BlockGrads& g : b->blocks) {
-    g.dfc.resize(N * F);
-    g.dln2.resize(nc);
-    g.dx1.resize(nc);
-    g.dqkv.resize(3 * nc);
-    g.dln1.resize(nc);
-  }
-  return b;
-}
-
-std::size_t StageModel::Impl::stash_bytes(const Stash& s) const {
-  const std::size_t e = dtype_bytes(spec.compute);
-  std::size_t bytes = (s.tokens.size() + s.targets.size()) * sizeof(std::int32_t);
-  bytes += (s.lnf.size() + s.logits.size()) * e + (s.meanf.size() + s.rstdf.size() + s.lse.size()) * 4;
-  for (const auto& x : s.x) bytes += x.size() * e;
-  for (const BlockStash& b : s.blocks) bytes += block_bytes(b);
-  return bytes;
-}
-
-std::size_t StageModel::Impl::block_bytes(const BlockStash& b) const {
-  const std::size_t e = dtype_bytes(spec.compute);
-  return (b.ln1.size() + b.qkv.size() + b.probs.size() + b.att.size() + b.x1.size() + b.ln2.size() + b.fc.size() +
-          b.gelu.size()) *
-             e +
-         (b.mean1.size() + b.rstd1.size() + b.mean2.size() + b.rstd2.size()) * 4;
-}
-
-std::size_t StageModel::Impl::backward_bytes(const Backward& b) const {
-  std::size_t elems = b.dlogits.size() + b.dlnf.size();
-  for (const auto& r : b.dres) elems += r.size();
-  for (const BlockGrads& g : b.blocks)
-    elems += g.dfc.size() + g.dln2.size() + g.dx1.size() + g.dqkv.size() + g.dln1.size();
-  return elems * dtype_bytes(spec.compute);
+std::unique_ptr<StageModel::Impl::BackwardT> StageModel::Impl::take_backward(bool split) {
+  return reuse_or_make(free_backwards, split,
+                       [&] { return std::make_unique<BackwardT>(make_backward<Buffer>(shape(), spec.has_head, split, make)); });
 }
 
 void StageModel::Impl::refresh_working() {
@@ -463,6 +440,7 @@ void check_forward_arguments(const StageSpec& spec, const char* who, const std::
 float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input,
                                 float* output) {
   check_forward_arguments(spec, "StageModel::forward", tokens, targets, input != nullptr);
+  if (tp > 1) tp_group();  // a shard without its group fails before it keeps anything
 
   Slot& sl = slot(mb);
   if (sl.stash)
@@ -471,81 +449,113 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
   sl.stash = take_stash();
   sl.units_done = 0;
   sl.complete = false;
-  Stash& s = *sl.stash;
-  const std::size_t nc = N * C;
+  StashT& s = *sl.stash;
+  const std::size_t nlc = Nl * C;
 
   float* x0 = s.x[0].data();
   if (spec.has_embedding) {
     std::copy(tokens, tokens + N, s.tokens.begin());
     gate.take(WeightPiece::embedding);
-    layers::embedding_forward(x0, tokens, w(wte), w(wpe), B, T, C);
+    if (tp == 1) {
+      layers::embedding_forward(x0, tokens, w(wte), w(wpe), B, T, C);
+    } else {
+      // Vocabulary-parallel: each shard looks up the tokens it holds, the group sums the rows
+      // (one shard's row and zeros: exact in any format), then the position embedding.
+      layers::embedding_shard_forward(tmp.data(), tokens, w(wte), vocab0, Vl, static_cast<int>(N), C);
+      const float* rows = reduce_rows(tmp.data(), C);
+      std::copy(rows, rows + nlc, x0);
+      layers::add_position_embedding(x0, w(wpe), row0, Nl, T, C);
+    }
     gate.give(WeightPiece::embedding);
-    finish(x0, nc, Tag{"embedding output"}, false, mb);
+    finish(x0, nlc, Tag{"embedding output"}, false, mb);
   } else {
-    std::copy(input, input + nc, x0);
-    finish(x0, nc, Tag{"stage input"}, false, mb);
+    std::copy(input, input + nlc, x0);
+    finish(x0, nlc, Tag{"stage input"}, false, mb);
   }
   for (int li = 0; li < L; ++li) {
     gate.take(WeightPiece::block, li);
     forward_block(li, s, mb);
     gate.give(WeightPiece::block, li);
   }
-  const float* xl = stage_output(s).data();
   if (!spec.has_head) {
-    if (output) std::copy(xl, xl + nc, output);
+    const float* xl = stage_output(s).data();
+    if (output) std::copy(xl, xl + nlc, output);
     return 0;
   }
   std::copy(targets, targets + N, s.targets.begin());
   gate.take(WeightPiece::head);
-  layers::layernorm_forward(s.lnf.data(), s.meanf.data(), s.rstdf.data(), xl, w(lnf_w), w(lnf_b), N, C);
-  finish(s.lnf.data(), nc, Tag{"lnf output"}, false, mb);
-  layers::linear_forward(s.logits.data(), s.lnf.data(), w(head_w), static_cast<const float*>(nullptr), N, C, V);
+  const float loss = head_forward(s, mb);
   gate.give(WeightPiece::head);
-  finish(s.logits.data(), N * V, Tag{"logits"}, false, mb);
-  const float loss = layers::cross_entropy_forward(s.lse.data(), s.logits.data(), s.targets.data(), N, V);
+  return loss;
+}
+
+float StageModel::Impl::head_forward(StashT& s, int mb) {
+  const float* xl = s.x[L].data();
+  // The final norm over the shard's rows, into their place among all N rows of lnf (gathered
+  // under sequence parallelism: the LM head is column-parallel over the vocabulary).
+  float* lnf_rows = s.lnf.data() + row0 * C;
+  layers::layernorm_forward(lnf_rows, s.meanf.data(), s.rstdf.data(), xl, w(lnf_w), w(lnf_b), Nl, C);
+  finish(lnf_rows, Nl * C, Tag{"lnf output"}, false, mb);
+  gather_rows(lnf_rows, s.lnf, C);
+  layers::linear_forward(s.logits.data(), s.lnf.data(), w(head_w), static_cast<const float*>(nullptr), N, C, Vl);
+  finish(s.logits.data(), s.logits.size(), Tag{"logits"}, false, mb);
+  float loss;
+  if (tp == 1) {
+    loss = layers::cross_entropy_forward(s.lse.data(), s.logits.data(), s.targets.data(), N, V);
+  } else {
+    // Vocabulary-parallel cross-entropy in FP32: the rows' maxima max-reduced, then the shards'
+    // sums of exponentials and the targets' logits summed, over the group.
+    float* rowmax = ce.data();
+    float* sums = ce.data() + N;
+    layers::cross_entropy_shard_max(rowmax, s.logits.data(), static_cast<int>(N), Vl);
+    tp_group().all_reduce({rowmax, N}, ReduceOp::max, DType::fp32);
+    layers::cross_entropy_shard_sums(sums, s.logits.data(), rowmax, s.targets.data(), vocab0,
+                                     static_cast<int>(N), Vl);
+    tp_group().all_reduce({sums, 2 * N}, ReduceOp::sum, DType::fp32);
+    loss = layers::cross_entropy_shard_loss(s.lse.data(), rowmax, sums, static_cast<int>(N));
+  }
   float l = loss;
   record(scan(&l, 1), Tag{"loss"}, false, mb);
   return loss;
 }
 
-void StageModel::Impl::block_forward(int li, Stash& s, int mb) {
+void StageModel::Impl::block_forward(int li, StashT& s, int mb) {
   const BlockParams& p = blocks[li];
-  BlockStash& b = s.blocks[li];
+  BlockStash<Buffer>& b = s.blocks[li];
   const int layer = spec.first_layer + li;
-  const std::size_t nc = N * C, nf = N * F;
+  const std::size_t nlc = Nl * C;
   const float* x0 = s.x[li].data();
   float* x2 = s.x[li + 1].data();
   auto done = [&](Buffer& t, const char* what) { finish(t.data(), t.size(), Tag{what, layer}, false, mb); };
 
-  layers::layernorm_forward(b.ln1.data(), b.mean1.data(), b.rstd1.data(), x0, w(p.ln1_w), w(p.ln1_b), N, C);
+  layers::layernorm_forward(b.ln1.data(), b.mean1.data(), b.rstd1.data(), x0, w(p.ln1_w), w(p.ln1_b), Nl, C);
   done(b.ln1, "ln1 output");
-  layers::linear_forward(b.qkv.data(), b.ln1.data(), w(p.qkv_w), w(p.qkv_b), N, C, 3 * C);
+  layers::linear_forward(b.qkv.data(), gather_rows(b.ln1.data(), gathered, C), w(p.qkv_w), w(p.qkv_b), N, C,
+                         3 * Cl);
   done(b.qkv, "attn.qkv output");
-  layers::attention_forward(b.att.data(), b.probs.data(), attn_scratch.data(), b.qkv.data(), B, T, C, H,
+  layers::attention_forward(b.att.data(), b.probs.data(), attn_scratch.data(), b.qkv.data(), B, T, Cl, Hl,
                             [&](float* row, int n, AttnTensor t) {
                               finish(row, n, Tag{attn_name(t), layer}, false, mb);
                             });
   done(b.att, "attn output");
-  layers::linear_forward(tmp.data(), b.att.data(), w(p.attn_proj_w), w(p.attn_proj_b), N, C, C);
-  done(tmp, "attn.proj output");
-  Row(b.x1.data(), nc) = ConstRow(x0, nc) + ConstRow(tmp.data(), nc);
+  const float* y = row_parallel(b.att.data(), p.attn_proj_w, p.attn_proj_b, Cl, Tag{"attn.proj output", layer}, mb);
+  Row(b.x1.data(), nlc) = ConstRow(x0, nlc) + ConstRow(y, nlc);
   done(b.x1, "attn residual");
-  layers::layernorm_forward(b.ln2.data(), b.mean2.data(), b.rstd2.data(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), N, C);
+  layers::layernorm_forward(b.ln2.data(), b.mean2.data(), b.rstd2.data(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), Nl, C);
   done(b.ln2, "ln2 output");
-  layers::linear_forward(b.fc.data(), b.ln2.data(), w(p.fc_w), w(p.fc_b), N, C, F);
+  layers::linear_forward(b.fc.data(), gather_rows(b.ln2.data(), gathered, C), w(p.fc_w), w(p.fc_b), N, C, Fl);
   done(b.fc, "mlp.fc output");
-  layers::gelu_forward(b.gelu.data(), b.fc.data(), nf);
+  layers::gelu_forward(b.gelu.data(), b.fc.data(), b.fc.size());
   done(b.gelu, "mlp.gelu output");
-  layers::linear_forward(tmp.data(), b.gelu.data(), w(p.mlp_proj_w), w(p.mlp_proj_b), N, F, C);
-  done(tmp, "mlp.proj output");
-  Row(x2, nc) = ConstRow(b.x1.data(), nc) + ConstRow(tmp.data(), nc);
-  finish(x2, nc, Tag{"output", layer}, false, mb);
+  y = row_parallel(b.gelu.data(), p.mlp_proj_w, p.mlp_proj_b, Fl, Tag{"mlp.proj output", layer}, mb);
+  Row(x2, nlc) = ConstRow(b.x1.data(), nlc) + ConstRow(y, nlc);
+  finish(x2, nlc, Tag{"output", layer}, false, mb);
 }
 
 // ---------------------------------------------------------------------------------------
 // Activation recompute: what the stash keeps, and rebuilding the rest in a block's backward
 // ---------------------------------------------------------------------------------------
-void StageModel::Impl::forward_block(int li, Stash& s, int mb) {
+void StageModel::Impl::forward_block(int li, StashT& s, int mb) {
   switch (spec.recompute) {
     case Recompute::none:
       block_forward(li, s, mb);
@@ -567,7 +577,7 @@ void StageModel::Impl::forward_block(int li, Stash& s, int mb) {
   }
 }
 
-void StageModel::Impl::rerun_block(int li, Stash& s, int mb) {
+void StageModel::Impl::rerun_block(int li, StashT& s, int mb) {
   std::swap(s.x[li + 1], redo.out);  // the kept next input is left as it is
   redo.active = true;
   block_forward(li, s, mb);
@@ -575,14 +585,14 @@ void StageModel::Impl::rerun_block(int li, Stash& s, int mb) {
   std::swap(s.x[li + 1], redo.out);
 }
 
-void StageModel::Impl::rebuild(const Unit& u, Stash& s, int mb, bool split) {
+void StageModel::Impl::rebuild(const Unit& u, StashT& s, int mb, bool split) {
   if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
   const int li = u.block;
-  BlockStash& st = s.blocks[li];
-  if (spec.recompute == Recompute::selective) {
+  BlockStash<Buffer>& st = s.blocks[li];
+  if (spec.recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
     const int layer = spec.first_layer + li;
     redo.active = true;
-    layers::attention_forward(tmp.data(), redo.probs.data(), attn_scratch.data(), st.qkv.data(), B, T, C, H,
+    layers::attention_forward(tmp.data(), redo.probs.data(), attn_scratch.data(), st.qkv.data(), B, T, Cl, Hl,
                               [&](float* row, int n, AttnTensor t) {
                                 finish(row, n, Tag{attn_name(t), layer}, false, mb);
                               });
@@ -593,20 +603,15 @@ void StageModel::Impl::rebuild(const Unit& u, Stash& s, int mb, bool split) {
   if (!split) {
     std::swap(st, redo.block);
   } else {  // rebuilt in the stash: the weight pass, later, reads what the input pass leaves
-    const std::size_t nc = N * C, n = N, nf = N * F;
-    for (Buffer* b : {&st.ln1, &st.att, &st.x1, &st.ln2}) b->resize(nc);
-    for (Buffer* b : {&st.mean1, &st.rstd1, &st.mean2, &st.rstd2}) b->resize(n);
-    st.qkv.resize(3 * nc);
-    st.probs.resize(static_cast<std::size_t>(B) * H * T * T);
-    st.fc.resize(nf);
-    st.gelu.resize(nf);
+    st = make_block_stash<Buffer>(shape(), true, make);
+    st.kept = true;
   }
   rerun_block(li, s, mb);
 }
 
-void StageModel::Impl::drop_rebuilt(const Unit& u, Stash& s, bool weights_done) {
+void StageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_done) {
   if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
-  BlockStash& st = s.blocks[u.block];
+  BlockStash<Buffer>& st = s.blocks[u.block];
   if (spec.recompute == Recompute::selective)
     std::swap(st.probs, redo.probs);
   else if (weights_done)
@@ -628,28 +633,31 @@ void StageModel::Impl::begin(int mb, const float* grad_output, float scale, bool
     throw std::invalid_argument("StageModel: this stage's backward needs grad_output");
   sl.backward = take_backward(split);
   sl.units_done = 0;
-  Stash& s = *sl.stash;
-  Backward& b = *sl.backward;
+  StashT& s = *sl.stash;
+  BackwardT& b = *sl.backward;
   if (spec.has_head) {
-    layers::cross_entropy_backward(b.dlogits.data(), s.logits.data(), s.lse.data(), s.targets.data(), N, V,
-                                   scale / static_cast<float>(N));
+    const float row_scale = scale / static_cast<float>(N);
+    if (tp == 1)
+      layers::cross_entropy_backward(b.dlogits.data(), s.logits.data(), s.lse.data(), s.targets.data(), N, V, row_scale);
+    else
+      layers::cross_entropy_shard_backward(b.dlogits.data(), s.logits.data(), s.lse.data(), s.targets.data(), vocab0,
+                                           static_cast<int>(N), Vl, row_scale);
     finish(b.dlogits.data(), b.dlogits.size(), Tag{"logits gradient"}, true, mb);
   } else {
-    float* d = b.res(L);
-    std::copy(grad_output, grad_output + N * C, d);
-    finish(d, N * C, Tag{"stage output gradient"}, true, mb);
+    float* d = b.res(L).data();
+    std::copy(grad_output, grad_output + Nl * C, d);
+    finish(d, Nl * C, Tag{"stage output gradient"}, true, mb);
   }
 }
 
-void StageModel::Impl::unit_input(const Unit& u, Stash& s, Backward& b, int mb) {
+void StageModel::Impl::unit_input(const Unit& u, StashT& s, BackwardT& b, int mb) {
   switch (u.kind) {
     case UnitKind::head: {
-      layers::linear_backward_input(b.dlnf.data(), b.dlogits.data(), w(head_w), N, C, V);
-      finish(b.dlnf.data(), b.dlnf.size(), Tag{"lnf output gradient"}, true, mb);
-      float* dx = b.res(L);
+      column_parallel_input_grad(b.dlnf.data(), b.dlogits.data(), w(head_w), Vl, Tag{"lnf output gradient"}, mb);
+      float* dx = b.res(L).data();
       layers::layernorm_backward_input(dx, b.dlnf.data(), s.x[L].data(), s.meanf.data(), s.rstdf.data(), w(lnf_w),
-                                       static_cast<const float*>(nullptr), N, C);
-      finish(dx, N * C, Tag{"lnf input gradient"}, true, mb);
+                                       static_cast<const float*>(nullptr), Nl, C);
+      finish(dx, Nl * C, Tag{"lnf input gradient"}, true, mb);
       break;
     }
     case UnitKind::block:
@@ -660,62 +668,75 @@ void StageModel::Impl::unit_input(const Unit& u, Stash& s, Backward& b, int mb) 
   }
 }
 
-void StageModel::Impl::unit_weight(const Unit& u, Stash& s, Backward& b, int mb) {
+void StageModel::Impl::unit_weight(const Unit& u, StashT& s, BackwardT& b, int mb) {
   switch (u.kind) {
     case UnitKind::head:
-      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, V, mb);
+      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, Vl, mb);
       wgrad_layernorm(lnf_w, lnf_b, b.dlnf.data(), s.x[L].data(), s.meanf.data(), s.rstdf.data(), mb);
+      flush_norms(mb);
       break;
     case UnitKind::block:
       block_backward_weight(u.block, s, b, mb);
       break;
     case UnitKind::embedding:
-      wgrad_embedding(b.res(0), s.tokens.data(), mb);
+      // Under sequence parallelism the shard gathers every row's gradient: its vocabulary rows
+      // see tokens from all of them, and the position embedding (replicated) then gets the same
+      // whole gradient on every shard.
+      wgrad_embedding(gather_rows(b.res(0).data(), tmp, C), s.tokens.data(), mb);
       break;
   }
 }
 
-void StageModel::Impl::block_backward_input(int li, Stash& s, Backward& b, int mb) {
+void StageModel::Impl::block_backward_input(int li, StashT& s, BackwardT& b, int mb) {
   const BlockParams& p = blocks[li];
-  const BlockStash& st = s.blocks[li];
-  BlockGrads& g = b.split ? b.blocks[li] : shared_grads;
+  const BlockStash<Buffer>& st = s.blocks[li];
+  Grads& g = b.split ? b.blocks[li] : shared_grads;
   const int layer = spec.first_layer + li;
-  const std::size_t nc = N * C, nf = N * F;
-  const float* dx2 = b.res(li + 1);  // gradient of the block's output
-  float* dx0 = b.res(li);            // gradient of its input
+  const std::size_t nlc = Nl * C;
+  const float* dx2 = b.res(li + 1).data();  // gradient of the block's output (the shard's rows)
+  float* dx0 = b.res(li).data();            // gradient of its input
   auto done = [&](float* t, std::size_t n, const char* what) { finish(t, n, Tag{what, layer}, true, mb); };
 
-  layers::linear_backward_input(dgelu.data(), dx2, w(p.mlp_proj_w), N, F, C);
-  done(dgelu.data(), nf, "mlp.gelu output gradient");
-  layers::gelu_backward(g.dfc.data(), st.fc.data(), dgelu.data(), nf);
-  done(g.dfc.data(), nf, "mlp.fc output gradient");
-  layers::linear_backward_input(g.dln2.data(), g.dfc.data(), w(p.fc_w), N, C, F);
-  done(g.dln2.data(), nc, "ln2 output gradient");
+  // mlp.proj is row-parallel: its input gradient needs the output gradient of every row.
+  layers::linear_backward_input(dgelu.data(), gather_rows(dx2, dy_full, C), w(p.mlp_proj_w), N, Fl, C);
+  done(dgelu.data(), dgelu.size(), "mlp.gelu output gradient");
+  layers::gelu_backward(g.dfc.data(), st.fc.data(), dgelu.data(), dgelu.size());
+  done(g.dfc.data(), g.dfc.size(), "mlp.fc output gradient");
+  column_parallel_input_grad(g.dln2.data(), g.dfc.data(), w(p.fc_w), Fl, Tag{"ln2 output gradient", layer}, mb);
   layers::layernorm_backward_input(g.dx1.data(), g.dln2.data(), st.x1.data(), st.mean2.data(), st.rstd2.data(),
-                                   w(p.ln2_w), dx2, N, C);
-  done(g.dx1.data(), nc, "attn residual gradient");
-  layers::linear_backward_input(datt.data(), g.dx1.data(), w(p.attn_proj_w), N, C, C);
-  done(datt.data(), nc, "attn output gradient");
-  layers::attention_backward(g.dqkv.data(), attn_scratch.data(), datt.data(), st.qkv.data(), st.probs.data(), B, T, C,
-                             H, [&](float* row, int n, AttnTensor t) { done(row, n, attn_name(t)); });
-  done(g.dqkv.data(), 3 * nc, "attn.qkv output gradient");
-  layers::linear_backward_input(g.dln1.data(), g.dqkv.data(), w(p.qkv_w), N, C, 3 * C);
-  done(g.dln1.data(), nc, "ln1 output gradient");
+                                   w(p.ln2_w), dx2, Nl, C);
+  done(g.dx1.data(), nlc, "attn residual gradient");
+  layers::linear_backward_input(datt.data(), gather_rows(g.dx1.data(), dx1_full, C), w(p.attn_proj_w), N, Cl, C);
+  done(datt.data(), datt.size(), "attn output gradient");
+  layers::attention_backward(g.dqkv.data(), attn_scratch.data(), datt.data(), st.qkv.data(), st.probs.data(), B, T,
+                             Cl, Hl, [&](float* row, int n, AttnTensor t) { done(row, n, attn_name(t)); });
+  done(g.dqkv.data(), g.dqkv.size(), "attn.qkv output gradient");
+  column_parallel_input_grad(g.dln1.data(), g.dqkv.data(), w(p.qkv_w), 3 * Cl, Tag{"ln1 output gradient", layer},
+                             mb);
   layers::layernorm_backward_input(dx0, g.dln1.data(), s.x[li].data(), st.mean1.data(), st.rstd1.data(), w(p.ln1_w),
-                                   g.dx1.data(), N, C);
-  done(dx0, nc, "input gradient");
+                                   g.dx1.data(), Nl, C);
+  done(dx0, nlc, "input gradient");
 }
 
-void StageModel::Impl::block_backward_weight(int li, Stash& s, Backward& b, int mb) {
+void StageModel::Impl::block_backward_weight(int li, StashT& s, BackwardT& b, int mb) {
   const BlockParams& p = blocks[li];
-  const BlockStash& st = s.blocks[li];
-  const BlockGrads& g = b.split ? b.blocks[li] : shared_grads;
-  wgrad_linear(p.mlp_proj_w, p.mlp_proj_b, b.res(li + 1), st.gelu.data(), F, C, mb);
-  wgrad_linear(p.fc_w, p.fc_b, g.dfc.data(), st.ln2.data(), C, F, mb);
+  const BlockStash<Buffer>& st = s.blocks[li];
+  const Grads& g = b.split ? b.blocks[li] : shared_grads;
+  // All rows of the output and attn residual gradients: the unsplit backward's input pass has just
+  // gathered them (sequence parallelism); the split one's ran long ago, so gather them again.
+  const float* dy = b.res(li + 1).data();
+  const float* dx1 = g.dx1.data();
+  if (sp) {
+    dy = b.split ? gather_rows(dy, dy_full, C) : dy_full.data();
+    dx1 = b.split ? gather_rows(dx1, dx1_full, C) : dx1_full.data();
+  }
+  wgrad_linear(p.mlp_proj_w, p.mlp_proj_b, dy, st.gelu.data(), Fl, C, mb);
+  wgrad_linear(p.fc_w, p.fc_b, g.dfc.data(), gather_rows(st.ln2.data(), gathered, C), C, Fl, mb);
   wgrad_layernorm(p.ln2_w, p.ln2_b, g.dln2.data(), st.x1.data(), st.mean2.data(), st.rstd2.data(), mb);
-  wgrad_linear(p.attn_proj_w, p.attn_proj_b, g.dx1.data(), st.att.data(), C, C, mb);
-  wgrad_linear(p.qkv_w, p.qkv_b, g.dqkv.data(), st.ln1.data(), C, 3 * C, mb);
+  wgrad_linear(p.attn_proj_w, p.attn_proj_b, dx1, st.att.data(), Cl, C, mb);
+  wgrad_linear(p.qkv_w, p.qkv_b, g.dqkv.data(), gather_rows(st.ln1.data(), gathered, C), C, 3 * Cl, mb);
   wgrad_layernorm(p.ln1_w, p.ln1_b, g.dln1.data(), s.x[li].data(), st.mean1.data(), st.rstd1.data(), mb);
+  flush_norms(mb);
 }
 
 // One micro-batch's gradient of parameter p, as produced: rounded to the compute format, added
@@ -729,6 +750,7 @@ void StageModel::Impl::commit(int p, float* produced, int mb) {
          mb);
 }
 
+// A product's weight (and bias) gradients over all N rows.
 void StageModel::Impl::wgrad_linear(int pw, int pb, const float* dy, const float* x, int in, int out, int mb) {
   if (fast_grads) {
     layers::linear_backward_weight(g(pw), pb >= 0 ? g(pb) : nullptr, dy, x, N, in, out, true);
@@ -741,8 +763,18 @@ void StageModel::Impl::wgrad_linear(int pw, int pb, const float* dy, const float
   if (pb >= 0) commit(pb, bscratch.data(), mb);
 }
 
+// A norm's gradients over the shard's rows. Under sequence parallelism those are 1/tp of the rows:
+// the partial sums wait in norm_partials until flush_norms sums them over the group, so every
+// shard commits the same whole gradient (the norms stay replicated).
 void StageModel::Impl::wgrad_layernorm(int pw, int pb, const float* dy, const float* x, const float* mean,
                                        const float* rstd, int mb) {
+  if (sp) {
+    float* at = norm_partials.data() + pending_norms.size() * 2 * C;
+    std::fill_n(at, 2 * C, 0.0f);
+    layers::layernorm_backward_weight(at, at + C, dy, x, mean, rstd, Nl, C);
+    pending_norms.push_back({pw, pb});
+    return;
+  }
   if (fast_grads) {
     layers::layernorm_backward_weight(g(pw), g(pb), dy, x, mean, rstd, N, C);
     scan_accumulated(pw, mb);
@@ -756,16 +788,43 @@ void StageModel::Impl::wgrad_layernorm(int pw, int pb, const float* dy, const fl
   commit(pb, bscratch.data(), mb);
 }
 
+void StageModel::Impl::flush_norms(int mb) {
+  if (pending_norms.empty()) return;
+  const std::size_t n = pending_norms.size() * 2 * C;
+  tp_group().all_reduce({norm_partials.data(), n}, ReduceOp::sum, DType::fp32);
+  for (std::size_t i = 0; i < pending_norms.size(); ++i) {
+    const int pair[2] = {pending_norms[i].pw, pending_norms[i].pb};
+    for (int j = 0; j < 2; ++j) {
+      float* produced = norm_partials.data() + (2 * i + j) * C;
+      if (fast_grads) {
+        Row(g(pair[j]), C) += ConstRow(produced, C);
+        scan_accumulated(pair[j], mb);
+      } else {
+        commit(pair[j], produced, mb);
+      }
+    }
+  }
+  pending_norms.clear();
+}
+
+// The embedding's gradients from all N rows' gradient dx: wte's (the shard's vocabulary rows) and wpe's.
 void StageModel::Impl::wgrad_embedding(const float* dx, const std::int32_t* tokens, int mb) {
+  const int n = static_cast<int>(N);
+  auto scatter = [&](float* dwte, float* dwpe) {
+    if (tp == 1)
+      layers::embedding_backward(dwte, dwpe, dx, tokens, B, T, C);
+    else
+      layers::embedding_shard_backward(dwte, dwpe, dx, tokens, vocab0, Vl, n, T, C);
+  };
   if (fast_grads) {
-    layers::embedding_backward(g(wte), g(wpe), dx, tokens, B, T, C);
+    scatter(g(wte), g(wpe));
     scan_accumulated(wte, mb);
     scan_accumulated(wpe, mb);
     return;
   }
   std::fill_n(wscratch.begin(), params[wte].size, 0.0f);
   std::fill_n(bscratch.begin(), params[wpe].size, 0.0f);
-  layers::embedding_backward(wscratch.data(), bscratch.data(), dx, tokens, B, T, C);
+  scatter(wscratch.data(), bscratch.data());
   commit(wte, wscratch.data(), mb);
   commit(wpe, bscratch.data(), mb);
 }
@@ -780,11 +839,14 @@ StageModel& StageModel::operator=(StageModel&&) noexcept = default;
 
 const StageSpec& StageModel::spec() const { return impl_->spec; }
 
+void StageModel::set_tensor_parallel_group(TensorParallelGroup* group) { impl_->group = group; }
+
 void StageModel::init(std::uint64_t seed) {
   Impl& m = *impl_;
   const double std_residual = 0.02 / std::sqrt(2.0 * std::max(1, m.spec.dims.num_layers));
   for (std::size_t i = 0; i < m.params.size(); ++i) {
     const ParamInfo& p = m.params[i];
+    const ParamShard& shard = p.shard;
     float* w = m.master.data() + p.offset;
     const std::uint64_t key = mix64(seed ^ mix64(hash_name(p.name)));
     switch (m.inits[i]) {
@@ -796,8 +858,9 @@ void StageModel::init(std::uint64_t seed) {
         break;
       case Init::normal:
       case Init::normal_residual: {
+        // A shard draws the whole tensor's values at its elements' places in it.
         const double sd = m.inits[i] == Init::normal ? 0.02 : std_residual;
-        for (std::size_t k = 0; k < p.size; ++k) w[k] = static_cast<float>(sd * normal_at(key, k));
+        for (std::size_t k = 0; k < p.size; ++k) w[k] = static_cast<float>(sd * normal_at(key, shard.global_index(k)));
         break;
       }
     }
@@ -816,11 +879,11 @@ std::span<float> StageModel::compute_weights() {
 void StageModel::set_weight_gate(WeightGate* gate) { impl_->gate.gate = gate; }
 
 ParamInfo StageModel::token_embedding() const {
-  if (impl_->wte < 0) return ParamInfo{"", 0, 0, true};
+  if (impl_->wte < 0) return ParamInfo{};
   return impl_->params[impl_->wte];
 }
 
-std::size_t StageModel::activation_elements() const { return impl_->N * impl_->C; }
+std::size_t StageModel::activation_elements() const { return impl_->Nl * impl_->C; }
 
 float StageModel::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input,
                           float* output) {
@@ -866,8 +929,8 @@ void StageModel::backward_end(int mb, float* grad_input) {
     throw std::logic_error("StageModel::backward_end: micro-batch " + std::to_string(mb) + " has done " +
                            std::to_string(sl.units_done) + " of " + std::to_string(m.units.size()) + " backward units");
   if (!m.spec.has_embedding && grad_input) {
-    const float* d = sl.backward->res(0);
-    std::copy(d, d + m.N * m.C, grad_input);
+    const float* d = sl.backward->res(0).data();
+    std::copy(d, d + m.Nl * m.C, grad_input);
   }
   m.release(sl);
 }
@@ -885,8 +948,8 @@ void StageModel::backward_input(int mb, const float* grad_output, float loss_gra
   }
   sl.backward->inputs_done = true;
   if (!m.spec.has_embedding && grad_input) {
-    const float* d = sl.backward->res(0);
-    std::copy(d, d + m.N * m.C, grad_input);
+    const float* d = sl.backward->res(0).data();
+    std::copy(d, d + m.Nl * m.C, grad_input);
   }
 }
 
@@ -918,17 +981,28 @@ std::size_t StageModel::gradient_bytes() const {
   return impl_->grads.size() * dtype_bytes(impl_->spec.grad_accumulation);
 }
 std::size_t StageModel::activation_bytes() const {
+  const Impl& m = *impl_;
   std::size_t bytes = 0;
-  for (const Impl::Slot& sl : impl_->slots) {
-    if (sl.stash) bytes += impl_->stash_bytes(*sl.stash);
-    if (sl.backward) bytes += impl_->backward_bytes(*sl.backward);
+  auto count = [&](const Buffer& b, Held h) { bytes += m.held_bytes(b.size(), h); };
+  for (const Impl::Slot& sl : m.slots) {
+    if (sl.stash)
+      bytes += stash_bytes(
+          *sl.stash, m.spec.recompute, [&](const Buffer& b, Held h) { return m.held_bytes(b.size(), h); },
+          [](const Impl::Ids& ids) { return ids.size() * sizeof(std::int32_t); });
+    if (sl.backward) for_each_tensor(*sl.backward, count);
   }
   return bytes;
 }
 
 std::size_t StageModel::recompute_bytes() const {
   const Impl& m = *impl_;
-  return m.block_bytes(m.redo.block) + (m.redo.probs.size() + m.redo.out.size()) * dtype_bytes(m.spec.compute);
+  std::size_t bytes = m.held_bytes(m.redo.probs.size() + m.redo.out.size(), Held::compute);
+  for (const Buffer* t : {&m.redo.block.ln1, &m.redo.block.qkv, &m.redo.block.probs, &m.redo.block.att,
+                          &m.redo.block.x1, &m.redo.block.ln2, &m.redo.block.fc, &m.redo.block.gelu})
+    bytes += m.held_bytes(t->size(), Held::compute);
+  for (const Buffer* t : {&m.redo.block.mean1, &m.redo.block.rstd1, &m.redo.block.mean2, &m.redo.block.rstd2})
+    bytes += m.held_bytes(t->size(), Held::f32);
+  return bytes;
 }
 
 StageNumerics& StageModel::numerics() { return impl_->numerics; }
@@ -941,28 +1015,18 @@ std::vector<StageModel::NamedTensor> StageModel::stashed_tensors(int mb) const {
   const Impl& m = *impl_;
   std::vector<NamedTensor> out;
   if (mb < 0 || static_cast<std::size_t>(mb) >= m.slots.size() || !m.slots[mb].stash) return out;
-  const Impl::Stash& s = *m.slots[mb].stash;
-  auto add = [&](std::string name, const Buffer& v) {
-    if (!v.empty()) out.push_back({std::move(name), v});  // what recompute rebuilds is not kept
-  };
-  add(m.spec.has_embedding ? "embedding output" : "stage input", s.x[0]);
-  for (int li = 0; li < m.L; ++li) {
-    const Impl::BlockStash& b = s.blocks[li];
-    const std::string pre = "block " + std::to_string(m.spec.first_layer + li) + " ";
-    add(pre + "ln1 output", b.ln1);
-    add(pre + "attn.qkv output", b.qkv);
-    add(pre + "attn.softmax output", b.probs);
-    add(pre + "attn output", b.att);
-    add(pre + "attn residual", b.x1);
-    add(pre + "ln2 output", b.ln2);
-    add(pre + "mlp.fc output", b.fc);
-    add(pre + "mlp.gelu output", b.gelu);
-    add(pre + "output", s.x[li + 1]);
-  }
-  if (m.spec.has_head) {
-    add("lnf output", s.lnf);
-    add("logits", s.logits);
-  }
+  for_each_tensor(
+      *m.slots[mb].stash,
+      [&](const char* what, int li, const Buffer& b, Held h) {
+        if (h != Held::compute || b.empty()) return;
+        std::string name = what;
+        if (li >= 0)
+          name = "block " + std::to_string(m.spec.first_layer + li) + " " + name;
+        else if (m.spec.has_embedding && name == "stage input")
+          name = "embedding output";
+        out.push_back({std::move(name), b});
+      },
+      [](const Impl::Ids&) {});
   return out;
 }
 

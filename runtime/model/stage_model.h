@@ -14,6 +14,11 @@
 //    accumulation buffer and the sum rounded to grad_accumulation.
 // With compute = fp32 every rounding is the identity, so any cut of the model into stages
 // computes what the whole model does, to FP32 rounding of summation order.
+//
+// Tensor parallelism (stage_layout.h, runtime/README.md): a stage may be one of tp shards, holding
+// 1/tp of the heads, the MLP and the vocabulary, running its group's collectives inside forward and
+// backward (set_tensor_parallel_group); the shards of a stage together compute what the stage does,
+// to FP32 rounding of summation order, and keep their replicated parameters bit-identical.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +31,8 @@
 #include "core/dtype.h"
 
 namespace trainsim::runtime {
+
+class TensorParallelGroup;  // runtime/model/tensor_parallel.h
 
 struct ModelDims {
   int num_layers = 8;
@@ -49,6 +56,11 @@ struct StageSpec {
   // backward (Korthikanti et al. 2022); `full` keeps only each block's input and reruns the
   // block's forward in its backward. Rebuilt tensors are bitwise those of the forward.
   Recompute recompute = Recompute::none;
+  // Tensor parallelism (stage_layout.h): this stage is shard `tensor_parallel_rank` of
+  // `tensor_parallel_size`; its collectives go to the group set_tensor_parallel_group() names.
+  // sequence_parallel: its residual stream holds 1/tensor_parallel_size of the rows.
+  int tensor_parallel_size = 1, tensor_parallel_rank = 0;
+  bool sequence_parallel = false;
 };
 
 // What numerics the stage saw since the last reset (per step): the largest magnitudes, how
@@ -59,10 +71,32 @@ struct StageNumerics {
   std::string first_nonfinite;  // e.g. "block 3 mlp output (forward, micro-batch 2)"; empty if none
 };
 
+// How a parameter of the whole model is cut into this shard's: the rows of blocks
+// [row_begin, row_begin + rows) of the whole (full_rows, full_cols) tensor, each keeping its columns
+// [col_begin, col_begin + cols). Replicated: one block of every row and column.
+struct ParamShard {
+  std::size_t full_rows = 0, full_cols = 0;
+  std::vector<std::size_t> row_begins;  // the shard's row blocks, in order, `rows` rows each
+  std::size_t rows = 0, col_begin = 0, cols = 0;
+  std::size_t size() const { return row_begins.size() * rows * cols; }
+  // The whole tensor's element index of the shard's element i.
+  std::size_t global_index(std::size_t i) const {
+    const std::size_t r = i / cols, c = i % cols;
+    const std::size_t block = r / rows, within = r % rows;
+    return (row_begins[block] + within) * full_cols + col_begin + c;
+  }
+  static ParamShard whole(std::size_t rows, std::size_t cols) { return {rows, cols, {0}, rows, 0, cols}; }
+};
+
 struct ParamInfo {
   std::string name;   // global name, e.g. "block.3.attn.qkv.weight", "wte" (same on every cut)
   std::size_t offset = 0, size = 0;  // in master_weights() / gradients()
   bool decay = true;  // weight decay applies (not to biases, norms)
+  // Split over the tensor-parallel group (each shard holds 1/tp of it); false: replicated, the
+  // same values and the same gradient on every shard (layer norms, the biases added after a
+  // row-parallel product's reduction, the position embedding).
+  bool tensor_parallel = false;
+  ParamShard shard;  // where its elements sit in the whole model's tensor
 };
 
 // For an engine that gathers sharded weights piece by piece (ZeRO-3, runtime/engine/zero.h): a
@@ -106,9 +140,14 @@ class StageModel {
 
   const StageSpec& spec() const;
 
+  // The group a tensor-parallel shard (spec().tensor_parallel_size > 1) runs its collectives
+  // over; it must outlive the model. A shard without one throws std::logic_error on forward.
+  void set_tensor_parallel_group(TensorParallelGroup* group);
+
   // Deterministic: each tensor's values depend only on (seed, its global name), so every cut
   // of the model starts from the weights of the whole one (the last stage's copy of a tied
-  // embedding equals the first stage's). Also refreshes the working copy.
+  // embedding equals the first stage's; a tensor-parallel shard holds its slice of the whole
+  // tensor's values). Also refreshes the working copy.
   void init(std::uint64_t seed);
 
   // Parameters flattened in gradient-completion order: the units of backward_unit() in the
@@ -130,7 +169,8 @@ class StageModel {
   // first and last stage before the optimizer step.
   ParamInfo token_embedding() const;
 
-  // Activations passed between stages: micro_batch_size * seq_length * hidden_size floats.
+  // Activations passed between stages: micro_batch_size * seq_length * hidden_size floats (1/tp
+  // of them under sequence parallelism: the shard's rows).
   std::size_t activation_elements() const;
 
   // Forward of micro-batch `mb` (keeps what backward needs until backward_end/backward_weight).

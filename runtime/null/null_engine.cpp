@@ -60,6 +60,7 @@ class NullEngine final : public DeviceEngine {
       rs.numerics.rank = r;
       rs.numerics.stage = c.pp;
       rs.numerics.replica = c.dp;
+      rs.numerics.shard = c.tp;
       rs.grad_norm = std::sqrt(norm_sq);
       if (c.pp == world_.pipeline_parallel() - 1) {
         double mean = 0;
@@ -75,9 +76,11 @@ class NullEngine final : public DeviceEngine {
         rs.loss_sum = loss * plan_.num_microbatches;
         rs.loss_count = plan_.num_microbatches;
       }
-      rs.timing = tl.ops[static_cast<std::size_t>(r)];
+      // A shard of a schedule rank plays back its cell's predicted ops.
+      const auto cell = static_cast<std::size_t>(world_.cell(r));
+      rs.timing = tl.ops[cell];
       rs.arrival.assign(rs.timing.size(), -1);
-      const auto& ops = prediction_.schedule->ranks[static_cast<std::size_t>(r)].ops;
+      const auto& ops = prediction_.schedule->ranks[cell].ops;
       for (std::size_t i = 0; i < ops.size(); ++i)
         if (is_collective(ops[i].kind)) rs.arrival[i] = rs.timing[i].start;
       // The update: weights decay towards zero.
@@ -111,7 +114,11 @@ class NullEngine final : public DeviceEngine {
     }
   }
 
-  std::vector<MemoryBreakdown> memory_peaks() const override { return prediction_.memory; }
+  std::vector<MemoryBreakdown> memory_peaks() const override {
+    std::vector<MemoryBreakdown> out;  // the prediction is per GPU: each shard of a cell holds its cell's
+    for (int r = 0; r < world_.size(); ++r) out.push_back(prediction_.memory[static_cast<std::size_t>(world_.cell(r))]);
+    return out;
+  }
 
  private:
   const Plan& plan_;

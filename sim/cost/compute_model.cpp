@@ -23,6 +23,45 @@ double kernels_seconds(const std::vector<KernelWork>& ws, const HardwareProfile&
   return total;
 }
 
+// Tensor parallelism's collectives inside one virtual stage's ops, as the runtime runs them
+// (runtime/model/stage_model.cpp), priced from the profile's all-reduce measurements over the tp
+// shards of a group, a reduce-scatter or all-gather at half an all-reduce (as the collective
+// model prices them); on the compute stream, not overlapped. Per layer: the two row-parallel
+// outputs summed (all-reduce; reduce-scatter under SP) in the forward and the two column-parallel
+// inputs' gradients in the backward, and under SP the two inputs gathered before their products
+// in both; the weight pass under SP gathers the two norms' outputs again (and, split from the
+// input pass, the two output gradients) and sums the norms' partial gradients (fp32). The
+// embedding sums its shards' rows; the head gathers its input (SP), reduces the cross-entropy's
+// row maxima and sums (fp32) and sums its input's gradient.
+RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int vs, const HardwareProfile& profile,
+                                                           int storage) {
+  RooflineComputeModel::ChunkSeconds c;
+  const int t = plan.tp;
+  if (t <= 1) return c;
+  const ModelShape m = plan.shape();
+  const bool sp = plan.config.parallelism.sequence_parallel;
+  const bool split = plan.config.parallelism.schedule == ScheduleKind::zb_h1;
+  const double rows = static_cast<double>(plan.micro_batch_size) * m.s;
+  auto all_reduce = [&](double bytes) { return profile.allreduce_seconds(t, bytes); };
+  const double activation = all_reduce(rows * m.h * storage);
+  const double reduce = sp ? activation / 2 : activation;
+  const double gather = sp ? activation / 2 : 0.0;
+  const int layers = plan.layers_per_virtual_stage[vs];
+  c.forward = layers * 2 * (reduce + gather);
+  c.backward_input = layers * 2 * (reduce + gather);
+  if (sp) c.backward_weight = layers * ((split ? 4 : 2) * gather + all_reduce(4.0 * m.h * 4));
+  if (vs == 0) {
+    c.forward += reduce;
+    c.backward_weight += gather;
+  }
+  if (vs == plan.num_virtual_stages() - 1) {
+    c.forward += gather + all_reduce(rows * 4) + all_reduce(2 * rows * 4);
+    c.backward_input += reduce;
+    if (sp) c.backward_weight += all_reduce(2.0 * m.h * 4);
+  }
+  return c;
+}
+
 }  // namespace
 
 void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwareProfile& profile) {
@@ -30,23 +69,35 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
   const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
   const int storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
-  for (const ChunkKernels& k : chunk_kernels(plan, storage)) {
+  const std::vector<ChunkKernels> kernels = chunk_kernels(plan, storage);
+  for (int vs = 0; vs < static_cast<int>(kernels.size()); ++vs) {
+    const ChunkKernels& k = kernels[static_cast<std::size_t>(vs)];
+    // Core factors timed with the shards' real collectives already hold them.
+    const bool in_factors = profile.core_factors_include_tensor_parallel && !profile.core_factors.empty();
+    const ChunkSeconds tp = in_factors ? ChunkSeconds{} : tensor_parallel_seconds(plan, vs, profile, storage);
     ChunkSeconds c;
     const Composition& in_layer = profile.composition;
-    c.forward = in_layer.forward * kernels_seconds(k.forward, profile, rate, hbm);
-    c.backward_input = in_layer.backward * kernels_seconds(k.backward_input, profile, rate, hbm);
-    c.backward_weight = in_layer.backward * kernels_seconds(k.backward_weight, profile, rate, hbm);
+    c.forward = in_layer.forward * kernels_seconds(k.forward, profile, rate, hbm) + tp.forward;
+    c.backward_input = in_layer.backward * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input;
+    c.backward_weight = in_layer.backward * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
     chunks_.push_back(c);
   }
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
-    const double params = plan.stage_params(s);
-    optimizer_ticks_.push_back(seconds_to_ticks(profile.core_factor(r) * kernels_seconds(
-        optimizer_kernels(plan, params / plan.tp / shards), profile, rate, hbm)));
+    const double params = plan.shard_stage_params(s);
+    optimizer_ticks_.push_back(seconds_to_ticks(profile.core_factor(plan.first_gpu_of(r)) * kernels_seconds(
+        optimizer_kernels(plan, params / shards), profile, rate, hbm)));
   }
+  // A rank of the schedule runs on its tensor-parallel shards' cores (GPUs first_gpu_of(r) ..
+  // + tp - 1), which wait for each other at every layer: the slowest one's factor.
   if (!profile.core_factors.empty())
-    for (int r = 0; r < plan.num_ranks(); ++r) rank_factors_.push_back(profile.core_factor(r));
+    for (int r = 0; r < plan.num_ranks(); ++r) {
+      double slowest = 0;
+      for (int g = plan.first_gpu_of(r); g < plan.first_gpu_of(r) + plan.tp; ++g)
+        slowest = std::max(slowest, profile.core_factor(g));
+      rank_factors_.push_back(slowest);
+    }
 }
 
 namespace {
@@ -146,7 +197,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   std::vector<Tick> of_stage(static_cast<std::size_t>(plan.pp));
   for (int s = 0; s < plan.pp; ++s)
     of_stage[static_cast<std::size_t>(s)] =
-        seconds_to_ticks(memory_seconds(plan.stage_params(s) / plan.tp / shards * bytes_per_param, cfg.cluster));
+        seconds_to_ticks(memory_seconds(plan.shard_stage_params(s) / shards * bytes_per_param, cfg.cluster));
   optimizer_ticks_.reserve(static_cast<std::size_t>(plan.num_ranks()));
   for (int r = 0; r < plan.num_ranks(); ++r) optimizer_ticks_.push_back(of_stage[static_cast<std::size_t>(plan.stage_of(r))]);
   chunk_ticks_.reserve(chunks_.size());

@@ -1,7 +1,8 @@
 // Compute time of forward, backward and optimizer ops. With a calibrated hardware profile
 // (cluster.profile) every kernel of the op (core/kernel_inventory.h) is priced at its measured
-// time at its shape, tensor parallelism's all-reduces excepted (a calibrated backend runs
-// none). Otherwise roofline style:
+// time at its shape, and tensor parallelism's collectives inside the op from the profile's
+// all-reduce measurements over tp ranks (compute_model.cpp, tensor_parallel_seconds).
+// Otherwise roofline style:
 //   matrix products: FLOPs / (peak rate of the compute format * compute_efficiency)
 //   memory-bound work (activations written and read around the products, embedding
 //   gather, softmax of the loss, optimizer update): bytes / HBM bandwidth

@@ -60,17 +60,19 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
                                     : 0.0);
     // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
     // first and second products and both norms (dW = dY^T X needs dY); per stage the
-    // gradient at its input, and on the last the logits' and the final norm's.
+    // gradient at its input, and on the last the logits' and the final norm's. Under tensor
+    // parallelism QKV's and the MLP's first product's are split t ways; the others are the
+    // residual stream's width, whole on every shard unless sequence parallel.
     const double qkv = m.h + 2.0 * m.h / m.a * m.kv_heads, mlp_in = (m.swiglu ? 2.0 : 1.0) * m.f;
-    double w = plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s * (qkv + m.h + mlp_in + m.h + 2.0 * m.h) / t;
-    w += e * static_cast<double>(b) * m.s * m.h;
-    if (vs == V - 1) w += e * static_cast<double>(b) * m.s * (static_cast<double>(m.V) / t + m.h);
+    const double rows = e * static_cast<double>(b) * m.s, stream_split = sp ? t : 1;
+    double w = plan.layers_per_virtual_stage[vs] * rows * ((qkv + mlp_in) / t + (m.h + m.h + 2.0 * m.h) / stream_split);
+    w += rows * m.h / stream_split;
+    if (vs == V - 1) w += rows * (static_cast<double>(m.V) / t + m.h / stream_split);
     // Full recompute keeps only the layer's input: the input pass, which rebuilt the layer, keeps
-    // for the weight pass the products' inputs (QKV's, the projection's, both MLP products') and
-    // the second norm's input.
+    // for the weight pass the products' inputs (QKV's and the MLP's first product's, the stream's
+    // rows; the projection's and the MLP's second product's, split t ways) and the second norm's input.
     if (rc == Recompute::full)
-      w += plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s *
-           ((sp ? 3.0 / t : 3.0) * m.h + (m.h + m.f) / t);
+      w += plan.layers_per_virtual_stage[vs] * rows * (3.0 * m.h / stream_split + (m.h + m.f) / t);
     tables_.weight_pass.push_back(w);
   }
 }
@@ -123,7 +125,7 @@ double activation_peak(const ActivationTables& t, const RankProgram& prog) {
 
 MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activation_peak) const {
   const auto& cfg = plan_.config;
-  const double params = plan_.stage_params(prog.stage) / plan_.tp;
+  const double params = plan_.shard_stage_params(prog.stage);
   const ModelStateBytes states = model_state_bytes(plan_, params);
 
   // Communication buffers: activation send/receive, gradient buckets cast to another

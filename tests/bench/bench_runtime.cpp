@@ -3,7 +3,10 @@
 //    product (runtime/model/matmul.h) beside Eigen's, per CPU second, with the core's nominal
 //    peak (FMA lanes x 2 FLOPs x clock, read from the CPU) as a counter;
 //  * one whole training step of a single rank, tokens/s (the PyTorch comparison is
-//    scripts/bench-vs-pytorch).
+//    scripts/bench-vs-pytorch);
+//  * the same step as two tensor-parallel shards (with and without sequence parallelism) and as
+//    two data-parallel replicas, each of the two rank threads pinned to its own core, against
+//    the one rank: the same model, batch and total work on the same machine.
 //
 //   build/tests/bench/bench_runtime --benchmark_min_time=0.5
 #include <benchmark/benchmark.h>
@@ -99,12 +102,17 @@ void BM_RoundToFp16(benchmark::State& state) {
 }
 BENCHMARK(BM_RoundToFp16);
 
-// A whole optimizer step of one rank (tests/bench/cpu-step.yaml's model, FP32 and BF16).
-void training_step(benchmark::State& state, DType compute) {
+// A whole optimizer step (tests/bench/cpu-step.yaml's model, FP32 and BF16) of one rank, or of
+// `tp` tensor-parallel shards, or of `dp` replicas (micro-batches of 8 / dp samples).
+void training_step(benchmark::State& state, DType compute, int tp = 1, bool sp = false, int dp = 1) {
   ScenarioConfig c;
-  c.cluster.num_gpus = 1;
+  c.cluster.num_gpus = tp * dp;
+  c.cluster.gpus_per_node = tp * dp;
   c.parallelism.schedule = ScheduleKind::one_f_one_b;
-  c.training.micro_batch_size = 8;
+  c.parallelism.tensor_parallel_size = tp;
+  c.parallelism.sequence_parallel = sp;
+  c.parallelism.data_parallel_size = dp;
+  c.training.micro_batch_size = 8 / dp;
   c.training.global_batch_size = 8;
   c.training.optimizer = Optimizer::adamw;
   c.precision.compute = compute;
@@ -120,16 +128,27 @@ void training_step(benchmark::State& state, DType compute) {
   runtime::RunOptions opt;
   opt.synthetic_data = true;
   opt.steps = 3;
-  double tokens_per_s = 0;
+  double tokens_per_s = 0, step_s = 0;
   for (auto _ : state) {
     const auto report = runtime::run_cpu(rp, opt);
     tokens_per_s = report.result.tokens_per_s;
+    step_s = report.result.step_time_s;
   }
   state.counters["tokens_per_s"] = tokens_per_s;  // of the median measured step
+  state.counters["step_ms"] = 1e3 * step_s;
 }
 void BM_TrainingStep_fp32(benchmark::State& state) { training_step(state, DType::fp32); }
 void BM_TrainingStep_bf16(benchmark::State& state) { training_step(state, DType::bf16); }
 BENCHMARK(BM_TrainingStep_fp32)->Unit(benchmark::kMillisecond)->Iterations(2);
 BENCHMARK(BM_TrainingStep_bf16)->Unit(benchmark::kMillisecond)->Iterations(2);
+
+// The same step on two cores: tensor parallelism (each shard does half of every product and
+// exchanges two activations per layer each way), with sequence parallelism, and data parallelism.
+void BM_TwoCoreStep_tp2(benchmark::State& state) { training_step(state, DType::fp32, 2); }
+void BM_TwoCoreStep_tp2_sp(benchmark::State& state) { training_step(state, DType::fp32, 2, true); }
+void BM_TwoCoreStep_dp2(benchmark::State& state) { training_step(state, DType::fp32, 1, false, 2); }
+BENCHMARK(BM_TwoCoreStep_tp2)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK(BM_TwoCoreStep_tp2_sp)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK(BM_TwoCoreStep_dp2)->Unit(benchmark::kMillisecond)->Iterations(2);
 
 }  // namespace

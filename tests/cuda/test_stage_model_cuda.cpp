@@ -37,12 +37,16 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/device_buffer.h"
 #include "kernels/kernels.h"
+#include "runtime/comm/in_process.h"
+#include "runtime/cuda/device_world.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/model/stage_model.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
 
 namespace trainsim {
@@ -459,6 +463,102 @@ TEST(CudaStageModelWithoutDevice, RefusesFormatsTheKernelsDoNotStoreAndBadSpecs)
   EXPECT_THROW(build(stage(odd, 0, 2, true, true, DType::fp32)), std::invalid_argument);
   EXPECT_THROW(build(stage(d, 1, 2, false, false, DType::fp32)), std::invalid_argument);  // blocks 1..2 of 2
 }
+
+// ---------------------------------------------------------------------------------------
+// Tensor (and sequence) parallelism: two shards of a whole-model stage, each on its own host
+// thread and stream with the single-GPU world as its group, against the CPU's two shards on the
+// in-process ring. Same tolerances as the whole stage in fp32: a shard's sums differ from the
+// CPU shard's in the same places (products, row reductions), and the group's sums are the same
+// ring in the same order on both (device_world.h).
+// ---------------------------------------------------------------------------------------
+class CudaStageTensorParallel : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { skip_without_device(); }
+};
+
+struct ShardResult {
+  std::vector<float> loss, gradients;
+  std::vector<ParamInfo> params;
+};
+
+TEST_P(CudaStageTensorParallel, ShardsMatchTheCpuShards) {
+  const bool sp = GetParam();
+  constexpr int tp = 2;
+  StageSpec spec = stage(small_dims(2), 0, 2, true, true, DType::fp32);
+  spec.tensor_parallel_size = tp;
+  spec.sequence_parallel = sp;
+  std::vector<Batch> batches;
+  for (int mb = 0; mb < kMicroBatches; ++mb) batches.push_back(make_batch(spec, 100 + mb));
+  const float scale = 1.0f / kMicroBatches;
+
+  // Each shard on its own thread (its group's collectives wait for the others), backward after
+  // every forward (GPipe order), gradients accumulated over both micro-batches.
+  auto on_shards = [&](auto&& body) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < tp; ++r) threads.emplace_back(body, r);
+    for (auto& t : threads) t.join();
+  };
+  auto shard = [&](int r) {
+    StageSpec mine = spec;
+    mine.tensor_parallel_rank = r;
+    return mine;
+  };
+  auto backward_all = [&](auto& model) {
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      model.backward_begin(mb, nullptr, scale);
+      for (int u = 0; u < model.backward_units(); ++u) model.backward_unit(mb);
+      model.backward_end(mb, nullptr);
+    }
+  };
+  std::vector<ShardResult> cpu(tp), gpu(tp);
+  InProcessWorld cpu_world(tp);
+  on_shards([&](int r) {
+    auto comm = cpu_world.communicator(r);
+    CommunicatorGroup group(*comm, {0, 1});
+    group.restart(1);
+    StageModel m(shard(r));
+    m.set_tensor_parallel_group(&group);
+    m.init(kSeed);
+    for (int mb = 0; mb < kMicroBatches; ++mb)
+      cpu[r].loss.push_back(m.forward(mb, batches[mb].tokens.data(), batches[mb].targets.data(), nullptr, nullptr));
+    backward_all(m);
+    cpu[r].gradients.assign(m.gradients().begin(), m.gradients().end());
+    cpu[r].params = m.params();
+  });
+  DeviceWorld gpu_world(tp);
+  on_shards([&](int r) {
+    k::Stream stream;
+    auto comm = gpu_world.communicator(r);
+    DeviceCommunicatorGroup group(*comm, {0, 1});
+    group.restart(1);
+    CudaStageModel m(shard(r), stream.get());
+    m.set_tensor_parallel_group(&group);
+    m.init(kSeed);
+    m.zero_gradients();
+    for (int mb = 0; mb < kMicroBatches; ++mb)
+      m.forward(mb, batches[mb].tokens.data(), batches[mb].targets.data(), nullptr, nullptr);
+    gpu[r].loss = m.losses(kMicroBatches);
+    backward_all(m);
+    gpu[r].gradients = m.gradients_to_host();
+  });
+  for (int r = 0; r < tp; ++r) {
+    SCOPED_TRACE("shard " + std::to_string(r));
+    for (int mb = 0; mb < kMicroBatches; ++mb)
+      EXPECT_NEAR(gpu[r].loss[mb], cpu[r].loss[mb], 1e-5 * std::fabs(cpu[r].loss[mb])) << "micro-batch " << mb;
+    const std::vector<float>& ref = cpu[r].gradients;
+    ASSERT_EQ(gpu[r].gradients.size(), ref.size());
+    const double all = max_abs(ref.data(), ref.size());
+    for (const ParamInfo& p : cpu[r].params) {
+      const double tol = 1e-4 * std::max(max_abs(ref.data() + p.offset, p.size), 1e-2 * all);
+      const std::vector<float> part(gpu[r].gradients.begin() + static_cast<std::ptrdiff_t>(p.offset),
+                                    gpu[r].gradients.begin() + static_cast<std::ptrdiff_t>(p.offset + p.size));
+      expect_close(p.name + " gradient", part, ref.data() + p.offset, p.size, tol);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(SequenceParallel, CudaStageTensorParallel, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "sp" : "tp_only"; });
 
 }  // namespace
 }  // namespace trainsim::runtime::cuda

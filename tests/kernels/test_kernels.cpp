@@ -734,6 +734,78 @@ TEST_P(GpuByDType, ResidualAddIsIdenticalToTheCpu) {
   expect_identical("residual in place", from_device(dt, d_a, n), ref);
 }
 
+// =======================================================================================
+// Tensor parallelism's kernels against layers.h's shard functions. A shard of vocab0 = 16, Vl =
+// 16 rows of a vocabulary of kV; ids it does not hold are -1 on the device (kernels.h).
+// =======================================================================================
+std::vector<std::int32_t> local_ids(const std::vector<std::int32_t>& ids, int vocab0, int Vl) {
+  std::vector<std::int32_t> out(ids);
+  for (std::int32_t& id : out) id = id >= vocab0 && id < vocab0 + Vl ? id - vocab0 : -1;
+  return out;
+}
+
+TEST_P(GpuByDType, ShardEmbeddingPositionsAndBiasAreIdenticalToTheCpu) {
+  const DType dt = GetParam();
+  std::mt19937 rng(611);
+  const int vocab0 = 16, Vl = 16;
+  const auto wte = randn(dt, std::size_t(Vl) * kC, rng, 0, 0.5), wpe = randn(dt, std::size_t(kT) * kC, rng, 0, 0.5);
+  const auto tokens = random_ids(kN, kV, rng);
+  std::vector<float> ref(std::size_t(kN) * kC);
+  L::embedding_shard_forward<float>(ref.data(), tokens.data(), wte.data(), vocab0, Vl, kN, kC);
+  auto d_wte = to_device(dt, wte), d_wpe = to_device(dt, wpe), d_tok = to_device_raw(local_ids(tokens, vocab0, Vl));
+  DeviceBuffer d_out(ref.size() * dtype_bytes(dt));
+  embedding_shard_forward(d_out.data(), d_tok.as<std::int32_t>(), d_wte.data(), kN, kC, Vl, dt, nullptr);
+  synchronize();
+  expect_identical("shard lookup", from_device(dt, d_out, ref.size()), ref);
+
+  // The position embedding onto rows [row0, row0 + rows) of the micro-batch (a sequence-parallel
+  // shard's), then a bias: each one fp32 add rounded to the format.
+  const std::size_t row0 = 24, rows = 40;
+  std::vector<float> slice(ref.begin() + row0 * kC, ref.begin() + (row0 + rows) * kC);
+  L::add_position_embedding<float>(slice.data(), wpe.data(), row0, rows, kT, kC);
+  slice = rounded(dt, slice);
+  DeviceBuffer d_slice = to_device(dt, std::vector<float>(ref.begin() + row0 * kC, ref.begin() + (row0 + rows) * kC));
+  add_position_embedding(d_slice.data(), d_wpe.data(), row0, rows, kT, kC, dt, nullptr);
+  synchronize();
+  expect_identical("positions", from_device(dt, d_slice, slice.size()), slice);
+  const auto bias = randn(dt, kC, rng, 0, 0.3);
+  L::add_bias<float>(slice.data(), bias.data(), rows, kC);
+  slice = rounded(dt, slice);
+  auto d_bias = to_device(dt, bias);
+  add_bias(d_slice.data(), d_bias.data(), rows, kC, dt, nullptr);
+  synchronize();
+  expect_identical("bias", from_device(dt, d_slice, slice.size()), slice);
+}
+
+TEST_P(GpuByDType, ShardCrossEntropyMatchesLayers) {
+  const DType dt = GetParam();
+  std::mt19937 rng(612);
+  const int N = kCeN, V = 256, vocab0 = 128, Vl = 128;
+  const auto logits = randn(dt, std::size_t(N) * Vl, rng, 0.0, 2.0);
+  const auto targets = random_ids(N, V, rng);
+  const auto ld = to_double(logits);
+  // The reference in double: (1) row maxima, (2) the sums and target logits, (3) the loss.
+  std::vector<double> rowmax(N), sums(2 * N), lse(N);
+  L::cross_entropy_shard_max<double>(rowmax.data(), ld.data(), N, Vl);
+  L::cross_entropy_shard_sums<double>(sums.data(), ld.data(), rowmax.data(), targets.data(), vocab0, N, Vl);
+  L::cross_entropy_shard_loss<double>(lse.data(), rowmax.data(), sums.data(), N);
+
+  auto d_l = to_device(dt, logits), d_t = to_device_raw(local_ids(targets, vocab0, Vl));
+  DeviceBuffer d_max(N * 4), d_sums(2 * N * 4), d_loss(N * 4), d_lse(N * 4);
+  cross_entropy_shard_max(d_max.as<float>(), d_l.data(), N, Vl, dt, nullptr);
+  cross_entropy_shard_sums(d_sums.as<float>(), d_l.data(), d_max.as<float>(), d_t.as<std::int32_t>(), N, Vl, dt,
+                           nullptr);
+  cross_entropy_shard_loss(d_loss.as<float>(), d_lse.as<float>(), d_max.as<float>(), d_sums.as<float>(), N, nullptr);
+  synchronize();
+  expect_identical("row maxima", from_device(DType::fp32, d_max, N), std::vector<float>(rowmax.begin(), rowmax.end()));
+  const auto got_sums = from_device(DType::fp32, d_sums, 2 * N);
+  expect_within("sums", got_sums, sums, [&](std::size_t i) { return i < std::size_t(N) ? kReduce * sums[i] : 0.0; });
+  std::vector<double> loss(N);
+  for (int n = 0; n < N; ++n) loss[n] = lse[n] - sums[N + n];
+  expect_within("loss", from_device(DType::fp32, d_loss, N), loss,
+                [&](std::size_t n) { return 4 * kU32 * (std::fabs(lse[n]) + std::fabs(sums[N + n]) + 1) + kReduce; });
+}
+
 const DType kStorage[] = {DType::fp32, DType::fp16, DType::bf16};
 
 TEST_F(Gpu, AccumulateIsIdenticalToTheCpuForEveryPairOfFormats) {

@@ -17,7 +17,9 @@
 #include "sim/simulator.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/loop/run_report.h"
+#include "core/diagnostics.h"
 #include "runtime/runtime_plan.h"
+#include "sim/cost/memory_model.h"
 #include "runtime/loop/run_loop.h"
 #include "tests/runtime/runtime_test_config.h"
 
@@ -34,10 +36,29 @@ RunReport run(const ScenarioConfig& c, RunOptions opt = {}) {
   return run_cpu(make_runtime_plan(c), opt);
 }
 
+// A (dp x pp) layout with vpp virtual stages under `schedule`.
+struct Layout {
+  int dp, pp, vpp;
+  ScheduleKind schedule;
+};
+
 std::vector<double> losses(const RunReport& r) {
   std::vector<double> l;
   for (const auto& s : r.steps) l.push_back(s.loss);
   return l;
+}
+
+// Every step of `r` against the one-rank `reference`: the loss to `relative`, the gradient norm
+// to 1e-4, replicas bit-identical.
+void expect_trains_like(const RunReport& r, const RunReport& reference, double relative) {
+  ASSERT_FALSE(r.failure) << r.failure->message;
+  ASSERT_EQ(r.steps.size(), reference.steps.size());
+  for (std::size_t i = 0; i < r.steps.size(); ++i) {
+    EXPECT_NEAR(r.steps[i].loss, reference.steps[i].loss, relative * std::fabs(reference.steps[i].loss))
+        << "step " << i + 1;
+    EXPECT_NEAR(r.steps[i].grad_norm, reference.steps[i].grad_norm, 1e-4 * reference.steps[i].grad_norm);
+    EXPECT_EQ(r.steps[i].replica_drift, 0.0) << "replicas hold bit-identical weights";
+  }
 }
 
 TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
@@ -47,10 +68,6 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
   // Training happens: the loss moves.
   EXPECT_NE(reference.steps[0].loss, reference.steps[2].loss);
 
-  struct Layout {
-    int dp, pp, vpp;
-    ScheduleKind schedule;
-  };
   const Layout layouts[] = {
       {2, 4, 1, ScheduleKind::gpipe},           {1, 4, 1, ScheduleKind::gpipe},
       {2, 1, 1, ScheduleKind::gpipe},           {2, 4, 1, ScheduleKind::one_f_one_b},
@@ -62,13 +79,129 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
     SCOPED_TRACE(::testing::Message() << "dp " << l.dp << " pp " << l.pp << " v " << l.vpp << " "
                                       << schedule_name(l.schedule));
     const RunReport r = run(small_config(l.dp, l.pp, l.schedule, l.vpp));
-    ASSERT_FALSE(r.failure) << r.failure->message;
-    ASSERT_EQ(r.steps.size(), reference.steps.size());
-    for (std::size_t i = 0; i < r.steps.size(); ++i) {
-      // Same samples, same weights, same updates: only the order of FP32 sums differs.
-      EXPECT_NEAR(r.steps[i].loss, reference.steps[i].loss, 2e-5 * std::fabs(reference.steps[i].loss)) << "step " << i + 1;
-      EXPECT_NEAR(r.steps[i].grad_norm, reference.steps[i].grad_norm, 1e-4 * reference.steps[i].grad_norm);
-      EXPECT_EQ(r.steps[i].replica_drift, 0.0) << "replicas hold bit-identical weights";
+    // Same samples, same weights, same updates: only the order of FP32 sums differs.
+    expect_trains_like(r, reference, 2e-5);
+  }
+}
+
+// Tensor parallelism (and sequence parallelism) is exact too: every dp x pp x tp layout up to 2
+// each, under every schedule, trains the one-rank model to FP32 rounding. The shards' sums run in
+// another order than one rank's (the row-parallel products' partial sums, the cross-entropy's
+// sums over the vocabulary, the norms' partial gradients under SP), so the losses agree to a unit
+// or two of FP32 rounding (seen: 6e-8 on a loss of 4, 1.5e-8 relative); the bound is 1e-6.
+TEST(Executor, TensorParallelMatchesOneRankInFp32) {
+  const RunReport reference = run(small_config(1, 1, ScheduleKind::one_f_one_b));
+  ASSERT_FALSE(reference.failure) << reference.failure->message;
+  const Layout layouts[] = {
+      {1, 1, 1, ScheduleKind::one_f_one_b},      {2, 1, 1, ScheduleKind::one_f_one_b},
+      {1, 2, 1, ScheduleKind::gpipe},            {1, 2, 1, ScheduleKind::one_f_one_b},
+      {2, 2, 1, ScheduleKind::one_f_one_b},      {1, 2, 2, ScheduleKind::interleaved_1f1b},
+      {2, 2, 2, ScheduleKind::interleaved_1f1b}, {1, 2, 1, ScheduleKind::zb_h1},
+      {2, 2, 1, ScheduleKind::zb_h1},            {2, 2, 1, ScheduleKind::gpipe},
+  };
+  for (const Layout& l : layouts)
+    for (const bool sp : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "dp " << l.dp << " pp " << l.pp << " tp 2 v " << l.vpp << " "
+                                        << schedule_name(l.schedule) << (sp ? " sequence parallel" : ""));
+      ScenarioConfig c = small_config(l.dp, l.pp, l.schedule, l.vpp);
+      c.parallelism.tensor_parallel_size = 2;
+      c.parallelism.sequence_parallel = sp;
+      const RunReport r = run(c);
+      expect_trains_like(r, reference, 1e-6);
+      for (const StepRecord& step : r.steps)
+        EXPECT_EQ(step.ranks.size(), static_cast<std::size_t>(2 * l.dp * l.pp)) << "a rank per shard";
+      // Every rank ran with its coordinates; the result has a rank per (dp, pp) cell.
+      ASSERT_EQ(r.executed_ranks.size(), static_cast<std::size_t>(2 * l.dp * l.pp));
+      for (const ExecutedRank& e : r.executed_ranks) {
+        EXPECT_EQ(e.rank, e.tp + 2 * (e.dp + l.dp * e.pp)) << "Megatron's order, tensor parallelism innermost";
+        EXPECT_EQ(e.schedule_rank, e.pp * l.dp + e.dp);
+      }
+      EXPECT_EQ(r.result.ranks.size(), static_cast<std::size_t>(l.dp * l.pp));
+      // run --json lists them with their coordinates.
+      const auto executed = run_to_json(r)["run"]["executed_ranks"];
+      ASSERT_EQ(executed.size(), r.executed_ranks.size());
+      EXPECT_EQ(executed.back()["tp"].get<int>(), 1);
+      EXPECT_EQ(executed.back()["pp"].get<int>(), l.pp - 1);
+      EXPECT_EQ(executed.back()["dp"].get<int>(), l.dp - 1);
+    }
+}
+
+// Low precision. A shard rounds where one rank does not: each row-parallel product's partial sum
+// to the format, the ring's sum of the tp partials, the bias added after it (three roundings where
+// one rank rounds b + xW^T once), and under SP the norms' gradients are summed from rounded halves.
+// Each is one rounding of relative size u (bf16 u = 2^-8, fp16 2^-11) on a tensor the one-rank run
+// also rounds ten-odd times per block, so a TP run is another low-precision run of the same FP32
+// trajectory, no farther from it than the one-rank run is. Bounds, per step's loss L:
+//  * step 1 (identical weights, only the forward's roundings differ) and every step after:
+//    |L_tp - L_one| <= u L — one rounding of every logit the loss reads;
+//  * |L_tp - L_fp32| <= 2 max over steps |L_one - L_fp32| — no farther from FP32 than two of
+//    the one-rank run's own low-precision errors.
+// Seen over 6 steps: bf16 |L_tp - L_one| 1.2e-4 L (u = 3.9e-3), fp16 1.0e-4 L (u = 4.9e-4); from
+// FP32: bf16 1.9e-4 against the one-rank run's 2.5e-4, fp16 3.3e-5 against 7.9e-5.
+TEST(Executor, TensorParallelLowPrecisionStaysWithinTheFormatsError) {
+  for (const DType dt : {DType::bf16, DType::fp16}) {
+    const double u = dt == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+    ScenarioConfig c = small_config(1, 1, ScheduleKind::one_f_one_b);
+    c.runtime.steps = 6;
+    const RunReport fp32 = run(c);
+    c.precision.compute = dt;
+    if (dt == DType::fp16) {
+      c.precision.loss_scaling.mode = LossScalingMode::static_scale;
+      c.precision.loss_scaling.initial_scale = 1024;
+    }
+    const RunReport one = run(c);
+    ASSERT_FALSE(one.failure);
+    double one_from_fp32 = 0;
+    for (std::size_t i = 0; i < one.steps.size(); ++i)
+      one_from_fp32 = std::max(one_from_fp32, std::fabs(one.steps[i].loss - fp32.steps[i].loss));
+    for (const auto& [dp, pp] : {std::pair{1, 1}, std::pair{2, 2}})
+      for (const bool sp : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " dp " << dp << " pp " << pp << " tp 2"
+                                          << (sp ? " sequence parallel" : ""));
+        ScenarioConfig t = c;
+        t.parallelism.data_parallel_size = dp;
+        t.parallelism.pipeline_parallel_size = pp;
+        t.parallelism.tensor_parallel_size = 2;
+        t.parallelism.sequence_parallel = sp;
+        const RunReport r = run(t);
+        ASSERT_FALSE(r.failure) << r.failure->message;
+        for (std::size_t i = 0; i < r.steps.size(); ++i) {
+          EXPECT_NEAR(r.steps[i].loss, one.steps[i].loss, u * one.steps[i].loss) << "step " << i + 1;
+          EXPECT_NEAR(r.steps[i].loss, fp32.steps[i].loss, 2 * one_from_fp32) << "step " << i + 1;
+        }
+      }
+  }
+}
+
+// What a shard holds: 1/tp of the sharded weights (with their gradients and Adam's moments) plus
+// the replicated norms, biases and position embedding — the simulator's count exactly
+// (Plan::shard_params); its activations as the memory model counts them (per layer 4 e·sbh
+// replicated, 1/tp of them under SP, the rest 1/tp; a split backward's kept gradients likewise),
+// which leaves out only the stage's input, the norms' statistics and the token ids: within 3%.
+TEST(Executor, TensorParallelMemoryPerRankFollowsTheModel) {
+  for (const ScheduleKind sched : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1}) {
+    const RunReport whole = run(small_config(1, 2, sched));
+    ASSERT_FALSE(whole.failure);
+    for (const bool sp : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << schedule_name(sched) << " pp 2 tp 2" << (sp ? " sequence parallel" : ""));
+      ScenarioConfig c = small_config(1, 2, sched);
+      c.parallelism.tensor_parallel_size = 2;
+      c.parallelism.sequence_parallel = sp;
+      const RunReport r = run(c);
+      ASSERT_FALSE(r.failure) << r.failure->message;
+      const auto predicted = MemoryModel(r.runtime_plan.plan).peak_per_rank(*r.schedule);
+      for (const ExecutedRank& e : r.executed_ranks) {
+        const MemoryBreakdown& m = e.memory;
+        const MemoryBreakdown& p = predicted[static_cast<std::size_t>(e.schedule_rank)];
+        const MemoryBreakdown& one = whole.memory[static_cast<std::size_t>(e.schedule_rank)];
+        EXPECT_EQ(m.weights, p.weights) << "rank " << e.rank;
+        EXPECT_EQ(m.gradients, p.gradients) << "rank " << e.rank;
+        EXPECT_EQ(m.optimizer, p.optimizer) << "rank " << e.rank;
+        EXPECT_GT(m.weights, one.weights / 2) << "the replicated parameters on top of half";
+        EXPECT_LT(m.weights, 0.53 * one.weights) << "about 1/tp of the stage's weights";
+        EXPECT_NEAR(m.total(), p.total(), 0.03 * m.total()) << "rank " << e.rank;
+        EXPECT_LT(m.activations, 0.7 * one.activations) << "activations split too";
+      }
     }
   }
 }
@@ -97,6 +230,36 @@ TEST(Executor, RecomputeTrainsBitwiseAsKeepingEverything) {
     }
     c.training.activation_recompute = Recompute::none;
   }
+}
+
+// A plan the runtime cannot shard is refused before anything runs, saying which number does not
+// divide which (heads, vocabulary, width, and the sequence under sequence parallelism).
+TEST(Executor, TensorParallelRefusesPlansThatDoNotShard) {
+  auto refusal = [](ScenarioConfig c) -> std::string {
+    try {
+      make_runtime_plan(c);
+    } catch (const ScenarioError& e) {
+      std::string all;
+      for (const Diagnostic& d : e.diagnostics()) all += d.key_path + ": " + d.message + "\n";
+      return all;
+    }
+    return "";
+  };
+  ScenarioConfig c = small_config(1, 1, ScheduleKind::one_f_one_b);  // 2 heads, width 32, vocab 64, seq 16
+  c.parallelism.tensor_parallel_size = 4;
+  EXPECT_NE(refusal(c).find("num_attention_heads(2) is not divisible by tensor_parallel_size(4)"), std::string::npos)
+      << refusal(c);
+  c.parallelism.tensor_parallel_size = 2;
+  c.runtime.vocab_size = 65;
+  EXPECT_NE(refusal(c).find("vocab_size(65) is not divisible by tensor_parallel_size(2)"), std::string::npos)
+      << refusal(c);
+  c.runtime.vocab_size = 64;
+  c.runtime.seq_length = 15;
+  EXPECT_EQ(refusal(c), "") << "without sequence parallelism the rows need not divide";
+  c.parallelism.sequence_parallel = true;
+  EXPECT_NE(refusal(c).find("seq_length(15) is not divisible by tensor_parallel_size(2) under sequence_parallel"),
+            std::string::npos)
+      << refusal(c);
 }
 
 TEST(Executor, OverlappedBucketsGiveTheSameTraining) {

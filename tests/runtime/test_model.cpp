@@ -13,10 +13,13 @@
 #include <numbers>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "runtime/comm/in_process.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
+#include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
 
 namespace trainsim::runtime {
@@ -773,6 +776,164 @@ TEST(StageModel, RejectsBadSpecsAndInputs) {
   b.tokens[3] = 32;
   EXPECT_THROW(m.forward(0, b.tokens.data(), b.targets.data(), nullptr, nullptr), std::out_of_range);
   EXPECT_THROW(m.backward_begin(0, nullptr, 1.0f), std::logic_error);
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor parallelism: tp shards of a stage, each on its own thread with the in-process ring as
+// its group, compute what the whole stage computes.
+// ---------------------------------------------------------------------------------------
+struct ShardRun {
+  std::vector<float> loss, output, grad_input, gradients, weights;
+};
+
+// Two micro-batches through `spec` (shard `rank` of `tp`; tp 1: the whole stage): the first with the
+// unsplit backward, the second split (backward_input, then backward_weight). Weights: the whole
+// model's `whole` (by its params), cut to the shard. Middle and last stages take `input`
+// (all N rows, the shard keeps its own under sequence parallelism) and `grad_output` likewise.
+ShardRun run_shard(StageSpec spec, int tp, int rank, bool sp, TensorParallelGroup* group, const StageModel& whole,
+                   const std::vector<float>& whole_weights, const Batch& batch, const std::vector<float>& input,
+                   const std::vector<float>& grad_output) {
+  spec.tensor_parallel_size = tp;
+  spec.tensor_parallel_rank = rank;
+  spec.sequence_parallel = sp;
+  StageModel m(spec);
+  m.set_tensor_parallel_group(group);
+  m.init(3);
+  for (std::size_t i = 0; i < m.params().size(); ++i) {
+    const ParamInfo& p = m.params()[i];
+    const ParamInfo& w = whole.params()[i];
+    for (std::size_t k = 0; k < p.size; ++k) m.master_weights()[p.offset + k] = whole_weights[w.offset + p.shard.global_index(k)];
+  }
+  m.refresh_working_weights();
+  const std::size_t rows = m.activation_elements(), first_row = sp ? rows * rank : 0;
+  ShardRun out;
+  out.weights.assign(m.master_weights().begin(), m.master_weights().end());
+  for (int mb = 0; mb < 2; ++mb) {
+    std::vector<float> y(rows);
+    const float* in = spec.has_embedding ? nullptr : input.data() + first_row;
+    out.loss.push_back(m.forward(mb, batch.tokens.data(), batch.targets.data(), in, y.data()));
+    if (!spec.has_head) out.output.insert(out.output.end(), y.begin(), y.end());
+  }
+  for (int mb = 0; mb < 2; ++mb) {
+    std::vector<float> gin(rows);
+    const float* gout = spec.has_head ? nullptr : grad_output.data() + first_row;
+    if (mb == 0) {
+      m.backward_begin(mb, gout, 4.0f);
+      for (int u = 0; u < m.backward_units(); ++u) m.backward_unit(mb);
+      m.backward_end(mb, gin.data());
+    } else {
+      m.backward_input(mb, gout, 4.0f, gin.data());
+      m.backward_weight(mb);
+    }
+    if (!spec.has_embedding) out.grad_input.insert(out.grad_input.end(), gin.begin(), gin.end());
+  }
+  out.gradients.assign(m.gradients().begin(), m.gradients().end());
+  return out;
+}
+
+TEST(StageModel, TensorParallelShardsComputeTheWholeStage) {
+  const ModelDims d = small_dims(3);  // 2 heads, vocabulary 32, sequence 8
+  const int mbs = 2, tp = 2;
+  for (const auto& [first, count] : {std::pair{0, 3}, std::pair{1, 1}, std::pair{0, 1}, std::pair{1, 2}})
+    for (const bool sp : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "blocks [" << first << ", " << first + count << ") sp " << sp);
+      const StageSpec spec = stage_spec(d, first, count, mbs);
+      StageModel whole(spec);
+      whole.init(3);
+      randomize(whole, 11);
+      const std::vector<float> weights(whole.master_weights().begin(), whole.master_weights().end());
+      const Batch batch = make_batch(spec, 5);
+      std::mt19937_64 rng(9);
+      std::vector<float> input, grad_output;
+      for (double x : randn(whole.activation_elements(), rng)) input.push_back(static_cast<float>(x));
+      for (double x : randn(whole.activation_elements(), rng, 0.1)) grad_output.push_back(static_cast<float>(x));
+      const ShardRun ref = run_shard(spec, 1, 0, false, nullptr, whole, weights, batch, input, grad_output);
+
+      InProcessWorld world(tp);
+      std::vector<ShardRun> shards(tp);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < tp; ++r)
+        threads.emplace_back([&, r] {
+          auto comm = world.communicator(r);
+          CommunicatorGroup group(*comm, {0, 1});
+          group.restart(1);
+          shards[r] = run_shard(spec, tp, r, sp, &group, whole, weights, batch, input, grad_output);
+        });
+      for (auto& t : threads) t.join();
+
+      auto largest = [](const std::vector<float>& v, std::size_t from, std::size_t n) {
+        double m = 0;
+        for (std::size_t i = from; i < from + n; ++i) m = std::max(m, std::fabs(static_cast<double>(v[i])));
+        return m;
+      };
+      for (int r = 0; r < tp; ++r) {
+        const ShardRun& s = shards[r];
+        for (std::size_t mb = 0; mb < ref.loss.size(); ++mb)
+          EXPECT_NEAR(s.loss[mb], ref.loss[mb], 1e-6 * std::fabs(ref.loss[mb])) << "shard " << r;
+        // The rows it holds of what passes between stages: all of them, or its slice under SP.
+        const std::size_t per_mb = whole.activation_elements();
+        const std::size_t rows = sp ? per_mb / tp : per_mb;
+        for (const auto* pair : {&ref.output, &ref.grad_input}) {
+          const std::vector<float>& mine = pair == &ref.output ? s.output : s.grad_input;
+          if (pair->empty()) continue;
+          ASSERT_EQ(mine.size(), 2 * rows);
+          for (std::size_t mb = 0; mb < 2; ++mb) {
+            const double scale = largest(*pair, mb * per_mb, per_mb);
+            for (std::size_t i = 0; i < rows; ++i)
+              ASSERT_NEAR(mine[mb * rows + i], (*pair)[mb * per_mb + (sp ? r * rows : 0) + i], 2e-6 * scale)
+                  << (pair == &ref.output ? "output" : "input gradient") << " of micro-batch " << mb << ", element " << i;
+          }
+        }
+      }
+      // Every parameter: the shard's slice of the whole's, weights exactly, gradients to FP32
+      // rounding of the sums' order; replicated ones bit-identical on every shard.
+      StageSpec shard_spec = spec;
+      shard_spec.tensor_parallel_size = tp;
+      shard_spec.sequence_parallel = sp;
+      std::size_t held = 0;
+      for (int r = 0; r < tp; ++r) {
+        shard_spec.tensor_parallel_rank = r;
+        const StageModel shard(shard_spec);
+        held += shard.params().back().offset + shard.params().back().size;
+        for (std::size_t i = 0; i < shard.params().size(); ++i) {
+          const ParamInfo& p = shard.params()[i];
+          const ParamInfo& w = whole.params()[i];
+          ASSERT_EQ(p.name, w.name);
+          const double scale = largest(ref.gradients, w.offset, w.size);
+          for (std::size_t k = 0; k < p.size; ++k) {
+            const std::size_t at = w.offset + p.shard.global_index(k);
+            ASSERT_EQ(shards[r].weights[p.offset + k], weights[at]) << p.name;
+            ASSERT_NEAR(shards[r].gradients[p.offset + k], ref.gradients[at], 1e-5 * scale) << p.name << "[" << k << "]";
+            if (!p.tensor_parallel) {
+              ASSERT_EQ(shards[r].gradients[p.offset + k], shards[0].gradients[p.offset + k]) << p.name << " replicated";
+            }
+          }
+        }
+      }
+      // Each shard holds 1/tp of the sharded tensors: with the replicated ones, just over 1/tp of the whole.
+      EXPECT_LT(static_cast<double>(held), 1.1 * weights.size());
+    }
+}
+
+TEST(StageModel, TensorParallelRefusesShardsThatDoNotDivide) {
+  StageSpec spec = stage_spec(small_dims(2), 0, 2);
+  spec.tensor_parallel_size = 4;  // 2 heads
+  EXPECT_THROW(StageModel{spec}, std::invalid_argument);
+  spec.tensor_parallel_size = 2;
+  spec.tensor_parallel_rank = 2;
+  EXPECT_THROW(StageModel{spec}, std::invalid_argument);
+  spec.tensor_parallel_rank = 1;
+  spec.dims.vocab_size = 33;
+  EXPECT_THROW(StageModel{spec}, std::invalid_argument);
+  spec.dims.vocab_size = 32;
+  spec.dims.seq_length = 7;
+  spec.sequence_parallel = true;
+  EXPECT_THROW(StageModel{spec}, std::invalid_argument);
+  spec.sequence_parallel = false;
+  StageModel no_group(spec);  // 7 rows split only under SP: fine; but a shard needs its group
+  no_group.init(1);
+  const Batch b = make_batch(spec, 1);
+  EXPECT_THROW(no_group.forward(0, b.tokens.data(), b.targets.data(), nullptr, nullptr), std::logic_error);
 }
 
 }  // namespace

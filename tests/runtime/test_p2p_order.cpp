@@ -71,7 +71,7 @@ INSTANTIATE_TEST_SUITE_P(EverySchedule, P2pOrder,
 TEST(ReductionGroups, EveryMemberSetOnceWorldLast) {
   const RuntimePlan rp = make_runtime_plan(config(2, 2, ScheduleKind::one_f_one_b, 1, 8));
   const Schedule s = build_schedule(rp.plan);
-  const auto groups = reduction_groups(s, 4);
+  const auto groups = reduction_groups(s, World::of(rp.plan));
   std::set<std::vector<int>> unique(groups.begin(), groups.end());
   EXPECT_EQ(unique.size(), groups.size());
   for (const Collective& c : s.collectives) EXPECT_TRUE(unique.count(c.members)) << "missing a collective's members";
@@ -80,6 +80,40 @@ TEST(ReductionGroups, EveryMemberSetOnceWorldLast) {
   // replica (stage 0 and stage 1 of the replica), and the world.
   EXPECT_TRUE(unique.count(std::vector<int>{0, 1}));
   EXPECT_TRUE(unique.count(std::vector<int>{2, 3}));
+}
+
+// Under tensor parallelism a schedule rank is tp ranks of the world (Megatron's order, tp
+// innermost): each shard reduces its slice of the weights with the same shard of the other
+// replicas, the global overflow check covers every shard, and each tensor-parallel group gets a
+// communicator of its own for the collectives inside forward and backward.
+TEST(ReductionGroups, ShardsReduceWithTheirOwnShardAndHaveTheirGroup) {
+  ScenarioConfig c = config(2, 2, ScheduleKind::one_f_one_b, 1, 8);
+  c.parallelism.tensor_parallel_size = 2;
+  const RuntimePlan rp = make_runtime_plan(c);
+  const Schedule s = build_schedule(rp.plan);
+  const World world = World::of(rp.plan);
+  ASSERT_EQ(world.size(), 8);
+  const auto groups = reduction_groups(s, world);
+  const std::set<std::vector<int>> unique(groups.begin(), groups.end());
+  EXPECT_EQ(unique.size(), groups.size());
+  // Stage 0's replicas: cells 0, 1 -> shard 0 on ranks 0, 2; shard 1 on ranks 1, 3.
+  EXPECT_TRUE(unique.count({0, 2}));
+  EXPECT_TRUE(unique.count({1, 3}));
+  EXPECT_TRUE(unique.count({4, 6}));
+  for (const std::vector<int>& tp : {std::vector<int>{0, 1}, {2, 3}, {4, 5}, {6, 7}}) EXPECT_TRUE(unique.count(tp));
+  EXPECT_TRUE(unique.count(world.everyone()));
+  for (const Collective& col : s.collectives)
+    if (col.purpose == CollectivePurpose::overflow) {
+      EXPECT_EQ(collective_members(col, world, 1), world.everyone());
+    }
+}
+
+TEST(P2pLinks, ShardsTalkToTheSameShardOfTheirNeighbour) {
+  ScenarioConfig c = config(1, 2, ScheduleKind::one_f_one_b, 1, 8);
+  c.parallelism.tensor_parallel_size = 2;
+  const RuntimePlan rp = make_runtime_plan(c);
+  const std::vector<std::pair<int, int>> expected{{0, 2}, {1, 3}, {2, 0}, {3, 1}};
+  EXPECT_EQ(p2p_links(build_schedule(rp.plan), World::of(rp.plan)), expected);
 }
 
 TEST(P2pLinks, BothDirectionsOfEveryPipelineNeighbourOnce) {
@@ -93,12 +127,12 @@ TEST(P2pLinks, BothDirectionsOfEveryPipelineNeighbourOnce) {
       expected.emplace_back(rp.plan.rank_of(st + 1, d), rp.plan.rank_of(st, d));
     }
   std::sort(expected.begin(), expected.end());
-  EXPECT_EQ(p2p_links(s), expected);
+  EXPECT_EQ(p2p_links(s, World::of(rp.plan)), expected);
 }
 
 TEST(P2pLinks, InterleavingAddsTheWrapFromLastStageToFirst) {
   const RuntimePlan rp = make_runtime_plan(config(1, 4, ScheduleKind::interleaved_1f1b, 2, 8));
-  const auto links = p2p_links(build_schedule(rp.plan));
+  const auto links = p2p_links(build_schedule(rp.plan), World::of(rp.plan));
   EXPECT_TRUE(std::is_sorted(links.begin(), links.end()));
   EXPECT_EQ(std::adjacent_find(links.begin(), links.end()), links.end()) << "each once";
   // Virtual stage 3 (rank 3) feeds virtual stage 4 (rank 0), and its gradient comes back.
@@ -137,7 +171,7 @@ TEST(InFlight, StashesFollowTheScheduleKind) {
 
 TEST(P2pLinks, NoneWithoutAPipeline) {
   const RuntimePlan rp = make_runtime_plan(config(4, 1, ScheduleKind::one_f_one_b, 1, 8));
-  EXPECT_TRUE(p2p_links(build_schedule(rp.plan)).empty());
+  EXPECT_TRUE(p2p_links(build_schedule(rp.plan), World::of(rp.plan)).empty());
 }
 
 }  // namespace

@@ -89,6 +89,45 @@ TEST(RunLoop, PlaysBackThePredictionAsTheMeasuredResult) {
   }
 }
 
+// Under tensor parallelism a schedule rank is tp ranks of the world: every shard plays back its
+// cell's predicted ops, and the loop folds them back into one schedule rank per cell (its ops from
+// its last shard's start to its last shard's end, its memory its largest shard's), so the
+// measured result is still the prediction; every rank is reported with its coordinates.
+TEST(RunLoop, FoldsTensorParallelShardsIntoTheirScheduleRank) {
+  ScenarioConfig c = config(2, 2, ScheduleKind::one_f_one_b);
+  c.parallelism.tensor_parallel_size = 2;
+  const RuntimePlan rp = make_runtime_plan(c);
+  const RunReport r = run_null(c);
+  ASSERT_FALSE(r.failure) << r.failure->message;
+  const Prediction p = predict(rp.plan);
+  EXPECT_EQ(r.result.step_time_s, p.result.step_time_s);
+  EXPECT_EQ(r.result.bubble_fraction, p.result.bubble_fraction);
+  ASSERT_EQ(r.result.ranks.size(), 4u) << "a rank of the result per (dp, pp) cell";
+  ASSERT_EQ(r.executed_ranks.size(), 8u);
+  for (const ExecutedRank& e : r.executed_ranks) {
+    EXPECT_EQ(World::of(rp.plan).rank({e.dp, e.pp, e.tp}), e.rank);
+    EXPECT_EQ(e.schedule_rank, rp.plan.rank_of(e.pp, e.dp));
+    EXPECT_EQ(e.memory.total(), p.result.ranks[static_cast<std::size_t>(e.schedule_rank)].peak_memory_bytes);
+  }
+  for (const StepRecord& s : r.steps) EXPECT_EQ(s.ranks.size(), 8u);
+
+  // Shards that ran an op at different times: the cell's op runs from the later start to the
+  // later end, and reaches a collective with its later shard.
+  const World world(1, 1, 2);
+  std::vector<RankStep> shards(2);
+  shards[0].timing = {{0, 10}, {10, 30}};
+  shards[1].timing = {{2, 12}, {12, 25}};
+  shards[0].arrival = {-1, 10};
+  shards[1].arrival = {-1, 12};
+  const std::vector<RankStep> cells = cell_steps(world, shards);
+  ASSERT_EQ(cells.size(), 1u);
+  EXPECT_EQ(cells[0].timing[0].start, 2);
+  EXPECT_EQ(cells[0].timing[0].end, 12);
+  EXPECT_EQ(cells[0].timing[1].start, 12);
+  EXPECT_EQ(cells[0].timing[1].end, 30);
+  EXPECT_EQ(cells[0].arrival[1], 12);
+}
+
 // The run's summary splits idle time as the simulator's does: a data-parallel run's idle time is
 // exposed communication, not a pipeline bubble, and the two parts add up to the bubble fraction.
 TEST(RunLoop, TheSummarySplitsIdleTimeIntoPipelineBubbleAndExposedCommunication) {

@@ -1,0 +1,261 @@
+// What one stage of the decoder holds, written once for every device: its sizes as a tensor-
+// parallel shard sees them (StageShape), and the layout of the per-micro-batch stash and backward
+// buffers, templated over the buffer type so the CPU StageModel (host vectors) and the CUDA stage
+// model (device buffers) allocate, count and name the very same tensors.
+//
+// Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): a shard of `tp` holds 1/tp of every
+// block's heads (qkv: its heads' q, k and v rows; attn.proj: the matching input columns), 1/tp of
+// the MLP's hidden units (mlp.fc rows, mlp.proj columns) and 1/tp of the vocabulary (wte / the LM
+// head rows). Sequence parallelism (Korthikanti et al. 2022) splits the residual stream's rows
+// over the shards as well: shard r holds rows [r*N/tp, (r+1)*N/tp) of the micro-batch's N = B*T
+// rows (with micro_batch_size 1, a slice of the sequence), where the layer norms, residual adds
+// and position embeddings run; the products see all N rows (gathered).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/config.h"  // Recompute
+#include "runtime/model/stage_model.h"
+
+namespace trainsim::runtime {
+
+struct StageShape {
+  int B = 1, T = 1, C = 1, H = 1, F = 1, V = 1, L = 0;  // the whole model's sizes; L: this stage's blocks
+  int tp = 1, tp_rank = 0;
+  bool sp = false;
+  int Cl = 1, Hl = 1, Fl = 1, Vl = 1;  // this shard's: C/tp (its heads' width), H/tp, F/tp, V/tp
+  int vocab0 = 0;                      // its first vocabulary row: tp_rank * Vl
+  std::size_t N = 1;                   // rows of a micro-batch: B * T
+  std::size_t Nl = 1;                  // rows of the residual stream it holds: N/tp under SP, else N
+  std::size_t row0 = 0;                // the first of them
+
+  // Validates the spec (std::invalid_argument, "StageSpec: ..." with the numbers).
+  explicit StageShape(const StageSpec& s) {
+    const ModelDims& d = s.dims;
+    B = s.micro_batch_size;
+    T = d.seq_length;
+    C = d.hidden_size;
+    H = d.num_heads;
+    F = d.ffn();
+    V = d.vocab_size;
+    L = s.num_layers;
+    tp = s.tensor_parallel_size;
+    tp_rank = s.tensor_parallel_rank;
+    sp = s.sequence_parallel && tp > 1;
+    auto fail = [](const std::string& m) { throw std::invalid_argument("StageSpec: " + m); };
+    auto num = [](long v) { return std::to_string(v); };
+    if (B < 1 || T < 1 || C < 1 || H < 1 || V < 1 || F < 1 || d.num_layers < 0)
+      fail("micro_batch_size(" + num(B) + "), seq_length(" + num(T) + "), hidden_size(" + num(C) + "), num_heads(" +
+           num(H) + "), ffn(" + num(F) + ") and vocab_size(" + num(V) + ") must be positive");
+    if (C % H != 0) fail("hidden_size(" + num(C) + ") is not a multiple of num_heads(" + num(H) + ")");
+    if (s.first_layer < 0 || L < 0 || s.first_layer + L > d.num_layers)
+      fail("blocks [" + num(s.first_layer) + ", " + num(s.first_layer + L) + ") are not within the model's " +
+           num(d.num_layers) + " layers");
+    if (tp < 1 || tp_rank < 0 || tp_rank >= tp)
+      fail("tensor-parallel rank " + num(tp_rank) + " of " + num(tp) + " shards");
+    if (H % tp != 0) fail("num_heads(" + num(H) + ") is not divisible by tensor_parallel_size(" + num(tp) + ")");
+    if (F % tp != 0) fail("ffn(" + num(F) + ") is not divisible by tensor_parallel_size(" + num(tp) + ")");
+    if (V % tp != 0) fail("vocab_size(" + num(V) + ") is not divisible by tensor_parallel_size(" + num(tp) + ")");
+    if (sp && T % tp != 0)
+      fail("seq_length(" + num(T) + ") is not divisible by tensor_parallel_size(" + num(tp) +
+           ") under sequence parallelism");
+    Cl = C / tp;
+    Hl = H / tp;
+    Fl = F / tp;
+    Vl = V / tp;
+    vocab0 = tp_rank * Vl;
+    N = static_cast<std::size_t>(B) * T;
+    Nl = sp ? N / tp : N;
+    row0 = sp ? Nl * tp_rank : 0;
+  }
+  const StageShape& shape() const { return *this; }
+};
+
+// The format a tensor's elements are held in: the compute format (activations and gradients
+// between layers), FP32 (statistics, log-sum-exp), int32 (token ids).
+enum class Held { compute, f32, i32 };
+
+// What a block's forward keeps for its backward.
+template <class Buf>
+struct BlockStash {
+  Buf ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (Nl,C) (N,3Cl) (B,Hl,T,T) (N,Cl) (Nl,C) (Nl,C) (N,Fl) (N,Fl)
+  Buf mean1, rstd1, mean2, rstd2;               // (Nl) fp32
+  // Full recompute under a split backward: the input pass rebuilds the block here and the weight
+  // pass, later, reads part of it; `kept` from the one to the other (stash_bytes counts it then).
+  bool kept = false;
+};
+template <class Buf, class Ids>
+struct Stash {
+  Ids tokens, targets;    // (N) int32: first stage, last stage
+  std::vector<Buf> x;     // residual stream (Nl,C): x[0] stage input, x[l+1] block l's output
+  std::vector<BlockStash<Buf>> blocks;
+  Buf lnf, logits;        // (N,C) all rows (gathered under SP), (N,Vl): last stage
+  Buf meanf, rstdf, lse;  // (Nl) (Nl) (N) fp32
+};
+// Gradients a block's weight pass reads: shared scratch in the unsplit backward, kept per
+// micro-batch between backward_input and backward_weight in the zero-bubble split.
+template <class Buf>
+struct BlockGrads {
+  Buf dfc, dln2, dx1, dqkv, dln1;  // (N,Fl) (Nl,C) (Nl,C) (N,3Cl) (Nl,C)
+};
+template <class Buf>
+struct Backward {
+  bool split = false, inputs_done = false;
+  Buf dlogits, dlnf;               // (N,Vl) (Nl,C): last stage
+  std::vector<Buf> dres;           // residual-stream gradient (Nl,C): all L+1 positions when split, else 2 alternating
+  std::vector<BlockGrads<Buf>> blocks;  // split only
+  Buf& res(int pos) { return dres[static_cast<std::size_t>(pos) % dres.size()]; }
+};
+
+// Allocation: make(elements, Held) -> Buf, make_ids(elements) -> Ids.
+// One block's tensors (`probs`: with the softmax output).
+template <class Buf, class Make>
+BlockStash<Buf> make_block_stash(const StageShape& s, bool probs, Make&& make) {
+  const std::size_t nlc = s.Nl * s.C, n = s.N;
+  BlockStash<Buf> b;
+  b.ln1 = make(nlc, Held::compute);
+  b.qkv = make(3 * n * s.Cl, Held::compute);
+  if (probs) b.probs = make(static_cast<std::size_t>(s.B) * s.Hl * s.T * s.T, Held::compute);
+  b.att = make(n * s.Cl, Held::compute);
+  b.x1 = make(nlc, Held::compute);
+  b.ln2 = make(nlc, Held::compute);
+  b.fc = make(n * s.Fl, Held::compute);
+  b.gelu = make(n * s.Fl, Held::compute);
+  b.mean1 = make(s.Nl, Held::f32);
+  b.rstd1 = make(s.Nl, Held::f32);
+  b.mean2 = make(s.Nl, Held::f32);
+  b.rstd2 = make(s.Nl, Held::f32);
+  return b;
+}
+
+// A micro-batch's stash under activation recompute (training.activation_recompute, as sim's
+// memory model counts it): `none` keeps every tensor; `selective` no softmax output (rebuilt from
+// the kept QKV, Korthikanti et al. 2022); `full` each block's input only (the last block's output
+// only where the head reads it). `block_room`: under full recompute, allocate the blocks' tensors
+// anyway, as room a split backward rebuilds a block in (a device that must not allocate mid-step).
+template <class Buf, class Ids, class Make, class MakeIds>
+Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_head, Recompute recompute,
+                           bool block_room, Make&& make, MakeIds&& make_ids) {
+  Stash<Buf, Ids> st;
+  const std::size_t nlc = s.Nl * s.C, n = s.N;
+  if (has_embedding) st.tokens = make_ids(n);
+  if (has_head) {
+    st.targets = make_ids(n);
+    st.lnf = make(n * s.C, Held::compute);
+    st.logits = make(n * s.Vl, Held::compute);
+    st.meanf = make(s.Nl, Held::f32);
+    st.rstdf = make(s.Nl, Held::f32);
+    st.lse = make(n, Held::f32);
+  }
+  for (int i = 0; i <= s.L; ++i)
+    st.x.push_back(recompute == Recompute::full && i == s.L && !has_head && s.L > 0 ? Buf() : make(nlc, Held::compute));
+  st.blocks.resize(static_cast<std::size_t>(s.L));
+  if (recompute == Recompute::full && !block_room) return st;
+  for (BlockStash<Buf>& b : st.blocks) b = make_block_stash<Buf>(s, recompute != Recompute::selective, make);
+  return st;
+}
+
+template <class Buf, class Make>
+BlockGrads<Buf> make_block_grads(const StageShape& s, Make&& make) {
+  const std::size_t nlc = s.Nl * s.C;
+  return {make(s.N * s.Fl, Held::compute), make(nlc, Held::compute), make(nlc, Held::compute),
+          make(3 * s.N * s.Cl, Held::compute), make(nlc, Held::compute)};
+}
+
+template <class Buf, class Make>
+Backward<Buf> make_backward(const StageShape& s, bool has_head, bool split, Make&& make) {
+  Backward<Buf> b;
+  b.split = split;
+  if (has_head) {
+    b.dlogits = make(s.N * s.Vl, Held::compute);
+    b.dlnf = make(s.Nl * s.C, Held::compute);
+  }
+  for (int i = 0; i < (split ? s.L + 1 : std::min(s.L + 1, 2)); ++i) b.dres.push_back(make(s.Nl * s.C, Held::compute));
+  if (split)
+    for (int i = 0; i < s.L; ++i) b.blocks.push_back(make_block_grads<Buf>(s, make));
+  return b;
+}
+
+// A stash (or a backward of the kind: the split kind holds every position and block) from those
+// released by earlier micro-batches, or a new one from make_new().
+template <class T, class MakeNew>
+std::unique_ptr<T> reuse_or_make(std::vector<std::unique_ptr<T>>& free, MakeNew&& make_new) {
+  if (free.empty()) return make_new();
+  auto t = std::move(free.back());
+  free.pop_back();
+  return t;
+}
+template <class Buf, class MakeNew>
+std::unique_ptr<Backward<Buf>> reuse_or_make(std::vector<std::unique_ptr<Backward<Buf>>>& free, bool split,
+                                             MakeNew&& make_new) {
+  for (auto it = free.begin(); it != free.end(); ++it)
+    if ((*it)->split == split) {
+      auto b = std::move(*it);
+      free.erase(it);
+      b->inputs_done = false;
+      return b;
+    }
+  return make_new();
+}
+
+// Every tensor, in a fixed order: visit(what, layer, buffer, held) with `what` the tensor's name
+// as the numerics report and stashed_tensors() call it ("ln1 output"), `layer` the block's local
+// index or -1; visit_ids(ids) for the token ids.
+template <class Buf, class Ids, class Visit, class VisitIds>
+void for_each_tensor(const Stash<Buf, Ids>& st, Visit&& visit, VisitIds&& visit_ids) {
+  visit_ids(st.tokens);
+  visit_ids(st.targets);
+  visit("stage input", -1, st.x[0], Held::compute);
+  for (std::size_t l = 0; l < st.blocks.size(); ++l) {
+    const BlockStash<Buf>& b = st.blocks[l];
+    const int li = static_cast<int>(l);
+    visit("ln1 output", li, b.ln1, Held::compute);
+    visit("attn.qkv output", li, b.qkv, Held::compute);
+    visit("attn.softmax output", li, b.probs, Held::compute);
+    visit("attn output", li, b.att, Held::compute);
+    visit("attn residual", li, b.x1, Held::compute);
+    visit("ln2 output", li, b.ln2, Held::compute);
+    visit("mlp.fc output", li, b.fc, Held::compute);
+    visit("mlp.gelu output", li, b.gelu, Held::compute);
+    visit("output", li, st.x[l + 1], Held::compute);
+    for (const Buf* stat : {&b.mean1, &b.rstd1, &b.mean2, &b.rstd2}) visit("statistics", li, *stat, Held::f32);
+  }
+  visit("lnf output", -1, st.lnf, Held::compute);
+  visit("logits", -1, st.logits, Held::compute);
+  for (const Buf* stat : {&st.meanf, &st.rstdf, &st.lse}) visit("statistics", -1, *stat, Held::f32);
+}
+
+// The bytes a stash holds for its backward, as the memory model counts them (bytes(buf, held)):
+// every tensor, but under full recompute a block's only while `kept`, and then only what its
+// weight pass reads (the products' and norms' inputs and statistics; not qkv, probs, fc).
+template <class Buf, class Ids, class Bytes, class IdBytes>
+std::size_t stash_bytes(const Stash<Buf, Ids>& st, Recompute recompute, Bytes&& bytes, IdBytes&& id_bytes) {
+  std::size_t total = id_bytes(st.tokens) + id_bytes(st.targets);
+  for (const Buf& x : st.x) total += bytes(x, Held::compute);
+  for (const BlockStash<Buf>& b : st.blocks) {
+    if (recompute == Recompute::full && !b.kept) continue;
+    for (const Buf* t : {&b.ln1, &b.att, &b.x1, &b.ln2, &b.gelu}) total += bytes(*t, Held::compute);
+    for (const Buf* t : {&b.mean1, &b.rstd1, &b.mean2, &b.rstd2}) total += bytes(*t, Held::f32);
+    if (recompute != Recompute::full)
+      for (const Buf* t : {&b.qkv, &b.probs, &b.fc}) total += bytes(*t, Held::compute);
+  }
+  for (const Buf* t : {&st.lnf, &st.logits}) total += bytes(*t, Held::compute);
+  for (const Buf* t : {&st.meanf, &st.rstdf, &st.lse}) total += bytes(*t, Held::f32);
+  return total;
+}
+
+template <class Buf, class Visit>
+void for_each_tensor(const Backward<Buf>& b, Visit&& visit) {
+  visit(b.dlogits, Held::compute);
+  visit(b.dlnf, Held::compute);
+  for (const Buf& r : b.dres) visit(r, Held::compute);
+  for (const BlockGrads<Buf>& g : b.blocks)
+    for (const Buf* t : {&g.dfc, &g.dln2, &g.dx1, &g.dqkv, &g.dln1}) visit(*t, Held::compute);
+}
+
+}  // namespace trainsim::runtime
