@@ -72,6 +72,7 @@ class CoreGate {
     next_ = 0;
     waiting_.clear();
     granted_.clear();
+    paused_ = 0;
     aborted_ = false;
   }
 
@@ -85,7 +86,7 @@ class CoreGate {
     if (turns_.empty() && std::find(waiting_.begin(), waiting_.end(), turn) == waiting_.end()) waiting_.push_back(turn);
     const bool ready = woken_[static_cast<std::size_t>(turn.rank)].wait_for(lock, timeout_, [&] {
       return aborted_ || granted_.count(turn) > 0 ||
-             (free_ >= take_ &&
+             (can_start() &&
               (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
     });
     if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", turn.rank));
@@ -100,8 +101,9 @@ class CoreGate {
       waiting_.pop_front();
     else
       ++next_;
-    free_ -= take_;
-    granted_[turn] = Granted{1, 0};
+    const int took = std::min(take_, free_);
+    free_ -= took;
+    granted_[turn] = Granted{1, 0, took};
     woken_[static_cast<std::size_t>(turn.rank)].notify_all();  // the cell's other shards join
     wake_next();
   }
@@ -110,16 +112,20 @@ class CoreGate {
     std::lock_guard lock(mu_);
     auto g = granted_.find(turn);
     if (g == granted_.end() || ++g->second.released < shards_) return;
+    free_ += g->second.cores;
     granted_.erase(g);
-    free_ += take_;
     wake_next();
   }
 
-  // A rank that must wait in the middle of an op (ZeRO-3's next unit, which a peer's gather needs
-  // that peer's core for) gives its core back and takes any free one again, outside the turns.
+  // A rank that must wait in the middle of an op (ZeRO-3's next unit, which its data-parallel
+  // peers' gathers need their compute to move on for) gives its core back and takes any free one
+  // again, outside the turns. Meanwhile the next turn may start on the cores there are: under
+  // tensor parallelism the paused shard's partners can hold theirs (waiting for it inside a
+  // collective), and a turn that waited for all `take_` would wait for the peers it waits for.
   void pause() {
     std::lock_guard lock(mu_);
     ++free_;
+    ++paused_;
     wake_next();
   }
   void resume(int rank) {
@@ -130,6 +136,7 @@ class CoreGate {
     if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", rank));
     if (!ready) throw std::runtime_error(fmt::format("rank {}: waited {} ms for a core", rank, timeout_.count()));
     --free_;
+    --paused_;
   }
 
   void abort() {
@@ -159,11 +166,14 @@ class CoreGate {
  private:
   struct Granted {
     int joined = 0, released = 0;  // shards of the cell that took the turn, and that gave it back
+    int cores = 0;                 // the cores it took
   };
+  // Under mu_: a turn may start on take_ free cores, or, while a rank is paused, on any.
+  bool can_start() const { return free_ >= take_ || (paused_ > 0 && free_ > 0); }
   // Under mu_: wakes the cell whose turn comes next, if cores are free for it.
   void wake_next() {
     if (resuming_ > 0 && free_ > 0) resumed_.notify_all();
-    if (free_ < take_) return;
+    if (!can_start()) return;
     if (turns_.empty()) {
       if (!waiting_.empty()) woken_[static_cast<std::size_t>(waiting_.front().rank)].notify_all();
     } else if (next_ < turns_.size()) {
@@ -172,6 +182,7 @@ class CoreGate {
   }
 
   int resuming_ = 0;                  // ranks waiting to resume an op (pause/resume)
+  int paused_ = 0;                    // ranks paused in an op, until they resume
   std::condition_variable resumed_;
   const int cores_, shards_, take_;
   const std::vector<CoreTurn> turns_;

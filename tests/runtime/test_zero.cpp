@@ -99,16 +99,21 @@ TEST(ShardLayout, TiedEmbeddingIsOwnedAlikeOnBothStages) {
 struct Layout {
   int dp, pp, vpp;
   ScheduleKind schedule;
+  int tp = 1;
+  bool sp = false;  // sequence parallelism (tp 2 only)
 };
-// Every schedule at pp 1 and 2 (interleaved at pp 2, two chunks per stage), data parallel 1 and 2.
+// Every schedule at pp 1 and 2 (interleaved at pp 2, two chunks per stage), data parallel 1 and 2,
+// tensor parallel 1 and 2 (with and without sequence parallelism).
 std::vector<Layout> layouts() {
   std::vector<Layout> out;
-  for (int dp : {1, 2})
-    for (int pp : {1, 2})
-      for (ScheduleKind s : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_1f1b,
-                             ScheduleKind::zb_h1})
-        if (s != ScheduleKind::interleaved_1f1b || pp > 1)  // interleaving needs a pipeline
-          out.push_back({dp, pp, s == ScheduleKind::interleaved_1f1b ? 2 : 1, s});
+  for (int tp : {1, 2})
+    for (bool sp : {false, true})
+      for (int dp : {1, 2})
+        for (int pp : {1, 2})
+          for (ScheduleKind s : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved_1f1b,
+                                 ScheduleKind::zb_h1})
+            if ((s != ScheduleKind::interleaved_1f1b || pp > 1) && (!sp || tp > 1))  // interleaving needs a pipeline
+              out.push_back({dp, pp, s == ScheduleKind::interleaved_1f1b ? 2 : 1, s, tp, sp});
   return out;
 }
 // A ZeRO stage as a framework runs it (core/plan.h): DeepSpeed refuses stages 2-3 with a
@@ -132,6 +137,9 @@ std::vector<Sharding> shardings(int dp, int pp) {
 
 ScenarioConfig matrix_config(const Layout& l, const Sharding& z, Recompute r) {
   ScenarioConfig c = testing::tiny_training(l.dp, l.pp, l.schedule, l.vpp);
+  c.parallelism.tensor_parallel_size = l.tp;
+  c.parallelism.sequence_parallel = l.sp;
+  c.cluster.num_gpus = l.dp * l.pp * l.tp;
   c.parallelism.zero_stage = z.zero;
   c.parallelism.framework = z.framework;
   c.parallelism.fsdp_no_sync = z.no_sync;
@@ -144,7 +152,8 @@ ScenarioConfig matrix_config(const Layout& l, const Sharding& z, Recompute r) {
 }
 
 std::string describe(const Layout& l, const Sharding& z, Recompute r) {
-  return fmt::format("dp {} pp {} v {} {} zero {}{}{} recompute {}", l.dp, l.pp, l.vpp, schedule_name(l.schedule),
+  return fmt::format("dp {} pp {} tp {}{} v {} {} zero {}{}{} recompute {}", l.dp, l.pp, l.tp, l.sp ? " sp" : "", l.vpp,
+                     schedule_name(l.schedule),
                      z.zero, z.framework == Framework::fsdp ? " fsdp" : z.framework == Framework::megatron ? " megatron" : "",
                      z.no_sync ? " no_sync" : "", recompute_name(r));
 }
@@ -185,7 +194,9 @@ TEST(ZeroAndRecompute, EveryLayoutTrainsAsOneRankInFp32) {
         for (const std::string& note : run_.runtime_plan.notes) {
           EXPECT_EQ(note.find("ZeRO"), std::string::npos) << note;
           EXPECT_EQ(note.find("recompute"), std::string::npos) << note;
+          EXPECT_EQ(note.find("tensor_parallel"), std::string::npos) << note;
         }
+        EXPECT_EQ(run_.executed_ranks.size(), static_cast<std::size_t>(l.dp * l.pp * l.tp));
         ASSERT_EQ(run_.steps.size(), reference.steps.size());
         for (std::size_t i = 0; i < run_.steps.size(); ++i) {
           const double ref = reference.steps[i].loss, err = std::fabs(run_.steps[i].loss - ref) / std::fabs(ref);
