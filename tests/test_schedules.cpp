@@ -83,8 +83,11 @@ TEST(Interleaved, WithoutP2POverlapEachPairExchangesOnce) {
       for (std::size_t i = 0; i + 1 < ops.size(); ++i) {
         if (ops[i].kind != OpKind::Forward || ops[i + 1].kind != OpKind::Backward) continue;
         // The pair's receives come before the forward, its sends after the backward.
-        for (std::size_t j = i + 2; j < ops.size() && (is_send(ops[j].kind) || is_recv(ops[j].kind)); ++j)
-          if (is_send(ops[j].kind)) EXPECT_GT(ops[j].dep, static_cast<int>(i) - 1);
+        for (std::size_t j = i + 2; j < ops.size() && (is_send(ops[j].kind) || is_recv(ops[j].kind)); ++j) {
+          if (is_send(ops[j].kind)) {
+            EXPECT_GT(ops[j].dep, static_cast<int>(i) - 1);
+          }
+        }
       }
     }
     const testing::BlockingP2P p2p(0);

@@ -63,7 +63,9 @@ class CoreGate {
         take_(std::min(shards, cores)),
         turns_(std::move(turns)),
         timeout_(timeout),
-        woken_(static_cast<std::size_t>(cells)) {}
+        woken_(static_cast<std::size_t>(cells)) {
+    paused_in_.assign(static_cast<std::size_t>(cells), 0);
+  }
 
   // Before each step (not measured).
   void reset() {
@@ -73,6 +75,7 @@ class CoreGate {
     waiting_.clear();
     granted_.clear();
     paused_ = 0;
+    std::fill(paused_in_.begin(), paused_in_.end(), 0);
     aborted_ = false;
   }
 
@@ -81,6 +84,7 @@ class CoreGate {
     std::unique_lock lock(mu_);
     if (auto g = granted_.find(turn); g != granted_.end()) {
       ++g->second.joined;
+      resumed_.notify_all();  // a paused partner may go on with it
       return;
     }
     if (turns_.empty() && std::find(waiting_.begin(), waiting_.end(), turn) == waiting_.end()) waiting_.push_back(turn);
@@ -95,6 +99,7 @@ class CoreGate {
                                            timeout_.count()));
     if (auto g = granted_.find(turn); g != granted_.end()) {  // another shard of the cell took it
       ++g->second.joined;
+      resumed_.notify_all();
       return;
     }
     if (turns_.empty())
@@ -122,21 +127,27 @@ class CoreGate {
   // again, outside the turns. Meanwhile the next turn may start on the cores there are: under
   // tensor parallelism the paused shard's partners can hold theirs (waiting for it inside a
   // collective), and a turn that waited for all `take_` would wait for the peers it waits for.
-  void pause() {
+  // A shard resumes at once while a partner of its cell runs (the cell's shards meet at
+  // collectives inside the op: a shard that waited for a core would wait for the partner that
+  // spins for it), sharing its cores for the while.
+  void pause(int cell) {
     std::lock_guard lock(mu_);
     ++free_;
     ++paused_;
+    ++paused_in_[static_cast<std::size_t>(cell)];
     wake_next();
   }
-  void resume(int rank) {
+  void resume(int rank, int cell) {
     std::unique_lock lock(mu_);
     ++resuming_;
-    const bool ready = resumed_.wait_for(lock, timeout_, [&] { return aborted_ || free_ > 0; });
+    const bool ready = resumed_.wait_for(lock, timeout_, [&] { return aborted_ || free_ > 0 || partner_runs(cell); });
     --resuming_;
     if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", rank));
     if (!ready) throw std::runtime_error(fmt::format("rank {}: waited {} ms for a core", rank, timeout_.count()));
     --free_;
     --paused_;
+    --paused_in_[static_cast<std::size_t>(cell)];
+    resumed_.notify_all();  // its own paused partners may go on with it
   }
 
   void abort() {
@@ -170,6 +181,12 @@ class CoreGate {
   };
   // Under mu_: a turn may start on take_ free cores, or, while a rank is paused, on any.
   bool can_start() const { return free_ >= take_ || (paused_ > 0 && free_ > 0); }
+  // Under mu_: a shard of `cell` is inside a turn and not paused.
+  bool partner_runs(int cell) const {
+    for (const auto& [turn, g] : granted_)
+      if (turn.rank == cell && g.joined - g.released - paused_in_[static_cast<std::size_t>(cell)] > 0) return true;
+    return false;
+  }
   // Under mu_: wakes the cell whose turn comes next, if cores are free for it.
   void wake_next() {
     if (resuming_ > 0 && free_ > 0) resumed_.notify_all();
@@ -183,6 +200,7 @@ class CoreGate {
 
   int resuming_ = 0;                  // ranks waiting to resume an op (pause/resume)
   int paused_ = 0;                    // ranks paused in an op, until they resume
+  std::vector<int> paused_in_;        // of them, per cell
   std::condition_variable resumed_;
   const int cores_, shards_, take_;
   const std::vector<CoreTurn> turns_;
@@ -925,7 +943,8 @@ class CpuEngine final : public DeviceEngine {
           z.gate = std::make_unique<ChunkWeightGate>(z.plan, r.gather_gate, unit_key(j, 0),
                                                      [this, &r, j](int unit) { poison(r, j, unit); });
           r.chunks[j].set_weight_gate(z.gate.get());
-          if (gate_) r.gather_gate.on_wait([this] { gate_->pause(); }, [this, &r] { gate_->resume(r.rank); });
+          if (gate_) r.gather_gate.on_wait([this, &r] { gate_->pause(world_.cell(r.rank)); },
+                                               [this, &r] { gate_->resume(r.rank, world_.cell(r.rank)); });
           for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(r, j, u);
         }
     }

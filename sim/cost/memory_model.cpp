@@ -1,6 +1,7 @@
 #include "sim/cost/memory_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -38,6 +39,8 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
   tables_.transient.reserve(V);
   tables_.weight_pass.reserve(V);
   tables_.unsharded.reserve(V);
+  tables_.first_bucket.reserve(V);
+  tables_.last_bucket.reserve(V);
   for (int vs = 0; vs < V; ++vs) {
     double a = plan.layers_per_virtual_stage[vs] * per_layer;
     // The last stage keeps the FP32 logits for the loss, and the final norm's input (its backward)
@@ -52,12 +55,17 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
                                 : rc == Recompute::selective ? full_layer - per_layer
                                                              : 0.0);
     // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the
-    // bucket it fills and the one being reduce-scattered (DeepSpeed's reduce buckets, FSDP's
-    // unit), each at most a bucket of the chunk's gradients in the reduction's format.
+    // bucket it fills and the one before it, being reduce-scattered (DeepSpeed's reduce buckets,
+    // FSDP's unit), in the reduction's format. The chunk's gradients g are cut into buckets of B
+    // in completion order, the last one the remainder: inside one op two consecutive buckets hold
+    // min(g, 2B) (g itself when one bucket holds them all); activation_peak adds the case of two
+    // ops back to back (the first bucket of one while the last of the other is reduced).
     const double grads = plan.virtual_stage_params(vs) / t * dtype_bytes(cfg.precision.allreduce);
-    tables_.unsharded.push_back(plan.shards_gradients()
-                                    ? 2.0 * std::min(grads, std::max(1.0, mib_to_bytes(cfg.communication.bucket_size_mib)))
-                                    : 0.0);
+    const double bucket = std::max(1.0, mib_to_bytes(cfg.communication.bucket_size_mib));
+    const bool sharded = plan.shards_gradients() && grads > 0;
+    tables_.unsharded.push_back(sharded ? std::min(grads, 2.0 * bucket) : 0.0);
+    tables_.first_bucket.push_back(sharded ? std::min(grads, bucket) : 0.0);
+    tables_.last_bucket.push_back(sharded ? grads - bucket * std::ceil(grads / bucket - 1.0) : 0.0);
     // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
     // first and second products and both norms (dW = dY^T X needs dY); per stage the
     // gradient at its input, and on the last the logits' and the final norm's. Under tensor
@@ -89,7 +97,7 @@ bool same_bits(const ActivationTables& a, const ActivationTables& b) {
     return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0);
   };
   return same(a.act, b.act) && same(a.transient, b.transient) && same(a.weight_pass, b.weight_pass) &&
-         same(a.unsharded, b.unsharded);
+         same(a.unsharded, b.unsharded) && same(a.first_bucket, b.first_bucket) && same(a.last_bucket, b.last_bucket);
 }
 
 double activation_peak(const ActivationTables& t, const RankProgram& prog) {
@@ -97,16 +105,26 @@ double activation_peak(const ActivationTables& t, const RankProgram& prog) {
   const double* transient = t.transient.data();
   const double* weight_pass = t.weight_pass.data();
   const double* unsharded = t.unsharded.data();
+  // The unsharded buckets of a gradient op: its own two, or its first with the last bucket of a
+  // gradient op just before it (no forward between them, so that one may still be reduced).
+  int previous_grads = -1;  // chunk of the last compute op if it produced gradients, else -1
+  auto buckets = [&](const Op& op) {
+    const double own = unsharded[op.chunk];
+    if (previous_grads < 0) return own;
+    return std::max(own, t.last_bucket[previous_grads] + t.first_bucket[op.chunk]);
+  };
   double live = 0, peak = 0;
   for (const Op& op : prog.ops) {
     switch (op.kind) {
       case OpKind::Forward:
         live += act[op.chunk] * op.work;
         peak = std::max(peak, live);
+        previous_grads = -1;
         break;
       case OpKind::Backward:
-        peak = std::max(peak, live + transient[op.chunk] + unsharded[op.chunk]);
+        peak = std::max(peak, live + transient[op.chunk] + buckets(op));
         live -= act[op.chunk] * op.work;
+        previous_grads = op.chunk;
         break;
       case OpKind::BackwardInput:
         peak = std::max(peak, live + transient[op.chunk]);
@@ -114,8 +132,9 @@ double activation_peak(const ActivationTables& t, const RankProgram& prog) {
         peak = std::max(peak, live);
         break;
       case OpKind::BackwardWeight:
-        peak = std::max(peak, live + unsharded[op.chunk]);
+        peak = std::max(peak, live + buckets(op));
         live -= (act[op.chunk] + weight_pass[op.chunk]) * op.work;
+        previous_grads = op.chunk;
         break;
       default: break;
     }

@@ -33,7 +33,9 @@ struct ActivationTables {
   std::vector<double> weight_pass;  // kept from a split backward's input pass for its weight pass
   // ZeRO-2/3: the unsharded gradient buckets (the one filled, the one reduce-scattered) while an
   // op that produces gradients runs (Backward, BackwardWeight); counted with the activations.
-  std::vector<double> unsharded;
+  // `unsharded`: two consecutive buckets of one op; an op that follows another gradient op with
+  // no forward between them may fill its first bucket while the other's last is still reduced.
+  std::vector<double> unsharded, first_bucket, last_bucket;
 };
 // Whether every number is the same, bit for bit: two such tables walk any program to the
 // same peak (a sweep's configurations share a few: the micro-batch, recompute and sequence

@@ -2,7 +2,8 @@
 // runtime/model/stage_model.h). Properties checked here:
 //  * the shard layout: equal padded chunks per segment, collective buffers and shards round trip,
 //    a tied embedding split over the pipeline is owned alike on both its stages;
-//  * exactness: in FP32 every (data x pipeline) layout up to 2 x 2, every ZeRO stage (and each
+//  * exactness: in FP32 every (data x pipeline x tensor) layout up to 2 x 2 x 2 (tensor parallel
+//    with and without sequence parallelism), every ZeRO stage (and each
 //    framework's way of running it), every recompute mode and every schedule trains the one-rank
 //    model to FP32 rounding (relative 1e-5 in the loss); recompute alone is bitwise;
 //  * BF16 and FP16 within the tolerances derived at BF16Fp16StayWithinTheirRounding;
