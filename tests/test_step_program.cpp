@@ -183,30 +183,62 @@ void expect_same_figures(const StepFigures& got, const StepFigures& want, const 
   }
 }
 
-// The engine and the compiled program, on the same schedule, every rank and replica 0 alone.
+// A random plan's default models and the ranked ones above.
+struct PlanModels {
+  explicit PlanModels(const Plan& plan) : compute(plan), p2p(plan), collective(plan) {}
+  const RooflineComputeModel compute;
+  const LinkP2PModel p2p;
+  const NetworkCollectiveModel collective;
+  const RankedCompute ranked_compute;
+  const RankedP2P ranked_p2p;
+  const SizedCollectives sized;
+  const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+};
+
+::testing::Message describe(int trial, const ScenarioConfig& c) {
+  return ::testing::Message() << "trial " << trial << ": " << schedule_name(c.parallelism.schedule)
+                              << " p=" << c.parallelism.pipeline_parallel_size
+                              << " d=" << c.parallelism.data_parallel_size
+                              << " v=" << c.parallelism.virtual_pipeline_stages << " zero=" << c.parallelism.zero_stage;
+}
+
+// run_figures (the figures compute_result_into reads from a Timeline: the step's span; each
+// rank's busy, collective and exposed-communication ticks, read from the program's cells
+// without a Timeline) against those of the Timeline run() wrote with the same models,
+// `timeline`. twins: replica 0 alone was compiled (its ranks are read, the others are twins).
+template <class... Models>
+void expect_figures_of_timeline(StepProgram& program, const Plan& plan, const Timeline& timeline,
+                                const std::vector<int>* twins, int& exposed, const Models&... models) {
+  StepFigures got;
+  ResultWorkspace ws, scratch;
+  Result result;
+  ASSERT_TRUE(program.run_figures(models..., plan.pp > 1, got, scratch));
+  compute_result_into(plan, timeline, {}, result, ws, twins);
+  expect_same_figures(got, ws.figures, twins);
+  exposed += std::any_of(got.ranks.begin(), got.ranks.end(), [](const auto& f) { return f.comm > 0; });
+}
+
+// The engine and the compiled program, on the same schedule, every rank and replica 0 alone;
+// and the program's figures without a Timeline, equal to those of its Timeline, on random
+// plans whose compute streams wait for ZeRO gathers, found-inf checks and gradient reductions.
 TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
   RandomPlans random(20261125);
-  int compared = 0, replica0 = 0, refused = 0;
+  int compared = 0, replica0 = 0, refused = 0, exposed = 0;
   Simulation sim;
   StepProgram program;
   Timeline want, got;
   for (int trial = 0; trial < 400; ++trial) {
     const auto c = random.next();
     if (!c) continue;
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
-                                      << " p=" << c->parallelism.pipeline_parallel_size
-                                      << " d=" << c->parallelism.data_parallel_size
-                                      << " v=" << c->parallelism.virtual_pipeline_stages);
+    SCOPED_TRACE(describe(trial, *c));
     const Plan plan = Plan::from_config(*c);
-    const RooflineComputeModel compute(plan);
-    const LinkP2PModel p2p(plan);
-    const NetworkCollectiveModel collective(plan);
-    const RankedCompute ranked_compute;
-    const RankedP2P ranked_p2p;
-    const SizedCollectives sized;
-    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+    const PlanModels m(plan);
+    const auto &compute = m.compute;
+    const auto& p2p = m.p2p;
+    const auto& collective = m.collective;
+    const auto& ranked = m.ranked;
     const MicrobatchCompute microbatch_compute;
-    const CostModels by_microbatch{&microbatch_compute, &ranked_p2p, &sized};
+    const CostModels by_microbatch{&microbatch_compute, &m.ranked_p2p, &m.sized};
     std::string where;
 
     auto full = std::make_shared<const Schedule>(build_schedule(plan));
@@ -218,9 +250,12 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << where;
     EXPECT_EQ(got.schedule, full);
+    expect_figures_of_timeline(program, plan, got, nullptr, exposed, compute, p2p, collective);
     sim.run(full, ranked, want);
     program.run(ranked, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << "ranked prices: " << where;
+    expect_figures_of_timeline(program, plan, got, nullptr, exposed, ranked);
+    if (HasFailure()) return;
     ++compared;
 
     auto half = std::make_shared<Schedule>();
@@ -233,10 +268,17 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     }
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << "replica 0: " << where;
+    std::vector<int> same_as(static_cast<std::size_t>(plan.num_ranks()));
+    for (int r = 0; r < plan.num_ranks(); ++r) same_as[r] = plan.rank_of(plan.stage_of(r), 0);
+    expect_figures_of_timeline(program, plan, got, &same_as, exposed, compute, p2p, collective);
+    program.run(ranked, got);
+    expect_figures_of_timeline(program, plan, got, &same_as, exposed, ranked);
+    if (HasFailure()) return;
     ++replica0;
   }
   EXPECT_GT(compared, 250);
   EXPECT_GT(replica0, 100);
+  EXPECT_GT(exposed, 100);  // idle time waiting for collectives, split gap by gap
 }
 
 // Several configurations of one schedule at once (run_lanes): each lane's Timeline is the one
@@ -263,20 +305,10 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
       }
     }
     const int lanes = static_cast<int>(plans.size());
-    std::vector<std::unique_ptr<RooflineComputeModel>> compute;
-    std::vector<std::unique_ptr<LinkP2PModel>> p2p;
-    std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
-    std::vector<const RooflineComputeModel*> cs;
-    std::vector<const LinkP2PModel*> ps;
-    std::vector<const NetworkCollectiveModel*> ks;
-    for (const Plan& plan : plans) {
-      compute.push_back(std::make_unique<RooflineComputeModel>(plan));
-      p2p.push_back(std::make_unique<LinkP2PModel>(plan));
-      collective.push_back(std::make_unique<NetworkCollectiveModel>(plan));
-      cs.push_back(compute.back().get());
-      ps.push_back(p2p.back().get());
-      ks.push_back(collective.back().get());
-    }
+    const testing::LaneModels models(plans);
+    const auto& cs = models.cs;
+    const auto& ps = models.ps;
+    const auto& ks = models.ks;
     for (const bool replica0 : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "trial " << trial << ", " << lanes << " lanes"
                                         << (replica0 ? ", replica 0" : ""));
@@ -318,68 +350,6 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
     }
   }
   EXPECT_GT(compared, 200);
-}
-
-// The figures compute_result_into reads from a Timeline (the step's span; each rank's busy,
-// collective and exposed-communication ticks), read from the program's cells by run_figures
-// without a Timeline: equal to those of run()'s Timeline, for every rank and for replica 0
-// alone (its ranks; the others are twins), with the default prices and with prices that
-// differ per rank, chunk and link, on random plans whose compute streams wait for ZeRO
-// gathers, found-inf checks and gradient reductions.
-TEST(StepProgram, FiguresEqualThoseOfItsTimelineOnRandomPlans) {
-  RandomPlans random(20261201);
-  int compared = 0, replica0 = 0, exposed = 0;
-  StepProgram program;
-  Timeline timeline;
-  StepFigures got;
-  ResultWorkspace ws, scratch;
-  Result result;
-  for (int trial = 0; trial < 400; ++trial) {
-    const auto c = random.next();
-    if (!c) continue;
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
-                                      << " p=" << c->parallelism.pipeline_parallel_size
-                                      << " d=" << c->parallelism.data_parallel_size
-                                      << " zero=" << c->parallelism.zero_stage);
-    const Plan plan = Plan::from_config(*c);
-    const RooflineComputeModel compute(plan);
-    const LinkP2PModel p2p(plan);
-    const NetworkCollectiveModel collective(plan);
-    const RankedCompute ranked_compute;
-    const RankedP2P ranked_p2p;
-    const SizedCollectives sized;
-    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
-    std::vector<int> same_as(static_cast<std::size_t>(plan.num_ranks()));
-    for (int r = 0; r < plan.num_ranks(); ++r) same_as[r] = plan.rank_of(plan.stage_of(r), 0);
-    for (const bool half : {false, true}) {
-      auto s = std::make_shared<Schedule>();
-      if (half)
-        build_replica0_into(plan, *s);
-      else
-        build_schedule_into(plan, *s);
-      if (!program.compile(s, half)) continue;
-      const std::vector<int>* twins = half ? &same_as : nullptr;
-      for (const bool by_rank : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << (half ? "replica 0" : "every rank")
-                                          << (by_rank ? ", ranked prices" : ", default prices"));
-        if (by_rank) {
-          ASSERT_TRUE(program.run_figures(ranked, plan.pp > 1, got, scratch));
-          program.run(ranked, timeline);
-        } else {
-          ASSERT_TRUE(program.run_figures(compute, p2p, collective, plan.pp > 1, got, scratch));
-          program.run(compute, p2p, collective, timeline);
-        }
-        compute_result_into(plan, timeline, {}, result, ws, twins);
-        expect_same_figures(got, ws.figures, twins);
-        if (HasFailure()) return;
-        exposed += std::any_of(got.ranks.begin(), got.ranks.end(), [](const auto& f) { return f.comm > 0; });
-      }
-      ++(half ? replica0 : compared);
-    }
-  }
-  EXPECT_GT(compared, 250);
-  EXPECT_GT(replica0, 100);
-  EXPECT_GT(exposed, 100);  // idle time waiting for collectives, split gap by gap
 }
 
 // A price below zero breaks the order of a stream's intervals that run_figures relies on: it
