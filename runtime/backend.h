@@ -62,6 +62,11 @@ struct Backend {
   // The machine's speed wanders (a shared host's neighbours): validate runs kernel calibration
   // passes between the run's steps, so that rates and run come from the same stretch of time.
   bool calibrate_between_steps = false;
+  // Ranks beyond the profile's ranks_per_node share the devices (cores) by turns: each compute op
+  // takes a whole one, in the order RunOptions::core_turns gives, which validate computes and then
+  // predicts op by op (validation/core_sharing.h). Otherwise ranks that share a device run at once
+  // and validate prices them by processor sharing.
+  bool shares_by_turns = false;
   // One process per device under torchrun, mpirun or srun: only rank 0 prints, and calibration,
   // which places every rank in one process, refuses to run under a launcher.
   bool launched = false;

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <chrono>
+#include <compare>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -83,6 +84,14 @@ struct RunFailure {
   std::string message;  // "loss became NaN at step 7; first non-finite: stage 3 replica 0 ..."
 };
 
+// A compute op's turn at a core, where ranks share cores (the CPU engine with more ranks than cores):
+// the rank, the op's index in its program, and the part (0; the optimizer step's update after its
+// gradient-norm all-reduce is part 1).
+struct CoreTurn {
+  int rank = 0, op = 0, part = 0;
+  auto operator<=>(const CoreTurn&) const = default;
+};
+
 struct RunOptions {
   int steps = 0;                      // 0: the scenario's runtime.steps
   std::string data_path;              // empty: the scenario's (resolved by the caller) or the bundled corpus
@@ -93,6 +102,9 @@ struct RunOptions {
   bool pin_threads = true;            // pin rank r's compute thread to core r when ranks <= cores
   std::chrono::milliseconds comm_timeout{std::chrono::seconds(120)};
   Placement placement;                // devices and processes, for engines that have them
+  // Where ranks share cores: the order their compute ops take cores in, every step (every compute
+  // op of every rank once, and the optimizer's part 1). Empty: first come, first served.
+  std::vector<CoreTurn> core_turns;
   std::function<void(const StepRecord&)> on_step;  // progress, called after every step
 };
 

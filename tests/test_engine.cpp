@@ -5,12 +5,15 @@
 
 #include <cmath>
 #include <future>
+#include <limits>
+#include <stdexcept>
 #include <random>
 #include <thread>
 
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/p2p_model.h"
+#include "core/scenario.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
 
@@ -82,6 +85,52 @@ TEST(Engine, StreamsDependenciesMessagesAndRendezvous) {
   EXPECT_EQ(tl.ops[0][2].end, 32);
   EXPECT_EQ(tl.ops[1][2].end, 32);
   EXPECT_EQ(tl.end(), 32);
+}
+
+// Blocking sends are a rendezvous (Megatron-LM's batched isend/irecv without p2p overlap):
+// rank 0 sends after its forward (10), but rank 1 posts the receive only after its own two
+// forwards (20): the message moves from 20 to 25, and rank 0's stream is held until then.
+// A send and the receive right after it are one exchange: rank 1's send of a gradient back
+// and its receive are posted together, so neither rank waits for the other's send to finish.
+TEST(Engine, BlockingSendsWaitForTheirReceiver) {
+  auto s = std::make_shared<Schedule>();
+  s->num_messages = 2;
+  RankProgram r0{0, 0, 0, {}}, r1{1, 1, 0, {}};
+  r0.ops.push_back(op(OpKind::Forward));                  // 0: [0, 10)
+  Op send = op(OpKind::SendActivation);                    // 1: waits for rank 1 to post: [20, 25)
+  send.peer = 1, send.channel = 0, send.dep = 0;
+  r0.ops.push_back(send);
+  Op rg = op(OpKind::RecvGradient);                        // 2: posted with the send at 10
+  rg.peer = 1, rg.channel = 1;
+  r0.ops.push_back(rg);
+  r0.ops.push_back(op(OpKind::Forward, 1));               // 3: after the gradient arrives
+  r1.ops.push_back(op(OpKind::Forward, 5));               // 0: [0, 10)
+  r1.ops.push_back(op(OpKind::Forward, 6));               // 1: [10, 20)
+  Op sg = op(OpKind::SendGradient);                        // 2: rank 0 posted at 10: [20, 25)
+  sg.peer = 0, sg.channel = 1, sg.dep = 1;
+  r1.ops.push_back(sg);
+  Op ra = op(OpKind::RecvActivation);                      // 3: posted with the send at 20
+  ra.peer = 0, ra.channel = 0;
+  r1.ops.push_back(ra);
+  s->ranks = {r0, r1};
+  s->kind = ScheduleKind::one_f_one_b;
+  ASSERT_EQ(check_schedule(*s), "");
+  const UniformCompute compute(10, 0, 0);
+  const testing::BlockingP2P p2p(5);
+  const FixedCollectives coll(0);
+  const Timeline tl = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+  EXPECT_EQ(tl.ops[0][1].start, 20);
+  EXPECT_EQ(tl.ops[0][1].end, 25);
+  EXPECT_EQ(tl.ops[1][2].start, 20);
+  EXPECT_EQ(tl.ops[1][2].end, 25);
+  EXPECT_EQ(tl.ops[0][2].end, 25);  // the gradient arrives as the activation leaves
+  EXPECT_EQ(tl.ops[1][3].end, 25);
+  EXPECT_EQ(tl.ops[0][3].start, 25);
+  // ZB-H1 stands for the Zero Bubble runtime, which posts receives ahead: its sends do not wait.
+  s->kind = ScheduleKind::zb_h1;
+  const Timeline zb = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+  EXPECT_EQ(zb.ops[0][1].start, 10);
+  EXPECT_EQ(zb.ops[0][1].end, 15);
 }
 
 TEST(Engine, CollectiveStreamOverlapsCompute) {
@@ -177,6 +226,63 @@ TEST(Engine, TimeIsIntegerPicoseconds) {
   EXPECT_EQ(seconds_to_ticks(1e-13), 1);  // real work never rounds to zero
   EXPECT_EQ(seconds_to_ticks(0), 0);
   EXPECT_DOUBLE_EQ(ticks_to_seconds(seconds_to_ticks(2.5e-6)), 2.5e-6);
+}
+
+// A time a Tick cannot hold is refused, never converted or added into a wrapped integer
+// (undefined behaviour; `trainsim simulate` printed a 24 s step at an MFU of 3e12 %).
+TEST(Engine, TimesBeyondTheTickRangeAreRefused) {
+  EXPECT_EQ(seconds_to_ticks(9.1e6), 9'100'000'000'000'000'000);
+  for (double s : {9.3e6, 1e30, std::numeric_limits<double>::infinity(), std::nan("")})
+    EXPECT_THROW(seconds_to_ticks(s), std::invalid_argument) << s;
+  EXPECT_EQ(add_ticks(5, 7), 12);
+  EXPECT_THROW(add_ticks(std::numeric_limits<Tick>::max() - 3, 4), std::invalid_argument);
+}
+
+// A 1T-parameter model on one GPU rated at 1 GFLOP/s: one forward lasts about 7,000 years.
+// The prediction is refused with std::invalid_argument (a sweep skips the configuration, the
+// CLI calls it bad input). Found with fuzz/fuzz_scenario's UBSan
+// (fuzz/corpus/scenario/regression-tick-overflow.yaml).
+TEST(Engine, PlanFarTooLargeForItsClusterIsRefused) {
+  const Scenario sc = load_scenario_text(R"(
+model: {preset: megatron-1t, seq_length: 4194304}
+cluster:
+  gpu: a100-40gb
+  num_gpus: 1
+  peak_tflops: {fp32: 0.001, tf32: 0.001, fp16: 0.001, bf16: 0.001}
+  compute_efficiency: 0.001
+training: {micro_batch_size: 1, global_batch_size: 1}
+precision: {compute: fp16}
+)");
+  const Plan plan = Plan::from_scenario(sc);
+  try {
+    predict(plan);
+    ADD_FAILURE() << "predicted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("beyond what the simulator represents"), std::string::npos) << e.what();
+  }
+  Predictor predictor;
+  EXPECT_THROW(predictor.evaluate(plan), std::invalid_argument);
+}
+
+// Ops that each fit a Tick but add up past it: the engine's sums are checked too.
+TEST(Engine, StepThatAddsUpPastTheTickRangeIsRefused) {
+  ScenarioConfig c;  // the default model: 24 layers, hidden 1024, sequence 2048
+  c.cluster.num_gpus = c.cluster.gpus_per_node = 1;
+  for (auto& [dtype, tflops] : c.cluster.peak_tflops) tflops = 0.001;
+  c.cluster.compute_efficiency = 0.001;  // 1 MFLOP/s: a forward lasts ~17 days, a backward twice that
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = 64;  // 64 micro-batches: ~9 years in all
+  const Plan plan = Plan::from_config(c);
+  ASSERT_EQ(plan.num_microbatches, 64);
+  try {
+    predict(plan);
+    ADD_FAILURE() << "predicted";
+  } catch (const std::invalid_argument& e) {
+    // The time named is the sum's (just past the range), not one op's.
+    const double s = std::stod(std::string(e.what()).substr(std::string("a simulated time of ").size()));
+    EXPECT_GT(s, kMaxTickSeconds) << e.what();
+    EXPECT_LT(s, kMaxTickSeconds * 1.5) << e.what();
+  }
 }
 
 }  // namespace

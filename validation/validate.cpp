@@ -9,10 +9,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/kernel_inventory.h"
+#include "core/metrics.h"
 #include "core/report/format.h"
 #include "core/report/report.h"
 #include "runtime/loop/run_loop.h"
 #include "runtime/loop/run_report.h"
+#include "validation/core_sharing.h"
 
 namespace trainsim::validation {
 
@@ -40,6 +43,60 @@ std::vector<int> collective_group_sizes(const Plan& plan) {
     if (n >= 2 && std::find(g.begin(), g.end(), n) == g.end()) g.push_back(n);
   std::sort(g.begin(), g.end());
   return g;
+}
+
+// Ranks that share cores by turns run one compute op per core at a time: every rank at the cores'
+// mean speed side by side.
+HardwareProfile turn_profile(HardwareProfile p, int ranks) {
+  if (!p.core_factors.empty()) {
+    double mean = 0;
+    for (double f : p.core_factors) mean += f / static_cast<double>(p.core_factors.size());
+    p.core_factors.assign(static_cast<std::size_t>(ranks), mean);
+  }
+  return p;
+}
+
+// Of the optimizer step's priced time, the passes before its gradient norm's all-reduce: unscaling
+// and the squared norm, twice the inventory's grad_norm (the update follows it).
+double optimizer_norm_share(const Plan& plan, const HardwareProfile& p) {
+  double params = 0;
+  for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp);
+  double norm = 0, all = 0;
+  for (const KernelWork& w : optimizer_kernels(plan, params / plan.tp))
+    for (const KernelRate& k : p.kernels)
+      if (k.kernel == w.kernel && k.dtype == w.dtype && k.shape == w.shape) {
+        all += w.count * k.seconds;
+        if (w.kernel == "grad_norm") norm += 2 * w.count * k.seconds;
+        break;
+      }
+  return all > 0 ? std::min(0.5, norm / all) : 0.2;
+}
+
+// Per rank: it skipped its update in the run's measured step (an overflow under loss scaling). The
+// step's timing is predicted for the branch its numerics took: no update where there was none.
+std::vector<char> skipped_updates(const runtime::RunReport& r) {
+  std::vector<char> out;
+  for (const runtime::StepRecord& st : r.steps)
+    if (st.step == r.timeline_step)
+      for (const runtime::RankStepNumerics& n : st.ranks) {
+        if (static_cast<std::size_t>(n.rank) >= out.size()) out.resize(static_cast<std::size_t>(n.rank) + 1, 0);
+        out[static_cast<std::size_t>(n.rank)] = n.skipped;
+      }
+  return out;
+}
+
+// How the run shares the cores (validation/core_sharing.h): where the optimizer step's gradient norm
+// is all-reduced, that all-reduce's latency over every rank, who skipped its update.
+CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<runtime::CoreTurn> turns,
+                       std::vector<char> skipped = {}) {
+  CoreSharing sh;
+  sh.cores = std::max(1, p.ranks_per_node);
+  sh.turns = std::move(turns);
+  sh.optimizer_first_part = optimizer_norm_share(plan, p);
+  sh.skipped_update = std::move(skipped);
+  if (const auto it = p.allreduce.find(plan.num_ranks()); it != p.allreduce.end())
+    sh.norm_allreduce = seconds_to_ticks(it->second.latency_us * 1e-6);
+  return sh;
 }
 
 std::string loss_text(double x) { return std::isfinite(x) ? fmt::format("{:.3f}", x) : std::isnan(x) ? "NaN" : "inf"; }
@@ -115,7 +172,19 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   v.backend = o.backend.name;
   const runtime::Backend& record = *o.backend.record;
   const bool stand_in = o.backend.run || o.backend.calibrate;
-  auto run = [&] { return o.backend.run ? o.backend.run(v.plan, ro) : runtime::run(record, v.plan, ro); };
+  // More ranks than cores, on a backend that shares them by turns: the order of the turns comes from
+  // a prediction with the profile measured so far, and the run follows it.
+  const auto shares_by_turns = [&](const HardwareProfile& p) {
+    return record.shares_by_turns && !stand_in && v.plan.plan.num_ranks() > std::max(1, p.ranks_per_node);
+  };
+  auto run = [&](const HardwareProfile& before) {
+    if (shares_by_turns(before)) {
+      const HardwareProfile p = turn_profile(before, v.plan.plan.num_ranks());
+      const Plan plan = calibrated_plan(v.plan, p);
+      ro.core_turns = share_cores(predict(plan).timeline, sharing_of(plan, p, {})).turns;
+    }
+    return o.backend.run ? o.backend.run(v.plan, ro) : runtime::run(record, v.plan, ro);
+  };
   const std::string profile_name = o.backend.name + "-" + scenario.config.name;
   std::function<HardwareProfile(const runtime::RuntimePlan&, const runtime::CalibrateOptions&)> calibrate =
       o.backend.calibrate;
@@ -131,14 +200,14 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     say("loading the hardware profile " + o.profile_path);
     v.profile = load_profile(o.profile_path);
     say("running");
-    v.measured = run();
+    v.measured = run(v.profile);
   } else if (!between_steps) {
     say("calibrating the " + o.backend.name + " backend at the plan's shapes");
     co.progress = o.progress;
     co.precisions = {v.plan.plan.config.precision.compute};  // the run's format only
     v.profile = calibrate(v.plan, co);
     say("running");
-    v.measured = run();
+    v.measured = run(v.profile);
   } else {
     // Calibrate before the run and between its steps, so that the kernels' rates and the
     // run come from the same stretch of a machine whose speed may wander.
@@ -151,7 +220,11 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     const int before = kernels->passes_done();
     ro.on_step = [&](const runtime::StepRecord&) { kernels->run_passes(o.passes_between_steps); };
     say("running, with calibration passes between steps");
-    v.measured = run();
+    HardwareProfile settled = v.profile;
+    settled.kernels = kernels->rates();
+    settled.composition = kernels->composition();
+    settled.core_factors = kernels->core_factors();
+    v.measured = run(settled);
     v.profile.kernels = kernels->rates();
     v.profile.composition = kernels->composition();
     v.profile.core_factors = kernels->core_factors();
@@ -161,13 +234,44 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   v.numerics = summarize_numerics(v.measured);
 
   say("predicting");
-  v.predicted = predict(calibrated_plan(v.plan, v.profile));
-  // More ranks than cores: ranks share the cores, and a compute op stretches by how many ranks
-  // are busy per core. Processor sharing, averaged over the step: every rank's compute scales by
-  // (ranks x mean utilization) / cores, the utilization taken from the prediction itself until
-  // it settles (a few rounds).
   const int cores = std::max(1, v.profile.ranks_per_node);
   const int ranks = v.plan.plan.num_ranks();
+  if (shares_by_turns(v.profile)) {
+    // Op by op, with the profile measured during the run, in the order of turns the run followed.
+    v.profile = turn_profile(v.profile, ranks);
+    const Plan plan = calibrated_plan(v.plan, v.profile);
+    v.predicted = predict(plan);
+    v.predicted.timeline =
+        share_cores(v.predicted.timeline, sharing_of(plan, v.profile, ro.core_turns, skipped_updates(v.measured)))
+            .timeline;
+    v.predicted.result = compute_result(plan, v.predicted.timeline, v.predicted.memory);
+    v.oversubscribed = true;
+    return v;
+  }
+  {
+    const Plan plan = calibrated_plan(v.plan, v.profile);
+    v.predicted = predict(plan);
+    // A rank that skipped its update in the measured step: its optimizer step (the step's last op,
+    // nothing waits for it) ends with the gradient norm.
+    const std::vector<char> skipped = skipped_updates(v.measured);
+    const double share = optimizer_norm_share(plan, v.profile);
+    bool any = false;
+    for (std::size_t r = 0; r < skipped.size() && r < v.predicted.timeline.ops.size(); ++r) {
+      if (!skipped[r]) continue;
+      const auto& ops = v.predicted.schedule->ranks[r].ops;
+      for (std::size_t i = 0; i < ops.size(); ++i)
+        if (ops[i].kind == OpKind::OptimizerStep) {
+          OpTiming& t = v.predicted.timeline.ops[r][i];
+          t.end = t.start + static_cast<Tick>(std::llround(static_cast<double>(t.end - t.start) * share));
+          any = true;
+        }
+    }
+    if (any) v.predicted.result = compute_result(plan, v.predicted.timeline, v.predicted.memory);
+  }
+  // More ranks than cores on a backend whose ranks run at once: a compute op stretches by how many
+  // ranks are busy per device. Processor sharing, averaged over the step: every rank's compute
+  // scales by (ranks x mean utilization) / cores, the utilization taken from the prediction itself
+  // until it settles (a few rounds).
   if (ranks > cores && v.profile.core_factors.empty()) {
     for (int round = 0; round < 4; ++round) {
       const double busy = ranks * (1.0 - v.predicted.result.bubble_fraction) / cores;

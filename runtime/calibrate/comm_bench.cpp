@@ -3,10 +3,13 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -157,6 +160,23 @@ std::string format_time_us(double us) {
   if (us >= 10000.0) return fmt::format("{:12.0f}", us);
   if (us >= 100.0) return fmt::format("{:12.1f}", us);
   return fmt::format("{:12.2f}", us);
+}
+
+double seconds_since(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The largest data cache of this machine (sysfs), or 32 MiB when it does not say.
+std::size_t last_level_cache_bytes() {
+  std::size_t largest = 0;
+  for (int index = 0; index < 8; ++index) {
+    std::ifstream in(fmt::format("/sys/devices/system/cpu/cpu0/cache/index{}/size", index));
+    std::string text;
+    if (!(in >> text) || text.empty()) continue;
+    std::size_t value = std::strtoull(text.c_str(), nullptr, 10);
+    if (text.back() == 'K') value <<= 10;
+    if (text.back() == 'M') value <<= 20;
+    largest = std::max(largest, value);
+  }
+  return largest > 0 ? largest : std::size_t{32} << 20;
 }
 
 std::string format_fit(const LinkFit& f) {
@@ -359,25 +379,47 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
   const CommBenchOptions o = checked_comm_options(options, kWires, "the in-process communicator");
   CommBenchResult result;
   for (const CommSection& s : comm_sections(o)) {
+    const bool all_reduce = s.op == "all_reduce";
+    // When each rank started the current call: a collective is timed from its last member's start
+    // (every rank has written its own before any rank's call can end).
+    std::vector<std::atomic<double>> starts(static_cast<std::size_t>(s.ranks));
+    // Rank r on core r, as the executor pins a rank's threads, when the cores suffice.
+    const bool pinned = s.ranks <= static_cast<int>(std::thread::hardware_concurrency());
+    const auto n_ranks = static_cast<std::size_t>(s.ranks);
     InProcessWorld world(s.ranks, kTimeout);
     std::vector<std::unique_ptr<Communicator>> comms;
-    for (int r = 0; r < s.ranks; ++r) comms.push_back(world.communicator(r));
+    for (int r = 0; r < s.ranks; ++r) comms.push_back(world.communicator(r, pinned ? o.poll : std::chrono::microseconds{0}));
     const auto rank = [&](int r, const std::function<void(const CommRankCalls&)>& measure) {
       Communicator& comm = *comms[static_cast<std::size_t>(r)];
-      // Rank r on core r, as the executor pins a rank's threads, when the cores suffice.
-      if (s.ranks <= static_cast<int>(std::thread::hardware_concurrency())) {
+      if (pinned) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(r, &set);
         pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
       }
       std::vector<float> buffer(s.max_count);
+      // A step's gradient buckets were written by its backward long before they are reduced: the
+      // caches have moved on to other data. Each all_reduce call of ranks that have a core each
+      // starts from that state: together the ranks read twice the last-level cache's size of
+      // other data (at least 4 MiB each, for their own caches).
+      const std::size_t evict_bytes =
+          all_reduce && pinned ? std::max(std::size_t{4} << 20, 2 * last_level_cache_bytes() / n_ranks) : 0;
+      std::vector<float> other(evict_bytes / sizeof(float), 1.0f);
+      const auto evict = [&](std::size_t) {
+        float sum = 0;
+        for (std::size_t i = 0; i < other.size(); i += 16) sum += other[i];  // a cache line per read
+        other[0] = sum * 0.0f + 1.0f;  // keeps the reads
+      };
       const auto call = [&](std::size_t count) {
         const std::span<float> buf(buffer.data(), count);
         const auto t0 = Clock::now();
-        if (s.op == "all_reduce") {
+        if (all_reduce) {
+          starts[static_cast<std::size_t>(r)].store(seconds_since(t0.time_since_epoch()));
           comm.all_reduce(buf, s.members, kTag, s.reduce, s.wire, Divide::none);
-          return std::chrono::duration<double>(Clock::now() - t0).count();
+          const double end = seconds_since(Clock::now().time_since_epoch());
+          double last = 0;
+          for (const auto& t : starts) last = std::max(last, t.load());
+          return end - last;
         }
         if (r == 0) {
           comm.send(1, kTag, buf);
@@ -388,7 +430,7 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
         comm.send(0, kTag, buf);  // echo what arrived: a corrupted message is counted on both ranks
         return -1.0;              // only rank 0 sees the round trip
       };
-      measure(CommRankCalls{buffer, {}, call});
+      measure(CommRankCalls{buffer, other.empty() ? nullptr : std::function<void(std::size_t)>(evict), call});
     };
     run_comm_section(s, o, result, rank,
                      [&](int r, const std::string& why) { comms[static_cast<std::size_t>(r)]->abort(why); });

@@ -9,7 +9,11 @@
 //  * warm-up calls, then timed calls. Before each call every rank refills its buffer with
 //    its contribution and all ranks meet at a barrier, both outside the timed region; each
 //    rank times its own call with steady_clock. A call's time is the slowest rank's; the row
-//    reports the median over the timed calls.
+//    reports the median over the timed calls. In-process all_reduce calls are timed as a step
+//    times a collective: from the moment its last member started it (the barrier releases the
+//    ranks a wake-up apart), and on buffers the caches no longer hold (ranks that have a core
+//    each read other data first, twice the last-level cache in all), as a step's gradient
+//    buckets are when they are reduced: its backward wrote them long before.
 //  * every call's output (warm-ups included) is compared element by element with the exact
 //    expected result: contributions are small integers (rank r, element i: w(r)·(i mod m + 1),
 //    w(r) = r + 1 and m = 7 where the wire format holds every partial sum exactly, smaller
@@ -32,6 +36,7 @@
 // an all-reduce of n ranks, algbw for sendrecv. GB/s is 1e9 bytes per second.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -75,6 +80,9 @@ struct CommBenchOptions {
   DType wire = DType::fp32;            // all_reduce wire format: fp32, tf32, fp16 or bf16 (no fp8)
   std::vector<ReduceOp> redops = {ReduceOp::sum};  // one all_reduce table per group size and op
   bool sendrecv = true;                // run the point-to-point table (and fit `p2p`)
+  // In-process worlds whose ranks each have a core (they are pinned then): how long a waiting rank
+  // polls before it sleeps (InProcessWorld's `poll`), as the engine that will run the plan does.
+  std::chrono::microseconds poll{0};
   // Called as each row is finished (progress / streaming print), on a benchmark thread, one
   // row at a time, in the order of CommBenchResult::rows. An exception it throws stops the
   // run and comes out of bench_in_process_comm.

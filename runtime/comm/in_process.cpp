@@ -70,7 +70,8 @@ inline float max_nan(float a, float b) {
 
 class InProcessCommunicator final : public Communicator {
  public:
-  InProcessCommunicator(std::shared_ptr<WorldState> shared, int rank) : s_(std::move(shared)), rank_(rank) {}
+  InProcessCommunicator(std::shared_ptr<WorldState> shared, int rank, std::chrono::microseconds poll)
+      : s_(std::move(shared)), rank_(rank), poll_(poll) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return s_->world_size(); }
@@ -141,7 +142,7 @@ class InProcessCommunicator final : public Communicator {
   // describes the call for errors ("recv from rank 1 tag 7").
   template <typename Op>
   std::vector<float> take(Key key, Op&& op) {
-    std::vector<float> msg = s_->take(rank_, key, prefix(), op);
+    std::vector<float> msg = s_->take(rank_, key, prefix(), op, poll_);
     s_->in_flight.fetch_sub(msg.size() * sizeof(float));
     return msg;
   }
@@ -284,6 +285,7 @@ class InProcessCommunicator final : public Communicator {
 
   std::shared_ptr<WorldState> s_;
   int rank_;
+  std::chrono::microseconds poll_;
 };
 
 }  // namespace
@@ -304,11 +306,14 @@ InProcessWorld::~InProcessWorld() = default;
 
 int InProcessWorld::world_size() const { return shared_->world_size(); }
 
-std::unique_ptr<Communicator> InProcessWorld::communicator(int rank) {
+std::unique_ptr<Communicator> InProcessWorld::communicator(int rank, std::chrono::microseconds poll) {
   if (rank < 0 || rank >= shared_->world_size())
     throw std::invalid_argument("InProcessWorld: no rank " + std::to_string(rank) + " in a world of " +
                                 std::to_string(shared_->world_size()));
-  return std::make_unique<InProcessCommunicator>(shared_, rank);
+  if (poll.count() < 0)
+    throw std::invalid_argument("InProcessWorld: poll must not be negative, got " + std::to_string(poll.count()) +
+                                " us");
+  return std::make_unique<InProcessCommunicator>(shared_, rank, poll);
 }
 
 std::size_t InProcessWorld::bytes_in_flight() const { return shared_->in_flight.load(); }

@@ -35,8 +35,11 @@ class InProcessWorld {
 
   int world_size() const;
   // The communicator of `rank` (any number per rank; they share the rank's mailbox). It
-  // shares this world's state, so it stays usable even if the world is destroyed first.
-  std::unique_ptr<Communicator> communicator(int rank);
+  // shares this world's state, so it stays usable even if the world is destroyed first. `poll`:
+  // how long its calls poll for a message they wait for before sleeping (comm/mailbox.h), for a
+  // thread that has a core to itself while it waits; zero (sleep at once) for threads that share
+  // cores, where a poller takes the core from the thread it waits for.
+  std::unique_ptr<Communicator> communicator(int rank, std::chrono::microseconds poll = {});
   // Bytes held in mailboxes right now and at most so far (messages sent, not yet received),
   // counted as stored: 4 bytes per element whatever the wire format.
   std::size_t bytes_in_flight() const;

@@ -7,6 +7,13 @@
 // one key are delivered in the order they were posted. post never waits; take waits until the
 // message is there, the world is aborted (CommError with the abort's reason) or the timeout
 // passes (CommError naming the rank waited for). The first abort's reason wins.
+//
+// How take waits: given a `poll` time, it first polls the mailbox for up to that long (poll_for), as
+// NCCL's kernels poll their flags, and only then sleeps on the condition variable. A sleeping
+// thread costs a wake-up at every message it waited for: from microseconds on an idle core to a
+// scheduler slice (milliseconds) on a core that runs something else; a ring all-reduce waits at
+// each of its steps, and a pipeline stage at every receive. Polling is for threads that have a
+// core each: where threads share cores, a poller takes the core from the thread it waits for.
 #pragma once
 
 #include <atomic>
@@ -17,6 +24,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,15 +80,19 @@ class Mailboxes {
     {
       std::lock_guard lock(box.mu);
       box.messages[key].push_back(std::move(msg));
+      box.posted.fetch_add(1, std::memory_order_release);
     }
     box.arrived.notify_all();
   }
 
-  // Waits for the first message under `key` in `me`'s mailbox and moves it out.
+  // Waits for the first message under `key` in `me`'s mailbox and moves it out, polling for it
+  // for up to `poll` before sleeping.
   template <class Op>
-  Message take(int me, MailKey key, const std::string& who, Op&& op) {
+  Message take(int me, MailKey key, const std::string& who, Op&& op, std::chrono::microseconds poll = {}) {
     Inbox& box = inboxes_[static_cast<std::size_t>(me)];
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    if (poll.count() > 0)
+      if (std::optional<Message> msg = poll_for(box, key, poll)) return std::move(*msg);
     std::unique_lock lock(box.mu);
     auto it = box.messages.end();
     const bool ready = box.arrived.wait_until(lock, deadline, [&] {
@@ -95,10 +107,7 @@ class Mailboxes {
     if (!ready)
       throw CommError(who + op() + ": timed out after " + std::to_string(timeout_.count()) + " ms waiting for rank " +
                       std::to_string(key.source));
-    Message msg = std::move(it->second.front());
-    it->second.pop_front();
-    if (it->second.empty()) box.messages.erase(it);
-    return msg;
+    return pop(box, it);
   }
 
  private:
@@ -106,7 +115,35 @@ class Mailboxes {
     std::mutex mu;
     std::condition_variable arrived;
     std::map<MailKey, std::deque<Message>> messages;
+    std::atomic<std::uint64_t> posted{0};  // messages ever posted here: pollers look again when it moves
   };
+  using Queue = typename std::map<MailKey, std::deque<Message>>::iterator;
+
+  // Under box.mu.
+  static Message pop(Inbox& box, Queue it) {
+    Message msg = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) box.messages.erase(it);
+    return msg;
+  }
+
+  // Polls `box` for `key` for at most `poll`: the message, or nothing when the time ran out or the
+  // world was aborted (take then sleeps, and reports aborts and timeouts). A plain spin: a thread
+  // woken on this core still preempts the poller as it would preempt any running thread, while a
+  // yield would hand the core to whatever else is runnable for a whole scheduler slice.
+  std::optional<Message> poll_for(Inbox& box, MailKey key, std::chrono::microseconds poll) {
+    using Clock = std::chrono::steady_clock;
+    const auto until = Clock::now() + poll;
+    std::uint64_t looked_at = box.posted.load(std::memory_order_acquire) - 1;  // look at least once
+    for (int spins = 0;; ++spins) {
+      if (const std::uint64_t posted = box.posted.load(std::memory_order_acquire); posted != looked_at) {
+        looked_at = posted;
+        std::lock_guard lock(box.mu);
+        if (auto it = box.messages.find(key); it != box.messages.end()) return pop(box, it);
+      }
+      if (spins % 64 == 0 && (aborted_.load() || Clock::now() >= until)) return std::nullopt;
+    }
+  }
 
   const int world_size_;
   const std::chrono::milliseconds timeout_;

@@ -4,9 +4,16 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <optional>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include <fmt/format.h>
@@ -35,11 +42,100 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
   return n;
 }
 
+// Where ranks share cores: hands the cores to the ranks' compute ops one op at a time, each op whole,
+// in the order given (RunOptions::core_turns) or first come first served. Left to the operating
+// system, 8 rank threads on 2 cores were time-sliced at its tick (4 ms) over ops of 1-2 ms, and the
+// same run measured per-rank utilizations 0.1-0.2 apart from one run to the next; with the order
+// fixed, what a rank waits for is decided before the run (validation/core_sharing.h predicts it).
+class CoreGate {
+ public:
+  CoreGate(int cores, int ranks, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout)
+      : cores_(cores), turns_(std::move(turns)), timeout_(timeout), woken_(static_cast<std::size_t>(ranks)) {}
+
+  // Before each step (not measured).
+  void reset() {
+    std::lock_guard lock(mu_);
+    free_ = cores_;
+    next_ = 0;
+    waiting_.clear();
+    aborted_ = false;
+  }
+
+  // Waits for a core for rank `rank`'s op `op` (part `part`).
+  void acquire(const CoreTurn& turn) {
+    std::unique_lock lock(mu_);
+    if (turns_.empty()) waiting_.push_back(turn);
+    const bool ready = woken_[static_cast<std::size_t>(turn.rank)].wait_for(lock, timeout_, [&] {
+      return aborted_ || (free_ > 0 && (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
+    });
+    if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", turn.rank));
+    if (!ready)
+      throw std::runtime_error(fmt::format("rank {}: op {} waited {} ms for its turn at a core", turn.rank, turn.op,
+                                           timeout_.count()));
+    if (turns_.empty())
+      waiting_.pop_front();
+    else
+      ++next_;
+    --free_;
+    wake_next();
+  }
+
+  void release() {
+    std::lock_guard lock(mu_);
+    ++free_;
+    wake_next();
+  }
+
+  void abort() {
+    std::lock_guard lock(mu_);
+    aborted_ = true;
+    for (auto& w : woken_) w.notify_all();
+  }
+
+  // Holds a core for one op (part) of a rank, if there is a gate.
+  class Hold {
+   public:
+    Hold(CoreGate* gate, const CoreTurn& turn) : gate_(gate) {
+      if (gate_) gate_->acquire(turn);
+    }
+    ~Hold() {
+      if (gate_) gate_->release();
+    }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    CoreGate* gate_;
+  };
+
+ private:
+  // Under mu_: wakes the rank whose turn comes next, if a core is free for it.
+  void wake_next() {
+    if (free_ <= 0) return;
+    if (turns_.empty()) {
+      if (!waiting_.empty()) woken_[static_cast<std::size_t>(waiting_.front().rank)].notify_one();
+    } else if (next_ < turns_.size()) {
+      woken_[static_cast<std::size_t>(turns_[next_].rank)].notify_one();
+    }
+  }
+
+  const int cores_;
+  const std::vector<CoreTurn> turns_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::vector<std::condition_variable> woken_;  // per rank: its compute thread waits here
+  int free_ = 0;
+  std::size_t next_ = 0;
+  std::deque<CoreTurn> waiting_;  // first come, first served
+  bool aborted_ = false;
+};
+
 // One rank: its model chunks, optimizer, scaler, buffers and this step's state.
 struct Rank {
   int rank = 0, stage = 0, replica = 0;
   const RankProgram* program = nullptr;
-  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Communicator> comm;        // its compute thread's: receives, sends, the norm
+  std::unique_ptr<Communicator> collectives;  // its communication thread's
   std::vector<StageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   std::vector<OptimizerState> optimizers;
   std::vector<std::vector<std::uint8_t>> decay_masks;
@@ -53,6 +149,17 @@ struct Rank {
   std::vector<int> units_done;                                         // [slot]
   std::vector<OpTiming> timing;
   std::vector<Tick> arrival;          // collectives: when this rank's communication thread started them
+  // Backward ops: whether the op's chunk had accumulated only finite gradients when it ended (the
+  // model scans every accumulation), so a collective that depends on it need not scan them again.
+  std::vector<char> finite_after;
+  // Reductions of gradients that were all finite, for the optimizer step to check afterwards.
+  struct Reduced {
+    int chunk;
+    std::size_t offset, count;
+    const Op* op;  // the all-reduce
+    Tick at;       // when it ended
+  };
+  std::vector<Reduced> reduced;
   std::int64_t local_nonfinite = 0;   // in its own gradients, before any reduction
   bool found_nonfinite = false;
   double loss_sum = 0;
@@ -78,6 +185,7 @@ class CpuEngine final : public DeviceEngine {
         data_(data),
         world_(World::of(rp.plan)),
         shape_(rp.plan),
+        pinned_(cpu_pins_ranks(options, world_.size())),
         comm_world_(world_.size(), options.comm_timeout) {
     schedule_ = std::make_shared<const Schedule>(build_schedule(plan_));
     const auto& cfg = plan_.config;
@@ -92,7 +200,13 @@ class CpuEngine final : public DeviceEngine {
       rk->stage = world_.coord(r).pp;
       rk->replica = world_.coord(r).dp;
       rk->program = &schedule_->ranks[static_cast<std::size_t>(r)];
-      rk->comm = comm_world_.communicator(r);
+      // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
+      // thread always (its communication thread preempts it when woken), the communication thread
+      // only briefly where the plan reduces gradients while the backward runs on the same core.
+      const auto off = std::chrono::microseconds{0};
+      rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
+      rk->collectives = comm_world_.communicator(
+          r, !pinned_ ? off : cfg.communication.overlap_grad_reduce ? kCpuOverlapPoll : kCpuCommPoll);
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk->stage, j);
         rk->chunks.emplace_back(stage_spec(rp_, vs));
@@ -109,11 +223,15 @@ class CpuEngine final : public DeviceEngine {
       rk->scaler = std::make_unique<LossScaler>(cfg.precision.loss_scaling);
       rk->timing.resize(rk->program->ops.size());
       rk->arrival.assign(rk->program->ops.size(), -1);
+      rk->finite_after.assign(rk->program->ops.size(), 0);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
-
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    pinned_ = options.pin_threads && world_.size() <= cores;
+    sent_at_ = std::vector<std::atomic<Tick>>(static_cast<std::size_t>(schedule_->num_messages));
+    if (!pinned_) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      check_turns(options.core_turns);
+      gate_ = std::make_unique<CoreGate>(cores, world_.size(), options.core_turns, options.comm_timeout);
+    }
   }
 
   const World& world() const override { return world_; }
@@ -128,6 +246,8 @@ class CpuEngine final : public DeviceEngine {
     // Everything a rank needs before the step begins (outside the measured step): its
     // micro-batches, clean gradients and numerics counters.
     for (auto& rk : ranks_) prepare_step(*rk, step, data_position);
+    if (gate_) gate_->reset();
+    for (auto& t : sent_at_) t.store(-1);
     epoch_ = Clock::now();
     std::vector<std::thread> threads;
     threads.reserve(ranks_.size());
@@ -196,9 +316,33 @@ class CpuEngine final : public DeviceEngine {
       if (e_.pinned_) pin(rk_.rank);
     }
     void run_compute(int i) override {
-      const Tick start = e_.now();
-      e_.run_op(rk_, i, rk_.program->ops[static_cast<std::size_t>(i)]);
-      rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
+      // An op starts when the one before it on this thread and what it waits for have ended, and a
+      // receive ends when its message was there, as the simulator times them: however long a woken
+      // thread then waited for a core is the op's, as a time-shared rank's wait would be.
+      const Op& op = rk_.program->ops[static_cast<std::size_t>(i)];
+      Tick start = e_.now();
+      if (previous_end_ >= 0) {
+        Tick ready = previous_end_;
+        if (op.dep >= 0 && is_collective(rk_.program->ops[static_cast<std::size_t>(op.dep)].kind))
+          ready = std::max(ready, rk_.timing[static_cast<std::size_t>(op.dep)].end);
+        start = std::min(start, ready);
+      }
+      {
+        const bool gated = is_compute(op.kind) && op.kind != OpKind::OptimizerStep;  // the optimizer: inside
+        CoreGate::Hold core(gated ? e_.gate_.get() : nullptr, CoreTurn{rk_.rank, i, 0});
+        e_.run_op(rk_, i, op);
+      }
+      Tick end = e_.now();
+      if (is_recv(op.kind)) {
+        const Tick sent = e_.sent_at_[static_cast<std::size_t>(op.channel)].load(std::memory_order_acquire);
+        if (sent >= 0) end = std::clamp(sent, start, end);
+      }
+      rk_.timing[static_cast<std::size_t>(i)] = {start, end};
+      previous_end_ = end;
+      // Before the op is marked done: a collective that waits for it reads this.
+      if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::BackwardWeight)
+        rk_.finite_after[static_cast<std::size_t>(i)] =
+            rk_.chunks[e_.shape_.local_chunk(op)].numerics().nonfinite_gradients == 0;
     }
     void finished_compute(int) override {
       e_.account_memory(rk_);
@@ -214,7 +358,10 @@ class CpuEngine final : public DeviceEngine {
       e_.run_collective(rk_, rk_.program->ops[static_cast<std::size_t>(i)]);
       rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
     }
-    void abort(const std::string& reason) override { rk_.comm->abort(reason); }
+    void abort(const std::string& reason) override {
+      if (e_.gate_) e_.gate_->abort();
+      rk_.comm->abort(reason);
+    }
 
    private:
     static void pin(int core) {
@@ -225,7 +372,26 @@ class CpuEngine final : public DeviceEngine {
     }
     CpuEngine& e_;
     Rank& rk_;
+    Tick previous_end_ = -1;  // of this thread's last op this step
   };
+
+  // Core turns must name every compute op of every rank once, and the optimizer's second part.
+  void check_turns(const std::vector<CoreTurn>& turns) const {
+    if (turns.empty()) return;
+    std::vector<CoreTurn> want, got = turns;
+    for (const RankProgram& p : schedule_->ranks)
+      for (int i = 0; i < static_cast<int>(p.ops.size()); ++i)
+        if (is_compute(p.ops[static_cast<std::size_t>(i)].kind)) {
+          want.push_back({p.rank, i, 0});
+          if (p.ops[static_cast<std::size_t>(i)].kind == OpKind::OptimizerStep) want.push_back({p.rank, i, 1});
+        }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    if (got != want)
+      throw std::invalid_argument(fmt::format("cpu engine: the order of core turns lists {} turns; the schedule's compute "
+                                              "ops take {} (each once, the optimizer step twice)",
+                                              turns.size(), want.size()));
+  }
 
   void round_master(StageModel& model) const {
     const DType master = plan_.config.precision.master_weights;
@@ -253,6 +419,7 @@ class CpuEngine final : public DeviceEngine {
     rk.walk.reset(rk.program->ops.size());
     std::fill(rk.arrival.begin(), rk.arrival.end(), -1);
     rk.local_nonfinite = 0;
+    rk.reduced.clear();
     rk.found_nonfinite = false;
     rk.loss_sum = 0;
     rk.loss_count = 0;
@@ -330,6 +497,7 @@ class CpuEngine final : public DeviceEngine {
       case OpKind::SendGradient: {
         auto& buf = op.kind == OpKind::SendActivation ? rk.act_out[s] : rk.grad_in[s];
         rk.comm->send(op.peer, message_tag(rk.step, op.channel), buf);
+        sent_at_[static_cast<std::size_t>(op.channel)].store(now(), std::memory_order_release);
         release(rk, buf);
         return;
       }
@@ -371,7 +539,7 @@ class CpuEngine final : public DeviceEngine {
         // Split at bucket bounds only in name: the weight pass runs whole in its first segment.
         if (op.bucket <= 0) rk.chunks[shape_.local_chunk(op)].backward_weight(op.microbatch);
         return;
-      case OpKind::OptimizerStep: optimizer_step(rk); return;
+      case OpKind::OptimizerStep: optimizer_step(rk, index); return;
       default: break;
     }
     throw std::logic_error(fmt::format("rank {}: op {} ({}) cannot run on the compute thread", rk.rank, index,
@@ -389,12 +557,14 @@ class CpuEngine final : public DeviceEngine {
         const auto [offset, count] = collective_range(op, buckets_, model.token_embedding());
         auto grads = model.gradients().subspan(offset, count);
         const bool data_parallel = c.purpose == CollectivePurpose::gradients;
-        if (data_parallel) rk.local_nonfinite += count_nonfinite(grads);
-        const bool finite_before = count_nonfinite(grads) == 0;
-        rk.comm->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
-        if (finite_before && count_nonfinite(grads) > 0)
-          record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", allreduce_label(op, pr.allreduce), rk.stage,
-                                           rk.replica));
+        // The numerics' bookkeeping stays off the collective (NCCL makes no pass of its own over a
+        // bucket): gradients the model found finite as it accumulated them are not scanned again,
+        // and whether the reduction made them non-finite is checked by the optimizer step.
+        const bool finite = op.dep >= 0 && rk.finite_after[static_cast<std::size_t>(op.dep)];
+        const std::int64_t nonfinite_before = finite ? 0 : count_nonfinite(grads);
+        if (data_parallel) rk.local_nonfinite += nonfinite_before;
+        rk.collectives->all_reduce(grads, c.members, tag, ReduceOp::sum, pr.allreduce, divide_of(c, pr));
+        if (nonfinite_before == 0) rk.reduced.push_back({shape_.local_chunk(op), offset, count, &op, now()});
         return;
       }
       case OpKind::OverflowCheck: {
@@ -410,7 +580,8 @@ class CpuEngine final : public DeviceEngine {
         for (auto& c : rk.chunks) n += count_nonfinite(c.gradients());
         float flag = n > 0 ? 1.0f : 0.0f;
         const Collective& c = schedule_->collectives[op.channel];
-        rk.comm->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32, Divide::none);
+        rk.collectives->all_reduce(std::span<float>(&flag, 1), c.members, tag, ReduceOp::max, DType::fp32,
+                                   Divide::none);
         rk.found_nonfinite = !(flag == 0.0f);
         return;
       }
@@ -420,9 +591,19 @@ class CpuEngine final : public DeviceEngine {
                                        rk.rank, op_label(op)));
   }
 
-  void optimizer_step(Rank& rk) {
+  // Where ranks share cores, the step takes two turns at a core: before its gradient norm's
+  // all-reduce over every rank, and after it (none is held while the ranks wait for each other).
+  void optimizer_step(Rank& rk, int index) {
+    std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{rk.rank, index, 0});
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
+    // Reductions that made finite gradients non-finite (a wire format that overflowed).
+    for (const Rank::Reduced& r : rk.reduced)
+      if (count_nonfinite(rk.chunks[static_cast<std::size_t>(r.chunk)].gradients().subspan(r.offset, r.count)) > 0)
+        record_nonfinite(rk,
+                         fmt::format("{} (stage {}, replica {})", allreduce_label(*r.op, cfg.precision.allreduce),
+                                     rk.stage, rk.replica),
+                         r.at);
     // Unscale, and this rank's share of the global squared norm (norm_excluded).
     double sumsq = 0;
     for (int j = 0; j < shape_.vpp; ++j) {
@@ -436,9 +617,11 @@ class CpuEngine final : public DeviceEngine {
       for (std::size_t i = skip_from + skip_count; i < g.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
     }
     float total = static_cast<float>(sumsq / plan_.dp);
+    core.reset();
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         DType::fp32, Divide::none);
     rk.grad_norm = std::sqrt(static_cast<double>(total));
+    core.emplace(gate_.get(), CoreTurn{rk.rank, index, 1});
 
     const bool checks = cfg.precision.loss_scaling.mode != LossScalingMode::none;
     rk.skipped = rk.scaler->update(checks && rk.found_nonfinite);
@@ -472,14 +655,16 @@ class CpuEngine final : public DeviceEngine {
     for (auto& c : rk.chunks)
       if (!c.numerics().first_nonfinite.empty()) {
         record_nonfinite(rk, fmt::format("{} (stage {}, replica {})", c.numerics().first_nonfinite, rk.stage,
-                                         rk.replica));
+                                         rk.replica),
+                         now());
         return;
       }
   }
 
-  void record_nonfinite(Rank& rk, std::string what) {
-    if (rk.first_nonfinite_at >= 0) return;
-    rk.first_nonfinite_at = now();
+  // The earliest wins (a reduction is checked after the compute ops that followed it).
+  void record_nonfinite(Rank& rk, std::string what, Tick at) {
+    if (rk.first_nonfinite_at >= 0 && rk.first_nonfinite_at <= at) return;
+    rk.first_nonfinite_at = at;
     rk.first_nonfinite = std::move(what);
   }
 
@@ -488,15 +673,22 @@ class CpuEngine final : public DeviceEngine {
   const Dataset& data_;
   World world_;
   StepShape shape_;
+  bool pinned_;
+  std::unique_ptr<CoreGate> gate_;  // ranks share cores
+  std::vector<std::atomic<Tick>> sent_at_;  // per message of the step: when its send returned, or -1
   InProcessWorld comm_world_;
   std::shared_ptr<const Schedule> schedule_;
   GradientBuckets buckets_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   Clock::time_point epoch_;
-  bool pinned_ = false;
 };
 
 }  // namespace
+
+bool cpu_pins_ranks(const RunOptions& options, int ranks) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return options.pin_threads && ranks <= cores;
+}
 
 std::unique_ptr<DeviceEngine> make_cpu_engine(const RuntimePlan& plan, const Dataset& data, const RunOptions& options) {
   return std::make_unique<CpuEngine>(plan, data, options);
@@ -514,11 +706,17 @@ const Backend& cpu_backend() {
                      const CalibrateOptions&) { return describe_cpu_profile(plan, name); },
       .kernels = make_cpu_kernel_calibrator,
       .calibrates_format = [](DType) { return true; },  // low precision is emulated by rounding
-      .comm_bench = [](const CommBenchOptions& options, const Placement&) { return bench_in_process_comm(options); },
+      .comm_bench =
+          [](const CommBenchOptions& options, const Placement&) {
+            CommBenchOptions o = options;
+            o.poll = kCpuCommPoll;  // as the engine's pinned ranks wait
+            return bench_in_process_comm(o);
+          },
       // Ranks are threads on the machine's cores.
       .comm_ranks = [](const RuntimePlan&) { return static_cast<int>(std::max(2u, std::thread::hardware_concurrency())); },
       .kernel_clock = "one core, pinned",
       .calibrate_between_steps = true,  // a shared host's speed wanders
+      .shares_by_turns = true,          // ranks beyond the cores: the engine's CoreGate
   };
   return backend;
 }

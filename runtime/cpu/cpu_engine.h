@@ -9,6 +9,7 @@
 // cpu_backend().
 #pragma once
 
+#include <chrono>
 #include <memory>
 
 #include "runtime/backend.h"
@@ -17,6 +18,21 @@
 #include "runtime/engine/device_engine.h"
 
 namespace trainsim::runtime {
+
+// How long a thread of a rank that has a core of its own polls for a message before it sleeps
+// (InProcessWorld::communicator's `poll`): a ring all-reduce waits for its peer at every step, a
+// pipeline stage at every receive, and a sleeping thread pays a wake-up each time (microseconds on
+// an idle core, a scheduler slice on a busy one). A thread woken on the core preempts the poller as
+// it would any running thread. The communication thread of a plan that reduces gradients while the
+// backward runs polls only briefly (kCpuOverlapPoll), for the steps of a ring its peers are already
+// in: longer, it would take the core from its own compute thread. Ranks that share cores never
+// poll. The communication benchmark polls as the compute thread does (calibration measures what a
+// step does; its calls all find their peers in the ring).
+inline constexpr std::chrono::microseconds kCpuCommPoll{10'000};
+inline constexpr std::chrono::microseconds kCpuOverlapPoll{100};
+
+// Whether the CPU engine pins rank r's threads to core r: when asked and the ranks fit the cores.
+bool cpu_pins_ranks(const RunOptions& options, int ranks);
 
 // The engine for `plan`, reading micro-batches from `data` (which must outlive it).
 std::unique_ptr<DeviceEngine> make_cpu_engine(const RuntimePlan& plan, const Dataset& data, const RunOptions& options);

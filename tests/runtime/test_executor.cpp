@@ -8,11 +8,13 @@
 //  * the measured Timeline and memory accounting obey the schedule's rules.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
 
 #include "core/metrics.h"
+#include "sim/simulator.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/loop/run_report.h"
 #include "runtime/runtime_plan.h"
@@ -241,6 +243,39 @@ TEST(Executor, MeasuredTimelineFollowsTheSchedule) {
     EXPECT_GT(rank.utilization, 0);
     EXPECT_LE(rank.utilization, 1);
   }
+}
+
+// Every compute op of every rank (the optimizer step twice, around its gradient norm), in the
+// order the simulator starts them: an order the ranks can follow.
+std::vector<CoreTurn> predicted_turns(const RunReport& r) {
+  const Timeline t = predict(r.runtime_plan.plan).timeline;
+  std::vector<std::pair<Tick, CoreTurn>> turns;
+  for (const RankProgram& p : r.schedule->ranks)
+    for (int i = 0; i < static_cast<int>(p.ops.size()); ++i)
+      if (is_compute(p.ops[i].kind)) {
+        const Tick start = t.ops[p.rank][i].start;
+        turns.push_back({start, {p.rank, i, 0}});
+        if (p.ops[i].kind == OpKind::OptimizerStep) turns.push_back({t.end() + p.rank, {p.rank, i, 1}});
+      }
+  std::sort(turns.begin(), turns.end());
+  std::vector<CoreTurn> out;
+  for (const auto& [at, turn] : turns) out.push_back(turn);
+  return out;
+}
+
+TEST(Executor, RanksThatShareCoresTakeTurnsInTheOrderGiven) {
+  // Unpinned, ranks share the cores: first come first served, or in a given order; the training is
+  // the same either way, and an order that leaves an op out is refused.
+  const ScenarioConfig c = small_config(2, 4, ScheduleKind::one_f_one_b);
+  const RunReport first_come = run(c);
+  ASSERT_FALSE(first_come.failure);
+  RunOptions o;
+  o.core_turns = predicted_turns(first_come);
+  const RunReport ordered = run(c, o);
+  ASSERT_FALSE(ordered.failure);
+  EXPECT_EQ(losses(ordered), losses(first_come));
+  o.core_turns.pop_back();
+  EXPECT_THROW(run(c, o), std::invalid_argument);
 }
 
 TEST(Executor, MemoryAccountingFollowsParametersAndStashes) {

@@ -1,0 +1,310 @@
+#include "validation/core_sharing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <map>
+#include <queue>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include <fmt/format.h>
+
+namespace trainsim::validation {
+
+namespace {
+
+using runtime::CoreTurn;
+
+int parts_of(OpKind k) { return k == OpKind::OptimizerStep ? 2 : 1; }
+
+// The engine's two threads per rank and its gate, as events in time.
+class Replay {
+ public:
+  Replay(const Timeline& alone, const CoreSharing& sharing)
+      : s_(*alone.schedule), alone_(alone), sharing_(sharing), ranks_(s_.ranks.size()) {
+    if (sharing.cores < 1) throw std::invalid_argument(fmt::format("share_cores: {} cores", sharing.cores));
+    if (alone.ops.size() != s_.ranks.size())
+      throw std::invalid_argument("share_cores: the timeline does not cover every rank of its schedule");
+    out_.schedule = alone.schedule;
+    out_.predicted = true;
+    out_.ops.resize(s_.ranks.size());
+    for (std::size_t r = 0; r < s_.ranks.size(); ++r) {
+      const auto n = s_.ranks[r].ops.size();
+      if (alone.ops[r].size() != n) throw std::invalid_argument("share_cores: the timeline does not match its schedule");
+      out_.ops[r].assign(n, OpTiming{});
+      ranks_[r].done.assign(n, 0);
+    }
+    arrival_.assign(static_cast<std::size_t>(s_.num_messages), -1);
+    members_arrived_.assign(s_.collectives.size(), 0);
+    last_arrival_.assign(s_.collectives.size(), 0);
+    check_turns();
+  }
+
+  SharedStep run() {
+    free_cores_ = sharing_.cores;
+    for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) advance(r);
+    grant();
+    while (!events_.empty()) {
+      const Tick t = events_.top().at;
+      now_ = t;
+      while (!events_.empty() && events_.top().at == t) {
+        const Event e = events_.top();
+        events_.pop();
+        handle(e);
+      }
+      grant();
+    }
+    for (std::size_t r = 0; r < ranks_.size(); ++r)
+      if (ranks_[r].next < static_cast<int>(s_.ranks[r].ops.size()) || !ranks_[r].queue.empty())
+        throw std::invalid_argument(fmt::format(
+            "share_cores: rank {} cannot go on at op {} ({}){}", r, ranks_[r].next,
+            ranks_[r].next < static_cast<int>(s_.ranks[r].ops.size()) ? op_label(s_.ranks[r].ops[ranks_[r].next])
+                                                                         : "end",
+            sharing_.turns.empty() ? "" : ": the order of turns makes it wait for an op that waits for it"));
+    return {std::move(out_), std::move(granted_)};
+  }
+
+ private:
+  enum class Wait { none, collective, gate, running, recv, barrier };
+  enum class Kind { part_end, send_end, collective_end, barrier_end };
+  struct Event {
+    Tick at;
+    std::int64_t seq;
+    Kind kind;
+    int rank, a;
+    bool operator>(const Event& o) const { return std::tie(at, seq) > std::tie(o.at, o.seq); }
+  };
+  struct Request {
+    Tick at;
+    CoreTurn turn;
+    auto operator<=>(const Request&) const = default;
+  };
+  struct RankState {
+    int next = 0;  // the compute thread's op
+    Wait wait = Wait::none;
+    bool reached = false;
+    int part = 0;
+    std::deque<int> queue;  // the communication thread's collectives, in program order
+    bool comm_busy = false;
+    bool comm_arrived = false;
+    std::vector<char> done;
+  };
+
+  Tick duration(int r, int i) const {
+    const OpTiming& t = alone_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
+    return std::max<Tick>(0, t.end - t.start);
+  }
+  Tick part_duration(int r, int i, int part) const {
+    const Tick d = duration(r, i);
+    if (parts_of(s_.ranks[r].ops[i].kind) == 1) return d;
+    const auto first = static_cast<Tick>(std::llround(static_cast<double>(d) * sharing_.optimizer_first_part));
+    const bool skipped = static_cast<std::size_t>(r) < sharing_.skipped_update.size() && sharing_.skipped_update[r];
+    return part == 0 ? first : skipped ? 0 : d - first;
+  }
+  void at(Tick t, Kind k, int rank, int a = 0) { events_.push(Event{t, seq_++, k, rank, a}); }
+
+  // Every compute op (and the optimizer's second part) once, in an order the replay can follow.
+  void check_turns() const {
+    if (sharing_.turns.empty()) return;
+    std::set<CoreTurn> want, got;
+    for (std::size_t r = 0; r < s_.ranks.size(); ++r)
+      for (std::size_t i = 0; i < s_.ranks[r].ops.size(); ++i)
+        if (is_compute(s_.ranks[r].ops[i].kind))
+          for (int p = 0; p < parts_of(s_.ranks[r].ops[i].kind); ++p)
+            want.insert(CoreTurn{static_cast<int>(r), static_cast<int>(i), p});
+    for (const CoreTurn& t : sharing_.turns)
+      if (!got.insert(t).second)
+        throw std::invalid_argument(fmt::format("share_cores: rank {} op {} part {} has two turns", t.rank, t.op, t.part));
+    if (got != want)
+      throw std::invalid_argument(fmt::format(
+          "share_cores: the order of turns lists {} compute ops and parts; the schedule has {}", got.size(), want.size()));
+  }
+
+  // Runs rank r's compute thread, then its communication thread, as far as they go now.
+  void advance(int r) {
+    advance_compute(r);
+    advance_comm(r);
+  }
+
+  void advance_compute(int r) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    const auto& ops = s_.ranks[static_cast<std::size_t>(r)].ops;
+    auto& times = out_.ops[static_cast<std::size_t>(r)];
+    while (st.wait == Wait::none && st.next < static_cast<int>(ops.size())) {
+      const int i = st.next;
+      const Op& op = ops[static_cast<std::size_t>(i)];
+      if (is_collective(op.kind)) {
+        st.queue.push_back(i);
+        ++st.next;
+        continue;
+      }
+      if (!st.reached) {
+        if (op.dep >= 0 && is_collective(ops[static_cast<std::size_t>(op.dep)].kind) && !st.done[op.dep]) {
+          st.wait = Wait::collective;
+          return;
+        }
+        st.reached = true;
+        times[static_cast<std::size_t>(i)].start = now_;
+        st.part = 0;
+      }
+      if (is_compute(op.kind)) {
+        requests_.insert(Request{now_, CoreTurn{r, i, st.part}});
+        st.wait = Wait::gate;
+        return;
+      }
+      if (is_send(op.kind)) {
+        st.wait = Wait::running;
+        at(now_ + duration(r, i), Kind::send_end, r, i);
+        return;
+      }
+      if (is_recv(op.kind)) {
+        const Tick sent = arrival_[static_cast<std::size_t>(op.channel)];
+        if (sent < 0) {
+          st.wait = Wait::recv;
+          waiting_recv_.emplace(op.channel, r);
+          return;
+        }
+        finish_compute_op(r, i, std::max(now_, sent));
+        continue;
+      }
+      throw std::logic_error("share_cores: op " + op_label(op) + " has no place on the compute thread");
+    }
+  }
+
+  void finish_compute_op(int r, int i, Tick end) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)].end = end;
+    st.done[static_cast<std::size_t>(i)] = 1;
+    st.reached = false;
+    st.wait = Wait::none;
+    ++st.next;
+  }
+
+  void advance_comm(int r) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    const auto& ops = s_.ranks[static_cast<std::size_t>(r)].ops;
+    if (st.comm_busy || st.queue.empty()) return;
+    const int i = st.queue.front();
+    const Op& op = ops[static_cast<std::size_t>(i)];
+    if (op.dep >= 0 && !st.done[static_cast<std::size_t>(op.dep)]) return;
+    st.comm_busy = true;
+    if (op.channel < 0) {  // the local overflow check: this rank alone
+      out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)].start = now_;
+      at(now_ + duration(r, i), Kind::collective_end, r, i);
+      return;
+    }
+    const auto c = static_cast<std::size_t>(op.channel);
+    last_arrival_[c] = std::max(last_arrival_[c], now_);
+    if (++members_arrived_[c] < static_cast<int>(s_.collectives[c].members.size())) return;
+    // The last member is here: the collective runs on every member at once.
+    const Tick start = last_arrival_[c];
+    for (int m : s_.collectives[c].members) {
+      const int mi = ranks_[static_cast<std::size_t>(m)].queue.front();
+      out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(mi)].start = start;
+      at(start + duration(m, mi), Kind::collective_end, m, mi);
+    }
+  }
+
+  void handle(const Event& e) {
+    RankState& st = ranks_[static_cast<std::size_t>(e.rank)];
+    switch (e.kind) {
+      case Kind::part_end: {
+        ++free_cores_;
+        const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
+        if (st.part + 1 < parts_of(op.kind)) {
+          // The optimizer's gradient norm is in: its all-reduce over every rank, core released.
+          st.wait = Wait::barrier;
+          last_at_barrier_ = std::max(last_at_barrier_, now_);
+          if (++at_barrier_ == static_cast<int>(ranks_.size()))
+            at(last_at_barrier_ + sharing_.norm_allreduce, Kind::barrier_end, e.rank);
+          return;
+        }
+        finish_compute_op(e.rank, e.a, now_);
+        advance(e.rank);
+        return;
+      }
+      case Kind::send_end: {
+        const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
+        arrival_[static_cast<std::size_t>(op.channel)] = now_;
+        finish_compute_op(e.rank, e.a, now_);
+        advance(e.rank);
+        if (auto it = waiting_recv_.find(op.channel); it != waiting_recv_.end()) {
+          const int r = it->second;
+          waiting_recv_.erase(it);
+          ranks_[static_cast<std::size_t>(r)].wait = Wait::none;
+          advance(r);
+        }
+        return;
+      }
+      case Kind::collective_end: {
+        out_.ops[static_cast<std::size_t>(e.rank)][static_cast<std::size_t>(e.a)].end = now_;
+        st.done[static_cast<std::size_t>(e.a)] = 1;
+        st.queue.pop_front();
+        st.comm_busy = false;
+        if (st.wait == Wait::collective) st.wait = Wait::none;
+        advance(e.rank);
+        return;
+      }
+      case Kind::barrier_end:
+        at_barrier_ = 0;
+        for (std::size_t r = 0; r < ranks_.size(); ++r) {
+          RankState& b = ranks_[r];
+          b.wait = Wait::none;
+          ++b.part;
+          advance(static_cast<int>(r));
+        }
+        return;
+    }
+  }
+
+  // Hands free cores to waiting ops: the next turn of the order, or the earliest request.
+  void grant() {
+    while (free_cores_ > 0 && !requests_.empty()) {
+      auto it = requests_.begin();
+      if (!sharing_.turns.empty()) {
+        if (next_turn_ >= sharing_.turns.size()) return;
+        const CoreTurn& want = sharing_.turns[next_turn_];
+        it = std::find_if(requests_.begin(), requests_.end(), [&](const Request& q) { return q.turn == want; });
+        if (it == requests_.end()) return;  // its op is not there yet: the core waits for it
+        ++next_turn_;
+      }
+      const CoreTurn t = it->turn;
+      requests_.erase(it);
+      granted_.push_back(t);
+      --free_cores_;
+      ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::running;
+      at(now_ + part_duration(t.rank, t.op, t.part), Kind::part_end, t.rank, t.op);
+    }
+  }
+
+  const Schedule& s_;
+  const Timeline& alone_;
+  const CoreSharing& sharing_;
+  std::vector<RankState> ranks_;
+  Timeline out_;
+  std::vector<Tick> arrival_;              // per message: when its send ended, -1 before
+  std::multimap<int, int> waiting_recv_;   // message -> the rank blocked on it
+  std::vector<int> members_arrived_;       // per collective
+  std::vector<Tick> last_arrival_;
+  int at_barrier_ = 0;
+  Tick last_at_barrier_ = 0;
+  std::set<Request> requests_;  // ordered by time, then rank, op, part
+  std::vector<CoreTurn> granted_;
+  std::size_t next_turn_ = 0;
+  int free_cores_ = 0;
+  Tick now_ = 0;
+  std::int64_t seq_ = 0;
+  std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
+};
+
+}  // namespace
+
+SharedStep share_cores(const Timeline& alone, const CoreSharing& sharing) {
+  return Replay(alone, sharing).run();
+}
+
+}  // namespace trainsim::validation

@@ -1,0 +1,50 @@
+// How a step runs when its ranks share cores (more rank threads than cores, the CPU backend's
+// oversubscribed runs), predicted op by op.
+//
+// The CPU engine (runtime/cpu/cpu_engine.h) hands its `cores` to the ranks' compute ops one op at a
+// time, in an order fixed before the run (RunOptions::core_turns): an op waits for its turn and a
+// free core, then runs whole at the speed of a rank that has a core to itself. A rank waiting for
+// its turn is inside its op (busy), as a time-shared rank would be. The communication threads
+// (collectives) and the copies of sends and receives are not gated; they take what the operating
+// system gives them, which is little next to the compute.
+//
+// share_cores replays the schedule that way: each rank's compute thread walks its program in
+// order (compute ops through the gate, sends for their copy time, receives until the message is
+// there, collectives handed to the communication thread), each communication thread runs its
+// collectives in order once their producing op ended and every member arrived, and the optimizer
+// step waits, between its gradient norm and its update, for every rank's share of the norm (the
+// engine's all-reduce over all ranks; the core is free meanwhile). Op durations are those of a
+// prediction in which every rank had a core to itself (`alone`). Given no order, it hands cores out
+// first come first served (ties: lower rank, then earlier op) and returns that order, which is what
+// validate passes to the run and then replays with the profile measured during the run.
+#pragma once
+
+#include <vector>
+
+#include "core/timeline.h"
+#include "runtime/contract.h"
+
+namespace trainsim::validation {
+
+struct CoreSharing {
+  int cores = 1;
+  // Of an optimizer step's time, the share before its gradient-norm all-reduce (unscaling and the
+  // squared norm), and the all-reduce's time once every rank has reached it.
+  double optimizer_first_part = 0.2;
+  Tick norm_allreduce = 0;
+  // Per rank: it skipped its update (an overflow): its optimizer step ends with the norm.
+  std::vector<char> skipped_update;
+  // The order compute ops take cores in; empty: first come, first served.
+  std::vector<runtime::CoreTurn> turns;
+};
+
+struct SharedStep {
+  Timeline timeline;                     // as the runtime would measure it
+  std::vector<runtime::CoreTurn> turns;  // the order the cores were handed out in
+};
+
+// Throws std::invalid_argument when `sharing.turns` is not an order of every rank's compute ops
+// (and the optimizer's second part), or cannot be followed (an op before what it waits for).
+SharedStep share_cores(const Timeline& alone, const CoreSharing& sharing);
+
+}  // namespace trainsim::validation
