@@ -36,7 +36,7 @@ struct Builder {
   }
   void add(KernelWork w) {
     for (KernelWork& k : *out)
-      if (k.kernel == w.kernel && k.shape == w.shape && k.dtype == w.dtype && k.bytes == w.bytes) {
+      if (k.shape == w.shape && k.bytes == w.bytes && k.dtype == w.dtype && k.kernel == w.kernel) {  // the name last: dearest to compare
         ++k.count;
         return;
       }
@@ -210,11 +210,10 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
   const char* wgrad = fused_accumulation ? "linear.backward_weight_accumulate" : "linear.backward_weight";
   const double layer_accumulate = fused_accumulation ? 0.0 : accumulate;
 
-  std::vector<ChunkKernels> out(plan.num_virtual_stages());
-  for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
-    const int layers = plan.layers_per_virtual_stage[vs];
-    const bool first = vs == 0, last = vs == plan.num_virtual_stages() - 1;
-    ChunkKernels& c = out[vs];
+  // One chunk's kernels: a function of its layer count and whether it is the first or the last
+  // (and of the plan's constants above) alone.
+  auto build_chunk = [&](const int layers, const bool first, const bool last) {
+    ChunkKernels c;
     Builder k{cfg.precision.compute, e};
 
     // Each of Megatron's tensor-parallel all-reduces; with sequence parallelism a reduce-scatter
@@ -368,6 +367,19 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
       k.memory("embedding.backward", static_cast<double>(N) * C, 3);
       k.memory_bytes("commit", m.embedding_params() / t, m.embedding_params() / t * accumulate);
     }
+    return c;
+  };
+
+  // A middle chunk with an earlier middle chunk's layer count is that chunk's copy (a pipeline's
+  // chunks are mostly alike: built once).
+  std::vector<ChunkKernels> out(plan.num_virtual_stages());
+  const int chunks = plan.num_virtual_stages();
+  for (int vs = 0; vs < chunks; ++vs) {
+    const int layers = plan.layers_per_virtual_stage[vs];
+    const bool first = vs == 0, last = vs == chunks - 1;
+    int same = 1;
+    while (!first && !last && same < vs && plan.layers_per_virtual_stage[same] != layers) ++same;
+    out[vs] = !first && !last && same < vs ? out[same] : build_chunk(layers, first, last);
   }
   return out;
 }

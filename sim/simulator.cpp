@@ -100,6 +100,7 @@ struct CachedSchedule {
 
 struct Predictor::Workspace {
   Simulation sim;
+  KernelInventoryCache inventory;  // the compute model's, across plans
   ResultWorkspace result;
   StepFigures figures;
   std::array<StepFigures, StepProgram::kMaxLanes> lane_figures;
@@ -318,7 +319,7 @@ void Predictor::finish_route(const Plan& plan, const Route& route, const StepFig
 const Result& Predictor::evaluate(const Plan& plan) {
   last_.schedule.reset();
   last_.timeline.schedule.reset();
-  const RooflineComputeModel compute(plan);
+  const RooflineComputeModel compute(plan, &ws_->inventory);
   const LinkP2PModel p2p(plan);
   const NetworkCollectiveModel collective(plan);
   const Models m{compute, p2p, collective};
@@ -383,7 +384,7 @@ void Predictor::evaluate_batch(const Plan* const* plans, int n, const Result** o
   for (int j = 0; j < n; ++j) {
     const Plan& plan = *plans[j];
     out[j] = &ws_->results[j];
-    compute[j].emplace(plan);
+    compute[j].emplace(plan, &ws_->inventory);
     p2p[j].emplace(plan);
     collective[j].emplace(plan);
     const Models m{*compute[j], *p2p[j], *collective[j]};

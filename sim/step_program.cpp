@@ -474,8 +474,7 @@ template <class Models>
 void StepProgram::run_impl(const Models& models, Timeline& t) {
   const Schedule& s = *schedule_;
   prices_.resize(1 + compute_.size() + sends_.size() + collectives_.size());
-  Tick* D = prices_.data();
-  price(models, D, 1);
+  price(models, prices_.data(), 1);
 
   // The Timeline's rows, as the engine sizes them.
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
@@ -489,10 +488,17 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
     t.ops[r].resize(s.ranks[r].ops.size());
     rows_[r] = t.ops[r].data();
   }
-  OpTiming* const* rows = rows_.data();
+  step<true>();
+  t.schedule = schedule_;
+  t.predicted = true;
+}
 
-  // T: every end, in the order the engine settles them; each op's interval written as its
-  // end is known.
+// T: every end at the prices in prices_, in the order the engine settles them. kTimeline:
+// each op's interval written into rows_ as its end is known.
+template <bool kTimeline>
+void StepProgram::step() {
+  const Tick* D = prices_.data();
+  OpTiming* const* rows = rows_.data();
   cells_.resize(program_.size() + 1);
   Tick* T = cells_.data();
   T[0] = 0;
@@ -502,15 +508,17 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
     const Instruction& x = ins[k];
     const Tick end = std::max(std::max(T[x.a], T[x.b]), T[x.c]) + D[x.d];
     T[k + 1] = end;
-    if (x.rank >= 0) {
-      const Tick start = (x.rank & kRecv) ? T[x.a] : end - D[x.d];
-      rows[x.rank & ~kRecv][x.index] = OpTiming{start, end};
+    if constexpr (kTimeline) {
+      if (x.rank >= 0) {
+        const Tick start = (x.rank & kRecv) ? T[x.a] : end - D[x.d];
+        rows[x.rank & ~kRecv][x.index] = OpTiming{start, end};
+      }
     }
   }
-  for (const Fanout& f : fanout_) rows[f.rank][f.index] = OpTiming{T[f.cell] - D[f.price], T[f.cell]};
-  for (const Held& h : held_) rows[h.rank][h.index] = OpTiming{T[h.prev], std::max(T[h.prev], T[h.sent])};
-  t.schedule = schedule_;
-  t.predicted = true;
+  if constexpr (kTimeline) {
+    for (const Fanout& f : fanout_) rows[f.rank][f.index] = OpTiming{T[f.cell] - D[f.price], T[f.cell]};
+    for (const Held& h : held_) rows[h.rank][h.index] = OpTiming{T[h.prev], std::max(T[h.prev], T[h.sent])};
+  }
 }
 
 // D for several configurations: lane j of price p at D[p * B + j]; lanes past n repeat lane 0.
@@ -628,20 +636,10 @@ bool StepProgram::run_lanes_figures(const RooflineComputeModel* const* compute, 
 template <class Models>
 bool StepProgram::run_figures_impl(const Models& models, bool pipelined, StepFigures& out, ResultWorkspace& ws) {
   prices_.resize(1 + compute_.size() + sends_.size() + collectives_.size());
-  Tick* D = prices_.data();
-  price(models, D, 1);
+  price(models, prices_.data(), 1);
   if (std::any_of(prices_.begin(), prices_.end(), [](Tick d) { return d < 0; })) return false;
-  // T: every end, in the order the engine settles them; nothing else written.
-  cells_.resize(program_.size() + 1);
-  Tick* T = cells_.data();
-  T[0] = 0;
-  const Instruction* ins = program_.data();
-  const std::size_t n = program_.size();
-  for (std::size_t k = 0; k < n; ++k) {
-    const Instruction& x = ins[k];
-    T[k + 1] = std::max(std::max(T[x.a], T[x.b]), T[x.c]) + D[x.d];
-  }
-  figures_from_cells(T, D, 1, pipelined, out, ws);
+  step<false>();
+  figures_from_cells(cells_.data(), prices_.data(), 1, pipelined, out, ws);
   return true;
 }
 

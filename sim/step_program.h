@@ -170,6 +170,8 @@ class StepProgram {
   void price(const Models& models, Tick* D, std::size_t stride) const;
   template <class Models>
   void run_impl(const Models& models, Timeline& out);
+  template <bool kTimeline>
+  void step();
   template <class Models>
   bool run_figures_impl(const Models& models, bool pipelined, StepFigures& out, ResultWorkspace& ws);
   void figures_from_cells(const Tick* T, const Tick* D, std::size_t stride, bool pipelined, StepFigures& out,

@@ -3,10 +3,14 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "core/plan.h"
 #include "core/schedule.h"
+#include "sim/cost/collective_model.h"
+#include "sim/cost/compute_model.h"
 #include "sim/cost/cost_models.h"
+#include "sim/cost/p2p_model.h"
 #include "sim/engine.h"
 
 namespace trainsim::testing {
@@ -98,5 +102,26 @@ inline Timeline run_uniform(const Plan& plan, Tick f, Tick bi, Tick bw, const P2
   const UniformCompute compute(f, bi, bw);
   return simulate_schedule(sched, CostModels{&compute, &p2p, &coll});
 }
+
+// The default cost models of several plans, and pointers to them as StepProgram::run_lanes
+// and run_lanes_figures take them (lane j: plans[j]).
+struct LaneModels {
+  explicit LaneModels(const std::vector<Plan>& plans) {
+    for (const Plan& plan : plans) {
+      compute.push_back(std::make_unique<RooflineComputeModel>(plan));
+      p2p.push_back(std::make_unique<LinkP2PModel>(plan));
+      collective.push_back(std::make_unique<NetworkCollectiveModel>(plan));
+      cs.push_back(compute.back().get());
+      ps.push_back(p2p.back().get());
+      ks.push_back(collective.back().get());
+    }
+  }
+  std::vector<std::unique_ptr<RooflineComputeModel>> compute;
+  std::vector<std::unique_ptr<LinkP2PModel>> p2p;
+  std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
+  std::vector<const RooflineComputeModel*> cs;
+  std::vector<const LinkP2PModel*> ps;
+  std::vector<const NetworkCollectiveModel*> ks;
+};
 
 }  // namespace trainsim::testing

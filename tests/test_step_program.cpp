@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <random>
@@ -25,6 +26,8 @@
 #include "core/metrics.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
+#include "sim/cost/gemm_model.h"
+#include "core/kernel_inventory.h"
 #include "sim/cost/p2p_model.h"
 #include "sim/simulator.h"
 #include "sim/step_program.h"
@@ -183,30 +186,62 @@ void expect_same_figures(const StepFigures& got, const StepFigures& want, const 
   }
 }
 
-// The engine and the compiled program, on the same schedule, every rank and replica 0 alone.
+// A random plan's default models and the ranked ones above.
+struct PlanModels {
+  explicit PlanModels(const Plan& plan) : compute(plan), p2p(plan), collective(plan) {}
+  const RooflineComputeModel compute;
+  const LinkP2PModel p2p;
+  const NetworkCollectiveModel collective;
+  const RankedCompute ranked_compute;
+  const RankedP2P ranked_p2p;
+  const SizedCollectives sized;
+  const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+};
+
+::testing::Message describe(int trial, const ScenarioConfig& c) {
+  return ::testing::Message() << "trial " << trial << ": " << schedule_name(c.parallelism.schedule)
+                              << " p=" << c.parallelism.pipeline_parallel_size
+                              << " d=" << c.parallelism.data_parallel_size
+                              << " v=" << c.parallelism.virtual_pipeline_stages << " zero=" << c.parallelism.zero_stage;
+}
+
+// run_figures (the figures compute_result_into reads from a Timeline: the step's span; each
+// rank's busy, collective and exposed-communication ticks, read from the program's cells
+// without a Timeline) against those of the Timeline run() wrote with the same models,
+// `timeline`. twins: replica 0 alone was compiled (its ranks are read, the others are twins).
+template <class... Models>
+void expect_figures_of_timeline(StepProgram& program, const Plan& plan, const Timeline& timeline,
+                                const std::vector<int>* twins, int& exposed, const Models&... models) {
+  StepFigures got;
+  ResultWorkspace ws, scratch;
+  Result result;
+  ASSERT_TRUE(program.run_figures(models..., plan.pp > 1, got, scratch));
+  compute_result_into(plan, timeline, {}, result, ws, twins);
+  expect_same_figures(got, ws.figures, twins);
+  exposed += std::any_of(got.ranks.begin(), got.ranks.end(), [](const auto& f) { return f.comm > 0; });
+}
+
+// The engine and the compiled program, on the same schedule, every rank and replica 0 alone;
+// and the program's figures without a Timeline, equal to those of its Timeline, on random
+// plans whose compute streams wait for ZeRO gathers, found-inf checks and gradient reductions.
 TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
   RandomPlans random(20261125);
-  int compared = 0, replica0 = 0, refused = 0;
+  int compared = 0, replica0 = 0, refused = 0, exposed = 0;
   Simulation sim;
   StepProgram program;
   Timeline want, got;
   for (int trial = 0; trial < 400; ++trial) {
     const auto c = random.next();
     if (!c) continue;
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
-                                      << " p=" << c->parallelism.pipeline_parallel_size
-                                      << " d=" << c->parallelism.data_parallel_size
-                                      << " v=" << c->parallelism.virtual_pipeline_stages);
+    SCOPED_TRACE(describe(trial, *c));
     const Plan plan = Plan::from_config(*c);
-    const RooflineComputeModel compute(plan);
-    const LinkP2PModel p2p(plan);
-    const NetworkCollectiveModel collective(plan);
-    const RankedCompute ranked_compute;
-    const RankedP2P ranked_p2p;
-    const SizedCollectives sized;
-    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+    const PlanModels m(plan);
+    const auto &compute = m.compute;
+    const auto& p2p = m.p2p;
+    const auto& collective = m.collective;
+    const auto& ranked = m.ranked;
     const MicrobatchCompute microbatch_compute;
-    const CostModels by_microbatch{&microbatch_compute, &ranked_p2p, &sized};
+    const CostModels by_microbatch{&microbatch_compute, &m.ranked_p2p, &m.sized};
     std::string where;
 
     auto full = std::make_shared<const Schedule>(build_schedule(plan));
@@ -218,9 +253,12 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << where;
     EXPECT_EQ(got.schedule, full);
+    expect_figures_of_timeline(program, plan, got, nullptr, exposed, compute, p2p, collective);
     sim.run(full, ranked, want);
     program.run(ranked, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << "ranked prices: " << where;
+    expect_figures_of_timeline(program, plan, got, nullptr, exposed, ranked);
+    if (HasFailure()) return;
     ++compared;
 
     auto half = std::make_shared<Schedule>();
@@ -233,10 +271,17 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     }
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << "replica 0: " << where;
+    std::vector<int> same_as(static_cast<std::size_t>(plan.num_ranks()));
+    for (int r = 0; r < plan.num_ranks(); ++r) same_as[r] = plan.rank_of(plan.stage_of(r), 0);
+    expect_figures_of_timeline(program, plan, got, &same_as, exposed, compute, p2p, collective);
+    program.run(ranked, got);
+    expect_figures_of_timeline(program, plan, got, &same_as, exposed, ranked);
+    if (HasFailure()) return;
     ++replica0;
   }
   EXPECT_GT(compared, 250);
   EXPECT_GT(replica0, 100);
+  EXPECT_GT(exposed, 100);  // idle time waiting for collectives, split gap by gap
 }
 
 // Several configurations of one schedule at once (run_lanes): each lane's Timeline is the one
@@ -263,20 +308,10 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
       }
     }
     const int lanes = static_cast<int>(plans.size());
-    std::vector<std::unique_ptr<RooflineComputeModel>> compute;
-    std::vector<std::unique_ptr<LinkP2PModel>> p2p;
-    std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
-    std::vector<const RooflineComputeModel*> cs;
-    std::vector<const LinkP2PModel*> ps;
-    std::vector<const NetworkCollectiveModel*> ks;
-    for (const Plan& plan : plans) {
-      compute.push_back(std::make_unique<RooflineComputeModel>(plan));
-      p2p.push_back(std::make_unique<LinkP2PModel>(plan));
-      collective.push_back(std::make_unique<NetworkCollectiveModel>(plan));
-      cs.push_back(compute.back().get());
-      ps.push_back(p2p.back().get());
-      ks.push_back(collective.back().get());
-    }
+    const testing::LaneModels models(plans);
+    const auto& cs = models.cs;
+    const auto& ps = models.ps;
+    const auto& ks = models.ks;
     for (const bool replica0 : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "trial " << trial << ", " << lanes << " lanes"
                                         << (replica0 ? ", replica 0" : ""));
@@ -318,68 +353,6 @@ TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
     }
   }
   EXPECT_GT(compared, 200);
-}
-
-// The figures compute_result_into reads from a Timeline (the step's span; each rank's busy,
-// collective and exposed-communication ticks), read from the program's cells by run_figures
-// without a Timeline: equal to those of run()'s Timeline, for every rank and for replica 0
-// alone (its ranks; the others are twins), with the default prices and with prices that
-// differ per rank, chunk and link, on random plans whose compute streams wait for ZeRO
-// gathers, found-inf checks and gradient reductions.
-TEST(StepProgram, FiguresEqualThoseOfItsTimelineOnRandomPlans) {
-  RandomPlans random(20261201);
-  int compared = 0, replica0 = 0, exposed = 0;
-  StepProgram program;
-  Timeline timeline;
-  StepFigures got;
-  ResultWorkspace ws, scratch;
-  Result result;
-  for (int trial = 0; trial < 400; ++trial) {
-    const auto c = random.next();
-    if (!c) continue;
-    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
-                                      << " p=" << c->parallelism.pipeline_parallel_size
-                                      << " d=" << c->parallelism.data_parallel_size
-                                      << " zero=" << c->parallelism.zero_stage);
-    const Plan plan = Plan::from_config(*c);
-    const RooflineComputeModel compute(plan);
-    const LinkP2PModel p2p(plan);
-    const NetworkCollectiveModel collective(plan);
-    const RankedCompute ranked_compute;
-    const RankedP2P ranked_p2p;
-    const SizedCollectives sized;
-    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
-    std::vector<int> same_as(static_cast<std::size_t>(plan.num_ranks()));
-    for (int r = 0; r < plan.num_ranks(); ++r) same_as[r] = plan.rank_of(plan.stage_of(r), 0);
-    for (const bool half : {false, true}) {
-      auto s = std::make_shared<Schedule>();
-      if (half)
-        build_replica0_into(plan, *s);
-      else
-        build_schedule_into(plan, *s);
-      if (!program.compile(s, half)) continue;
-      const std::vector<int>* twins = half ? &same_as : nullptr;
-      for (const bool by_rank : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << (half ? "replica 0" : "every rank")
-                                          << (by_rank ? ", ranked prices" : ", default prices"));
-        if (by_rank) {
-          ASSERT_TRUE(program.run_figures(ranked, plan.pp > 1, got, scratch));
-          program.run(ranked, timeline);
-        } else {
-          ASSERT_TRUE(program.run_figures(compute, p2p, collective, plan.pp > 1, got, scratch));
-          program.run(compute, p2p, collective, timeline);
-        }
-        compute_result_into(plan, timeline, {}, result, ws, twins);
-        expect_same_figures(got, ws.figures, twins);
-        if (HasFailure()) return;
-        exposed += std::any_of(got.ranks.begin(), got.ranks.end(), [](const auto& f) { return f.comm > 0; });
-      }
-      ++(half ? replica0 : compared);
-    }
-  }
-  EXPECT_GT(compared, 250);
-  EXPECT_GT(replica0, 100);
-  EXPECT_GT(exposed, 100);  // idle time waiting for collectives, split gap by gap
 }
 
 // A price below zero breaks the order of a stream's intervals that run_figures relies on: it
@@ -654,6 +627,214 @@ TEST(ScheduleKey, ClearedFieldsLeaveTheScheduleUnchanged) {
                            "communication.bucket_size_mib", "cluster.gpus_per_node"})
     EXPECT_TRUE(compared.count(path)) << path;
   EXPECT_GT(checked, 1000);
+}
+
+// ---- What the compute model's inventory cache relies on -------------------------------------
+
+// The framework pricing as sim/cost/compute_model.cpp wrote it before its
+// inventory was cached and its products' shape part kept (main at da8390b), written out: the
+// definition the cached pricing is checked against.
+namespace reference {
+
+double gemm_seconds(const KernelShape& s, double elem_bytes, double peak_flops, const ClusterConfig& cl,
+                    double c_bytes = -1) {
+  if (s.flops() <= 0) return 0;
+  double efficiency = cl.compute_efficiency;
+  if (s.is_matmul() && s.n > 0 && s.k > 0) {
+    const double m = static_cast<double>(s.m), n = static_cast<double>(s.n), k = static_cast<double>(s.k);
+    const double batch = static_cast<double>(std::max<long>(1, s.batch));
+    double best = 0;
+    for (const GemmTile& t : kTiles) {
+      const double tiles_m = std::ceil(m / t.m), tiles_n = std::ceil(n / t.n);
+      const double tiles = tiles_m * tiles_n * batch;
+      const double tile_use = m * n / (tiles_m * t.m * tiles_n * t.n);
+      double wave_use = 1;
+      if (cl.sm_count > 0) {
+        const double waves = std::ceil(tiles / cl.sm_count);
+        wave_use = tiles / (waves * cl.sm_count);
+      }
+      best = std::max(best, t.efficiency * tile_use * wave_use);
+    }
+    efficiency = cl.compute_efficiency * best * k / (k + kDepthOverhead);
+  }
+  const double compute = s.flops() / (peak_flops * efficiency);
+  const double m = static_cast<double>(s.m), n = static_cast<double>(s.n), k = static_cast<double>(s.k);
+  const double c = c_bytes < 0 ? elem_bytes : c_bytes;
+  const double io = ((m * k + k * n) * elem_bytes + m * n * c) * static_cast<double>(std::max<long>(1, s.batch));
+  const double memory = memory_seconds(io, cl);
+  return std::sqrt(compute * compute + memory * memory);
+}
+
+// One op's framework kernels on one tensor-parallel rank, in seconds.
+double framework_seconds(const Plan& p, const std::vector<KernelWork>& ws) {
+  const ClusterConfig& cl = p.config.cluster;
+  const DType compute = p.config.precision.compute;
+  const double peak = p.peak_flops(compute) * cl.sustained_clock_fraction;
+  const double attention_peak = compute == DType::fp8 ? p.peak_flops(DType::bf16) * cl.sustained_clock_fraction : peak;
+  const double elem = compute == DType::fp8 ? 1.0 : dtype_bytes(compute);
+  const bool apex = p.config.model.layernorm_kernel == LayerNormKernel::apex &&
+                    p.config.model.normalization == Normalization::layernorm && p.config.model.fused_elementwise;
+  const int t = p.tp, per_node = std::max(1, cl.gpus_per_node);
+  const GroupShape tp_group{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
+  double total = 0;
+  for (const KernelWork& w : ws) {
+    double x = 0;
+    if (w.kernel == "tp.allreduce") {
+      x = nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
+    } else if (w.kernel == "tp.allgather") {
+      x = nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
+    } else if (w.kernel == "tp.reducescatter") {
+      x = nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
+    } else if (w.kernel.rfind("flash_attention", 0) == 0) {
+      const double causal = std::min(1.0, 0.5 + 64.0 / static_cast<double>(w.shape.m));
+      x = w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
+    } else if (w.kernel == "linear.backward_weight_accumulate") {
+      x = reference::gemm_seconds(w.shape, elem, peak, cl, 8.0);
+    } else if (w.shape.is_matmul()) {
+      x = reference::gemm_seconds(w.shape, elem, peak, cl);
+    } else {
+      double factor = 1.0;
+      if (apex && w.kernel.rfind("layernorm.", 0) == 0)
+        factor = w.kernel == "layernorm.forward" ? 0.0751 / 0.0535 : 0.1762 / 0.0866;
+      x = memory_seconds(w.bytes, cl) * factor;
+    }
+    total += w.count * x;
+  }
+  return total;
+}
+
+}  // namespace reference
+
+// Random plans with the model's kernel settings drawn too (apex or persistent layernorm, fused
+// or eager element-wise kernels and biases, gradient-accumulation fusion, the attention
+// kernels, FP8).
+std::optional<ScenarioConfig> random_kernels(RandomPlans& random) {
+  auto c = random.next();
+  if (!c) return c;
+  ModelConfig& m = c->model;
+  m.layernorm_kernel = static_cast<LayerNormKernel>(random.pick({0, 1}));
+  m.normalization = static_cast<Normalization>(random.pick({0, 0, 1}));
+  m.fused_elementwise = random.pick({0, 1});
+  m.fused_linear_bias = random.pick({0, 1});
+  m.attention = static_cast<AttentionKernel>(random.pick({0, 1, 2}));
+  c->training.gradient_accumulation_fusion = random.pick({0, 1});
+  c->cluster.sm_count = random.pick({0, 108, 132});
+  if (random.pick({0, 0, 0, 1})) {
+    c->precision.compute = DType::fp8;
+    c->cluster.peak_tflops[DType::fp8] = 1979;
+  }
+  try {
+    Plan::from_config(*c);
+  } catch (const ScenarioError&) {
+    return std::nullopt;
+  }
+  return c;
+}
+
+// The compute model's chunk prices, with and without an inventory cache (one cache across every
+// plan and price, as a sweep worker's), equal the reference pricing of the plan's framework
+// kernels, chunk by chunk, bit for bit.
+TEST(ComputeModel, PricesEqualTheReferenceWithAndWithoutTheInventoryCache) {
+  RandomPlans random(20261204);
+  KernelInventoryCache cache;
+  int compared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto drawn = random_kernels(random);
+    if (!drawn) continue;
+    for (int k = 0; k < 3; ++k) {
+      ScenarioConfig c = *drawn;
+      if (k > 0) random.reprice(c);
+      Plan plan;
+      try {
+        plan = Plan::from_config(c);
+      } catch (const ScenarioError&) {
+        continue;
+      }
+      SCOPED_TRACE(describe(trial, c));
+      const RooflineComputeModel fresh(plan), cached(plan, &cache);
+      const auto chunks = chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework);
+      ASSERT_EQ(chunks.size(), static_cast<std::size_t>(plan.num_virtual_stages()));
+      for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+        const auto& want = chunks[vs];
+        for (const auto* model : {&fresh, &cached}) {
+          const auto& got = model->chunk(vs);
+          ASSERT_EQ(got.forward, reference::framework_seconds(plan, want.forward)) << "chunk " << vs;
+          ASSERT_EQ(got.backward_input, reference::framework_seconds(plan, want.backward_input)) << "chunk " << vs;
+          ASSERT_EQ(got.backward_weight, reference::framework_seconds(plan, want.backward_weight)) << "chunk " << vs;
+        }
+      }
+      Op step;
+      step.kind = OpKind::OptimizerStep;
+      for (int r = 0; r < plan.num_ranks(); ++r) ASSERT_EQ(cached.duration(step, r), fresh.duration(step, r));
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 400);
+}
+
+// Every field that inventory_key_into clears, changed on random plans to every other value of
+// its kind: a compute model served from the cache entry of the plan before the change prices
+// every chunk and the optimizer step as a fresh model of the changed plan does. A field that
+// starts to shape the kernels fails here until the key compares it.
+TEST(InventoryKey, ClearedFieldsLeaveTheKernelsUnchanged) {
+  RandomPlans random(20261205);
+  std::vector<ScenarioConfig> bases;
+  while (bases.size() < 30)
+    if (auto c = random_kernels(random)) bases.push_back(*c);
+  std::set<std::string> cleared, compared;
+  int checked = 0;
+  ScenarioConfig key_a, key_b;
+  for (const FieldSpec& f : scenario_fields()) {
+    if (!f.get || !f.set) continue;
+    for (const ScenarioConfig& base : bases) {
+      for (const FieldValue& v : other_values(f, f.get(base))) {
+        ScenarioConfig changed = base;
+        try {
+          f.set(changed, v);
+        } catch (const std::exception&) {
+          continue;
+        }
+        inventory_key_into(base, key_a);
+        inventory_key_into(changed, key_b);
+        if (!(key_a == key_b)) {
+          compared.insert(f.path);
+          continue;
+        }
+        cleared.insert(f.path);
+        Plan a, b;
+        try {
+          a = Plan::from_config(base);
+          b = Plan::from_config(changed);
+        } catch (const ScenarioError&) {
+          continue;
+        }
+        if (a.config.cluster.calibrated || b.config.cluster.calibrated) continue;  // not the framework path
+        KernelInventoryCache cache;
+        std::optional<RooflineComputeModel> served, fresh;
+        try {  // a rate of 0 prices ops beyond what a tick holds: then both refuse
+          const RooflineComputeModel warm(a, &cache);
+          fresh.emplace(b);
+        } catch (const std::exception&) {
+          continue;
+        }
+        served.emplace(b, &cache);
+        for (int vs = 0; vs < b.num_virtual_stages(); ++vs) {
+          const auto &x = served->chunk(vs), &y = fresh->chunk(vs);
+          ASSERT_TRUE(x.forward == y.forward && x.backward_input == y.backward_input &&
+                      x.backward_weight == y.backward_weight)
+              << f.path << " = " << format_field_value(v) << " changes chunk " << vs;
+        }
+        ++checked;
+      }
+    }
+  }
+  for (const char* path : {"cluster.compute_efficiency", "cluster.hbm_bandwidth_gbps", "cluster.inter_node.bandwidth_gbps",
+                           "cluster.memory_gib"})
+    EXPECT_TRUE(cleared.count(path)) << path;
+  for (const char* path : {"training.micro_batch_size", "training.activation_recompute", "parallelism.sequence_parallel",
+                           "cluster.sm_count", "precision.compute", "model.attention"})
+    EXPECT_TRUE(compared.count(path)) << path;
+  EXPECT_GT(checked, 500);
 }
 
 // The compute model prices an op from its kind, chunk, work and rank: the same op with

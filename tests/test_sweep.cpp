@@ -666,6 +666,25 @@ sweep:
   EXPECT_GT(r.rows.size(), 200u);
 }
 
+// A CSV cell with commas, quotes or line breaks is quoted, its quotes doubled (RFC 4180).
+TEST(SweepReport, CsvQuotesCellsThatNeedIt) {
+  SweepResult r;
+  for (const std::string reason : {std::string("plain"), std::string("a, b"), std::string("say \"x\", then \"\"y\""),
+                                   std::string("\"at both ends\""), std::string("two\nlines")}) {
+    SweepRow& row = r.rows.emplace_back();
+    row.point.index = r.rows.size() - 1;
+    row.status = SweepStatus::invalid;
+    row.reason = reason;
+  }
+  rank_rows(r);
+  std::ostringstream csv;
+  write_sweep_csv(r, csv);
+  const std::string text = csv.str();
+  for (const char* cell : {",plain,", ",\"a, b\",", ",\"say \"\"x\"\", then \"\"\"\"y\"\"\",",
+                           ",\"\"\"at both ends\"\"\",", ",\"two\nlines\","})
+    EXPECT_NE(text.find(cell), std::string::npos) << cell << " in\n" << text;
+}
+
 TEST(SweepReport, JsonCsvAndSvgHoldEveryConfiguration) {
   const Scenario sc = postmortem_with(kSweep);
   const SweepResult r = run_sweep(sc);

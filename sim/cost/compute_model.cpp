@@ -1,6 +1,7 @@
 #include "sim/cost/compute_model.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "core/kernel_inventory.h"
 #include "sim/cost/collective_model.h"
@@ -102,6 +103,31 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
 
 namespace {
 
+// What FrameworkPricer does with a kernel, from its name and shape (in the order it asks).
+enum class KernelClass : std::uint8_t {
+  tp_allreduce,
+  tp_allgather,
+  tp_reducescatter,
+  flash_attention,
+  accumulate,  // a weight-gradient product accumulating into FP32
+  matmul,
+  memory,
+  layernorm_forward,
+  layernorm_backward,  // any other layernorm.* kernel
+};
+
+KernelClass classify(const KernelWork& w) {
+  if (w.kernel == "tp.allreduce") return KernelClass::tp_allreduce;
+  if (w.kernel == "tp.allgather") return KernelClass::tp_allgather;
+  if (w.kernel == "tp.reducescatter") return KernelClass::tp_reducescatter;
+  if (w.kernel.rfind("flash_attention", 0) == 0) return KernelClass::flash_attention;
+  if (w.kernel == "linear.backward_weight_accumulate") return KernelClass::accumulate;
+  if (w.shape.is_matmul()) return KernelClass::matmul;
+  if (w.kernel.rfind("layernorm.", 0) == 0)
+    return w.kernel == "layernorm.forward" ? KernelClass::layernorm_forward : KernelClass::layernorm_backward;
+  return KernelClass::memory;
+}
+
 // Seconds of the framework's kernels of one op on one tensor-parallel rank (the roofline path).
 struct FrameworkPricer {
   const Plan& plan;
@@ -123,42 +149,158 @@ struct FrameworkPricer {
     tp_group = GroupShape{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
   }
 
-  double seconds(const KernelWork& w) const {
-    if (w.kernel == "tp.allreduce")
-      return nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
-    if (w.kernel == "tp.allgather")
-      return nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
-    if (w.kernel == "tp.reducescatter")
-      return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
-    if (w.kernel.rfind("flash_attention", 0) == 0) {
-      // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles).
-      const double T = static_cast<double>(w.shape.m);
-      const double causal = std::min(1.0, 0.5 + 64.0 / T);
-      return w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
+  // What a product's price takes from its shape alone (the same at any rate): its FLOPs, the
+  // best tile's use of the GPU (for the plan's SM count) and the bytes it moves.
+  struct Facts {
+    KernelClass cls = KernelClass::memory;
+    double flops = 0, tile_use = 0, k = 0, io = 0;
+    bool plain = false;  // gemm_compute_efficiency is compute_efficiency itself
+  };
+  Facts facts(const KernelWork& w) const {
+    Facts f;
+    f.cls = classify(w);
+    if (f.cls != KernelClass::matmul && f.cls != KernelClass::accumulate) return f;
+    const KernelShape& s = w.shape;
+    f.flops = s.flops();
+    f.plain = !s.is_matmul() || s.n <= 0 || s.k <= 0;
+    if (!f.plain) f.tile_use = gemm_tile_use(s, cl.sm_count);
+    f.k = static_cast<double>(s.k);
+    f.io = gemm_io_bytes(s, elem, f.cls == KernelClass::accumulate ? 8.0 : -1);
+    return f;
+  }
+
+  // gemm_seconds, memory_seconds, nccl_collective, ... of the kernel (`f`: facts(w)).
+  double seconds(const KernelWork& w, const Facts& f) const {
+    switch (f.cls) {
+      case KernelClass::tp_allreduce: return nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
+      case KernelClass::tp_allgather: return nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
+      case KernelClass::tp_reducescatter: return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
+      case KernelClass::flash_attention: {
+        // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles).
+        const double T = static_cast<double>(w.shape.m);
+        const double causal = std::min(1.0, 0.5 + 64.0 / T);
+        return w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
+      }
+      // A weight-gradient product fused with gradient accumulation reads and writes its FP32
+      // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32): gemm_seconds(w.shape, elem, peak,
+      // cl, 8.0); a product: gemm_seconds(w.shape, elem, peak, cl).
+      case KernelClass::accumulate:
+      case KernelClass::matmul: {
+        if (f.flops <= 0) return 0;
+        const double efficiency = f.plain ? cl.compute_efficiency : gemm_efficiency_with(f.tile_use, f.k, cl);
+        return gemm_seconds_with(f.flops, efficiency, f.io, peak, cl);
+      }
+      case KernelClass::memory: return memory_seconds(w.bytes, cl) * 1.0;
+      // apex's FusedLayerNorm against the persistent kernel on the same A100 and shape
+      // (NVIDIA/apex pull request #1037: forward 0.0751 against 0.0535 ms, backward 0.1762
+      // against 0.0866 ms).
+      case KernelClass::layernorm_forward:
+        return memory_seconds(w.bytes, cl) * (apex_layernorm ? 0.0751 / 0.0535 : 1.0);
+      case KernelClass::layernorm_backward:
+        return memory_seconds(w.bytes, cl) * (apex_layernorm ? 0.1762 / 0.0866 : 1.0);
     }
-    // A weight-gradient product fused with gradient accumulation reads and writes its FP32
-    // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32).
-    if (w.kernel == "linear.backward_weight_accumulate") return gemm_seconds(w.shape, elem, peak, cl, 8.0);
-    if (w.shape.is_matmul()) return gemm_seconds(w.shape, elem, peak, cl);
-    return memory_seconds(w.bytes, cl) * layernorm_factor(w.kernel);
+    return 0;
   }
-  // apex's FusedLayerNorm against the persistent kernel on the same A100 and shape (NVIDIA/apex
-  // pull request #1037: forward 0.0751 against 0.0535 ms, backward 0.1762 against 0.0866 ms).
-  double layernorm_factor(const std::string& kernel) const {
-    if (apex_layernorm && kernel.rfind("layernorm.", 0) == 0)
-      return kernel == "layernorm.forward" ? 0.0751 / 0.0535 : 0.1762 / 0.0866;
-    return 1.0;
-  }
-  double seconds(const std::vector<KernelWork>& ws) const {
+  double seconds(const std::vector<KernelWork>& ws, const std::vector<Facts>& facts) const {
     double total = 0;
-    for (const KernelWork& w : ws) total += w.count * seconds(w);
+    for (std::size_t i = 0; i < ws.size(); ++i) total += ws[i].count * seconds(ws[i], facts[i]);
     return total;
   }
 };
 
+bool same_kernels(const std::vector<KernelWork>& a, const std::vector<KernelWork>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const KernelWork& x, const KernelWork& y) {
+    return x.kernel == y.kernel && x.dtype == y.dtype && x.shape == y.shape && x.bytes == y.bytes && x.count == y.count;
+  });
+}
+
 }  // namespace
 
-RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
+void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
+  key = c;  // reuses key's storage
+  key.name.clear();
+  key.description.clear();
+  ClusterConfig& cl = key.cluster;
+  cl.gpu.clear();
+  cl.memory_gib = 0;
+  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
+  cl.compute_efficiency = cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = 0;
+  cl.hbm_bandwidth_gbps = 0;
+  cl.intra_node = cl.inter_node = {};
+  cl.nvlink_sharp = false;
+  cl.price_per_gpu_hour = 0;
+  TrainingConfig& t = key.training;
+  t.lr = t.weight_decay = t.adam_beta1 = t.adam_beta2 = t.adam_eps = t.clip_grad = 0;
+  t.total_tokens = 0;
+  t.train_steps = 0;
+  key.runtime = {};
+}
+
+// One plan's framework inventory: its chunks' kernels, what the pricer does with each, and
+// for each chunk the first chunk with the same kernels (priced once).
+struct KernelInventoryCache::Entry {
+  ScenarioConfig key;
+  std::vector<ChunkKernels> chunks;
+  struct Facts {
+    std::vector<FrameworkPricer::Facts> forward, backward_input, backward_weight;
+  };
+  std::vector<Facts> facts;
+  std::vector<int> same_as;
+
+  void build(const Plan& plan) {
+    chunks = chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework);
+    facts.assign(chunks.size(), {});
+    same_as.assign(chunks.size(), 0);
+    const FrameworkPricer pricer(plan);
+    auto of = [&](const std::vector<KernelWork>& ws, std::vector<FrameworkPricer::Facts>& out) {
+      out.clear();
+      for (const KernelWork& w : ws) out.push_back(pricer.facts(w));
+    };
+    for (std::size_t c = 0; c < chunks.size(); ++c) {
+      const ChunkKernels& k = chunks[c];
+      same_as[c] = static_cast<int>(c);
+      for (std::size_t d = 0; d < c; ++d)
+        if (same_as[d] == static_cast<int>(d) && same_kernels(chunks[d].forward, k.forward) &&
+            same_kernels(chunks[d].backward_input, k.backward_input) &&
+            same_kernels(chunks[d].backward_weight, k.backward_weight)) {
+          same_as[c] = static_cast<int>(d);
+          break;
+        }
+      if (same_as[c] != static_cast<int>(c)) continue;  // priced as that chunk
+      of(k.forward, facts[c].forward);
+      of(k.backward_input, facts[c].backward_input);
+      of(k.backward_weight, facts[c].backward_weight);
+    }
+  }
+};
+
+KernelInventoryCache::KernelInventoryCache() = default;
+KernelInventoryCache::~KernelInventoryCache() = default;
+
+const KernelInventoryCache::Entry& KernelInventoryCache::of(const Plan& plan) {
+  // A sweep's inventories are its shapes: micro-batch x recompute x sequence parallelism is
+  // already 24 in the GPT-3 benchmark file.
+  constexpr std::size_t kMaxEntries = 32;
+  inventory_key_into(plan.config, key_);
+  auto it = std::find_if(entries_.begin(), entries_.end(), [&](const auto& e) { return e->key == key_; });
+  if (it == entries_.end()) {
+    std::unique_ptr<Entry> entry;
+    if (entries_.size() >= kMaxEntries) {
+      entry = std::move(entries_.back());
+      entries_.pop_back();
+    } else {
+      entry = std::make_unique<Entry>();
+    }
+    entry->key = key_;
+    entry->build(plan);
+    entries_.insert(entries_.begin(), std::move(entry));
+  } else {
+    std::rotate(entries_.begin(), it, it + 1);
+  }
+  return *entries_.front();
+}
+
+RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCache* cache) {
   const ScenarioConfig& cfg = plan.config;
   if (cfg.cluster.calibrated) {
     price_from_profile(plan, *cfg.cluster.calibrated);
@@ -169,13 +311,24 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   }
   // Every kernel Megatron-LM / PyTorch launches for the op, each priced by what bounds it:
   // matrix products by shape (gemm_model.h), memory-bound kernels by HBM bandwidth, attention
-  // by the plan's kernel, tensor-parallel all-reduces by the collective model.
+  // by the plan's kernel, tensor-parallel all-reduces by the collective model. A chunk with
+  // the same kernels as an earlier one has its prices.
+  KernelInventoryCache::Entry built;
+  if (!cache) built.build(plan);
+  const KernelInventoryCache::Entry& inventory = cache ? cache->of(plan) : built;
   const FrameworkPricer price(plan);
-  for (const ChunkKernels& k : chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework)) {
+  chunks_.reserve(inventory.chunks.size());
+  for (std::size_t i = 0; i < inventory.chunks.size(); ++i) {
+    if (inventory.same_as[i] != static_cast<int>(i)) {
+      chunks_.push_back(chunks_[static_cast<std::size_t>(inventory.same_as[i])]);
+      continue;
+    }
+    const ChunkKernels& k = inventory.chunks[i];
+    const auto& facts = inventory.facts[i];
     ChunkSeconds c;
-    c.forward = price.seconds(k.forward);
-    c.backward_input = price.seconds(k.backward_input);
-    c.backward_weight = price.seconds(k.backward_weight);
+    c.forward = price.seconds(k.forward, facts.forward);
+    c.backward_input = price.seconds(k.backward_input, facts.backward_input);
+    c.backward_weight = price.seconds(k.backward_weight, facts.backward_weight);
     chunks_.push_back(c);
   }
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <vector>
 
 #include "core/hardware_profile.h"
@@ -24,9 +25,42 @@
 
 namespace trainsim {
 
+struct ChunkKernels;
+
+// `config` with every field cleared that neither the framework kernel inventory
+// (core/kernel_inventory.h, InventoryTarget::framework) nor the shape part of its products'
+// prices (their tiles on the SM count, their bytes in the compute format) reads, into `key`:
+// the cluster's rates, links, efficiencies, memory and price, the names, the optimizer's
+// settings and the runtime. Two plans whose configurations have equal keys launch the same
+// kernels at the same shapes; tests/test_cost_models.cpp changes each cleared field on random
+// plans and checks that.
+void inventory_key_into(const ScenarioConfig& config, ScenarioConfig& key);
+
+// The framework kernels of a plan's chunks, kept for the next plans with the same inventory
+// (inventory_key_into): what RooflineComputeModel builds before it prices, and the larger part
+// of its cost. A sweep's neighbours differ in rates and links, which only the pricing reads.
+// One per thread (a sweep worker's Predictor holds one).
+class KernelInventoryCache {
+ public:
+  KernelInventoryCache();
+  ~KernelInventoryCache();
+  KernelInventoryCache(const KernelInventoryCache&) = delete;
+  KernelInventoryCache& operator=(const KernelInventoryCache&) = delete;
+
+  struct Entry;
+  // The inventory of `plan`'s chunks (built now if not kept), valid until the next call.
+  const Entry& of(const Plan& plan);
+
+ private:
+  std::vector<std::unique_ptr<Entry>> entries_;  // most recently used first
+  ScenarioConfig key_;
+};
+
 class RooflineComputeModel final : public ComputeModel {
  public:
-  explicit RooflineComputeModel(const Plan& plan);
+  // cache (optional): where the plan's kernel inventory is kept between plans; the prices are
+  // the same with or without it.
+  explicit RooflineComputeModel(const Plan& plan, KernelInventoryCache* cache = nullptr);
   // Pricing an op is a lookup (inline: the engine calls it once per op).
   Tick duration(const Op& op, int rank) const override {
     int k = 0;

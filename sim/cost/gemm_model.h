@@ -38,4 +38,15 @@ double gemm_seconds(const KernelShape& s, double elem_bytes, double peak_flops, 
 // Seconds to stream `bytes` through HBM.
 double memory_seconds(double bytes, const ClusterConfig& cl);
 
+// The pieces of the two above, for callers that price one shape at many rates (the compute
+// model's kernel inventory keeps the shape's part; the results are the same bit for bit):
+// the best tile's tile_use * wave_use * its efficiency for this shape and SM count;
+double gemm_tile_use(const KernelShape& s, int sm_count);
+// gemm_compute_efficiency from that, k and the cluster's compute_efficiency;
+double gemm_efficiency_with(double tile_use, double k, const ClusterConfig& cl);
+// the bytes the product moves (gemm_seconds' elem_bytes and c_bytes);
+double gemm_io_bytes(const KernelShape& s, double elem_bytes, double c_bytes = -1);
+// gemm_seconds of a product with s.flops() = flops > 0, from its efficiency and bytes.
+double gemm_seconds_with(double flops, double efficiency, double io_bytes, double peak_flops, const ClusterConfig& cl);
+
 }  // namespace trainsim

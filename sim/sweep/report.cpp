@@ -66,9 +66,15 @@ void append_csv_field(std::string& out, std::string_view s) {
     return;
   }
   out += '"';
-  for (char ch : s) {
-    if (ch == '"') out += '"';
-    out += ch;
+  for (std::size_t at = 0;;) {  // each quote doubled: the text up to and with it, then another
+    const std::size_t quote = s.find('"', at);
+    if (quote == std::string_view::npos) {
+      out += s.substr(at);
+      break;
+    }
+    out += s.substr(at, quote + 1 - at);
+    out += '"';
+    at = quote + 1;
   }
   out += '"';
 }

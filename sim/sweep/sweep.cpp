@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <stdexcept>
 #include <thread>
 #include <unordered_map>
@@ -264,10 +265,10 @@ double rate_of(const ClusterConfig& cl, DType d) {
 // Why the GPU cannot run this configuration's formats; empty when it can.
 std::string unsupported_precision(const ScenarioConfig& c) {
   const auto& cl = c.cluster;
-  std::vector<std::pair<std::string, DType>> need{{"precision.compute", c.precision.compute}};
-  if (c.precision.allreduce == DType::bf16 && c.precision.compute != DType::bf16)
-    need.emplace_back("precision.allreduce", DType::bf16);
-  for (const auto& [key, d] : need) {
+  const bool bf16_allreduce = c.precision.allreduce == DType::bf16 && c.precision.compute != DType::bf16;
+  const std::pair<const char*, DType> need[] = {{"precision.compute", c.precision.compute},
+                                                {"precision.allreduce", DType::bf16}};
+  for (const auto& [key, d] : std::span(need, bf16_allreduce ? 2 : 1)) {
     if (rate_of(cl, d) > 0) continue;
     std::vector<std::string> has;
     for (DType x : kAllDTypes)

@@ -21,6 +21,7 @@
 #include "sim/simulator.h"
 #include "sim/step_program.h"
 #include "sim/sweep/sweep.h"
+#include "tests/test_helpers.h"
 
 namespace {
 
@@ -254,16 +255,21 @@ BENCHMARK(BM_SweepFile_GPT3_175B_OneByOne)->Unit(benchmark::kMillisecond);
 // compiled program (every configuration after that).
 Plan gpt3_175b_m64() { return Plan::from_config(gpt3_175b_points().front().config); }
 
-void BM_GPT3_175B_m64_Engine(benchmark::State& state) {
+// That configuration's schedule and default cost models.
+struct Gpt3M64 {
   const Plan plan = gpt3_175b_m64();
-  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
-  const RooflineComputeModel compute(plan);
-  const LinkP2PModel p2p(plan);
-  const NetworkCollectiveModel collective(plan);
+  const std::shared_ptr<const Schedule> schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  const RooflineComputeModel compute{plan};
+  const LinkP2PModel p2p{plan};
+  const NetworkCollectiveModel collective{plan};
+};
+
+void BM_GPT3_175B_m64_Engine(benchmark::State& state) {
+  const Gpt3M64 m;
   Simulation sim;
   Timeline timeline;
-  for (auto _ : state) sim.run(schedule, compute, p2p, collective, timeline, false);
-  state.counters["ops"] = static_cast<double>(schedule->total_ops());
+  for (auto _ : state) sim.run(m.schedule, m.compute, m.p2p, m.collective, timeline, false);
+  state.counters["ops"] = static_cast<double>(m.schedule->total_ops());
 }
 BENCHMARK(BM_GPT3_175B_m64_Engine)->Unit(benchmark::kMicrosecond);
 
@@ -278,15 +284,11 @@ void BM_GPT3_175B_m64_Compile(benchmark::State& state) {
 BENCHMARK(BM_GPT3_175B_m64_Compile)->Unit(benchmark::kMicrosecond);
 
 void BM_GPT3_175B_m64_Program(benchmark::State& state) {
-  const Plan plan = gpt3_175b_m64();
-  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
-  const RooflineComputeModel compute(plan);
-  const LinkP2PModel p2p(plan);
-  const NetworkCollectiveModel collective(plan);
+  const Gpt3M64 m;
   StepProgram program;
-  program.compile(schedule, false);
+  program.compile(m.schedule, false);
   Timeline timeline;
-  for (auto _ : state) program.run(compute, p2p, collective, timeline);
+  for (auto _ : state) program.run(m.compute, m.p2p, m.collective, timeline);
 }
 BENCHMARK(BM_GPT3_175B_m64_Program)->Unit(benchmark::kMicrosecond);
 
@@ -300,23 +302,13 @@ void BM_GPT3_175B_m64_ProgramLanes(benchmark::State& state) {
         p.config.cluster.gpu == "a100-80gb" && (plans.empty() || p.config.cluster.compute_efficiency != plans.back().config.cluster.compute_efficiency))
       plans.push_back(Plan::from_config(p.config));
   auto schedule = std::make_shared<const Schedule>(build_schedule(plans[0]));
-  std::vector<std::unique_ptr<RooflineComputeModel>> compute;
-  std::vector<std::unique_ptr<LinkP2PModel>> p2p;
-  std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
-  std::vector<const RooflineComputeModel*> c;
-  std::vector<const LinkP2PModel*> l;
-  std::vector<const NetworkCollectiveModel*> k;
+  const testing::LaneModels models(plans);
+  const auto& c = models.cs;
+  const auto& l = models.ps;
+  const auto& k = models.ks;
   std::vector<Timeline> timelines(plans.size());
   std::vector<Timeline*> out;
-  for (std::size_t j = 0; j < plans.size(); ++j) {
-    compute.push_back(std::make_unique<RooflineComputeModel>(plans[j]));
-    p2p.push_back(std::make_unique<LinkP2PModel>(plans[j]));
-    collective.push_back(std::make_unique<NetworkCollectiveModel>(plans[j]));
-    c.push_back(compute.back().get());
-    l.push_back(p2p.back().get());
-    k.push_back(collective.back().get());
-    out.push_back(&timelines[j]);
-  }
+  for (auto& t : timelines) out.push_back(&t);
   StepProgram program;
   program.compile(schedule, false);
   std::vector<StepFigures> figures(plans.size());
@@ -343,16 +335,12 @@ BENCHMARK(BM_GPT3_175B_m64_ProgramLanes)
 // The program's figures alone (StepProgram::run_figures, no Timeline): what replaced Program
 // then Result for a configuration of a compiled schedule.
 void BM_GPT3_175B_m64_Figures(benchmark::State& state) {
-  const Plan plan = gpt3_175b_m64();
-  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
-  const RooflineComputeModel compute(plan);
-  const LinkP2PModel p2p(plan);
-  const NetworkCollectiveModel collective(plan);
+  const Gpt3M64 m;
   StepProgram program;
-  program.compile(schedule, false);
+  program.compile(m.schedule, false);
   StepFigures figures;
   ResultWorkspace ws;
-  for (auto _ : state) benchmark::DoNotOptimize(program.run_figures(compute, p2p, collective, true, figures, ws));
+  for (auto _ : state) benchmark::DoNotOptimize(program.run_figures(m.compute, m.p2p, m.collective, true, figures, ws));
 }
 BENCHMARK(BM_GPT3_175B_m64_Figures)->Unit(benchmark::kMicrosecond);
 
