@@ -43,6 +43,7 @@ Command add_run_command(CLI::App& app);
 Command add_calibrate_command(CLI::App& app);
 Command add_validate_command(CLI::App& app);
 Command add_prove_command(CLI::App& app);
+Command add_fidelity_command(CLI::App& app);
 
 // The backend a run, calibration or validation uses, from --backend, --sm-sharing, --device.
 struct BackendChoice {

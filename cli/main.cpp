@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   const std::vector<Command> commands = {
       add_simulate_command(app), add_sweep_command(app),   add_plan_command(app),    add_run_command(app),
       add_calibrate_command(app), add_validate_command(app), add_prove_command(app),
+      add_fidelity_command(app),
       add_fields_command(app),   add_presets_command(app), add_devices_command(app),
   };
 

@@ -31,6 +31,13 @@ enum class Normalization { layernorm, rmsnorm };
 // scores (FlashAttention; Megatron-LM and torchtitan's default), a fused softmax that still
 // writes them, or separate unfused kernels (scores, softmax, dropout, each through memory).
 enum class AttentionKernel { flash, fused, naive };
+// The LayerNorm kernel: a persistent one that keeps each row in registers and moves 16-byte
+// vectors (apex contrib FastLayerNorm, Megatron-LM since November 2021, Transformer Engine),
+// priced like any streaming kernel; or apex's FusedLayerNorm of 2019-2021, which Megatron-LM
+// copied into megatron/fused_kernels and ran until then (and still runs with
+// --no-persist-layer-norm): 1.40x the persistent kernel's time forward and 2.03x backward
+// (NVIDIA/apex pull request #1037, A100: 0.0751 against 0.0535 ms, 0.1762 against 0.0866 ms).
+enum class LayerNormKernel { persistent, apex };
 enum class RuntimeBackend { cpu, cuda };
 // Whose data-parallel sharding the ZeRO stages follow (docs/model.md, "Data-parallel
 // frameworks"): when gradients are reduced (once per step, or after every micro-batch), when
@@ -58,12 +65,24 @@ struct ModelConfig {
   double hidden_dropout = 0.1;
   double attention_dropout = 0.1;
   AttentionKernel attention = AttentionKernel::flash;
+  // The elementwise work around the matrix products fused as Megatron-LM's kernels do (bias-GELU,
+  // bias-dropout-add, one-kernel LayerNorm/RMSNorm and RoPE). false: PyTorch eager, one kernel per
+  // operation with norms and rotary embeddings computed in FP32 (torchtitan without torch.compile).
+  bool fused_elementwise = true;
+  LayerNormKernel layernorm_kernel = LayerNormKernel::persistent;
+  // The linear layers' biases added, and their gradients summed over the tokens, inside the matrix
+  // products (cuBLASLt epilogues, Transformer Engine). false: as kernels of their own, as
+  // Megatron-LM's own linear layers run them (docs/model.md, "Mechanisms").
+  bool fused_linear_bias = true;
   friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
 struct LinkConfig {
-  double bandwidth_gbps = 0;  // GB/s, one direction
+  double bandwidth_gbps = 0;  // GB/s, one direction: the line rate per GPU
   double latency_us = 0;
+  // Fraction of the line rate that NCCL's collectives move as bus bandwidth (protocol and
+  // flow-control overhead); sim/cost/collective_model.h.
+  double efficiency = 1.0;
   friend bool operator==(const LinkConfig&, const LinkConfig&) = default;
 };
 
@@ -75,10 +94,22 @@ struct ClusterConfig {
   // Dense (no sparsity) peak rate per format; 0 means the GPU has no such format.
   std::map<DType, double> peak_tflops = {{DType::fp32, 19.5}, {DType::tf32, 156}, {DType::fp16, 312},
                                          {DType::bf16, 312}, {DType::fp8, 0}};
-  double compute_efficiency = 0.6;
+  // Fraction of peak that the best-shaped matrix products reach (cuBLAS on large GEMMs); the
+  // compute model lowers it further by each product's shape (sim/cost/gemm_model.h).
+  double compute_efficiency = 0.8;
+  int sm_count = 108;  // streaming multiprocessors: a product's tiles run in waves of this many; 0: no waves
   double hbm_bandwidth_gbps = 2039;
-  LinkConfig intra_node{300, 3};
-  LinkConfig inter_node{25, 6};
+  double memory_efficiency = 0.79;  // fraction of hbm_bandwidth_gbps that streaming kernels reach
+  // Fraction of peak a fused attention kernel (FlashAttention) reaches on the work it does.
+  double attention_efficiency = 0.5;
+  // Fraction of the clock at which compute_efficiency and attention_efficiency were measured
+  // (short benchmarks, boost clock) that the SMs hold through sustained training, where the power
+  // limit binds (matrix products, HBM, NVLink and NICs all drawing at once).
+  double sustained_clock_fraction = 1.0;
+  LinkConfig intra_node{300, 3, 0.8};
+  LinkConfig inter_node{25, 6, 0.94};
+  // NVSwitch with in-switch reduction (NVLink SHARP, Hopper and later): NCCL's NVLS algorithms.
+  bool nvlink_sharp = false;
   double price_per_gpu_hour = 0;  // what one GPU-hour costs (any currency); 0: not given
   // A hardware profile measured by `trainsim calibrate` (path as written; relative to the
   // scenario's folder), applied like a GPU preset; the cost models then price each kernel at
@@ -109,6 +140,10 @@ struct TrainingConfig {
   int global_batch_size = 0;  // 0: micro_batch_size * data_parallel_size (one micro-batch per step)
   Recompute activation_recompute = Recompute::none;
   Optimizer optimizer = Optimizer::adam;
+  // Megatron-LM's --gradient-accumulation-fusion (on by default since 2022): each weight-gradient
+  // product accumulates straight into the main_grad buffer (cuBLAS with beta = 1) instead of a
+  // separate add. Applies where the framework is Megatron-LM; DeepSpeed and FSDP add separately.
+  bool gradient_accumulation_fusion = true;
   // The optimizer's settings; only the runtime uses them (the simulator needs none).
   double lr = 1e-3;
   double weight_decay = 0.1;
@@ -147,6 +182,10 @@ struct CommunicationConfig {
   double bucket_size_mib = 25;
   bool overlap_grad_reduce = false;
   AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
+  // Pipeline sends run beside compute (asynchronous point-to-point, as current Megatron-LM and
+  // torchtitan do). false: a stage waits for each send before computing on (Megatron-LM 2021,
+  // --no-overlap-p2p-communication).
+  bool overlap_p2p_comm = true;
   friend bool operator==(const CommunicationConfig&, const CommunicationConfig&) = default;
 };
 

@@ -232,6 +232,19 @@ std::vector<FieldSpec> make_fields() {
                       {"naive", AttentionKernel::naive}},
                      "Attention core kernel: flash (fused, the s*s scores never stored; Megatron-LM and "
                      "torchtitan's default), fused (fused softmax, scores stored) or naive (separate kernels)"));
+  t.push_back(boolean("model.fused_elementwise", FIELD(model.fused_elementwise),
+                      "Elementwise work fused as Megatron-LM's kernels do; false: PyTorch eager, one kernel per "
+                      "operation, norms and rotary embeddings in FP32 (torchtitan without torch.compile)"));
+
+  t.push_back(choice("model.layernorm_kernel", FIELD(model.layernorm_kernel),
+                     {{"persistent", LayerNormKernel::persistent}, {"apex", LayerNormKernel::apex}},
+                     "LayerNorm kernel: persistent (apex FastLayerNorm, Transformer Engine; Megatron-LM since "
+                     "November 2021) or apex (apex's FusedLayerNorm, Megatron-LM before then or with "
+                     "--no-persist-layer-norm: 1.40x the time forward, 2.03x backward, apex pull request #1037)"));
+  t.push_back(boolean("model.fused_linear_bias", FIELD(model.fused_linear_bias),
+                      "Linear layers add their bias and sum its gradient inside the matrix product (cuBLASLt "
+                      "epilogues, Transformer Engine); false: separate kernels, as Megatron-LM's own layers run "
+                      "them (the QKV bias added after the product, every bias gradient a sum over the tokens)"));
 
   // ---- cluster -----------------------------------------------------------------------
   {
@@ -278,17 +291,37 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(real("cluster.memory_gib", FIELD(cluster.memory_gib), 0.001, 1e6, "GiB", "Memory per GPU"));
   for (DType d : kAllDTypes) t.push_back(peak_rate(d));
   t.push_back(real("cluster.compute_efficiency", FIELD(cluster.compute_efficiency), 0.001, 1, "",
-                   "Fraction of peak that the model's matrix products reach"));
+                   "Fraction of peak that the best-shaped matrix products reach (cuBLAS on large GEMMs); each "
+                   "product is priced lower by its shape (tiles, waves, depth; docs/model.md)"));
+  t.push_back(integer("cluster.sm_count", FIELD(cluster.sm_count), 0, 1 << 16, "",
+                      "Streaming multiprocessors per GPU: a matrix product's tiles run in waves of this many; 0: "
+                      "no wave quantization"));
   t.push_back(real("cluster.hbm_bandwidth_gbps", FIELD(cluster.hbm_bandwidth_gbps), 0.001, 1e6, "GB/s",
-                   "GPU memory bandwidth, for memory-bound work (embedding, loss, optimizer)"));
+                   "GPU memory bandwidth (datasheet), for memory-bound kernels (norms, activations, softmax, "
+                   "dropout, loss, optimizer)"));
+  t.push_back(real("cluster.memory_efficiency", FIELD(cluster.memory_efficiency), 0.001, 1, "",
+                   "Fraction of hbm_bandwidth_gbps that streaming kernels reach (STREAM-like measurements)"));
+  t.push_back(real("cluster.attention_efficiency", FIELD(cluster.attention_efficiency), 0.001, 1, "",
+                   "Fraction of peak that a fused attention kernel (model.attention: flash) reaches on its work"));
+  t.push_back(real("cluster.sustained_clock_fraction", FIELD(cluster.sustained_clock_fraction), 0.01, 1, "",
+                   "Fraction of the benchmarks' clock the SMs hold through sustained training under the power "
+                   "limit; scales matrix products and attention, not memory"));
   t.push_back(real("cluster.intra_node.bandwidth_gbps", FIELD(cluster.intra_node.bandwidth_gbps), 0.001, 1e6,
-                   "GB/s", "Per-GPU bandwidth inside a node, one direction"));
+                   "GB/s", "Per-GPU NVLink line rate inside a node, one direction"));
   t.push_back(real("cluster.intra_node.latency_us", FIELD(cluster.intra_node.latency_us), 0, 1e6, "us",
-                   "Per-message latency inside a node"));
+                   "Per-message (per ring step) latency inside a node"));
+  t.push_back(real("cluster.intra_node.efficiency", FIELD(cluster.intra_node.efficiency), 0.001, 1, "",
+                   "Fraction of the intra-node line rate NCCL's rings move (protocol overhead)"));
   t.push_back(real("cluster.inter_node.bandwidth_gbps", FIELD(cluster.inter_node.bandwidth_gbps), 0.001, 1e6,
-                   "GB/s", "Per-GPU bandwidth between nodes, one direction"));
+                   "GB/s",
+                   "Network line rate per GPU between nodes, one direction: the node's NICs times their rate, "
+                   "divided by its GPUs (a ring across nodes runs one channel per NIC)"));
   t.push_back(real("cluster.inter_node.latency_us", FIELD(cluster.inter_node.latency_us), 0, 1e6, "us",
-                   "Per-message latency between nodes"));
+                   "Per-message (per ring step) latency between nodes"));
+  t.push_back(real("cluster.inter_node.efficiency", FIELD(cluster.inter_node.efficiency), 0.001, 1, "",
+                   "Fraction of the network line rate NCCL moves"));
+  t.push_back(boolean("cluster.nvlink_sharp", FIELD(cluster.nvlink_sharp),
+                      "NVSwitch with in-switch reduction (NVLink SHARP, Hopper): NCCL runs all-reduces as NVLS"));
   t.push_back(real("cluster.price_per_gpu_hour", FIELD(cluster.price_per_gpu_hour), 0, 1e9, "per GPU-hour",
                    "What one GPU-hour costs (any currency), for the cost of training; 0: not given"));
 
@@ -351,6 +384,10 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(integer("training.global_batch_size", FIELD(training.global_batch_size), 0, 1 << 30, "",
                       "Samples per optimizer step; micro-batches per replica m = global / (micro * data_parallel)",
                       "0 (= micro_batch_size * data_parallel_size)"));
+  t.push_back(boolean("training.gradient_accumulation_fusion", FIELD(training.gradient_accumulation_fusion),
+                      "framework megatron: the weight-gradient products accumulate into the main_grad buffer "
+                      "(Megatron-LM's --gradient-accumulation-fusion, default since March 2022); false: a separate "
+                      "add per micro-batch, as Megatron-LM before 2022, DeepSpeed and FSDP do"));
   t.push_back(choice("training.activation_recompute", FIELD(training.activation_recompute),
                      {{"none", Recompute::none}, {"selective", Recompute::selective}, {"full", Recompute::full}},
                      "Recompute activations in backward: selective recomputes attention's softmax part, full "
@@ -413,7 +450,11 @@ std::vector<FieldSpec> make_fields() {
                       "Start each bucket's reduction during the last micro-batch's backward"));
   t.push_back(choice("communication.allreduce_algorithm", FIELD(communication.allreduce_algorithm),
                      {{"ring", AllReduceAlgorithm::ring}, {"hierarchical", AllReduceAlgorithm::hierarchical}},
-                     "One ring over all members, or intra-node then inter-node then intra-node"));
+                     "NCCL's own choice (ring per NIC rail, tree across nodes, NVLS inside an NVSwitch node), or "
+                     "intra-node then inter-node then intra-node"));
+  t.push_back(boolean("communication.overlap_p2p_comm", FIELD(communication.overlap_p2p_comm),
+                      "Pipeline sends run beside compute; false: a stage waits for each send (Megatron-LM 2021, "
+                      "--no-overlap-p2p-communication)"));
 
   // ---- runtime (what `trainsim run` executes) ----------------------------------------
   t.push_back(choice("runtime.backend", FIELD(runtime.backend),

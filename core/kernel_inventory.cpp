@@ -26,9 +26,17 @@ struct Builder {
     w.bytes = elements * passes * storage;
     add(std::move(w));
   }
+  // A memory-bound kernel over `elements` that moves `bytes` in all (mixed element sizes).
+  void memory_bytes(const char* kernel, double elements, double bytes) {
+    if (elements <= 0 || bytes <= 0) return;
+    KernelWork w{kernel, dtype, {}, 0, 1};
+    w.shape.elements = static_cast<long>(elements);
+    w.bytes = bytes;
+    add(std::move(w));
+  }
   void add(KernelWork w) {
     for (KernelWork& k : *out)
-      if (k.kernel == w.kernel && k.shape == w.shape && k.dtype == w.dtype) {
+      if (k.kernel == w.kernel && k.shape == w.shape && k.dtype == w.dtype && k.bytes == w.bytes) {
         ++k.count;
         return;
       }
@@ -38,7 +46,10 @@ struct Builder {
 
 }  // namespace
 
-std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage) {
+std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage);
+
+std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, InventoryTarget target) {
+  if (target == InventoryTarget::framework) return framework_chunk_kernels(plan, storage);
   const ModelShape m = plan.shape();
   const auto& cfg = plan.config;
   const long b = plan.micro_batch_size, T = m.s, N = b * T, t = plan.tp;
@@ -133,6 +144,199 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage) {
     if (first) {
       k.memory("embedding.backward", N * C, 3);
       k.memory("commit", m.embedding_params() / t, commit_passes);
+    }
+  }
+  return out;
+}
+
+// What Megatron-LM / PyTorch launch on a GPU for one micro-batch on one tensor-parallel rank
+// (InventoryTarget::framework; the header says what differs from the runtime's list).
+std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage) {
+  const ModelShape m = plan.shape();
+  const auto& cfg = plan.config;
+  const long b = plan.micro_batch_size, T = m.s, N = b * T, t = plan.tp;
+  const long C = m.h, F = m.f / t, V = m.V / t, H = std::max<long>(1, m.a / t), hs = m.h / m.a;
+  const long kv = 2L * m.h / m.a * m.kv_heads;  // K and V widths together
+  const long qkv = (m.h + kv) / t, Cout = C / t;
+  const long ffn_in = m.swiglu ? 2 * F : F;
+  const double e = storage;
+  const double g = dtype_bytes(cfg.precision.grad_accumulation);
+  const bool sp = cfg.parallelism.sequence_parallel && t > 1;
+  const double rep = sp ? static_cast<double>(N) * C / t : static_cast<double>(N) * C;  // replicated tensors
+  const double scores = static_cast<double>(b) * H * T * T;  // attention's s x s elements on this rank
+  const double hidden_mask = m.hidden_dropout ? 1.0 : 0.0;
+  const AttentionKernel attn = m.attention;
+  const Recompute rc = cfg.training.activation_recompute;
+  const double act = static_cast<double>(N) * C * e;  // one tensor-parallel all-reduce's buffer
+  // Gradients accumulate into the grad_accumulation buffer from the second micro-batch on:
+  // read it, read the new gradient, write the sum.
+  const int mb = std::max(1, plan.num_microbatches);
+  const double accumulate = (2 * g + e) * static_cast<double>(mb - 1) / mb;
+  const double layer_params = m.params_per_layer() / t;
+  // Megatron-LM's gradient accumulation fusion: the weight-gradient products of the linear layers
+  // (and of an untied or tied output layer) add into main_grad themselves, so only the embedding
+  // lookup's gradient (and the small norm and bias gradients, left out) is added separately.
+  const bool fused_accumulation = cfg.training.gradient_accumulation_fusion && plan.framework == Framework::megatron;
+  const char* wgrad = fused_accumulation ? "linear.backward_weight_accumulate" : "linear.backward_weight";
+  const double layer_accumulate = fused_accumulation ? 0.0 : accumulate;
+
+  std::vector<ChunkKernels> out(plan.num_virtual_stages());
+  for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+    const int layers = plan.layers_per_virtual_stage[vs];
+    const bool first = vs == 0, last = vs == plan.num_virtual_stages() - 1;
+    ChunkKernels& c = out[vs];
+    Builder k{cfg.precision.compute, e};
+
+    // Each of Megatron's tensor-parallel all-reduces; with sequence parallelism a reduce-scatter
+    // and an all-gather of the same buffer instead (Korthikanti et al. 2022, section 4.2.2).
+    auto tp_allreduce = [&](double bytes) {
+      if (t <= 1) return;
+      if (sp) {
+        k.memory_bytes("tp.reducescatter", bytes / e, bytes);
+        k.memory_bytes("tp.allgather", bytes / e, bytes);
+      } else {
+        k.memory_bytes("tp.allreduce", bytes / e, bytes);
+      }
+    };
+    // A pipeline message of a tensor-parallel group arrives as t slices, one per GPU (Megatron's
+    // scatter/gather); the receiver all-gathers them over NVLink before computing. Sequence
+    // parallelism keeps activations split, so there is nothing to gather.
+    auto pipeline_gather = [&] {
+      if (t > 1 && !sp) k.memory_bytes("tp.allgather", act / e, act);
+    };
+    auto attention_core_forward = [&] {
+      if (attn == AttentionKernel::flash) {
+        k.matmul("flash_attention.forward", T, T, hs, 2 * b * H);
+        return;
+      }
+      k.matmul("attention.scores", T, T, hs, b * H);
+      if (attn == AttentionKernel::naive) k.memory("attention.mask", scores, 2);
+      k.memory("softmax.forward", scores, 2);
+      if (m.attention_dropout) k.memory_bytes("dropout.forward", scores, scores * (2 * e + 1));
+      k.matmul("attention.context", T, hs, T, b * H);
+    };
+    // Bytes per element of the elementwise work, fused (Megatron-LM's kernels) or eager (one
+    // PyTorch kernel per operation). Eager RMSNorm: cast up, square, mean, multiply, cast down,
+    // scale (~32 bytes in 16/32-bit traffic; backward ~1.5x); eager RoPE: cast up, complex
+    // multiply, cast down (~28); eager SwiGLU: SiLU then multiply (5 passes of e); eager residual
+    // add and bias-dropout-add as separate adds and dropout.
+    const bool eager = !cfg.model.fused_elementwise;
+    const double norm_fwd = eager ? 32 : 2 * e, norm_bwd = eager ? 48 : 4 * e;
+    const double rope_bytes = eager ? 28 : 2 * e;
+    const double act_fwd = m.swiglu ? (eager ? 5 * e : 3 * e) : 2 * e;
+    const double act_bwd = m.swiglu ? (eager ? 8 * e : 5 * e) : 3 * e;
+    const double residual_fwd = eager ? 3 * e + (hidden_mask > 0 ? 3 * e + 1 : 0) : 3 * e + hidden_mask;
+    const double q_and_k = static_cast<double>(N) * (C + kv / 2) / t;
+    // Biases outside the products (model.fused_linear_bias false, Megatron-LM's own layers): the
+    // QKV product's bias added after it (F.linear on [s, b, h] input: matmul, then add), and in
+    // backward each bias gradient summed over the N tokens: QKV's, the first MLP product's (from
+    // bias-GELU's gradient) and the two replicated ones of the bias-dropout-adds.
+    const bool separate_bias = m.bias && !cfg.model.fused_linear_bias;
+    // The unfused attention core (fused, naive) works in Megatron's [s, b, np, hn] layout: its
+    // context leaves the batched product as [b np, s, hn] and is permuted back into a contiguous
+    // [s, b, h/t] (a copy); in backward the q, k and v gradients, split views of the one QKV
+    // product, are concatenated into its gradient (torch.cat). FlashAttention reads and writes the
+    // layout in place.
+    const bool layout_copies = attn != AttentionKernel::flash;
+    auto layer_forward = [&] {
+      k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
+      k.matmul("linear.forward", N, qkv, C);
+      if (separate_bias) k.memory("bias.add", static_cast<double>(N) * qkv, 2);
+      if (!m.learned_positions) k.memory_bytes("rope.forward", q_and_k, q_and_k * rope_bytes);
+      attention_core_forward();
+      if (eager && attn == AttentionKernel::flash)  // the heads transposed back into one tensor
+        k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      k.matmul("linear.forward", N, C, Cout);
+      tp_allreduce(act);
+      k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
+      k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
+      k.matmul("linear.forward", N, ffn_in, C);
+      k.memory_bytes(m.swiglu ? "swiglu.forward" : "gelu.forward", static_cast<double>(N) * F,
+                     static_cast<double>(N) * F * act_fwd);
+      k.matmul("linear.forward", N, C, F);
+      tp_allreduce(act);
+      k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
+    };
+
+    // ---- forward
+    k.out = &c.forward;
+    if (!first) pipeline_gather();
+    if (first) {
+      k.memory("embedding.forward", static_cast<double>(N) * C, m.learned_positions ? 3 : 2);
+      tp_allreduce(act);  // vocabulary-parallel embedding
+      if (m.hidden_dropout) k.memory_bytes("dropout.forward", rep, rep * (2 * e + 1));
+    }
+    for (int l = 0; l < layers; ++l) layer_forward();
+    if (last) {
+      k.memory("layernorm.forward", rep, 2);
+      k.matmul("linear.forward", N, V, C);
+      // The loss in FP32: the logits cast up, max, exp and sum, log: ~26 bytes per logit.
+      k.memory_bytes("cross_entropy.forward", static_cast<double>(N) * V, static_cast<double>(N) * V * (e + 24));
+      if (t > 1) k.memory_bytes("tp.allreduce", 3.0 * N, 3.0 * N * 4);  // max, sum and target logit (FP32)
+    }
+
+    // ---- backward, input gradients (recomputation first, as the framework runs it)
+    k.out = &c.backward_input;
+    if (!last) pipeline_gather();
+    if (last) {
+      k.memory_bytes("cross_entropy.backward", static_cast<double>(N) * V, static_cast<double>(N) * V * (12 + e));
+      k.matmul("linear.backward_input", N, C, V);
+      tp_allreduce(act);
+      k.memory("layernorm.backward_input", rep, 4);
+    }
+    for (int l = 0; l < layers; ++l) {
+      if (rc == Recompute::full) layer_forward();
+      if (rc == Recompute::selective) attention_core_forward();
+      if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
+      k.matmul("linear.backward_input", N, F, C);
+      k.memory_bytes(m.swiglu ? "swiglu.backward" : "gelu.backward", static_cast<double>(N) * F,
+                     static_cast<double>(N) * F * act_bwd);
+      k.matmul("linear.backward_input", N, C, ffn_in);
+      tp_allreduce(act);
+      k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
+      if (eager) k.memory("residual.backward", rep, 3);  // the two branches' gradients summed
+      if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
+      k.matmul("linear.backward_input", N, Cout, C);
+      if (attn == AttentionKernel::flash) {
+        k.matmul("flash_attention.backward", T, T, hs, 5 * b * H);  // five products, S and P recomputed
+      } else {
+        k.matmul("attention.scores", T, T, hs, b * H);  // dP = dO V^T
+        k.matmul("attention.context", T, hs, T, b * H);  // dV = P^T dO
+        if (m.attention_dropout) k.memory_bytes("dropout.backward", scores, scores * (2 * e + 1));
+        k.memory("softmax.backward", scores, 3);
+        if (attn == AttentionKernel::naive) k.memory("attention.mask", scores, 2);
+        k.matmul("attention.context", T, hs, T, 2 * b * H);  // dQ = dS K, dK = dS^T Q
+      }
+      if (eager && attn == AttentionKernel::flash) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (layout_copies) k.memory("qkv.concat", static_cast<double>(N) * qkv, 2);
+      if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
+      if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);
+      k.matmul("linear.backward_input", N, C, qkv);
+      tp_allreduce(act);
+      k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
+      if (eager) k.memory("residual.backward", rep, 3);
+    }
+
+    // ---- backward, weight gradients
+    k.out = &c.backward_weight;
+    if (last) {
+      k.matmul(wgrad, V, C, N);
+      k.memory("layernorm.backward_weight", rep, 2);
+      k.memory_bytes("commit", m.output_params() / t, m.output_params() / t * layer_accumulate);
+    }
+    for (int l = 0; l < layers; ++l) {
+      k.matmul(wgrad, C, F, N);
+      k.matmul(wgrad, ffn_in, C, N);
+      k.memory("layernorm.backward_weight", rep, 2);
+      k.matmul(wgrad, Cout, C, N);
+      k.matmul(wgrad, qkv, C, N);
+      k.memory("layernorm.backward_weight", rep, 2);
+      k.memory_bytes("commit", layer_params, layer_params * layer_accumulate);
+    }
+    if (first) {
+      k.memory("embedding.backward", static_cast<double>(N) * C, 3);
+      k.memory_bytes("commit", m.embedding_params() / t, m.embedding_params() / t * accumulate);
     }
   }
   return out;

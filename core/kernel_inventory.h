@@ -22,6 +22,20 @@
 // written as the kernel does; matrix products count 2 m n k FLOPs per batch entry.
 // Variants the runtime does not execute (SwiGLU, grouped-query attention, RMSNorm, rotary
 // positions) are priced as their nearest GPT-2 counterpart with their own shapes.
+//
+// Two targets share the matrix products and differ in the memory-bound kernels around them:
+//   runtime    what the runtime's decoder launches (above): what `trainsim calibrate` measures
+//   framework  what Megatron-LM / PyTorch launch on a GPU for the plan's settings, priced by the
+//              roofline (sim/cost/compute_model.h): no rounding passes (kernels write the compute
+//              format), fused bias-GELU / bias-dropout-add, the attention core as the plan's
+//              model.attention runs it (flash: one kernel and no s x s traffic; fused: scores,
+//              softmax and dropout through HBM, the context permuted back and the q, k, v gradients
+//              concatenated; naive: a separate mask pass too), biases added and their gradients
+//              summed by kernels of their own unless model.fused_linear_bias, dropout masks
+//              only when dropout > 0, FP32 logits for the loss, gradient accumulation into the
+//              grad_accumulation format, activation recompute (full: the layer's forward again;
+//              selective: the attention core again) and tensor-parallel all-reduces
+//              (`tp.allreduce` entries whose bytes the collective model prices).
 #pragma once
 
 #include <string>
@@ -44,9 +58,12 @@ struct ChunkKernels {
   std::vector<KernelWork> forward, backward_input, backward_weight;
 };
 
+enum class InventoryTarget { runtime, framework };
+
 // `storage`: bytes per element the backend holds activations in (the CPU backend keeps fp32
 // and rounds; the CUDA backend stores the compute format).
-std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage);
+std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage,
+                                        InventoryTarget target = InventoryTarget::runtime);
 // The optimizer step of a rank holding `params` parameters.
 std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
 

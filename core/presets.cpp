@@ -14,19 +14,26 @@ std::map<DType, double> rates(double fp32, double tf32, double fp16, double bf16
 }
 
 // Dense tensor-core rates (the datasheets' "with sparsity" figures halved). Memory is what
-// nvidia-smi reports as total. Links are per GPU and per direction. Sources: docs/presets.md.
+// nvidia-smi reports as total. Links are per GPU and per direction; inter_node is the node's NIC
+// bandwidth divided by its GPUs (one NIC per GPU on DGX/HGX nodes). Efficiencies are measured
+// fractions (cuBLAS GEMMs, STREAM-like kernels, FlashAttention, NCCL's per-link figures).
+// Every figure's source: docs/presets.md.
 std::vector<GpuPreset> make_gpus() {
   return {
       {"v100-32gb", "NVIDIA V100 SXM2 32GB (Volta): no bf16, no tf32; DGX-1/DGX-2 class", 8, 32.0,
-       rates(15.7, 0, 125, 0, 0), 0.6, 900, {150, 3}, {12.5, 6}},
-      {"a100-40gb", "NVIDIA A100 SXM4 40GB (Ampere), DGX A100 node", 8, 40.0, rates(19.5, 156, 312, 312, 0), 0.6,
-       1555, {300, 3}, {25, 6}},
-      {"a100-80gb", "NVIDIA A100 SXM4 80GB (Ampere), DGX A100 node", 8, 80.0, rates(19.5, 156, 312, 312, 0), 0.6,
-       2039, {300, 3}, {25, 6}},
+       rates(15.7, 0, 125, 0, 0), 0.80, 80, 900, 0.90, 0.35, 1.0, {150, 3, 0.80}, {12.5, 6, 0.94}, false},
+      {"a100-40gb", "NVIDIA A100 SXM4 40GB (Ampere), DGX A100 node", 8, 40.0, rates(19.5, 156, 312, 312, 0), 0.82,
+       108, 1555, 0.79, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false},
+      {"a100-80gb", "NVIDIA A100 SXM4 80GB (Ampere), DGX A100 node", 8, 80.0, rates(19.5, 156, 312, 312, 0), 0.82,
+       108, 2039, 0.79, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false},
       {"h100-80gb", "NVIDIA H100 SXM5 80GB (Hopper), DGX H100 node", 8, 79.6, rates(67, 494.7, 989.4, 989.4, 1978.9),
-       0.6, 3350, {450, 3}, {50, 5}},
-      {"h200", "NVIDIA H200 SXM 141GB (Hopper), HGX H200 node", 8, 140.4, rates(67, 494.7, 989.4, 989.4, 1978.9), 0.6,
-       4800, {450, 3}, {50, 5}},
+       0.806, 132, 3350, 0.835, 0.333, 0.795, {450, 3, 0.824}, {50, 5, 0.94}, true},
+      {"h100-96gb-500w",
+       "NVIDIA H100 SXM5 96GB HBM2e capped at 500 W (Meta Grand Teton, torchtitan's benchmarks)", 8, 89.4,
+       rates(67, 494.7, 989.4, 989.4, 1978.9), 0.806, 132, 2400, 0.835, 0.333, 0.795 * 500 / 700,
+       {450, 3, 0.824}, {50, 5, 0.94}, true},
+      {"h200", "NVIDIA H200 SXM 141GB (Hopper), HGX H200 node", 8, 140.4, rates(67, 494.7, 989.4, 989.4, 1978.9),
+       0.806, 132, 4800, 0.835, 0.333, 0.795, {450, 3, 0.824}, {50, 5, 0.94}, true},
   };
 }
 
@@ -117,9 +124,14 @@ void apply_gpu_preset(const GpuPreset& p, ClusterConfig& c) {
   c.memory_gib = p.memory_gib;
   c.peak_tflops = p.peak_tflops;
   c.compute_efficiency = p.compute_efficiency;
+  c.sm_count = p.sm_count;
   c.hbm_bandwidth_gbps = p.hbm_bandwidth_gbps;
+  c.memory_efficiency = p.memory_efficiency;
+  c.attention_efficiency = p.attention_efficiency;
+  c.sustained_clock_fraction = p.sustained_clock_fraction;
   c.intra_node = p.intra_node;
   c.inter_node = p.inter_node;
+  c.nvlink_sharp = p.nvlink_sharp;
 }
 
 void apply_model_preset(const ModelPreset& p, ModelConfig& m) {

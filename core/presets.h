@@ -17,10 +17,15 @@ struct GpuPreset {
   int gpus_per_node;
   double memory_gib;
   std::map<DType, double> peak_tflops;
-  double compute_efficiency;
+  double compute_efficiency;    // large-GEMM fraction of peak (cuBLAS measurements, docs/presets.md)
+  int sm_count;
   double hbm_bandwidth_gbps;
-  LinkConfig intra_node;
-  LinkConfig inter_node;
+  double memory_efficiency;     // streaming-kernel fraction of HBM bandwidth
+  double attention_efficiency;  // FlashAttention's fraction of peak
+  double sustained_clock_fraction;  // clock held in training under the power limit / benchmark clock
+  LinkConfig intra_node;        // NVLink line rate per GPU and direction, NCCL's efficiency
+  LinkConfig inter_node;        // NIC line rate per GPU (NICs per node x NIC rate / GPUs per node)
+  bool nvlink_sharp;            // NVSwitch with in-switch reduction (NCCL NVLS)
 };
 
 struct ModelPreset {

@@ -314,23 +314,17 @@ class Builder {
     compute_ops.clear();
     chunks_done.clear();
     int last_collective = -1;
-    for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
-      const Task& task = tasks[i];
+    // Megatron-LM's interleaved schedule without p2p overlap runs each steady-state forward and
+    // backward back to back and only then exchanges with both neighbours at once
+    // (send_forward_backward_recv_forward_backward: both sends, and the receives for the next
+    // pair). Its ops are placed so: the pair's receives before its forward, its sends after its
+    // backward. Everywhere else a task's receive comes right before it and its send right after.
+    const bool paired = plan_.config.parallelism.schedule == ScheduleKind::interleaved_1f1b &&
+                        !plan_.config.communication.overlap_p2p_comm;
+    auto recv_for = [&](const Task& task) {
       const int vs = task.local_chunk * p + s;
       const int mb = task.microbatch;
-      const bool fwd = task.kind == OpKind::Forward;
-      const bool needs_weights = task.kind != OpKind::BackwardWeight;
-
-      int gather = -1;
-      if (needs_weights && (fwd ? plan_.gathers_before_forward() : plan_.gathers_before_backward())) {
-        Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs), mb};
-        ag.channel = zero3_base_ + (vs * m_ + mb) * gather_dirs_ + (fwd ? 0 : 1);
-        ag.bytes = chunk_weight_bytes_[vs];
-        ag.dep = compute_ops.size() >= 2 ? compute_ops[compute_ops.size() - 2] : -1;  // prefetch one ahead
-        gather = push(ops, ag);
-      }
-      // Receive what this task consumes.
-      if (fwd && vs > 0) {
+      if (task.kind == OpKind::Forward && vs > 0) {
         Op rc{OpKind::RecvActivation, static_cast<std::int16_t>(vs), mb};
         rc.peer = rank_of_virtual(vs - 1, d);
         rc.channel = message_id(d, vs - 1, mb, false);
@@ -343,11 +337,35 @@ class Builder {
         rc.bytes = act_bytes_;
         push(ops, rc);
       }
-
-      // The compute itself. The task that completes gradients to reduce (the chunk's last
-      // gradient-producing task, or every one when gradients are reduced per micro-batch) is
-      // split at bucket bounds when reductions overlap with backward, each bucket leaving as
-      // soon as it is whole; without overlap its buckets follow it whole.
+    };
+    auto send_for = [&](const Task& task, int task_end) {
+      const int vs = task.local_chunk * p + s;
+      const int mb = task.microbatch;
+      if (task.kind == OpKind::Forward && vs < V_ - 1) {
+        Op sd{OpKind::SendActivation, static_cast<std::int16_t>(vs), mb};
+        sd.peer = rank_of_virtual(vs + 1, d);
+        sd.channel = message_id(d, vs, mb, false);
+        sd.bytes = act_bytes_;
+        sd.dep = task_end;
+        push(ops, sd);
+      } else if ((task.kind == OpKind::Backward || task.kind == OpKind::BackwardInput) && vs > 0) {
+        Op sd{OpKind::SendGradient, static_cast<std::int16_t>(vs), mb};
+        sd.peer = rank_of_virtual(vs - 1, d);
+        sd.channel = message_id(d, vs - 1, mb, true);
+        sd.bytes = act_bytes_;
+        sd.dep = task_end;
+        push(ops, sd);
+      }
+    };
+    // The task's gather (ZeRO-3) and compute ops; returns the op that ends it.
+    auto compute_for = [&](int i, int gather) {
+      const Task& task = tasks[i];
+      const int vs = task.local_chunk * p + s;
+      const int mb = task.microbatch;
+      // The task that completes gradients to reduce (the chunk's last gradient-producing task,
+      // or every one when gradients are reduced per micro-batch) is split at bucket bounds when
+      // reductions overlap with backward, each bucket leaving as soon as it is whole; without
+      // overlap its buckets follow it whole.
       const auto& buckets = bucket_bytes_[vs];
       const bool completes_grads = i == last_grad_task[task.local_chunk];
       const bool makes_grads = task.kind == OpKind::Backward || task.kind == OpKind::BackwardWeight;
@@ -375,23 +393,36 @@ class Builder {
             last_collective = push(ops, gradient_collective(vs, reduction, static_cast<int>(k), task_end));
       }
       if (completes_grads) chunks_done.push_back(task.local_chunk);
-
-      // Send what this task produced.
-      if (fwd && vs < V_ - 1) {
-        Op sd{OpKind::SendActivation, static_cast<std::int16_t>(vs), mb};
-        sd.peer = rank_of_virtual(vs + 1, d);
-        sd.channel = message_id(d, vs, mb, false);
-        sd.bytes = act_bytes_;
-        sd.dep = task_end;
-        push(ops, sd);
-      } else if ((task.kind == OpKind::Backward || task.kind == OpKind::BackwardInput) && vs > 0) {
-        Op sd{OpKind::SendGradient, static_cast<std::int16_t>(vs), mb};
-        sd.peer = rank_of_virtual(vs - 1, d);
-        sd.channel = message_id(d, vs - 1, mb, true);
-        sd.bytes = act_bytes_;
-        sd.dep = task_end;
-        push(ops, sd);
+      return task_end;
+    };
+    auto gather_for = [&](const Task& task) {
+      const int vs = task.local_chunk * p + s;
+      const bool fwd = task.kind == OpKind::Forward;
+      const bool needs_weights = task.kind != OpKind::BackwardWeight;
+      if (!needs_weights || !(fwd ? plan_.gathers_before_forward() : plan_.gathers_before_backward())) return -1;
+      Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs), task.microbatch};
+      ag.channel = zero3_base_ + (vs * m_ + task.microbatch) * gather_dirs_ + (fwd ? 0 : 1);
+      ag.bytes = chunk_weight_bytes_[vs];
+      ag.dep = compute_ops.size() >= 2 ? compute_ops[compute_ops.size() - 2] : -1;  // prefetch one ahead
+      return push(ops, ag);
+    };
+    for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
+      const bool pair = paired && i + 1 < static_cast<int>(tasks.size()) && tasks[i].kind == OpKind::Forward &&
+                        tasks[i + 1].kind == OpKind::Backward;
+      if (!pair) {
+        const int gather = gather_for(tasks[i]);
+        recv_for(tasks[i]);
+        send_for(tasks[i], compute_for(i, gather));
+        continue;
       }
+      const int gather_f = gather_for(tasks[i]);
+      recv_for(tasks[i]);
+      recv_for(tasks[i + 1]);
+      const int end_f = compute_for(i, gather_f);
+      const int end_b = compute_for(i + 1, gather_for(tasks[i + 1]));
+      send_for(tasks[i], end_f);
+      send_for(tasks[i + 1], end_b);
+      ++i;
     }
     const int last_compute = compute_ops.empty() ? -1 : compute_ops.back();
 

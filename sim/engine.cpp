@@ -19,12 +19,14 @@ constexpr std::int32_t kCompute = static_cast<std::int32_t>(StreamKind::compute)
 constexpr std::int32_t kCollective = static_cast<std::int32_t>(StreamKind::collective);
 
 // stream_of as a table: the scans below read it for every op of a rank, per stream.
-constexpr auto kStreamOf = [] {
+std::array<std::uint8_t, kNumOpKinds> stream_table(bool blocking_sends) {
   std::array<std::uint8_t, kNumOpKinds> t{};
-  for (int k = 0; k < kNumOpKinds; ++k) t[k] = static_cast<std::uint8_t>(stream_of(static_cast<OpKind>(k)));
+  for (int k = 0; k < kNumOpKinds; ++k) {
+    const auto kind = static_cast<OpKind>(k);
+    t[k] = static_cast<std::uint8_t>(blocking_sends && is_send(kind) ? StreamKind::compute : stream_of(kind));
+  }
   return t;
-}();
-std::int32_t stream_index(OpKind k) { return kStreamOf[static_cast<std::uint8_t>(k)]; }
+}
 
 // Cost models behind their interfaces (any model, one virtual call per op)...
 struct VirtualModels {
@@ -32,6 +34,7 @@ struct VirtualModels {
   Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
   Tick collective(const Collective& c) const { return m.collective->duration(c); }
+  bool blocking_sends() const { return m.p2p->blocks_sender(); }
 };
 
 // ...or the default ones by their final types, so the calls are direct and inlined.
@@ -42,6 +45,7 @@ struct DefaultModels {
   Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
   Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
+  bool blocking_sends() const { return p.LinkP2PModel::blocks_sender(); }
 };
 
 }  // namespace
@@ -101,7 +105,7 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
   bool progressed = false;
   for (;;) {
     std::int32_t i = st.cursor;
-    while (i < n && stream_index(ops[i].kind) != k) ++i;
+    while (i < n && stream_of_[static_cast<std::uint8_t>(ops[i].kind)] != k) ++i;
     st.cursor = i;
     if (i == n) break;
     const Op& op = ops[i];
@@ -109,12 +113,25 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
     if (op.dep >= 0) {
       // An op of another stream has ended once that stream's cursor is past it.
       const std::int32_t d = op.dep;
-      const std::int32_t kd = stream_index(ops[d].kind);
+      const std::int32_t kd = stream_of_[static_cast<std::uint8_t>(ops[d].kind)];
       if (kd != k && d >= rank_streams[kd].cursor) {
         st.waits_dep = true;  // woken when its rank's other streams move on
         break;
       }
       ready = std::max(ready, times[d].end);
+    }
+    if (blocking_sends_ && (is_recv(op.kind) || is_send(op.kind))) {
+      // One exchange: this op and the sends and receives right after it on the stream are
+      // posted together (a batched isend/irecv); post its receives, whose senders may wait.
+      for (std::int32_t j = i; j < n; ++j) {
+        const OpKind kj = ops[j].kind;
+        if (stream_of_[static_cast<std::uint8_t>(kj)] != k) continue;
+        if (!is_recv(kj) && !is_send(kj)) break;
+        if (is_recv(kj) && recv_posted_[ops[j].channel] < 0) {
+          recv_posted_[ops[j].channel] = ready;
+          if (simulated_[ops[j].peer]) enqueue(ops[j].peer * kNumStreams + kCompute);
+        }
+      }
     }
     if (is_recv(op.kind)) {
       const Tick arrival = message_arrival_[op.channel];
@@ -155,6 +172,12 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
       Tick duration = 0;
       if (is_compute(op.kind)) duration = models.compute(op, r);
       else if (is_send(op.kind)) duration = models.p2p(r, op.peer, op.bytes);
+      if (blocking_sends_ && is_send(op.kind)) {
+        // A rendezvous: the message moves once its receiver has posted the receive.
+        const Tick posted = recv_posted_[op.channel];
+        if (posted < 0) break;  // woken when the receiver posts
+        ready = std::max(ready, posted);
+      }
       times[i] = OpTiming{ready, ready + duration};
       st.free_at = ready + duration;
       if (is_send(op.kind)) {
@@ -177,6 +200,11 @@ template <class Models>
 bool Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmetric, bool materialised) {
   const Schedule& s = *schedule_;
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  stream_of_ = stream_table(models.blocking_sends());
+  // Megatron-LM's own schedules exchange through blocking batched isend/irecv calls, so a send
+  // waits for its receiver (a rendezvous). ZB-H1 stands for the Zero Bubble runtime, whose
+  // scheduler posts every receive ahead of the compute that needs it: its sends never wait.
+  blocking_sends_ = models.blocking_sends() && s.kind != ScheduleKind::zb_h1;
   symmetric_ = false;
   simulated_.assign(nranks, 1);
   counterpart_.resize(nranks);
@@ -210,6 +238,7 @@ bool Simulation::run_impl(const Models& models, Timeline& t, bool replica_symmet
 
   streams_.assign(static_cast<std::size_t>(nranks) * kNumStreams, StreamState{});
   message_arrival_.assign(s.num_messages, -1);
+  recv_posted_.assign(blocking_sends_ ? s.num_messages : 0, -1);
   collectives_.assign(s.collectives.size(), CollectiveState{});
   sim_members_.clear();
   last_priced_ = -1;
@@ -255,7 +284,7 @@ void Simulation::report_deadlock() const {
     const auto& ops = s.ranks[r].ops;
     for (int k = 0; k < kNumStreams; ++k) {
       std::size_t i = static_cast<std::size_t>(streams_[r * kNumStreams + k].cursor);
-      while (i < ops.size() && static_cast<int>(stream_of(ops[i].kind)) != k) ++i;
+      while (i < ops.size() && static_cast<int>(stream_of_[static_cast<std::uint8_t>(ops[i].kind)]) != k) ++i;
       if (i < ops.size()) blocked += fmt::format("\n  rank {} op {} {}", r, i, op_label(ops[i]));
     }
   }
@@ -283,7 +312,7 @@ bool Simulation::run_replica0(std::shared_ptr<const Schedule> schedule, const Ro
 
 std::size_t Simulation::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
-  return bytes(streams_) + bytes(simulated_) + bytes(message_arrival_) + bytes(collectives_) + bytes(sim_members_) +
+  return bytes(streams_) + bytes(simulated_) + bytes(message_arrival_) + bytes(recv_posted_) + bytes(collectives_) + bytes(sim_members_) +
          bytes(worklist_) + bytes(counterpart_);
 }
 

@@ -10,6 +10,11 @@
 // start is fixed by the ends of what it waits for, whatever order events are handled in:
 //   start = max(stream free, dep ended)            compute, send, local check
 //   a receive ends at max(stream free, dep ended, its send ended) and spans the wait
+//   a blocking send (no p2p overlap, on the compute stream) also waits for its receiver to
+//   post the receive: NCCL moves the message only once both sides are in the exchange. A
+//   send and the receive right after it on the compute stream are posted together, as one
+//   batched exchange (Megatron-LM's send_forward_recv_backward and the like), so two
+//   neighbours exchanging in both directions meet instead of waiting for each other.
 //   a collective starts when its last member arrives (each member: max(stream free, dep ended))
 // The engine therefore evaluates ops in dependency order (a worklist of streams that may
 // advance) rather than popping a time-ordered heap; the timestamps are those of the event
@@ -17,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -97,12 +103,19 @@ class Simulation {
   std::vector<StreamState> streams_;       // rank * kNumStreams + stream kind
   std::vector<std::uint8_t> simulated_;    // per rank
   std::vector<Tick> message_arrival_;      // per message: -1 until its send ends
+  // Blocking sends only (no p2p overlap): per message, when its receiver posted the receive
+  // (-1 until then). A blocking send is a rendezvous: it starts once the receive is posted.
+  std::vector<Tick> recv_posted_;
   std::vector<CollectiveState> collectives_;
   std::vector<std::int32_t> sim_members_;  // simulated members of each collective
   std::vector<std::int32_t> worklist_;
   std::vector<std::int32_t> counterpart_;  // rank -> the simulated rank whose timings it takes
   std::int32_t last_priced_ = -1;          // the collective priced last (its neighbours often match it)
+  // The stream each op kind runs on: stream_of, except that sends run on the compute stream
+  // when the p2p model says a send blocks its rank (no p2p overlap).
+  std::array<std::uint8_t, kNumOpKinds> stream_of_{};
   bool symmetric_ = false;
+  bool blocking_sends_ = false;  // sends hold the compute stream and wait for their receiver (rendezvous)
   std::int64_t completed_ = 0, expected_ = 0;
 };
 

@@ -31,6 +31,8 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   ModelConfig& m = key.model;
   m.preset.clear();  // the shape it set is compared field by field
   m.attention = {};
+  m.fused_elementwise = true;
+  m.fused_linear_bias = true;
   m.hidden_dropout = m.attention_dropout = 0;
   ClusterConfig& cl = key.cluster;
   cl.gpu.clear();
@@ -38,7 +40,10 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   cl.memory_gib = 0;
   for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
   cl.compute_efficiency = 0;
+  cl.sm_count = 0;
   cl.hbm_bandwidth_gbps = 0;
+  cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = 0;
+  cl.nvlink_sharp = false;
   cl.intra_node = cl.inter_node = {};
   key.parallelism.sequence_parallel = false;
   TrainingConfig& t = key.training;

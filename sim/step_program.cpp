@@ -28,6 +28,7 @@ struct VirtualModels {
   Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
   Tick collective(const Collective& c) const { return m.collective->duration(c); }
+  bool blocking_sends() const { return m.p2p->blocks_sender(); }
 };
 
 struct DefaultModels {
@@ -37,6 +38,7 @@ struct DefaultModels {
   Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
   Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
+  bool blocking_sends() const { return p.LinkP2PModel::blocks_sender(); }
 };
 
 // The engine's worklist (sim/engine.cpp, Simulation::advance) without times: it settles the
@@ -425,6 +427,9 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
 
 template <class Models>
 bool StepProgram::prices_hold_impl(const Models& models) const {
+  // The program was compiled with sends on their own stream; a p2p model whose sends hold the
+  // compute stream (no p2p overlap) changes which ops feed which: such plans run on the engine.
+  if (models.blocking_sends()) return false;
   const Schedule& s = *schedule_;
   std::vector<Tick> of_class;
   of_class.reserve(compute_.size());

@@ -84,6 +84,52 @@ TEST(Engine, StreamsDependenciesMessagesAndRendezvous) {
   EXPECT_EQ(tl.end(), 32);
 }
 
+// Blocking sends are a rendezvous (Megatron-LM's batched isend/irecv without p2p overlap):
+// rank 0 sends after its forward (10), but rank 1 posts the receive only after its own two
+// forwards (20): the message moves from 20 to 25, and rank 0's stream is held until then.
+// A send and the receive right after it are one exchange: rank 1's send of a gradient back
+// and its receive are posted together, so neither rank waits for the other's send to finish.
+TEST(Engine, BlockingSendsWaitForTheirReceiver) {
+  auto s = std::make_shared<Schedule>();
+  s->num_messages = 2;
+  RankProgram r0{0, 0, 0, {}}, r1{1, 1, 0, {}};
+  r0.ops.push_back(op(OpKind::Forward));                  // 0: [0, 10)
+  Op send = op(OpKind::SendActivation);                    // 1: waits for rank 1 to post: [20, 25)
+  send.peer = 1, send.channel = 0, send.dep = 0;
+  r0.ops.push_back(send);
+  Op rg = op(OpKind::RecvGradient);                        // 2: posted with the send at 10
+  rg.peer = 1, rg.channel = 1;
+  r0.ops.push_back(rg);
+  r0.ops.push_back(op(OpKind::Forward, 1));               // 3: after the gradient arrives
+  r1.ops.push_back(op(OpKind::Forward, 5));               // 0: [0, 10)
+  r1.ops.push_back(op(OpKind::Forward, 6));               // 1: [10, 20)
+  Op sg = op(OpKind::SendGradient);                        // 2: rank 0 posted at 10: [20, 25)
+  sg.peer = 0, sg.channel = 1, sg.dep = 1;
+  r1.ops.push_back(sg);
+  Op ra = op(OpKind::RecvActivation);                      // 3: posted with the send at 20
+  ra.peer = 0, ra.channel = 0;
+  r1.ops.push_back(ra);
+  s->ranks = {r0, r1};
+  s->kind = ScheduleKind::one_f_one_b;
+  ASSERT_EQ(check_schedule(*s), "");
+  const UniformCompute compute(10, 0, 0);
+  const testing::BlockingP2P p2p(5);
+  const FixedCollectives coll(0);
+  const Timeline tl = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+  EXPECT_EQ(tl.ops[0][1].start, 20);
+  EXPECT_EQ(tl.ops[0][1].end, 25);
+  EXPECT_EQ(tl.ops[1][2].start, 20);
+  EXPECT_EQ(tl.ops[1][2].end, 25);
+  EXPECT_EQ(tl.ops[0][2].end, 25);  // the gradient arrives as the activation leaves
+  EXPECT_EQ(tl.ops[1][3].end, 25);
+  EXPECT_EQ(tl.ops[0][3].start, 25);
+  // ZB-H1 stands for the Zero Bubble runtime, which posts receives ahead: its sends do not wait.
+  s->kind = ScheduleKind::zb_h1;
+  const Timeline zb = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+  EXPECT_EQ(zb.ops[0][1].start, 10);
+  EXPECT_EQ(zb.ops[0][1].end, 15);
+}
+
 TEST(Engine, CollectiveStreamOverlapsCompute) {
   // Rank 0: F, then an all-reduce that depends on F, then another F that does not wait
   // for the all-reduce: the second F runs while the collective is in flight.

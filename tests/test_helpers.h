@@ -67,6 +67,17 @@ class FixedP2P final : public P2PModel {
   Tick t_;
 };
 
+// Sends that hold the sender's compute stream (no p2p overlap).
+class BlockingP2P final : public P2PModel {
+ public:
+  explicit BlockingP2P(Tick t) : t_(t) {}
+  Tick duration(int, int, Bytes) const override { return t_; }
+  bool blocks_sender() const override { return true; }
+
+ private:
+  Tick t_;
+};
+
 class FreeCollectives final : public CollectiveModel {
  public:
   Tick duration(const Collective&) const override { return 0; }

@@ -66,6 +66,34 @@ TEST(Interleaved, BubbleTimeIsOneFOneBOverV) {
   }
 }
 
+// Megatron-LM's interleaved schedule without p2p overlap runs each steady-state forward and
+// backward back to back, then exchanges with both neighbours at once: a forward's activation
+// leaves after the backward paired with it. With blocking, free transfers the bubble keeps
+// the closed form; every pair's sends follow both of its compute ops.
+TEST(Interleaved, WithoutP2POverlapEachPairExchangesOnce) {
+  for (auto [p, v, m] : {std::tuple{2, 2, 4}, {4, 2, 8}, {4, 2, 16}, {4, 4, 8}, {8, 2, 32}, {8, 4, 64}}) {
+    SCOPED_TRACE(fmt::format("p={} v={} m={}", p, v, m));
+    ScenarioConfig c = small_config(p, m, ScheduleKind::interleaved_1f1b, v);
+    c.communication.overlap_p2p_comm = false;
+    const Plan plan = Plan::from_config(c);
+    const Schedule sched = build_schedule(plan);
+    ASSERT_EQ(check_schedule(sched), "");
+    for (const RankProgram& prog : sched.ranks) {
+      const auto& ops = prog.ops;
+      for (std::size_t i = 0; i + 1 < ops.size(); ++i) {
+        if (ops[i].kind != OpKind::Forward || ops[i + 1].kind != OpKind::Backward) continue;
+        // The pair's receives come before the forward, its sends after the backward.
+        for (std::size_t j = i + 2; j < ops.size() && (is_send(ops[j].kind) || is_recv(ops[j].kind)); ++j)
+          if (is_send(ops[j].kind)) EXPECT_GT(ops[j].dep, static_cast<int>(i) - 1);
+      }
+    }
+    const testing::BlockingP2P p2p(0);
+    const FreeCollectives coll;
+    const Timeline tl = run_uniform(plan, F / v, B / v, 0, p2p, coll);
+    EXPECT_EQ(tl.end() - tl.begin() - m * (F + B), (p - 1) * (F + B) / v);
+  }
+}
+
 // ZB-H1 (Qi et al. 2023): bubble (p - 1)(T_F + T_B - T_W), against 1F1B's
 // (p - 1)(T_F + T_B + T_W) when its backward is B + W.
 TEST(ZeroBubbleH1, BubbleMatchesPublishedFormula) {

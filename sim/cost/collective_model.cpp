@@ -1,5 +1,6 @@
 #include "sim/cost/collective_model.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace trainsim {
@@ -16,55 +17,133 @@ double ring_allgather_seconds(int n, double bytes, double alpha, double bw) {
   return ring_reduce_scatter_seconds(n, bytes, alpha, bw);
 }
 
-namespace {
-double alpha(const LinkConfig& l) { return us_to_seconds(l.latency_us); }
-double beta(const LinkConfig& l) { return gbps_to_bytes_per_second(l.bandwidth_gbps); }
-}  // namespace
-
-double hierarchical_allreduce_seconds(int nodes, int per_node, double bytes, const LinkConfig& intra,
-                                      const LinkConfig& inter) {
-  return ring_reduce_scatter_seconds(per_node, bytes, alpha(intra), beta(intra)) +
-         ring_allreduce_seconds(nodes, bytes / per_node, alpha(inter), beta(inter)) +
-         ring_allgather_seconds(per_node, bytes, alpha(intra), beta(intra));
-}
-
 double allreduce_busbw(int n, double bytes, double seconds) {
   return seconds > 0 ? bytes / seconds * 2.0 * (n - 1) / n : 0;
+}
+
+namespace {
+
+// nccl-tests' bus factor: bus bytes = factor * S.
+double bus_factor(OpKind kind, int n) {
+  if (n <= 1) return 0;
+  return kind == OpKind::ReduceScatter || kind == OpKind::AllGather ? static_cast<double>(n - 1) / n
+                                                                    : 2.0 * (n - 1) / n;
+}
+
+double log2_ceil(int k) { return k <= 1 ? 0.0 : std::ceil(std::log2(static_cast<double>(k))); }
+
+}  // namespace
+
+double busbw(OpKind kind, int n, double bytes, double seconds) {
+  return seconds > 0 ? bytes * bus_factor(kind, n) / seconds : 0;
+}
+
+const char* collective_algorithm_name(CollectiveAlgorithm a) {
+  switch (a) {
+    case CollectiveAlgorithm::ring: return "ring";
+    case CollectiveAlgorithm::tree: return "tree";
+    case CollectiveAlgorithm::nvls: return "nvls";
+    case CollectiveAlgorithm::nvls_tree: return "nvls-tree";
+    case CollectiveAlgorithm::hierarchical: return "hierarchical";
+    case CollectiveAlgorithm::tree_latency: return "tree (latency)";
+  }
+  return "?";
+}
+
+CollectiveCost nccl_collective(OpKind kind, const GroupShape& group, double bytes, const ClusterConfig& cl,
+                               bool hierarchical) {
+  const int n = group.n, k = std::max(1, group.nodes), g = std::max(1, group.per_node);
+  if (n <= 1) return {0, CollectiveAlgorithm::ring};
+  const double a_intra = us_to_seconds(cl.intra_node.latency_us), a_inter = us_to_seconds(cl.inter_node.latency_us);
+  const double b_nvl = gbps_to_bytes_per_second(cl.intra_node.bandwidth_gbps) * cl.intra_node.efficiency;
+  const double b_net = gbps_to_bytes_per_second(cl.inter_node.bandwidth_gbps) * cl.inter_node.efficiency;
+  const double base = us_to_seconds(kNcclBaseLatencyUs);
+
+  if (kind == OpKind::OverflowCheck) {
+    // A few bytes: latency alone, as a tree over the group.
+    const double a = k > 1 ? a_inter : a_intra;
+    return {2.0 * log2_ceil(n) * a + 2.0 * bytes / (k > 1 ? b_net : b_nvl), CollectiveAlgorithm::tree_latency};
+  }
+  const bool allreduce = kind == OpKind::AllReduce;
+  const double bus = bytes * bus_factor(kind, n);
+
+  // Ring: one channel per NIC across nodes.
+  const double ring_bw = k > 1 ? std::min(b_nvl, g * b_net) : b_nvl;
+  const int steps = allreduce ? 2 * (n - 1) : n - 1;
+  const int inter_steps = k > 1 ? (allreduce ? 2 * (k - 1) : k - 1) : 0;
+  const double chunk = std::min(bytes / n, kPipelineChunkBytes);
+  CollectiveCost best{base + (steps - inter_steps) * a_intra + inter_steps * a_inter + (bus + steps * chunk) / ring_bw,
+                      CollectiveAlgorithm::ring};
+  auto consider = [&](double seconds, CollectiveAlgorithm a) {
+    if (seconds < best.seconds) best = {seconds, a};
+  };
+
+  if (hierarchical && k > 1) {
+    // Two levels, as the scenario asked, used as is: inside each node over NVLink (g ranks),
+    // between the k nodes on S/g with every GPU on its own NIC. An all-reduce is reduce-scatter
+    // in the node, all-reduce between nodes, all-gather in the node; a reduce-scatter (ZeRO's
+    // gradients) is reduce-scatter in the node then between nodes; an all-gather the reverse.
+    // Between nodes each GPU's NIC carries (k-1)/k of S/g per pass, where a flat ring's rails
+    // carry (n-1)/n of S/g.
+    const double intra = g > 1 ? (g - 1) * a_intra + static_cast<double>(g - 1) / g * bytes / b_nvl : 0.0;
+    const double passes = allreduce ? 2.0 : 1.0;
+    const double inter = passes * ((k - 1) * a_inter + static_cast<double>(k - 1) / k * (bytes / g) / b_net);
+    return {base + passes * intra + inter, CollectiveAlgorithm::hierarchical};
+  }
+  if (allreduce && k > 1) {
+    const double depth = 2.0 * ((g - 1) + log2_ceil(k));
+    consider(base + 2.0 * ((g - 1) * a_intra + log2_ceil(k) * a_inter) +
+                 (bus + depth * chunk) / (kTreeBandwidthFactor * ring_bw),
+             CollectiveAlgorithm::tree);
+  }
+  if (allreduce && cl.nvlink_sharp && g > 1) {
+    // NVLS: the switch reduces; the algorithm bandwidth is a fixed share of the NVLink line rate.
+    const double nvls_algbw = gbps_to_bytes_per_second(cl.intra_node.bandwidth_gbps) * kNvlsAlgbwFraction;
+    const double lat = us_to_seconds(kNvlsLatencyUs);
+    // In bus-bandwidth terms (x 2(n-1)/n). The switch reduces and multicasts each slice in one
+    // pass, so the pipeline fills in n-1 chunk steps, not a ring's 2(n-1).
+    double bw = nvls_algbw * 2.0 * (n - 1) / n, extra = 0;
+    CollectiveAlgorithm a = CollectiveAlgorithm::nvls;
+    if (k > 1) {  // NVLSTree: NVLS inside each node, a tree between nodes on all of the node's NICs
+      bw = std::min(bw, kTreeBandwidthFactor * g * b_net);
+      extra = 2.0 * log2_ceil(k) * a_inter;
+      a = CollectiveAlgorithm::nvls_tree;
+    }
+    consider(lat + extra + (bus + (n - 1) * chunk) / bw, a);
+  }
+  return best;
+}
+
+GroupShape NetworkCollectiveModel::shape_of(const std::vector<int>& members) const {
+  GroupShape s;
+  s.n = static_cast<int>(members.size());
+  if (s.n == 0) return s;
+  // Members are ascending and ranks fill nodes in order, so nodes change monotonically.
+  int run = 1;
+  s.nodes = 1;
+  s.per_node = 1;
+  for (int i = 1; i < s.n; ++i) {
+    if (plan_.node_of(members[i]) != plan_.node_of(members[i - 1])) {
+      ++s.nodes;
+      run = 1;
+    } else {
+      s.per_node = std::max(s.per_node, ++run);
+    }
+  }
+  return s;
 }
 
 double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& members, double bytes) const {
   const int n = static_cast<int>(members.size());
   if (n <= 1) return 0;
   const auto& cl = plan_.config.cluster;
-  // Members are ascending and ranks fill nodes in order, so nodes change monotonically.
-  int nodes = 1;
-  for (int i = 1; i < n; ++i) nodes += plan_.node_of(members[i]) != plan_.node_of(members[i - 1]);
-  const LinkConfig& link = nodes > 1 ? cl.inter_node : cl.intra_node;
-
   if (const auto& profile = cl.calibrated; profile && (!profile->allreduce.empty() || !profile->allreduce_tables.empty())) {
     // Measured: the fit for this group size (the found-inf flag is a 4-byte all-reduce).
     const double full = profile->allreduce_seconds(n, bytes);
     return kind == OpKind::ReduceScatter || kind == OpKind::AllGather ? full / 2 : full;
   }
-  if (kind == OpKind::OverflowCheck) return 2.0 * std::ceil(std::log2(n)) * alpha(link) + 2.0 * bytes / beta(link);
-
-  const bool hierarchical = plan_.config.communication.allreduce_algorithm == AllReduceAlgorithm::hierarchical &&
-                            nodes > 1 && n % nodes == 0;
-  const int g = n / nodes;
-  switch (kind) {
-    case OpKind::AllReduce:
-      return hierarchical ? hierarchical_allreduce_seconds(nodes, g, bytes, cl.intra_node, cl.inter_node)
-                          : ring_allreduce_seconds(n, bytes, alpha(link), beta(link));
-    case OpKind::ReduceScatter:
-      return hierarchical ? ring_reduce_scatter_seconds(g, bytes, alpha(cl.intra_node), beta(cl.intra_node)) +
-                                ring_reduce_scatter_seconds(nodes, bytes / g, alpha(cl.inter_node), beta(cl.inter_node))
-                          : ring_reduce_scatter_seconds(n, bytes, alpha(link), beta(link));
-    case OpKind::AllGather:
-      return hierarchical ? ring_allgather_seconds(nodes, bytes / g, alpha(cl.inter_node), beta(cl.inter_node)) +
-                                ring_allgather_seconds(g, bytes, alpha(cl.intra_node), beta(cl.intra_node))
-                          : ring_allgather_seconds(n, bytes, alpha(link), beta(link));
-    default: return 0;
-  }
+  const bool hierarchical = plan_.config.communication.allreduce_algorithm == AllReduceAlgorithm::hierarchical;
+  return nccl_collective(kind, shape_of(members), bytes, cl, hierarchical).seconds;
 }
 
 Tick NetworkCollectiveModel::duration(const Collective& c) const {

@@ -1,14 +1,29 @@
-// Collectives over a group of ranks, priced by the formulas NCCL's ring and hierarchical
-// algorithms follow (alpha: link latency, B: link bandwidth, S: buffer bytes, n: members):
-//   ring all-reduce      2(n-1) alpha + 2(n-1)/n * S/B
-//   reduce-scatter       (n-1) alpha + (n-1)/n * S/B     (S: the whole input)
-//   all-gather           (n-1) alpha + (n-1)/n * S/B     (S: the whole output)
-//   hierarchical all-reduce over k nodes of g ranks each:
-//       reduce-scatter inside nodes (g, S) + ring all-reduce between nodes (k, S/g)
-//       + all-gather inside nodes (g, S); inside one node it is the ring.
-// A ring that leaves a node runs at the inter-node link's speed. The 4-byte found-inf
-// reduction is latency-bound and uses a tree: 2 ceil(log2 n) alpha.
-// Bandwidths reported the way nccl-tests does: algbw = S/t, busbw = algbw * 2(n-1)/n.
+// Collectives over a group of ranks, priced as NCCL runs them (the facts, not the code, of
+// NCCL's src/graph/tuning.cc; docs/model.md "Collectives"):
+//
+//   Bus bandwidth (nccl-tests' busbw: what each GPU's busiest link carries per second):
+//     inside a node     B_nvl = intra_node.bandwidth_gbps * intra_node.efficiency
+//     across nodes      a ring runs one channel per NIC ("rails"): the members on one node cross
+//                       over as many NICs as they are, so the ring's busbw is
+//                       min(B_nvl, g * B_net), g = members per node, B_net = the per-GPU NIC
+//                       rate inter_node.bandwidth_gbps * inter_node.efficiency
+//   Algorithms, the fastest for the size chosen as NCCL's tuner does:
+//     ring       base + steps * hop latency + (bus bytes + steps * chunk) / busbw; steps 2(n-1)
+//                for all-reduce, n-1 for reduce-scatter and all-gather, the 2(k-1) (or k-1) that
+//                cross nodes at the network's latency; chunk = min(S/n, kPipelineChunkBytes): the
+//                pipeline's fill
+//     tree       all-reduce across nodes: NCCL's double binary tree, 0.92 of the ring's busbw,
+//                latency 2((g-1) hop_intra + ceil(log2 k) hop_inter)
+//     NVLS       all-reduce inside an NVSwitch node with in-switch reduction (cluster.nvlink_sharp):
+//                algorithm bandwidth kNvlsAlgbwFraction of the NVLink line rate, 25 us latency;
+//                across nodes NVLS + tree (NVLSTree) at min(NVLS, tree) bandwidth
+//     hierarchical   only when the scenario asks (communication.allreduce_algorithm):
+//                reduce-scatter in each node, all-reduce of S/g between nodes (each GPU on its own
+//                NIC), all-gather in each node; ZeRO's reduce-scatter is the first two of those
+//                (in the node, then between nodes), its all-gather the reverse
+//   bus bytes: all-reduce 2(n-1)/n S; reduce-scatter and all-gather (n-1)/n S (S the whole buffer)
+// The 4-byte found-inf reduction is latency-bound: a tree, 2 ceil(log2 n) hops.
+// A calibrated profile's measured table replaces all of this (core/hardware_profile.h).
 #pragma once
 
 #include "core/hardware_profile.h"
@@ -17,20 +32,55 @@
 
 namespace trainsim {
 
+// Pure closed forms (alpha: per-step latency, B: bus bandwidth, S: buffer bytes, n: members).
 double ring_allreduce_seconds(int n, double bytes, double latency_s, double bytes_per_s);
 double ring_reduce_scatter_seconds(int n, double bytes, double latency_s, double bytes_per_s);
 double ring_allgather_seconds(int n, double bytes, double latency_s, double bytes_per_s);
-double hierarchical_allreduce_seconds(int nodes, int per_node, double bytes, const LinkConfig& intra,
-                                      const LinkConfig& inter);
 double allreduce_busbw(int n, double bytes, double seconds);
+// nccl-tests' bus bandwidth of a collective of `kind` over n ranks that took `seconds`.
+double busbw(OpKind kind, int n, double bytes, double seconds);
+
+// NCCL's per-operation constants (src/graph/tuning.cc, Simple protocol).
+inline constexpr double kNcclBaseLatencyUs = 8.4;   // ring and tree
+inline constexpr double kNvlsLatencyUs = 25.0;      // NVLS on NVLink
+inline constexpr double kTreeBandwidthFactor = 0.92;
+// NCCL pipelines a collective in chunks: before the data streams, one chunk per step has to
+// cross every hop. Each of the `steps` hops costs min(S/n, kPipelineChunkBytes) at the bus
+// bandwidth. The chunk is fit to the published all-reduce sweep of 8 x A100 (Azure ND A100 v4,
+// 8 MiB - 256 MiB; docs/model.md), not to any suite row.
+inline constexpr double kPipelineChunkBytes = 3.0 * 1048576;
+// NVLS all-reduce on 8 H100s peaks at ~275 GB/s algorithm bandwidth (~480 busbw) on a 450 GB/s
+// link (S. Jeaugey, NVIDIA, nccl-tests issue #212).
+inline constexpr double kNvlsAlgbwFraction = 275.0 / 450.0;
+
+enum class CollectiveAlgorithm { ring, tree, nvls, nvls_tree, hierarchical, tree_latency };
+const char* collective_algorithm_name(CollectiveAlgorithm a);
+
+// Where a group's members sit: n members over `nodes` nodes, at most `per_node` on one node.
+struct GroupShape {
+  int n = 1, nodes = 1, per_node = 1;
+};
+
+struct CollectiveCost {
+  double seconds = 0;
+  CollectiveAlgorithm algorithm = CollectiveAlgorithm::ring;
+};
+
+// The cost NCCL would pay for `kind` (AllReduce, ReduceScatter, AllGather, OverflowCheck) of
+// `bytes` (nccl-tests' size: the whole buffer) over `group`, with the cluster's links.
+// `hierarchical`: the scenario asked for the two-level form (all-reduce, reduce-scatter, all-gather).
+CollectiveCost nccl_collective(OpKind kind, const GroupShape& group, double bytes, const ClusterConfig& cl,
+                               bool hierarchical = false);
 
 class NetworkCollectiveModel final : public CollectiveModel {
  public:
   explicit NetworkCollectiveModel(const Plan& plan) : plan_(plan) {}
   Tick duration(const Collective& c) const override;
-  // Seconds for a collective of `kind` over `members` (schedule ranks), used also for the
-  // tensor-parallel all-reduces inside layers.
+  // Seconds for a collective of `kind` over `members` (schedule ranks; each stands for its
+  // tensor-parallel group, whose t GPUs run t such collectives side by side, each on its own
+  // GPU's links).
   double seconds(OpKind kind, const std::vector<int>& members, double bytes) const;
+  GroupShape shape_of(const std::vector<int>& members) const;
 
  private:
   const Plan& plan_;

@@ -1,7 +1,10 @@
 #include "sim/cost/compute_model.h"
 
-#include "sim/cost/collective_model.h"
+#include <algorithm>
+
 #include "core/kernel_inventory.h"
+#include "sim/cost/collective_model.h"
+#include "sim/cost/gemm_model.h"
 
 namespace trainsim {
 
@@ -47,6 +50,64 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     for (int r = 0; r < plan.num_ranks(); ++r) rank_factors_.push_back(profile.core_factor(r));
 }
 
+namespace {
+
+// Seconds of the framework's kernels of one op on one tensor-parallel rank (the roofline path).
+struct FrameworkPricer {
+  const Plan& plan;
+  const ClusterConfig& cl;
+  double peak = 0, attention_peak = 0, elem = 2;
+  bool apex_layernorm = false;
+  GroupShape tp_group;
+
+  explicit FrameworkPricer(const Plan& p) : plan(p), cl(p.config.cluster) {
+    const DType compute = p.config.precision.compute;
+    // Products and attention run at the clock the SMs hold through training (power-limited).
+    peak = p.peak_flops(compute) * cl.sustained_clock_fraction;
+    // FP8 runs the linear layers in FP8; attention stays in 16 bits.
+    attention_peak = compute == DType::fp8 ? p.peak_flops(DType::bf16) * cl.sustained_clock_fraction : peak;
+    elem = compute == DType::fp8 ? 1.0 : dtype_bytes(compute);
+    apex_layernorm = p.config.model.layernorm_kernel == LayerNormKernel::apex &&
+                     p.config.model.normalization == Normalization::layernorm && p.config.model.fused_elementwise;
+    const int t = p.tp, per_node = std::max(1, p.config.cluster.gpus_per_node);
+    tp_group = GroupShape{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
+  }
+
+  double seconds(const KernelWork& w) const {
+    if (w.kernel == "tp.allreduce")
+      return nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
+    if (w.kernel == "tp.allgather")
+      return nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
+    if (w.kernel == "tp.reducescatter")
+      return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
+    if (w.kernel.rfind("flash_attention", 0) == 0) {
+      // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles).
+      const double T = static_cast<double>(w.shape.m);
+      const double causal = std::min(1.0, 0.5 + 64.0 / T);
+      return w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
+    }
+    // A weight-gradient product fused with gradient accumulation reads and writes its FP32
+    // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32).
+    if (w.kernel == "linear.backward_weight_accumulate") return gemm_seconds(w.shape, elem, peak, cl, 8.0);
+    if (w.shape.is_matmul()) return gemm_seconds(w.shape, elem, peak, cl);
+    return memory_seconds(w.bytes, cl) * layernorm_factor(w.kernel);
+  }
+  // apex's FusedLayerNorm against the persistent kernel on the same A100 and shape (NVIDIA/apex
+  // pull request #1037: forward 0.0751 against 0.0535 ms, backward 0.1762 against 0.0866 ms).
+  double layernorm_factor(const std::string& kernel) const {
+    if (apex_layernorm && kernel.rfind("layernorm.", 0) == 0)
+      return kernel == "layernorm.forward" ? 0.0751 / 0.0535 : 0.1762 / 0.0866;
+    return 1.0;
+  }
+  double seconds(const std::vector<KernelWork>& ws) const {
+    double total = 0;
+    for (const KernelWork& w : ws) total += w.count * seconds(w);
+    return total;
+  }
+};
+
+}  // namespace
+
 RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   const ScenarioConfig& cfg = plan.config;
   if (cfg.cluster.calibrated) {
@@ -56,63 +117,37 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
                               seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});
     return;
   }
-  const ModelShape m = plan.shape();
-  const int b = plan.micro_batch_size, t = plan.tp, e = plan.activation_bytes();
-  const bool sp = cfg.parallelism.sequence_parallel;
-  const Recompute rc = cfg.training.activation_recompute;
-  const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
-  const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
-  const LinkConfig& link = cfg.cluster.intra_node;
-
-  // One layer, one micro-batch, this rank's 1/t share.
-  const double weight_flops = m.layer_weight_matmul_flops(b) / t;
-  const double core_flops = m.layer_attention_core_flops(b) / t;
-  const double elementwise = m.layer_activation_bytes(b, e, t, sp, Recompute::none);
-  const double tp_allreduce =
-      ring_allreduce_seconds(t, static_cast<double>(b) * m.s * m.h * e, us_to_seconds(link.latency_us),
-                             gbps_to_bytes_per_second(link.bandwidth_gbps));
-  const double layer_fwd = (weight_flops + core_flops) / rate + elementwise / hbm + 2 * tp_allreduce;
-  double layer_bi = (weight_flops + 2 * core_flops) / rate + 2 * elementwise / hbm + 2 * tp_allreduce;
-  if (rc == Recompute::full) layer_bi += layer_fwd;
-  if (rc == Recompute::selective) layer_bi += core_flops / rate;
-  const double layer_bw = weight_flops / rate;
-
-  const double embed = 2.0 * b * m.s * m.h * e / hbm + (t > 1 ? tp_allreduce : 0.0);
-  const double head_flops = m.lm_head_forward_flops(b) / t;
-  const double loss_bytes = 2.0 * 4.0 * b * m.s * static_cast<double>(m.V) / t;  // fp32 logits written and read
-
-  const int V = plan.num_virtual_stages();
-  for (int vs = 0; vs < V; ++vs) {
-    const int layers = plan.layers_per_virtual_stage[vs];
+  // Every kernel Megatron-LM / PyTorch launches for the op, each priced by what bounds it:
+  // matrix products by shape (gemm_model.h), memory-bound kernels by HBM bandwidth, attention
+  // by the plan's kernel, tensor-parallel all-reduces by the collective model.
+  const FrameworkPricer price(plan);
+  for (const ChunkKernels& k : chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework)) {
     ChunkSeconds c;
-    c.forward = layers * layer_fwd;
-    c.backward_input = layers * layer_bi;
-    c.backward_weight = layers * layer_bw;
-    if (vs == 0) {
-      c.forward += embed;
-      c.backward_weight += embed;  // the embedding's gradient is a weight gradient (scatter-add)
-    }
-    if (vs == V - 1) {
-      c.forward += head_flops / rate + loss_bytes / hbm;
-      c.backward_input += head_flops / rate + loss_bytes / hbm;
-      c.backward_weight += head_flops / rate;
-    }
+    c.forward = price.seconds(k.forward);
+    c.backward_input = price.seconds(k.backward_input);
+    c.backward_weight = price.seconds(k.backward_weight);
     chunks_.push_back(c);
   }
 
-  // Adam touches per parameter: gradient read and zeroed (2g), FP32 master read and
-  // written (8, or 2w without a master copy), both moments read and written (16; SGD's
-  // one momentum 8), and the working copy written (w).
+  // The optimizer step as Megatron-LM's mixed-precision optimizer runs it, per parameter of the
+  // rank's shard: gradients copied into FP32 (g + 4, unless accumulated in FP32), unscaled and
+  // checked for inf/NaN with loss scaling (8), the global norm read (4), the update reading
+  // gradient, master weight and moments and writing the last three (28 for Adam, 20 for SGD with
+  // momentum), the working copy written from the master (4 + w), the gradients zeroed (g).
+  // Without a master copy the update works on the w-byte weights directly.
   const int g = dtype_bytes(cfg.precision.grad_accumulation), w = plan.weight_bytes();
   const bool master = cfg.precision.master_weights != cfg.precision.compute;
-  const double moments = cfg.training.optimizer == Optimizer::sgd ? 8.0 : 16.0;
-  const double bytes_per_param = 2.0 * g + (master ? 8.0 : 2.0 * w) + moments + (master ? w : 0);
+  const bool sgd = cfg.training.optimizer == Optimizer::sgd;
+  const bool scaled = cfg.precision.loss_scaling.mode != LossScalingMode::none;
+  const double update = master ? (sgd ? 20.0 : 28.0) : (sgd ? 3.0 * w + 2 * 4.0 : 3.0 * w + 4 * 4.0);
+  const double bytes_per_param = (master && g != 4 ? g + 4.0 : 0.0) + (scaled ? 8.0 : 0.0) + 4.0 + update +
+                                 (master ? 4.0 + w : 0.0) + g;
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
     double params = 0;
     for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
-    optimizer_ticks_.push_back(seconds_to_ticks(params / t / shards * bytes_per_param / hbm));
+    optimizer_ticks_.push_back(seconds_to_ticks(memory_seconds(params / plan.tp / shards * bytes_per_param, cfg.cluster)));
   }
   for (const auto& c : chunks_)
     chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),

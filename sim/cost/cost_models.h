@@ -20,6 +20,8 @@ class P2PModel {
  public:
   virtual ~P2PModel() = default;
   virtual Tick duration(int from_rank, int to_rank, Bytes bytes) const = 0;
+  // True when a send holds its rank's compute stream until it ends (no p2p overlap).
+  virtual bool blocks_sender() const { return false; }
 };
 
 // Duration of a collective once every member has arrived.

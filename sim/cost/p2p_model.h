@@ -1,5 +1,7 @@
 // Point-to-point transfers: latency + bytes / bandwidth of the link that joins the two
-// ranks (intra-node when both sit on one node, else inter-node).
+// ranks (intra-node when both sit on one node, else inter-node), at the share of its line rate
+// NCCL moves (LinkConfig::efficiency). A pipeline message of a tensor-parallel group is split
+// over its t GPUs (Megatron's scatter/gather): each sends its 1/t share on its own link.
 #pragma once
 
 #include "core/hardware_profile.h"
@@ -17,8 +19,9 @@ class LinkP2PModel final : public P2PModel {
       return seconds_to_ticks(cl.calibrated->p2p_seconds(static_cast<double>(bytes)));
     const LinkConfig& link = plan_.same_node(from_rank, to_rank) ? cl.intra_node : cl.inter_node;
     return seconds_to_ticks(us_to_seconds(link.latency_us) +
-                            static_cast<double>(bytes) / gbps_to_bytes_per_second(link.bandwidth_gbps));
+                            static_cast<double>(bytes) / (gbps_to_bytes_per_second(link.bandwidth_gbps) * link.efficiency));
   }
+  bool blocks_sender() const override { return !plan_.config.communication.overlap_p2p_comm; }
 
  private:
   const Plan& plan_;
