@@ -1,12 +1,15 @@
 #include "core/config_fields.h"
 
 #include <algorithm>
+#include <bit>
 #include <cctype>
+#include <iterator>
 #include <stdexcept>
 
 #include <fmt/format.h>
 
 #include "core/diagnostics.h"
+#include "core/general6.h"
 #include "core/hardware_profile.h"
 #include "core/presets.h"
 
@@ -524,15 +527,29 @@ std::string field_kind_name(FieldKind k) {
   return "?";
 }
 
-std::string format_field_value(const FieldValue& v) {
+void append_field_value(std::string& out, const FieldValue& v) {
   struct Visitor {
-    std::string operator()(std::int64_t x) const { return std::to_string(x); }
-    std::string operator()(double x) const { return fmt::format("{:g}", x); }
-    std::string operator()(bool x) const { return x ? "true" : "false"; }
-    std::string operator()(const std::string& x) const { return x; }
-    std::string operator()(const IntList& x) const { return fmt::format("[{}]", fmt::join(x, ", ")); }
+    std::string& out;
+    void operator()(std::int64_t x) const { fmt::format_to(std::back_inserter(out), "{}", x); }
+    void operator()(double x) const { append_general6(out, x); }  // "{:g}", i.e. "{:.6g}"
+    void operator()(bool x) const { out += x ? "true" : "false"; }
+    void operator()(const std::string& x) const { out += x; }
+    void operator()(const IntList& x) const { fmt::format_to(std::back_inserter(out), "[{}]", fmt::join(x, ", ")); }
   };
-  return std::visit(Visitor{}, v);
+  std::visit(Visitor{out}, v);
+}
+
+bool same_field_value(const FieldValue& a, const FieldValue& b) {
+  if (a.index() != b.index()) return false;
+  if (const double* x = std::get_if<double>(&a))
+    return std::bit_cast<std::uint64_t>(*x) == std::bit_cast<std::uint64_t>(std::get<double>(b)) && *x == *x;
+  return a == b;
+}
+
+std::string format_field_value(const FieldValue& v) {
+  std::string s;
+  append_field_value(s, v);
+  return s;
 }
 
 std::string field_default_text(const FieldSpec& f) {

@@ -46,6 +46,10 @@ std::vector<std::string> section_children(std::string_view section);
 
 std::string field_kind_name(FieldKind k);
 std::string format_field_value(const FieldValue& v);
+void append_field_value(std::string& out, const FieldValue& v);  // the same text, appended
+// The same value, doubles bit for bit: values that are the same read the same (0.0 and -0.0
+// are not the same; a NaN is not the same as itself).
+bool same_field_value(const FieldValue& a, const FieldValue& b);
 // The default shown to users: the note for derived defaults, else the value of a
 // default-constructed ScenarioConfig.
 std::string field_default_text(const FieldSpec& f);

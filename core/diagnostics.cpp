@@ -27,15 +27,23 @@ std::string join_messages(const std::vector<Diagnostic>& ds) {
 // Optimal string alignment distance: insertions, deletions, substitutions and swaps of
 // two neighbouring letters ("cdua" is one edit from "cuda", as a typist would count it).
 std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
-  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
-  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i)
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+  // Three rows of the table (a transposition looks two rows back), not a row per character:
+  // the loader calls this for every unknown key against every key name.
+  const std::size_t n = b.size();
+  std::vector<std::size_t> before(n + 1), prev(n + 1), cur(n + 1);
+  for (std::size_t j = 0; j <= n; ++j) prev[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (std::size_t j = 1; j <= n; ++j) {
+      std::size_t d = std::min(prev[j] + 1, cur[j - 1] + 1);
+      d = std::min(d, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1));
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d = std::min(d, before[j - 2] + 1);
+      cur[j] = d;
     }
-  return d[a.size()][b.size()];
+    std::swap(before, prev);
+    std::swap(prev, cur);
+  }
+  return prev[n];
 }
 
 std::string lowercase(std::string s) {
@@ -81,17 +89,22 @@ ScenarioError::ScenarioError(std::vector<Diagnostic> diagnostics)
 std::string closest_match(const std::string& word, const std::vector<std::string>& candidates) {
   // Case does not count ("Num_GPUs" is a typo of "num_gpus").
   const std::string w = lowercase(word);
+  // Accept up to a third of the word's length in edits (at least 2), as compilers do for typos.
+  const std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
   std::string best;
   std::size_t best_d = std::string::npos;
   for (const auto& c : candidates) {
+    // The lengths' difference is a lower bound of the distance: a candidate that cannot be
+    // accepted, or cannot beat the best so far, is not measured (a long unknown key would
+    // otherwise be compared character by character with every key name).
+    const std::size_t gap = w.size() > c.size() ? w.size() - c.size() : c.size() - w.size();
+    if (gap > limit || gap >= best_d) continue;
     std::size_t d = edit_distance(w, lowercase(c));
     if (d < best_d) {
       best_d = d;
       best = c;
     }
   }
-  // Accept up to a third of the word's length in edits (at least 2), as compilers do for typos.
-  std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
   if (best_d <= limit) return best;
 
   // The same words in another order: "1f1b-interleaved" for "interleaved-1f1b".
@@ -110,7 +123,8 @@ std::string closest_match(const std::string& word, const std::vector<std::string
     const bool contained = (w.size() >= kMinContained && contains_on_boundaries(lc, w)) ||
                            (lc.size() >= kMinContained && contains_on_boundaries(w, lc));
     if (!contained) continue;
-    std::size_t d = edit_distance(w, lc);
+    // One holds the other: the distance is the letters the longer has beyond the shorter.
+    const std::size_t d = w.size() > lc.size() ? w.size() - lc.size() : lc.size() - w.size();
     if (d < best_d) {
       best_d = d;
       best = c;

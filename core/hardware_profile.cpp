@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -29,6 +32,9 @@ double SizeTable::seconds(double bytes) const {
                                    [](const std::pair<double, double>& r, double b) { return r.first < b; });
   const auto lo = hi - 1;
   const double f = std::log(bytes / lo->first) / std::log(hi->first / lo->first);
+  // A row measured at zero time has no logarithm: between it and its neighbour, linearly in
+  // the logarithm of the size.
+  if (lo->second <= 0 || hi->second <= 0) return lo->second + f * (hi->second - lo->second);
   return std::exp(std::log(lo->second) + f * (std::log(hi->second) - std::log(lo->second)));
 }
 
@@ -103,16 +109,62 @@ std::string where(const std::string& path, const YAML::Node& n) {
   return fmt::format("{}:{}", path, n.Mark().line + 1);
 }
 
+[[noreturn]] void bad(const std::string& path, const YAML::Node& n, const std::string& what) {
+  throw std::runtime_error(fmt::format("{}: {}", where(path, n), what));
+}
+
+// Every section is checked for its kind before it is read: yaml-cpp throws its own
+// exceptions (with no file name) when a map is read as a list or the other way round.
+void expect_map(const std::string& path, const YAML::Node& n, const char* what) {
+  if (!n.IsMap()) bad(path, n, fmt::format("{} must be a map of keys", what));
+}
+void expect_list(const std::string& path, const YAML::Node& n, const char* what) {
+  if (!n.IsSequence()) bad(path, n, fmt::format("{} must be a list", what));
+}
+
 template <class T>
 T get(const std::string& path, const YAML::Node& map, const char* key, T fallback) {
   const YAML::Node v = map[key];
   if (!v) return fallback;
   try {
+    if (!v.IsScalar()) throw YAML::Exception(v.Mark(), "not a scalar");
     return v.as<T>();
   } catch (const YAML::Exception&) {
     throw std::runtime_error(fmt::format("{}: {} is not a valid value", where(path, v), key));
   }
 }
+
+// A number the cost models divide by, take logarithms of or turn into ticks: finite and in
+// [lo, hi], with the key named when it is not.
+double number(const std::string& path, const YAML::Node& map, const char* key, double fallback, double lo,
+              double hi) {
+  const double x = get<double>(path, map, key, fallback);
+  if (!(x >= lo && x <= hi)) bad(path, map[key], fmt::format("{} must be between {:g} and {:g}, got {}", key, lo, hi, x));
+  return x;
+}
+
+// 0 (not measured, or nothing) or a value in [lo, hi]: a quantity between 0 and lo would give
+// infinite rates and ratios (a kernel that moved 1e-320 bytes scales to an infinite time).
+double number_or_zero(const std::string& path, const YAML::Node& map, const char* key, double lo, double hi) {
+  const double x = get<double>(path, map, key, 0);
+  if (!(x == 0 || (x >= lo && x <= hi)))
+    bad(path, map[key], fmt::format("{} must be 0 or between {:g} and {:g}, got {}", key, lo, hi, x));
+  return x;
+}
+
+long integer(const std::string& path, const YAML::Node& map, const char* key, long fallback, long lo, long hi) {
+  const long x = get<long>(path, map, key, fallback);
+  if (x < lo || x > hi) bad(path, map[key], fmt::format("{} must be between {} and {}, got {}", key, lo, hi, x));
+  return x;
+}
+
+// Bounds: far beyond any machine, near enough that products of them stay finite doubles.
+constexpr long kMaxDim = 1L << 40;        // matrix dimensions, batch, elements
+constexpr double kMaxBytes = 1e18;
+constexpr double kMinMicroseconds = 1e-6;  // one picosecond: the simulator's tick
+constexpr double kMaxMicroseconds = 1e12;  // about 11 days per launch or message
+constexpr double kMaxRate = 1e9;           // GB/s
+constexpr int kMaxRanks = 1 << 20;         // as cluster.num_gpus
 
 DType dtype_of(const std::string& path, const YAML::Node& n) {
   const std::string name = get<std::string>(path, n, "dtype", "fp32");
@@ -122,17 +174,31 @@ DType dtype_of(const std::string& path, const YAML::Node& n) {
 }
 
 LinkFit link_of(const std::string& path, const YAML::Node& n) {
-  return LinkFit{get<double>(path, n, "latency_us", 0), get<double>(path, n, "bandwidth_gbps", 0)};
+  return LinkFit{number(path, n, "latency_us", 0, 0, kMaxMicroseconds), number(path, n, "bandwidth_gbps", 0, 0, kMaxRate)};
 }
 
-// `table: [[bytes, us], ...]`
+// `table: [[bytes, us], ...]`: sizes of a byte or more (interpolated log-log), times 0 or a
+// tick or more.
 SizeTable table_of(const std::string& path, const YAML::Node& n) {
   SizeTable t;
   if (const YAML::Node rows = n["table"]) {
+    expect_list(path, rows, "table");
     for (const YAML::Node& r : rows) {
-      if (!r.IsSequence() || r.size() != 2)
-        throw std::runtime_error(fmt::format("{}: a table row is [bytes, us]", where(path, r)));
-      t.rows.emplace_back(r[0].as<double>(), r[1].as<double>() * 1e-6);
+      if (!r.IsSequence() || r.size() != 2 || !r[0].IsScalar() || !r[1].IsScalar())
+        bad(path, r, "a table row is [bytes, us]");
+      double bytes = 0, us = 0;
+      try {
+        bytes = r[0].as<double>();
+        us = r[1].as<double>();
+      } catch (const YAML::Exception&) {
+        bad(path, r, "a table row is [bytes, us], two numbers");
+      }
+      if (!(bytes >= 1 && bytes <= kMaxBytes))
+        bad(path, r, fmt::format("table row bytes must be between 1 and {:g}, got {}", kMaxBytes, bytes));
+      if (!(us == 0 || (us >= kMinMicroseconds && us <= kMaxMicroseconds)))
+        bad(path, r,
+            fmt::format("table row us must be 0 or between {:g} and {:g}, got {}", kMinMicroseconds, kMaxMicroseconds, us));
+      t.rows.emplace_back(bytes, us * 1e-6);
     }
     std::sort(t.rows.begin(), t.rows.end());
   }
@@ -149,11 +215,21 @@ void emit_table(YAML::Emitter& out, const SizeTable& t) {
 }  // namespace
 
 HardwareProfile load_profile(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw std::runtime_error(fmt::format("cannot read the hardware profile {}: it is a folder", path));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("cannot read the hardware profile {}", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw std::runtime_error(fmt::format("cannot read the hardware profile {}", path));
+  return load_profile_text(text.str(), path);
+}
+
+HardwareProfile load_profile_text(const std::string& yaml_text, const std::string& path) {
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    throw std::runtime_error(fmt::format("cannot read the hardware profile {}", path));
+    root = YAML::Load(yaml_text);
   } catch (const YAML::Exception& e) {
     throw std::runtime_error(fmt::format("{}:{}: {}", path, e.mark.line + 1, e.msg));
   }
@@ -165,38 +241,61 @@ HardwareProfile load_profile(const std::string& path) {
   p.device = get<std::string>(path, root, "device", "");
   p.measured = get<std::string>(path, root, "measured", "");
   p.scenario = get<std::string>(path, root, "scenario", "");
-  p.memory_gib = get<double>(path, root, "memory_gib", 0);
-  p.ranks_per_node = get<int>(path, root, "ranks_per_node", 1);
+  p.memory_gib = number(path, root, "memory_gib", 0, 0, 1e9);
+  p.ranks_per_node = static_cast<int>(integer(path, root, "ranks_per_node", 1, 1, kMaxRanks));
   p.emulated_low_precision = get<bool>(path, root, "emulated_low_precision", false);
+  expect_list(path, root["kernels"], "kernels");
   for (const YAML::Node& k : root["kernels"]) {
+    expect_map(path, k, "a kernels entry");
     KernelRate r;
     r.kernel = get<std::string>(path, k, "kernel", "");
     if (r.kernel.empty()) throw std::runtime_error(fmt::format("{}: a kernel entry has no name", where(path, k)));
     r.dtype = dtype_of(path, k);
-    r.shape.m = get<long>(path, k, "m", 0);
-    r.shape.n = get<long>(path, k, "n", 0);
-    r.shape.k = get<long>(path, k, "k", 0);
-    r.shape.batch = get<long>(path, k, "batch", 1);
-    r.shape.elements = get<long>(path, k, "elements", 0);
-    r.bytes = get<double>(path, k, "bytes", 0);
-    r.seconds = get<double>(path, k, "us", 0) * 1e-6;
-    if (!(r.seconds >= 0))
+    r.shape.m = integer(path, k, "m", 0, 0, kMaxDim);
+    r.shape.n = integer(path, k, "n", 0, 0, kMaxDim);
+    r.shape.k = integer(path, k, "k", 0, 0, kMaxDim);
+    r.shape.batch = integer(path, k, "batch", 1, 1, kMaxDim);
+    r.shape.elements = integer(path, k, "elements", 0, 0, kMaxDim);
+    r.bytes = number_or_zero(path, k, "bytes", 1, kMaxBytes);
+    const double us = get<double>(path, k, "us", 0);
+    if (!(us >= 0))
       throw std::runtime_error(fmt::format("{}: kernel {} has a negative time (us)", where(path, k), r.kernel));
+    r.seconds = number_or_zero(path, k, "us", kMinMicroseconds, kMaxMicroseconds) * 1e-6;
     p.kernels.push_back(std::move(r));
   }
-  if (const YAML::Node c = root["composition"])
-    p.composition = Composition{get<double>(path, c, "forward", 1), get<double>(path, c, "backward", 1)};
-  if (const YAML::Node f = root["core_factors"]) p.core_factors = f.as<std::vector<double>>();
-  if (root["p2p"]) {
-    p.p2p = link_of(path, root["p2p"]);
-    p.p2p_table = table_of(path, root["p2p"]);
+  if (const YAML::Node c = root["composition"]) {
+    expect_map(path, c, "composition");
+    p.composition = Composition{number(path, c, "forward", 1, 1e-6, 1e6), number(path, c, "backward", 1, 1e-6, 1e6)};
   }
-  if (const YAML::Node ar = root["allreduce"])
+  if (const YAML::Node f = root["core_factors"]) {
+    expect_list(path, f, "core_factors");
+    for (const YAML::Node& x : f) {
+      double v = 0;
+      try {
+        if (!x.IsScalar()) throw YAML::Exception(x.Mark(), "not a scalar");
+        v = x.as<double>();
+      } catch (const YAML::Exception&) {
+        bad(path, x, "core_factors holds numbers");
+      }
+      if (!(v >= 1e-6 && v <= 1e6)) bad(path, x, fmt::format("a core factor must be between 1e-06 and 1e+06, got {}", v));
+      p.core_factors.push_back(v);
+    }
+  }
+  if (const YAML::Node l = root["p2p"]) {
+    expect_map(path, l, "p2p");
+    p.p2p = link_of(path, l);
+    p.p2p_table = table_of(path, l);
+  }
+  if (const YAML::Node ar = root["allreduce"]) {
+    expect_list(path, ar, "allreduce");
     for (const YAML::Node& g : ar) {
-      const int n = get<int>(path, g, "ranks", 0);
+      expect_map(path, g, "an allreduce entry");
+      if (!g["ranks"]) bad(path, g, "an allreduce entry needs its group size (ranks)");
+      const int n = static_cast<int>(integer(path, g, "ranks", 0, 1, kMaxRanks));
       p.allreduce[n] = link_of(path, g);
       if (g["table"]) p.allreduce_tables[n] = table_of(path, g);
     }
+  }
   return p;
 }
 

@@ -108,6 +108,8 @@ struct HardwareProfile {
 // YAML round trip. load_profile throws ScenarioError-style std::runtime_error with the file
 // and line on a bad file.
 HardwareProfile load_profile(const std::string& path);
+// The same from the text of a profile; `name` stands for the file in messages.
+HardwareProfile load_profile_text(const std::string& yaml_text, const std::string& name);
 std::string profile_to_yaml(const HardwareProfile& p);
 
 // What naming the profile does to a cluster, like a GPU preset: peak rates from the best

@@ -1,9 +1,13 @@
 #include "core/metrics.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <charconv>
+#include <cstdint>
 #include <iterator>
 #include <limits>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -102,13 +106,51 @@ Tick covered(Tick a, Tick b, const std::vector<OpTiming>& m) {
   return total;
 }
 
-struct IdleSplit {
-  Tick comm = 0;  // idle while waiting for this rank's collectives; the rest of the idle time is pipeline bubble
-};
+// Op kinds by what the result does with them.
+enum OpClass : std::uint8_t { kOther, kComputeOp, kReceive, kCollectiveOp, kFoundInf };
+constexpr auto kClassOf = [] {
+  std::array<std::uint8_t, kNumOpKinds> t{};
+  for (int k = 0; k < kNumOpKinds; ++k) {
+    const auto kind = static_cast<OpKind>(k);
+    t[k] = is_compute(kind)                 ? kComputeOp
+           : is_recv(kind)                  ? kReceive
+           : kind == OpKind::OverflowCheck  ? kFoundInf
+           : is_collective(kind)            ? kCollectiveOp
+                                            : kOther;
+  }
+  return t;
+}();
 
-// Splits the compute stream's idle time by what it waited for. The compute stream runs the
-// compute ops and the receives (whose intervals are the time it was blocked on them) in
-// program order; each idle gap ends where the next of them starts, or at the end of the step:
+// The idle split (see below) of a gap [g0, g1) on the compute stream that ends where `op`
+// starts. coll: program positions of the rank's collectives, ascending, at least every one
+// up to op.dep; ctimes: their intervals, in the same order.
+Tick gap_comm(const Op* ops, const OpTiming* ctimes, const int* coll, std::size_t ncoll, const Op& op, Tick g0, Tick g1,
+              bool pipelined) {
+  Tick comm = 0;
+  const Tick other = pipelined ? 0 : 1;  // waiting for other ranks is communication without a pipeline
+  if (op.dep >= 0 && is_collective(ops[op.dep].kind)) {
+    auto k = static_cast<std::size_t>(std::lower_bound(coll, coll + ncoll, op.dep) - coll);
+    Tick hi = g1;
+    while (k < ncoll) {
+      const OpTiming& c = ctimes[k];
+      const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
+      if (up > lo) comm += up - lo;
+      hi = std::min(hi, c.start);
+      if (hi <= g0 || k == 0 || ctimes[k - 1].end < c.start) break;
+      --k;  // it started when the one ahead of it on this stream ended
+    }
+    if (hi > g0) comm += other * (hi - g0);
+  } else {
+    comm += other * (g1 - g0);
+  }
+  return comm;
+}
+
+// One pass over a rank's ops, in program order: busy and collective time, the compute
+// stream's idle gaps and where its last op ended; then the idle time split by what it waited
+// for (idle_comm). The compute stream runs the compute ops and the receives (whose intervals
+// are the time it was blocked on them) in program order; each idle gap ends where the next of
+// them starts, or at the end of the step:
 //  * a receive's blocked interval waits for a pipeline peer: pipeline bubble;
 //  * a gap before an op whose dependency is a collective (ZeRO-3's gather before a forward,
 //    the optimizer step after the gradient reduction or the found-inf check) waits for that
@@ -117,50 +159,76 @@ struct IdleSplit {
 //  * the tail after the last op waits for this rank's trailing collectives (ZeRO's gather of
 //    the updated parameters) where they run, otherwise for other ranks to finish.
 // Waiting for other ranks is pipeline bubble when there is a pipeline, else communication
-// (replicas wait only for each other's collectives).
-IdleSplit split_idle(const RankProgram& prog, const OpTiming* times, const std::vector<int>& coll_index,
-                     const std::vector<OpTiming>& coll_merged, Tick begin, Tick end, bool pipelined) {
-  IdleSplit out;
-  auto other_ranks = [&](Tick len) {
-    if (!pipelined) out.comm += len;
-  };
-  Tick cursor = begin;
-  const std::size_t n = prog.ops.size();
-  for (std::size_t i = 0; i < n; ++i) {
-    const Op& op = prog.ops[i];
-    const bool on_compute = is_compute(op.kind) || is_recv(op.kind);
-    if (!on_compute) continue;
-    const OpTiming& t = times[i];
-    if (t.start > cursor) {
-      const Tick g0 = cursor, g1 = t.start;
-      if (op.dep >= 0 && is_collective(prog.ops[static_cast<std::size_t>(op.dep)].kind)) {
-        auto k = static_cast<std::size_t>(std::lower_bound(coll_index.begin(), coll_index.end(), op.dep) -
-                                          coll_index.begin());
-        Tick hi = g1;
-        while (k < coll_index.size()) {
-          const OpTiming& c = times[coll_index[k]];
-          const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
-          if (up > lo) out.comm += up - lo;
-          hi = std::min(hi, c.start);
-          if (hi <= g0 || k == 0 || times[coll_index[k - 1]].end < c.start) break;
-          --k;  // it started when the one ahead of it on this stream ended
-        }
-        if (hi > g0) other_ranks(hi - g0);
-      } else {
-        other_ranks(g1 - g0);
-      }
+// (replicas wait only for each other's collectives). Everything else of the idle time is
+// pipeline bubble.
+// Indexed: visits the ops of `index` (positions << 3 | class, see ResultIndex) instead of
+// every op; the same figures, the sends (which only the step's span reads) skipped.
+template <bool kIndexed>
+StepFigures::Rank rank_pass(const RankProgram& prog, const std::vector<std::uint32_t>* index, const OpTiming* times,
+                            Tick begin, Tick end, bool pipelined, ResultWorkspace& ws) {
+  StepFigures::Rank f;
+  ws.collectives.clear();
+  ws.coll_index.clear();
+  ws.gaps.clear();
+  const Op* ops = prog.ops.data();
+  const std::uint32_t* visit = kIndexed ? index->data() : nullptr;
+  const std::size_t n = kIndexed ? index->size() : prog.ops.size();
+  Tick cursor = begin, busy = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    std::size_t i = j;
+    std::uint8_t cls = 0;
+    if constexpr (kIndexed) {
+      i = visit[j] >> 3;
+      cls = static_cast<std::uint8_t>(visit[j] & 7);
+    } else {
+      cls = kClassOf[static_cast<std::uint8_t>(ops[i].kind)];
     }
-    cursor = std::max(cursor, t.end);
+    const OpTiming t = times[i];
+    busy += cls == kComputeOp ? t.end - t.start : 0;
+    if (cls >= kCollectiveOp) [[unlikely]] {
+      ws.collectives.push_back(t);
+      ws.coll_index.push_back(static_cast<int>(i));
+      if (cls == kCollectiveOp) f.collective += t.end - t.start;
+      continue;
+    }
+    const bool on_compute = cls != kOther;
+    if (on_compute && t.start > cursor) [[unlikely]]
+      ws.gaps.push_back({static_cast<int>(i), cursor, t.start});
+    cursor = on_compute ? std::max(cursor, t.end) : cursor;
   }
-  if (end > cursor) {
-    const Tick own = covered(cursor, end, coll_merged);
-    out.comm += own;
-    other_ranks(end - cursor - own);
-  }
-  return out;
+  f.busy = busy;
+  f.comm = idle_comm(prog, ws.gaps, ws.coll_index, ws.collectives, cursor, end, pipelined, ws.merged_a);
+  return f;
 }
 
 }  // namespace
+
+Tick idle_comm(const RankProgram& prog, const std::vector<IdleGap>& gaps, const std::vector<int>& coll_index,
+               std::vector<OpTiming>& colls, Tick cursor, Tick end, bool pipelined, std::vector<OpTiming>& merged) {
+  Tick comm = 0;
+  const Op* ops = prog.ops.data();
+  for (const IdleGap& g : gaps)
+    comm += gap_comm(ops, colls.data(), coll_index.data(), coll_index.size(), ops[g.op], g.g0, g.g1, pipelined);
+  if (end > cursor) {
+    merge_into(colls, merged);
+    const Tick own = covered(cursor, end, merged);
+    comm += own + (pipelined ? 0 : end - cursor - own);
+  }
+  return comm;
+}
+
+void result_index_into(const Schedule& s, ResultIndex& out) {
+  out.ranks.resize(s.ranks.size());
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+    const auto& ops = s.ranks[r].ops;
+    auto& list = out.ranks[r];
+    list.clear();
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const std::uint8_t cls = kClassOf[static_cast<std::uint8_t>(ops[i].kind)];
+      if (cls != kOther) list.push_back(static_cast<std::uint32_t>(i) << 3 | cls);
+    }
+  }
+}
 
 Tick uncovered_length(std::vector<OpTiming> a, std::vector<OpTiming> b) {
   return uncovered_merged(merged(std::move(a)), merged(std::move(b)));
@@ -174,33 +242,51 @@ Result compute_result(const Plan& plan, const Timeline& tl, const std::vector<Me
 }
 
 void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector<MemoryBreakdown>& memory,
-                         Result& res, ResultWorkspace& ws, const std::vector<int>* same_as) {
+                         Result& res, ResultWorkspace& ws, const std::vector<int>* same_as, const ResultIndex* index) {
   const Schedule& s = *tl.schedule;
-  const auto& cfg = plan.config;
+  if (index && index->ranks.size() != s.ranks.size())
+    throw std::logic_error("compute_result_into: a ResultIndex of another schedule");
+  auto is_twin = [&](std::size_t r) {
+    if (same_as == nullptr) return false;
+    const int twin = (*same_as)[r];
+    return twin >= 0 && twin < static_cast<int>(r);
+  };
   // Twins have their counterpart's timings: the step spans the other ranks' ops (the
   // timeline may hold no rows for twins).
-  Tick step = 0, t0 = 0;
-  if (same_as == nullptr) {
-    t0 = tl.begin();
-    step = tl.end() - t0;
-  } else {
-    // Timeline::end() - Timeline::begin() over those ranks.
-    Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
-    bool any = false;
-    for (std::size_t r = 0; r < tl.ops.size(); ++r) {
-      const int twin = (*same_as)[r];
-      if (twin >= 0 && twin < static_cast<int>(r)) continue;
-      const OpTiming* o = tl.ops[r].data();
-      const std::size_t n = tl.ops[r].size();
-      any = any || n > 0;
-      for (std::size_t i = 0; i < n; ++i) {
-        lo = std::min(lo, o[i].start);
-        hi = std::max(hi, o[i].end);
-      }
+  // Timeline::end() - Timeline::begin() over those ranks.
+  Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
+  bool any = false;
+  for (std::size_t r = 0; r < tl.ops.size(); ++r) {
+    if (is_twin(r)) continue;
+    const OpTiming* o = tl.ops[r].data();
+    const std::size_t n = tl.ops[r].size();
+    any = any || n > 0;
+    Tick row_lo = lo, row_hi = hi;
+    for (std::size_t i = 0; i < n; ++i) {
+      row_lo = std::min(row_lo, o[i].start);
+      row_hi = std::max(row_hi, o[i].end);
     }
-    t0 = any ? lo : 0;
-    step = hi - t0;
+    lo = row_lo;
+    hi = row_hi;
   }
+  StepFigures& f = ws.figures;
+  f.begin = any ? lo : 0;
+  f.end = hi;
+  f.ranks.resize(s.ranks.size());
+  for (std::size_t r = 0; r < s.ranks.size(); ++r)
+    if (!is_twin(r))
+      f.ranks[r] = index ? rank_pass<true>(s.ranks[r], &index->ranks[r], tl.ops[r].data(), f.begin, f.end,
+                                           plan.pp > 1, ws)
+                         : rank_pass<false>(s.ranks[r], nullptr, tl.ops[r].data(), f.begin, f.end, plan.pp > 1, ws);
+  result_from_figures(plan, s, f, memory, res, ws, same_as);
+}
+
+void result_from_figures(const Plan& plan, const Schedule& s, const StepFigures& figures,
+                         const std::vector<MemoryBreakdown>& memory, Result& res, ResultWorkspace& ws,
+                         const std::vector<int>* same_as) {
+  const auto& cfg = plan.config;
+  const Tick t0 = figures.begin;
+  const Tick step = figures.end - t0;
   res.step_time_s = ticks_to_seconds(step);
   res.bubble_fraction = 0;
   res.pipeline_bubble_fraction = 0;
@@ -223,31 +309,14 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
     if (twin >= 0 && twin < static_cast<int>(r)) {
       rr = res.ranks[twin];  // computed already: a twin is an earlier rank
     } else {
-      Tick busy = 0, collective = 0;
-      ws.collectives.clear();
-      ws.coll_index.clear();
-      const OpTiming* times = tl.ops[r].data();
-      const Op* ops = prog.ops.data();
-      const std::size_t n = prog.ops.size();
-      for (std::size_t i = 0; i < n; ++i) {
-        const OpKind kind = ops[i].kind;
-        if (is_compute(kind)) {
-          busy += times[i].end - times[i].start;
-        } else if (is_collective(kind)) {
-          ws.collectives.push_back(times[i]);
-          ws.coll_index.push_back(static_cast<int>(i));
-          if (kind != OpKind::OverflowCheck) collective += times[i].end - times[i].start;
-        }
-      }
-      merge_into(ws.collectives, ws.merged_a);
-      // The compute stream's idle time, split by what it waited for (see split_idle).
-      const IdleSplit idle = split_idle(prog, times, ws.coll_index, ws.merged_a, t0, t0 + step, plan.pp > 1);
+      const StepFigures::Rank& f = figures.ranks[r];
+      const Tick busy = f.busy, collective = f.collective;
       rr.busy_s = ticks_to_seconds(busy);
       rr.idle_s = res.step_time_s - rr.busy_s;
       rr.utilization = step > 0 ? static_cast<double>(busy) / static_cast<double>(step) : 0;
       rr.allreduce_s = ticks_to_seconds(collective);
-      rr.exposed_comm_s = ticks_to_seconds(idle.comm);
-      rr.pipeline_bubble_s = ticks_to_seconds(std::max<Tick>(0, step - busy - idle.comm));
+      rr.exposed_comm_s = ticks_to_seconds(f.comm);
+      rr.pipeline_bubble_s = ticks_to_seconds(std::max<Tick>(0, step - busy - f.comm));
     }
     rr.rank = prog.rank;
     rr.stage = prog.stage;
@@ -303,46 +372,72 @@ void compute_result_into(const Plan& plan, const Timeline& tl, const std::vector
     return w;
   };
   for (const auto& w : plan.warnings) next_warning() = w;
-  double worst = 0;
-  for (const auto& rr : res.ranks) worst = std::max(worst, rr.peak_memory_bytes);
-  constexpr double kFrameworkGib = 2.0;  // CUDA context, library workspaces, fragmentation
-  if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kFrameworkGib))
-    fmt::format_to(std::back_inserter(next_warning()),
-                   "only {:.1f} GiB of headroom on the fullest GPU: the CUDA context, library workspaces and allocator "
-                   "fragmentation (not modelled) typically take 0.5-2 GiB",
-                   bytes_to_gib(res.memory_capacity_bytes - worst));
-  // One warning per distinct need (the replicas of a stage need the same), not one per rank.
-  ws.groups.clear();
-  for (std::size_t r = 0; r < res.ranks.size(); ++r) {
-    const RankResult& rr = res.ranks[r];
-    if (rr.peak_memory_bytes <= res.memory_capacity_bytes) continue;
-    res.fits_in_memory = false;
-    auto g = std::find_if(ws.groups.begin(), ws.groups.end(),
-                          [&](const auto& x) { return x.first == rr.peak_memory_bytes; });
-    if (g == ws.groups.end()) {
-      ws.groups.emplace_back(rr.peak_memory_bytes, std::vector<int>{});
-      g = ws.groups.end() - 1;
-    }
-    g->second.push_back(static_cast<int>(r));
+  // The memory warnings: a function of every rank's (rank, stage, replica, peak), the
+  // capacity and memory_gib alone, so written again only when one of those changed since the
+  // last result (a sweep's neighbours differ in rates and links, not in memory).
+  auto bits = [](double x) { return std::bit_cast<std::uint64_t>(x); };
+  auto& key = ws.memory_key;
+  key.clear();
+  key.reserve(2 * res.ranks.size() + 2);
+  for (const auto& rr : res.ranks) {
+    key.push_back(static_cast<std::uint64_t>(static_cast<std::uint32_t>(rr.rank)) << 32 |
+                  static_cast<std::uint64_t>(static_cast<std::uint16_t>(rr.stage)) << 16 |
+                  static_cast<std::uint16_t>(rr.replica));
+    key.push_back(bits(rr.peak_memory_bytes));
   }
-  for (const auto& [peak, members] : ws.groups) {
-    std::vector<int> stages, ranks;
-    for (int r : members) {
-      ranks.push_back(res.ranks[r].rank);
-      if (std::find(stages.begin(), stages.end(), res.ranks[r].stage) == stages.end())
-        stages.push_back(res.ranks[r].stage);
+  key.push_back(bits(res.memory_capacity_bytes));
+  key.push_back(bits(cfg.cluster.memory_gib));
+  if (ws.memory_valid && key == ws.memory_written_from) {
+    for (const auto& w : ws.memory_warnings) next_warning() = w;
+    res.fits_in_memory = ws.memory_fits;
+  } else {
+    const std::size_t first = nw;
+    double worst = 0;
+    for (const auto& rr : res.ranks) worst = std::max(worst, rr.peak_memory_bytes);
+    constexpr double kFrameworkGib = 2.0;  // CUDA context, library workspaces, fragmentation
+    if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kFrameworkGib))
+      fmt::format_to(std::back_inserter(next_warning()),
+                     "only {:.1f} GiB of headroom on the fullest GPU: the CUDA context, library workspaces and "
+                     "allocator fragmentation (not modelled) typically take 0.5-2 GiB",
+                     bytes_to_gib(res.memory_capacity_bytes - worst));
+    // One warning per distinct need (the replicas of a stage need the same), not one per rank.
+    ws.groups.clear();
+    for (std::size_t r = 0; r < res.ranks.size(); ++r) {
+      const RankResult& rr = res.ranks[r];
+      if (rr.peak_memory_bytes <= res.memory_capacity_bytes) continue;
+      res.fits_in_memory = false;
+      auto g = std::find_if(ws.groups.begin(), ws.groups.end(),
+                            [&](const auto& x) { return x.first == rr.peak_memory_bytes; });
+      if (g == ws.groups.end()) {
+        ws.groups.emplace_back(rr.peak_memory_bytes, std::vector<int>{});
+        g = ws.groups.end() - 1;
+      }
+      g->second.push_back(static_cast<int>(r));
     }
-    std::sort(stages.begin(), stages.end());
-    std::string& w = next_warning();
-    if (ranks.size() == 1)
-      fmt::format_to(std::back_inserter(w), "rank {} (stage {}, replica {})", ranks[0], res.ranks[members[0]].stage,
-                     res.ranks[members[0]].replica);
-    else
-      fmt::format_to(std::back_inserter(w), "{} ranks ({} {}: ranks {})", ranks.size(),
-                     stages.size() == 1 ? "stage" : "stages", ranges_text(stages), ranges_text(ranks));
-    fmt::format_to(std::back_inserter(w), " need{} {:.1f} GiB, {:.1f} GiB more than the GPU's {:.1f} GiB",
-                   ranks.size() == 1 ? "s" : "", bytes_to_gib(peak), bytes_to_gib(peak - res.memory_capacity_bytes),
-                   cfg.cluster.memory_gib);
+    for (const auto& [peak, members] : ws.groups) {
+      std::vector<int> stages, ranks;
+      for (int r : members) {
+        ranks.push_back(res.ranks[r].rank);
+        if (std::find(stages.begin(), stages.end(), res.ranks[r].stage) == stages.end())
+          stages.push_back(res.ranks[r].stage);
+      }
+      std::sort(stages.begin(), stages.end());
+      std::string& w = next_warning();
+      if (ranks.size() == 1)
+        fmt::format_to(std::back_inserter(w), "rank {} (stage {}, replica {})", ranks[0], res.ranks[members[0]].stage,
+                       res.ranks[members[0]].replica);
+      else
+        fmt::format_to(std::back_inserter(w), "{} ranks ({} {}: ranks {})", ranks.size(),
+                       stages.size() == 1 ? "stage" : "stages", ranges_text(stages), ranges_text(ranks));
+      fmt::format_to(std::back_inserter(w), " need{} {:.1f} GiB, {:.1f} GiB more than the GPU's {:.1f} GiB",
+                     ranks.size() == 1 ? "s" : "", bytes_to_gib(peak), bytes_to_gib(peak - res.memory_capacity_bytes),
+                     cfg.cluster.memory_gib);
+    }
+    ws.memory_warnings.assign(res.warnings.begin() + static_cast<std::ptrdiff_t>(first),
+                              res.warnings.begin() + static_cast<std::ptrdiff_t>(nw));
+    ws.memory_fits = res.fits_in_memory;
+    ws.memory_written_from.swap(key);
+    ws.memory_valid = true;
   }
   if (res.step_time_s > 0 && res.exposed_comm_time_s > 0.1 * res.step_time_s)
     fmt::format_to(std::back_inserter(next_warning()), "{:.0f}% of the step is communication not hidden under compute{}",

@@ -18,16 +18,29 @@ double peak_tflops_of(const ClusterConfig& cl, DType d) {
 
 double Plan::peak_flops(DType d) const { return tflops_to_flops(peak_tflops_of(config.cluster, d)); }
 
-double Plan::virtual_stage_params(int vs) const {
-  const ModelShape m = shape();
-  const int V = num_virtual_stages();
-  double p = layers_per_virtual_stage.at(vs) * m.params_per_layer();
+namespace {
+// Plan::virtual_stage_params with its shape given. Not inlined: a caller's sum of its results
+// must round each result first, as a call to virtual_stage_params does (no fused multiply-add
+// across the call).
+[[gnu::noinline]] double virtual_stage_params_of(const Plan& plan, const ModelShape& m, int vs) {
+  const int V = plan.num_virtual_stages();
+  double p = plan.layers_per_virtual_stage.at(vs) * m.params_per_layer();
   if (vs == 0) p += m.embedding_params();
   if (vs == V - 1) {
     p += m.final_norm_params();
     if (!m.tied || V > 1) p += m.output_params();
   }
   return p;
+}
+}  // namespace
+
+double Plan::virtual_stage_params(int vs) const { return virtual_stage_params_of(*this, shape(), vs); }
+
+double Plan::stage_params(int stage) const {
+  const ModelShape m = shape();
+  double params = 0;
+  for (int j = 0; j < vpp; ++j) params += virtual_stage_params_of(*this, m, j * pp + stage);
+  return params;
 }
 
 bool Plan::reduces_every_microbatch() const {

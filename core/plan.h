@@ -64,6 +64,9 @@ struct Plan {
   // embeddings on the first and the LM head on the last (a copy of tied embeddings when
   // the pipeline has more than one stage, as Megatron-LM keeps it).
   double virtual_stage_params(int vstage) const;
+  // What a rank of pipeline stage `stage` holds of them: virtual_stage_params(j * pp + stage)
+  // summed over its chunks j = 0, 1, ... (the shape computed once).
+  double stage_params(int stage) const;
   // Bytes per element of working weights and of stored activations: the compute format,
   // except fp8, whose weights and activations are kept in 16 bits between matrix products.
   int weight_bytes() const;

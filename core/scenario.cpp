@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 namespace trainsim {
@@ -516,11 +517,51 @@ class Loader {
   std::vector<Pending> pending_;
 };
 
+// Where each document of a YAML stream starts, without building it. yaml-cpp 0.7 (Debian 12's)
+// has a token its parser neither accepts nor refuses at the top level (`,` as in "a: 1\n,"):
+// it then ends a document without consuming it, and YAML::LoadAll loops forever, adding an
+// empty document each time (jbeder/yaml-cpp#1040, fixed upstream by #1319). Such a token is
+// found here as a document that starts where the previous one started, and reported as the
+// syntax error it is.
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> starts;
+  void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+// Throws YAML::ParserException at a token the parser cannot get past.
+void check_parser_progress(const std::string& text) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentStarts docs;
+  while (parser.HandleNextDocument(docs)) {
+    const std::size_t n = docs.starts.size();
+    if (n >= 2 && docs.starts[n - 1].pos == docs.starts[n - 2].pos) {
+      const YAML::Mark at = docs.starts[n - 1];
+      const std::size_t pos = static_cast<std::size_t>(at.pos);
+      const unsigned char c = pos < text.size() ? static_cast<unsigned char>(text[pos]) : 0;
+      const std::string what = pos >= text.size() ? "unexpected end of the file"
+                               : std::isprint(c)   ? fmt::format("unexpected '{}'", static_cast<char>(c))
+                                                   : fmt::format("unexpected byte 0x{:02x}", c);
+      throw YAML::ParserException(at, what);
+    }
+  }
+}
+
 Scenario load(const std::string& text, const std::string& file_name) {
   Scenario sc;
   sc.file = file_name;
   std::vector<YAML::Node> documents;
   try {
+    check_parser_progress(text);
     documents = YAML::LoadAll(text);
   } catch (const YAML::Exception& e) {
     SourceLocation where;

@@ -331,6 +331,12 @@ std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t crc) {
   return ~crc;
 }
 
+std::vector<unsigned char> encode_checkpoint(const Checkpoint& ckpt) { return encode(ckpt); }
+
+Checkpoint decode_checkpoint(const std::vector<unsigned char>& bytes, const std::string& name) {
+  return decode(bytes, name);
+}
+
 std::string save_checkpoint(const std::string& dir, const Checkpoint& ckpt) {
   if (ckpt.step < 0) throw CheckpointError("cannot save checkpoint: negative step " + std::to_string(ckpt.step));
   std::error_code ec;

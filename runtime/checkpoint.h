@@ -47,6 +47,12 @@ std::string save_checkpoint(const std::string& dir, const Checkpoint& ckpt);
 // `expected_fingerprint` (if not empty) differs, saying what differs.
 Checkpoint load_checkpoint(const std::string& path, const std::string& expected_fingerprint = "");
 
+// The file's bytes, without touching the disk (save_checkpoint writes these; the fuzz target
+// fuzz/fuzz_checkpoint.cpp reads them). decode_checkpoint refuses what load_checkpoint
+// refuses, with the same CheckpointError; `name` stands for the file in its messages.
+std::vector<unsigned char> encode_checkpoint(const Checkpoint& ckpt);
+Checkpoint decode_checkpoint(const std::vector<unsigned char>& bytes, const std::string& name);
+
 // The file format (all integers little-endian):
 //   "TSCKPT"  u16 format version  u64 payload length  payload  u32 CRC-32 of all bytes before it
 // The payload is a sequence of fields, each a u64 length followed by that many bytes:

@@ -147,7 +147,7 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
       cs.last_arrival = std::max(cs.last_arrival, ready);
       if (++cs.arrivals < cs.target) break;
       // The last member is here: the collective runs on every member at once.
-      const Tick start = cs.last_arrival, end = start + cs.duration;
+      const Tick start = cs.last_arrival, end = add_ticks(start, cs.duration);
       auto end_on = [&](std::int32_t member) {
         StreamState* ms = &streams_[static_cast<std::size_t>(member) * kNumStreams];
         StreamState& mc = ms[kCollective];
@@ -178,8 +178,8 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
         if (posted < 0) break;  // woken when the receiver posts
         ready = std::max(ready, posted);
       }
-      times[i] = OpTiming{ready, ready + duration};
-      st.free_at = ready + duration;
+      times[i] = OpTiming{ready, add_ticks(ready, duration)};
+      st.free_at = times[i].end;
       if (is_send(op.kind)) {
         message_arrival_[op.channel] = st.free_at;
         if (simulated_[op.peer]) enqueue(op.peer * kNumStreams + kCompute);

@@ -12,6 +12,10 @@
 
 namespace trainsim {
 
+class MemoryModel;
+struct ResultIndex;
+struct StepFigures;
+
 struct Prediction {
   std::shared_ptr<const Schedule> schedule;
   Timeline timeline;
@@ -64,9 +68,21 @@ class Predictor {
   // Predictor; invalidates the Prediction of an earlier predict().
   const Result& evaluate(const Plan& plan);
 
+  // evaluate() of n plans (0 <= n <= kMaxBatch) at once: *out[j] is evaluate(*plans[j]), in
+  // order, valid until the next call on this Predictor. Consecutive plans of one compiled
+  // schedule are stepped together (StepProgram::run_lanes_figures), the way a sweep meets
+  // them: its variants of prices one after the other.
+  static constexpr int kMaxBatch = 4;
+  void evaluate_batch(const Plan* const* plans, int n, const Result** out);
+
  private:
-  void finish(const Plan& plan, const Schedule& schedule, bool symmetric,
-              const std::vector<RankProgram>* memory_walk = nullptr);
+  struct Route;
+  struct Models;
+  Route route(const Plan& plan, const Models& models, Result& out);
+  void finish_route(const Plan& plan, const Route& route, const StepFigures* figures, Result& out);
+  void finish(const Plan& plan, const MemoryModel& memory, const Schedule& schedule, bool symmetric, Result& out,
+              const std::vector<RankProgram>* memory_walk = nullptr, const std::vector<double>* stage_peaks = nullptr,
+              const ResultIndex* index = nullptr, const StepFigures* figures = nullptr);
 
   struct Workspace;
   std::unique_ptr<Workspace> ws_;

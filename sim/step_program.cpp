@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
+#include <limits>
 #include <map>
+#include <optional>
+#include <stdexcept>
 #include <tuple>
 
 #include "sim/cost/collective_model.h"
@@ -22,6 +26,15 @@ constexpr auto kStreamOf = [] {
   return t;
 }();
 std::int32_t stream_index(OpKind k) { return kStreamOf[static_cast<std::uint8_t>(k)]; }
+
+// B ticks, one per lane, as one vector (GCC's vector extension: element-wise operators).
+typedef Tick Lanes4 __attribute__((vector_size(4 * sizeof(Tick))));
+template <int B>
+struct LanesOf;
+template <>
+struct LanesOf<4> {
+  using type = Lanes4;
+};
 
 struct VirtualModels {
   const CostModels& m;
@@ -312,6 +325,7 @@ void StepProgram::reset() {
   compute_.clear();
   sends_.clear();
   collectives_.clear();
+  tallies_.clear();
 }
 
 bool StepProgram::compile(std::shared_ptr<const Schedule> schedule, bool replica0_only) {
@@ -374,20 +388,94 @@ bool StepProgram::compile(std::shared_ptr<const Schedule> schedule, bool replica
   collectives_ = std::move(out.collectives);
   schedule_ = std::move(schedule);
   replica0_only_ = replica0_only;
+  tally(out.slots, out.held, renamed, ncompute, nsends);
   return true;
+}
+
+// What run_figures reads, per simulated rank, from the ops' slots (Compiler::Output): an
+// instruction's op ends at its cell and starts its price before (a receive: at the cell its
+// slot names); a held receive spans [T[prev], max(T[prev], T[sent])).
+void StepProgram::tally(const std::vector<std::array<std::int32_t, 2>>& slots,
+                        const std::vector<std::array<std::int32_t, 4>>& held, const std::vector<std::int32_t>& renamed,
+                        std::int32_t ncompute, std::int32_t nsends) {
+  const Schedule& s = *schedule_;
+  const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  std::vector<std::int32_t> sent_of(slots.size(), -1);  // held receives: the send's end cell
+  for (const auto& h : held) sent_of[static_cast<std::size_t>(first_slot_[h[0]] + h[1])] = h[3];
+  auto interval = [&](std::size_t slot) -> std::pair<Value, Value> {
+    const auto [cell, tag] = slots[slot];
+    if (cell < 0) {  // held: cell -1, tag -1 - prev
+      const std::int32_t prev = renamed[-tag - 1];
+      return {Value{prev, 0, 0}, Value{prev, renamed[sent_of[slot]], 0}};
+    }
+    if (tag < 0) return {Value{renamed[-tag - 1], 0, 0}, Value{renamed[cell], 0, 0}};  // a receive
+    return {Value{renamed[cell], 0, Compiler::final_slot(tag, ncompute, nsends)}, Value{renamed[cell], 0, 0}};
+  };
+  tallies_.clear();
+  busy_.clear();
+  colls_.clear();
+  gaps_.clear();
+  spans_.clear();
+  coll_positions_.assign(static_cast<std::size_t>(nranks), {});
+  for (std::int32_t r = 0; r < nranks; ++r) {
+    if (first_slot_[r] < 0) continue;
+    const auto& ops = s.ranks[r].ops;
+    const auto base = static_cast<std::size_t>(first_slot_[r]);
+    RankTally t;
+    t.rank = r;
+    t.busy = static_cast<std::int32_t>(busy_.size());
+    t.coll = static_cast<std::int32_t>(colls_.size());
+    t.gap = static_cast<std::int32_t>(gaps_.size());
+    t.span = static_cast<std::int32_t>(spans_.size());
+    std::array<std::int32_t, kNumStreams> first{-1, -1, -1}, last{-1, -1, -1};
+    std::vector<std::int32_t> count(static_cast<std::size_t>(ncompute) + 1, 0);
+    std::optional<Value> before;  // the end of the compute stream's op before this one
+    for (std::int32_t i = 0; i < static_cast<std::int32_t>(ops.size()); ++i) {
+      const Op& op = ops[i];
+      const std::int32_t k = stream_index(op.kind);
+      if (first[k] < 0) first[k] = i;
+      last[k] = i;
+      const auto [start, end] = interval(base + i);
+      if (is_collective(op.kind)) {
+        colls_.push_back({start, end, op.kind != OpKind::OverflowCheck});
+        coll_positions_[r].push_back(i);
+      } else if (is_compute(op.kind) || is_recv(op.kind)) {
+        if (is_compute(op.kind)) ++count[static_cast<std::size_t>(start.p)];
+        if (!before || op.dep >= 0) gaps_.push_back({i, !before, before.value_or(Value{}), start});
+        before = end;
+      }
+    }
+    for (std::int32_t p = 1; p <= ncompute; ++p)
+      if (count[p] > 0) busy_.push_back({p, count[p]});
+    for (std::int32_t k = 0; k < kNumStreams; ++k)
+      if (first[k] >= 0) spans_.emplace_back(interval(base + first[k]).first, interval(base + last[k]).second);
+    t.has_last = before.has_value();
+    t.last = before.value_or(Value{});
+    t.busy_end = static_cast<std::int32_t>(busy_.size());
+    t.coll_end = static_cast<std::int32_t>(colls_.size());
+    t.gap_end = static_cast<std::int32_t>(gaps_.size());
+    t.span_end = static_cast<std::int32_t>(spans_.size());
+    tallies_.push_back(t);
+  }
+}
+
+// D: this configuration's prices, once per distinct op, price p at D[p * stride].
+template <class Models>
+void StepProgram::price(const Models& models, Tick* D, std::size_t stride) const {
+  const Schedule& s = *schedule_;
+  std::size_t p = 0;
+  D[p++ * stride] = 0;
+  for (const ComputePrice& c : compute_) D[p++ * stride] = models.compute(s.ranks[c.rank].ops[c.op], c.rank);
+  for (const SendPrice& x : sends_) D[p++ * stride] = models.p2p(x.from, x.to, x.bytes);
+  for (std::int32_t c : collectives_) D[p++ * stride] = models.collective(s.collectives[c]);
 }
 
 template <class Models>
 void StepProgram::run_impl(const Models& models, Timeline& t) {
   const Schedule& s = *schedule_;
-  // D: this configuration's prices, once per distinct op.
   prices_.resize(1 + compute_.size() + sends_.size() + collectives_.size());
   Tick* D = prices_.data();
-  D[0] = 0;
-  std::size_t j = 1;
-  for (const ComputePrice& c : compute_) D[j++] = models.compute(s.ranks[c.rank].ops[c.op], c.rank);
-  for (const SendPrice& x : sends_) D[j++] = models.p2p(x.from, x.to, x.bytes);
-  for (std::int32_t c : collectives_) D[j++] = models.collective(s.collectives[c]);
+  price(models, D, 1);
 
   // The Timeline's rows, as the engine sizes them.
   const auto nranks = static_cast<std::int32_t>(s.ranks.size());
@@ -425,6 +513,177 @@ void StepProgram::run_impl(const Models& models, Timeline& t) {
   t.predicted = true;
 }
 
+// D for several configurations: lane j of price p at D[p * B + j]; lanes past n repeat lane 0.
+template <int B>
+void StepProgram::price_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                              const NetworkCollectiveModel* const* collective, int n) {
+  const std::size_t nprices = 1 + compute_.size() + sends_.size() + collectives_.size();
+  lane_prices_.resize(nprices * B);
+  Tick* D = lane_prices_.data();
+  for (int j = 0; j < B; ++j) {
+    const int l = j < n ? j : 0;
+    price(DefaultModels{*compute[l], *p2p[l], *collective[l]}, D + j, B);
+  }
+}
+
+// T for B lanes at the prices of price_lanes: lane j of cell c at T[c * B + j]. kTimeline:
+// each lane's Timeline written too, into *out[j] for the first n lanes.
+template <int B, bool kTimeline>
+void StepProgram::run_lanes_impl(Timeline* const* out, int n) {
+  using Lanes = typename LanesOf<B>::type;
+  auto load = [](const Tick* p) {
+    Lanes v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  const Schedule& s = *schedule_;
+  const Tick* D = lane_prices_.data();
+  // Each lane's Timeline rows, as the engine sizes them: rows[r * B + j].
+  const auto nranks = static_cast<std::int32_t>(s.ranks.size());
+  if constexpr (kTimeline) {
+    rows_.assign(static_cast<std::size_t>(nranks) * B, nullptr);
+    for (int j = 0; j < n; ++j) {
+      Timeline& t = *out[j];
+      t.ops.resize(nranks);
+      for (std::int32_t r = 0; r < nranks; ++r) {
+        if (first_slot_[r] < 0) {
+          t.ops[r].clear();
+          continue;
+        }
+        t.ops[r].resize(s.ranks[r].ops.size());
+        rows_[static_cast<std::size_t>(r) * B + j] = t.ops[r].data();
+      }
+    }
+  }
+  OpTiming* const* rows = rows_.data();
+  // Op `index` of rank r gets [start, end) in every lane.
+  auto write = [&](std::int32_t r, std::int32_t index, const Lanes& start, const Lanes& end) {
+    OpTiming* const* row = rows + static_cast<std::size_t>(r) * B;
+    if (n == B) {  // pairs (start, end) of lanes 0 and 2, 1 and 3, ..., one 16-byte store each
+      static_assert(B == 4);
+      Tick even[B], odd[B];
+      const auto e = __builtin_shufflevector(start, end, 0, 4, 2, 6);
+      const auto o = __builtin_shufflevector(start, end, 1, 5, 3, 7);
+      std::memcpy(even, &e, sizeof e);
+      std::memcpy(odd, &o, sizeof o);
+      for (int q = 0; q < B / 2; ++q) {
+        row[2 * q][index] = OpTiming{even[2 * q], even[2 * q + 1]};
+        row[2 * q + 1][index] = OpTiming{odd[2 * q], odd[2 * q + 1]};
+      }
+    } else {
+      for (int j = 0; j < n; ++j) row[j][index] = OpTiming{start[j], end[j]};
+    }
+  };
+  lane_cells_.resize((program_.size() + 1) * B);
+  Tick* T = lane_cells_.data();
+  std::fill(T, T + B, Tick{0});
+  const Instruction* ins = program_.data();
+  const std::size_t count = program_.size();
+  for (std::size_t k = 0; k < count; ++k) {
+    const Instruction& x = ins[k];
+    const Lanes first = load(T + static_cast<std::size_t>(x.a) * B), second = load(T + static_cast<std::size_t>(x.b) * B),
+                third = load(T + static_cast<std::size_t>(x.c) * B), price = load(D + static_cast<std::size_t>(x.d) * B);
+    Lanes end = first > second ? first : second;
+    end = end > third ? end : third;
+    end += price;
+    std::memcpy(T + (k + 1) * B, &end, sizeof end);
+    if constexpr (kTimeline)
+      if (x.rank >= 0) write(x.rank & ~kRecv, x.index, (x.rank & kRecv) ? first : end - price, end);
+  }
+  if constexpr (kTimeline) {
+    for (const Fanout& f : fanout_) {
+      const Lanes end = load(T + static_cast<std::size_t>(f.cell) * B);
+      write(f.rank, f.index, end - load(D + static_cast<std::size_t>(f.price) * B), end);
+    }
+    for (const Held& h : held_) {
+      const Lanes prev = load(T + static_cast<std::size_t>(h.prev) * B), sent = load(T + static_cast<std::size_t>(h.sent) * B);
+      write(h.rank, h.index, prev, prev > sent ? prev : sent);
+    }
+    for (int j = 0; j < n; ++j) {
+      out[j]->schedule = schedule_;
+      out[j]->predicted = true;
+    }
+  }
+}
+
+void StepProgram::run_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                            const NetworkCollectiveModel* const* collective, Timeline* const* out, int n) {
+  if (n < 1 || n > kMaxLanes) throw std::invalid_argument("StepProgram::run_lanes: 1 to kMaxLanes lanes");
+  price_lanes<kMaxLanes>(compute, p2p, collective, n);
+  run_lanes_impl<kMaxLanes, true>(out, n);
+}
+
+bool StepProgram::run_lanes_figures(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                                    const NetworkCollectiveModel* const* collective, bool pipelined,
+                                    StepFigures* const* out, ResultWorkspace& ws, int n) {
+  if (n < 1 || n > kMaxLanes) throw std::invalid_argument("StepProgram::run_lanes_figures: 1 to kMaxLanes lanes");
+  constexpr int B = kMaxLanes;
+  price_lanes<B>(compute, p2p, collective, n);
+  if (std::any_of(lane_prices_.begin(), lane_prices_.end(), [](Tick d) { return d < 0; })) return false;
+  run_lanes_impl<B, false>(nullptr, n);
+  for (int j = 0; j < n; ++j) figures_from_cells(lane_cells_.data() + j, lane_prices_.data() + j, B, pipelined, *out[j], ws);
+  return true;
+}
+
+template <class Models>
+bool StepProgram::run_figures_impl(const Models& models, bool pipelined, StepFigures& out, ResultWorkspace& ws) {
+  prices_.resize(1 + compute_.size() + sends_.size() + collectives_.size());
+  Tick* D = prices_.data();
+  price(models, D, 1);
+  if (std::any_of(prices_.begin(), prices_.end(), [](Tick d) { return d < 0; })) return false;
+  // T: every end, in the order the engine settles them; nothing else written.
+  cells_.resize(program_.size() + 1);
+  Tick* T = cells_.data();
+  T[0] = 0;
+  const Instruction* ins = program_.data();
+  const std::size_t n = program_.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    const Instruction& x = ins[k];
+    T[k + 1] = std::max(std::max(T[x.a], T[x.b]), T[x.c]) + D[x.d];
+  }
+  figures_from_cells(T, D, 1, pipelined, out, ws);
+  return true;
+}
+
+// The figures rank_pass (core/metrics.cpp) takes from a Timeline, from the cells: T and D of
+// one configuration, cell c at T[c * stride] and price p at D[p * stride].
+void StepProgram::figures_from_cells(const Tick* T, const Tick* D, std::size_t stride, bool pipelined,
+                                     StepFigures& out, ResultWorkspace& ws) const {
+  auto value = [&](const Value& v) { return std::max(T[v.c1 * stride], T[v.c2 * stride]) - D[v.p * stride]; };
+  const Schedule& s = *schedule_;
+  // The step: Timeline::begin() and end() over the simulated ranks, from each stream's first
+  // start and last end (a stream's ops start and end in program order).
+  Tick lo = std::numeric_limits<Tick>::max(), hi = 0;
+  for (const auto& [start, end] : spans_) {
+    lo = std::min(lo, value(start));
+    hi = std::max(hi, value(end));
+  }
+  out.begin = spans_.empty() ? 0 : lo;
+  out.end = hi;
+  out.ranks.resize(s.ranks.size());
+  for (const RankTally& t : tallies_) {
+    StepFigures::Rank& f = out.ranks[static_cast<std::size_t>(t.rank)];
+    f = {};
+    for (std::int32_t q = t.busy; q < t.busy_end; ++q) f.busy += busy_[q].count * D[busy_[q].price * stride];
+    ws.collectives.clear();
+    for (std::int32_t q = t.coll; q < t.coll_end; ++q) {
+      const OpTiming c{value(colls_[q].start), value(colls_[q].end)};
+      if (colls_[q].counted) f.collective += c.end - c.start;
+      ws.collectives.push_back(c);
+    }
+    // rank_pass's cursor: the step's start, then the end of each compute-stream op.
+    ws.gaps.clear();
+    for (std::int32_t q = t.gap; q < t.gap_end; ++q) {
+      const GapTally& g = gaps_[q];
+      const Tick g0 = g.first ? out.begin : std::max(out.begin, value(g.cursor)), g1 = value(g.start);
+      if (g1 > g0) ws.gaps.push_back({g.op, g0, g1});
+    }
+    const Tick cursor = t.has_last ? std::max(out.begin, value(t.last)) : out.begin;
+    f.comm = idle_comm(s.ranks[t.rank], ws.gaps, coll_positions_[t.rank], ws.collectives, cursor, out.end, pipelined,
+                       ws.merged_a);
+  }
+}
+
 template <class Models>
 bool StepProgram::prices_hold_impl(const Models& models) const {
   // The program was compiled with sends on their own stream; a p2p model whose sends hold the
@@ -452,6 +711,16 @@ void StepProgram::run(const RooflineComputeModel& compute, const LinkP2PModel& p
 }
 
 void StepProgram::run(const CostModels& models, Timeline& out) { run_impl(VirtualModels{models}, out); }
+
+bool StepProgram::run_figures(const RooflineComputeModel& compute, const LinkP2PModel& p2p,
+                              const NetworkCollectiveModel& collective, bool pipelined, StepFigures& out,
+                              ResultWorkspace& ws) {
+  return run_figures_impl(DefaultModels{compute, p2p, collective}, pipelined, out, ws);
+}
+
+bool StepProgram::run_figures(const CostModels& models, bool pipelined, StepFigures& out, ResultWorkspace& ws) {
+  return run_figures_impl(VirtualModels{models}, pipelined, out, ws);
+}
 
 std::size_t StepProgram::footprint_bytes() const {
   auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };

@@ -25,10 +25,12 @@
 //   collective    per (kind, bytes, members), as the engine already reuses a price.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "core/metrics.h"
 #include "core/schedule.h"
 #include "core/timeline.h"
 #include "sim/cost/cost_models.h"
@@ -65,6 +67,39 @@ class StepProgram {
   void run(const RooflineComputeModel& compute, const LinkP2PModel& p2p, const NetworkCollectiveModel& collective,
            Timeline& out);
   void run(const CostModels& models, Timeline& out);  // any models, one virtual call per distinct op
+
+  // The step for several configurations at once, lane j priced by compute[j], p2p[j] and
+  // collective[j] and written into *out[j] (n lanes, 1 <= n <= kMaxLanes): for each lane, the
+  // Timeline run() gives with its models. Every instruction is decoded once for all the lanes
+  // and its max-plus step is one vector operation over them (about half the time per
+  // configuration of run(), four lanes at a time).
+  static constexpr int kMaxLanes = 4;
+  void run_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                 const NetworkCollectiveModel* const* collective, Timeline* const* out, int n);
+
+  // The step at these prices without its Timeline: the figures compute_result_into reads
+  // from that Timeline (StepFigures, core/metrics.h), the same ticks, from the cells and the
+  // prices alone. Every stream's ops start no earlier than the op before them on it ends, and
+  // end no earlier than they start when no price is negative, so: the step spans each stream's
+  // first start to its last end; a compute op's interval is its price, so a rank's busy time
+  // is its compute ops' prices summed; and the compute stream can be idle only before its
+  // first op and before an op with a dependency (anywhere else an op starts where the one
+  // before it ended), so only those ops' starts, the rank's collectives and its last end are
+  // read. pipelined: the plan has more than one stage (compute_result_into's plan.pp > 1).
+  // Returns false, writing nothing, where a price is negative: the caller then runs run() and
+  // compute_result_into. tests/test_step_program.cpp compares the figures with those of
+  // run()'s Timeline on random plans and prices.
+  bool run_figures(const RooflineComputeModel& compute, const LinkP2PModel& p2p,
+                   const NetworkCollectiveModel& collective, bool pipelined, StepFigures& out, ResultWorkspace& ws);
+  bool run_figures(const CostModels& models, bool pipelined, StepFigures& out, ResultWorkspace& ws);
+  // The same for several configurations at once, as run_lanes: *out[j] is what run_figures
+  // gives with lane j's models. False, writing nothing, where a lane has a negative price.
+  bool run_lanes_figures(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                         const NetworkCollectiveModel* const* collective, bool pipelined, StepFigures* const* out,
+                         ResultWorkspace& ws, int n);
+
+  // Whether rank r's ops are simulated (false for replicas 1.. of a replica0_only program).
+  bool simulated(int rank) const { return first_slot_[static_cast<std::size_t>(rank)] >= 0; }
 
   // Whether these models price every compute op of the schedule as its class's
   // representative (same rank, kind, chunk and work): one call per compute op. The Predictor
@@ -103,10 +138,51 @@ class StepProgram {
     Bytes bytes;
   };
 
+  // max(T[c1], T[c2]) - D[p]: an op's start or end from the cells (run_figures).
+  struct Value {
+    std::int32_t c1 = 0, c2 = 0, p = 0;
+  };
+  // Per simulated rank, what run_figures reads: ranges into the vectors below.
+  struct RankTally {
+    std::int32_t rank = 0;
+    std::int32_t busy = 0, busy_end = 0;  // busy_: a price and how many compute ops have it
+    std::int32_t coll = 0, coll_end = 0;  // colls_: the collectives, program order
+    std::int32_t gap = 0, gap_end = 0;    // gaps_: the compute-stream ops that may start late
+    std::int32_t span = 0, span_end = 0;  // spans_: each stream's first start and last end
+    bool has_last = false;
+    Value last;                           // the compute stream's last end
+  };
+  struct PriceCount {
+    std::int32_t price, count;
+  };
+  struct CollTally {
+    Value start, end;
+    bool counted;  // false for the found-inf check (not in StepFigures::Rank::collective)
+  };
+  struct GapTally {
+    std::int32_t op;
+    bool first;    // the stream's first op: the idle time from the step's start
+    Value cursor;  // else: the end of the op before it on the stream
+    Value start;
+  };
+
+  template <class Models>
+  void price(const Models& models, Tick* D, std::size_t stride) const;
   template <class Models>
   void run_impl(const Models& models, Timeline& out);
   template <class Models>
+  bool run_figures_impl(const Models& models, bool pipelined, StepFigures& out, ResultWorkspace& ws);
+  void figures_from_cells(const Tick* T, const Tick* D, std::size_t stride, bool pipelined, StepFigures& out,
+                          ResultWorkspace& ws) const;
+  void tally(const std::vector<std::array<std::int32_t, 2>>& slots, const std::vector<std::array<std::int32_t, 4>>& held,
+             const std::vector<std::int32_t>& renamed, std::int32_t ncompute, std::int32_t nsends);
+  template <class Models>
   bool prices_hold_impl(const Models& models) const;
+  template <int B>
+  void price_lanes(const RooflineComputeModel* const* compute, const LinkP2PModel* const* p2p,
+                   const NetworkCollectiveModel* const* collective, int n);
+  template <int B, bool kTimeline>
+  void run_lanes_impl(Timeline* const* out, int n);
 
   std::shared_ptr<const Schedule> schedule_;
   bool replica0_only_ = false;
@@ -120,6 +196,13 @@ class StepProgram {
   std::vector<std::int32_t> collectives_;     // then these (collective ids)
   std::vector<Tick> cells_, prices_;          // T and D, reused across runs
   std::vector<OpTiming*> rows_;               // the Timeline's rows during a run
+  std::vector<Tick> lane_cells_, lane_prices_;  // run_lanes: T and D, lane by lane within a cell
+  std::vector<RankTally> tallies_;              // run_figures
+  std::vector<PriceCount> busy_;
+  std::vector<CollTally> colls_;
+  std::vector<std::vector<int>> coll_positions_;  // per rank: its collectives' program positions
+  std::vector<GapTally> gaps_;
+  std::vector<std::pair<Value, Value>> spans_;
 };
 
 }  // namespace trainsim

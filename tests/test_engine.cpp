@@ -5,12 +5,15 @@
 
 #include <cmath>
 #include <future>
+#include <limits>
+#include <stdexcept>
 #include <random>
 #include <thread>
 
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/p2p_model.h"
+#include "core/scenario.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
 
@@ -223,6 +226,63 @@ TEST(Engine, TimeIsIntegerPicoseconds) {
   EXPECT_EQ(seconds_to_ticks(1e-13), 1);  // real work never rounds to zero
   EXPECT_EQ(seconds_to_ticks(0), 0);
   EXPECT_DOUBLE_EQ(ticks_to_seconds(seconds_to_ticks(2.5e-6)), 2.5e-6);
+}
+
+// A time a Tick cannot hold is refused, never converted or added into a wrapped integer
+// (undefined behaviour; `trainsim simulate` printed a 24 s step at an MFU of 3e12 %).
+TEST(Engine, TimesBeyondTheTickRangeAreRefused) {
+  EXPECT_EQ(seconds_to_ticks(9.1e6), 9'100'000'000'000'000'000);
+  for (double s : {9.3e6, 1e30, std::numeric_limits<double>::infinity(), std::nan("")})
+    EXPECT_THROW(seconds_to_ticks(s), std::invalid_argument) << s;
+  EXPECT_EQ(add_ticks(5, 7), 12);
+  EXPECT_THROW(add_ticks(std::numeric_limits<Tick>::max() - 3, 4), std::invalid_argument);
+}
+
+// A 1T-parameter model on one GPU rated at 1 GFLOP/s: one forward lasts about 7,000 years.
+// The prediction is refused with std::invalid_argument (a sweep skips the configuration, the
+// CLI calls it bad input). Found with fuzz/fuzz_scenario's UBSan
+// (fuzz/corpus/scenario/regression-tick-overflow.yaml).
+TEST(Engine, PlanFarTooLargeForItsClusterIsRefused) {
+  const Scenario sc = load_scenario_text(R"(
+model: {preset: megatron-1t, seq_length: 4194304}
+cluster:
+  gpu: a100-40gb
+  num_gpus: 1
+  peak_tflops: {fp32: 0.001, tf32: 0.001, fp16: 0.001, bf16: 0.001}
+  compute_efficiency: 0.001
+training: {micro_batch_size: 1, global_batch_size: 1}
+precision: {compute: fp16}
+)");
+  const Plan plan = Plan::from_scenario(sc);
+  try {
+    predict(plan);
+    ADD_FAILURE() << "predicted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("beyond what the simulator represents"), std::string::npos) << e.what();
+  }
+  Predictor predictor;
+  EXPECT_THROW(predictor.evaluate(plan), std::invalid_argument);
+}
+
+// Ops that each fit a Tick but add up past it: the engine's sums are checked too.
+TEST(Engine, StepThatAddsUpPastTheTickRangeIsRefused) {
+  ScenarioConfig c;  // the default model: 24 layers, hidden 1024, sequence 2048
+  c.cluster.num_gpus = c.cluster.gpus_per_node = 1;
+  for (auto& [dtype, tflops] : c.cluster.peak_tflops) tflops = 0.001;
+  c.cluster.compute_efficiency = 0.001;  // 1 MFLOP/s: a forward lasts ~17 days, a backward twice that
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = 64;  // 64 micro-batches: ~9 years in all
+  const Plan plan = Plan::from_config(c);
+  ASSERT_EQ(plan.num_microbatches, 64);
+  try {
+    predict(plan);
+    ADD_FAILURE() << "predicted";
+  } catch (const std::invalid_argument& e) {
+    // The time named is the sum's (just past the range), not one op's.
+    const double s = std::stod(std::string(e.what()).substr(std::string("a simulated time of ").size()));
+    EXPECT_GT(s, kMaxTickSeconds) << e.what();
+    EXPECT_LT(s, kMaxTickSeconds * 1.5) << e.what();
+  }
 }
 
 }  // namespace

@@ -1,15 +1,43 @@
 // The field table: one row per key, parsing driven by it, documentation generated from it.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <fstream>
+#include <limits>
+#include <random>
 #include <set>
 #include <sstream>
+
+#include <fmt/format.h>
 
 #include "core/config_fields.h"
 #include "core/scenario.h"
 
 namespace trainsim {
 namespace {
+
+// A real field's text (format_field_value: sweep tables, CSV columns, the duplicate check of
+// expand_sweep) is fmt's "{:g}", written by write_general6: the same text on values swept in
+// practice, on every power of ten and its neighbours, and on random bit patterns.
+TEST(Fields, RealValuesReadAsFmtGeneralFormat) {
+  std::vector<double> values = {0.0, -0.0, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 1600, 2039, 3350, 25, 50, 1e-3, 1e21,
+                                 std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                                 std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::denorm_min()};
+  for (int e = -30; e <= 30; ++e) {
+    const double p = std::pow(10.0, e);
+    values.insert(values.end(), {p, std::nextafter(p, 0.0), std::nextafter(p, 1e300), 1.5 * p, 9.999995 * p});
+  }
+  std::mt19937_64 rng(19);
+  for (int i = 0; i < 200000; ++i) {
+    const std::uint64_t bits = rng();
+    double x;
+    std::memcpy(&x, &bits, sizeof x);
+    values.push_back(x);
+    values.push_back(std::ldexp(static_cast<double>(rng() >> 11), static_cast<int>(rng() % 100) - 70));
+  }
+  for (double x : values) ASSERT_EQ(format_field_value(FieldValue{x}), fmt::format("{:g}", x)) << fmt::format("{:a}", x);
+}
 
 TEST(Fields, PathsAreUniqueAndEveryRowIsComplete) {
   std::set<std::string> seen;

@@ -247,8 +247,12 @@ TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
     const auto& par = row.point.config.parallelism;
     zero.insert(par.zero_stage);
     sp |= par.sequence_parallel;
-    if (par.sequence_parallel) EXPECT_GT(par.tensor_parallel_size, 1);
-    if (par.zero_stage >= 2) EXPECT_EQ(par.pipeline_parallel_size, 1);
+    if (par.sequence_parallel) {
+      EXPECT_GT(par.tensor_parallel_size, 1);
+    }
+    if (par.zero_stage >= 2) {
+      EXPECT_EQ(par.pipeline_parallel_size, 1);
+    }
     EXPECT_EQ(row.reason.find("DeepSpeed refuses"), std::string::npos);
   }
   EXPECT_EQ(zero, (std::set<int>{0, 1, 2, 3}));

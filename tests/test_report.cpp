@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <map>
+#include <random>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -16,6 +19,7 @@
 
 #include "core/plan.h"
 #include "core/config_fields.h"
+#include "core/report/format.h"
 #include "core/report/report.h"
 #include "sim/simulator.h"
 
@@ -555,6 +559,49 @@ TEST(ResultJson, HasEveryDesignFieldAndMemoryAddsUp) {
     // busy + idle is the step.
     expect_close(r.at("busy_s").get<double>() + r.at("idle_s").get<double>(), j.at("step_time_s").get<double>(), "busy+idle");
   }
+}
+
+// write_general6 (the CSV reports' numbers) writes what fmt's "{:.6g}" writes, on values of
+// every magnitude, random bit patterns, values at and next to a rounding tie (x.5 in the
+// sixth digit), at and next to powers of ten, and the special values.
+TEST(Format, General6EqualsPrintfG6) {
+  std::vector<double> values = {0.0, -0.0, 1.0, -1.0, 0.1, 0.5, 1.5, 2.5, 1e-5, 1e-4, 9.999995e-5, 0.0001, 999999.5,
+                                9999995.0, 123456.5, 1234565.0, 12345650.0, 1e6, 1e15, 1e16, 1e21, 1e22, 1e26, 1e27,
+                                1e-22, 1e-23, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308,
+                                std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                                std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::quiet_NaN()};
+  std::mt19937_64 rng(20261125);
+  std::uniform_real_distribution<double> mantissa(1, 10);
+  std::uniform_int_distribution<int> exponent(-30, 30);
+  std::uniform_int_distribution<std::int64_t> six(100000, 999999);
+  for (int i = 0; i < 400000; ++i) {
+    const double sign = rng() & 1 ? -1 : 1;
+    values.push_back(sign * mantissa(rng) * std::pow(10.0, exponent(rng)));
+    std::uint64_t bits = rng();
+    double any;
+    std::memcpy(&any, &bits, sizeof any);
+    values.push_back(any);
+    // Six digits and a half, scaled: a tie where the scaled value is exact, else within an
+    // ulp of one; and its neighbours.
+    const double e = std::pow(10.0, exponent(rng));
+    const double tie = (static_cast<double>(six(rng)) + 0.5) * e;
+    values.push_back(tie);
+    values.push_back(std::nextafter(tie, 0.0));
+    values.push_back(std::nextafter(tie, 1e300));
+    const double round = static_cast<double>(six(rng)) * e;  // and whole six-digit values
+    values.push_back(round);
+    values.push_back(std::nextafter(round, 0.0));
+    const double power = std::pow(10.0, exponent(rng));
+    values.push_back(std::nextafter(power, 0.0));
+    values.push_back(std::nextafter(power, 1e300));
+  }
+  int wrong = 0;
+  for (double x : values) {
+    char buf[kGeneral6Chars];
+    const std::string got(buf, write_general6(buf, x)), want = fmt::format("{:.6g}", x);
+    if (got != want && ++wrong <= 10) ADD_FAILURE() << fmt::format("{:.17g}: {} instead of {}", x, got, want);
+  }
+  EXPECT_EQ(wrong, 0) << "of " << values.size();
 }
 
 }  // namespace

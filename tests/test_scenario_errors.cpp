@@ -446,6 +446,23 @@ name: second
   EXPECT_CONTAINS(ds[0].message, "2 YAML documents");
 }
 
+// yaml-cpp 0.7's LoadAll never returns on a token its parser neither takes nor refuses (a
+// comma outside brackets): the loader reports it as a syntax error at the comma instead of
+// hanging (found by fuzz/fuzz_scenario; inputs in fuzz/corpus/scenario/regression-*).
+TEST(ScenarioErrors, TokenTheYamlParserCannotPassIsASyntaxErrorNotAHang) {
+  struct Case {
+    std::string text;
+    int line, column;
+  };
+  for (const Case& c : {Case{",", 1, 1}, Case{"!,", 1, 2}, Case{"- a\n- b\n,\n", 3, 1}}) {
+    SCOPED_TRACE("input: " + c.text);
+    auto ds = load_errors(c.text);
+    ASSERT_EQ(ds.size(), 1u) << dump(ds);
+    expect_at(ds[0], c.line, c.column, "");
+    EXPECT_EQ(ds[0].message, "YAML syntax: unexpected ','");
+  }
+}
+
 TEST(ScenarioErrors, FileThatDoesNotExist) {
   const std::string path = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/no-such-scenario.yaml";
   try {

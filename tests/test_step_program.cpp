@@ -8,16 +8,21 @@
 //    configuration, as the prices, the memory, the placement and the schedule change;
 //  * what the cache relies on: changing a field that schedule_key_into clears leaves the
 //    schedule unchanged, and the compute model prices an op without reading its micro-batch,
-//    message, bucket, bytes, peer or dep.
+//    message, bucket, bytes, peer or dep;
+//  * compute_result_into, which reads each rank's ops in one pass, against the passes it
+//    replaced (each figure computed on its own, as they were before), on predicted timelines
+//    and on timelines shaken like measured ones.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
 #include <string>
 
 #include "core/config_fields.h"
+#include "core/metrics.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/p2p_model.h"
@@ -166,6 +171,18 @@ class SizedCollectives final : public CollectiveModel {
   }
 };
 
+void expect_same_figures(const StepFigures& got, const StepFigures& want, const std::vector<int>* same_as) {
+  ASSERT_EQ(got.begin, want.begin);
+  ASSERT_EQ(got.end, want.end);
+  ASSERT_EQ(got.ranks.size(), want.ranks.size());
+  for (std::size_t r = 0; r < got.ranks.size(); ++r) {
+    if (same_as && (*same_as)[r] < static_cast<int>(r)) continue;  // a twin: not read
+    const auto &x = got.ranks[r], &y = want.ranks[r];
+    ASSERT_TRUE(x == y) << "rank " << r << ": busy " << x.busy << " vs " << y.busy << ", collective " << x.collective
+                        << " vs " << y.collective << ", comm " << x.comm << " vs " << y.comm;
+  }
+}
+
 // The engine and the compiled program, on the same schedule, every rank and replica 0 alone.
 TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
   RandomPlans random(20261125);
@@ -222,6 +239,170 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
   EXPECT_GT(replica0, 100);
 }
 
+// Several configurations of one schedule at once (run_lanes): each lane's Timeline is the one
+// run() gives with that lane's prices, and the engine's, for every rank and for replica 0
+// alone, with 1 to 4 lanes.
+TEST(StepProgram, LanesEqualRunOnePerConfiguration) {
+  RandomPlans random(20261130);
+  int compared = 0;
+  Simulation sim;
+  StepProgram program;
+  std::string where;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    const int n = random.pick({1, 2, 3, 4});
+    std::vector<Plan> plans;
+    for (int j = 0; j < n; ++j) {
+      ScenarioConfig priced = *c;
+      if (j > 0) random.reprice(priced);
+      try {
+        plans.push_back(Plan::from_config(priced));
+      } catch (const ScenarioError&) {
+        break;
+      }
+    }
+    const int lanes = static_cast<int>(plans.size());
+    std::vector<std::unique_ptr<RooflineComputeModel>> compute;
+    std::vector<std::unique_ptr<LinkP2PModel>> p2p;
+    std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
+    std::vector<const RooflineComputeModel*> cs;
+    std::vector<const LinkP2PModel*> ps;
+    std::vector<const NetworkCollectiveModel*> ks;
+    for (const Plan& plan : plans) {
+      compute.push_back(std::make_unique<RooflineComputeModel>(plan));
+      p2p.push_back(std::make_unique<LinkP2PModel>(plan));
+      collective.push_back(std::make_unique<NetworkCollectiveModel>(plan));
+      cs.push_back(compute.back().get());
+      ps.push_back(p2p.back().get());
+      ks.push_back(collective.back().get());
+    }
+    for (const bool replica0 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "trial " << trial << ", " << lanes << " lanes"
+                                        << (replica0 ? ", replica 0" : ""));
+      auto s = std::make_shared<Schedule>();
+      if (replica0)
+        build_replica0_into(plans[0], *s);
+      else
+        build_schedule_into(plans[0], *s);
+      if (!program.compile(s, replica0)) continue;
+      std::vector<Timeline> got(static_cast<std::size_t>(lanes));
+      std::vector<Timeline*> out;
+      for (auto& t : got) out.push_back(&t);
+      program.run_lanes(cs.data(), ps.data(), ks.data(), out.data(), lanes);
+      // And the figures alone (run_lanes_figures), lane by lane those of run_figures.
+      std::vector<StepFigures> figures(static_cast<std::size_t>(lanes));
+      std::vector<StepFigures*> figures_out;
+      for (auto& f : figures) figures_out.push_back(&f);
+      ResultWorkspace ws;
+      const bool pipelined = plans[0].pp > 1;
+      ASSERT_TRUE(program.run_lanes_figures(cs.data(), ps.data(), ks.data(), pipelined, figures_out.data(), ws, lanes));
+      for (int j = 0; j < lanes; ++j) {
+        StepFigures want;
+        ASSERT_TRUE(program.run_figures(*cs[j], *ps[j], *ks[j], pipelined, want, ws));
+        SCOPED_TRACE(::testing::Message() << "figures of lane " << j);
+        expect_same_figures(figures[j], want, nullptr);
+      }
+      for (int j = 0; j < lanes; ++j) {
+        Timeline want, engine;
+        program.run(*cs[j], *ps[j], *ks[j], want);
+        ASSERT_TRUE(same_timeline(got[j], want, &where)) << "lane " << j << ": " << where;
+        EXPECT_EQ(got[j].schedule, want.schedule);
+        if (replica0)
+          ASSERT_TRUE(sim.run_replica0(s, *cs[j], *ps[j], *ks[j], engine));
+        else
+          sim.run(s, *cs[j], *ps[j], *ks[j], engine, false);
+        ASSERT_TRUE(same_timeline(got[j], engine, &where)) << "lane " << j << " against the engine: " << where;
+      }
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 200);
+}
+
+// The figures compute_result_into reads from a Timeline (the step's span; each rank's busy,
+// collective and exposed-communication ticks), read from the program's cells by run_figures
+// without a Timeline: equal to those of run()'s Timeline, for every rank and for replica 0
+// alone (its ranks; the others are twins), with the default prices and with prices that
+// differ per rank, chunk and link, on random plans whose compute streams wait for ZeRO
+// gathers, found-inf checks and gradient reductions.
+TEST(StepProgram, FiguresEqualThoseOfItsTimelineOnRandomPlans) {
+  RandomPlans random(20261201);
+  int compared = 0, replica0 = 0, exposed = 0;
+  StepProgram program;
+  Timeline timeline;
+  StepFigures got;
+  ResultWorkspace ws, scratch;
+  Result result;
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
+                                      << " p=" << c->parallelism.pipeline_parallel_size
+                                      << " d=" << c->parallelism.data_parallel_size
+                                      << " zero=" << c->parallelism.zero_stage);
+    const Plan plan = Plan::from_config(*c);
+    const RooflineComputeModel compute(plan);
+    const LinkP2PModel p2p(plan);
+    const NetworkCollectiveModel collective(plan);
+    const RankedCompute ranked_compute;
+    const RankedP2P ranked_p2p;
+    const SizedCollectives sized;
+    const CostModels ranked{&ranked_compute, &ranked_p2p, &sized};
+    std::vector<int> same_as(static_cast<std::size_t>(plan.num_ranks()));
+    for (int r = 0; r < plan.num_ranks(); ++r) same_as[r] = plan.rank_of(plan.stage_of(r), 0);
+    for (const bool half : {false, true}) {
+      auto s = std::make_shared<Schedule>();
+      if (half)
+        build_replica0_into(plan, *s);
+      else
+        build_schedule_into(plan, *s);
+      if (!program.compile(s, half)) continue;
+      const std::vector<int>* twins = half ? &same_as : nullptr;
+      for (const bool by_rank : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << (half ? "replica 0" : "every rank")
+                                          << (by_rank ? ", ranked prices" : ", default prices"));
+        if (by_rank) {
+          ASSERT_TRUE(program.run_figures(ranked, plan.pp > 1, got, scratch));
+          program.run(ranked, timeline);
+        } else {
+          ASSERT_TRUE(program.run_figures(compute, p2p, collective, plan.pp > 1, got, scratch));
+          program.run(compute, p2p, collective, timeline);
+        }
+        compute_result_into(plan, timeline, {}, result, ws, twins);
+        expect_same_figures(got, ws.figures, twins);
+        if (HasFailure()) return;
+        exposed += std::any_of(got.ranks.begin(), got.ranks.end(), [](const auto& f) { return f.comm > 0; });
+      }
+      ++(half ? replica0 : compared);
+    }
+  }
+  EXPECT_GT(compared, 250);
+  EXPECT_GT(replica0, 100);
+  EXPECT_GT(exposed, 100);  // idle time waiting for collectives, split gap by gap
+}
+
+// A price below zero breaks the order of a stream's intervals that run_figures relies on: it
+// refuses, and the caller takes the Timeline.
+TEST(StepProgram, FiguresRefuseANegativePrice) {
+  class Negative final : public P2PModel {
+   public:
+    Tick duration(int, int, Bytes) const override { return -5; }
+  };
+  const Plan plan = Plan::from_config(testing::small_config(2, 4, ScheduleKind::one_f_one_b, 1, 1));
+  auto s = std::make_shared<const Schedule>(build_schedule(plan));
+  StepProgram program;
+  ASSERT_TRUE(program.compile(s, false));
+  const RankedCompute compute;
+  const Negative p2p;
+  const SizedCollectives coll;
+  StepFigures figures;
+  ResultWorkspace ws;
+  EXPECT_FALSE(program.run_figures(CostModels{&compute, &p2p, &coll}, true, figures, ws));
+  const RankedP2P positive;
+  EXPECT_TRUE(program.run_figures(CostModels{&compute, &positive, &coll}, true, figures, ws));
+}
+
 // Hand-built schedules the generator never makes: an op whose dep is a receive, a local
 // check, a collective of one member, and a deadlock (not compiled: the engine reports it).
 TEST(StepProgram, UnusualSchedulesAndDeadlocks) {
@@ -257,6 +438,16 @@ TEST(StepProgram, UnusualSchedulesAndDeadlocks) {
   program.run(models, got);
   std::string where;
   EXPECT_TRUE(same_timeline(got, simulate_schedule(s, models), &where)) << where;
+  for (const bool pipelined : {false, true}) {  // and the figures read from the cells alone
+    StepFigures figures;
+    ResultWorkspace ws;
+    Result result;
+    ASSERT_TRUE(program.run_figures(models, pipelined, figures, ws));
+    Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::gpipe, 1, 1));
+    if (!pipelined) plan.pp = 1;
+    compute_result_into(plan, got, {}, result, ws);
+    expect_same_figures(figures, ws.figures, nullptr);
+  }
 
   auto dead = std::make_shared<Schedule>(*s);
   dead->ranks[0].ops.pop_back();  // the send is gone: the receive waits for ever
@@ -312,6 +503,49 @@ TEST(Predictor, EvaluateEqualsPredictAcrossSchedulesAndPrices) {
   EXPECT_GT(replicated, 150);
   EXPECT_GT(not_fitting, 50);
   EXPECT_GT(revisited, 30);
+}
+
+// evaluate_batch: plans a few at a time, as a sweep worker takes them (several prices of one
+// schedule, schedules met once, revisited or compiled within the batch, batches of 1 to 4),
+// each Result predict()'s whole, and evaluate() in between leaves it so.
+TEST(Predictor, EvaluateBatchEqualsPredict) {
+  RandomPlans random(20261202);
+  Predictor predictor;
+  std::vector<ScenarioConfig> drawn;
+  while (drawn.size() < 60)
+    if (auto c = random.next()) drawn.push_back(*c);
+  int compared = 0, lanes = 0;
+  for (int batch = 0; batch < 400; ++batch) {
+    const int n = random.pick({1, 2, 3, 4, 4, 4});
+    std::vector<Plan> plans;
+    const ScenarioConfig& base = drawn[static_cast<std::size_t>(batch / 5) % drawn.size()];
+    for (int j = 0; j < n; ++j) {
+      ScenarioConfig c = random.pick({0, 0, 0, 1}) ? drawn[static_cast<std::size_t>(random.pick({0, 7, 13, 29}) + batch) %
+                                                           drawn.size()]
+                                                   : base;
+      random.reprice(c);
+      try {
+        plans.push_back(Plan::from_config(c));
+      } catch (const ScenarioError&) {
+      }
+    }
+    std::vector<const Plan*> in;
+    for (const Plan& p : plans) in.push_back(&p);
+    std::vector<const Result*> out(in.size());
+    predictor.evaluate_batch(in.data(), static_cast<int>(in.size()), out.data());
+    for (std::size_t j = 0; j < in.size(); ++j) {
+      SCOPED_TRACE(::testing::Message() << "batch " << batch << " plan " << j << ": "
+                                        << schedule_name(plans[j].config.parallelism.schedule) << " p=" << plans[j].pp
+                                        << " d=" << plans[j].dp);
+      expect_same_result(*out[j], predict(plans[j]).result);
+      if (HasFailure()) return;
+      ++compared;
+    }
+    lanes += in.size() > 1;
+    if (batch % 13 == 0 && !plans.empty()) expect_same_result(predictor.evaluate(plans[0]), predict(plans[0]).result);
+  }
+  EXPECT_GT(compared, 1000);
+  EXPECT_GT(lanes, 250);
 }
 
 // ---- What the cache relies on --------------------------------------------------------
@@ -450,6 +684,218 @@ TEST(StepProgram, ComputePriceReadsOnlyKindChunkWorkAndRank) {
       }
   }
   EXPECT_GT(ops, 10000);
+}
+
+// ---- The Result's per-rank figures, one pass against several ------------------------------
+
+// The figures compute_result_into derives from a timeline, each computed on its own the way
+// core/metrics.cpp did before it read a rank's ops in one pass (the definitions, written
+// plainly): the step from Timeline::begin() and end(); busy time; collective time; and the
+// idle time split, gap by gap, with every collective of the rank known.
+namespace reference {
+
+std::vector<OpTiming> merged(std::vector<OpTiming> v) {
+  std::sort(v.begin(), v.end(), [](const OpTiming& a, const OpTiming& b) { return a.start < b.start; });
+  std::vector<OpTiming> out;
+  for (const auto& x : v) {
+    if (x.end <= x.start) continue;
+    if (!out.empty() && x.start <= out.back().end)
+      out.back().end = std::max(out.back().end, x.end);
+    else
+      out.push_back(x);
+  }
+  return out;
+}
+
+Tick covered(Tick a, Tick b, const std::vector<OpTiming>& m) {
+  Tick total = 0;
+  for (const auto& x : m) {
+    const Tick lo = std::max(a, x.start), hi = std::min(b, x.end);
+    if (hi > lo) total += hi - lo;
+  }
+  return total;
+}
+
+struct Figures {
+  Tick busy = 0, collective = 0, comm = 0;
+};
+
+Figures rank_figures(const RankProgram& prog, const std::vector<OpTiming>& times, Tick begin, Tick end,
+                     bool pipelined) {
+  Figures f;
+  std::vector<int> coll_index;
+  std::vector<OpTiming> colls;
+  for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+    const OpKind kind = prog.ops[i].kind;
+    if (is_compute(kind)) f.busy += times[i].end - times[i].start;
+    if (is_collective(kind)) {
+      coll_index.push_back(static_cast<int>(i));
+      colls.push_back(times[i]);
+      if (kind != OpKind::OverflowCheck) f.collective += times[i].end - times[i].start;
+    }
+  }
+  auto other_ranks = [&](Tick len) {
+    if (!pipelined) f.comm += len;
+  };
+  Tick cursor = begin;
+  for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+    const Op& op = prog.ops[i];
+    if (!is_compute(op.kind) && !is_recv(op.kind)) continue;
+    const OpTiming& t = times[i];
+    if (t.start > cursor) {
+      const Tick g0 = cursor, g1 = t.start;
+      if (op.dep >= 0 && is_collective(prog.ops[static_cast<std::size_t>(op.dep)].kind)) {
+        auto k = static_cast<std::size_t>(std::find(coll_index.begin(), coll_index.end(), op.dep) - coll_index.begin());
+        Tick hi = g1;
+        while (k < coll_index.size()) {
+          const OpTiming& c = times[coll_index[k]];
+          const Tick lo = std::max(g0, c.start), up = std::min(hi, c.end);
+          if (up > lo) f.comm += up - lo;
+          hi = std::min(hi, c.start);
+          if (hi <= g0 || k == 0 || times[coll_index[k - 1]].end < c.start) break;
+          --k;
+        }
+        if (hi > g0) other_ranks(hi - g0);
+      } else {
+        other_ranks(g1 - g0);
+      }
+    }
+    cursor = std::max(cursor, t.end);
+  }
+  if (end > cursor) {
+    const Tick own = covered(cursor, end, merged(colls));
+    f.comm += own;
+    other_ranks(end - cursor - own);
+  }
+  return f;
+}
+
+}  // namespace reference
+
+// compute_result_into's step and per-rank figures equal the reference's, for every rank of
+// `tl` (or, with same_as, for the ranks it simulated; their twins copy them), with and
+// without the schedule's ResultIndex.
+void expect_reference_figures(const Plan& plan, const Timeline& tl, const std::vector<int>* same_as) {
+  Result got, indexed;
+  ResultWorkspace ws;
+  compute_result_into(plan, tl, {}, got, ws, same_as);
+  ResultIndex index;  // what a sweep passes with each timeline of a schedule: the same Result
+  result_index_into(*tl.schedule, index);
+  compute_result_into(plan, tl, {}, indexed, ws, same_as, &index);
+  ASSERT_TRUE(indexed == got);
+  Timeline simulated = tl;  // Timeline::begin() and end() over the ranks that are not twins
+  if (same_as)
+    for (std::size_t r = 0; r < simulated.ops.size(); ++r)
+      if ((*same_as)[r] < static_cast<int>(r)) simulated.ops[r].clear();
+  const Tick t0 = simulated.begin(), step = simulated.end() - t0;
+  ASSERT_EQ(got.step_time_s, ticks_to_seconds(step));
+  const Schedule& s = *tl.schedule;
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) {
+    const std::size_t from = same_as ? static_cast<std::size_t>((*same_as)[r]) : r;
+    const auto want = reference::rank_figures(s.ranks[from], tl.ops[from], t0, t0 + step, plan.pp > 1);
+    const RankResult& rr = got.ranks[r];
+    ASSERT_EQ(rr.busy_s, ticks_to_seconds(want.busy)) << "rank " << r;
+    ASSERT_EQ(rr.allreduce_s, ticks_to_seconds(want.collective)) << "rank " << r;
+    ASSERT_EQ(rr.exposed_comm_s, ticks_to_seconds(want.comm)) << "rank " << r;
+    ASSERT_EQ(rr.pipeline_bubble_s, ticks_to_seconds(std::max<Tick>(0, step - want.busy - want.comm))) << "rank " << r;
+  }
+}
+
+// Predicted timelines of random plans, and the same timelines shaken: every op's start and
+// end moved at random (some ops ending before they start, some collectives overlapping), so
+// that gaps open before compute ops, receives and ops that wait for collectives, as measured
+// timelines have them.
+TEST(ComputeResult, OnePassEqualsTheFiguresComputedOneByOne) {
+  RandomPlans random(20261129);
+  std::mt19937 shake(7);
+  int compared = 0, with_gaps = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(c->parallelism.schedule)
+                                      << " p=" << c->parallelism.pipeline_parallel_size
+                                      << " d=" << c->parallelism.data_parallel_size
+                                      << " zero=" << c->parallelism.zero_stage);
+    const Plan plan = Plan::from_config(*c);
+    const Prediction p = predict(plan);
+    std::vector<int> same_as(p.schedule->ranks.size());
+    for (std::size_t r = 0; r < same_as.size(); ++r) same_as[r] = plan.rank_of(plan.stage_of(static_cast<int>(r)), 0);
+    expect_reference_figures(plan, p.timeline, nullptr);
+    expect_reference_figures(plan, p.timeline, &same_as);
+    Timeline shaken = p.timeline;
+    const Tick span = std::max<Tick>(1, p.timeline.end() - p.timeline.begin());
+    std::uniform_int_distribution<Tick> jitter(-span / 50, span / 50);
+    std::uniform_int_distribution<int> percent(0, 99);
+    for (auto& row : shaken.ops)
+      for (auto& t : row) {
+        if (percent(shake) < 30) t.start += jitter(shake);
+        if (percent(shake) < 30) t.end += jitter(shake);
+      }
+    expect_reference_figures(plan, shaken, nullptr);
+    expect_reference_figures(plan, shaken, &same_as);
+    if (HasFailure()) return;
+    ++compared;
+    const Result r = compute_result(plan, shaken, {});
+    with_gaps += std::any_of(r.ranks.begin(), r.ranks.end(), [](const RankResult& x) { return x.exposed_comm_s > 0; });
+  }
+  EXPECT_GT(compared, 150);
+  EXPECT_GT(with_gaps, 50);
+}
+
+// One workspace reused result after result, as a sweep worker's is: the memory warnings it
+// keeps from the last result are those a fresh workspace writes, whether the memory, the
+// capacity or the ranks changed in between or not.
+TEST(ComputeResult, AReusedWorkspaceWritesEachResultsMemoryWarnings) {
+  RandomPlans random(20261203);
+  ResultWorkspace ws;
+  Result reused;
+  int compared = 0, over = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto c = random.next();
+    if (!c) continue;
+    const Prediction p = predict(Plan::from_config(*c));
+    for (const double gib : {0.001, 0.001, 0.08, 1e9, 0.08}) {
+      ScenarioConfig priced = *c;
+      priced.cluster.memory_gib = gib;
+      const Plan plan = Plan::from_config(priced);
+      compute_result_into(plan, p.timeline, p.memory, reused, ws);
+      const Result fresh = compute_result(plan, p.timeline, p.memory);
+      expect_same_result(reused, fresh);
+      if (HasFailure()) return;
+      ++compared;
+      over += !fresh.fits_in_memory;
+    }
+  }
+  EXPECT_GT(compared, 500);
+  EXPECT_GT(over, 100);
+}
+
+// An op whose dependency is a collective later in its rank's program (build_schedule makes
+// none): its gap is split with every collective of the rank known, as before.
+TEST(ComputeResult, GapBeforeAnOpWaitingForALaterCollective) {
+  const Plan plan = Plan::from_config(testing::small_config(1, 1, ScheduleKind::gpipe, 1, 1));
+  auto s = std::make_shared<Schedule>();
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 64, {0}});
+  s->collectives.push_back({OpKind::AllReduce, CollectivePurpose::gradients, 64, {0}});
+  RankProgram prog;
+  Op first, fwd, second;
+  first.kind = second.kind = OpKind::AllReduce;
+  first.channel = 0;
+  second.channel = 1;
+  fwd.kind = OpKind::Forward;
+  fwd.chunk = 0;
+  fwd.dep = 2;
+  prog.ops = {first, fwd, second};
+  s->ranks.push_back(prog);
+  Timeline tl;
+  tl.schedule = s;
+  tl.ops = {{{0, 10}, {50, 60}, {30, 45}}};
+  expect_reference_figures(plan, tl, nullptr);
+  // The gap [0, 50) before the forward: the collective it waits for runs 30-45, the one ahead
+  // of it on the stream ended at 10 (so the wait before 30 was for other ranks: with one
+  // stage, communication).
+  const Result r = compute_result(plan, tl, {});
+  EXPECT_EQ(r.ranks[0].exposed_comm_s, ticks_to_seconds(45));
 }
 
 }  // namespace

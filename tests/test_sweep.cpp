@@ -152,6 +152,33 @@ sweep:
   EXPECT_EQ(seen.size(), points.size());
 }
 
+// Configurations that end up identical in every field (as format_field_value writes them,
+// which keeps six significant digits) are kept once, the first in expansion order, and the
+// others renumbered; a configuration whose value was refused keeps its own row per error.
+TEST(SweepExpand, IdenticalConfigurationsAreKeptOnce) {
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  training.micro_batch_size: [1, 2, 1]
+  cluster.compute_efficiency: [0.5, 0.50000001, 0.6]
+  communication.overlap_grad_reduce: [false, true]
+)");
+  const auto points = expand_sweep(sc);
+  ASSERT_EQ(points.size(), 2u * 2u * 2u);  // micro-batch 1 twice, 0.5 and 0.50000001 read the same
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    EXPECT_EQ(points[i].index, i);
+    EXPECT_EQ(points[i].config.training.micro_batch_size, i < 4 ? 1 : 2) << i;
+    EXPECT_EQ(points[i].config.cluster.compute_efficiency, i % 4 < 2 ? 0.5 : 0.6) << i;  // the first kept
+    EXPECT_EQ(points[i].config.communication.overlap_grad_reduce, i % 2 == 1) << i;
+  }
+  // An adjustment that makes configurations identical (plan's precision fixes do) drops them too.
+  const auto adjusted = expand_sweep(sc, [](ScenarioConfig& c) { c.communication.overlap_grad_reduce = true; });
+  ASSERT_EQ(adjusted.size(), 2u * 2u);
+  for (std::size_t i = 0; i < adjusted.size(); ++i) {
+    EXPECT_EQ(adjusted[i].index, i);
+    EXPECT_TRUE(std::get<bool>(adjusted[i].values[2].second));
+  }
+}
+
 TEST(SweepExpand, GeneratedAxesFollowTheGlobalBatch) {
   const Scenario sc = postmortem_with(R"(
 sweep:
@@ -410,6 +437,46 @@ TEST(SweepRun, IdenticalOutputWhateverTheThreadCount) {
   }
 }
 
+// A sweep worker evaluates its rows a few at a time (evaluate_rows, simulated ones
+// batched in the Predictor): the same rows, every field the reports write, as
+// evaluate_configuration one by one, with invalid, out-of-memory and constrained rows among them.
+TEST(SweepRun, RowsInBatchesEqualRowsOneByOne) {
+  // Neighbours that differ only in prices (the efficiency, last) are stepped together.
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  parallelism.schedule: [gpipe, 1f1b, zb-h1]
+  training.micro_batch_size: [1, 2, 3]
+  communication.overlap_grad_reduce: [false, true]
+  cluster.memory_gib: [12, 40]
+  cluster.compute_efficiency: [0.5, 0.55, 0.6, 0.65, 0.7]
+constraints:
+  max_micro_batch_size: 1
+)");
+  SweepOptions o;
+  o.threads = 1;
+  const SweepResult batched = run_sweep(sc, o);
+  SweepResult single;
+  single.keys = sweep_keys(sc);
+  Predictor predictor;
+  for (const SweepConfiguration& p : expand_sweep(sc))
+    single.rows.push_back(evaluate_configuration(predictor, p, sc.constraints));
+  rank_rows(single);
+  ASSERT_EQ(single.rows.size(), batched.rows.size());
+  EXPECT_GT(batched.counts.ok, 0u);
+  EXPECT_GT(batched.counts.invalid, 0u);
+  EXPECT_GT(batched.counts.out_of_memory, 0u);
+  EXPECT_GT(batched.counts.constraint, 0u);
+  EXPECT_EQ(sweep_to_json(single, sc).dump(2), sweep_to_json(batched, sc).dump(2));
+  std::ostringstream a, b;
+  write_sweep_csv(single, a);
+  write_sweep_csv(batched, b);
+  EXPECT_EQ(a.str(), b.str());
+  for (std::size_t i = 0; i < single.rows.size(); ++i) {
+    EXPECT_EQ(single.rows[i].reason, batched.rows[i].reason) << i;
+    EXPECT_EQ(single.rows[i].warnings, batched.rows[i].warnings) << i;
+  }
+}
+
 TEST(SweepRun, CountsRankingAndOrderAreConsistent) {
   const Scenario sc = postmortem_with(kSweep);
   std::size_t progress_calls = 0, last_done = 0;
@@ -471,6 +538,65 @@ std::vector<std::size_t> brute_front(const std::vector<SweepRow>& rows) {
   return out;
 }
 
+// setup_groups against its definition written plainly: rows grouped by the text of their
+// setup values (cluster.*, model.*), groups in the order first met, each group's best the
+// first of its rows in the ranking; setup keys swept outermost, innermost and in between.
+TEST(SweepSetups, GroupsMatchTheirDefinition) {
+  for (const char* axes : {R"(
+sweep:
+  cluster.gpu: [a100-80gb, h100-80gb]
+  training.micro_batch_size: [1, 2]
+  cluster.compute_efficiency: [0.5, 0.6, 0.7]
+)",
+                           R"(
+sweep:
+  training.activation_recompute: [none, full]
+  cluster.memory_gib: [20, 40, 80]
+  communication.overlap_grad_reduce: [false, true]
+  cluster.inter_node.bandwidth_gbps: [12.5, 25]
+)",
+                           R"(
+sweep:
+  training.micro_batch_size: [1, 2]
+)"}) {
+    SCOPED_TRACE(axes);
+    const Scenario sc = postmortem_with(axes);
+    const SweepResult r = run_sweep(sc);
+    std::vector<std::string> names;
+    std::vector<SetupGroup> want;
+    auto text = [&](const SweepRow& row) {
+      std::string t;
+      for (std::size_t k = 0; k < r.keys.size(); ++k)
+        if (is_setup_key(r.keys[k])) t += format_field_value(row.point.values[k].second) + "|";
+      return t;
+    };
+    for (std::size_t i = 0; i < r.rows.size(); ++i) {
+      const std::string t = text(r.rows[i]);
+      auto it = std::find(names.begin(), names.end(), t);
+      if (it == names.end()) {
+        names.push_back(t);
+        SetupGroup g;
+        for (std::size_t k = 0; k < r.keys.size(); ++k)
+          if (is_setup_key(r.keys[k])) g.values.push_back(r.rows[i].point.values[k]);
+        want.push_back(g);
+        it = names.end() - 1;
+      }
+      want[static_cast<std::size_t>(it - names.begin())].rows.push_back(i);
+    }
+    for (std::size_t i : r.ranking) {
+      auto& g = want[static_cast<std::size_t>(std::find(names.begin(), names.end(), text(r.rows[i])) - names.begin())];
+      if (!g.best) g.best = i;
+    }
+    const std::vector<SetupGroup> got = setup_groups(r);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t g = 0; g < got.size(); ++g) {
+      EXPECT_EQ(got[g].values, want[g].values) << g;
+      EXPECT_EQ(got[g].rows, want[g].rows) << g;
+      EXPECT_EQ(got[g].best, want[g].best) << g;
+    }
+  }
+}
+
 TEST(SweepPareto, MatchesBruteForceOnARealSweep) {
   const SweepResult r = run_sweep(postmortem_with(kSweep));
   std::vector<std::size_t> got = r.pareto, want = brute_front(r.rows);
@@ -505,6 +631,40 @@ TEST(SweepPareto, MatchesBruteForceWithTiesAndInfeasibleRows) {
 }
 
 // ---- reports ----------------------------------------------------------------------------------
+
+// The CSV's value columns are each value's text (format_field_value), whatever the writer
+// keeps of the cells it wrote: a column of more distinct values than it keeps, values equal
+// to six digits, and 0 beside -0.
+TEST(SweepReport, CsvValueColumnsAreTheValuesText) {
+  std::string efficiencies;
+  for (int k = 0; k < 40; ++k) efficiencies += fmt::format("{}{}", k ? ", " : "", 0.3 + 0.01 * k);
+  const Scenario sc = postmortem_with(fmt::format(R"(
+sweep:
+  cluster.compute_efficiency: [{}, 0.5000001]
+  training.micro_batch_size: [1, 2]
+  cluster.price_per_gpu_hour: [0.0, -0.0, 2.5]
+)",
+                                                  efficiencies));
+  const SweepResult r = run_sweep(sc);
+  std::ostringstream csv;
+  write_sweep_csv(r, csv);
+  std::istringstream in(csv.str());
+  std::string line;
+  std::getline(in, line);  // the head
+  std::size_t lines = 0;
+  for (std::size_t at = 0; std::getline(in, line); ++at) {
+    std::vector<std::string> cells;
+    std::stringstream fields(line);
+    for (std::string c; cells.size() < 2 + r.keys.size() && std::getline(fields, c, ',');) cells.push_back(c);
+    const SweepRow& row = r.rows[r.order[at]];
+    ASSERT_EQ(cells[1], std::to_string(r.order[at]));
+    for (std::size_t k = 0; k < r.keys.size(); ++k)
+      ASSERT_EQ(cells[2 + k], format_field_value(row.point.values[k].second)) << "row " << r.order[at] << " " << r.keys[k];
+    ++lines;
+  }
+  EXPECT_EQ(lines, r.rows.size());
+  EXPECT_GT(r.rows.size(), 200u);
+}
 
 TEST(SweepReport, JsonCsvAndSvgHoldEveryConfiguration) {
   const Scenario sc = postmortem_with(kSweep);

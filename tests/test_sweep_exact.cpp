@@ -29,6 +29,20 @@ TEST(SweepExact, EveryRowOfTheBenchmarkIsAFullSimulation) {
     ASSERT_TRUE(got == want.result) << "step " << got.step_time_s << " vs " << want.result.step_time_s;
   }
 
+  // Four at a time, as a sweep worker evaluates them (Predictor::evaluate_batch).
+  Predictor batched;
+  for (std::size_t i = 0; i < points.size(); i += Predictor::kMaxBatch) {
+    std::vector<Plan> plans;
+    for (std::size_t j = i; j < std::min(points.size(), i + Predictor::kMaxBatch); ++j)
+      plans.push_back(Plan::from_config(points[j].config));
+    std::vector<const Plan*> in;
+    for (const Plan& p : plans) in.push_back(&p);
+    std::vector<const Result*> out(in.size());
+    batched.evaluate_batch(in.data(), static_cast<int>(in.size()), out.data());
+    for (std::size_t j = 0; j < in.size(); ++j)
+      ASSERT_TRUE(*out[j] == predict(plans[j]).result) << "configuration " << i + j << ", four at a time";
+  }
+
   SweepOptions options;
   options.threads = 2;
   const SweepResult sweep = run_sweep(scenario, options);

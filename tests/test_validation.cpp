@@ -219,6 +219,87 @@ TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {
   fs::remove_all(dir);
 }
 
+// What a malformed profile gets: a std::runtime_error that names the file and line. yaml-cpp's
+// own exceptions (no file) escaped before when a section had the wrong shape (found by
+// fuzz/fuzz_profile: fuzz/corpus/profile/regression-invalid-node-without-file).
+std::string profile_error(const std::string& text) {
+  try {
+    load_profile_text(text, "p.yaml");
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "loaded:\n" << text;
+  return "";
+}
+
+TEST(HardwareProfile, SectionsOfTheWrongShapeAreRefusedWithTheFileAndLine) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"\xb0*ib:\nkernels:\n:\n\xb6", "p.yaml:3: kernels must be a list"},
+      {"kernels: 3\n", "p.yaml:1: kernels must be a list"},
+      {"kernels: [[1]]\n", "p.yaml:1: a kernels entry must be a map of keys"},
+      {"kernels: []\np2p: [1, 2]\n", "p.yaml:2: p2p must be a map of keys"},
+      {"kernels: []\nallreduce: {ranks: 2}\n", "p.yaml:2: allreduce must be a list"},
+      {"kernels: []\nallreduce: [3]\n", "p.yaml:2: an allreduce entry must be a map of keys"},
+      {"kernels: []\ncore_factors: {a: 1}\n", "p.yaml:2: core_factors must be a list"},
+      {"kernels: []\ncore_factors: [[1]]\n", "p.yaml:2: core_factors holds numbers"},
+      {"kernels: []\ncomposition: [1]\n", "p.yaml:2: composition must be a map of keys"},
+      {"kernels: []\np2p: {table: 5}\n", "p.yaml:2: table must be a list"},
+      {"kernels: []\np2p: {table: [[1, [2]]]}\n", "p.yaml:2: a table row is [bytes, us]"},
+      {"kernels: []\np2p: {table: [[1, x]]}\n", "p.yaml:2: a table row is [bytes, us], two numbers"},
+      {"kernels: [{kernel: k, m: [1]}]\n", "p.yaml:1: m is not a valid value"},
+      {"kernels: [{kernel: k, dtype: {a: 1}}]\n", "p.yaml:1: dtype is not a valid value"},
+  };
+  for (const auto& [text, message] : cases) {
+    SCOPED_TRACE(text);
+    EXPECT_EQ(profile_error(text), message);
+  }
+}
+
+// Values no calibration writes and the cost models cannot price are refused at load time
+// with the key and the accepted range. Before, a group size of INT_MIN overflowed a signed
+// subtraction in allreduce_seconds, and NaN or infinite times reached the cost models.
+TEST(HardwareProfile, ValuesTheCostModelsCannotPriceAreRefused) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"kernels: []\nallreduce: [{ranks: -2147483648}, {ranks: 5}]\n",
+       "p.yaml:2: ranks must be between 1 and 1048576, got -2147483648"},
+      {"kernels: []\nallreduce: [{latency_us: 1}]\n", "p.yaml:2: an allreduce entry needs its group size (ranks)"},
+      {"kernels: []\np2p: {latency_us: .nan}\n", "p.yaml:2: latency_us must be between 0 and 1e+12, got nan"},
+      {"kernels: []\np2p: {bandwidth_gbps: -1}\n", "p.yaml:2: bandwidth_gbps must be between 0 and 1e+09, got -1"},
+      {"kernels: []\np2p: {table: [[0, 1]]}\n", "p.yaml:2: table row bytes must be between 1 and 1e+18, got 0"},
+      {"kernels: []\np2p: {table: [[8, -1]]}\n", "p.yaml:2: table row us must be 0 or between 1e-06 and 1e+12, got -1"},
+      {"kernels: []\np2p: {table: [[8, 1e-9]]}\n", "p.yaml:2: table row us must be 0 or between 1e-06 and 1e+12, got 1e-09"},
+      {"kernels: [{kernel: k, us: .inf}]\n", "p.yaml:1: us must be 0 or between 1e-06 and 1e+12, got inf"},
+      {"kernels: [{kernel: k, us: 1e-320}]\n", "p.yaml:1: us must be 0 or between 1e-06 and 1e+12, got 1e-320"},
+      {"kernels: [{kernel: k, us: -2}]\n", "p.yaml:1: kernel k has a negative time (us)"},
+      {"kernels: [{kernel: k, m: -4}]\n", "p.yaml:1: m must be between 0 and 1099511627776, got -4"},
+      {"kernels: [{kernel: k, batch: 0}]\n", "p.yaml:1: batch must be between 1 and 1099511627776, got 0"},
+      {"kernels: [{kernel: k, bytes: .nan}]\n", "p.yaml:1: bytes must be 0 or between 1 and 1e+18, got nan"},
+      // Found by fuzz/fuzz_profile (fuzz/corpus/profile/regression-denormal-bytes): a kernel that
+      // moved 1e-320 bytes priced another size of it at an infinite time.
+      {"kernels: [{kernel: k, bytes: 1e-320, us: 17.9}]\n", "p.yaml:1: bytes must be 0 or between 1 and 1e+18, got 1e-320"},
+      {"kernels: []\ncore_factors: [1, 0]\n", "p.yaml:2: a core factor must be between 1e-06 and 1e+06, got 0"},
+      {"kernels: []\ncomposition: {forward: 0}\n", "p.yaml:2: forward must be between 1e-06 and 1e+06, got 0"},
+      {"kernels: []\nranks_per_node: 0\n", "p.yaml:2: ranks_per_node must be between 1 and 1048576, got 0"},
+      {"kernels: []\nmemory_gib: -1\n", "p.yaml:2: memory_gib must be between 0 and 1e+09, got -1"},
+  };
+  for (const auto& [text, message] : cases) {
+    SCOPED_TRACE(text);
+    EXPECT_EQ(profile_error(text), message);
+  }
+}
+
+// A table row at zero time (written by hand, or a clock too coarse for the smallest size) has no
+// logarithm: the log-log interpolation gave NaN between it and the next row, which the cost
+// models then turned into ticks. Beside such a row the time is interpolated linearly in log size.
+TEST(HardwareProfile, TableRowAtZeroTimeInterpolatesToAFiniteTime) {
+  SizeTable t;
+  t.rows = {{8, 5e-6}, {4096, 0}, {1048576, 300e-6}};
+  EXPECT_DOUBLE_EQ(t.seconds(4096), 0);
+  EXPECT_NEAR(t.seconds(64), 5e-6 * 2 / 3, 1e-18);        // a third of the way from 8 to 4096 in log size
+  EXPECT_NEAR(t.seconds(65536), 150e-6, 1e-15);           // halfway from 4096 to 1 MiB
+  EXPECT_DOUBLE_EQ(t.seconds(2097152), 600e-6);           // beyond the largest: its bandwidth
+}
+
 // The memory model against the runtime's own accounting, on the plans the runtime executes:
 // both count the same tensors (no dropout), so they agree to within the small buffers the
 // model does not place exactly.

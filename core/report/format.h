@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "core/general6.h"  // write_general6, the CSV reports' numbers
+
 namespace trainsim {
 
 // 12.7K, 1.35B: three significant figures with a K/M/B/T suffix.

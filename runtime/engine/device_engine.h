@@ -42,7 +42,7 @@ struct RankStep {
   Tick first_nonfinite_at = -1;  // when numerics.first_nonfinite was produced (the step's clock)
   std::vector<OpTiming> timing;  // per op of its program, from the step's start on this rank
   std::vector<Tick> arrival;     // per op: when this rank reached a collective; -1 for other ops
-  std::uint64_t weights_hash = 0;  // FNV-1a over its master weights after the step (fnv1a)
+  std::uint64_t weights_hash = 0;  // over its master weights after the step (fnv1a, weights.h)
   std::string error;             // non-empty: the rank failed, and why; the rest is not meaningful
 };
 

@@ -1,6 +1,7 @@
 #include "runtime/engine/weights.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -13,14 +14,15 @@ constexpr std::uint64_t kFnvPrime = 1099511628211ull;
 }
 
 std::uint64_t fnv1a(std::uint64_t h, std::span<const float> xs) {
-  for (float x : xs) {
-    std::uint32_t u;
-    std::memcpy(&u, &x, 4);
-    for (int b = 0; b < 4; ++b) {
-      h ^= (u >> (8 * b)) & 0xffu;
-      h *= kFnvPrime;
-    }
-  }
+  constexpr std::size_t kLanes = 8;
+  std::uint64_t lane[kLanes];
+  for (std::size_t l = 0; l < kLanes; ++l) lane[l] = (h ^ l) * kFnvPrime;
+  const std::size_t n = xs.size();
+  std::size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (std::size_t l = 0; l < kLanes; ++l) lane[l] = (lane[l] ^ std::bit_cast<std::uint32_t>(xs[i + l])) * kFnvPrime;
+  for (std::size_t l = 0; i < n; ++i, ++l) lane[l] = (lane[l] ^ std::bit_cast<std::uint32_t>(xs[i])) * kFnvPrime;
+  for (std::size_t l = 0; l < kLanes; ++l) h = (h ^ lane[l]) * kFnvPrime;
   return h;
 }
 

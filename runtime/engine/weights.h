@@ -13,7 +13,10 @@
 
 namespace trainsim::runtime {
 
-// FNV-1a over the bits of `xs`, continuing from `h` (start: kFnvOffset): a rank's weights hash.
+// A rank's weights hash: FNV-1a over the bits of `xs`, continuing from `h` (start: kFnvOffset),
+// taken a 32-bit word at a time in 8 interleaved lanes (word i goes to lane i % 8) that are
+// folded into `h` at the end. Equal bits give equal hashes, as with byte-wise FNV-1a, at an eighth
+// of the serial multiplies: byte-wise, hashing 6.4M weights took ~6% of a CPU training step.
 inline constexpr std::uint64_t kFnvOffset = 1469598103934665603ull;
 std::uint64_t fnv1a(std::uint64_t h, std::span<const float> xs);
 

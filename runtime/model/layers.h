@@ -9,7 +9,8 @@
 // Shapes, as in llm.c: B micro-batch, T sequence, C hidden, H heads (head size hs = C / H),
 // F ffn hidden, V vocabulary, N = B * T rows. Linear weights are (out, in), as torch.nn.Linear.
 // Backward functions for weights accumulate (+=) unless told otherwise; input gradients are
-// written (=).
+// written (=). Every matrix product goes through gemm() below: float through the packed kernel of
+// matmul.h (its summation order is documented there), double through Eigen.
 #pragma once
 
 // GCC 12 reports spurious (maybe-)uninitialized warnings inside its AVX-512 intrinsics as Eigen
@@ -24,6 +25,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+
+#include "runtime/model/eigen_gemm.h"
+#include "runtime/model/matmul.h"
 
 namespace trainsim::runtime::layers {
 
@@ -44,6 +49,17 @@ template <class S>
 using ConstRowMap = Eigen::Map<const Eigen::Array<S, 1, Eigen::Dynamic>>;
 
 inline constexpr double kLayerNormEps = 1e-5;
+
+// C (M,N) = alpha * op(A) (M,K) * op(B) (K,N) + beta * C, row-major with row strides (matmul.h's
+// contract; beta 0: C is not read).
+template <class S>
+void gemm(bool trans_a, bool trans_b, int M, int N, int K, S alpha, const S* A, std::ptrdiff_t lda, const S* B,
+          std::ptrdiff_t ldb, S beta, S* C, std::ptrdiff_t ldc) {
+  if constexpr (std::is_same_v<S, float>)
+    matmul::sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  else
+    matmul::eigen_gemm<S>(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
 
 // What an attention `post` callable is shown.
 enum class AttnTensor { scores, probs, probs_grad, scores_grad };
@@ -130,31 +146,25 @@ void layernorm_backward_weight(S* dgamma, S* dbeta, const S* dout, const S* x, c
 // ---------------------------------------------------------------------------------------
 template <class S>
 void linear_forward(S* y, const S* x, const S* w, const S* b, int N, int in, int out) {
-  MatMap<S> Y(y, N, out);
   if (b) {  // the bias first, then the product added onto it: one pass less than zeroing first
-    Y.rowwise() = Eigen::Map<const Eigen::Matrix<S, 1, Eigen::Dynamic>>(b, out);
-    Y.noalias() += ConstMatMap<S>(x, N, in) * ConstMatMap<S>(w, out, in).transpose();
+    MatMap<S>(y, N, out).rowwise() = Eigen::Map<const Eigen::Matrix<S, 1, Eigen::Dynamic>>(b, out);
+    gemm<S>(false, true, N, out, in, S(1), x, in, w, in, S(1), y, out);
   } else {
-    Y.noalias() = ConstMatMap<S>(x, N, in) * ConstMatMap<S>(w, out, in).transpose();
+    gemm<S>(false, true, N, out, in, S(1), x, in, w, in, S(0), y, out);
   }
 }
 
 // dx (N,in) = dy (N,out) w
 template <class S>
 void linear_backward_input(S* dx, const S* dy, const S* w, int N, int in, int out) {
-  MatMap<S>(dx, N, in).noalias() = ConstMatMap<S>(dy, N, out) * ConstMatMap<S>(w, out, in);
+  gemm<S>(false, false, N, in, out, S(1), dy, out, w, in, S(0), dx, in);
 }
 
 // dw (out,in) (+)= dy^T x; db (out) (+)= column sums of dy (db may be null). `accumulate`
 // false overwrites.
 template <class S>
 void linear_backward_weight(S* dw, S* db, const S* dy, const S* x, int N, int in, int out, bool accumulate = true) {
-  MatMap<S> dW(dw, out, in);
-  ConstMatMap<S> dY(dy, N, out);
-  if (accumulate)
-    dW.noalias() += dY.transpose() * ConstMatMap<S>(x, N, in);
-  else
-    dW.noalias() = dY.transpose() * ConstMatMap<S>(x, N, in);
+  gemm<S>(true, false, out, in, N, S(1), dy, out, x, in, accumulate ? S(1) : S(0), dw, in);
   if (db) {
     RowMap<S> dbias(db, out);
     if (!accumulate) dbias.setZero();
@@ -196,35 +206,46 @@ void gelu_backward(S* dx, const S* x, const S* dy, std::size_t n) {
 // Causal multi-head self-attention.
 // qkv (B,T,3C): q, k, v side by side, each (B,T,H,hs); out (B,T,C) with heads side by side;
 // probs (B,H,T,T): softmax(q k^T / sqrt(hs)) over keys j <= i, zero above the diagonal.
-// scratch: T*T. Every matrix product is a GEMM per (b, h).
+// scratch: T*T. Every matrix product is a GEMM per (b, h), over blocks of kAttnRows query rows:
+// the rows [r0, r1) of a block see only keys j < r1, so the products leave out the terms the
+// causal mask makes zero (about half of them), and scores above the diagonal past the block are
+// not computed. The terms left out are zeros at the ends of each k range: for finite inputs every
+// value is the one the whole T x T products give, bit for bit while T is at most matmul's k block
+// (a longer sequence moves the block bounds of dk and dv, not the values' accuracy).
 // ---------------------------------------------------------------------------------------
+inline constexpr int kAttnRows = 32;
+
 template <class S, class Post>
 void attention_forward(S* out, S* probs, S* scratch, const S* qkv, int B, int T, int C, int H, Post&& post) {
   const int hs = C / H;
   const S scale = S(1) / std::sqrt(S(hs));
-  const Eigen::Index stride = 3 * static_cast<Eigen::Index>(C);
-  MatMap<S> scores(scratch, T, T);
+  const std::ptrdiff_t stride = 3 * static_cast<std::ptrdiff_t>(C);
   for (int b = 0; b < B; ++b) {
     const S* base = qkv + static_cast<std::size_t>(b) * T * 3 * C;
     for (int h = 0; h < H; ++h) {
-      ConstStridedMap<S> q(base + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      ConstStridedMap<S> k(base + C + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      ConstStridedMap<S> v(base + 2 * C + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      scores.noalias() = scale * (q * k.transpose());
+      const S* q = base + h * hs;
+      const S* k = base + C + h * hs;
+      const S* v = base + 2 * C + h * hs;
       S* p = probs + (static_cast<std::size_t>(b) * H + h) * T * T;
-      for (int i = 0; i < T; ++i) {
-        S* srow = scratch + static_cast<std::size_t>(i) * T;
-        S* prow = p + static_cast<std::size_t>(i) * T;
-        post(srow, i + 1, AttnTensor::scores);
-        RowMap<S> s(srow, i + 1), pr(prow, i + 1);
-        const S mx = s.maxCoeff();
-        pr = (s - mx).exp();
-        pr *= S(1) / pr.sum();
-        for (int j = i + 1; j < T; ++j) prow[j] = S(0);
-        post(prow, i + 1, AttnTensor::probs);
+      S* y = out + static_cast<std::size_t>(b) * T * C + h * hs;
+      for (int r0 = 0; r0 < T; r0 += kAttnRows) {
+        const int r1 = std::min(T, r0 + kAttnRows);
+        // scores[r0:r1, 0:r1] = scale * q[r0:r1] k[0:r1]^T
+        gemm<S>(false, true, r1 - r0, r1, hs, scale, q + r0 * stride, stride, k, stride, S(0), scratch + r0 * T, T);
+        for (int i = r0; i < r1; ++i) {
+          S* srow = scratch + static_cast<std::size_t>(i) * T;
+          S* prow = p + static_cast<std::size_t>(i) * T;
+          post(srow, i + 1, AttnTensor::scores);
+          RowMap<S> s(srow, i + 1), pr(prow, i + 1);
+          const S mx = s.maxCoeff();
+          pr = (s - mx).exp();
+          pr *= S(1) / pr.sum();
+          for (int j = i + 1; j < T; ++j) prow[j] = S(0);
+          post(prow, i + 1, AttnTensor::probs);
+        }
+        // y[r0:r1] = probs[r0:r1, 0:r1] v[0:r1]
+        gemm<S>(false, false, r1 - r0, hs, r1, S(1), p + r0 * T, T, v, stride, S(0), y + r0 * C, C);
       }
-      StridedMap<S> y(out + static_cast<std::size_t>(b) * T * C + h * hs, T, hs, Eigen::OuterStride<>(C));
-      y.noalias() = ConstMatMap<S>(p, T, T) * v;
     }
   }
 }
@@ -235,35 +256,46 @@ void attention_backward(S* dqkv, S* scratch, const S* dout, const S* qkv, const 
                         Post&& post) {
   const int hs = C / H;
   const S scale = S(1) / std::sqrt(S(hs));
-  const Eigen::Index stride = 3 * static_cast<Eigen::Index>(C);
-  MatMap<S> dscores(scratch, T, T);  // first d(probs), then, row by row, d(scores)
+  const std::ptrdiff_t stride = 3 * static_cast<std::ptrdiff_t>(C);
+  // scratch holds first d(probs), then, row by row, d(scores); zero above the diagonal.
   for (int b = 0; b < B; ++b) {
     const S* base = qkv + static_cast<std::size_t>(b) * T * 3 * C;
     S* dbase = dqkv + static_cast<std::size_t>(b) * T * 3 * C;
     for (int h = 0; h < H; ++h) {
-      ConstStridedMap<S> q(base + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      ConstStridedMap<S> k(base + C + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      ConstStridedMap<S> v(base + 2 * C + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      ConstStridedMap<S> dy(dout + static_cast<std::size_t>(b) * T * C + h * hs, T, hs, Eigen::OuterStride<>(C));
+      const S* q = base + h * hs;
+      const S* k = base + C + h * hs;
+      const S* v = base + 2 * C + h * hs;
+      const S* dy = dout + static_cast<std::size_t>(b) * T * C + h * hs;
       const S* p = probs + (static_cast<std::size_t>(b) * H + h) * T * T;
-      ConstMatMap<S> P(p, T, T);
-      dscores.noalias() = dy * v.transpose();
-      for (int i = 0; i < T; ++i) {
-        S* drow = scratch + static_cast<std::size_t>(i) * T;
-        post(drow, i + 1, AttnTensor::probs_grad);
-        RowMap<S> d(drow, i + 1);
-        ConstRowMap<S> pr(p + static_cast<std::size_t>(i) * T, i + 1);
-        const S dot = (pr * d).sum();
-        d = pr * (d - dot) * scale;
-        for (int j = i + 1; j < T; ++j) drow[j] = S(0);
-        post(drow, i + 1, AttnTensor::scores_grad);
+      S* dq = dbase + h * hs;
+      S* dk = dbase + C + h * hs;
+      S* dv = dbase + 2 * C + h * hs;
+      for (int r0 = 0; r0 < T; r0 += kAttnRows) {
+        const int r1 = std::min(T, r0 + kAttnRows);
+        // dprobs[r0:r1, 0:r1] = dy[r0:r1] v[0:r1]^T
+        gemm<S>(false, true, r1 - r0, r1, hs, S(1), dy + r0 * C, C, v, stride, S(0), scratch + r0 * T, T);
+        for (int i = r0; i < r1; ++i) {
+          S* drow = scratch + static_cast<std::size_t>(i) * T;
+          post(drow, i + 1, AttnTensor::probs_grad);
+          RowMap<S> d(drow, i + 1);
+          ConstRowMap<S> pr(p + static_cast<std::size_t>(i) * T, i + 1);
+          const S dot = (pr * d).sum();
+          d = pr * (d - dot) * scale;
+          for (int j = i + 1; j < T; ++j) drow[j] = S(0);
+          post(drow, i + 1, AttnTensor::scores_grad);
+        }
+        // dq[r0:r1] = dscores[r0:r1, 0:r1] k[0:r1]
+        gemm<S>(false, false, r1 - r0, hs, r1, S(1), scratch + r0 * T, T, k, stride, S(0), dq + r0 * stride, stride);
       }
-      StridedMap<S> dq(dbase + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      StridedMap<S> dk(dbase + C + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      StridedMap<S> dv(dbase + 2 * C + h * hs, T, hs, Eigen::OuterStride<>(stride));
-      dq.noalias() = dscores * k;
-      dk.noalias() = dscores.transpose() * q;
-      dv.noalias() = P.transpose() * dy;
+      // Key and value rows [r0, r1) receive from queries i >= r0 only.
+      for (int r0 = 0; r0 < T; r0 += kAttnRows) {
+        const int r1 = std::min(T, r0 + kAttnRows);
+        // dk[r0:r1] = dscores[r0:T, r0:r1]^T q[r0:T]; dv[r0:r1] = probs[r0:T, r0:r1]^T dy[r0:T]
+        gemm<S>(true, false, r1 - r0, hs, T - r0, S(1), scratch + r0 * T + r0, T, q + r0 * stride, stride, S(0),
+                dk + r0 * stride, stride);
+        gemm<S>(true, false, r1 - r0, hs, T - r0, S(1), p + r0 * T + r0, T, dy + r0 * C, C, S(0), dv + r0 * stride,
+                stride);
+      }
     }
   }
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace trainsim::runtime {
 
@@ -39,24 +40,38 @@ void OptimizerState::step(std::span<float> weights, std::span<const float> grads
   }
 
   // Adam (Kingma & Ba, Algorithm 1) with bias correction; the element arithmetic is done in
-  // double and the moments are stored in fp32.
+  // double and the moments are stored in fp32. One loop per (Adam or AdamW, with or without a
+  // mask), each without calls or a loop-invariant test, so that the compiler vectorises it (with
+  // the flags of runtime/numerics/CMakeLists.txt); each element's arithmetic is the same as in
+  // one scalar loop, bit for bit (docs/performance.md).
   const double b1 = settings_.beta1, b2 = settings_.beta2, eps = settings_.eps;
   const double t = static_cast<double>(steps_);
   const double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
-  const bool decoupled = settings_.kind == Optimizer::adamw;
-  for (std::size_t i = 0; i < n; ++i) {
-    const double w = weights[i];
-    const bool d = decays(i);
-    double g = grads[i] * scale;
-    if (!decoupled && d) g += wd * w;  // Adam: L2 decay through the gradient (and the moments)
-    const double m = b1 * m_[i] + (1 - b1) * g;
-    const double v = b2 * v_[i] + (1 - b2) * g * g;
-    m_[i] = static_cast<float>(m);
-    v_[i] = static_cast<float>(v);
-    double update = (m / c1) / (std::sqrt(v / c2) + eps);
-    if (decoupled && d) update += wd * w;  // AdamW: decay applied to the weight directly
-    weights[i] = static_cast<float>(w - lr * update);
-  }
+  float* const w_io = weights.data();
+  const float* const g_in = grads.data();
+  float* const m_io = m_.data();
+  float* const v_io = v_.data();
+  const std::uint8_t* const mask = decay_mask.data();
+  auto adam = [&](auto decoupled, auto masked) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const double w = w_io[i];
+      const bool d = !masked || mask[i] != 0;
+      double g = g_in[i] * scale;
+      if (!decoupled && d) g += wd * w;  // Adam: L2 decay through the gradient (and the moments)
+      const double m = b1 * m_io[i] + (1 - b1) * g;
+      const double v = b2 * v_io[i] + (1 - b2) * g * g;
+      m_io[i] = static_cast<float>(m);
+      v_io[i] = static_cast<float>(v);
+      double update = (m / c1) / (std::sqrt(v / c2) + eps);
+      if (decoupled && d) update += wd * w;  // AdamW: decay applied to the weight directly
+      w_io[i] = static_cast<float>(w - lr * update);
+    }
+  };
+  const bool decoupled = settings_.kind == Optimizer::adamw, masked = !decay_mask.empty();
+  if (decoupled && masked) adam(std::true_type{}, std::true_type{});
+  if (decoupled && !masked) adam(std::true_type{}, std::false_type{});
+  if (!decoupled && masked) adam(std::false_type{}, std::true_type{});
+  if (!decoupled && !masked) adam(std::false_type{}, std::false_type{});
 }
 
 }  // namespace trainsim::runtime

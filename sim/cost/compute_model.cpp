@@ -41,8 +41,7 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
-    double params = 0;
-    for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
+    const double params = plan.stage_params(s);
     optimizer_ticks_.push_back(seconds_to_ticks(profile.core_factor(r) * kernels_seconds(
         optimizer_kernels(plan, params / plan.tp / shards), profile, rate, hbm)));
   }
@@ -143,12 +142,14 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan) {
   const double bytes_per_param = (master && g != 4 ? g + 4.0 : 0.0) + (scaled ? 8.0 : 0.0) + 4.0 + update +
                                  (master ? 4.0 + w : 0.0) + g;
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
-  for (int r = 0; r < plan.num_ranks(); ++r) {
-    const int s = plan.stage_of(r);
-    double params = 0;
-    for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp + s);
-    optimizer_ticks_.push_back(seconds_to_ticks(memory_seconds(params / plan.tp / shards * bytes_per_param, cfg.cluster)));
-  }
+  // Priced once per stage (every replica of a stage holds the same parameters).
+  std::vector<Tick> of_stage(static_cast<std::size_t>(plan.pp));
+  for (int s = 0; s < plan.pp; ++s)
+    of_stage[static_cast<std::size_t>(s)] =
+        seconds_to_ticks(memory_seconds(plan.stage_params(s) / plan.tp / shards * bytes_per_param, cfg.cluster));
+  optimizer_ticks_.reserve(static_cast<std::size_t>(plan.num_ranks()));
+  for (int r = 0; r < plan.num_ranks(); ++r) optimizer_ticks_.push_back(of_stage[static_cast<std::size_t>(plan.stage_of(r))]);
+  chunk_ticks_.reserve(chunks_.size());
   for (const auto& c : chunks_)
     chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),
                             seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});

@@ -1,6 +1,7 @@
 #include "sim/cost/memory_model.h"
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 
 #include "core/units.h"
@@ -33,12 +34,15 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
   const double per_layer = m.layer_stored_activation_bytes(b, e, t, sp, rc);
   const double full_layer = m.layer_stored_activation_bytes(b, e, t, sp, Recompute::none);
   const int V = plan.num_virtual_stages();
+  tables_.act.reserve(V);
+  tables_.transient.reserve(V);
+  tables_.weight_pass.reserve(V);
   for (int vs = 0; vs < V; ++vs) {
     double a = plan.layers_per_virtual_stage[vs] * per_layer;
     if (vs == V - 1) a += 4.0 * b * m.s * static_cast<double>(m.V) / t + e * static_cast<double>(b) * m.s * m.h;
-    act_.push_back(a);
+    tables_.act.push_back(a);
     // Full recompute rebuilds one layer's activations at a time during backward.
-    transient_.push_back(rc == Recompute::full && plan.layers_per_virtual_stage[vs] > 0 ? full_layer : 0.0);
+    tables_.transient.push_back(rc == Recompute::full && plan.layers_per_virtual_stage[vs] > 0 ? full_layer : 0.0);
     // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
     // first and second products and both norms (dW = dY^T X needs dY); per stage the
     // gradient at its input, and on the last the logits' and the final norm's.
@@ -46,7 +50,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     double w = plan.layers_per_virtual_stage[vs] * e * static_cast<double>(b) * m.s * (qkv + m.h + mlp_in + m.h + 2.0 * m.h) / t;
     w += e * static_cast<double>(b) * m.s * m.h;
     if (vs == V - 1) w += e * static_cast<double>(b) * m.s * (static_cast<double>(m.V) / t + m.h);
-    weight_pass_.push_back(w);
+    tables_.weight_pass.push_back(w);
   }
 }
 
@@ -57,11 +61,43 @@ std::vector<MemoryBreakdown> MemoryModel::peak_per_rank(const Schedule& schedule
   return out;
 }
 
-MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
+bool same_bits(const ActivationTables& a, const ActivationTables& b) {
+  auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
+    return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0);
+  };
+  return same(a.act, b.act) && same(a.transient, b.transient) && same(a.weight_pass, b.weight_pass);
+}
+
+double activation_peak(const ActivationTables& t, const RankProgram& prog) {
+  const double* act = t.act.data();
+  const double* transient = t.transient.data();
+  const double* weight_pass = t.weight_pass.data();
+  double live = 0, peak = 0;
+  for (const Op& op : prog.ops) {
+    switch (op.kind) {
+      case OpKind::Forward:
+        live += act[op.chunk] * op.work;
+        peak = std::max(peak, live);
+        break;
+      case OpKind::Backward:
+        peak = std::max(peak, live + transient[op.chunk]);
+        live -= act[op.chunk] * op.work;
+        break;
+      case OpKind::BackwardInput:
+        peak = std::max(peak, live + transient[op.chunk]);
+        live += weight_pass[op.chunk] * op.work;
+        peak = std::max(peak, live);
+        break;
+      case OpKind::BackwardWeight: live -= (act[op.chunk] + weight_pass[op.chunk]) * op.work; break;
+      default: break;
+    }
+  }
+  return peak;
+}
+
+MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activation_peak) const {
   const auto& cfg = plan_.config;
-  double params = 0;
-  for (int j = 0; j < plan_.vpp; ++j) params += plan_.virtual_stage_params(j * plan_.pp + prog.stage);
-  params /= plan_.tp;
+  const double params = plan_.stage_params(prog.stage) / plan_.tp;
   const ModelStateBytes states = model_state_bytes(plan_, params);
 
   // Communication buffers: activation send/receive, gradient buckets cast to another
@@ -74,31 +110,11 @@ MemoryBreakdown MemoryModel::peak_of(const RankProgram& prog) const {
   if (plan_.zero() == 3)
     buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();
 
-  double live = 0, peak = 0;
-  for (const Op& op : prog.ops) {
-    switch (op.kind) {
-      case OpKind::Forward:
-        live += act_[op.chunk] * op.work;
-        peak = std::max(peak, live);
-        break;
-      case OpKind::Backward:
-        peak = std::max(peak, live + transient_[op.chunk]);
-        live -= act_[op.chunk] * op.work;
-        break;
-      case OpKind::BackwardInput:
-        peak = std::max(peak, live + transient_[op.chunk]);
-        live += weight_pass_[op.chunk] * op.work;
-        peak = std::max(peak, live);
-        break;
-      case OpKind::BackwardWeight: live -= (act_[op.chunk] + weight_pass_[op.chunk]) * op.work; break;
-      default: break;
-    }
-  }
   MemoryBreakdown b;
   b.weights = states.weights;
   b.gradients = states.gradients;
   b.optimizer = states.optimizer;
-  b.activations = peak;
+  b.activations = activation_peak;
   b.buffers = buffers;
   return b;
 }

@@ -25,24 +25,43 @@ struct ModelStateBytes {
 // Model-state bytes of one rank holding `params` parameters (its tensor-parallel share).
 ModelStateBytes model_state_bytes(const Plan& plan, double params);
 
+// All that the walk of a rank's program reads besides the program, per virtual stage.
+struct ActivationTables {
+  std::vector<double> act;          // bytes one micro-batch leaves until its backward
+  std::vector<double> transient;    // extra during a backward (full recompute)
+  std::vector<double> weight_pass;  // kept from a split backward's input pass for its weight pass
+};
+// Whether every number is the same, bit for bit: two such tables walk any program to the
+// same peak (a sweep's configurations share a few: the micro-batch, recompute and sequence
+// parallelism change them, rates and links do not).
+bool same_bits(const ActivationTables& a, const ActivationTables& b);
+
+// The largest activation bytes a rank holds during its program: each Forward adds its
+// micro-batch's activations, the op that finishes that micro-batch's backward frees them.
+// Reads each op's kind, chunk and work and the tables, nothing else.
+double activation_peak(const ActivationTables& tables, const RankProgram& prog);
+
 class MemoryModel {
  public:
   explicit MemoryModel(const Plan& plan);
   // Activation bytes one micro-batch leaves on virtual stage `vstage` until its backward.
-  double activations_per_microbatch(int vstage) const { return act_.at(vstage); }
+  double activations_per_microbatch(int vstage) const { return tables_.act.at(vstage); }
   // Breakdown at the peak of each rank's walk.
   std::vector<MemoryBreakdown> peak_per_rank(const Schedule& schedule) const;
   // The same for one rank's program.
-  MemoryBreakdown peak_of(const RankProgram& prog) const;
+  MemoryBreakdown peak_of(const RankProgram& prog) const { return breakdown(prog, activation_peak(tables_, prog)); }
+  // The walk's inputs: activation_peak(activation_tables(), prog) is the activations of
+  // peak_of(prog), and breakdown(prog, that) is peak_of(prog).
+  const ActivationTables& activation_tables() const { return tables_; }
+  MemoryBreakdown breakdown(const RankProgram& prog, double activation_peak) const;
 
  private:
   const Plan& plan_;
   ModelShape shape_;
-  std::vector<double> act_;       // per virtual stage
-  std::vector<double> transient_; // per virtual stage: extra during a backward (full recompute)
-  // Per virtual stage: what a split backward keeps from its input pass for its weight pass
+  // Per virtual stage: activations per micro-batch; extra during a backward (full
+  // recompute); what a split backward keeps from its input pass for its weight pass
   // (zero-bubble schedules): the gradients at the outputs of the layers that hold weights.
-  std::vector<double> weight_pass_;
+  ActivationTables tables_;
 };
 
 // Largest number of micro-batches whose activations a rank holds at once, per rank.

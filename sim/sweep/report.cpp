@@ -6,6 +6,7 @@
 #include <ostream>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -58,11 +59,18 @@ std::string counts_text(const SweepCounts& c) {
   return fmt::format("{} configuration{}: {}", c.total, c.total == 1 ? "" : "s", fmt::join(parts, ", "));
 }
 
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string q = "\"";
-  for (char ch : s) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
-  return q + "\"";
+// s as one CSV field, appended: quoted when it holds a comma, a quote or a newline.
+void append_csv_field(std::string& out, std::string_view s) {
+  if (s.find_first_of(",\"\n") == std::string_view::npos) {
+    out += s;
+    return;
+  }
+  out += '"';
+  for (char ch : s) {
+    if (ch == '"') out += '"';
+    out += ch;
+  }
+  out += '"';
 }
 
 nlohmann::ordered_json axes_json(const std::vector<SweepAxis>& axes) {
@@ -351,37 +359,78 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
                         "exposed_comm_time_s", "peak_memory_gib", "peak_memory_rank", "memory_capacity_gib",
                         "headroom_gib", "num_microbatches", "global_batch_size", "pareto"})
     head.emplace_back(h);
-  for (std::size_t i = 0; i < head.size(); ++i) out << (i ? "," : "") << csv_field(head[i]);
-  out << "\n";
+  // Every line into one buffer, written at the end; rank and Pareto membership by index.
+  std::vector<std::size_t> rank(s.rows.size(), 0);
+  for (std::size_t r = 0; r < s.ranking.size(); ++r) rank[s.ranking[r]] = r + 1;
+  std::vector<char> front(s.rows.size(), 0);
+  for (std::size_t i : s.pareto) front[i] = 1;
+  std::string text, cell;
+  text.reserve(256 * (s.order.size() + 1));
+  for (std::size_t i = 0; i < head.size(); ++i) {
+    if (i) text += ',';
+    append_csv_field(text, head[i]);
+  }
+  text += '\n';
+  auto integer = [&](std::size_t x) { fmt::format_to(std::back_inserter(text), "{}", x); };
+  // Each column's cells by value, the last few values met (a column holds a handful).
+  constexpr std::size_t kCellsPerColumn = 16;
+  std::vector<std::vector<std::pair<FieldValue, std::string>>> cells(s.keys.size());
   for (std::size_t idx : s.order) {
     const SweepRow& row = s.rows[idx];
-    std::vector<std::string> c;
-    auto rank = rank_of(s, idx);
-    c.push_back(rank ? std::to_string(*rank) : "");
-    c.push_back(std::to_string(idx));
-    for (const auto& [k, v] : row.point.values) c.push_back(format_field_value(v));
-    c.emplace_back(sweep_status_name(row.status));
-    c.push_back(row.reason);
+    if (rank[idx]) integer(rank[idx]);
+    text += ',';
+    integer(idx);
+    for (std::size_t k = 0; k < row.point.values.size(); ++k) {
+      const FieldValue& v = row.point.values[k].second;
+      text += ',';
+      auto* column = k < cells.size() ? &cells[k] : nullptr;
+      const std::pair<FieldValue, std::string>* known = nullptr;
+      if (column)
+        for (const auto& c : *column)
+          if (same_field_value(c.first, v)) known = &c;
+      if (known) {
+        text += known->second;
+        continue;
+      }
+      cell.clear();
+      append_field_value(cell, v);
+      const std::size_t at = text.size();
+      append_csv_field(text, cell);
+      if (column) {
+        if (column->size() == kCellsPerColumn) column->erase(column->begin());
+        column->emplace_back(v, text.substr(at));
+      }
+    }
+    text += ',';
+    text += sweep_status_name(row.status);
+    text += ',';
+    append_csv_field(text, row.reason);
     const SweepMetrics& m = row.metrics;
-    auto num = [&](double v) { return row.simulated ? fmt::format("{:.6g}", v) : std::string(); };
-    c.push_back(num(m.step_time_s));
-    c.push_back(num(m.tokens_per_s));
-    c.push_back(num(m.mfu));
-    c.push_back(num(m.bubble_fraction));
-    c.push_back(num(m.pipeline_bubble_fraction));
-    c.push_back(num(m.exposed_comm_fraction));
-    c.push_back(num(m.allreduce_time_s));
-    c.push_back(num(m.exposed_comm_time_s));
-    c.push_back(num(bytes_to_gib(m.peak_memory_bytes)));
-    c.push_back(row.simulated ? std::to_string(m.peak_memory_rank) : "");
-    c.push_back(fmt::format("{:.6g}", row.point.config.cluster.memory_gib));
-    c.push_back(num(bytes_to_gib(m.headroom_bytes())));
-    c.push_back(row.num_microbatches > 0 ? std::to_string(row.num_microbatches) : "");
-    c.push_back(row.global_batch_size > 0 ? std::to_string(row.global_batch_size) : "");
-    c.push_back(on_front(s, idx) ? "true" : "false");
-    for (std::size_t i = 0; i < c.size(); ++i) out << (i ? "," : "") << csv_field(c[i]);
-    out << "\n";
+    auto num = [&](double v) {  // {:.6g}
+      text += ',';
+      if (row.simulated) append_general6(text, v);
+    };
+    num(m.step_time_s);
+    num(m.tokens_per_s);
+    num(m.mfu);
+    num(m.bubble_fraction);
+    num(m.pipeline_bubble_fraction);
+    num(m.exposed_comm_fraction);
+    num(m.allreduce_time_s);
+    num(m.exposed_comm_time_s);
+    num(bytes_to_gib(m.peak_memory_bytes));
+    text += ',';
+    if (row.simulated) fmt::format_to(std::back_inserter(text), "{}", m.peak_memory_rank);
+    text += ',';
+    append_general6(text, row.point.config.cluster.memory_gib);
+    num(bytes_to_gib(m.headroom_bytes()));
+    text += ',';
+    if (row.num_microbatches > 0) fmt::format_to(std::back_inserter(text), "{}", row.num_microbatches);
+    text += ',';
+    if (row.global_batch_size > 0) fmt::format_to(std::back_inserter(text), "{}", row.global_batch_size);
+    text += front[idx] ? ",true\n" : ",false\n";
   }
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
 }
 
 // ---- SVG --------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 #include "sim/sweep/sweep.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -46,15 +48,6 @@ std::string config_fingerprint(const ScenarioConfig& c) {
 }
 
 bool is_setup_key(const std::string& path) { return path.rfind("cluster.", 0) == 0 || path.rfind("model.", 0) == 0; }
-
-namespace {
-
-struct Partial {
-  ScenarioConfig config;
-  std::string error;
-};
-
-}  // namespace
 
 std::vector<std::int64_t> divisors(std::int64_t n) {
   std::vector<std::int64_t> small, large;
@@ -111,8 +104,10 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       value_axes.push_back(&a);
   }
 
-  std::vector<Partial> cur{Partial{sc.config, ""}};
-  auto apply = [](Partial& p, const FieldSpec& f, const FieldValue& v) {
+  // Configurations as they are built (index and values set at the end, in place).
+  std::vector<SweepConfiguration> cur(1);
+  cur.front().config = sc.config;
+  auto apply = [](SweepConfiguration& p, const FieldSpec& f, const FieldValue& v) {
     try {
       f.set(p.config, v);
     } catch (const std::invalid_argument& e) {
@@ -121,11 +116,11 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   };
   auto product = [&](const SweepAxis& axis) {
     const FieldSpec& f = field(axis.path);
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     next.reserve(cur.size() * axis.values.size());
     for (const auto& p : cur)
       for (const auto& v : axis.values) {
-        Partial q = p;
+        SweepConfiguration q = p;
         apply(q, f, v);
         next.push_back(std::move(q));
       }
@@ -140,10 +135,35 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         apply(p, f, f.get(sc.config));
       }
   }
-  for (const SweepAxis* a : value_axes) product(*a);
+  // The other axes: each configuration copied once from its preset stage's and every value
+  // applied in axis order (first axis outermost), not copied again at every axis.
+  if (!value_axes.empty()) {
+    std::vector<const FieldSpec*> fields;
+    std::size_t combos = 1;
+    for (const SweepAxis* a : value_axes) {
+      fields.push_back(&field(a->path));
+      combos *= a->values.size();
+    }
+    std::vector<SweepConfiguration> next;
+    next.reserve(cur.size() * combos);
+    std::vector<std::size_t> at(value_axes.size());
+    for (const auto& p : cur) {
+      if (combos == 0) break;
+      std::fill(at.begin(), at.end(), 0);
+      for (std::size_t n = 0; n < combos; ++n) {
+        SweepConfiguration& q = next.emplace_back(p);
+        for (std::size_t k = 0; k < value_axes.size(); ++k) apply(q, *fields[k], value_axes[k]->values[at[k]]);
+        for (std::size_t k = value_axes.size(); k-- > 0;) {  // the last axis turns fastest
+          if (++at[k] < value_axes[k]->values.size()) break;
+          at[k] = 0;
+        }
+      }
+    }
+    cur = std::move(next);
+  }
 
   if (auto_parallel) {
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     for (const auto& p : cur) {
       const auto layouts = auto_parallel_layouts(p.config);
       if (layouts.empty()) {  // nothing fits the rule: the configuration as written, invalid or not
@@ -151,7 +171,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         continue;
       }
       for (const auto& l : layouts) {
-        Partial q = p;
+        SweepConfiguration q = p;
         q.config.parallelism.data_parallel_size = l.dp;
         q.config.parallelism.pipeline_parallel_size = l.pp;
         q.config.parallelism.tensor_parallel_size = l.tp;
@@ -161,7 +181,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     cur = std::move(next);
   }
   if (auto_micro) {
-    std::vector<Partial> next;
+    std::vector<SweepConfiguration> next;
     for (const auto& p : cur) {
       const std::int64_t gb = p.config.training.global_batch_size, d = p.config.parallelism.data_parallel_size;
       if (gb <= 0 || d <= 0 || gb % d != 0) {  // kept as written: Plan states why it cannot run
@@ -169,7 +189,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         continue;
       }
       for (std::int64_t b : divisors(gb / d)) {
-        Partial q = p;
+        SweepConfiguration q = p;
         q.config.training.micro_batch_size = static_cast<int>(b);
         next.push_back(std::move(q));
       }
@@ -178,21 +198,23 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   }
 
   const std::vector<std::string> keys = sweep_keys(sc);
-  std::vector<SweepConfiguration> out;
-  out.reserve(cur.size());
+  std::vector<const FieldSpec*> key_fields;
+  for (const auto& k : keys) key_fields.push_back(&field(k));
+  // Kept configurations are compacted to the front of `cur`, in order.
+  std::size_t kept = 0;
   // A configuration is dropped when an earlier one kept has the same fingerprint and error.
   // Those have the same swept values too, so only configurations whose swept values (and
   // error) collide need their fingerprints (every field formatted) compared.
-  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices into out
-  std::vector<std::string> fingerprints;                                 // of out[i], "" until needed
+  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices of kept ones
+  std::vector<std::string> fingerprints;                                 // of kept ones, "" until needed
   std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
-    SweepConfiguration c;
-    for (const auto& k : keys) c.values.emplace_back(k, field(k).get(p.config));
+    p.values.reserve(keys.size());
+    for (std::size_t k = 0; k < keys.size(); ++k) p.values.emplace_back(keys[k], key_fields[k]->get(p.config));
     bucket.clear();
-    for (const auto& [k, v] : c.values) {
-      bucket += format_field_value(v);
+    for (const auto& [k, v] : p.values) {
+      append_field_value(bucket, v);
       bucket += '\x1f';
     }
     bucket += p.error;
@@ -201,7 +223,7 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       const std::string mine = config_fingerprint(p.config) + p.error;
       bool duplicate = false;
       for (std::size_t j : same_values) {
-        if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(out[j].config) + out[j].error;
+        if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(cur[j].config) + cur[j].error;
         if (fingerprints[j] == mine) {
           duplicate = true;
           break;
@@ -212,13 +234,13 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     } else {
       fingerprints.emplace_back();
     }
-    same_values.push_back(out.size());
-    c.index = out.size();
-    c.error = std::move(p.error);
-    c.config = std::move(p.config);
-    out.push_back(std::move(c));
+    same_values.push_back(kept);
+    p.index = kept;
+    if (&p != &cur[kept]) cur[kept] = std::move(p);
+    ++kept;
   }
-  return out;
+  cur.erase(cur.begin() + static_cast<std::ptrdiff_t>(kept), cur.end());
+  return cur;
 }
 
 std::string_view sweep_status_name(SweepStatus s) {
@@ -302,26 +324,23 @@ std::vector<Violation> constraint_violations(const SweepConstraints& k, const Pl
 
 }  // namespace
 
-SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
-                                const SweepConstraints& constraints) {
-  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
-}
+namespace {
 
-SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
-  SweepRow row;
-  row.point = std::move(moved);
+// The checks before simulation: the row's verdict where they refuse it (nothing returned),
+// else its plan.
+std::optional<Plan> admit(SweepRow& row) {
   const SweepConfiguration& point = row.point;
   if (!point.error.empty()) {
     row.status = SweepStatus::invalid;
     row.reason = point.error;
-    return row;
+    return std::nullopt;
   }
   if (std::string why = unsupported_precision(point.config); !why.empty()) {
     row.status = SweepStatus::unsupported_precision;
     row.reason = std::move(why);
-    return row;
+    return std::nullopt;
   }
-  Plan plan;
+  std::optional<Plan> plan;
   try {
     plan = Plan::from_config(point.config);
   } catch (const ScenarioError& e) {
@@ -330,76 +349,124 @@ SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved
     for (const auto& d : e.diagnostics())
       parts.push_back(d.key_path.empty() ? d.message : fmt::format("{}: {}", d.key_path, d.message));
     row.reason = fmt::format("{}", fmt::join(parts, "; "));
-    return row;
+    return std::nullopt;
   }
-  row.num_microbatches = plan.num_microbatches;
-  row.global_batch_size = plan.global_batch_size;
+  row.num_microbatches = plan->num_microbatches;
+  row.global_batch_size = plan->global_batch_size;
+  return plan;
+}
+
+// The row's metrics and verdict from its simulated Result.
+void judge(SweepRow& row, const Plan& plan, const Result& r, const SweepConstraints& constraints) {
+  SweepMetrics& m = row.metrics;
+  m.step_time_s = r.step_time_s;
+  m.tokens_per_s = r.tokens_per_s;
+  m.mfu = r.mfu;
+  m.tokens_per_s_per_gpu = r.tokens_per_s_per_gpu;
+  m.model_tflops_per_gpu = r.model_tflops_per_gpu;
+  m.hardware_tflops_per_gpu = r.hardware_tflops_per_gpu;
+  m.time_to_train_s = r.time_to_train_s;
+  m.gpu_hours = r.gpu_hours;
+  m.cost = r.cost;
+  m.bubble_fraction = r.bubble_fraction;
+  m.pipeline_bubble_fraction = r.pipeline_bubble_fraction;
+  m.exposed_comm_fraction = r.exposed_comm_fraction;
+  m.allreduce_time_s = r.allreduce_time_s;
+  m.exposed_comm_time_s = r.exposed_comm_time_s;
+  m.memory_capacity_bytes = r.memory_capacity_bytes;
+  m.stages.resize(static_cast<std::size_t>(plan.pp));
+  for (int s = 0; s < plan.pp; ++s) m.stages[static_cast<std::size_t>(s)].stage = s;
+  const RankResult* worst = nullptr;
+  for (const auto& rr : r.ranks) {
+    if (!worst || rr.peak_memory_bytes > worst->peak_memory_bytes) worst = &rr;
+    if (rr.stage >= 0 && rr.stage < plan.pp) {
+      auto& st = m.stages[static_cast<std::size_t>(rr.stage)];
+      st.peak_bytes = std::max(st.peak_bytes, rr.peak_memory_bytes);
+      st.activation_bytes = std::max(st.activation_bytes, rr.memory.activations);
+    }
+  }
+  if (worst) {
+    m.peak_memory_bytes = worst->peak_memory_bytes;
+    m.peak_memory_rank = worst->rank;
+  }
+  row.warnings = r.warnings;
+  row.simulated = true;
+  std::vector<std::string> reasons;
+  row.status = SweepStatus::ok;
+  row.shortfall = 0;
+  auto bind = [&](const std::string& key, double excess) {
+    if (row.binding.empty() || excess > row.shortfall) {
+      row.binding = key;
+      row.shortfall = excess;
+    }
+  };
+  if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
+    row.status = SweepStatus::out_of_memory;
+    reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
+                                  "{:.2f} GiB",
+                                  worst->rank, worst->stage, worst->replica,
+                                  bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
+                                  bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
+    bind("memory", worst->peak_memory_bytes / m.memory_capacity_bytes - 1);
+  }
+  for (auto& v : constraint_violations(constraints, plan, m)) {
+    if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
+    reasons.push_back(std::move(v.text));
+    bind(v.key, v.excess);
+  }
+  row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+}
+
+void simulation_failed(SweepRow& row, const std::exception& e) {
+  row.status = SweepStatus::invalid;
+  row.simulated = false;
+  row.metrics = {};
+  row.reason = fmt::format("the simulation failed: {}", e.what());
+}
+
+}  // namespace
+
+SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& point,
+                                const SweepConstraints& constraints) {
+  return evaluate_configuration(predictor, SweepConfiguration(point), constraints);
+}
+
+SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& moved, const SweepConstraints& constraints) {
+  SweepRow row(std::move(moved));
+  const std::optional<Plan> plan = admit(row);
+  if (!plan) return row;
   try {
-    const Result& r = predictor.evaluate(plan);
-    SweepMetrics& m = row.metrics;
-    m.step_time_s = r.step_time_s;
-    m.tokens_per_s = r.tokens_per_s;
-    m.mfu = r.mfu;
-    m.tokens_per_s_per_gpu = r.tokens_per_s_per_gpu;
-    m.model_tflops_per_gpu = r.model_tflops_per_gpu;
-    m.hardware_tflops_per_gpu = r.hardware_tflops_per_gpu;
-    m.time_to_train_s = r.time_to_train_s;
-    m.gpu_hours = r.gpu_hours;
-    m.cost = r.cost;
-    m.bubble_fraction = r.bubble_fraction;
-    m.pipeline_bubble_fraction = r.pipeline_bubble_fraction;
-    m.exposed_comm_fraction = r.exposed_comm_fraction;
-    m.allreduce_time_s = r.allreduce_time_s;
-    m.exposed_comm_time_s = r.exposed_comm_time_s;
-    m.memory_capacity_bytes = r.memory_capacity_bytes;
-    m.stages.resize(static_cast<std::size_t>(plan.pp));
-    for (int s = 0; s < plan.pp; ++s) m.stages[static_cast<std::size_t>(s)].stage = s;
-    const RankResult* worst = nullptr;
-    for (const auto& rr : r.ranks) {
-      if (!worst || rr.peak_memory_bytes > worst->peak_memory_bytes) worst = &rr;
-      if (rr.stage >= 0 && rr.stage < plan.pp) {
-        auto& st = m.stages[static_cast<std::size_t>(rr.stage)];
-        st.peak_bytes = std::max(st.peak_bytes, rr.peak_memory_bytes);
-        st.activation_bytes = std::max(st.activation_bytes, rr.memory.activations);
-      }
-    }
-    if (worst) {
-      m.peak_memory_bytes = worst->peak_memory_bytes;
-      m.peak_memory_rank = worst->rank;
-    }
-    row.warnings = r.warnings;
-    row.simulated = true;
-    std::vector<std::string> reasons;
-    row.status = SweepStatus::ok;
-    row.shortfall = 0;
-    auto bind = [&](const std::string& key, double excess) {
-      if (row.binding.empty() || excess > row.shortfall) {
-        row.binding = key;
-        row.shortfall = excess;
-      }
-    };
-    if (worst && worst->peak_memory_bytes > m.memory_capacity_bytes) {
-      row.status = SweepStatus::out_of_memory;
-      reasons.push_back(fmt::format("out of memory on rank {} (stage {}, replica {}) by {:.2f} GiB: needs {:.2f} of "
-                                    "{:.2f} GiB",
-                                    worst->rank, worst->stage, worst->replica,
-                                    bytes_to_gib(worst->peak_memory_bytes - m.memory_capacity_bytes),
-                                    bytes_to_gib(worst->peak_memory_bytes), bytes_to_gib(m.memory_capacity_bytes)));
-      bind("memory", worst->peak_memory_bytes / m.memory_capacity_bytes - 1);
-    }
-    for (auto& v : constraint_violations(constraints, plan, m)) {
-      if (row.status == SweepStatus::ok) row.status = SweepStatus::constraint;
-      reasons.push_back(std::move(v.text));
-      bind(v.key, v.excess);
-    }
-    row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+    judge(row, *plan, predictor.evaluate(*plan), constraints);
   } catch (const std::exception& e) {
-    row.status = SweepStatus::invalid;
-    row.simulated = false;
-    row.metrics = {};
-    row.reason = fmt::format("the simulation failed: {}", e.what());
+    simulation_failed(row, e);
   }
   return row;
+}
+
+void evaluate_rows(Predictor& predictor, SweepRow* rows, std::size_t n, const SweepConstraints& constraints) {
+  constexpr int kBatch = Predictor::kMaxBatch;
+  for (std::size_t i0 = 0; i0 < n; i0 += kBatch) {
+    const int count = static_cast<int>(std::min<std::size_t>(kBatch, n - i0));
+    std::array<std::optional<Plan>, kBatch> plans;
+    std::array<const Plan*, kBatch> admitted{};
+    std::array<SweepRow*, kBatch> admitted_rows{};
+    int k = 0;
+    for (int q = 0; q < count; ++q) {
+      SweepRow& row = rows[i0 + q];
+      plans[q] = admit(row);
+      if (!plans[q]) continue;
+      admitted[k] = &*plans[q];
+      admitted_rows[k++] = &row;
+    }
+    std::array<const Result*, kBatch> results{};
+    try {
+      predictor.evaluate_batch(admitted.data(), k, results.data());
+      for (int q = 0; q < k; ++q) judge(*admitted_rows[q], *admitted[q], *results[q], constraints);
+    } catch (const std::exception&) {  // one of them failed: each on its own, to say which
+      for (int q = 0; q < k; ++q)
+        *admitted_rows[q] = evaluate_configuration(predictor, std::move(admitted_rows[q]->point), constraints);
+    }
+  }
 }
 
 std::vector<std::size_t> pareto_front(const std::vector<SweepRow>& rows) {
@@ -474,8 +541,14 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   SweepResult res;
   res.keys = std::move(keys);
   const std::size_t n = points.size();
-  for (std::size_t i = 0; i < n; ++i) points[i].index = i;
-  res.rows.resize(n);
+  // Each row takes its configuration over (no row is built empty first: an empty
+  // configuration allocates its defaults).
+  res.rows.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    points[i].index = i;
+    res.rows.emplace_back(std::move(points[i]));
+  }
+  points.clear();
 
   unsigned threads = options.threads ? options.threads : usable_cores();
   threads = static_cast<unsigned>(std::min<std::size_t>(threads, std::max<std::size_t>(n, 1)));
@@ -484,9 +557,13 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   std::condition_variable cv;
   auto worker = [&] {
     Predictor predictor;  // one per thread: its buffers are reused, nothing is shared
-    for (std::size_t i; (i = next.fetch_add(1)) < n;) {
-      res.rows[i] = evaluate_configuration(predictor, std::move(points[i]), constraints);
-      if (done.fetch_add(1) + 1 == n) {
+    // A few consecutive configurations at a time: a sweep's neighbours differ in prices, and
+    // the Predictor steps those of one schedule together.
+    constexpr std::size_t kChunk = Predictor::kMaxBatch;
+    for (std::size_t i; (i = next.fetch_add(kChunk)) < n;) {
+      const std::size_t count = std::min(kChunk, n - i);
+      evaluate_rows(predictor, res.rows.data() + i, count, constraints);
+      if (done.fetch_add(count) + count == n) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
       }
@@ -495,7 +572,20 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
   const auto start = std::chrono::steady_clock::now();
   const double cpu_start = process_cpu_seconds();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
-  {
+  if (threads == 1) {
+    // One worker: this thread, which then reports progress between chunks (and allocates from
+    // the memory expansion just gave back, not from a new thread's).
+    Predictor predictor;
+    double reported = 0;
+    for (std::size_t i = 0; i < n; i += Predictor::kMaxBatch) {
+      const std::size_t count = std::min<std::size_t>(Predictor::kMaxBatch, n - i);
+      evaluate_rows(predictor, res.rows.data() + i, count, constraints);
+      if (options.progress && i + count < n && elapsed() - reported >= 0.1) {
+        reported = elapsed();
+        options.progress(SweepProgress{i + count, n, reported});
+      }
+    }
+  } else {
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (unsigned t = 0; t < threads; ++t) pool.emplace_back(worker);
@@ -563,23 +653,48 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
     if (is_setup_key(res.keys[k])) setup_columns.push_back(k);
   std::vector<SetupGroup> groups;
   std::vector<std::string> names;
-  auto group_of = [&](const SweepRow& row) -> SetupGroup& {
-    std::string name;
-    std::vector<std::pair<std::string, FieldValue>> values;
+  // A row's group: the one whose setup values read the same. A row with the same values as
+  // the row before it (a sweep's neighbours mostly are) is in its group without reading them.
+  std::vector<std::size_t> group_of(res.rows.size());
+  std::string name;
+  for (std::size_t i = 0; i < res.rows.size(); ++i) {
+    const auto& values = res.rows[i].point.values;
+    if (i > 0) {
+      const auto& before = res.rows[i - 1].point.values;
+      bool same = true;
+      for (std::size_t k : setup_columns) {
+        const bool has = k < values.size();
+        if (has != (k < before.size()) || (has && !same_field_value(values[k].second, before[k].second))) {
+          same = false;
+          break;
+        }
+      }
+      if (same) {
+        group_of[i] = group_of[i - 1];
+        groups[group_of[i]].rows.push_back(i);
+        continue;
+      }
+    }
+    name.clear();
     for (std::size_t k : setup_columns) {
-      if (k >= row.point.values.size()) continue;
-      values.push_back(row.point.values[k]);
-      name += format_field_value(row.point.values[k].second) + '\x1f';
+      if (k >= values.size()) continue;
+      append_field_value(name, values[k].second);
+      name += '\x1f';
     }
     auto it = std::find(names.begin(), names.end(), name);
-    if (it != names.end()) return groups[static_cast<std::size_t>(it - names.begin())];
-    names.push_back(name);
-    groups.push_back(SetupGroup{std::move(values), {}, std::nullopt});
-    return groups.back();
-  };
-  for (std::size_t i = 0; i < res.rows.size(); ++i) group_of(res.rows[i]).rows.push_back(i);
+    if (it == names.end()) {
+      names.push_back(name);
+      std::vector<std::pair<std::string, FieldValue>> setup;
+      for (std::size_t k : setup_columns)
+        if (k < values.size()) setup.push_back(values[k]);
+      groups.push_back(SetupGroup{std::move(setup), {}, std::nullopt});
+      it = names.end() - 1;
+    }
+    group_of[i] = static_cast<std::size_t>(it - names.begin());
+    groups[group_of[i]].rows.push_back(i);
+  }
   for (std::size_t i : res.ranking) {
-    SetupGroup& g = group_of(res.rows[i]);
+    SetupGroup& g = groups[group_of[i]];
     if (!g.best) g.best = i;
   }
   return groups;

@@ -9,7 +9,8 @@
 //     --ranking------->  feasible rows by tokens/s, the Pareto front of throughput against
 //                        peak memory per GPU
 //
-// Configurations are evaluated on std::thread workers, one Predictor per thread; results are
+// Configurations are evaluated on std::thread workers (on the calling thread when there is
+// one worker), a few consecutive ones at a time, one Predictor per thread; results are
 // stored by expansion index and every ordering is a total order on (metrics, index), so the
 // result is identical whatever the thread count.
 //
@@ -119,6 +120,10 @@ struct SweepMetrics {
 };
 
 struct SweepRow {
+  SweepRow() = default;
+  // A row that holds its configuration and nothing else yet.
+  explicit SweepRow(SweepConfiguration p) : point(std::move(p)) {}
+
   SweepConfiguration point;
   SweepStatus status = SweepStatus::invalid;
   // Empty for ok rows. Otherwise why it cannot run, with the numbers, e.g.
@@ -147,6 +152,10 @@ SweepRow evaluate_configuration(Predictor& predictor, const SweepConfiguration& 
                                 const SweepConstraints& constraints);
 // The same, the row taking `point` over instead of a copy of it.
 SweepRow evaluate_configuration(Predictor& predictor, SweepConfiguration&& point, const SweepConstraints& constraints);
+// Rows that hold their configuration and nothing else (SweepRow(point)), evaluated in
+// place: rows[i] becomes evaluate_configuration(predictor, rows[i].point, constraints), the
+// simulated ones Predictor::kMaxBatch at a time (Predictor::evaluate_batch).
+void evaluate_rows(Predictor& predictor, SweepRow* rows, std::size_t n, const SweepConstraints& constraints);
 
 // ---- running a whole sweep --------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 // The CPU backend's speed (see docs/performance.md, "CPU runtime"):
-//  * matrix-product throughput at the runtime model's shapes, one thread, against the
-//    core's peak (FMA lanes x 2 FLOPs x clock, read from the CPU), as counters
-//    gflops and fraction_of_peak;
+//  * matrix-product throughput at the runtime model's shapes, one thread, the runtime's own
+//    product (runtime/model/matmul.h) beside Eigen's, per CPU second, with the core's nominal
+//    peak (FMA lanes x 2 FLOPs x clock, read from the CPU) as a counter;
 //  * one whole training step of a single rank, tokens/s (the PyTorch comparison is
 //    scripts/bench-vs-pytorch).
 //
@@ -18,6 +18,7 @@
 #include <string>
 
 #include "runtime/cpu/cpu_engine.h"
+#include "runtime/model/matmul.h"
 #include "runtime/runtime_plan.h"
 #include "runtime/numerics/lowp.h"
 
@@ -46,23 +47,44 @@ double cpu_hz() {
   return 0;
 }
 
-// C(m,n) = A(m,k) B(k,n), as the model's linear layers compute them (N tokens x width).
+// The model's linear layers at their shapes, m = N tokens, k = in, n = out, one thread, through
+// the product the runtime uses (runtime/model/matmul.h) and, for comparison, Eigen's: arg 3 picks
+// the layout (0: forward y = x w^T; 1: input gradient dx = dy w; 2: weight gradient dw += dy^T x)
+// and arg 4 the implementation (0: matmul::sgemm, 1: Eigen).
 void BM_Gemm(benchmark::State& state) {
   const int m = static_cast<int>(state.range(0)), k = static_cast<int>(state.range(1)),
-            n = static_cast<int>(state.range(2));
-  RowMatrix a = RowMatrix::Random(m, k), b = RowMatrix::Random(k, n), c(m, n);
+            n = static_cast<int>(state.range(2)), layout = static_cast<int>(state.range(3));
+  const bool eigen = state.range(4) != 0;
+  RowMatrix x = RowMatrix::Random(m, k), w = RowMatrix::Random(n, k), y(m, n), dy = RowMatrix::Random(m, n),
+            dx(m, k), dw = RowMatrix::Zero(n, k);
   for (auto _ : state) {
-    c.noalias() = a * b;
-    benchmark::DoNotOptimize(c.data());
+    if (layout == 0) {
+      if (eigen) y.noalias() = x * w.transpose();
+      else runtime::matmul::sgemm(false, true, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
+      benchmark::DoNotOptimize(y.data());
+    } else if (layout == 1) {
+      if (eigen) dx.noalias() = dy * w;
+      else runtime::matmul::sgemm(false, false, m, k, n, 1.0f, dy.data(), n, w.data(), k, 0.0f, dx.data(), k);
+      benchmark::DoNotOptimize(dx.data());
+    } else {
+      if (eigen) dw.noalias() += dy.transpose() * x;
+      else runtime::matmul::sgemm(true, false, n, k, m, 1.0f, dy.data(), n, x.data(), k, 1.0f, dw.data(), k);
+      benchmark::DoNotOptimize(dw.data());
+    }
   }
   const double flops = 2.0 * m * k * n;
   state.counters["gflops"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   const double peak = flops_per_cycle() * cpu_hz();
   state.counters["peak_gflops"] = peak * 1e-9;
   state.counters["flops"] = flops;
+  state.SetLabel(std::string(layout == 0 ? "forward" : layout == 1 ? "input grad" : "weight grad") +
+                 (eigen ? ", Eigen" : ", matmul"));
 }
 // Tokens N = micro-batch 8 x seq 128; hidden 256: qkv, attention output, MLP up and down.
-BENCHMARK(BM_Gemm)->Args({1024, 256, 768})->Args({1024, 256, 256})->Args({1024, 256, 1024})->Args({1024, 1024, 256})
+BENCHMARK(BM_Gemm)
+    ->ArgsProduct({{1024}, {256}, {768, 256, 1024}, {0, 1, 2}, {0, 1}})
+    ->ArgsProduct({{1024}, {1024}, {256}, {0, 1, 2}, {0, 1}})
+    ->MeasureProcessCPUTime()
     ->Unit(benchmark::kMicrosecond);
 
 // Rounding a tensor to a low-precision format, per element.

@@ -203,14 +203,28 @@ const std::vector<SweepConfiguration>& gpt3_175b_points() {
   return points;
 }
 
+// One iteration: what a sweep worker does with the file's rows (evaluate_rows: four at a time,
+// Predictor::evaluate_batch); the rows are rebuilt from the configurations between iterations,
+// outside the timing (a sweep moves its configurations into them).
 void BM_SweepFile_GPT3_175B(benchmark::State& state) {
   const auto& points = gpt3_175b_points();
   const SweepConstraints none;
   Predictor predictor;
+  std::vector<SweepRow> rows;
+  auto fresh_rows = [&] {
+    rows.clear();
+    for (const auto& p : points) rows.emplace_back(p);
+  };
+  fresh_rows();
+  evaluate_rows(predictor, rows.data(), rows.size(), none);
   std::size_t simulated = 0;
-  for (const auto& p : points) simulated += evaluate_configuration(predictor, p, none).simulated;
-  for (auto _ : state)
-    for (const auto& p : points) benchmark::DoNotOptimize(evaluate_configuration(predictor, p, none));
+  for (const auto& r : rows) simulated += r.simulated;
+  for (auto _ : state) {
+    state.PauseTiming();
+    fresh_rows();
+    state.ResumeTiming();
+    evaluate_rows(predictor, rows.data(), rows.size(), none);
+  }
   const double n = static_cast<double>(simulated);  // rows rejected before simulation do not count
   state.counters["configs"] = static_cast<double>(points.size());
   state.counters["evaluations_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate);
@@ -218,6 +232,22 @@ void BM_SweepFile_GPT3_175B(benchmark::State& state) {
       benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 BENCHMARK(BM_SweepFile_GPT3_175B)->Unit(benchmark::kMillisecond);
+
+// The same rows one at a time (evaluate_configuration, Predictor::evaluate): no lanes.
+void BM_SweepFile_GPT3_175B_OneByOne(benchmark::State& state) {
+  const auto& points = gpt3_175b_points();
+  const SweepConstraints none;
+  Predictor predictor;
+  std::size_t simulated = 0;
+  for (const auto& p : points) simulated += evaluate_configuration(predictor, p, none).simulated;
+  for (auto _ : state)
+    for (const auto& p : points) benchmark::DoNotOptimize(evaluate_configuration(predictor, p, none));
+  const double n = static_cast<double>(simulated);
+  state.counters["evaluations_per_s"] = benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["s_per_evaluation"] =
+      benchmark::Counter(n, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_SweepFile_GPT3_175B_OneByOne)->Unit(benchmark::kMillisecond);
 
 // One configuration of that file (a100-80gb, micro-batch 1: 64 micro-batches, 8,200 ops),
 // three ways: the engine, compiling its schedule (once per schedule in a sweep) and the
@@ -260,6 +290,72 @@ void BM_GPT3_175B_m64_Program(benchmark::State& state) {
 }
 BENCHMARK(BM_GPT3_175B_m64_Program)->Unit(benchmark::kMicrosecond);
 
+// The same program for `lanes` configurations of the file at once (compute efficiencies
+// 0.4, 0.45, ...): StepProgram::run_lanes, as a sweep runs a schedule's configurations.
+void BM_GPT3_175B_m64_ProgramLanes(benchmark::State& state) {
+  const int lanes = static_cast<int>(state.range(0));
+  std::vector<Plan> plans;
+  for (const auto& p : gpt3_175b_points())
+    if (plans.size() < static_cast<std::size_t>(lanes) && p.config.training.micro_batch_size == 1 &&
+        p.config.cluster.gpu == "a100-80gb" && (plans.empty() || p.config.cluster.compute_efficiency != plans.back().config.cluster.compute_efficiency))
+      plans.push_back(Plan::from_config(p.config));
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plans[0]));
+  std::vector<std::unique_ptr<RooflineComputeModel>> compute;
+  std::vector<std::unique_ptr<LinkP2PModel>> p2p;
+  std::vector<std::unique_ptr<NetworkCollectiveModel>> collective;
+  std::vector<const RooflineComputeModel*> c;
+  std::vector<const LinkP2PModel*> l;
+  std::vector<const NetworkCollectiveModel*> k;
+  std::vector<Timeline> timelines(plans.size());
+  std::vector<Timeline*> out;
+  for (std::size_t j = 0; j < plans.size(); ++j) {
+    compute.push_back(std::make_unique<RooflineComputeModel>(plans[j]));
+    p2p.push_back(std::make_unique<LinkP2PModel>(plans[j]));
+    collective.push_back(std::make_unique<NetworkCollectiveModel>(plans[j]));
+    c.push_back(compute.back().get());
+    l.push_back(p2p.back().get());
+    k.push_back(collective.back().get());
+    out.push_back(&timelines[j]);
+  }
+  StepProgram program;
+  program.compile(schedule, false);
+  std::vector<StepFigures> figures(plans.size());
+  std::vector<StepFigures*> figures_out;
+  for (auto& f : figures) figures_out.push_back(&f);
+  ResultWorkspace ws;
+  const bool timeline = state.range(1) != 0;
+  for (auto _ : state)
+    if (timeline)
+      program.run_lanes(c.data(), l.data(), k.data(), out.data(), static_cast<int>(plans.size()));
+    else
+      program.run_lanes_figures(c.data(), l.data(), k.data(), true, figures_out.data(), ws, static_cast<int>(plans.size()));
+  state.counters["configurations_per_s"] =
+      benchmark::Counter(static_cast<double>(plans.size()), benchmark::Counter::kIsIterationInvariantRate);
+}
+// (lanes, 1: Timelines written; 0: the Result's figures alone, what a sweep runs)
+BENCHMARK(BM_GPT3_175B_m64_ProgramLanes)
+    ->Args({1, 1})
+    ->Args({4, 1})
+    ->Args({1, 0})
+    ->Args({4, 0})
+    ->Unit(benchmark::kMicrosecond);
+
+// The program's figures alone (StepProgram::run_figures, no Timeline): what replaced Program
+// then Result for a configuration of a compiled schedule.
+void BM_GPT3_175B_m64_Figures(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  StepProgram program;
+  program.compile(schedule, false);
+  StepFigures figures;
+  ResultWorkspace ws;
+  for (auto _ : state) benchmark::DoNotOptimize(program.run_figures(compute, p2p, collective, true, figures, ws));
+}
+BENCHMARK(BM_GPT3_175B_m64_Figures)->Unit(benchmark::kMicrosecond);
+
 // What turns that Timeline into the Result (core/metrics.cpp), and the memory walk.
 void BM_GPT3_175B_m64_Result(benchmark::State& state) {
   const Plan plan = gpt3_175b_m64();
@@ -269,6 +365,18 @@ void BM_GPT3_175B_m64_Result(benchmark::State& state) {
   for (auto _ : state) compute_result_into(plan, p.timeline, p.memory, result, ws);
 }
 BENCHMARK(BM_GPT3_175B_m64_Result)->Unit(benchmark::kMicrosecond);
+
+// The same with the schedule's ResultIndex, as a sweep passes it.
+void BM_GPT3_175B_m64_ResultIndexed(benchmark::State& state) {
+  const Plan plan = gpt3_175b_m64();
+  const Prediction p = predict(plan);
+  Result result;
+  ResultWorkspace ws;
+  ResultIndex index;
+  result_index_into(*p.schedule, index);
+  for (auto _ : state) compute_result_into(plan, p.timeline, p.memory, result, ws, nullptr, &index);
+}
+BENCHMARK(BM_GPT3_175B_m64_ResultIndexed)->Unit(benchmark::kMicrosecond);
 
 void BM_GPT3_175B_m64_Memory(benchmark::State& state) {
   const Plan plan = gpt3_175b_m64();

@@ -257,5 +257,21 @@ TEST_F(CheckpointTest, ReadOnlyFolderThrowsAndKeepsThePreviousCheckpoint) {
   expect_bitwise_equal(load_checkpoint(ro.string()), first);
 }
 
+// encode_checkpoint / decode_checkpoint are the file's bytes without the disk (what the fuzz
+// target fuzz/fuzz_checkpoint.cpp reads): the same bytes save_checkpoint writes, the same
+// refusals load_checkpoint gives, with the name given standing for the file.
+TEST_F(CheckpointTest, InMemoryEncodingIsTheFileFormat) {
+  const Checkpoint c = sample_checkpoint(9);
+  const std::vector<unsigned char> bytes = encode_checkpoint(c);
+  const std::vector<char> file = read_bytes(save_checkpoint(dir(), c));
+  ASSERT_EQ(bytes.size(), file.size());
+  EXPECT_EQ(std::memcmp(bytes.data(), file.data(), bytes.size()), 0);
+  expect_bitwise_equal(decode_checkpoint(bytes, "mem.ckpt"), c);
+  std::vector<unsigned char> bad = bytes;
+  bad[bad.size() / 2] ^= 0x01;
+  expect_refusal([&] { decode_checkpoint(bad, "mem.ckpt"); }, {"mem.ckpt", "checksum mismatch"});
+  expect_refusal([&] { decode_checkpoint({}, "mem.ckpt"); }, {"mem.ckpt", "truncated"});
+}
+
 }  // namespace
 }  // namespace trainsim::runtime
