@@ -341,14 +341,18 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     EXPECT_NEAR(r.pipeline_bubble_fraction + r.exposed_comm_fraction, r.bubble_fraction, 1e-12);
     EXPECT_GE(r.pipeline_bubble_fraction, 0);
     EXPECT_GE(r.exposed_comm_fraction, 0);
-    if (p == 1) EXPECT_EQ(r.pipeline_bubble_fraction, 0);
+    if (p == 1) {
+      EXPECT_EQ(r.pipeline_bubble_fraction, 0);
+    }
     for (const auto& rank : r.ranks) {
       EXPECT_LE(rank.busy_s, r.step_time_s * (1 + 1e-12));
       EXPECT_GT(rank.peak_memory_bytes, 0);
       EXPECT_GE(rank.exposed_comm_s, 0);
       EXPECT_GE(rank.pipeline_bubble_s, 0);
       EXPECT_NEAR(rank.pipeline_bubble_s + rank.exposed_comm_s, rank.idle_s, 1e-9 * r.step_time_s);
-      if (p == 1) EXPECT_EQ(rank.pipeline_bubble_s, 0);
+      if (p == 1) {
+        EXPECT_EQ(rank.pipeline_bubble_s, 0);
+      }
     }
     ++simulated;
   }

@@ -248,7 +248,9 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     ASSERT_TRUE(program.compile(full, false));
     EXPECT_TRUE(program.prices_hold(compute, p2p, collective));
     EXPECT_TRUE(program.prices_hold(ranked));
-    if (plan.num_microbatches > 1) EXPECT_FALSE(program.prices_hold(by_microbatch));
+    if (plan.num_microbatches > 1) {
+      EXPECT_FALSE(program.prices_hold(by_microbatch));
+    }
     sim.run(full, compute, p2p, collective, want, false);
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << where;

@@ -398,17 +398,16 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
         pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
       }
       std::vector<float> buffer(s.max_count);
-      // A step's gradient buckets were written by its backward long before they are reduced: the
-      // caches have moved on to other data. Each all_reduce call of ranks that have a core each
-      // starts from that state: together the ranks read twice the last-level cache's size of
-      // other data (at least 4 MiB each, for their own caches).
+      // A step's gradient buckets were written by its backward long before they are reduced, and
+      // the caches hold what the backward wrote since. Each all_reduce call of ranks that have a
+      // core each starts from that state: together the ranks write twice the last-level cache's
+      // size of other data (at least 4 MiB each, for their own caches), so the call's buffer comes
+      // from memory and every line it brings in first writes a dirty one back.
       const std::size_t evict_bytes =
           all_reduce && pinned ? std::max(std::size_t{4} << 20, 2 * last_level_cache_bytes() / n_ranks) : 0;
       std::vector<float> other(evict_bytes / sizeof(float), 1.0f);
       const auto evict = [&](std::size_t) {
-        float sum = 0;
-        for (std::size_t i = 0; i < other.size(); i += 16) sum += other[i];  // a cache line per read
-        other[0] = sum * 0.0f + 1.0f;  // keeps the reads
+        for (std::size_t i = 0; i < other.size(); i += 16) other[i] += 1.0f;  // a cache line per write
       };
       const auto call = [&](std::size_t count) {
         const std::span<float> buf(buffer.data(), count);

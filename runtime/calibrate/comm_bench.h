@@ -11,9 +11,10 @@
 //    rank times its own call with steady_clock. A call's time is the slowest rank's; the row
 //    reports the median over the timed calls. In-process all_reduce calls are timed as a step
 //    times a collective: from the moment its last member started it (the barrier releases the
-//    ranks a wake-up apart), and on buffers the caches no longer hold (ranks that have a core
-//    each read other data first, twice the last-level cache in all), as a step's gradient
-//    buckets are when they are reduced: its backward wrote them long before.
+//    ranks a wake-up apart), and on buffers the caches no longer hold, behind lines waiting to be
+//    written back (ranks that have a core each write other data first, twice the last-level
+//    cache in all), as a step's gradient buckets are when they are reduced: its backward wrote
+//    them long before, and much else since.
 //  * every call's output (warm-ups included) is compared element by element with the exact
 //    expected result: contributions are small integers (rank r, element i: w(r)·(i mod m + 1),
 //    w(r) = r + 1 and m = 7 where the wire format holds every partial sum exactly, smaller

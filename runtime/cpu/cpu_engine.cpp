@@ -289,7 +289,8 @@ class CpuEngine final : public DeviceEngine {
         world_(World::of(rp.plan)),
         shape_(rp.plan),
         pinned_(cpu_pins_ranks(options, world_.size())),
-        comm_world_(world_.size(), options.comm_timeout) {
+        comm_world_(world_.size(), options.comm_timeout),
+        comm_timeout_(options.comm_timeout) {
     schedule_ = std::make_shared<const Schedule>(build_schedule(plan_));
     const auto& cfg = plan_.config;
     const OptimizerSettings os = optimizer_settings(cfg);
@@ -362,7 +363,8 @@ class CpuEngine final : public DeviceEngine {
     for (auto& rk : ranks_) prepare_step(*rk, step, data_position);
     if (gate_) gate_->reset();
     for (auto& t : sent_at_) t.store(-1);
-    epoch_ = Clock::now();
+    started_.store(0);
+    go_.store(false);
     std::vector<std::thread> threads;
     threads.reserve(ranks_.size());
     for (auto& rk : ranks_)
@@ -460,6 +462,7 @@ class CpuEngine final : public DeviceEngine {
     Driver(CpuEngine& e, Rank& rk) : e_(e), rk_(rk) {}
     void start_compute_thread() override {
       if (e_.pinned_) pin(rk_.rank);
+      e_.start_together();
     }
     void run_compute(int i) override {
       // An op starts when the one before it on this thread and what it waits for have ended, and a
@@ -636,6 +639,26 @@ class CpuEngine final : public DeviceEngine {
     rs.arrival = rk.arrival;
     rs.weights_hash = h;
     return rs;
+  }
+
+  // The step starts when every rank's thread has started (and is pinned): threads created for the
+  // step start up to milliseconds apart on a busy machine, and the first would wait for the last
+  // at its first message or collective, as no rank of a real job does. The last one sets the
+  // step's epoch; the others wait for it, polling where each rank has its own core.
+  void start_together() {
+    const int n = static_cast<int>(ranks_.size());
+    if (started_.fetch_add(1) + 1 == n) {
+      epoch_ = Clock::now();
+      go_.store(true, std::memory_order_release);
+      return;
+    }
+    const auto give_up = Clock::now() + comm_timeout_;
+    for (int spins = 0; !go_.load(std::memory_order_acquire); ++spins) {
+      if (!pinned_) std::this_thread::yield();
+      if (spins % 1024 == 0 && Clock::now() > give_up)
+        throw std::runtime_error(fmt::format("cpu engine: not every rank's thread started within {} ms",
+                                             comm_timeout_.count()));
+    }
   }
 
   Tick now() const {
@@ -1147,7 +1170,10 @@ class CpuEngine final : public DeviceEngine {
   std::shared_ptr<const Schedule> schedule_;
   GradientBuckets buckets_;
   std::vector<std::unique_ptr<Rank>> ranks_;
-  Clock::time_point epoch_;
+  Clock::time_point epoch_;  // the step's start: written by the last rank to start, before go_
+  std::atomic<int> started_{0};
+  std::atomic<bool> go_{false};
+  std::chrono::milliseconds comm_timeout_;
   bool gathers_units_ = false;  // ZeRO-3: weights gathered unit by unit before every pass
   bool stages_buckets_ = false;  // ZeRO-2/3: every micro-batch's buckets go to their reduce-scatters
   double gathered_bytes_ = 0;   // the two units a stage-3 rank holds at most
