@@ -10,7 +10,8 @@
 //  * memory per rank: optimizer state ~1/dp under ZeRO-1, gradients too under ZeRO-2, weights too
 //    under ZeRO-3, activations as recompute keeps them, and every rank's peak within 5% of the
 //    simulator's prediction of the same plan;
-//  * resuming a ZeRO-3 run from a checkpoint of its shards is bitwise identical.
+//  * resuming a ZeRO run (tensor parallel or not) from a checkpoint of its shards is bitwise
+//    identical.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -321,37 +322,39 @@ TEST(ZeroAndRecompute, Bf16Fp16StayWithinTheirRounding) {
 // Checkpoints keep each rank's shards; resuming from them continues bit for bit.
 TEST(ZeroAndRecompute, ResumingAShardedRunIsBitwiseIdentical) {
   const auto dir = std::filesystem::temp_directory_path() / "trainsim_test_zero_resume";
-  for (const Sharding& z : {Sharding{3, Framework::megatron, false}, Sharding{2, Framework::fsdp, false},
-                            Sharding{1, Framework::auto_select, false}}) {
-    SCOPED_TRACE(::testing::Message() << "zero " << z.zero);
-    std::filesystem::remove_all(dir);
-    ScenarioConfig c = matrix_config({2, 2, 2, ScheduleKind::interleaved_1f1b}, z, Recompute::selective);
-    c.precision.compute = DType::bf16;
-    c.precision.loss_scaling.mode = LossScalingMode::dynamic;
-    c.runtime.steps = 4;
-    RunOptions opt;
-    opt.checkpoint_dir = dir.string();
-    opt.checkpoint_every_steps = 2;
-    const RunReport whole = run(c, opt);
-    ASSERT_FALSE(whole.failure) << whole.failure->message;
-    ASSERT_EQ(whole.checkpoints.size(), 2u);
-    RunOptions resume;
-    resume.resume_from = whole.checkpoints[0];  // after step 2
-    const RunReport rest = run(c, resume);
-    ASSERT_FALSE(rest.failure) << rest.failure->message;
-    ASSERT_EQ(rest.steps.size(), 2u);
-    for (int i = 0; i < 2; ++i) {
-      EXPECT_EQ(rest.steps[i].loss, whole.steps[i + 2].loss) << "bitwise";
-      EXPECT_EQ(rest.steps[i].grad_norm, whole.steps[i + 2].grad_norm);
-      EXPECT_EQ(rest.steps[i].replica_checksums, whole.steps[i + 2].replica_checksums);
+  for (const int tp : {1, 2}) {
+    for (const Sharding& z : {Sharding{3, Framework::megatron, false}, Sharding{2, Framework::fsdp, false},
+                              Sharding{1, Framework::auto_select, false}}) {
+      SCOPED_TRACE(::testing::Message() << "zero " << z.zero << " tp " << tp);
+      std::filesystem::remove_all(dir);
+      ScenarioConfig c = matrix_config({2, 2, 2, ScheduleKind::interleaved_1f1b, tp, tp > 1}, z, Recompute::selective);
+      c.precision.compute = DType::bf16;
+      c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+      c.runtime.steps = 4;
+      RunOptions opt;
+      opt.checkpoint_dir = dir.string();
+      opt.checkpoint_every_steps = 2;
+      const RunReport whole = run(c, opt);
+      ASSERT_FALSE(whole.failure) << whole.failure->message;
+      ASSERT_EQ(whole.checkpoints.size(), 2u);
+      RunOptions resume;
+      resume.resume_from = whole.checkpoints[0];  // after step 2
+      const RunReport rest = run(c, resume);
+      ASSERT_FALSE(rest.failure) << rest.failure->message;
+      ASSERT_EQ(rest.steps.size(), 2u);
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_EQ(rest.steps[i].loss, whole.steps[i + 2].loss) << "bitwise";
+        EXPECT_EQ(rest.steps[i].grad_norm, whole.steps[i + 2].grad_norm);
+        EXPECT_EQ(rest.steps[i].replica_checksums, whole.steps[i + 2].replica_checksums);
+      }
+      // A rank's checkpoint holds its shard, not the whole chunk.
+      const Checkpoint ck = load_checkpoint(whole.checkpoints[0]);
+      const RuntimePlan rp = make_runtime_plan(c);
+      std::size_t chunk = 0;
+      for (int vs : {0, 2}) chunk += StageModel(stage_spec(rp, vs, 0)).gradients().size();  // rank 0's chunks
+      EXPECT_LT(ck.ranks[0].master_weights.size(), chunk * 6 / 10);
+      EXPECT_EQ(ck.ranks[0].first_moment.size(), ck.ranks[0].master_weights.size());
     }
-    // A rank's checkpoint holds its shard, not the whole chunk.
-    const Checkpoint ck = load_checkpoint(whole.checkpoints[0]);
-    const RuntimePlan rp = make_runtime_plan(c);
-    std::size_t chunk = 0;
-    for (int vs : {0, 2}) chunk += StageModel(stage_spec(rp, vs)).gradients().size();  // rank 0's chunks
-    EXPECT_LT(ck.ranks[0].master_weights.size(), chunk * 6 / 10);
-    EXPECT_EQ(ck.ranks[0].first_moment.size(), ck.ranks[0].master_weights.size());
   }
   std::filesystem::remove_all(dir);
 }
