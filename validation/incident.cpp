@@ -19,6 +19,12 @@ namespace trainsim::validation {
 
 namespace {
 
+// The runtime's ranks: one per tensor-parallel shard of each schedule rank, "8 (4 x tp 2)".
+std::string rank_threads(const Plan& plan) {
+  if (plan.tp == 1) return std::to_string(plan.num_ranks());
+  return fmt::format("{} ({} x tp {})", plan.num_ranks() * plan.tp, plan.num_ranks(), plan.tp);
+}
+
 struct Spread {
   double min = 0, mean = 0, max = 0;
 };
@@ -137,16 +143,16 @@ void describe(std::ostream& o, const ConfigurationStory& c, bool markdown) {
   const runtime::RuntimePlan& rp = c.scaled.plan;
   const auto& d = rp.dims;
   if (markdown) {
-    o << fmt::format("- **layout**: {} on {} x {}\n", layout(full), full.num_ranks(), c.scenario.config.cluster.gpu);
+    o << fmt::format("- **layout**: {} on {} x {}\n", layout(full), full.num_ranks() * full.tp, c.scenario.config.cluster.gpu);
     o << fmt::format("- **precision**: {}\n", precision_line(c.scenario.config.precision));
     o << fmt::format("- **scaled run**: {} ranks as threads on {}; model {} layers, hidden {}, {} heads, seq {}, "
                      "vocab {}\n",
-                     rp.plan.num_ranks(), c.scaled.profile.device, d.num_layers, d.hidden_size, d.num_heads,
+                     rank_threads(rp.plan), c.scaled.profile.device, d.num_layers, d.hidden_size, d.num_heads,
                      d.seq_length, d.vocab_size);
     for (const auto& n : rp.notes) o << "- runtime note: " << n << "\n";
   } else {
     o << fmt::format("  layout     {}\n  precision  {}\n", layout(full), precision_line(c.scenario.config.precision));
-    o << fmt::format("  scaled     {} ranks on {} cores, model {} layers x hidden {}\n", rp.plan.num_ranks(),
+    o << fmt::format("  scaled     {} ranks on {} cores, model {} layers x hidden {}\n", rank_threads(rp.plan),
                      c.scaled.profile.ranks_per_node, d.num_layers, d.hidden_size);
   }
 }
