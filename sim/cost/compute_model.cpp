@@ -1,6 +1,7 @@
 #include "sim/cost/compute_model.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/kernel_inventory.h"
 #include "sim/cost/collective_model.h"
@@ -102,6 +103,12 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
 
 namespace {
 
+// Integer instructions per element of a dropout kernel that draws its mask: Philox-4x32-10 is 10
+// rounds of two 32x32->64-bit multiplies (lo and hi: four instructions), two three-input XORs and
+// two key additions, about 80 instructions per four numbers (20 each); then the conversion to a
+// uniform float, the compare, the scale and the mask byte (about 5).
+constexpr double kDropoutInstructionsPerDraw = 25;
+
 // Seconds of the framework's kernels of one op on one tensor-parallel rank (the roofline path).
 struct FrameworkPricer {
   const Plan& plan;
@@ -140,7 +147,15 @@ struct FrameworkPricer {
     // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32).
     if (w.kernel == "linear.backward_weight_accumulate") return gemm_seconds(w.shape, elem, peak, cl, 8.0);
     if (w.shape.is_matmul()) return gemm_seconds(w.shape, elem, peak, cl);
-    return memory_seconds(w.bytes, cl) * layernorm_factor(w.kernel);
+    const double memory = memory_seconds(w.bytes, cl) * layernorm_factor(w.kernel);
+    if (w.random_draws <= 0 || cl.int32_tops <= 0) return memory;
+    // A dropout mask drawn in the kernel: PyTorch's and Megatron's kernels draw with Philox-4x32-10
+    // (curand_uniform4, four numbers per call), about kDropoutInstructionsPerDraw integer
+    // instructions per element on the SMs' 64 INT32 lanes, at the clock they hold. Those
+    // instructions and the bytes overlap, not perfectly: the soft roofline of the matrix products.
+    const double draws = w.random_draws * kDropoutInstructionsPerDraw /
+                         (cl.int32_tops * 1e12 * cl.sustained_clock_fraction);
+    return std::sqrt(memory * memory + draws * draws);
   }
   // apex's FusedLayerNorm against the persistent kernel on the same A100 and shape (NVIDIA/apex
   // pull request #1037: forward 0.0751 against 0.0535 ms, backward 0.1762 against 0.0866 ms).
