@@ -21,7 +21,8 @@ std::map<DType, double> rates(double fp32, double tf32, double fp16, double bf16
 std::vector<GpuPreset> make_gpus() {
   return {
       {"v100-32gb", "NVIDIA V100 SXM2 32GB (Volta): no bf16, no tf32; DGX-1/DGX-2 class", 8, 32.0,
-       rates(15.7, 0, 125, 0, 0), 0.80, 80, 900, 0.90, 0.35, 1.0, {150, 3, 0.80}, {12.5, 6, 0.94}, false, 80 * 64 * 1.530e-3},
+       rates(15.7, 0, 125, 0, 0), 0.80, 80, 900, 0.90, 0.35, 1.0, {150, 3, 0.80}, {12.5, 6, 0.94}, false,
+       80 * 64 * 1.530e-3},
       {"a100-40gb", "NVIDIA A100 SXM4 40GB (Ampere), DGX A100 node", 8, 40.0, rates(19.5, 156, 312, 312, 0), 0.82,
        108, 1555, 0.79, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false, 108 * 64 * 1.410e-3},
       {"a100-80gb", "NVIDIA A100 SXM4 80GB (Ampere), DGX A100 node", 8, 80.0, rates(19.5, 156, 312, 312, 0), 0.82,
