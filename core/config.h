@@ -106,6 +106,10 @@ struct ClusterConfig {
   // (short benchmarks, boost clock) that the SMs hold through sustained training, where the power
   // limit binds (matrix products, HBM, NVLink and NICs all drawing at once).
   double sustained_clock_fraction = 1.0;
+  // 32-bit integer instructions per second, in tera (SMs x 64 INT32 lanes x boost clock): the
+  // rate of the random-number generation inside dropout kernels (Philox), scaled like the products
+  // by sustained_clock_fraction.
+  double int32_tops = 9.75;
   LinkConfig intra_node{300, 3, 0.8};
   LinkConfig inter_node{25, 6, 0.94};
   // NVSwitch with in-switch reduction (NVLink SHARP, Hopper and later): NCCL's NVLS algorithms.

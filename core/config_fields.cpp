@@ -309,6 +309,9 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(real("cluster.sustained_clock_fraction", FIELD(cluster.sustained_clock_fraction), 0.01, 1, "",
                    "Fraction of the benchmarks' clock the SMs hold through sustained training under the power "
                    "limit; scales matrix products and attention, not memory"));
+  t.push_back(real("cluster.int32_tops", FIELD(cluster.int32_tops), 0.001, 1e6, "TOPS",
+                   "32-bit integer instructions per second of the SMs (SMs x 64 INT32 lanes x boost clock): "
+                   "prices the random numbers dropout kernels draw (Philox) beside their bytes"));
   t.push_back(real("cluster.intra_node.bandwidth_gbps", FIELD(cluster.intra_node.bandwidth_gbps), 0.001, 1e6,
                    "GB/s", "Per-GPU NVLink line rate inside a node, one direction"));
   t.push_back(real("cluster.intra_node.latency_us", FIELD(cluster.intra_node.latency_us), 0, 1e6, "us",

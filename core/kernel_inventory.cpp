@@ -34,9 +34,19 @@ struct Builder {
     w.bytes = bytes;
     add(std::move(w));
   }
+  // A memory-bound kernel that also draws one random number per element (a dropout mask).
+  void memory_random(const char* kernel, double elements, double bytes) {
+    if (elements <= 0 || bytes <= 0) return;
+    KernelWork w{kernel, dtype, {}, 0, 1};
+    w.shape.elements = static_cast<long>(elements);
+    w.bytes = bytes;
+    w.random_draws = elements;
+    add(std::move(w));
+  }
   void add(KernelWork w) {
     for (KernelWork& k : *out)
-      if (k.shape == w.shape && k.bytes == w.bytes && k.dtype == w.dtype && k.kernel == w.kernel) {  // the name last: dearest to compare
+      if (k.shape == w.shape && k.bytes == w.bytes && k.random_draws == w.random_draws && k.dtype == w.dtype &&
+          k.kernel == w.kernel) {  // the name last: dearest to compare
         ++k.count;
         return;
       }
@@ -241,7 +251,7 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
       k.matmul("attention.scores", T, T, hs, b * H);
       if (attn == AttentionKernel::naive) k.memory("attention.mask", scores, 2);
       k.memory("softmax.forward", scores, 2);
-      if (m.attention_dropout) k.memory_bytes("dropout.forward", scores, scores * (2 * e + 1));
+      if (m.attention_dropout) k.memory_random("dropout.forward", scores, scores * (2 * e + 1));
       k.matmul("attention.context", T, hs, T, b * H);
     };
     // Bytes per element of the elementwise work, fused (Megatron-LM's kernels) or eager (one
@@ -267,6 +277,11 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
     // product, are concatenated into its gradient (torch.cat). FlashAttention reads and writes the
     // layout in place.
     const bool layout_copies = attn != AttentionKernel::flash;
+    // Megatron's bias-dropout-add (and the eager adds and dropout) draws the hidden dropout's mask.
+    auto bias_dropout_add_forward = [&] {
+      if (m.hidden_dropout) k.memory_random("bias_dropout_add.forward", rep, rep * residual_fwd);
+      else k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
+    };
     auto layer_forward = [&] {
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
       k.matmul("linear.forward", N, qkv, C);
@@ -278,14 +293,14 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
       if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       k.matmul("linear.forward", N, C, Cout);
       tp_allreduce(act);
-      k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
+      bias_dropout_add_forward();
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
       k.matmul("linear.forward", N, ffn_in, C);
       k.memory_bytes(m.swiglu ? "swiglu.forward" : "gelu.forward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_fwd);
       k.matmul("linear.forward", N, C, F);
       tp_allreduce(act);
-      k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
+      bias_dropout_add_forward();
     };
 
     // ---- forward
@@ -294,7 +309,7 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
     if (first) {
       k.memory("embedding.forward", static_cast<double>(N) * C, m.learned_positions ? 3 : 2);
       tp_allreduce(act);  // vocabulary-parallel embedding
-      if (m.hidden_dropout) k.memory_bytes("dropout.forward", rep, rep * (2 * e + 1));
+      if (m.hidden_dropout) k.memory_random("dropout.forward", rep, rep * (2 * e + 1));
     }
     for (int l = 0; l < layers; ++l) layer_forward();
     if (last) {

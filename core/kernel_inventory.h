@@ -52,6 +52,9 @@ struct KernelWork {
   KernelShape shape;
   double bytes = 0;    // memory-bound kernels
   int count = 1;       // launches of this exact kernel and shape in the op
+  // Random numbers the kernel draws (a dropout mask generated in it: Philox, one per element);
+  // the roofline prices them on the SMs' integer pipes beside the bytes (compute_model.cpp).
+  double random_draws = 0;
 };
 
 struct ChunkKernels {

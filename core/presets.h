@@ -26,6 +26,7 @@ struct GpuPreset {
   LinkConfig intra_node;        // NVLink line rate per GPU and direction, NCCL's efficiency
   LinkConfig inter_node;        // NIC line rate per GPU (NICs per node x NIC rate / GPUs per node)
   bool nvlink_sharp;            // NVSwitch with in-switch reduction (NCCL NVLS)
+  double int32_tops;            // SMs x 64 INT32 lanes x boost clock (whitepapers), tera-instructions/s
 };
 
 struct ModelPreset {

@@ -379,6 +379,7 @@ TEST(ComputeModel, DropoutCostsItsMasksAndNaiveAttentionItsScores) {
   ScenarioConfig c = compute_config(Recompute::none);
   c.cluster.peak_tflops = {{DType::bf16, 1e9}};
   c.cluster.hbm_bandwidth_gbps = 1000;
+  c.cluster.int32_tops = 1e9;  // drawing the masks free: only their bytes (next test)
   const double hbm = 1000e9, N = 512, h = 1024, bHT2 = 8.0 * 512 * 512;
   const double base = RooflineComputeModel(Plan::from_config(c)).chunk(1).forward;
   c.model.hidden_dropout = 0.1;  // two 1-byte masks per layer in bias-dropout-add
@@ -397,6 +398,39 @@ TEST(ComputeModel, DropoutCostsItsMasksAndNaiveAttentionItsScores) {
   c.model.attention = AttentionKernel::naive;
   EXPECT_NEAR(RooflineComputeModel(Plan::from_config(c)).chunk(1).forward - fused_dropout, 2 * bHT2 * 2 * 2 / hbm, 1e-12);
   EXPECT_GT(fused, hidden);
+}
+
+// A dropout kernel draws its mask with Philox: about 25 integer instructions per element on the
+// SMs' INT32 lanes, overlapping its bytes as a soft roofline, sqrt(memory^2 + draws^2). With
+// products free, memory at 1 TB/s and 1 tera-instruction/s, a middle stage's two layers each
+// draw the attention dropout's mask over b H s^2 scores (5 bytes each: read and write 2, mask 1)
+// and two bias-dropout-adds' over N h (3 x 2 bytes + the mask byte); halving the clock the SMs
+// hold doubles the draws' time, not the bytes'.
+TEST(ComputeModel, DropoutDrawsItsMaskOnTheIntegerLanes) {
+  ScenarioConfig c = compute_config(Recompute::none);
+  c.cluster.peak_tflops = {{DType::bf16, 1e9}};
+  c.cluster.hbm_bandwidth_gbps = 1000;
+  c.model.attention = AttentionKernel::fused;
+  c.model.hidden_dropout = c.model.attention_dropout = 0.1;
+  const double hbm = 1000e9, N = 512, h = 1024, bHT2 = 8.0 * 512 * 512;
+  auto extra = [&](double elements, double bytes, double rate) {
+    const double memory = elements * bytes / hbm, draws = elements * 25 / rate;
+    return std::sqrt(memory * memory + draws * draws) - memory;
+  };
+  c.cluster.int32_tops = 1e9;
+  const double free_draws = RooflineComputeModel(Plan::from_config(c)).chunk(1).forward;
+  for (double clock : {1.0, 0.5}) {
+    c.cluster.int32_tops = 1;
+    c.cluster.sustained_clock_fraction = clock;
+    const double rate = 1e12 * clock;
+    const double drawn = RooflineComputeModel(Plan::from_config(c)).chunk(1).forward;
+    EXPECT_NEAR(drawn - free_draws, 2 * (extra(bHT2, 5, rate) + 2 * extra(N * h, 7, rate)), 1e-12) << clock;
+  }
+  // Without dropout nothing is drawn.
+  c.model.hidden_dropout = c.model.attention_dropout = 0;
+  const double none = RooflineComputeModel(Plan::from_config(c)).chunk(1).forward;
+  c.cluster.int32_tops = 1e9;
+  EXPECT_NEAR(RooflineComputeModel(Plan::from_config(c)).chunk(1).forward, none, 1e-15);
 }
 
 // Gradient accumulation over m micro-batches into an FP32 buffer: a separate add per weight

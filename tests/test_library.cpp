@@ -536,13 +536,16 @@ TEST(Library, PlanSaysWhyItsChoiceCanDifferFromTheSweep) {
     EXPECT_FALSE(p.choice_reason.empty());
     const std::string text = format_plan(p);
     EXPECT_NE(text.find("why: " + p.choice_reason), std::string::npos);
-    if (!p.precision.empty() || !p.setups.empty())
+    if (!p.precision.empty() || !p.setups.empty()) {
       EXPECT_NE(text.find("`trainsim sweep` ranks the same candidates as written"), std::string::npos);
+    }
     // The plan's choice is within its margin of the fastest of the file's setup.
     ASSERT_TRUE(p.fastest.has_value());
     EXPECT_GE(p.sweep.rows[*p.chosen].metrics.tokens_per_s * (1 + p.margin),
               p.sweep.rows[*p.fastest].metrics.tokens_per_s);
-    if (*p.chosen != *p.fastest) EXPECT_NE(p.choice, "fastest");
+    if (*p.chosen != *p.fastest) {
+      EXPECT_NE(p.choice, "fastest");
+    }
   }
 }
 

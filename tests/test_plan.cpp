@@ -211,7 +211,10 @@ constraints:
   max_memory_fraction: 0.95
 )",
                                          "bounded.yaml");
-  const PlanResult p = make_plan(sc, PlanOptions{2, 3, true, {}});
+  PlanOptions options;
+  options.threads = 2;
+  options.runners_up = 3;
+  const PlanResult p = make_plan(sc, options);
   EXPECT_FALSE(p.default_space);
   ASSERT_TRUE(p.chosen.has_value());
   const SweepRow& c = p.sweep.rows[*p.chosen];

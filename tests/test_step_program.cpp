@@ -699,6 +699,10 @@ double framework_seconds(const Plan& p, const std::vector<KernelWork>& ws) {
       if (apex && w.kernel.rfind("layernorm.", 0) == 0)
         factor = w.kernel == "layernorm.forward" ? 0.0751 / 0.0535 : 0.1762 / 0.0866;
       x = memory_seconds(w.bytes, cl) * factor;
+      if (w.random_draws > 0 && cl.int32_tops > 0) {  // a dropout mask: 25 integer instructions a draw
+        const double draws = w.random_draws * 25 / (cl.int32_tops * 1e12 * cl.sustained_clock_fraction);
+        x = std::sqrt(x * x + draws * draws);
+      }
     }
     total += w.count * x;
   }

@@ -669,7 +669,7 @@ sweep:
 // A CSV cell with commas, quotes or line breaks is quoted, its quotes doubled (RFC 4180).
 TEST(SweepReport, CsvQuotesCellsThatNeedIt) {
   SweepResult r;
-  for (const std::string reason : {std::string("plain"), std::string("a, b"), std::string("say \"x\", then \"\"y\""),
+  for (const std::string& reason : {std::string("plain"), std::string("a, b"), std::string("say \"x\", then \"\"y\""),
                                    std::string("\"at both ends\""), std::string("two\nlines")}) {
     SweepRow& row = r.rows.emplace_back();
     row.point.index = r.rows.size() - 1;

@@ -1,6 +1,7 @@
 #include "sim/cost/compute_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "core/kernel_inventory.h"
@@ -103,6 +104,12 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
 
 namespace {
 
+// Integer instructions per element of a dropout kernel that draws its mask: Philox-4x32-10 is 10
+// rounds of two 32x32->64-bit multiplies (lo and hi: four instructions), two three-input XORs and
+// two key additions, about 80 instructions per four numbers (20 each); then the conversion to a
+// uniform float, the compare, the scale and the mask byte (about 5).
+constexpr double kDropoutInstructionsPerDraw = 25;
+
 // What FrameworkPricer does with a kernel, from its name and shape (in the order it asks).
 enum class KernelClass : std::uint8_t {
   tp_allreduce,
@@ -190,7 +197,18 @@ struct FrameworkPricer {
         const double efficiency = f.plain ? cl.compute_efficiency : gemm_efficiency_with(f.tile_use, f.k, cl);
         return gemm_seconds_with(f.flops, efficiency, f.io, peak, cl);
       }
-      case KernelClass::memory: return memory_seconds(w.bytes, cl) * 1.0;
+      case KernelClass::memory: {
+        const double memory = memory_seconds(w.bytes, cl);
+        if (w.random_draws <= 0 || cl.int32_tops <= 0) return memory;
+        // A dropout mask drawn in the kernel: PyTorch's and Megatron's kernels draw with
+        // Philox-4x32-10 (curand_uniform4, four numbers per call), about
+        // kDropoutInstructionsPerDraw integer instructions per element on the SMs' 64 INT32
+        // lanes, at the clock they hold. Those instructions and the bytes overlap, not
+        // perfectly: the soft roofline of the matrix products.
+        const double draws =
+            w.random_draws * kDropoutInstructionsPerDraw / (cl.int32_tops * 1e12 * cl.sustained_clock_fraction);
+        return std::sqrt(memory * memory + draws * draws);
+      }
       // apex's FusedLayerNorm against the persistent kernel on the same A100 and shape
       // (NVIDIA/apex pull request #1037: forward 0.0751 against 0.0535 ms, backward 0.1762
       // against 0.0866 ms).
@@ -210,7 +228,8 @@ struct FrameworkPricer {
 
 bool same_kernels(const std::vector<KernelWork>& a, const std::vector<KernelWork>& b) {
   return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const KernelWork& x, const KernelWork& y) {
-    return x.kernel == y.kernel && x.dtype == y.dtype && x.shape == y.shape && x.bytes == y.bytes && x.count == y.count;
+    return x.kernel == y.kernel && x.dtype == y.dtype && x.shape == y.shape && x.bytes == y.bytes &&
+           x.random_draws == y.random_draws && x.count == y.count;
   });
 }
 
@@ -225,7 +244,7 @@ void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   cl.memory_gib = 0;
   for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
   cl.compute_efficiency = cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = 0;
-  cl.hbm_bandwidth_gbps = 0;
+  cl.hbm_bandwidth_gbps = cl.int32_tops = 0;
   cl.intra_node = cl.inter_node = {};
   cl.nvlink_sharp = false;
   cl.price_per_gpu_hour = 0;
