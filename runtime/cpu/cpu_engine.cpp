@@ -24,6 +24,7 @@
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/comm/in_process.h"
 #include "runtime/cpu/cpu_calibrate.h"
+#include "runtime/engine/memory_accounting.h"
 #include "runtime/engine/rank_threads.h"
 #include "runtime/engine/schedule_ops.h"
 #include "runtime/engine/weights.h"
@@ -870,35 +871,23 @@ class CpuEngine final : public DeviceEngine {
     }
   }
 
-  // `working`: activation bytes an op holds while it runs, beyond the stashes.
-  // Categories as sim's memory model has them: weights are what passes read (the compute-format
-  // copy; the master itself in fp32), the optimizer holds the moments and a master kept apart
-  // from it. Under ZeRO (zero.h) a shard's worth of what the stage shards, and in buffers the
-  // gradient buckets in flight (stages 2-3) and the two units a stage-3 gather holds.
+  // `working`, `writing`: what the running op holds beyond the stashes (memory_accounting.h).
   void account_memory(Rank& rk, double working = 0, double writing = 0) {
-    const auto& pr = plan_.config.precision;
-    const double w = dtype_bytes(pr.compute), g = dtype_bytes(pr.grad_accumulation);
-    const double master = pr.compute == DType::fp32 ? 0.0 : 4.0;  // bytes per element kept apart
-    MemoryBreakdown now;
-    now.activations = working;
-    for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
-      const StageModel& c = rk.chunks[j];
-      const auto n = static_cast<double>(c.gradient_bytes() / dtype_bytes(pr.grad_accumulation));
-      const double shard = rk.zero.empty() ? n : static_cast<double>(rk.zero[j].master.size());
-      now.weights += (plan_.zero() >= 3 ? shard : n) * w;
-      now.optimizer += static_cast<double>(rk.optimizers[j].bytes()) + (plan_.zero() >= 1 ? shard : n) * master;
-      if (plan_.reduces_every_microbatch()) {
-        // The accumulated shard; and, unsharded, what the backward wrote and has not yet handed
-        // to a reduce-scatter (buckets in flight are buffers).
-        now.gradients += shard * g;
-        if (rk.written[j] > rk.staged_to[j]) now.buffers += static_cast<double>(rk.written[j] - rk.staged_to[j]) * g;
-      } else {  // the flat gradients, which hold the reduced shard in place (the optimizer's copy of it
-                // stands for Megatron's view into the buffer)
-        now.gradients += n * g;
-      }
-      now.activations += static_cast<double>(c.activation_bytes());
-    }
-    now.buffers += static_cast<double>(rk.buffer_elements) * w + rk.in_flight + gathered_bytes_ + writing;
+    const double g = dtype_bytes(plan_.config.precision.grad_accumulation);
+    const MemoryBreakdown now = rank_memory(
+        plan_, rk.chunks.size(),
+        [&](std::size_t j) {
+          const StageModel& c = rk.chunks[j];
+          ChunkHeld h;
+          h.params = static_cast<double>(c.gradient_bytes()) / g;
+          h.shard = rk.zero.empty() ? h.params : static_cast<double>(rk.zero[j].master.size());
+          h.moment_bytes = static_cast<double>(rk.optimizers[j].bytes());
+          if (plan_.reduces_every_microbatch() && rk.written[j] > rk.staged_to[j])
+            h.unsharded = static_cast<double>(rk.written[j] - rk.staged_to[j]);
+          h.activation_bytes = static_cast<double>(c.activation_bytes());
+          return h;
+        },
+        RankHeld{static_cast<double>(rk.buffer_elements), rk.in_flight, gathered_bytes_, working, writing});
     if (now.total() > rk.peak_bytes) {
       rk.peak_bytes = now.total();
       rk.peak = now;

@@ -28,6 +28,7 @@
 #include "runtime/cuda/sm_partition.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/cuda/stream_ops.h"
+#include "runtime/engine/memory_accounting.h"
 #include "runtime/engine/rank_threads.h"
 #include "runtime/engine/schedule_ops.h"
 #include "runtime/engine/weights.h"
@@ -1304,29 +1305,22 @@ class CudaEngine final : public DeviceEngine {
     }
   }
 
-  // The CPU engine's accounting (cpu_engine.cpp): sim's categories, ZeRO's shards and buffers.
+  // The CPU engine's accounting (memory_accounting.h), from device buffers.
   void account_memory(CudaRank& rk, double working = 0, double writing = 0) {
-    const auto& pr = plan_.config.precision;
-    const double w = dtype_bytes(pr.compute), g = dtype_bytes(pr.grad_accumulation);
-    const double master = pr.compute == DType::fp32 ? 0.0 : 4.0;  // bytes per element kept apart
-    MemoryBreakdown now;
-    now.activations = working;
-    for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
-      const CudaStageModel& c = rk.chunks[j];
-      const auto n = static_cast<double>(c.num_parameters());
-      const double shard = rk.zero.empty() ? n : static_cast<double>(rk.zero[j].plan.layout.shard_size());
-      now.weights += (plan_.zero() >= 3 ? shard : n) * w;
-      now.optimizer += static_cast<double>(rk.optimizers[j].m.bytes() + rk.optimizers[j].v.bytes()) +
-                       (plan_.zero() >= 1 ? shard : n) * master;
-      if (plan_.reduces_every_microbatch()) {
-        now.gradients += shard * g;
-        if (rk.written[j] > rk.staged_to[j]) now.buffers += static_cast<double>(rk.written[j] - rk.staged_to[j]) * g;
-      } else {
-        now.gradients += n * g;
-      }
-      now.activations += static_cast<double>(c.activation_bytes());
-    }
-    now.buffers += static_cast<double>(rk.buffer_elements) * w + rk.in_flight + gathered_bytes_ + writing;
+    const MemoryBreakdown now = rank_memory(
+        plan_, rk.chunks.size(),
+        [&](std::size_t j) {
+          const CudaStageModel& c = rk.chunks[j];
+          ChunkHeld h;
+          h.params = static_cast<double>(c.num_parameters());
+          h.shard = rk.zero.empty() ? h.params : static_cast<double>(rk.zero[j].plan.layout.shard_size());
+          h.moment_bytes = static_cast<double>(rk.optimizers[j].m.bytes() + rk.optimizers[j].v.bytes());
+          if (plan_.reduces_every_microbatch() && rk.written[j] > rk.staged_to[j])
+            h.unsharded = static_cast<double>(rk.written[j] - rk.staged_to[j]);
+          h.activation_bytes = static_cast<double>(c.activation_bytes());
+          return h;
+        },
+        RankHeld{static_cast<double>(rk.buffer_elements), rk.in_flight, gathered_bytes_, working, writing});
     if (now.total() > rk.peak_bytes) {
       rk.peak_bytes = now.total();
       rk.peak = now;
