@@ -1026,6 +1026,7 @@ class CpuEngine final : public DeviceEngine {
   void zero_reduce_scatter(Rank& rk, int index, const Op& op) {
     const auto& pr = plan_.config.precision;
     const Collective& c = schedule_->collectives[op.channel];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[j];
     const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
@@ -1041,7 +1042,7 @@ class CpuEngine final : public DeviceEngine {
     if (g.section == 0) return;
     const std::int64_t local = count_nonfinite(buf);
     rk.local_nonfinite += local;
-    rk.collectives->reduce_scatter(buf, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
+    rk.collectives->reduce_scatter(buf, members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
                             divide_of(c, pr));
     const std::size_t at = static_cast<std::size_t>(position(rk)) * g.section;
     const std::span<const float> own = std::span<const float>(buf).subspan(at, g.section);
@@ -1067,6 +1068,7 @@ class CpuEngine final : public DeviceEngine {
   void zero_embedding_sum(Rank& rk, const Op& op) {
     const auto& pr = plan_.config.precision;
     const Collective& c = schedule_->collectives[op.channel];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     auto& z = rk.zero[shape_.local_chunk(op)];
     const ShardGroup& g = z.plan.tied;
     std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp), 0.0f);
@@ -1082,7 +1084,7 @@ class CpuEngine final : public DeviceEngine {
         std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(piece.flat), piece.count,
                     buf.begin() + static_cast<std::ptrdiff_t>(piece.other));
     const bool finite_before = count_nonfinite(buf) == 0;
-    rk.collectives->all_reduce(buf, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
+    rk.collectives->all_reduce(buf, members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
                                Divide::none);
     if (in_shard)
       std::copy_n(buf.begin() + own, g.section, z.grads.begin() + static_cast<std::ptrdiff_t>(g.shard_offset));
@@ -1102,12 +1104,13 @@ class CpuEngine final : public DeviceEngine {
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[j];
     const Collective& c = schedule_->collectives[op.channel];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
       gather_units(
           z.plan, gather_serves_forward(*rk.program, index), rk.gather_gate, unit_key(j, 0),
           [&](int u, int part) {
             for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-              gather_group(rk, j, g, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel, part++), true);
+              gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
           },
           [&] { rk.walk.done_early(index); });  // the pass may begin with the first unit
       return;
@@ -1115,7 +1118,7 @@ class CpuEngine final : public DeviceEngine {
     // FSDP's stage 2 gathers before every forward what the first one already brought: the values
     // are the same, and the chunk's passes may be reading them.
     const bool keep = op.microbatch < 0 || !z.gathered;
-    gather_group(rk, j, z.plan.layout.whole(), collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), keep);
+    gather_group(rk, j, z.plan.layout.whole(), members, collective_tag(rk.step, op.channel), keep);
     z.gathered = true;
   }
 

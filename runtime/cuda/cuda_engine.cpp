@@ -865,6 +865,7 @@ class CudaEngine final : public DeviceEngine {
     const auto& pr = plan_.config.precision;
     const StreamHandle st = rk.streams.comm;
     const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
     auto& z = rk.zero[j];
     const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
@@ -885,7 +886,7 @@ class CudaEngine final : public DeviceEngine {
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.before(at_op)), pr.grad_accumulation, st);
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.local()), pr.grad_accumulation, st);
     on_wire(rk, buf, count, [&](void* wire) {
-      rk.comm->reduce_scatter(wire, count, pr.allreduce, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum,
+      rk.comm->reduce_scatter(wire, count, pr.allreduce, members, collective_tag(rk.step, op.channel), ReduceOp::sum,
                               divide_of(c, pr), st);
     });
     const std::size_t own = static_cast<std::size_t>(position(rk)) * g.section;
@@ -904,6 +905,7 @@ class CudaEngine final : public DeviceEngine {
     const auto& pr = plan_.config.precision;
     const StreamHandle st = rk.streams.comm;
     const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
     auto& z = rk.zero[j];
     const ShardGroup& g = z.plan.tied;
@@ -921,7 +923,7 @@ class CudaEngine final : public DeviceEngine {
     const auto at_op = static_cast<std::size_t>(i);
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.before(at_op)), pr.grad_accumulation, st);
     on_wire(rk, buf, count, [&](void* wire) {
-      rk.comm->all_reduce(wire, count, pr.allreduce, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), ReduceOp::sum,
+      rk.comm->all_reduce(wire, count, pr.allreduce, members, collective_tag(rk.step, op.channel), ReduceOp::sum,
                           Divide::none, st);
     });
     k::unscale_and_check(buf, count, 1.0f, flag(rk, rk.flags_at.after(at_op)), pr.grad_accumulation, st);
@@ -938,20 +940,21 @@ class CudaEngine final : public DeviceEngine {
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[static_cast<std::size_t>(j)];
     const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
       gather_units(
           z.plan, gather_serves_forward(*rk.program, i), rk.gather_gate, unit_key(j, 0),
           [&](int u, int part) {
             wait_event(st, z.unit_freed[static_cast<std::size_t>(u)].e);  // its last pass has let it go
             for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-              gather_group(rk, j, g, collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel, part++), true);
+              gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
             record(z.unit_ready[static_cast<std::size_t>(u)].e, st);
           },
           [&] { rk.walk.done_early(i); });  // the pass may begin with the first unit
       return;
     }
     const bool keep = op.microbatch < 0 || !z.gathered;
-    gather_group(rk, j, z.plan.layout.whole(), collective_members(c, world_, rk.shard), collective_tag(rk.step, op.channel), keep);
+    gather_group(rk, j, z.plan.layout.whole(), members, collective_tag(rk.step, op.channel), keep);
     z.gathered = true;
   }
 
