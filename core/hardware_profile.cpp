@@ -164,6 +164,7 @@ constexpr double kMaxBytes = 1e18;
 constexpr double kMinMicroseconds = 1e-6;  // one picosecond: the simulator's tick
 constexpr double kMaxMicroseconds = 1e12;  // about 11 days per launch or message
 constexpr double kMaxRate = 1e9;           // GB/s
+constexpr double kMinRate = 1e-9;          // GB/s: a byte per second
 constexpr int kMaxRanks = 1 << 20;         // as cluster.num_gpus
 
 DType dtype_of(const std::string& path, const YAML::Node& n) {
@@ -174,7 +175,10 @@ DType dtype_of(const std::string& path, const YAML::Node& n) {
 }
 
 LinkFit link_of(const std::string& path, const YAML::Node& n) {
-  return LinkFit{number(path, n, "latency_us", 0, 0, kMaxMicroseconds), number(path, n, "bandwidth_gbps", 0, 0, kMaxRate)};
+  // A bandwidth of 0 is none measured; a positive one at least a byte per second (a denormal one
+  // made every message's time infinite).
+  return LinkFit{number(path, n, "latency_us", 0, 0, kMaxMicroseconds),
+                 number_or_zero(path, n, "bandwidth_gbps", kMinRate, kMaxRate)};
 }
 
 // `table: [[bytes, us], ...]`: sizes of a byte or more (interpolated log-log), times 0 or a

@@ -264,7 +264,13 @@ TEST(HardwareProfile, ValuesTheCostModelsCannotPriceAreRefused) {
        "p.yaml:2: ranks must be between 1 and 1048576, got -2147483648"},
       {"kernels: []\nallreduce: [{latency_us: 1}]\n", "p.yaml:2: an allreduce entry needs its group size (ranks)"},
       {"kernels: []\np2p: {latency_us: .nan}\n", "p.yaml:2: latency_us must be between 0 and 1e+12, got nan"},
-      {"kernels: []\np2p: {bandwidth_gbps: -1}\n", "p.yaml:2: bandwidth_gbps must be between 0 and 1e+09, got -1"},
+      {"kernels: []\np2p: {bandwidth_gbps: -1}\n", "p.yaml:2: bandwidth_gbps must be 0 or between 1e-09 and 1e+09, got -1"},
+      // Found by fuzz/fuzz_profile (fuzz/corpus/profile/regression-denormal-bandwidth): a link
+      // of 6.2e-320 GB/s priced every message at an infinite time.
+      {"kernels: []\np2p: {bandwidth_gbps: 6.21e-320}\n",
+       "p.yaml:2: bandwidth_gbps must be 0 or between 1e-09 and 1e+09, got 6.21e-320"},
+      {"kernels: []\nallreduce: [{ranks: 2, bandwidth_gbps: 1e-300}]\n",
+       "p.yaml:2: bandwidth_gbps must be 0 or between 1e-09 and 1e+09, got 1e-300"},
       {"kernels: []\np2p: {table: [[0, 1]]}\n", "p.yaml:2: table row bytes must be between 1 and 1e+18, got 0"},
       {"kernels: []\np2p: {table: [[8, -1]]}\n", "p.yaml:2: table row us must be 0 or between 1e-06 and 1e+12, got -1"},
       {"kernels: []\np2p: {table: [[8, 1e-9]]}\n", "p.yaml:2: table row us must be 0 or between 1e-06 and 1e+12, got 1e-09"},
@@ -341,7 +347,9 @@ TEST(MeasuredResult, SplitsIdleTimeAsThePredictionDoes) {
     const Result r = runtime::run_cpu(rp, o).result;
     SCOPED_TRACE(fmt::format("pp {} dp {}", pp, dp));
     EXPECT_NEAR(r.pipeline_bubble_fraction + r.exposed_comm_fraction, r.bubble_fraction, 1e-12);
-    if (pp == 1) EXPECT_EQ(r.pipeline_bubble_fraction, 0.0);
+    if (pp == 1) {
+      EXPECT_EQ(r.pipeline_bubble_fraction, 0.0);
+    }
     for (const auto& rank : r.ranks) EXPECT_NEAR(rank.pipeline_bubble_s + rank.exposed_comm_s, rank.idle_s, 1e-9);
     const auto j = nlohmann::json::parse(result_to_json(r).dump());
     EXPECT_TRUE(j.contains("pipeline_bubble_fraction") && j.contains("exposed_comm_fraction"));
