@@ -1,6 +1,7 @@
 #include "sim/cost/compute_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 
@@ -255,20 +256,22 @@ void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   key.runtime = {};
 }
 
-// One plan's framework inventory: its chunks' kernels, what the pricer does with each, and
-// for each chunk the first chunk with the same kernels (priced once).
+// One plan's framework inventory: for each chunk the first chunk with the same kernels
+// (priced once), and only those first chunks' kernels and what the pricer does with each.
+// A sweep keeps up to kMaxEntries of these, and most chunks of a deep pipeline repeat the
+// one before (GPT-3 175B at pp 8, v 3: 3 distinct of 24), so the repeats are not kept.
 struct KernelInventoryCache::Entry {
   ScenarioConfig key;
-  std::vector<ChunkKernels> chunks;
-  struct Facts {
+  struct Distinct {
+    ChunkKernels kernels;
     std::vector<FrameworkPricer::Facts> forward, backward_input, backward_weight;
   };
-  std::vector<Facts> facts;
-  std::vector<int> same_as;
+  std::vector<Distinct> distinct;
+  std::vector<int> same_as;  // per chunk: its index in `distinct`
 
   void build(const Plan& plan) {
-    chunks = chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework);
-    facts.assign(chunks.size(), {});
+    std::vector<ChunkKernels> chunks = chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework);
+    distinct.clear();
     same_as.assign(chunks.size(), 0);
     const FrameworkPricer pricer(plan);
     auto of = [&](const std::vector<KernelWork>& ws, std::vector<FrameworkPricer::Facts>& out) {
@@ -277,18 +280,17 @@ struct KernelInventoryCache::Entry {
     };
     for (std::size_t c = 0; c < chunks.size(); ++c) {
       const ChunkKernels& k = chunks[c];
-      same_as[c] = static_cast<int>(c);
-      for (std::size_t d = 0; d < c; ++d)
-        if (same_as[d] == static_cast<int>(d) && same_kernels(chunks[d].forward, k.forward) &&
-            same_kernels(chunks[d].backward_input, k.backward_input) &&
-            same_kernels(chunks[d].backward_weight, k.backward_weight)) {
-          same_as[c] = static_cast<int>(d);
-          break;
-        }
-      if (same_as[c] != static_cast<int>(c)) continue;  // priced as that chunk
-      of(k.forward, facts[c].forward);
-      of(k.backward_input, facts[c].backward_input);
-      of(k.backward_weight, facts[c].backward_weight);
+      auto same = std::find_if(distinct.begin(), distinct.end(), [&](const Distinct& d) {
+        return same_kernels(d.kernels.forward, k.forward) && same_kernels(d.kernels.backward_input, k.backward_input) &&
+               same_kernels(d.kernels.backward_weight, k.backward_weight);
+      });
+      same_as[c] = static_cast<int>(same - distinct.begin());
+      if (same != distinct.end()) continue;  // priced as that chunk
+      Distinct& d = distinct.emplace_back();
+      d.kernels = std::move(chunks[c]);
+      of(d.kernels.forward, d.forward);
+      of(d.kernels.backward_input, d.backward_input);
+      of(d.kernels.backward_weight, d.backward_weight);
     }
   }
 };
@@ -336,20 +338,23 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCach
   if (!cache) built.build(plan);
   const KernelInventoryCache::Entry& inventory = cache ? cache->of(plan) : built;
   const FrameworkPricer price(plan);
-  chunks_.reserve(inventory.chunks.size());
-  for (std::size_t i = 0; i < inventory.chunks.size(); ++i) {
-    if (inventory.same_as[i] != static_cast<int>(i)) {
-      chunks_.push_back(chunks_[static_cast<std::size_t>(inventory.same_as[i])]);
-      continue;
-    }
-    const ChunkKernels& k = inventory.chunks[i];
-    const auto& facts = inventory.facts[i];
-    ChunkSeconds c;
-    c.forward = price.seconds(k.forward, facts.forward);
-    c.backward_input = price.seconds(k.backward_input, facts.backward_input);
-    c.backward_weight = price.seconds(k.backward_weight, facts.backward_weight);
-    chunks_.push_back(c);
+  // Each distinct chunk priced once, then every chunk given its distinct chunk's prices.
+  std::array<ChunkSeconds, 8> few;
+  std::vector<ChunkSeconds> many;
+  ChunkSeconds* priced = few.data();
+  if (inventory.distinct.size() > few.size()) {
+    many.resize(inventory.distinct.size());
+    priced = many.data();
   }
+  for (std::size_t d = 0; d < inventory.distinct.size(); ++d) {
+    const auto& k = inventory.distinct[d];
+    ChunkSeconds& c = priced[d];
+    c.forward = price.seconds(k.kernels.forward, k.forward);
+    c.backward_input = price.seconds(k.kernels.backward_input, k.backward_input);
+    c.backward_weight = price.seconds(k.kernels.backward_weight, k.backward_weight);
+  }
+  chunks_.reserve(inventory.same_as.size());
+  for (int d : inventory.same_as) chunks_.push_back(priced[d]);
 
   // The optimizer step as Megatron-LM's mixed-precision optimizer runs it, per parameter of the
   // rank's shard: gradients copied into FP32 (g + 4, unless accumulated in FP32), unscaled and
