@@ -270,27 +270,36 @@ struct KernelInventoryCache::Entry {
   std::vector<int> same_as;  // per chunk: its index in `distinct`
 
   void build(const Plan& plan) {
-    std::vector<ChunkKernels> chunks = chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework);
+    BuiltChunks built = framework_built_chunks(plan, plan.activation_bytes());
     distinct.clear();
-    same_as.assign(chunks.size(), 0);
+    same_as.assign(built.chunk_of.size(), 0);
     const FrameworkPricer pricer(plan);
     auto of = [&](const std::vector<KernelWork>& ws, std::vector<FrameworkPricer::Facts>& out) {
       out.clear();
       for (const KernelWork& w : ws) out.push_back(pricer.facts(w));
     };
-    for (std::size_t c = 0; c < chunks.size(); ++c) {
-      const ChunkKernels& k = chunks[c];
-      auto same = std::find_if(distinct.begin(), distinct.end(), [&](const Distinct& d) {
-        return same_kernels(d.kernels.forward, k.forward) && same_kernels(d.kernels.backward_input, k.backward_input) &&
-               same_kernels(d.kernels.backward_weight, k.backward_weight);
-      });
-      same_as[c] = static_cast<int>(same - distinct.begin());
-      if (same != distinct.end()) continue;  // priced as that chunk
-      Distinct& d = distinct.emplace_back();
-      d.kernels = std::move(chunks[c]);
-      of(d.kernels.forward, d.forward);
-      of(d.kernels.backward_input, d.backward_input);
-      of(d.kernels.backward_weight, d.backward_weight);
+    // Each built chunk compared with the distinct ones before it (built chunks may still have
+    // the same kernels: the first chunk without an embedding's, say); chunks share their built
+    // chunk's verdict.
+    std::vector<int> distinct_of(built.chunks.size(), -1);
+    for (std::size_t c = 0; c < built.chunk_of.size(); ++c) {
+      int& d = distinct_of[static_cast<std::size_t>(built.chunk_of[c])];
+      if (d < 0) {
+        ChunkKernels& k = built.chunks[static_cast<std::size_t>(built.chunk_of[c])];
+        auto same = std::find_if(distinct.begin(), distinct.end(), [&](const Distinct& x) {
+          return same_kernels(x.kernels.forward, k.forward) && same_kernels(x.kernels.backward_input, k.backward_input) &&
+                 same_kernels(x.kernels.backward_weight, k.backward_weight);
+        });
+        d = static_cast<int>(same - distinct.begin());
+        if (same == distinct.end()) {  // priced once, here
+          Distinct& x = distinct.emplace_back();
+          x.kernels = std::move(k);
+          of(x.kernels.forward, x.forward);
+          of(x.kernels.backward_input, x.backward_input);
+          of(x.kernels.backward_weight, x.backward_weight);
+        }
+      }
+      same_as[c] = d;
     }
   }
 };
