@@ -35,6 +35,7 @@ namespace {
 }  // namespace
 
 double Plan::virtual_stage_params(int vs) const { return virtual_stage_params_of(*this, shape(), vs); }
+double Plan::virtual_stage_params(int vs, const ModelShape& m) const { return virtual_stage_params_of(*this, m, vs); }
 
 double Plan::stage_params(int stage) const {
   const ModelShape m = shape();

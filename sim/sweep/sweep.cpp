@@ -415,7 +415,16 @@ void judge(SweepRow& row, const Plan& plan, const Result& r, const SweepConstrai
     reasons.push_back(std::move(v.text));
     bind(v.key, v.excess);
   }
-  row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+  // The reasons joined by "; " (most rows have none or one).
+  if (reasons.size() == 1) {
+    row.reason = std::move(reasons.front());
+  } else {
+    row.reason.clear();
+    for (std::size_t i = 0; i < reasons.size(); ++i) {
+      if (i) row.reason += "; ";
+      row.reason += reasons[i];
+    }
+  }
 }
 
 void simulation_failed(SweepRow& row, const std::exception& e) {
@@ -653,7 +662,7 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
   for (std::size_t k = 0; k < res.keys.size(); ++k)
     if (is_setup_key(res.keys[k])) setup_columns.push_back(k);
   std::vector<SetupGroup> groups;
-  std::vector<std::string> names;
+  std::unordered_map<std::string, std::size_t> names;  // a group's setup values -> its index
   // A row's group: the one whose setup values read the same. A row with the same values as
   // the row before it (a sweep's neighbours mostly are) is in its group without reading them.
   std::vector<std::size_t> group_of(res.rows.size());
@@ -682,16 +691,14 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
       append_field_value(name, values[k].second);
       name += '\x1f';
     }
-    auto it = std::find(names.begin(), names.end(), name);
-    if (it == names.end()) {
-      names.push_back(name);
+    const auto [it, added] = names.try_emplace(name, groups.size());
+    if (added) {
       std::vector<std::pair<std::string, FieldValue>> setup;
       for (std::size_t k : setup_columns)
         if (k < values.size()) setup.push_back(values[k]);
       groups.push_back(SetupGroup{std::move(setup), {}, std::nullopt});
-      it = names.end() - 1;
     }
-    group_of[i] = static_cast<std::size_t>(it - names.begin());
+    group_of[i] = it->second;
     groups[group_of[i]].rows.push_back(i);
   }
   for (std::size_t i : res.ranking) {
