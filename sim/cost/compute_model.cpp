@@ -243,7 +243,7 @@ void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   ClusterConfig& cl = key.cluster;
   cl.gpu.clear();
   cl.memory_gib = 0;
-  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
+  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats
   cl.compute_efficiency = cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = 0;
   cl.hbm_bandwidth_gbps = cl.int32_tops = 0;
   cl.intra_node = cl.inter_node = {};
