@@ -268,8 +268,13 @@ struct KernelInventoryCache::Entry {
   };
   std::vector<Distinct> distinct;
   std::vector<int> same_as;  // per chunk: its index in `distinct`
+  // Per pipeline stage: the parameters one rank holds (Plan::shard_stage_params), which the
+  // optimizer step's price reads: a function of the model and the layout alone, both in the key.
+  std::vector<double> shard_stage_params;
 
   void build(const Plan& plan) {
+    shard_stage_params.resize(static_cast<std::size_t>(plan.pp));
+    for (int st = 0; st < plan.pp; ++st) shard_stage_params[static_cast<std::size_t>(st)] = plan.shard_stage_params(st);
     BuiltChunks built = framework_built_chunks(plan, plan.activation_bytes());
     distinct.clear();
     same_as.assign(built.chunk_of.size(), 0);
@@ -383,7 +388,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCach
   std::vector<Tick> of_stage(static_cast<std::size_t>(plan.pp));
   for (int s = 0; s < plan.pp; ++s)
     of_stage[static_cast<std::size_t>(s)] =
-        seconds_to_ticks(memory_seconds(plan.shard_stage_params(s) / shards * bytes_per_param, cfg.cluster));
+        seconds_to_ticks(memory_seconds(inventory.shard_stage_params[static_cast<std::size_t>(s)] / shards * bytes_per_param, cfg.cluster));
   optimizer_ticks_.reserve(static_cast<std::size_t>(plan.num_ranks()));
   for (int r = 0; r < plan.num_ranks(); ++r) optimizer_ticks_.push_back(of_stage[static_cast<std::size_t>(plan.stage_of(r))]);
   chunk_ticks_.reserve(chunks_.size());

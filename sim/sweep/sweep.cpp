@@ -206,8 +206,15 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   // A configuration is dropped when an earlier one kept has the same fingerprint and error.
   // Those have the same swept values too, so only configurations whose swept values (and
   // error) collide need their fingerprints (every field formatted) compared.
-  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices of kept ones
-  std::vector<std::string> fingerprints;                                 // of kept ones, "" until needed
+  // Kept ones with the same values form a chain: the map gives its first and last, next_same
+  // (per kept one) the one after it.
+  constexpr std::size_t kNone = static_cast<std::size_t>(-1);
+  std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> by_values;
+  by_values.reserve(cur.size());
+  std::vector<std::size_t> next_same;
+  next_same.reserve(cur.size());
+  std::vector<std::string> fingerprints;  // of kept ones, "" until needed
+  fingerprints.reserve(cur.size());
   std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
@@ -219,11 +226,11 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       bucket += '\x1f';
     }
     bucket += p.error;
-    std::vector<std::size_t>& same_values = by_values[bucket];
-    if (!same_values.empty()) {
+    const auto [chain, first_with_values] = by_values.try_emplace(bucket, kNone, kNone);
+    if (!first_with_values) {
       const std::string mine = config_fingerprint(p.config) + p.error;
       bool duplicate = false;
-      for (std::size_t j : same_values) {
+      for (std::size_t j = chain->second.first; j != kNone; j = next_same[j]) {
         if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(cur[j].config) + cur[j].error;
         if (fingerprints[j] == mine) {
           duplicate = true;
@@ -235,7 +242,12 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     } else {
       fingerprints.emplace_back();
     }
-    same_values.push_back(kept);
+    next_same.push_back(kNone);
+    if (first_with_values)
+      chain->second.first = kept;
+    else
+      next_same[chain->second.second] = kept;
+    chain->second.second = kept;
     p.index = kept;
     if (&p != &cur[kept]) cur[kept] = std::move(p);
     ++kept;
