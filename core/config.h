@@ -92,7 +92,7 @@ struct ClusterConfig {
   int gpus_per_node = 8;
   double memory_gib = 80;
   // Dense (no sparsity) peak rate per format; 0 means the GPU has no such format.
-  std::map<DType, double> peak_tflops = {{DType::fp32, 19.5}, {DType::tf32, 156}, {DType::fp16, 312},
+  DTypeMap<double> peak_tflops = {{DType::fp32, 19.5}, {DType::tf32, 156}, {DType::fp16, 312},
                                          {DType::bf16, 312}, {DType::fp8, 0}};
   // Fraction of peak that the best-shaped matrix products reach (cuBLAS on large GEMMs); the
   // compute model lowers it further by each product's shape (sim/cost/gemm_model.h).

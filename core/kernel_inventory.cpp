@@ -56,10 +56,14 @@ struct Builder {
 
 }  // namespace
 
-std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage);
-
 std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, InventoryTarget target) {
-  if (target == InventoryTarget::framework) return framework_chunk_kernels(plan, storage);
+  if (target == InventoryTarget::framework) {
+    BuiltChunks built = framework_built_chunks(plan, storage);
+    std::vector<ChunkKernels> out;
+    out.reserve(built.chunk_of.size());
+    for (int i : built.chunk_of) out.push_back(built.chunks[static_cast<std::size_t>(i)]);
+    return out;
+  }
   const ModelShape m = plan.shape();
   const auto& cfg = plan.config;
   const long b = plan.micro_batch_size, T = m.s, N = b * T, t = plan.tp;
@@ -191,7 +195,7 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
 
 // What Megatron-LM / PyTorch launch on a GPU for one micro-batch on one tensor-parallel rank
 // (InventoryTarget::framework; the header says what differs from the runtime's list).
-std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage) {
+BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
   const ModelShape m = plan.shape();
   const auto& cfg = plan.config;
   const long b = plan.micro_batch_size, T = m.s, N = b * T, t = plan.tp;
@@ -385,16 +389,22 @@ std::vector<ChunkKernels> framework_chunk_kernels(const Plan& plan, int storage)
     return c;
   };
 
-  // A middle chunk with an earlier middle chunk's layer count is that chunk's copy (a pipeline's
-  // chunks are mostly alike: built once).
-  std::vector<ChunkKernels> out(plan.num_virtual_stages());
+  // A middle chunk with an earlier middle chunk's layer count has that chunk's kernels (a
+  // pipeline's chunks are mostly alike: built once).
+  BuiltChunks out;
   const int chunks = plan.num_virtual_stages();
+  out.chunk_of.resize(static_cast<std::size_t>(chunks));
   for (int vs = 0; vs < chunks; ++vs) {
     const int layers = plan.layers_per_virtual_stage[vs];
     const bool first = vs == 0, last = vs == chunks - 1;
     int same = 1;
     while (!first && !last && same < vs && plan.layers_per_virtual_stage[same] != layers) ++same;
-    out[vs] = !first && !last && same < vs ? out[same] : build_chunk(layers, first, last);
+    if (!first && !last && same < vs) {
+      out.chunk_of[vs] = out.chunk_of[same];
+    } else {
+      out.chunk_of[vs] = static_cast<int>(out.chunks.size());
+      out.chunks.push_back(build_chunk(layers, first, last));
+    }
   }
   return out;
 }

@@ -67,6 +67,16 @@ enum class InventoryTarget { runtime, framework };
 // and rounds; the CUDA backend stores the compute format).
 std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage,
                                         InventoryTarget target = InventoryTarget::runtime);
+// The framework inventory (InventoryTarget::framework) as it is built: `chunks` holds each
+// chunk's kernels built once (the first chunk, the last, and the first middle chunk of each
+// layer count), `chunk_of[vs]` the index in `chunks` of virtual stage vs's kernels.
+// chunk_kernels(plan, storage, framework)[vs] is chunks[chunk_of[vs]].
+struct BuiltChunks {
+  std::vector<ChunkKernels> chunks;
+  std::vector<int> chunk_of;
+};
+BuiltChunks framework_built_chunks(const Plan& plan, int storage);
+
 // The optimizer step of a rank holding `params` parameters.
 std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
 

@@ -35,6 +35,7 @@ namespace {
 }  // namespace
 
 double Plan::virtual_stage_params(int vs) const { return virtual_stage_params_of(*this, shape(), vs); }
+double Plan::virtual_stage_params(int vs, const ModelShape& m) const { return virtual_stage_params_of(*this, m, vs); }
 
 double Plan::stage_params(int stage) const {
   const ModelShape m = shape();
@@ -43,19 +44,24 @@ double Plan::stage_params(int stage) const {
   return params;
 }
 
-double Plan::shard_params(int vs) const {
-  if (tp == 1) return virtual_stage_params(vs);
-  const ModelShape m = shape();
-  double replicated = layers_per_virtual_stage.at(vs) * m.replicated_params_per_layer();
+namespace {
+// Plan::shard_params with its shape given (one ModelShape for a stage's virtual stages).
+[[gnu::noinline]] double shard_params_of(const Plan& plan, const ModelShape& m, int vs) {
+  if (plan.tp == 1) return virtual_stage_params_of(plan, m, vs);
+  double replicated = plan.layers_per_virtual_stage.at(vs) * m.replicated_params_per_layer();
   if (vs == 0 && m.learned_positions) replicated += static_cast<double>(m.s) * m.h;
-  if (vs == num_virtual_stages() - 1) replicated += m.final_norm_params();
-  return (virtual_stage_params(vs) - replicated) / tp + replicated;
+  if (vs == plan.num_virtual_stages() - 1) replicated += m.final_norm_params();
+  return (virtual_stage_params_of(plan, m, vs) - replicated) / plan.tp + replicated;
 }
+}  // namespace
+
+double Plan::shard_params(int vs) const { return shard_params_of(*this, shape(), vs); }
 
 double Plan::shard_stage_params(int stage) const {
   if (tp == 1) return stage_params(stage);
+  const ModelShape m = shape();
   double params = 0;
-  for (int j = 0; j < vpp; ++j) params += shard_params(j * pp + stage);
+  for (int j = 0; j < vpp; ++j) params += shard_params_of(*this, m, j * pp + stage);
   return params;
 }
 

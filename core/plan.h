@@ -64,6 +64,8 @@ struct Plan {
   // embeddings on the first and the LM head on the last (a copy of tied embeddings when
   // the pipeline has more than one stage, as Megatron-LM keeps it).
   double virtual_stage_params(int vstage) const;
+  // The same, `shape` being shape() (for a caller that walks every virtual stage).
+  double virtual_stage_params(int vstage, const ModelShape& shape) const;
   // What a rank of pipeline stage `stage` holds of them: virtual_stage_params(j * pp + stage)
   // summed over its chunks j = 0, 1, ... (the shape computed once).
   double stage_params(int stage) const;

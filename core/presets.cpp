@@ -9,7 +9,7 @@ namespace trainsim {
 
 namespace {
 
-std::map<DType, double> rates(double fp32, double tf32, double fp16, double bf16, double fp8) {
+DTypeMap<double> rates(double fp32, double tf32, double fp16, double bf16, double fp8) {
   return {{DType::fp32, fp32}, {DType::tf32, tf32}, {DType::fp16, fp16}, {DType::bf16, bf16}, {DType::fp8, fp8}};
 }
 

@@ -16,7 +16,7 @@ struct GpuPreset {
   // Every ClusterConfig field a GPU determines; num_gpus is left to the scenario.
   int gpus_per_node;
   double memory_gib;
-  std::map<DType, double> peak_tflops;
+  DTypeMap<double> peak_tflops;
   double compute_efficiency;    // large-GEMM fraction of peak (cuBLAS measurements, docs/presets.md)
   int sm_count;
   double hbm_bandwidth_gbps;

@@ -41,7 +41,7 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   cl.gpu.clear();
   cl.profile.clear();  // `calibrated`, the profile itself, is compared
   cl.memory_gib = 0;
-  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
+  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats
   cl.compute_efficiency = 0;
   cl.sm_count = 0;
   cl.hbm_bandwidth_gbps = 0;

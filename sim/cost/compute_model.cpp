@@ -1,6 +1,7 @@
 #include "sim/cost/compute_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 
@@ -242,7 +243,7 @@ void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   ClusterConfig& cl = key.cluster;
   cl.gpu.clear();
   cl.memory_gib = 0;
-  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats (and the map's nodes)
+  for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats
   cl.compute_efficiency = cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = 0;
   cl.hbm_bandwidth_gbps = cl.int32_tops = 0;
   cl.intra_node = cl.inter_node = {};
@@ -255,40 +256,55 @@ void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   key.runtime = {};
 }
 
-// One plan's framework inventory: its chunks' kernels, what the pricer does with each, and
-// for each chunk the first chunk with the same kernels (priced once).
+// One plan's framework inventory: for each chunk the first chunk with the same kernels
+// (priced once), and only those first chunks' kernels and what the pricer does with each.
+// A sweep keeps up to kMaxEntries of these, and most chunks of a deep pipeline repeat the
+// one before (GPT-3 175B at pp 8, v 3: 3 distinct of 24), so the repeats are not kept.
 struct KernelInventoryCache::Entry {
   ScenarioConfig key;
-  std::vector<ChunkKernels> chunks;
-  struct Facts {
+  struct Distinct {
+    ChunkKernels kernels;
     std::vector<FrameworkPricer::Facts> forward, backward_input, backward_weight;
   };
-  std::vector<Facts> facts;
-  std::vector<int> same_as;
+  std::vector<Distinct> distinct;
+  std::vector<int> same_as;  // per chunk: its index in `distinct`
+  // Per pipeline stage: the parameters one rank holds (Plan::shard_stage_params), which the
+  // optimizer step's price reads: a function of the model and the layout alone, both in the key.
+  std::vector<double> shard_stage_params;
 
   void build(const Plan& plan) {
-    chunks = chunk_kernels(plan, plan.activation_bytes(), InventoryTarget::framework);
-    facts.assign(chunks.size(), {});
-    same_as.assign(chunks.size(), 0);
+    shard_stage_params.resize(static_cast<std::size_t>(plan.pp));
+    for (int st = 0; st < plan.pp; ++st) shard_stage_params[static_cast<std::size_t>(st)] = plan.shard_stage_params(st);
+    BuiltChunks built = framework_built_chunks(plan, plan.activation_bytes());
+    distinct.clear();
+    same_as.assign(built.chunk_of.size(), 0);
     const FrameworkPricer pricer(plan);
     auto of = [&](const std::vector<KernelWork>& ws, std::vector<FrameworkPricer::Facts>& out) {
       out.clear();
       for (const KernelWork& w : ws) out.push_back(pricer.facts(w));
     };
-    for (std::size_t c = 0; c < chunks.size(); ++c) {
-      const ChunkKernels& k = chunks[c];
-      same_as[c] = static_cast<int>(c);
-      for (std::size_t d = 0; d < c; ++d)
-        if (same_as[d] == static_cast<int>(d) && same_kernels(chunks[d].forward, k.forward) &&
-            same_kernels(chunks[d].backward_input, k.backward_input) &&
-            same_kernels(chunks[d].backward_weight, k.backward_weight)) {
-          same_as[c] = static_cast<int>(d);
-          break;
+    // Each built chunk compared with the distinct ones before it (built chunks may still have
+    // the same kernels: the first chunk without an embedding's, say); chunks share their built
+    // chunk's verdict.
+    std::vector<int> distinct_of(built.chunks.size(), -1);
+    for (std::size_t c = 0; c < built.chunk_of.size(); ++c) {
+      int& d = distinct_of[static_cast<std::size_t>(built.chunk_of[c])];
+      if (d < 0) {
+        ChunkKernels& k = built.chunks[static_cast<std::size_t>(built.chunk_of[c])];
+        auto same = std::find_if(distinct.begin(), distinct.end(), [&](const Distinct& x) {
+          return same_kernels(x.kernels.forward, k.forward) && same_kernels(x.kernels.backward_input, k.backward_input) &&
+                 same_kernels(x.kernels.backward_weight, k.backward_weight);
+        });
+        d = static_cast<int>(same - distinct.begin());
+        if (same == distinct.end()) {  // priced once, here
+          Distinct& x = distinct.emplace_back();
+          x.kernels = std::move(k);
+          of(x.kernels.forward, x.forward);
+          of(x.kernels.backward_input, x.backward_input);
+          of(x.kernels.backward_weight, x.backward_weight);
         }
-      if (same_as[c] != static_cast<int>(c)) continue;  // priced as that chunk
-      of(k.forward, facts[c].forward);
-      of(k.backward_input, facts[c].backward_input);
-      of(k.backward_weight, facts[c].backward_weight);
+      }
+      same_as[c] = d;
     }
   }
 };
@@ -336,20 +352,23 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCach
   if (!cache) built.build(plan);
   const KernelInventoryCache::Entry& inventory = cache ? cache->of(plan) : built;
   const FrameworkPricer price(plan);
-  chunks_.reserve(inventory.chunks.size());
-  for (std::size_t i = 0; i < inventory.chunks.size(); ++i) {
-    if (inventory.same_as[i] != static_cast<int>(i)) {
-      chunks_.push_back(chunks_[static_cast<std::size_t>(inventory.same_as[i])]);
-      continue;
-    }
-    const ChunkKernels& k = inventory.chunks[i];
-    const auto& facts = inventory.facts[i];
-    ChunkSeconds c;
-    c.forward = price.seconds(k.forward, facts.forward);
-    c.backward_input = price.seconds(k.backward_input, facts.backward_input);
-    c.backward_weight = price.seconds(k.backward_weight, facts.backward_weight);
-    chunks_.push_back(c);
+  // Each distinct chunk priced once, then every chunk given its distinct chunk's prices.
+  std::array<ChunkSeconds, 8> few;
+  std::vector<ChunkSeconds> many;
+  ChunkSeconds* priced = few.data();
+  if (inventory.distinct.size() > few.size()) {
+    many.resize(inventory.distinct.size());
+    priced = many.data();
   }
+  for (std::size_t d = 0; d < inventory.distinct.size(); ++d) {
+    const auto& k = inventory.distinct[d];
+    ChunkSeconds& c = priced[d];
+    c.forward = price.seconds(k.kernels.forward, k.forward);
+    c.backward_input = price.seconds(k.kernels.backward_input, k.backward_input);
+    c.backward_weight = price.seconds(k.kernels.backward_weight, k.backward_weight);
+  }
+  chunks_.reserve(inventory.same_as.size());
+  for (int d : inventory.same_as) chunks_.push_back(priced[d]);
 
   // The optimizer step as Megatron-LM's mixed-precision optimizer runs it, per parameter of the
   // rank's shard: gradients copied into FP32 (g + 4, unless accumulated in FP32), unscaled and
@@ -369,7 +388,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCach
   std::vector<Tick> of_stage(static_cast<std::size_t>(plan.pp));
   for (int s = 0; s < plan.pp; ++s)
     of_stage[static_cast<std::size_t>(s)] =
-        seconds_to_ticks(memory_seconds(plan.shard_stage_params(s) / shards * bytes_per_param, cfg.cluster));
+        seconds_to_ticks(memory_seconds(inventory.shard_stage_params[static_cast<std::size_t>(s)] / shards * bytes_per_param, cfg.cluster));
   optimizer_ticks_.reserve(static_cast<std::size_t>(plan.num_ranks()));
   for (int r = 0; r < plan.num_ranks(); ++r) optimizer_ticks_.push_back(of_stage[static_cast<std::size_t>(plan.stage_of(r))]);
   chunk_ticks_.reserve(chunks_.size());

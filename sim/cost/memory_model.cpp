@@ -60,7 +60,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     // in completion order, the last one the remainder: inside one op two consecutive buckets hold
     // min(g, 2B) (g itself when one bucket holds them all); activation_peak adds the case of two
     // ops back to back (the first bucket of one while the last of the other is reduced).
-    const double grads = plan.virtual_stage_params(vs) / t * dtype_bytes(cfg.precision.allreduce);
+    const double grads = plan.virtual_stage_params(vs, m) / t * dtype_bytes(cfg.precision.allreduce);
     const double bucket = std::max(1.0, mib_to_bytes(cfg.communication.bucket_size_mib));
     const bool sharded = plan.shards_gradients() && grads > 0;
     tables_.unsharded.push_back(sharded ? std::min(grads, 2.0 * bucket) : 0.0);

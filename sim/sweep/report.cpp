@@ -393,7 +393,10 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
       const std::pair<FieldValue, std::string>* known = nullptr;
       if (column)
         for (const auto& c : *column)
-          if (same_field_value(c.first, v)) known = &c;
+          if (same_field_value(c.first, v)) {  // a column's cells hold distinct values: one matches
+            known = &c;
+            break;
+          }
       if (known) {
         text += known->second;
         continue;

@@ -206,8 +206,15 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   // A configuration is dropped when an earlier one kept has the same fingerprint and error.
   // Those have the same swept values too, so only configurations whose swept values (and
   // error) collide need their fingerprints (every field formatted) compared.
-  std::unordered_map<std::string, std::vector<std::size_t>> by_values;  // -> indices of kept ones
-  std::vector<std::string> fingerprints;                                 // of kept ones, "" until needed
+  // Kept ones with the same values form a chain: the map gives its first and last, next_same
+  // (per kept one) the one after it.
+  constexpr std::size_t kNone = static_cast<std::size_t>(-1);
+  std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> by_values;
+  by_values.reserve(cur.size());
+  std::vector<std::size_t> next_same;
+  next_same.reserve(cur.size());
+  std::vector<std::string> fingerprints;  // of kept ones, "" until needed
+  fingerprints.reserve(cur.size());
   std::string bucket;
   for (auto& p : cur) {
     if (adjust) adjust(p.config);
@@ -219,11 +226,11 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
       bucket += '\x1f';
     }
     bucket += p.error;
-    std::vector<std::size_t>& same_values = by_values[bucket];
-    if (!same_values.empty()) {
+    const auto [chain, first_with_values] = by_values.try_emplace(bucket, kNone, kNone);
+    if (!first_with_values) {
       const std::string mine = config_fingerprint(p.config) + p.error;
       bool duplicate = false;
-      for (std::size_t j : same_values) {
+      for (std::size_t j = chain->second.first; j != kNone; j = next_same[j]) {
         if (fingerprints[j].empty()) fingerprints[j] = config_fingerprint(cur[j].config) + cur[j].error;
         if (fingerprints[j] == mine) {
           duplicate = true;
@@ -235,7 +242,12 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     } else {
       fingerprints.emplace_back();
     }
-    same_values.push_back(kept);
+    next_same.push_back(kNone);
+    if (first_with_values)
+      chain->second.first = kept;
+    else
+      next_same[chain->second.second] = kept;
+    chain->second.second = kept;
     p.index = kept;
     if (&p != &cur[kept]) cur[kept] = std::move(p);
     ++kept;
@@ -415,7 +427,16 @@ void judge(SweepRow& row, const Plan& plan, const Result& r, const SweepConstrai
     reasons.push_back(std::move(v.text));
     bind(v.key, v.excess);
   }
-  row.reason = fmt::format("{}", fmt::join(reasons, "; "));
+  // The reasons joined by "; " (most rows have none or one).
+  if (reasons.size() == 1) {
+    row.reason = std::move(reasons.front());
+  } else {
+    row.reason.clear();
+    for (std::size_t i = 0; i < reasons.size(); ++i) {
+      if (i) row.reason += "; ";
+      row.reason += reasons[i];
+    }
+  }
 }
 
 void simulation_failed(SweepRow& row, const std::exception& e) {
@@ -653,7 +674,7 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
   for (std::size_t k = 0; k < res.keys.size(); ++k)
     if (is_setup_key(res.keys[k])) setup_columns.push_back(k);
   std::vector<SetupGroup> groups;
-  std::vector<std::string> names;
+  std::unordered_map<std::string, std::size_t> names;  // a group's setup values -> its index
   // A row's group: the one whose setup values read the same. A row with the same values as
   // the row before it (a sweep's neighbours mostly are) is in its group without reading them.
   std::vector<std::size_t> group_of(res.rows.size());
@@ -682,16 +703,14 @@ std::vector<SetupGroup> setup_groups(const SweepResult& res) {
       append_field_value(name, values[k].second);
       name += '\x1f';
     }
-    auto it = std::find(names.begin(), names.end(), name);
-    if (it == names.end()) {
-      names.push_back(name);
+    const auto [it, added] = names.try_emplace(name, groups.size());
+    if (added) {
       std::vector<std::pair<std::string, FieldValue>> setup;
       for (std::size_t k : setup_columns)
         if (k < values.size()) setup.push_back(values[k]);
       groups.push_back(SetupGroup{std::move(setup), {}, std::nullopt});
-      it = names.end() - 1;
     }
-    group_of[i] = static_cast<std::size_t>(it - names.begin());
+    group_of[i] = it->second;
     groups[group_of[i]].rows.push_back(i);
   }
   for (std::size_t i : res.ranking) {
