@@ -7,9 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "sim/cost/collective_model.h"
-#include "sim/cost/compute_model.h"
-#include "sim/cost/p2p_model.h"
+#include "sim/cost/model_calls.h"
 
 namespace trainsim {
 
@@ -27,26 +25,6 @@ std::array<std::uint8_t, kNumOpKinds> stream_table(bool blocking_sends) {
   }
   return t;
 }
-
-// Cost models behind their interfaces (any model, one virtual call per op)...
-struct VirtualModels {
-  const CostModels& m;
-  Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
-  Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
-  Tick collective(const Collective& c) const { return m.collective->duration(c); }
-  bool blocking_sends() const { return m.p2p->blocks_sender(); }
-};
-
-// ...or the default ones by their final types, so the calls are direct and inlined.
-struct DefaultModels {
-  const RooflineComputeModel& c;
-  const LinkP2PModel& p;
-  const NetworkCollectiveModel& k;
-  Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
-  Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
-  Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
-  bool blocking_sends() const { return p.LinkP2PModel::blocks_sender(); }
-};
 
 }  // namespace
 

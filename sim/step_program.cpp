@@ -9,9 +9,7 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "sim/cost/collective_model.h"
-#include "sim/cost/compute_model.h"
-#include "sim/cost/p2p_model.h"
+#include "sim/cost/model_calls.h"
 
 namespace trainsim {
 
@@ -34,24 +32,6 @@ struct LanesOf;
 template <>
 struct LanesOf<4> {
   using type = Lanes4;
-};
-
-struct VirtualModels {
-  const CostModels& m;
-  Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
-  Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
-  Tick collective(const Collective& c) const { return m.collective->duration(c); }
-  bool blocking_sends() const { return m.p2p->blocks_sender(); }
-};
-
-struct DefaultModels {
-  const RooflineComputeModel& c;
-  const LinkP2PModel& p;
-  const NetworkCollectiveModel& k;
-  Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
-  Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
-  Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
-  bool blocking_sends() const { return p.LinkP2PModel::blocks_sender(); }
 };
 
 // The engine's worklist (sim/engine.cpp, Simulation::advance) without times: it settles the
