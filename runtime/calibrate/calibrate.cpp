@@ -48,6 +48,11 @@ void KernelCalibrator::run_passes(int passes) {
       const auto [f, b] = clock_->time_stage();
       stage_forward_.push_back(f);
       stage_backward_.push_back(b);
+      if (clock_->stage_ranks() > 1) {
+        const auto [wf, wb] = clock_->time_stage();
+        warm_forward_.push_back(wf);
+        warm_backward_.push_back(wb);
+      }
     }
   });
   if (clock_->stage_ranks() > 1)
@@ -79,7 +84,7 @@ Composition KernelCalibrator::composition() const {
 
 std::vector<double> KernelCalibrator::core_factors() const {
   if (clock_->stage_ranks() <= 1) return {};
-  return stage_factors(stage_forward_, stage_backward_, rank_seconds_);
+  return stage_factors(warm_forward_, warm_backward_, rank_seconds_);
 }
 
 bool KernelCalibrator::core_factors_include_tensor_parallel() const {

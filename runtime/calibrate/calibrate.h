@@ -116,7 +116,10 @@ class KernelCalibrator {
   std::unique_ptr<KernelClock> clock_;
   std::vector<std::vector<double>> samples_;       // [kernel][pass]
   std::vector<double> pass_seconds_;               // all kernels, per pass
-  std::vector<double> stage_forward_, stage_backward_;  // rank 0 alone, per pass
+  std::vector<double> stage_forward_, stage_backward_;  // rank 0 alone, per pass (after the kernels: cold)
+  // Rank 0 alone again right after (warm, as time_stages_together times every rank's stage): the
+  // core factors' base, so that a factor is contention alone, not also the caches' state.
+  std::vector<double> warm_forward_, warm_backward_;
   std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
 };
 
