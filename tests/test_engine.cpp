@@ -20,15 +20,6 @@
 namespace trainsim {
 namespace {
 
-// A framework that runs `zero` with p pipeline stages (Plan refuses the others): FSDP has no
-// stage 1 and DeepSpeed (auto's choice for 2-3) refuses ZeRO-2/3 with a pipeline.
-template <class Pick>
-Framework random_framework(int zero, int p, Pick& pick) {
-  if (zero == 1) return static_cast<Framework>(pick({0, 1, 2}));
-  if (zero >= 2 && p > 1) return static_cast<Framework>(pick({1, 3}));
-  return static_cast<Framework>(pick({0, 1, 2, 3}));
-}
-
 using testing::FixedCollectives;
 using testing::FixedP2P;
 using testing::UniformCompute;
@@ -310,21 +301,7 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     c.cluster.num_gpus = p * d * t;
     c.cluster.gpus_per_node = pick({2, 4, 8});
     if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) continue;
-    c.parallelism.tensor_parallel_size = t;
-    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
-    c.parallelism.zero_stage = pick({0, 1, 2, 3});
-    c.parallelism.framework = random_framework(c.parallelism.zero_stage, p, pick);
-    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
-    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
-    c.training.micro_batch_size = pick({1, 2});
-    c.training.global_batch_size = m * d * c.training.micro_batch_size;
-    c.communication.overlap_grad_reduce = pick({0, 1});
-    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
-    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
-    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
-    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
-    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
-    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    testing::draw_settings(c, p, d, t, m, [&](std::initializer_list<int> xs) { return pick(xs); }, false);
     SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(kind) << " p=" << p << " d=" << d
                                       << " t=" << t << " v=" << v << " m=" << m);
     const Plan plan = Plan::from_config(c);
@@ -454,22 +431,7 @@ TEST(Predictor, ReusedAcrossRandomPlansMatchesPredict) {
     c.cluster.num_gpus = p * d * t;
     c.cluster.gpus_per_node = pick({1, 2, 4, 8});
     if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) continue;
-    c.parallelism.tensor_parallel_size = t;
-    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
-    c.parallelism.zero_stage = pick({0, 1, 2, 3});
-    c.parallelism.framework = random_framework(c.parallelism.zero_stage, p, pick);
-    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
-    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
-    c.training.micro_batch_size = pick({1, 2});
-    c.training.global_batch_size = m * d * c.training.micro_batch_size;
-    c.communication.overlap_grad_reduce = pick({0, 1});
-    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
-    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
-    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
-    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
-    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
-    c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
-    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    testing::draw_settings(c, p, d, t, m, [&](std::initializer_list<int> xs) { return pick(xs); }, true);
     SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(kind) << " p=" << p << " d=" << d
                                       << " t=" << t << " v=" << v << " m=" << m
                                       << " gpus_per_node=" << c.cluster.gpus_per_node);
@@ -513,22 +475,7 @@ TEST(Predictor, EvaluateMatchesPredictResultOnRandomPlans) {
     c.cluster.num_gpus = p * d * t;
     c.cluster.gpus_per_node = pick({1, 2, 4, 8});
     if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) continue;
-    c.parallelism.tensor_parallel_size = t;
-    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
-    c.parallelism.zero_stage = pick({0, 1, 2, 3});
-    c.parallelism.framework = random_framework(c.parallelism.zero_stage, p, pick);
-    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
-    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
-    c.training.micro_batch_size = pick({1, 2});
-    c.training.global_batch_size = m * d * c.training.micro_batch_size;
-    c.communication.overlap_grad_reduce = pick({0, 1});
-    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
-    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
-    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
-    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
-    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
-    c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
-    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    testing::draw_settings(c, p, d, t, m, [&](std::initializer_list<int> xs) { return pick(xs); }, true);
     SCOPED_TRACE(::testing::Message() << "trial " << trial << ": " << schedule_name(kind) << " p=" << p << " d=" << d
                                       << " t=" << t << " v=" << v << " m=" << m
                                       << " gpus_per_node=" << c.cluster.gpus_per_node);

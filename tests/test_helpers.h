@@ -35,6 +35,36 @@ inline ScenarioConfig small_config(int p, int m, ScheduleKind kind, int v = 1, i
   return c;
 }
 
+// The settings a random-plan test draws for a (p stages, d replicas, t shards, m micro-batches)
+// layout, every one the simulator must handle: sequence parallelism, ZeRO 0-3 with a framework
+// that runs it with p stages (FSDP has no stage 1; DeepSpeed, auto's choice for 2-3, refuses
+// ZeRO-2/3 with a pipeline), FSDP's no-sync, recompute, micro-batches of 1-2, overlapped and
+// small buckets, both all-reduce algorithms, loss scaling and overflow checks, the compute
+// format, optionally a memory so small that some plans do not fit, untied embeddings. `pick`
+// draws one of a list; the draws come in this order, so a seed gives the same plans.
+template <class Pick>
+void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, bool small_memory) {
+  c.parallelism.tensor_parallel_size = t;
+  c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
+  c.parallelism.zero_stage = pick({0, 1, 2, 3});
+  const int zero = c.parallelism.zero_stage;
+  c.parallelism.framework = static_cast<Framework>(zero == 1              ? pick({0, 1, 2})
+                                                   : zero >= 2 && p > 1 ? pick({1, 3})
+                                                                        : pick({0, 1, 2, 3}));
+  c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
+  c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+  c.training.micro_batch_size = pick({1, 2});
+  c.training.global_batch_size = m * d * c.training.micro_batch_size;
+  c.communication.overlap_grad_reduce = pick({0, 1});
+  c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
+  c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
+  c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
+  c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
+  c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
+  if (small_memory) c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
+  c.model.untie_embeddings_and_output_weights = pick({0, 1});
+}
+
 // Every chunk costs the same: forward f, backward b (split into input bi and weight bw
 // for zero-bubble schedules), scaled by 1/v per chunk so a whole stage's work is fixed.
 class UniformCompute final : public ComputeModel {

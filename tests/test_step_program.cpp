@@ -98,27 +98,7 @@ struct RandomPlans {
     c.cluster.num_gpus = p * d * t;
     c.cluster.gpus_per_node = pick({1, 2, 4, 8});
     if (c.cluster.num_gpus > c.cluster.gpus_per_node && c.cluster.num_gpus % c.cluster.gpus_per_node) return std::nullopt;
-    c.parallelism.tensor_parallel_size = t;
-    c.parallelism.sequence_parallel = t > 1 && pick({0, 1});
-    c.parallelism.zero_stage = pick({0, 1, 2, 3});
-    // A framework that runs this ZeRO stage with this pipeline (FSDP has no stage 1;
-    // DeepSpeed, auto's choice for 2-3, refuses ZeRO-2/3 with a pipeline).
-    const int zero = c.parallelism.zero_stage;
-    c.parallelism.framework = static_cast<Framework>(zero == 1              ? pick({0, 1, 2})
-                                                     : zero >= 2 && p > 1 ? pick({1, 3})
-                                                                          : pick({0, 1, 2, 3}));
-    c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
-    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
-    c.training.micro_batch_size = pick({1, 2});
-    c.training.global_batch_size = m * d * c.training.micro_batch_size;
-    c.communication.overlap_grad_reduce = pick({0, 1});
-    c.communication.bucket_size_mib = pick({1, 25}) / 100.0;
-    c.communication.allreduce_algorithm = static_cast<AllReduceAlgorithm>(pick({0, 1}));
-    c.precision.loss_scaling.mode = static_cast<LossScalingMode>(pick({0, 1, 2}));
-    c.precision.overflow_check = static_cast<OverflowScope>(pick({0, 1}));
-    c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
-    c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
-    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    testing::draw_settings(c, p, d, t, m, [&](std::initializer_list<int> xs) { return pick(xs); }, true);
     try {  // any other invariant a plan must meet
       Plan::from_config(c);
     } catch (const ScenarioError&) {
