@@ -426,3 +426,55 @@ TEST(CalibrateCommTable, ReportsWrongElementsAndMissingFits) {
 
 }  // namespace
 }  // namespace trainsim::runtime
+
+namespace trainsim::runtime {
+namespace {
+
+// A clock whose every number is scripted: each pass's stage is timed alone twice (cold right
+// after the kernels, then warm), and every rank's stage together once.
+class ScriptedClock final : public KernelClock {
+ public:
+  std::string placement() const override { return "scripted"; }
+  void on_timing_thread(const std::function<void()>& body) override { body(); }
+  double time_kernel(std::size_t) override { return 1e-3; }
+  std::pair<double, double> time_stage() override {
+    const bool cold = stage_calls_++ % 2 == 0;
+    return cold ? std::pair{0.6, 1.2} : std::pair{0.5, 1.0};  // cold 1.8 s, warm 1.5 s
+  }
+  int stage_ranks() const override { return 2; }
+  std::vector<double> time_stages_together() override { return {1.65, 1.8}; }
+
+ private:
+  int stage_calls_ = 0;
+};
+
+// A core factor is contention alone: a rank's stage timed with every rank's at once (warm, each
+// stage run once first) over rank 0's stage timed alone from the same caches, not over the cold
+// timing after the kernels (which made two ranks that slow each other look 5% faster together).
+TEST(KernelCalibrator, CoreFactorsDivideByTheWarmStageAlone) {
+  ScenarioConfig c;
+  c.cluster.num_gpus = 2;
+  c.parallelism.data_parallel_size = 2;
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = 2;
+  c.runtime.num_layers = 2;
+  c.runtime.hidden_size = 32;
+  c.runtime.num_attention_heads = 2;
+  c.runtime.seq_length = 8;
+  c.runtime.vocab_size = 64;
+  c.runtime.data_synthetic = true;
+  const RuntimePlan plan = make_runtime_plan(c);
+  CalibrateOptions options;
+  KernelCalibrator calibrator(plan, options, {}, 4, [](const RuntimePlan&, const CalibrateOptions&,
+                                                       const std::vector<KernelWork>&) {
+    return std::make_unique<ScriptedClock>();
+  });
+  calibrator.run_passes(3);
+  const std::vector<double> factors = calibrator.core_factors();
+  ASSERT_EQ(factors.size(), 2u);
+  EXPECT_DOUBLE_EQ(factors[0], 1.65 / 1.5);
+  EXPECT_DOUBLE_EQ(factors[1], 1.8 / 1.5);
+}
+
+}  // namespace
+}  // namespace trainsim::runtime
