@@ -484,8 +484,14 @@ class CpuEngine final : public DeviceEngine {
       Tick start = e_.now();
       if (previous_end_ >= 0) {
         Tick ready = previous_end_;
-        if (op.dep >= 0 && is_collective(rk_.program->ops[static_cast<std::size_t>(op.dep)].kind))
-          ready = std::max(ready, rk_.timing[static_cast<std::size_t>(op.dep)].end);
+        // A collective it waited for ended before it: its end is when the op could start. Not a
+        // ZeRO-3 gather, which hands the pass its first unit and goes on gathering (its end is
+        // not known yet, and its communication thread is still writing it).
+        if (op.dep >= 0) {
+          const Op& dep = rk_.program->ops[static_cast<std::size_t>(op.dep)];
+          if (is_collective(dep.kind) && !e_.gathered_unit_by_unit(dep))
+            ready = std::max(ready, rk_.timing[static_cast<std::size_t>(op.dep)].end);
+        }
         start = std::min(start, ready);
       }
       {
@@ -899,6 +905,10 @@ class CpuEngine final : public DeviceEngine {
   // reduce-scatters, gathers and embedding sum on them, the optimizer on the shard.
   // ---------------------------------------------------------------------------------------
   static int unit_key(int chunk, int unit) { return chunk * 4096 + unit; }  // in the rank's GatherGate
+  // A stage-3 gather before a pass: done early, with the pass's first unit (zero_gather).
+  bool gathered_unit_by_unit(const Op& op) const {
+    return gathers_units_ && op.kind == OpKind::AllGather && op.microbatch >= 0;
+  }
   int position(const Rank& rk) const {
     const std::vector<int> group = world_.data_parallel_group(rk.rank);
     return static_cast<int>(std::find(group.begin(), group.end(), rk.rank) - group.begin());
