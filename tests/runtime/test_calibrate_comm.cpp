@@ -17,6 +17,7 @@
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
 #include "tests/runtime/comm_bench_checks.h"
+#include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {
 namespace {
@@ -452,18 +453,7 @@ class ScriptedClock final : public KernelClock {
 // stage run once first) over rank 0's stage timed alone from the same caches, not over the cold
 // timing after the kernels (which made two ranks that slow each other look 5% faster together).
 TEST(KernelCalibrator, CoreFactorsDivideByTheWarmStageAlone) {
-  ScenarioConfig c;
-  c.cluster.num_gpus = 2;
-  c.parallelism.data_parallel_size = 2;
-  c.training.micro_batch_size = 1;
-  c.training.global_batch_size = 2;
-  c.runtime.num_layers = 2;
-  c.runtime.hidden_size = 32;
-  c.runtime.num_attention_heads = 2;
-  c.runtime.seq_length = 8;
-  c.runtime.vocab_size = 64;
-  c.runtime.data_synthetic = true;
-  const RuntimePlan plan = make_runtime_plan(c);
+  const RuntimePlan plan = make_runtime_plan(testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2));
   CalibrateOptions options;
   KernelCalibrator calibrator(plan, options, {}, 4, [](const RuntimePlan&, const CalibrateOptions&,
                                                        const std::vector<KernelWork>&) {
