@@ -5,9 +5,12 @@
 // m = N, n = M, and each operand's transpose flag as given.
 #include "kernels/gemm.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
+#include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "kernels/common.cuh"
@@ -75,14 +78,37 @@ __global__ void broadcast_rows_kernel(T* y, const T* b, int OC, std::size_t tota
 // ---------------------------------------------------------------------------------------
 // GemmContext
 // ---------------------------------------------------------------------------------------
+// A linear layer's product with its bias added in the epilogue (cuBLASLt, CUBLASLT_EPILOGUE_BIAS):
+// descriptors and the heuristic's algorithm for one shape, made on first use.
+struct BiasedProduct {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool usable = false;  // the heuristic offered an algorithm
+
+  BiasedProduct() = default;
+  BiasedProduct(const BiasedProduct&) = delete;
+  BiasedProduct& operator=(const BiasedProduct&) = delete;
+  ~BiasedProduct() {
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
 struct GemmContext::Impl {
   cublasHandle_t handle = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  std::map<std::tuple<int, int, int, int>, std::unique_ptr<BiasedProduct>> biased;  // (N, in, out, format)
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
   MemoryAccount* account = nullptr;  // charged for the workspace (device_buffer.h)
 
   ~Impl() {
+    biased.clear();
+    if (lt) cublasLtDestroy(lt);
     if (handle) cublasDestroy(handle);
     if (workspace) {
       cudaFree(workspace);
@@ -151,10 +177,73 @@ void gemm_strided_batched(GemmContext& ctx, bool trans_a, bool trans_b, int M, i
                "cublasGemmStridedBatchedEx");
 }
 
+namespace {
+
+// y = x w^T + b rounded once to y's format: cuBLASLt adds the bias in the FP32 epilogue. (The
+// bias broadcast into y and added as beta C, below, is rounded twice on some GPUs: an H200's
+// cuBLAS 13 rounded x w^T to y's 16-bit format before adding C, an error of half an ulp of the
+// product, which cancellation against the bias makes large relative to y.) Column-major, as
+// cuBLAS reads it: y^T (out x N) = w (in x out)^T x^T (in x N), the bias one per row of y^T.
+// Returns false, having done nothing, when cuBLASLt offers no algorithm for the shape.
+bool linear_forward_biased(GemmContext::Impl& impl, void* y, const void* x, const void* w, const void* bias, int N,
+                           int in, int out, DType dt) {
+  const char* what = "linear_forward";
+  const DType st = storage_of(dt);
+  if (!impl.lt) check_cublas(cublasLtCreate(&impl.lt), "cublasLtCreate");
+  auto& slot = impl.biased[{N, in, out, static_cast<int>(dt)}];
+  if (!slot) {
+    auto p = std::make_unique<BiasedProduct>();
+    const cudaDataType_t t = data_type(st, what);
+    check_cublas(cublasLtMatmulDescCreate(&p->op, compute_type(dt), CUDA_R_32F), "cublasLtMatmulDescCreate");
+    const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const std::int32_t bias_type = t;
+    check_cublas(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
+                 "cublasLtMatmulDescSetAttribute(TRANSA)");
+    check_cublas(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
+                 "cublasLtMatmulDescSetAttribute(TRANSB)");
+    check_cublas(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
+                 "cublasLtMatmulDescSetAttribute(EPILOGUE)");
+    check_cublas(
+        cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)),
+        "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)");
+    check_cublas(cublasLtMatrixLayoutCreate(&p->a, t, in, out, in), "cublasLtMatrixLayoutCreate(w)");
+    check_cublas(cublasLtMatrixLayoutCreate(&p->b, t, in, N, in), "cublasLtMatrixLayoutCreate(x)");
+    check_cublas(cublasLtMatrixLayoutCreate(&p->d, t, out, N, out), "cublasLtMatrixLayoutCreate(y)");
+    cublasLtMatmulPreference_t pref = nullptr;
+    check_cublas(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    const std::size_t ws = impl.workspace_bytes;
+    // Split-K partial sums only in the FP32 compute type (gemm.h's contract), never the output's.
+    const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(impl.lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    p->usable = status == CUBLAS_STATUS_SUCCESS && found > 0;
+    if (p->usable) p->algo = result.algo;
+    slot = std::move(p);
+  }
+  if (!slot->usable) return false;
+  check_cublas(cublasLtMatmulDescSetAttribute(slot->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
+  const float alpha = 1.0f, beta = 0.0f;
+  check_cublas(cublasLtMatmul(impl.lt, slot->op, &alpha, w, slot->a, x, slot->b, &beta, y, slot->d, y, slot->d,
+                              &slot->algo, impl.workspace, impl.workspace_bytes, impl.stream),
+               "cublasLtMatmul");
+  return true;
+}
+
+}  // namespace
+
 void linear_forward(GemmContext& ctx, void* y, const void* x, const void* w, const void* b, int N, int in, int out,
                     DType dt) {
   const DType st = storage_of(dt);
   float beta = 0.0f;
+  check_formats("linear_forward", dt, st);
+  if (b && linear_forward_biased(ctx.impl(), y, x, w, b, N, in, out, dt)) return;
   if (b) {
     const std::size_t total = static_cast<std::size_t>(N) * out;
     dispatch(st, "linear_forward (bias)", [&](auto tag) {

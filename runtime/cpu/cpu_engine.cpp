@@ -765,13 +765,13 @@ class CpuEngine final : public DeviceEngine {
     if (!rk.zero.empty()) {  // ZeRO's collectives work on shards
       if (op.kind == OpKind::ReduceScatter) return zero_reduce_scatter(rk, index, op);
       if (op.kind == OpKind::AllGather) return zero_gather(rk, index, op);
-      if (op.kind == OpKind::AllReduce && schedule_->collectives[op.channel].purpose == CollectivePurpose::embedding)
+      if (op.kind == OpKind::AllReduce && collective_of(*schedule_, op).purpose == CollectivePurpose::embedding)
         return zero_embedding_sum(rk, op);
     }
     switch (op.kind) {
       case OpKind::AllReduce:
       case OpKind::ReduceScatter: {
-        const Collective& c = schedule_->collectives[op.channel];
+        const Collective& c = collective_of(*schedule_, op);
         StageModel& model = rk.chunks[shape_.local_chunk(op)];
         const auto [offset, count] = collective_range(op, buckets_, model.token_embedding());
         auto grads = model.gradients().subspan(offset, count);
@@ -800,7 +800,7 @@ class CpuEngine final : public DeviceEngine {
         for (auto& c : rk.chunks) n += count_nonfinite(c.gradients());
         for (auto& z : rk.zero) n += count_nonfinite(z.grads);  // (ZeRO: the reduced gradients are these)
         float flag = n > 0 ? 1.0f : 0.0f;
-        const Collective& c = schedule_->collectives[op.channel];
+        const Collective& c = collective_of(*schedule_, op);
         rk.collectives->all_reduce(std::span<float>(&flag, 1), collective_members(c, world_, rk.shard), tag,
                                    ReduceOp::max, DType::fp32, Divide::none);
         rk.found_nonfinite = !(flag == 0.0f);
@@ -1035,7 +1035,7 @@ class CpuEngine final : public DeviceEngine {
 
   void zero_reduce_scatter(Rank& rk, int index, const Op& op) {
     const auto& pr = plan_.config.precision;
-    const Collective& c = schedule_->collectives[op.channel];
+    const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[j];
@@ -1077,7 +1077,7 @@ class CpuEngine final : public DeviceEngine {
   // (the same on both, zero.h), in a buffer of the whole embedding as the schedule moves it.
   void zero_embedding_sum(Rank& rk, const Op& op) {
     const auto& pr = plan_.config.precision;
-    const Collective& c = schedule_->collectives[op.channel];
+    const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     auto& z = rk.zero[shape_.local_chunk(op)];
     const ShardGroup& g = z.plan.tied;
@@ -1113,7 +1113,7 @@ class CpuEngine final : public DeviceEngine {
   void zero_gather(Rank& rk, int index, const Op& op) {
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[j];
-    const Collective& c = schedule_->collectives[op.channel];
+    const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
       gather_units(

@@ -864,7 +864,7 @@ class CudaEngine final : public DeviceEngine {
   void zero_reduce_scatter(CudaRank& rk, int i, const Op& op) {
     const auto& pr = plan_.config.precision;
     const StreamHandle st = rk.streams.comm;
-    const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
     auto& z = rk.zero[j];
@@ -904,7 +904,7 @@ class CudaEngine final : public DeviceEngine {
   void zero_embedding_sum(CudaRank& rk, int i, const Op& op) {
     const auto& pr = plan_.config.precision;
     const StreamHandle st = rk.streams.comm;
-    const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     const auto j = static_cast<std::size_t>(shape_.local_chunk(op));
     auto& z = rk.zero[j];
@@ -939,7 +939,7 @@ class CudaEngine final : public DeviceEngine {
     const StreamHandle st = rk.streams.comm;
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[static_cast<std::size_t>(j)];
-    const Collective& c = schedule_->collectives[static_cast<std::size_t>(op.channel)];
+    const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
       gather_units(
@@ -1154,13 +1154,23 @@ class CudaEngine final : public DeviceEngine {
                                        op_label(op)));
   }
 
+  // Local overflow check: only what this rank computed itself, before any reduction.
+  void local_overflow_check(CudaRank& rk) {
+    if (plan_.dp != 1) return;  // the data-parallel all-reduces raised the local flag as they went
+    for (auto& ch : rk.chunks)
+      k::unscale_and_check(ch.gradients_device(), ch.num_parameters(), 1.0f, flag(rk, rk.flags_at.local()),
+                           ch.gradient_format(), rk.streams.comm);
+  }
+
   void run_collective(CudaRank& rk, int i, const Op& op) {
     const auto& pr = plan_.config.precision;
     const StreamHandle st = rk.streams.comm;
     const std::uint64_t tag = collective_tag(rk.step, op.channel);
-    const Collective& c = schedule_->collectives[op.channel];
-    const std::vector<int> members = collective_members(c, world_, rk.shard);
     const auto at = static_cast<std::size_t>(i);
+    // A local overflow check (channel -1) is no collective of the schedule: it has no entry.
+    if (op.kind == OpKind::OverflowCheck && op.channel < 0) return local_overflow_check(rk);
+    const Collective& c = collective_of(*schedule_, op);
+    const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (!rk.zero.empty()) {  // ZeRO's collectives work on shards
       if (op.kind == OpKind::ReduceScatter) return zero_reduce_scatter(rk, i, op);
       if (op.kind == OpKind::AllGather) return zero_gather(rk, i, op);
@@ -1193,14 +1203,6 @@ class CudaEngine final : public DeviceEngine {
         return;
       }
       case OpKind::OverflowCheck: {
-        if (op.channel < 0) {
-          // Local: only what this rank computed itself, before any reduction.
-          if (plan_.dp == 1)
-            for (auto& ch : rk.chunks)
-              k::unscale_and_check(ch.gradients_device(), ch.num_parameters(), 1.0f, flag(rk, rk.flags_at.local()),
-                                   ch.gradient_format(), st);
-          return;
-        }
         for (auto& ch : rk.chunks)
           k::unscale_and_check(ch.gradients_device(), ch.num_parameters(), 1.0f, flag(rk, rk.flags_at.global()),
                                ch.gradient_format(), st);

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +26,22 @@ namespace {
 constexpr std::uint32_t kPointToPoint = 0, kContribution = 1, kDone = 2, kGather = 3;
 
 using ::trainsim::cuda::check_cuda;
+
+// TRAINSIM_COMM_TRACE=1: every call's start and end on stderr, with the thread's milliseconds since
+// the first call, to see which rank waits for which on a hang (one line per event, whole lines).
+bool tracing() {
+  static const bool on = [] {
+    const char* v = std::getenv("TRAINSIM_COMM_TRACE");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  return on;
+}
+void trace(const std::string& what, const char* event) {
+  if (!tracing()) return;
+  static const auto t0 = std::chrono::steady_clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "[comm %10.3f ms] %s: %s\n", ms, what.c_str(), event);
+}
 
 std::size_t element_bytes(DType dt, const std::string& who) {
   switch (dt) {
@@ -121,13 +139,16 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     msg.staging = stage(data, bytes, stream, what);
     msg.ready = s_->events->record(stream, what);
     s_->post(peer, MailKey{rank_, 0, kPointToPoint}, std::move(msg));
+    trace(what, "posted");
   }
 
   void recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) override {
     check_peer(prefix(), peer, s_->world_size(), "recv from");
     const std::size_t bytes = count * element_bytes(dt, prefix());
     auto op = [&] { return "recv from rank " + std::to_string(peer) + " tag " + std::to_string(tag); };
+    if (tracing()) trace(prefix() + op(), "waiting");
     DeviceMessage msg = s_->take(rank_, MailKey{peer, 0, kPointToPoint}, prefix(), op);
+    if (tracing()) trace(prefix() + op(), "received");
     if (msg.tag != tag || msg.count != count || msg.dt != dt)
       throw CommError(prefix() + op() + ": the next message from rank " + std::to_string(peer) + " is tag " +
                       std::to_string(msg.tag) + ", " + std::to_string(msg.count) + " " + std::string(dtype_name(msg.dt)) +
@@ -149,8 +170,9 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
   void all_reduce(void* data, std::size_t count, DType dt, std::span<const int> members, std::uint64_t tag,
                   ReduceOp op, Divide divide, StreamHandle stream) override {
     Exchange x = exchange("all_reduce", data, 0, count, dt, members, tag, stream);
-    if (!x.active) return;  // one member, or nothing to reduce: x * round(1/1) and x / 1 are x
-    trainsim::cuda::ring_reduce(data, x.inputs.data(), x.n, count, dt, member_reduce(op), divide == Divide::before,
+    if (!x.active) return;  // one member: x * round(1/1) and x / 1 are x
+    if (count > 0)
+      trainsim::cuda::ring_reduce(data, x.inputs.data(), x.n, count, dt, member_reduce(op), divide == Divide::before,
                                 divide == Divide::after, stream);
     release(x, stream);
   }
@@ -165,6 +187,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     Exchange x = exchange("reduce_scatter", data, 0, count, dt, members, tag, stream);
     char* const mine = static_cast<char*>(data) + static_cast<std::size_t>(x.me) * offset;
     if (!x.active) return;  // as all_reduce: over one member every op and divide is the identity
+    if (per == 0) return release(x, stream);
     std::vector<const void*> order(static_cast<std::size_t>(x.n));
     for (int k = 0; k < x.n; ++k)
       order[static_cast<std::size_t>(k)] =
@@ -225,7 +248,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
   // A collective's contributions handed round: this member stages `count` elements of its buffer
   // from element `first` and posts them to every other member; `inputs` holds every member's
   // staged copy in member order, each ready in `stream`'s order. Inactive (nothing staged,
-  // nothing to release) for one member or no data.
+  // nothing to release) for one member.
   struct Exchange {
     bool active = false;
     int me = 0, n = 0;
@@ -247,9 +270,20 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
     const std::size_t elem = element_bytes(dt, prefix());
     const std::string op_text = std::string(name) + " tag " + std::to_string(tag);
     x.what = prefix() + op_text;
+    if (tracing()) {
+      std::string m = x.what;
+      m += " over ranks";
+      for (int r : members) {
+        m += ' ';
+        m += std::to_string(r);
+      }
+      trace(m, "start");
+    }
     s_->throw_if_aborted(prefix(), [&] { return op_text; });
     x.inputs.assign(static_cast<std::size_t>(x.n), nullptr);
-    if (x.n == 1 || count == 0) {
+    // Every member of two or more exchanges, even one with nothing to send: members that
+    // disagree on the count then fail with a CommError below instead of leaving a peer waiting.
+    if (x.n == 1) {
       x.inputs[0] = static_cast<const char*>(data) + first * elem;
       return x;
     }
@@ -279,6 +313,7 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
       wait_event(stream, m.ready, x.what);
       x.inputs[static_cast<std::size_t>(k)] = m.staging;
     }
+    trace(x.what, "every contribution in");
     return x;
   }
   // Frees this member's staging once every member has read it.
@@ -295,7 +330,8 @@ class DeviceWorldCommunicator final : public DeviceCommunicator {
       DeviceMessage m = s_->take(rank_, MailKey{peer, x.tag, kDone}, prefix(), peer_op);
       wait_event(stream, m.ready, x.what);
     }
-    check_cuda(cudaFreeAsync(x.my_staging, stream), x.what + ": cudaFreeAsync");
+    if (x.my_staging) check_cuda(cudaFreeAsync(x.my_staging, stream), x.what + ": cudaFreeAsync");
+    trace(x.what, "done");
   }
 
   // A stream-ordered copy of `bytes` of `data` into a fresh device buffer.

@@ -267,6 +267,9 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
   // Units in StageModel's order: head, blocks from last to first, embedding.
   if (s.has_head) {
     head_w = index(d.tied_embeddings ? "wte" : "lm_head.weight");
+    // The last stage's copy of a tied embedding is the token embedding its gradient is summed
+    // into across the first and last stages (StageModel's rule; token_embedding()).
+    if (d.tied_embeddings && !s.has_embedding) wte = head_w;
     lnf_w = index("lnf.weight");
     lnf_b = index("lnf.bias");
     units.push_back({UnitKind::head, -1, end_of(lnf_b)});

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
@@ -77,6 +78,17 @@ std::vector<std::pair<std::size_t, std::size_t>> norm_ranges(int vstage, int vir
 
 float clip_coefficient(double clip, double norm) {
   return clip > 0 && norm > clip ? static_cast<float>(clip / (norm + 1e-6)) : 1.0f;
+}
+
+const Collective& collective_of(const Schedule& schedule, const Op& op) {
+  if (op.channel < 0 || static_cast<std::size_t>(op.channel) >= schedule.collectives.size())
+    throw std::logic_error(fmt::format("{} names collective {}, and the schedule has {} (0..{}){}", op_label(op),
+                                       op.channel, schedule.collectives.size(),
+                                       static_cast<int>(schedule.collectives.size()) - 1,
+                                       op.kind == OpKind::OverflowCheck && op.channel < 0
+                                           ? ": a local overflow check exchanges nothing"
+                                           : ""));
+  return schedule.collectives[static_cast<std::size_t>(op.channel)];
 }
 
 std::vector<int> collective_members(const Collective& collective, const World& world, int tp) {

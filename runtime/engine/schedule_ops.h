@@ -126,6 +126,11 @@ inline float loss_gradient_scale(double loss_scale, int microbatches) {
   return static_cast<float>(loss_scale / microbatches);
 }
 
+// The schedule's entry for collective op `op`. Throws std::logic_error for an op that names none: a
+// local overflow check (channel -1: each rank checks its own gradients, nothing is exchanged) or
+// a channel past the schedule's collectives.
+const Collective& collective_of(const Schedule& schedule, const Op& op);
+
 // The ranks of `world` a collective of the schedule runs over on shard `tp` of its cells: that
 // shard of each member cell, or, for the global overflow check, every shard of them.
 std::vector<int> collective_members(const Collective& collective, const World& world, int tp);

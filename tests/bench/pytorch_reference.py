@@ -100,6 +100,8 @@ def main():
     p.add_argument("--attention", choices=["eager", "sdpa"], default="eager",
                    help="eager: the runtime's formulation; sdpa: torch's fused attention")
     p.add_argument("--loss-scale", type=float, default=65536.0, help="fp16: initial dynamic loss scale")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (forward and loss; the warm-up steps pay the compile)")
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
@@ -121,7 +123,10 @@ def main():
     torch.manual_seed(1)
     torch.set_num_threads(a.threads)
     model = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.attention).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    params = list(model.parameters())
+    if a.compile:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     data = torch.randint(0, a.vocab, (a.steps, a.micro_batches, a.micro_batch, a.seq + 1)).to(device)
 
     def sync():
@@ -140,7 +145,7 @@ def main():
             (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         if scaler:
             scaler.step(opt)  # skipped when the gradients overflowed
             scaler.update()
@@ -152,7 +157,7 @@ def main():
     step_time = statistics.median(timed)
     tokens = a.micro_batch * a.micro_batches * a.seq
     result = {"tokens_per_s": tokens / step_time, "step_time_s": step_time, "threads": a.threads,
-              "torch": torch.__version__, "params": sum(p.numel() for p in model.parameters()),
+              "torch": torch.__version__, "params": sum(p.numel() for p in params), "compiled": a.compile,
               "device": a.device, "dtype": a.dtype, "timed_steps": len(timed), "attention": a.attention,
               "last_loss": loss.item() * a.micro_batches}  # the last micro-batch's
     if cuda:

@@ -271,6 +271,29 @@ TEST_F(CudaStage, Fp32WholeModelLossAndGradientsMatchTheCpu) {
 // (2) fp32, a middle stage (no embedding, no head): output activation, input gradient and the
 // blocks' gradients, through device input/output pointers
 // ---------------------------------------------------------------------------------------
+// The tied token embedding, whose gradient the first and last stages sum (the schedule's
+// embedding all-reduce), is the same parameter range as the CPU model's on every kind of stage:
+// a last stage without the embedding once reported none, so it sent nothing to that all-reduce
+// and the first stage waited for it until the timeout.
+TEST_F(CudaStage, TiedEmbeddingIsTheCpusRangeOnEveryStage) {
+  const ModelDims d = small_dims(4);
+  ASSERT_TRUE(d.tied_embeddings);
+  struct Kind {
+    int first, layers;
+    bool embedding, head;
+  };
+  for (const Kind& k : {Kind{0, 2, true, false}, Kind{2, 2, false, true}, Kind{1, 2, false, false},
+                        Kind{0, 4, true, true}}) {
+    SCOPED_TRACE("embedding " + std::to_string(k.embedding) + ", head " + std::to_string(k.head));
+    const StageSpec spec = stage(d, k.first, k.layers, k.embedding, k.head, DType::fp32);
+    const StageModel cpu(spec);
+    const CudaStageModel gpu(spec);
+    EXPECT_EQ(gpu.token_embedding().offset, cpu.token_embedding().offset);
+    EXPECT_EQ(gpu.token_embedding().size, cpu.token_embedding().size);
+    EXPECT_EQ(gpu.token_embedding().size > 0, k.embedding || k.head);
+  }
+}
+
 TEST_F(CudaStage, Fp32MiddleStageOutputAndInputGradientMatchTheCpu) {
   const StageSpec spec = stage(small_dims(4), 1, 2, false, false, DType::fp32);
   StageModel cpu(spec);

@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include "core/schedule.h"
@@ -106,6 +108,44 @@ TEST(ReductionGroups, ShardsReduceWithTheirOwnShardAndHaveTheirGroup) {
     if (col.purpose == CollectivePurpose::overflow) {
       EXPECT_EQ(collective_members(col, world, 1), world.everyone());
     }
+}
+
+// Every collective op of every rank names its schedule entry, one whose members include the rank;
+// a local overflow check (the incident's `overflow_check: local`) names none, and asking for its
+// entry is refused in words rather than read at index -1 (the CUDA engine did, and crashed).
+TEST(CollectiveOf, EveryCollectiveOpHasItsEntryAndALocalCheckHasNone) {
+  for (const OverflowScope scope : {OverflowScope::local, OverflowScope::global}) {
+    ScenarioConfig c = config(2, 2, ScheduleKind::gpipe, 1, 8);
+    c.precision.compute = DType::fp16;
+    c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+    c.precision.overflow_check = scope;
+    const RuntimePlan rp = make_runtime_plan(c);
+    const Schedule s = build_schedule(rp.plan);
+    const World world = World::of(rp.plan);
+    int checks = 0;
+    for (const RankProgram& prog : s.ranks)
+      for (const Op& op : prog.ops) {
+        if (!is_collective(op.kind)) continue;
+        if (op.kind == OpKind::OverflowCheck) ++checks;
+        if (op.kind == OpKind::OverflowCheck && scope == OverflowScope::local) {
+          EXPECT_LT(op.channel, 0);
+          try {
+            collective_of(s, op);
+            ADD_FAILURE() << "a local overflow check has no collective";
+          } catch (const std::logic_error& e) {
+            EXPECT_NE(std::string(e.what()).find("local overflow check"), std::string::npos) << e.what();
+          }
+          continue;
+        }
+        const std::vector<int> members = collective_members(collective_of(s, op), world, 0);
+        EXPECT_NE(std::find(members.begin(), members.end(), prog.rank), members.end())
+            << "rank " << prog.rank << ", " << op_label(op);
+      }
+    EXPECT_EQ(checks, world.size()) << "one overflow check per rank";
+    Op beyond{OpKind::AllReduce};
+    beyond.channel = static_cast<int>(s.collectives.size());
+    EXPECT_THROW(collective_of(s, beyond), std::logic_error);
+  }
 }
 
 TEST(P2pLinks, ShardsTalkToTheSameShardOfTheirNeighbour) {
