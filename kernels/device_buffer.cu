@@ -33,6 +33,10 @@ void copy_to_device(void* dst, const void* src, std::size_t bytes) {
   check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy host to device");
 }
 
+void copy_device_to_device(void* dst, const void* src, std::size_t bytes, StreamHandle stream) {
+  check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync device to device");
+}
+
 void copy_to_host(void* dst, const void* src, std::size_t bytes) {
   check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy device to host");
 }

@@ -20,6 +20,9 @@ void synchronize();
 
 void copy_to_device(void* dst, const void* src, std::size_t bytes);
 void copy_to_host(void* dst, const void* src, std::size_t bytes);
+// cudaMemcpyAsync device to device on `stream`: the copy engine's bandwidth, the reference the
+// memory-bound kernels are measured against (tests/bench/bench_kernels.cpp).
+void copy_device_to_device(void* dst, const void* src, std::size_t bytes, StreamHandle stream);
 void fill_zero(void* dst, std::size_t bytes);
 
 // Device memory charged to one owner: the CUDA backend gives each rank one. While an

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -254,9 +255,8 @@ struct CudaRank {
   // Per op, in the context of the stream the op runs on (an event is recorded only on a stream of
   // its own context): the communication thread's for collectives, the compute thread's otherwise.
   std::vector<Event> start, end;
-  // The step's start on the compute stream; comm_epoch is the same instant on the comm stream (it
-  // is recorded there right after the comm stream waits for epoch), the origin of the
-  // collectives' times.
+  // The step's start on the compute stream and on the comm stream, one instant (Driver::align_epochs):
+  // the origins of the compute ops' and the collectives' times.
   std::unique_ptr<Event> epoch, comm_epoch;
   std::unique_ptr<PinnedBuffer> readback;  // the optimizer step's scalars and flags, read on the host
   FlagLayout flags_at;
@@ -588,11 +588,19 @@ class CudaEngine final : public DeviceEngine {
       wait_event(rk_.streams.send, rk_.epoch->e);
     }
     void start_comm_thread() override {
+      bool recorded = false;
+      struct Tell {  // the compute thread waits for this, also when the comm thread's start throws
+        Driver& d;
+        const bool& ok;
+        ~Tell() { d.comm_epoch_recorded(ok); }
+      } tell{*this, recorded};
       e_.partition_->make_current(rk_.partition_index, RankThread::comm);
       wait_event(rk_.streams.comm, rk_.epoch->e);
       record(rk_.comm_epoch->e, rk_.streams.comm);
+      recorded = true;
     }
     void run_compute(int i) override {
+      align_epochs();
       const Op& op = rk_.program->ops[static_cast<std::size_t>(i)];
       if (is_send(op.kind)) {
         e_.send(rk_, i, op);
@@ -627,6 +635,7 @@ class CudaEngine final : public DeviceEngine {
       record(rk_.end[static_cast<std::size_t>(i)].e, st);
     }
     void waited_for(int dep, RankThread thread) override {
+      if (thread == RankThread::compute) align_epochs();
       wait_event(thread == RankThread::compute ? rk_.streams.compute : rk_.streams.comm,
                  rk_.end[static_cast<std::size_t>(dep)].e);
     }
@@ -636,8 +645,37 @@ class CudaEngine final : public DeviceEngine {
     }
 
    private:
+    // The comm stream's epoch is recorded when the comm thread starts, later than the compute
+    // stream's by that thread's start-up on the host (on an H200 with 8 ranks, up to 0.2 ms):
+    // measured from their own epochs, collectives showed up that much before the ops they wait
+    // for. So before its first op the compute stream, idle, waits for the comm epoch and records
+    // its epoch again: both origins are then one instant. (Events of two green contexts cannot be
+    // compared directly: each stream is timed from its own context's epoch.)
+    void align_epochs() {
+      if (aligned_) return;
+      aligned_ = true;
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return comm_started_; });
+      if (!comm_epoch_ok_) return;  // the comm thread failed: the step fails, its times are not read
+      wait_event(rk_.streams.compute, rk_.comm_epoch->e);
+      record(rk_.epoch->e, rk_.streams.compute);
+      wait_event(rk_.streams.send, rk_.epoch->e);
+    }
+    void comm_epoch_recorded(bool ok) {
+      {
+        std::lock_guard lock(mu_);
+        comm_started_ = true;
+        comm_epoch_ok_ = ok;
+      }
+      cv_.notify_all();
+    }
+
     CudaEngine& e_;
     CudaRank& rk_;
+    bool aligned_ = false;  // compute thread only
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool comm_started_ = false, comm_epoch_ok_ = false;
   };
 
   // Master weights held in a format other than fp32 are rounded to it after every update.

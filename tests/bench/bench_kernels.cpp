@@ -3,9 +3,14 @@
 //    GPT-2-small shape (B 8, T 1024, C 768, 12 heads, vocabulary 50304), with fp32 and bf16
 //    storage, timed with CUDA events (manual time). Counters: bytes (the least traffic the kernel
 //    must move to and from memory: each input read once, each output written once),
-//    bytes_per_s, and fraction_of_hbm against the device's peak, 2 x memory clock x bus width
-//    (kernels/device_buffer.h). Kernels whose data fit in L2 (the runtime shape) can exceed 1;
-//  * matrix products at the model's shapes in fp32, tf32, fp16 and bf16: tflops.
+//    bytes_per_s, fraction_of_hbm against the device's peak, 2 x memory clock x bus width
+//    (kernels/device_buffer.h), and fraction_of_copy against a device-to-device cudaMemcpy of
+//    1 GiB measured in the same run (bytes read + written): the bandwidth a memory-bound kernel
+//    can reach (target >= 0.8 at the GPT-2 shape). Kernels whose data fit in L2 (the runtime
+//    shape) can exceed 1;
+//  * matrix products at the model's shapes in fp32, tf32, fp16 and bf16: tflops, and, with the
+//    bias the layers add, fraction_of_cublas: cuBLAS's plain product of the same shape and type
+//    (no bias) timed in the same run, over ours (linear_forward with its bias epilogue).
 // Without a CUDA device every benchmark reports "no CUDA device" (SkipWithError).
 //
 //   build/tests/bench/bench_kernels --benchmark_min_time=0.2
@@ -96,10 +101,40 @@ DeviceBuffer constant_floats(std::size_t n, float value) {
   return d;
 }
 
+// Median seconds of `reps` launches on `stream`, each timed with CUDA events, after one warm-up.
+template <class Launch>
+double median_seconds(const Stream& stream, int reps, Launch&& launch) {
+  launch();
+  stream.synchronize();
+  EventTimer timer;
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    timer.start(stream.get());
+    launch();
+    timer.stop(stream.get());
+    t.push_back(timer.elapsed_seconds());
+  }
+  std::nth_element(t.begin(), t.begin() + reps / 2, t.end());
+  return t[static_cast<std::size_t>(reps / 2)];
+}
+
+// Bytes per second of a 1 GiB device-to-device cudaMemcpy (read + written), measured once.
+double copy_bandwidth() {
+  static const double bw = [] {
+    const std::size_t bytes = std::size_t(1) << 30;
+    DeviceBuffer a(bytes), b(bytes);
+    Stream st;
+    return 2.0 * static_cast<double>(bytes) /
+           median_seconds(st, 11, [&] { copy_device_to_device(b.data(), a.data(), bytes, st.get()); });
+  }();
+  return bw;
+}
+
 // Times `launch` on `stream` with CUDA events, one measurement per iteration (after one warm-up
 // launch), and reports bandwidth for `bytes` moved per launch (and flops when given).
+// Returns the mean seconds per launch.
 template <class Launch>
-void run_timed(benchmark::State& state, const Stream& stream, double bytes, double flops, Launch&& launch) {
+double run_timed(benchmark::State& state, const Stream& stream, double bytes, double flops, Launch&& launch) {
   launch();
   stream.synchronize();
   EventTimer timer;
@@ -117,8 +152,10 @@ void run_timed(benchmark::State& state, const Stream& stream, double bytes, doub
     state.counters["bytes"] = bytes;
     state.counters["bytes_per_s"] = bytes * per_s;
     state.counters["fraction_of_hbm"] = bytes * per_s / device().memory.peak_bandwidth_bytes_per_s;
+    state.counters["fraction_of_copy"] = bytes * per_s / copy_bandwidth();
   }
   if (flops > 0) state.counters["tflops"] = flops * per_s * 1e-12;
+  return 1.0 / per_s;
 }
 
 // The common frame: skip without a device, read the arguments, label, catch launcher errors.
@@ -457,6 +494,19 @@ void GemmArgs(benchmark::internal::Benchmark* b) {
       for (int l = 0; l < 5; ++l) b->Args({s, d, l});
 }
 
+// The reference for the products: the device-to-device copy (memory-bound kernels' ceiling).
+void BM_DeviceToDeviceCopy(benchmark::State& state) {
+  with_device(state, [&] {
+    const std::size_t bytes = std::size_t(1) << 30;
+    DeviceBuffer a(bytes), b(bytes);
+    Stream st;
+    state.SetLabel("1 GiB cudaMemcpyAsync, bytes read + written");
+    run_timed(state, st, 2.0 * static_cast<double>(bytes), 0,
+              [&] { copy_device_to_device(b.data(), a.data(), bytes, st.get()); });
+  });
+}
+BENCHMARK(BM_DeviceToDeviceCopy)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 void BM_LinearForward(benchmark::State& state) {
   with_device(state, [&] {
     const Shape& s = kShapes[state.range(0)];
@@ -468,11 +518,18 @@ void BM_LinearForward(benchmark::State& state) {
                    std::to_string(in) + " -> " + std::to_string(out) + ")");
     auto x = random_buffer(st_dt, std::size_t(N) * in, 1.0f, 40),
          w = random_buffer(st_dt, std::size_t(out) * in, 0.02f, 41);
+    auto b = random_buffer(st_dt, std::size_t(out), 0.02f, 42);
     DeviceBuffer y(std::size_t(N) * out * static_cast<std::size_t>(bytes_of(st_dt)));
     Stream st;
     GemmContext ctx(st.get());
-    run_timed(state, st, 0, 2.0 * N * in * out,
-              [&] { linear_forward(ctx, y.data(), x.data(), w.data(), nullptr, N, in, out, dt); });
+    // cuBLAS's own product of this shape and type, no bias: the reference.
+    const double reference = median_seconds(st, 21, [&] {
+      gemm(ctx, false, true, N, out, in, 1.0f, x.data(), in, w.data(), in, 0.0f, y.data(), out, dt, st_dt);
+    });
+    const double ours = run_timed(state, st, 0, 2.0 * N * in * out, [&] {
+      linear_forward(ctx, y.data(), x.data(), w.data(), b.data(), N, in, out, dt);
+    });
+    state.counters["fraction_of_cublas"] = reference / ours;
   });
 }
 BENCHMARK(BM_LinearForward)->Apply(GemmArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
