@@ -47,6 +47,9 @@ Command add_validate_command(CLI::App& app) {
               validation::BaselineOptions bo;
               bo.update = o->update;
               bo.progress = [](const std::string& s) { std::cerr << s << "\n"; };
+              bo.backend_for = [o, sub](const Scenario& plan) {
+                return validation_backend(plan, *sub, o->backend, "validate");
+              };
               const validation::BaselineReport r = validation::check_baselines(o->baselines, bo);
               std::cout << validation::format_baseline_report(r);
               return r.passed ? 0 : kExitRunFailed;

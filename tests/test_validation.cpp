@@ -524,6 +524,30 @@ TEST(Baselines, MemoryBeyondItsTargetFailsTheSet) {
   EXPECT_TRUE(target) << validation::format_baseline_report(r);
 }
 
+// `validate --baselines DIR --backend cuda` (and a folder whose plans say runtime.backend: cuda):
+// each plan is calibrated and run by the backend chosen for it, not the CPU's.
+TEST(Baselines, EachPlanIsValidatedOnTheBackendChosenForIt) {
+  BaselineFolder f(kAccepted);
+  validation::BaselineOptions o;
+  std::vector<std::string> asked;
+  o.backend_for = [&](const Scenario& plan) {
+    asked.push_back(plan.config.name);
+    validation::ValidationBackend b;
+    b.name = "stand-in";
+    b.calibrate = [](const runtime::RuntimePlan&, const runtime::CalibrateOptions&) -> HardwareProfile {
+      throw std::runtime_error("the stand-in backend calibrates");
+    };
+    return b;
+  };
+  try {
+    validation::check_baselines(f.dir.string(), o);
+    ADD_FAILURE() << "the stand-in backend's calibration did not run";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("stand-in backend calibrates"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(asked, std::vector<std::string>{"a.yaml"});
+}
+
 TEST(Baselines, UpdateAcceptsTheMedianOfItsAttempts) {
   BaselineFolder f(kAccepted);
   validation::BaselineOptions o;

@@ -69,6 +69,7 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
       if (options.progress) options.progress(fmt::format("validate {} (attempt {})", out.file, out.attempts));
       const Validation v = options.validate_plan ? options.validate_plan(scenario) : [&] {
         ValidateOptions vo;
+        if (options.backend_for) vo.backend = options.backend_for(scenario);
         vo.calibrate.comm.max_bytes = 4u << 20;
         return validate(scenario, vo);
       }();

@@ -26,6 +26,9 @@ struct BaselineOptions {
   // How one plan is validated (tests replace it); empty: validate() with the calibration the
   // baselines use.
   std::function<Validation(const Scenario&)> validate_plan;
+  // The backend that calibrates and runs a plan (the CLI's --backend, else the plan's
+  // runtime.backend); empty: the CPU backend.
+  std::function<ValidationBackend(const Scenario&)> backend_for;
   std::function<void(const std::string&)> progress;
 };
 
