@@ -93,6 +93,18 @@ struct CoreTurn {
   auto operator<=>(const CoreTurn&) const = default;
 };
 
+// A fault a run injects on purpose, for the failure-path tests and demonstrations (the engines
+// that run rank threads, CPU and CUDA, honour it; runtime/engine/rank_threads.h): at step `step`,
+// rank `rank` raises instead of running its first compute op (raise), or reaches its first
+// collective `stall` late, as a rank stuck before a collective would (stall: its peers time out).
+struct InjectedFault {
+  enum class Kind { raise, stall };
+  int rank = -1;  // none
+  int step = 0;
+  Kind kind = Kind::raise;
+  std::chrono::milliseconds stall{0};
+};
+
 struct RunOptions {
   int steps = 0;                      // 0: the scenario's runtime.steps
   std::string data_path;              // empty: the scenario's (resolved by the caller) or the bundled corpus
@@ -107,6 +119,7 @@ struct RunOptions {
   // op of every rank once, and the optimizer's part 1). Empty: first come, first served.
   std::vector<CoreTurn> core_turns;
   std::function<void(const StepRecord&)> on_step;  // progress, called after every step
+  InjectedFault fault;                // none by default
 };
 
 // A rank as the engine ran it: its coordinates in the plan's grid (runtime/engine/world.h) and

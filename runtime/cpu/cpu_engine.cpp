@@ -284,7 +284,8 @@ struct Rank {
 class CpuEngine final : public DeviceEngine {
  public:
   CpuEngine(const RuntimePlan& rp, const Dataset& data, const RunOptions& options)
-      : rp_(rp),
+      : fault_(options.fault),
+        rp_(rp),
         plan_(rp.plan),
         data_(data),
         world_(World::of(rp.plan)),
@@ -369,9 +370,9 @@ class CpuEngine final : public DeviceEngine {
     std::vector<std::thread> threads;
     threads.reserve(ranks_.size());
     for (auto& rk : ranks_)
-      threads.emplace_back([this, r = rk.get()] {
+      threads.emplace_back([this, r = rk.get(), step] {
         Driver driver(*this, *r);
-        r->error = r->walk.run(r->rank, *r->program, driver);
+        r->error = r->walk.run(r->rank, *r->program, driver, fault_for(step, r->rank));
       });
     for (auto& t : threads) t.join();
     std::vector<RankStep> out;
@@ -618,6 +619,7 @@ class CpuEngine final : public DeviceEngine {
     RankStep rs;
     if (rk.error) {
       rs.error = error_text(rk.error);
+      rs.failed_at_ns = rk.walk.failed_at_ns();
       return rs;
     }
     RankStepNumerics& n = rs.numerics;
@@ -1160,6 +1162,11 @@ class CpuEngine final : public DeviceEngine {
     rk.first_nonfinite = std::move(what);
   }
 
+  // RunOptions::fault, for the rank and step it names (else none).
+  const InjectedFault* fault_for(int step, int rank) const {
+    return fault_.rank == rank && fault_.step == step ? &fault_ : nullptr;
+  }
+  InjectedFault fault_;
   const RuntimePlan& rp_;
   const Plan& plan_;
   const Dataset& data_;

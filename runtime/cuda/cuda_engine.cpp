@@ -158,6 +158,7 @@ std::vector<std::uint8_t> serialize(const RankReport& r) {
   w.pod(r.peak);
   w.pod(r.allocated_peak);
   w.str(s.error);
+  w.pod(s.failed_at_ns);
   return std::move(w.bytes);
 }
 
@@ -183,6 +184,7 @@ RankReport deserialize(const std::vector<std::uint8_t>& bytes) {
   r.peak = rd.pod<MemoryBreakdown>();
   r.allocated_peak = rd.pod<std::uint64_t>();
   s.error = rd.str();
+  s.failed_at_ns = rd.pod<std::int64_t>();
   return r;
 }
 
@@ -322,7 +324,8 @@ int current_device() {
 class CudaEngine final : public DeviceEngine {
  public:
   CudaEngine(const RuntimePlan& rp, const Dataset& data, const RunOptions& options)
-      : rp_(rp), plan_(rp.plan), data_(data), world_(World::of(rp.plan)), shape_(rp.plan) {
+      : fault_(options.fault),
+        rp_(rp), plan_(rp.plan), data_(data), world_(World::of(rp.plan)), shape_(rp.plan) {
     const auto& cfg = plan_.config;
     const Placement& placement = options.placement;
     schedule_ = std::make_shared<const Schedule>(build_schedule(plan_));
@@ -452,9 +455,9 @@ class CudaEngine final : public DeviceEngine {
     partition_->make_primary_current();
     std::vector<std::thread> threads;
     for (auto& rk : ranks_)
-      threads.emplace_back([this, r = rk.get()] {
+      threads.emplace_back([this, r = rk.get(), step] {
         Driver driver(*this, *r);
-        r->error = r->walk.run(r->rank, *r->program, driver);
+        r->error = r->walk.run(r->rank, *r->program, driver, fault_for(step, r->rank));
       });
     for (auto& t : threads) t.join();
     for (auto& rk : ranks_)
@@ -1377,6 +1380,11 @@ class CudaEngine final : public DeviceEngine {
     rep.peak = rk.peak;
     if (rk.error) {
       s.error = error_text(rk.error);
+      // (An error of the streams' final wait, after the walk, is stamped when it is reported.)
+      s.failed_at_ns = rk.walk.failed_at_ns() != 0 ? rk.walk.failed_at_ns()
+                                                   : std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                         std::chrono::system_clock::now().time_since_epoch())
+                                                         .count();
       return rep;
     }
     // A rank's account only grows within a step (stashes are kept for reuse), so its peak is
@@ -1448,6 +1456,11 @@ class CudaEngine final : public DeviceEngine {
     return rep;
   }
 
+  // RunOptions::fault, for the rank and step it names (else none).
+  const InjectedFault* fault_for(int step, int rank) const {
+    return fault_.rank == rank && fault_.step == step ? &fault_ : nullptr;
+  }
+  InjectedFault fault_;
   const RuntimePlan& rp_;
   const Plan& plan_;
   const Dataset& data_;

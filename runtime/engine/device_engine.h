@@ -44,6 +44,9 @@ struct RankStep {
   std::vector<Tick> arrival;     // per op: when this rank reached a collective; -1 for other ops
   std::uint64_t weights_hash = 0;  // over its master weights after the step (fnv1a, weights.h)
   std::string error;             // non-empty: the rank failed, and why; the rest is not meaningful
+  // When its error was caught (system clock, ns; 0: not recorded). One failure makes the others
+  // fail too (aborted collectives, a stopped core gate): the run names the earliest, the cause.
+  std::int64_t failed_at_ns = 0;
 };
 
 // What an engine is running, in words, for the report.

@@ -1,5 +1,6 @@
 #include "runtime/engine/rank_threads.h"
 
+#include <chrono>
 #include <stdexcept>
 #include <thread>
 
@@ -17,14 +18,25 @@ std::string error_text(std::exception_ptr error) {
   }
 }
 
-std::exception_ptr RankWalk::run(int rank, const RankProgram& program, RankDriver& driver) {
+void RankWalk::note_failure() {
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+  std::int64_t none = 0;
+  failed_at_ns_.compare_exchange_strong(none, now);  // the first of the two threads' errors
+}
+
+std::exception_ptr RankWalk::run(int rank, const RankProgram& program, RankDriver& driver,
+                                 const InjectedFault* fault) {
   comm_error_ = nullptr;
+  failed_at_ns_.store(0);
   std::exception_ptr error;
-  driver.on_thread(RankThread::compute, [&] { error = compute_main(rank, program, driver); });
+  driver.on_thread(RankThread::compute, [&] { error = compute_main(rank, program, driver, fault); });
   return error;
 }
 
-std::exception_ptr RankWalk::compute_main(int rank, const RankProgram& program, RankDriver& driver) {
+std::exception_ptr RankWalk::compute_main(int rank, const RankProgram& program, RankDriver& driver,
+                                          const InjectedFault* fault) {
   try {
     driver.start_compute_thread();
   } catch (...) {
@@ -32,7 +44,8 @@ std::exception_ptr RankWalk::compute_main(int rank, const RankProgram& program, 
   }
   std::exception_ptr error;
   std::thread comm_thread(
-      [&] { driver.on_thread(RankThread::comm, [&] { comm_main(rank, program, driver); }); });
+      [&] { driver.on_thread(RankThread::comm, [&] { comm_main(rank, program, driver, fault); }); });
+  const bool raise = fault != nullptr && fault->kind == InjectedFault::Kind::raise;
   try {
     const auto& ops = program.ops;
     for (int i = 0; i < static_cast<int>(ops.size()); ++i) {
@@ -45,11 +58,13 @@ std::exception_ptr RankWalk::compute_main(int rank, const RankProgram& program, 
         wait(op.dep);
         driver.waited_for(op.dep, RankThread::compute);
       }
+      if (raise) throw std::runtime_error(fmt::format("{}: the injected failure (RunOptions::fault)", op_label(op)));
       driver.run_compute(i);
       done_.mark(static_cast<std::size_t>(i));
       driver.finished_compute(i);
     }
   } catch (...) {
+    note_failure();
     error = std::current_exception();
     done_.fail(error);
     driver.abort(fmt::format("rank {} failed: {}", rank, error_text(error)));
@@ -59,10 +74,12 @@ std::exception_ptr RankWalk::compute_main(int rank, const RankProgram& program, 
   return error ? error : comm_error_;
 }
 
-void RankWalk::comm_main(int rank, const RankProgram& program, RankDriver& driver) {
+void RankWalk::comm_main(int rank, const RankProgram& program, RankDriver& driver, const InjectedFault* fault) {
+  bool stall = fault != nullptr && fault->kind == InjectedFault::Kind::stall;
   try {
     driver.start_comm_thread();
   } catch (...) {
+    note_failure();
     comm_error_ = std::current_exception();
     done_.fail(comm_error_);
   }
@@ -71,6 +88,10 @@ void RankWalk::comm_main(int rank, const RankProgram& program, RankDriver& drive
     if (i < 0) return;
     if (comm_error_) continue;  // failed: drain the queue until the compute thread stops it
     const Op& op = program.ops[i];
+    if (stall) {  // late to its first collective, as a rank stuck before it
+      stall = false;
+      std::this_thread::sleep_for(fault->stall);
+    }
     try {
       // Collective ops wait for their producing compute op (deps point backwards, and the
       // compute thread queued this op only after reaching it in program order).
@@ -81,6 +102,7 @@ void RankWalk::comm_main(int rank, const RankProgram& program, RankDriver& drive
       driver.run_collective(i);
       done_.mark(static_cast<std::size_t>(i));
     } catch (...) {
+      note_failure();
       comm_error_ = std::current_exception();
       done_.fail(comm_error_);
       driver.abort(fmt::format("rank {} failed in {}", rank, op_label(op)));

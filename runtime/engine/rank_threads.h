@@ -7,7 +7,9 @@
 // either thread fails.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <cstddef>
 #include <deque>
 #include <exception>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "core/schedule.h"
+#include "runtime/contract.h"
 
 namespace trainsim::runtime {
 
@@ -121,21 +124,29 @@ class RankWalk {
   void reset(std::size_t ops) { done_.reset(ops); }
   // Walks `program` with `driver`: returns on the compute thread once both threads are finished;
   // the rank's first error, or nullptr. `rank` names it in abort reasons.
-  std::exception_ptr run(int rank, const RankProgram& program, RankDriver& driver);
+  // `fault`, when given, is injected into this rank's walk (RunOptions::fault, for this step).
+  std::exception_ptr run(int rank, const RankProgram& program, RankDriver& driver,
+                         const InjectedFault* fault = nullptr);
   // Waits (on any thread) until op `i` is done; rethrows the rank's failure.
   void wait(int i) { done_.wait(static_cast<std::size_t>(i)); }
   // From the communication thread, inside run_collective(i): op `i` counts as done for the ops
   // that depend on it from now on, before its driver call returns (ZeRO-3's gather, whose pass
   // starts on its first unit and takes the others as they come: runtime/engine/zero.h).
   void done_early(int i) { done_.mark(static_cast<std::size_t>(i)); }
+  // When this step's first error was caught on either thread (system clock, ns), or 0.
+  std::int64_t failed_at_ns() const { return failed_at_ns_.load(); }
 
  private:
-  std::exception_ptr compute_main(int rank, const RankProgram& program, RankDriver& driver);
-  void comm_main(int rank, const RankProgram& program, RankDriver& driver);
+  std::exception_ptr compute_main(int rank, const RankProgram& program, RankDriver& driver,
+                                  const InjectedFault* fault);
+  void comm_main(int rank, const RankProgram& program, RankDriver& driver, const InjectedFault* fault);
+
+  void note_failure();
 
   OpCompletion done_;
   CollectiveQueue collectives_;
   std::exception_ptr comm_error_;
+  std::atomic<std::int64_t> failed_at_ns_{0};
 };
 
 // What a failed rank's exception says ("unknown error" when it is not a std::exception).

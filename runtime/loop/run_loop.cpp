@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -53,14 +54,21 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     const std::vector<RankStep> ranks = engine->run_step(step, static_cast<std::uint64_t>(step - 1) * samples_per_step);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
-    // A rank that failed (a communication timeout, a device error, a bug) ends the run with its error.
+    // A rank that failed (a communication timeout, a device error, a bug) ends the run with its
+    // error. One failure fails the others (their collectives are aborted): the cause is the
+    // earliest (RankStep::failed_at_ns; unstamped ones count as latest, ties go to the lowest rank).
+    int failed = -1;
+    auto stamp = [&](int r) {
+      const std::int64_t t = ranks[static_cast<std::size_t>(r)].failed_at_ns;
+      return t > 0 ? t : std::numeric_limits<std::int64_t>::max();
+    };
     for (int r = 0; r < world.size(); ++r)
-      if (!ranks[static_cast<std::size_t>(r)].error.empty()) {
-        report.failure = RunFailure{
-            step, fmt::format("rank {} failed at step {}: {}", r, step, ranks[static_cast<std::size_t>(r)].error)};
-        break;
-      }
-    if (report.failure) break;
+      if (!ranks[static_cast<std::size_t>(r)].error.empty() && (failed < 0 || stamp(r) < stamp(failed))) failed = r;
+    if (failed >= 0) {
+      report.failure = RunFailure{step, fmt::format("rank {} failed at step {}: {}", failed, step,
+                                                    ranks[static_cast<std::size_t>(failed)].error)};
+      break;
+    }
 
     // What it measured: the step's timeline and numerics, and the replicas' weights.
     timelines.push_back(measured_timeline(report.schedule, cell_steps(world, ranks)));

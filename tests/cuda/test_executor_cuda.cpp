@@ -13,6 +13,8 @@
 // receive before the send) or a wrong bucket gives errors of order one, far above these.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -226,6 +228,32 @@ TEST(CudaExecutor, CheckpointResumeIsBitwiseAndCrossesBackends) {
   for (int i = 0; i < 2; ++i)
     EXPECT_NEAR(gpu_rest.steps[i].loss, cpu.steps[i + 2].loss, 1e-4 * std::fabs(cpu.steps[i + 2].loss));
   std::filesystem::remove_all(dir);
+}
+
+// Failure paths on the device, as on the CPU (tests/runtime/test_executor.cpp): a rank that
+// raises ends the run naming it and the op; a rank stuck before a collective times its peers out
+// on the single-GPU world, naming it; neither hangs.
+TEST(CudaExecutor, ARankThatRaisesOrStallsEndsTheRunNamingIt) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  RunOptions raise = options();
+  raise.steps = 3;
+  raise.fault = InjectedFault{.rank = 3, .step = 2, .kind = InjectedFault::Kind::raise};
+  const RunReport r = run_cuda(make_runtime_plan(small_config(2, 2, ScheduleKind::one_f_one_b)), raise, {});
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 2);
+  EXPECT_NE(r.failure->message.find("rank 3 failed at step 2"), std::string::npos) << r.failure->message;
+  EXPECT_NE(r.failure->message.find("the injected failure"), std::string::npos) << r.failure->message;
+
+  RunOptions stall = options();
+  stall.steps = 2;
+  stall.comm_timeout = std::chrono::milliseconds(500);
+  stall.fault = InjectedFault{.rank = 1, .step = 1, .kind = InjectedFault::Kind::stall,
+                              .stall = std::chrono::milliseconds(2000)};
+  const auto t0 = std::chrono::steady_clock::now();
+  const RunReport s = run_cuda(make_runtime_plan(small_config(2, 1, ScheduleKind::one_f_one_b)), stall, {});
+  ASSERT_TRUE(s.failure);
+  EXPECT_NE(s.failure->message.find("waiting for rank 1"), std::string::npos) << s.failure->message;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60) << "ended, not hung";
 }
 
 TEST(CudaExecutor, MeasuredTimelineFollowsTheSchedule) {

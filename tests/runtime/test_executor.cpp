@@ -533,5 +533,47 @@ TEST(Executor, AllocatorPeaksAreShownOnlyWhenMeasured) {
   EXPECT_EQ(run_to_json(r)["run"]["allocated_peak_bytes"][1].get<double>(), 12.5 * 1024 * 1024);
 }
 
+// Failure paths (issue 18: the same on the CUDA engine, test_executor_cuda.cpp): a rank that
+// raises ends the run at that step naming the rank and the op; a rank stuck before a collective
+// makes its peers time out naming the rank they waited for, and the run ends, no hang.
+TEST(Executor, ARankThatRaisesEndsTheRunNamingRankAndOp) {
+  RunOptions o;
+  o.steps = 3;
+  o.fault.rank = 3;
+  o.fault.step = 2;
+  o.fault.kind = InjectedFault::Kind::raise;
+  const RunReport r = run(small_config(2, 2, ScheduleKind::one_f_one_b), o);
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 2);
+  const std::string& m = r.failure->message;
+  EXPECT_NE(m.find("rank 3 failed at step 2"), std::string::npos) << m;
+  EXPECT_NE(m.find("the injected failure"), std::string::npos) << m;
+  // The op it raised at: its program's first op that is not a collective (stage 1: a receive).
+  const RankProgram& prog = r.schedule->ranks[3];
+  const auto first = std::find_if(prog.ops.begin(), prog.ops.end(), [](const Op& op) { return !is_collective(op.kind); });
+  ASSERT_NE(first, prog.ops.end());
+  EXPECT_NE(m.find(op_label(*first) + ": the injected failure"), std::string::npos) << "names the op: " << m;
+  EXPECT_EQ(r.steps.size(), 1u) << "the step that failed has no record";
+}
+
+TEST(Executor, ARankStuckBeforeACollectiveTimesItsPeersOutNamingIt) {
+  RunOptions o;
+  o.steps = 2;
+  o.comm_timeout = std::chrono::milliseconds(300);
+  o.fault.rank = 1;
+  o.fault.step = 1;
+  o.fault.kind = InjectedFault::Kind::stall;
+  o.fault.stall = std::chrono::milliseconds(1500);
+  const auto t0 = std::chrono::steady_clock::now();
+  const RunReport r = run(small_config(2, 1, ScheduleKind::one_f_one_b), o);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 1);
+  const std::string& m = r.failure->message;
+  EXPECT_NE(m.find("waiting for rank 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("all_reduce"), std::string::npos) << m;
+  EXPECT_LT(seconds, 30) << "ended, not hung";
+}
+
 }  // namespace
 }  // namespace trainsim::runtime

@@ -136,7 +136,9 @@ TEST(RunLoop, TheSummarySplitsIdleTimeIntoPipelineBubbleAndExposedCommunication)
     ASSERT_FALSE(r.failure) << r.failure->message;
     const Result& res = r.result;
     EXPECT_NEAR(res.pipeline_bubble_fraction + res.exposed_comm_fraction, res.bubble_fraction, 1e-12);
-    if (c.parallelism.pipeline_parallel_size == 1) EXPECT_EQ(res.pipeline_bubble_fraction, 0.0);
+    if (c.parallelism.pipeline_parallel_size == 1) {
+      EXPECT_EQ(res.pipeline_bubble_fraction, 0.0);
+    }
     const std::string line = fmt::format("= pipeline bubble {:.1f}% + exposed communication {:.1f}%",
                                          100 * res.pipeline_bubble_fraction, 100 * res.exposed_comm_fraction);
     EXPECT_NE(format_run_summary(r).find(line), std::string::npos) << line << "\n" << format_run_summary(r);
