@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstddef>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace trainsim::runtime::cuda {
@@ -13,6 +16,8 @@ namespace {
 // Replays `polled`, then `stops` (one per stop check; Stop::none once the script runs out), and
 // records every call so the tests can check what the loop did, not only what it returned.
 struct Script {
+  Script(std::vector<Polled> polled_, std::vector<Stop> stops_ = {})
+      : polled(std::move(polled_)), stops(std::move(stops_)) {}
   std::vector<Polled> polled;
   std::vector<Stop> stops;
   std::size_t polls = 0, checks = 0;
@@ -30,21 +35,21 @@ struct Script {
 };
 
 TEST(NcclProgress, DoneAtOnceNeverPauses) {
-  Script s{{Polled::done}, {}};
+  Script s{{Polled::done}};
   EXPECT_EQ(s.run(), Settled::done);
   EXPECT_EQ(s.polls, 1u);
   EXPECT_TRUE(s.pauses.empty());
 }
 
 TEST(NcclProgress, InProgressIsPolledAgainAfterAPause) {
-  Script s{{Polled::in_progress, Polled::in_progress, Polled::in_progress, Polled::done}, {}};
+  Script s{{Polled::in_progress, Polled::in_progress, Polled::in_progress, Polled::done}};
   EXPECT_EQ(s.run(), Settled::done);
   EXPECT_EQ(s.polls, 4u);
   EXPECT_EQ(s.pauses, (std::vector<long>{1, 2, 3}));  // one pause between each pair of polls
 }
 
 TEST(NcclProgress, AnErrorEndsTheWait) {
-  Script s{{Polled::in_progress, Polled::failed}, {}};
+  Script s{{Polled::in_progress, Polled::failed}};
   EXPECT_EQ(s.run(), Settled::failed);
   EXPECT_EQ(s.polls, 2u);
   EXPECT_EQ(s.pauses.size(), 1u);
@@ -72,7 +77,7 @@ TEST(NcclProgress, TimeoutWhileInProgress) {
 }
 
 TEST(NcclProgress, TheStopCheckComesBeforeEveryPoll) {
-  Script s{{Polled::in_progress, Polled::in_progress, Polled::done}, {}};
+  Script s{{Polled::in_progress, Polled::in_progress, Polled::done}};
   EXPECT_EQ(s.run(), Settled::done);
   EXPECT_EQ(s.checks, s.polls);
 }
@@ -82,6 +87,26 @@ TEST(NcclProgress, ThePausesYieldThenSleep) {
   poll_pause(1);
   poll_pause(1000);
   SUCCEED();
+}
+
+// As the communicator uses it: a poll that never settles (a peer that never comes), the
+// production pause, and an abort from another thread (the watchdog's) that ends the wait.
+TEST(NcclProgress, AnAbortFromAnotherThreadEndsAWaitThatNeverSettles) {
+  std::atomic<bool> aborted{false};
+  std::atomic<long> polls{0};
+  std::thread watchdog([&] {
+    while (polls.load() < 200) std::this_thread::yield();
+    aborted.store(true);
+  });
+  const Settled settled = wait_until_settled(
+      [&] {
+        polls.fetch_add(1);
+        return Polled::in_progress;
+      },
+      [&] { return aborted.load() ? Stop::aborted : Stop::none; }, poll_pause);
+  watchdog.join();
+  EXPECT_EQ(settled, Settled::aborted);
+  EXPECT_GE(polls.load(), 200);
 }
 
 }  // namespace
