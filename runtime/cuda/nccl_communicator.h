@@ -88,15 +88,15 @@
 // a short-lived thread of its own, which it joins, since NCCL would queue them into the open
 // group. ncclGroupStart opens only the calling thread's group and takes no lock.
 //
-// Beyond the lock, the caller's rules remain: a communicator takes its calls (and a group all
-// of its calls) from one thread in the order the peers expect; different communicators may be
-// driven from different threads. The CUDA executor issues sends and receives (link
-// communicators) from a rank's compute thread and all-reduces (member-set communicators; the world's) from its communication thread, and the
-// world's gradient-norm all-reduce only after that thread has issued all of its calls. NCCL
-// documents concurrent communicators as safe while their kernels fit on the GPU together and
-// nothing synchronises the device mid-step: NCCL kernels take few SMs, and a step allocates
-// only from stream-ordered pools. abort() and watchdog() may be used from any thread. Each call
-// makes the communicator's GPU current on the calling thread (cudaSetDevice).
+// Beyond the lock, the caller's rules remain: a communicator takes its calls (and a group all of
+// its calls) from one thread in the order the peers expect; different communicators may be driven
+// from different threads. The CUDA executor issues sends and receives (link communicators) from a
+// rank's compute thread and all-reduces (member-set communicators; the world's) from its
+// communication thread, and the world's gradient-norm all-reduce only after that thread has issued
+// all of its calls. NCCL documents concurrent communicators as safe while their kernels fit on the
+// GPU together and nothing synchronises the device mid-step: NCCL kernels take few SMs, and a step
+// allocates only from stream-ordered pools. abort() and watchdog() may be used from any thread.
+// Each call makes the communicator's GPU current on the calling thread (cudaSetDevice).
 //
 // Destruction. Normally ncclCommDestroy on every communicator (NCCL documents it as a collective
 // among the ranks of one node: every process destroys its communicator at the end of a run; it
