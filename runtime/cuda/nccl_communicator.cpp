@@ -10,16 +10,19 @@
 #include <atomic>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 #include <utility>
 
 #include "kernels/cuda_check.h"
 #include "kernels/kernels.h"
 #include "runtime/comm/arguments.h"
+#include "runtime/cuda/nccl_progress.h"
 #include "runtime/launch/rendezvous.h"
 
 namespace trainsim::runtime::cuda {
@@ -116,6 +119,27 @@ struct DeviceFree {
   void operator()(void* p) const { cudaFree(p); }
 };
 
+// One NCCL communicator and the lock that every NCCL call on it takes (the header, "Threads").
+// The slots exist before any NCCL call and are never added or removed afterwards, so abort()
+// may walk them from any thread; only `handle` and the flags change, under `mutex`.
+struct NcclSlot {
+  explicit NcclSlot(std::string name_) : name(std::move(name_)) {}
+  const std::string name;  // "the world communicator", for messages
+  std::mutex mutex;
+  ncclComm_t handle = nullptr;  // null before its init or split, and after its abort
+  // Recorded in the open group of the thread that issues the group: NCCL's per-thread group
+  // state points at the communicator until that thread's ncclGroupEnd, so an abort from another
+  // thread is deferred to it (abort_deferred) instead of freeing the communicator under it.
+  bool in_group = false;
+  bool abort_deferred = false;
+};
+
+// ncclGetLastError's text, or "" when it has none (NCCL keeps one text per process).
+std::string last_error_text(ncclComm_t comm) {
+  const char* last = ncclGetLastError(comm);
+  return last != nullptr ? std::string(last) : std::string();
+}
+
 }  // namespace
 
 struct NcclCommunicator::Impl {
@@ -126,22 +150,24 @@ struct NcclCommunicator::Impl {
   std::string device_name;
   int nccl_version = 0;
 
-  // Handles are written only during construction and never reset; after `aborted` is set they
-  // are dangling and nothing touches them (every use checks the flag first).
-  ncclComm_t world = nullptr;
-  std::map<std::vector<int>, ncclComm_t, RanksLess> subgroups;  // by member list
-  std::string groups_text;                                      // for "no communicator for members" errors
-  std::map<NcclLink, ncclComm_t> links;                         // by (from, to): that direction's sends
+  // Every slot is made in init() before the first NCCL call (and before any watchdog guard can
+  // fire); the maps do not change afterwards.
+  std::unique_ptr<NcclSlot> world;
+  std::map<std::vector<int>, std::unique_ptr<NcclSlot>, RanksLess> subgroups;  // by member list
+  std::string groups_text;  // for "no communicator for members" errors
+  std::map<NcclLink, std::unique_ptr<NcclSlot>> links;  // by (from, to): that direction's sends
+  // Where a nonblocking ncclCommSplit of the world writes the new communicator when it completes
+  // (NCCL stores it from its own thread). Read and cleared under world->mutex, only once the
+  // world's state has left ncclInProgress or after the world was aborted (either way NCCL's job
+  // has ended); abort() aborts a communicator left here.
+  ncclComm_t split_result = nullptr;
 
-  // Every communicator this rank holds, world last (a null entry: an abort came first).
+  // Every slot, world last.
   template <class F>
-  void for_each_comm(F&& f) const {
-    for (const auto& [members, comm] : subgroups)
-      if (comm != nullptr) f(comm, "the communicator of members " + ranks_text(members));
-    for (const auto& [link, comm] : links)
-      if (comm != nullptr)
-        f(comm, "the communicator of sends " + std::to_string(link.first) + " -> " + std::to_string(link.second));
-    if (world != nullptr) f(world, std::string("the world communicator"));
+  void for_each_slot(F&& f) const {
+    for (const auto& entry : subgroups) f(*entry.second);
+    for (const auto& entry : links) f(*entry.second);
+    if (world) f(*world);
   }
 
   cudaStream_t gather_stream = nullptr;
@@ -150,7 +176,8 @@ struct NcclCommunicator::Impl {
   std::unique_ptr<void, PinnedFree> pinned_scratch;
   std::size_t pinned_scratch_bytes = 0;
 
-  // Work that must follow the launch of the enclosing group (see the header, "Groups").
+  // Work that must follow the launch of the enclosing group (see the header, "Groups"), and the
+  // communicators the group has touched; all of it belongs to the thread that issues the group.
   int group_depth = 0;
   struct DeferredScale {
     void* data;
@@ -161,11 +188,12 @@ struct NcclCommunicator::Impl {
     std::string op;
   };
   std::vector<DeferredScale> deferred_scales;
-  std::vector<std::pair<ncclRedOp_t, ncclComm_t>> deferred_op_destroys;
+  std::vector<std::pair<ncclRedOp_t, NcclSlot*>> deferred_op_destroys;
+  std::vector<NcclSlot*> group_slots;
+  // The thread whose group is open (group_depth > 0), for abort(); a default id when none is.
+  std::atomic<std::thread::id> group_thread{};
 
-  // abort_mutex orders setting `aborted` against polling the communicators
-  // (ncclCommGetAsyncError, ncclGetLastError), so a poll never reads a communicator that
-  // ncclCommAbort is freeing.
+  // abort_mutex guards abort_reason; `aborted` is set under it, before any communicator is aborted.
   mutable std::mutex abort_mutex;
   std::string abort_reason;
   std::atomic<bool> aborted{false};
@@ -176,8 +204,10 @@ struct NcclCommunicator::Impl {
 
   std::string who() const { return "rank " + std::to_string(rank) + ": "; }
 
+  bool is_aborted() const { return aborted.load(std::memory_order_acquire); }
+
   void throw_if_aborted() const {
-    if (!aborted.load(std::memory_order_acquire)) return;
+    if (!is_aborted()) return;
     std::lock_guard lock(abort_mutex);
     throw CommError(abort_reason);
   }
@@ -188,35 +218,73 @@ struct NcclCommunicator::Impl {
       throw CommError(who() + "cudaSetDevice(" + std::to_string(device) + "): " + cudaGetErrorString(err));
   }
 
+  // ncclCommAbort on the slot's communicator, once, under its lock; deferred to the group's
+  // thread while the communicator is in an open group (NcclSlot::in_group). For the world, also
+  // a communicator a split left in split_result.
+  void abort_slot(NcclSlot& slot) {
+    std::lock_guard lock(slot.mutex);
+    if (slot.in_group) {
+      slot.abort_deferred = true;
+      return;
+    }
+    if (slot.handle != nullptr) (void)ncclCommAbort(slot.handle);  // nothing else to try if it fails
+    slot.handle = nullptr;
+    if (&slot == world.get() && split_result != nullptr) {
+      // The world's abort has joined the split's job, so NCCL no longer writes split_result.
+      (void)ncclCommAbort(split_result);
+      split_result = nullptr;
+    }
+  }
+
   void abort(const std::string& reason) {
     {
       std::lock_guard lock(abort_mutex);
-      if (aborted.load(std::memory_order_acquire)) return;
+      if (is_aborted()) return;
       abort_reason = reason.empty() ? who() + "aborted" : reason;
       aborted.store(true, std::memory_order_release);
     }
-    // Outside the lock: ncclCommAbort may wait for the device, and a waiting thread must still be
-    // able to read the reason and throw. Once the flag is set under the lock, no poll or error
-    // report touches a communicator again, so nothing reads them while they are freed.
-    (void)cudaSetDevice(device);  // the watchdog's thread has never chosen one
-    // Results ignored: an abort that fails leaves nothing else to try.
-    for_each_comm([](ncclComm_t comm, const std::string&) { (void)ncclCommAbort(comm); });
+    // Outside abort_mutex: a waiting thread must still be able to read the reason and throw.
+    // The flag is set first, so a thread that polls between our aborts stops at its next check;
+    // each communicator's lock makes its ncclCommAbort wait for a call in progress on it, which
+    // with nonblocking communicators returns promptly (ncclInProgress instead of blocking).
+    auto abort_all = [this] {
+      (void)cudaSetDevice(device);  // the watchdog's thread has never chosen one
+      for_each_slot([&](NcclSlot& slot) { abort_slot(slot); });
+    };
+    // On the thread of an open group (a call inside it failed), NCCL would queue each
+    // ncclCommAbort into that group until its ncclGroupEnd: abort from a thread of our own, with
+    // no group, and wait for it. The group's own communicators are deferred either way.
+    if (group_thread.load(std::memory_order_acquire) == std::this_thread::get_id()) {
+      try {
+        std::thread aborter(abort_all);
+        aborter.join();
+        return;
+      } catch (const std::system_error&) {
+        // No thread to be had: abort here, queued behind the group as before.
+      }
+    }
+    abort_all();
   }
 
-  // Throws CommError for a failed NCCL call. A communicator whose call failed for any reason but
-  // its arguments is unusable (NCCL's documented error classes), so it is aborted first; when an
-  // abort already happened (the watchdog's, say, making this call return), its reason is the cause.
-  void check(ncclResult_t res, ncclComm_t comm, const std::string& op) {
-    if (res == ncclSuccess) return;
+  // Throws CommError for a failed NCCL call (`last`: ncclGetLastError, read under the call's
+  // lock). A communicator whose call failed for any reason but its arguments is unusable (NCCL's
+  // documented error classes), so this rank's communicators are aborted first; when an abort
+  // already happened (the watchdog's, say, making this call fail), its reason is the cause.
+  [[noreturn]] void fail(ncclResult_t res, const std::string& last, const std::string& op) {
     std::string message = who() + op + ": " + ncclGetErrorString(res);
     {
       std::lock_guard lock(abort_mutex);
-      if (aborted.load(std::memory_order_acquire)) throw CommError(abort_reason + " (then " + message + ")");
-      const char* last = ncclGetLastError(comm);
-      if (last != nullptr && *last != '\0') message += " (" + std::string(last) + ")";
+      if (is_aborted()) throw CommError(abort_reason + " (then " + message + ")");
     }
+    if (!last.empty()) message += " (" + last + ")";
     if (res != ncclInvalidArgument && res != ncclInvalidUsage) abort(message);
     throw CommError(message);
+  }
+
+  // For the calls that touch no communicator (ncclGetVersion, ncclGroupStart, nested ncclGroupEnd).
+  void check_global(ncclResult_t res, const std::string& op) {
+    if (res == ncclSuccess || res == ncclInProgress) return;
+    fail(res, last_error_text(nullptr), op);
   }
 
   void check_cuda(cudaError_t err, const std::string& op) {
@@ -226,36 +294,94 @@ struct NcclCommunicator::Impl {
     throw CommError(message);
   }
 
-  // Keeps a communicator NCCL just returned in `slot`, unless an abort came first: then nobody
-  // else will abort it.
-  void adopt(ncclComm_t comm, ncclComm_t& slot) {
-    std::lock_guard lock(abort_mutex);
-    if (aborted.load(std::memory_order_acquire)) {
-      (void)ncclCommAbort(comm);
-      throw CommError(abort_reason);
+  // One ncclCommGetAsyncError on `slot`, under its lock. `failure` gets the error's text.
+  Polled poll_once(NcclSlot& slot, std::string& failure) {
+    std::lock_guard lock(slot.mutex);
+    if (slot.handle == nullptr) {
+      failure = "the communicator was aborted";
+      return Polled::failed;
     }
-    slot = comm;
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t res = ncclCommGetAsyncError(slot.handle, &state);
+    if (res != ncclSuccess) state = res;
+    if (state == ncclInProgress) return Polled::in_progress;
+    if (state == ncclSuccess) return Polled::done;
+    failure = ncclGetErrorString(state);
+    const std::string last = last_error_text(slot.handle);
+    if (!last.empty()) failure += " (" + last + ")";
+    return Polled::failed;
+  }
+
+  // Waits until `slot` leaves ncclInProgress (nccl_progress.h): polls under its lock, pauses
+  // without it, stops when abort() is called (the watchdog's timeout arrives that way). Throws
+  // CommError with the abort's reason, or, when the communicator failed, aborts with
+  // "rank R: <op>: <slot> failed: <error>" and throws that.
+  void settle(NcclSlot& slot, const std::string& op) {
+    std::string failure;
+    const Settled settled = wait_until_settled([&] { return poll_once(slot, failure); },
+                                               [&] { return is_aborted() ? Stop::aborted : Stop::none; }, poll_pause);
+    if (settled == Settled::done) return;
+    throw_if_aborted();
+    if (settled == Settled::timed_out) failure = "timed out in ncclInProgress";
+    const std::string message = who() + op + ": " + slot.name + " failed: " + failure;
+    abort(message);
+    throw CommError(message);
+  }
+
+  // Runs one NCCL call on `slot`'s communicator under its lock. Outside a group, a call that
+  // returns ncclInProgress is waited for (settle) before this returns, as NCCL requires before
+  // the next call on the communicator or new work on its stream; inside one, the slot joins the
+  // group and group_end waits for it.
+  template <class Call>
+  void issue(NcclSlot& slot, const std::string& op, Call&& call) {
+    ncclResult_t res = ncclSuccess;
+    std::string last;
+    {
+      std::lock_guard lock(slot.mutex);
+      if (slot.handle == nullptr) {
+        throw_if_aborted();
+        throw CommError(who() + op + ": " + slot.name + " was aborted");
+      }
+      res = call(slot.handle);
+      if (res != ncclSuccess && res != ncclInProgress) last = last_error_text(slot.handle);
+      if (group_depth > 0 && !slot.in_group) {
+        slot.in_group = true;
+        group_slots.push_back(&slot);
+      }
+    }
+    if (res == ncclInProgress) {
+      if (group_depth == 0) settle(slot, op);
+      return;
+    }
+    if (res != ncclSuccess) fail(res, last, op);
+  }
+
+  // The group's communicators leave it (after ncclGroupEnd on this thread): aborts deferred
+  // while they were in it happen now.
+  void leave_group(const std::vector<NcclSlot*>& slots) {
+    for (NcclSlot* slot : slots) {
+      std::lock_guard lock(slot->mutex);
+      slot->in_group = false;
+      if (!slot->abort_deferred) continue;
+      slot->abort_deferred = false;
+      if (slot->handle != nullptr) (void)ncclCommAbort(slot->handle);
+      slot->handle = nullptr;
+    }
   }
 
   // The first communicator in an error state, described; nullopt when all are healthy or an
-  // abort already happened (the caller's throw_if_aborted reports that).
-  std::optional<std::string> first_async_error() const {
-    std::lock_guard lock(abort_mutex);
-    if (aborted.load(std::memory_order_acquire)) return std::nullopt;
-    auto failed = [](ncclComm_t comm) -> std::optional<std::string> {
-      ncclResult_t state = ncclSuccess;
-      const ncclResult_t res = ncclCommGetAsyncError(comm, &state);
-      if (res != ncclSuccess) state = res;
-      if (state == ncclSuccess || state == ncclInProgress) return std::nullopt;
-      std::string text = ncclGetErrorString(state);
-      const char* last = ncclGetLastError(comm);
-      if (last != nullptr && *last != '\0') text += " (" + std::string(last) + ")";
-      return text;
-    };
+  // abort already happened (the caller's throw_if_aborted reports that). Communicators in an
+  // open group (another thread's, NCCL's rule: one thread per group) are not polled.
+  std::optional<std::string> first_async_error() {
     std::optional<std::string> first;
-    for_each_comm([&](ncclComm_t comm, const std::string& name) {
-      if (!first)
-        if (auto e = failed(comm)) first = name + " failed: " + *e;
+    for_each_slot([&](NcclSlot& slot) {
+      if (first || is_aborted()) return;
+      std::string failure;
+      {
+        std::lock_guard lock(slot.mutex);
+        if (slot.in_group || slot.handle == nullptr) return;
+      }
+      if (poll_once(slot, failure) == Polled::failed && !is_aborted()) first = slot.name + " failed: " + failure;
     });
     return first;
   }
@@ -273,11 +399,7 @@ struct NcclCommunicator::Impl {
         abort(message);
         throw CommError(message);
       }
-      // A few yields keep short waits short; then sleep, so a long wait costs no core.
-      if (spin < 64)
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      poll_pause(spin + 1);
     }
   }
 
@@ -301,15 +423,15 @@ struct NcclCommunicator::Impl {
 
   void init(std::span<const std::uint8_t> unique_id, const std::vector<std::vector<int>>& groups,
             const std::vector<NcclLink>& wanted_links);
-  ncclComm_t communicator_for(std::span<const int> members, std::uint64_t tag) const;
+  NcclSlot* communicator_for(std::span<const int> members, std::uint64_t tag) const;
   // The communicator of the sends from `from` to `to` (one of them this rank), and the other's
   // rank in it: the link's own when create() was given it (two members, ranked by world rank),
   // else the world's.
-  std::pair<ncclComm_t, int> p2p_communicator(int from, int to) const {
+  std::pair<NcclSlot*, int> p2p_communicator(int from, int to) const {
     const int peer = from == rank ? to : from;
     const auto it = links.find({from, to});
-    if (it == links.end()) return {world, peer};
-    return {it->second, peer == std::min(from, to) ? 0 : 1};
+    if (it == links.end()) return {world.get(), peer};
+    return {it->second.get(), peer == std::min(from, to) ? 0 : 1};
   }
 
   // What send and recv check before launching: the peer, the format, the buffer, the state.
@@ -333,20 +455,28 @@ NcclCommunicator::Impl::~Impl() {
   (void)cudaSetDevice(device);
   // While an exception unwinds, this rank has stopped taking part: a collective destroy would
   // wait for peers that may never come, so abort (local) instead.
-  if (!aborted.load(std::memory_order_acquire) && std::uncaught_exceptions() > 0)
+  if (!is_aborted() && std::uncaught_exceptions() > 0)
     abort(who() + "communicator destroyed while an exception was propagating");
   // An unclosed group holds recorded calls that were never launched; NCCL refuses to destroy
-  // a communicator inside a group, and launching them now could wait for peers.
-  if (!aborted.load(std::memory_order_acquire) && group_depth > 0)
-    abort(who() + "communicator destroyed inside group_begin/group_end");
-  if (aborted.load(std::memory_order_acquire)) {
+  // a communicator inside a group, and launching them now could wait for peers. Its
+  // communicators stay in_group, so abort() leaves them to the process's exit (NCCL's
+  // per-thread group state still points at them).
+  if (!is_aborted() && group_depth > 0) abort(who() + "communicator destroyed inside group_begin/group_end");
+  if (is_aborted()) {
     // The handles are gone. Device and pinned memory are left to the process's exit: freeing
     // them synchronises the device, which a kernel still spinning after the abort could stall.
     (void)device_scratch.release();
     (void)pinned_scratch.release();
   } else {
-    for (auto& [op, comm] : deferred_op_destroys) (void)ncclRedOpDestroy(op, comm);
-    for_each_comm([](ncclComm_t comm, const std::string&) { (void)ncclCommDestroy(comm); });
+    for (auto& [op, slot] : deferred_op_destroys) {
+      std::lock_guard lock(slot->mutex);
+      if (slot->handle != nullptr) (void)ncclRedOpDestroy(op, slot->handle);
+    }
+    for_each_slot([](NcclSlot& slot) {
+      std::lock_guard lock(slot.mutex);
+      if (slot.handle != nullptr) (void)ncclCommDestroy(slot.handle);
+      slot.handle = nullptr;
+    });
   }
   if (gather_stream != nullptr) (void)cudaStreamDestroy(gather_stream);
 }
@@ -358,19 +488,8 @@ void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   device_name = prop.name;
-  check(ncclGetVersion(&nccl_version), nullptr, "ncclGetVersion");
+  check_global(ncclGetVersion(&nccl_version), "ncclGetVersion");
   check_cuda(cudaStreamCreateWithFlags(&gather_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-
-  ncclUniqueId id;
-  std::memcpy(&id, unique_id.data(), sizeof id);
-  {
-    const std::string op = "ncclCommInitRank (" + std::to_string(world_size) + " ranks, GPU " +
-                           std::to_string(device) + ")";
-    auto guard = watchdog->guard(op);
-    ncclComm_t comm = nullptr;
-    check(ncclCommInitRank(&comm, world_size, id, rank), nullptr, op);
-    adopt(comm, world);
-  }
 
   // Distinct member sets that need a communicator of their own: not the world (it has one) and
   // not a single rank (an all-reduce over oneself is the identity and needs none).
@@ -408,6 +527,45 @@ void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
     layers[layer].push_back(g);
     for (int r : distinct[g]) used[layer][static_cast<std::size_t>(r)] = 1;
   }
+
+  // Every slot this rank will hold, before the first NCCL call and the first watchdog guard, so
+  // abort() never walks maps that are still growing. A set this rank is not in gets no slot.
+  world = std::make_unique<NcclSlot>("the world communicator");
+  for (std::size_t g = 0; g < distinct.size(); ++g) {
+    if (!std::binary_search(distinct[g].begin(), distinct[g].end(), rank)) continue;
+    if (g < first_link) {
+      subgroups.emplace(distinct[g], std::make_unique<NcclSlot>("the communicator of members " + ranks_text(distinct[g])));
+    } else {
+      const NcclLink l = link_of[g - first_link];
+      links.emplace(l, std::make_unique<NcclSlot>("the communicator of sends " + std::to_string(l.first) + " -> " +
+                                                  std::to_string(l.second)));
+    }
+  }
+
+  // Nonblocking communicators (the header, "Nonblocking communicators"): init and splits return
+  // at once (ncclInProgress) and finish in NCCL's threads while settle() polls, so abort() can
+  // come in at any point. Children get the same config.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+
+  ncclUniqueId id;
+  std::memcpy(&id, unique_id.data(), sizeof id);
+  {
+    const std::string op = "ncclCommInitRankConfig (" + std::to_string(world_size) + " ranks, GPU " +
+                           std::to_string(device) + ", nonblocking)";
+    auto guard = watchdog->guard(op);
+    ncclResult_t res = ncclSuccess;
+    std::string last;
+    {
+      std::lock_guard lock(world->mutex);
+      throw_if_aborted();
+      res = ncclCommInitRankConfig(&world->handle, world_size, id, rank, &config);
+      if (res != ncclSuccess && res != ncclInProgress) last = last_error_text(world->handle);
+    }
+    if (res != ncclSuccess && res != ncclInProgress) fail(res, last, op);
+    settle(*world, op);
+  }
+
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
     int color = NCCL_SPLIT_NOCOLOR;
     std::string sets;
@@ -421,23 +579,44 @@ void NcclCommunicator::Impl::init(std::span<const std::uint8_t> unique_id,
                            std::to_string(layers.size()) + ": members " + sets + ")";
     throw_if_aborted();
     auto guard = watchdog->guard(op);
-    ncclComm_t comm = nullptr;
-    check(ncclCommSplit(world, color, rank, &comm, nullptr), world, op);
+    // The split is a call on the world: under its lock, with the result written to split_result
+    // when NCCL's job completes, which issue() waits for by polling the world (the parent).
+    issue(*world, op, [&](ncclComm_t w) { return ncclCommSplit(w, color, rank, &split_result, &config); });
     if (color == NCCL_SPLIT_NOCOLOR) continue;
     const std::size_t set = layers[layer][static_cast<std::size_t>(color)];
-    adopt(comm, set < first_link ? subgroups[distinct[set]] : links[link_of[set - first_link]]);
+    NcclSlot& slot = set < first_link ? *subgroups.at(distinct[set]) : *links.at(link_of[set - first_link]);
+    bool adopted = false;
+    {
+      std::scoped_lock lock(world->mutex, slot.mutex);
+      const ncclComm_t child = split_result;
+      split_result = nullptr;
+      if (is_aborted()) {
+        // abort() may have passed this slot already: the child is ours to abort.
+        if (child != nullptr) (void)ncclCommAbort(child);
+      } else if (child != nullptr) {
+        slot.handle = child;
+        adopted = true;
+      }
+    }
+    throw_if_aborted();
+    if (!adopted) {
+      const std::string message = who() + op + ": NCCL returned no communicator for this rank";
+      abort(message);
+      throw CommError(message);
+    }
+    settle(slot, op);
   }
 }
 
-ncclComm_t NcclCommunicator::Impl::communicator_for(std::span<const int> members, std::uint64_t tag) const {
-  if (members.size() == static_cast<std::size_t>(world_size)) return world;
+NcclSlot* NcclCommunicator::Impl::communicator_for(std::span<const int> members, std::uint64_t tag) const {
+  if (members.size() == static_cast<std::size_t>(world_size)) return world.get();
   if (members.size() == 1) return nullptr;
   const auto it = subgroups.find(members);
   if (it == subgroups.end())
     throw std::invalid_argument(who() + "all_reduce tag " + std::to_string(tag) + ": no communicator for members " +
                                 ranks_text(members) + "; NcclCommunicator::create was given " +
                                 (groups_text.empty() ? std::string("no groups") : groups_text));
-  return it->second;
+  return it->second.get();
 }
 
 void NcclCommunicator::Impl::ensure_scratch(std::size_t device_bytes, std::size_t pinned_bytes) {
@@ -548,8 +727,8 @@ void NcclCommunicator::send(int peer, std::uint64_t tag, const void* data, std::
   ncclDataType_t type;
   const std::string op = m.prepare_p2p(true, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
-  const auto [comm, comm_peer] = m.p2p_communicator(m.rank, peer);
-  m.check(ncclSend(data, count, type, comm_peer, comm, stream), comm, op);
+  const auto [slot, comm_peer] = m.p2p_communicator(m.rank, peer);
+  m.issue(*slot, op, [&](ncclComm_t comm) { return ncclSend(data, count, type, comm_peer, comm, stream); });
 }
 
 void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t count, DType dt, StreamHandle stream) {
@@ -557,41 +736,71 @@ void NcclCommunicator::recv(int peer, std::uint64_t tag, void* data, std::size_t
   ncclDataType_t type;
   const std::string op = m.prepare_p2p(false, peer, tag, data, count, dt, type);
   auto guard = m.guard_if_launching(op);
-  const auto [comm, comm_peer] = m.p2p_communicator(peer, m.rank);
-  m.check(ncclRecv(data, count, type, comm_peer, comm, stream), comm, op);
+  const auto [slot, comm_peer] = m.p2p_communicator(peer, m.rank);
+  m.issue(*slot, op, [&](ncclComm_t comm) { return ncclRecv(data, count, type, comm_peer, comm, stream); });
 }
 
 void NcclCommunicator::group_begin() {
   Impl& m = *impl_;
   m.throw_if_aborted();
   m.make_current();
-  m.check(ncclGroupStart(), m.world, "group_begin (ncclGroupStart)");
-  ++m.group_depth;
+  // ncclGroupStart only opens this thread's group: it touches no communicator, so takes no lock.
+  m.check_global(ncclGroupStart(), "group_begin (ncclGroupStart)");
+  if (m.group_depth++ == 0) m.group_thread.store(std::this_thread::get_id(), std::memory_order_release);
 }
 
 void NcclCommunicator::group_end() {
   Impl& m = *impl_;
   if (m.group_depth == 0) throw std::logic_error(m.who() + "group_end without group_begin");
   --m.group_depth;
-  m.throw_if_aborted();
   m.make_current();
   if (m.group_depth > 0) {
-    m.check(ncclGroupEnd(), m.world, "group_end (nested, ncclGroupEnd)");
+    // Nested: only closes a level of this thread's group, launches nothing.
+    const ncclResult_t res = ncclGroupEnd();
+    m.throw_if_aborted();
+    m.check_global(res, "group_end (nested, ncclGroupEnd)");
     return;
   }
   auto scales = std::move(m.deferred_scales);
   auto op_destroys = std::move(m.deferred_op_destroys);
+  auto slots = std::move(m.group_slots);
   m.deferred_scales.clear();
   m.deferred_op_destroys.clear();
+  m.group_slots.clear();
+  m.group_thread.store(std::thread::id(), std::memory_order_release);
   const std::string op = "group_end (ncclGroupEnd)";
+  auto guard = m.watchdog->guard(op);
+  // Even after an abort the group is closed, so NCCL's per-thread state lets go of its
+  // communicators (nonblocking: this launches in the background and returns), and then the
+  // aborts deferred while they were in the group happen (leave_group).
+  ncclResult_t res = ncclSuccess;
+  std::string last;
   {
-    auto guard = m.watchdog->guard(op);
-    const ncclResult_t res = ncclGroupEnd();
-    if (res != ncclSuccess && !m.aborted.load(std::memory_order_acquire))
-      for (auto& [redop, comm] : op_destroys) (void)ncclRedOpDestroy(redop, comm);
-    m.check(res, m.world, op);
+    // ncclGroupEnd launches on every communicator of the group: all their locks, taken in one
+    // global order (by address), so two threads' groups cannot deadlock on them.
+    std::sort(slots.begin(), slots.end(), std::less<NcclSlot*>());
+    std::vector<std::unique_lock<std::mutex>> locks;
+    locks.reserve(slots.size());
+    for (NcclSlot* slot : slots) locks.emplace_back(slot->mutex);
+    res = ncclGroupEnd();
+    if (res != ncclSuccess && res != ncclInProgress) {
+      last = last_error_text(nullptr);
+      // The operators are not used by a group that failed to launch.
+      if (!m.is_aborted())
+        for (auto& [redop, slot] : op_destroys)
+          if (slot->handle != nullptr) (void)ncclRedOpDestroy(redop, slot->handle);
+    }
   }
-  for (auto& [redop, comm] : op_destroys) m.check(ncclRedOpDestroy(redop, comm), comm, op + ": ncclRedOpDestroy");
+  m.leave_group(slots);
+  m.throw_if_aborted();
+  if (res != ncclSuccess && res != ncclInProgress) m.fail(res, last, op);
+  // Nonblocking group (NCCL's "Nonblocking Group Operation"): ncclInProgress means the kernels
+  // are still being issued; every communicator of the group must leave ncclInProgress before
+  // the next NCCL call on it or new work on its streams (the deferred scales below).
+  if (res == ncclInProgress)
+    for (NcclSlot* slot : slots) m.settle(*slot, op);
+  for (auto& [redop, slot] : op_destroys)
+    m.issue(*slot, op + ": ncclRedOpDestroy", [&, r = redop](ncclComm_t comm) { return ncclRedOpDestroy(r, comm); });
   for (const auto& s : scales) m.scale(s.data, s.count, s.factor, s.dt, s.stream, s.op);
 }
 
@@ -618,14 +827,14 @@ void NcclCommunicator::all_gather(void* data, std::size_t count, DType dt, std::
                            count_text(count, dt) + ")";
   const ncclDataType_t type = nccl_type(dt, m.who() + what);
   if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + what + ": data is null");
-  const ncclComm_t comm = m.communicator_for(members, tag);
+  NcclSlot* const slot = m.communicator_for(members, tag);
   m.throw_if_aborted();
-  if (comm == nullptr || count == 0) return;
+  if (slot == nullptr || count == 0) return;
   m.make_current();
   const std::size_t per = count / members.size();
   const void* mine = static_cast<const char*>(data) + static_cast<std::size_t>(me) * per * static_cast<std::size_t>(dtype_bytes(dt));
   auto guard = m.guard_if_launching(what);
-  m.check(ncclAllGather(mine, data, per, type, comm, stream), comm, what);
+  m.issue(*slot, what, [&](ncclComm_t comm) { return ncclAllGather(mine, data, per, type, comm, stream); });
 }
 
 void NcclCommunicator::reduce(Reduction kind, void* data, std::size_t count, DType dt, std::span<const int> members,
@@ -640,10 +849,10 @@ void NcclCommunicator::reduce(Reduction kind, void* data, std::size_t count, DTy
                            ")";
   const ncclDataType_t type = nccl_type(dt, m.who() + what);
   if (data == nullptr && count > 0) throw std::invalid_argument(m.who() + what + ": data is null");
-  const ncclComm_t comm = m.communicator_for(members, tag);
+  NcclSlot* const slot = m.communicator_for(members, tag);
   m.throw_if_aborted();
   // Over oneself every op and divide is the identity (x * round(1/1) = x), and so is no data.
-  if (comm == nullptr || count == 0) return;
+  if (slot == nullptr || count == 0) return;
   m.make_current();
 
   const int n = static_cast<int>(members.size());
@@ -670,25 +879,37 @@ void NcclCommunicator::reduce(Reduction kind, void* data, std::size_t count, DTy
     void* scalar = dt == DType::fp16   ? static_cast<void*>(&scalar_fp16)
                    : dt == DType::bf16 ? static_cast<void*>(&scalar_bf16)
                                        : static_cast<void*>(&scalar_fp32);
-    m.check(ncclRedOpCreatePreMulSum(&redop, scalar, type, ncclScalarHostImmediate, comm), comm,
-            what + ": ncclRedOpCreatePreMulSum");
+    m.issue(*slot, what + ": ncclRedOpCreatePreMulSum", [&](ncclComm_t comm) {
+      return ncclRedOpCreatePreMulSum(&redop, scalar, type, ncclScalarHostImmediate, comm);
+    });
   }
   // What this member ends up owning: the whole buffer, or its chunk of it.
   const std::size_t owned_count = kind == Reduction::all_reduce ? count : count / members.size();
   void* const owned = static_cast<char*>(data) + (kind == Reduction::all_reduce ? 0 : static_cast<std::size_t>(me) * owned_count * static_cast<std::size_t>(dtype_bytes(dt)));
-  const ncclResult_t res = kind == Reduction::all_reduce ? ncclAllReduce(data, data, count, type, redop, comm, stream)
-                                                         : ncclReduceScatter(data, owned, owned_count, type, redop, comm, stream);
-  if (premultiply) {
-    if (m.group_depth > 0 && res == ncclSuccess) {
+  auto collective = [&](ncclComm_t comm) {
+    return kind == Reduction::all_reduce ? ncclAllReduce(data, data, count, type, redop, comm, stream)
+                                         : ncclReduceScatter(data, owned, owned_count, type, redop, comm, stream);
+  };
+  if (!premultiply) {
+    m.issue(*slot, what, collective);
+  } else {
+    try {
+      m.issue(*slot, what, collective);
+    } catch (...) {
+      // The operator is not used by a call that failed; after an abort it went with the communicator.
+      if (!m.is_aborted()) {
+        std::lock_guard lock(slot->mutex);
+        if (slot->handle != nullptr) (void)ncclRedOpDestroy(redop, slot->handle);
+      }
+      throw;
+    }
+    if (m.group_depth > 0) {
       // NCCL may read the operator until the group is launched: destroyed after group_end.
-      m.deferred_op_destroys.emplace_back(redop, comm);
-    } else if (res != ncclSuccess) {
-      if (!m.aborted.load(std::memory_order_acquire)) (void)ncclRedOpDestroy(redop, comm);
+      m.deferred_op_destroys.emplace_back(redop, slot);
     } else {
-      m.check(ncclRedOpDestroy(redop, comm), comm, what + ": ncclRedOpDestroy");
+      m.issue(*slot, what + ": ncclRedOpDestroy", [&](ncclComm_t comm) { return ncclRedOpDestroy(redop, comm); });
     }
   }
-  m.check(res, comm, what);
   if (post_factor != 1.0f) {
     if (m.group_depth > 0)
       m.deferred_scales.push_back({owned, owned_count, post_factor, dt, stream, what});
@@ -719,7 +940,9 @@ std::vector<std::vector<std::uint8_t>> NcclCommunicator::gather_host(std::span<c
   {
     const std::string op = what + ": ncclAllGather of the sizes";
     auto guard = m.watchdog->guard(op);
-    m.check(ncclAllGather(size_device, size_device + 1, 1, ncclInt64, m.world, m.gather_stream), m.world, op);
+    m.issue(*m.world, op, [&](ncclComm_t comm) {
+      return ncclAllGather(size_device, size_device + 1, 1, ncclInt64, comm, m.gather_stream);
+    });
   }
   m.check_cuda(cudaMemcpyAsync(size_host + 1, size_device + 1, world * sizeof(std::int64_t), cudaMemcpyDeviceToHost,
                                m.gather_stream),
@@ -754,7 +977,9 @@ std::vector<std::vector<std::uint8_t>> NcclCommunicator::gather_host(std::span<c
   {
     const std::string op = what + ": ncclAllGather of " + std::to_string(longest) + " bytes per rank";
     auto guard = m.watchdog->guard(op);
-    m.check(ncclAllGather(send, gathered, longest, ncclUint8, m.world, m.gather_stream), m.world, op);
+    m.issue(*m.world, op, [&](ncclComm_t comm) {
+      return ncclAllGather(send, gathered, longest, ncclUint8, comm, m.gather_stream);
+    });
   }
   m.check_cuda(cudaMemcpyAsync(host, gathered, longest * world, cudaMemcpyDeviceToHost, m.gather_stream),
                what + ": cudaMemcpyAsync of the blobs");

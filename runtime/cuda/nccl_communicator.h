@@ -3,7 +3,7 @@
 // rank 0's ncclUniqueId handed out over TCP (runtime/launch/rendezvous.h). Plain C++: no CUDA or
 // NCCL type crosses this header; streams are kernels/cuda_handles.h's typed handles.
 //
-// Communicators. One world communicator (ncclCommInitRank over every rank), used for
+// Communicators. One world communicator (ncclCommInitRankConfig over every rank), used for
 // gather_host, all-reduces over the whole world and sends/receives on links given none; one
 // sub-communicator per distinct all-reduce member set given to create(); and one per directed
 // link (from, to) given to create(), which carries the sends from `from` to `to` and nothing
@@ -35,40 +35,74 @@
 // group_end, so work this class adds after a reduction (Divide::after's scaling, destroying a
 // PreMulSum operator) is deferred to the outermost group_end, where it is queued after the group.
 //
+// Nonblocking communicators. Every communicator is created nonblocking (ncclConfig_t with
+// blocking = 0; splits get the same config), as NCCL's fault-tolerance model requires for an
+// abort that may come at any point: init, splits, enqueues (ncclAllReduce, ncclSend, ...) and
+// ncclGroupEnd return at once, with ncclSuccess or ncclInProgress, and finish in NCCL's own
+// threads. After a call that returns ncclInProgress (outside a group), and after every init and
+// split, the calling thread polls ncclCommGetAsyncError until the state leaves ncclInProgress
+// (runtime/cuda/nccl_progress.h: wait_until_settled), before the next call on that communicator
+// and before queueing more work on the stream; an error state fails the call, an abort (the
+// watchdog's timeout included) stops the wait. A split is polled on the world (its parent).
+// NCCL_COMM_BLOCKING=1 in the environment overrides the config and makes calls block again;
+// then an abort waits for the blocked call to return. The price: NCCL launches a nonblocking
+// call's (or group's) kernels from a thread it starts for it, and the caller polls until they
+// are issued, so each call outside a group costs a thread start more than a blocking one.
+//
 // Failures. Every NCCL and CUDA call is checked; a failure throws CommError
-//   "rank R: <op> (<peer or members, count and type>): <ncclGetErrorString> (<ncclGetLastError>)".
+//   "rank R: <op> (<peer or members, count and type>): <ncclGetErrorString> (<ncclGetLastError>)",
+// and a communicator that enters an error state while a call waits for it
+//   "rank R: <op>: <the communicator> failed: <ncclGetErrorString> (<ncclGetLastError>)".
 // A failure that leaves NCCL unusable (anything but an invalid argument or usage) also aborts
-// this rank's communicators, as abort() does. abort(reason) records the reason, calls
-// ncclCommAbort on every communicator once (from any thread, e.g. the watchdog's), and makes
-// every later call, and every host wait in progress, throw CommError(reason). The peers learn of
-// it through their own calls failing (ncclCommGetAsyncError, polled while waiting) or, where the
-// transport reports nothing (a peer's GPU kernel simply waits), through their watchdog.
+// this rank's communicators, as abort() does. abort(reason) records the reason (the first one
+// wins), sets the aborted flag, then takes each communicator's lock in turn and calls
+// ncclCommAbort on it once (from any thread, e.g. the watchdog's), and makes every later call,
+// and every host wait in progress, throw CommError(reason). The peers learn of it through their
+// own calls failing (ncclCommGetAsyncError, polled while waiting) or, where the transport reports
+// nothing (a peer's GPU kernel simply waits), through their watchdog.
 //
 // gather_host runs on the world communicator, whose operations execute in the order this rank
 // issued them: call it when no send, recv or world all-reduce of this rank is still pending (after
 // the step's streams are synchronised), or at the same place in the sequence on every rank.
 //
 // Waiting. The host waits for the device by polling, never inside a CUDA synchronisation:
-// synchronize() and gather_host poll cudaStreamQuery, the communicators' asynchronous errors and the aborted flag, under a
-// watchdog guard (watchdog(): `timeout` from create()). When the watchdog fires, its handler
-// calls abort() with the watchdog's message ("rank R: <op> has not completed after T s ..."), and
-// the wait throws that. Construction (init and splits) is guarded too; NCCL's blocking
-// ncclCommInitRank cannot be interrupted before it returns a handle, but every later step can.
+// synchronize() and gather_host poll cudaStreamQuery, the communicators' asynchronous errors and
+// the aborted flag, under a watchdog guard (watchdog(): `timeout` from create()). When the
+// watchdog fires, its handler calls abort() with the watchdog's message ("rank R: <op> has not
+// completed after T s ..."), and the wait throws that. Construction (init and splits) and the
+// waits for ncclInProgress are guarded too; with nonblocking communicators an abort interrupts
+// them at any point, init included.
 //
-// Threads. A communicator takes calls from one thread at a time (NCCL's rule), and a group's
-// calls from one thread; different communicators may be driven from different threads. The
-// CUDA executor issues sends and receives (link communicators) from a rank's compute thread and
-// all-reduces (member-set communicators; the world's) from its communication thread, and the
-// world's gradient-norm all-reduce only after that thread has issued all of its calls. NCCL
-// documents concurrent communicators as safe while their kernels fit on the GPU together and
-// nothing synchronises the device mid-step: NCCL kernels take few SMs, and a step allocates
-// only from stream-ordered pools. abort() and watchdog() may be used from any thread. Each call
-// makes the communicator's GPU current on the calling thread (cudaSetDevice).
+// Threads. Each communicator has a lock, held around every NCCL call that touches it: enqueues,
+// ncclRedOpCreatePreMulSum/Destroy, ncclCommGetAsyncError and ncclGetLastError (a wait on one
+// thread polls every communicator, including those another thread drives), ncclGroupEnd (the
+// locks of all the group's communicators, in one global order) and ncclCommAbort. NCCL allows
+// one thread at a time per communicator and forbids any NCCL call on a communicator while it is
+// aborted; the lock enforces both, and since calls do not block, abort() waits at most for a
+// call in progress to return. Waits for ncclInProgress release the lock between polls, so an
+// abort gets in. A communicator recorded in a thread's open group (group_begin, no group_end
+// yet) is in NCCL's per-thread group state: abort() from another thread defers its
+// ncclCommAbort to that thread's group_end, which always closes the group (even after an abort)
+// and then aborts it; a group never closed leaves its communicators to the process's exit.
+// An abort on the thread of an open group (a call inside it failed) runs its ncclCommAborts on
+// a short-lived thread of its own, which it joins, since NCCL would queue them into the open
+// group. ncclGroupStart opens only the calling thread's group and takes no lock.
+//
+// Beyond the lock, the caller's rules remain: a communicator takes its calls (and a group all of
+// its calls) from one thread in the order the peers expect; different communicators may be driven
+// from different threads. The CUDA executor issues sends and receives (link communicators) from a
+// rank's compute thread and all-reduces (member-set communicators; the world's) from its
+// communication thread, and the world's gradient-norm all-reduce only after that thread has issued
+// all of its calls. NCCL documents concurrent communicators as safe while their kernels fit on the
+// GPU together and nothing synchronises the device mid-step: NCCL kernels take few SMs, and a step
+// allocates only from stream-ordered pools. abort() and watchdog() may be used from any thread.
+// Each call makes the communicator's GPU current on the calling thread (cudaSetDevice).
 //
 // Destruction. Normally ncclCommDestroy on every communicator (NCCL documents it as a collective
-// among the ranks of one node: every process destroys its communicator at the end of a run).
-// After abort(), while an exception unwinds the stack, or with a group left open, the
-// communicators are aborted instead (local, never waits for a peer).
+// among the ranks of one node: every process destroys its communicator at the end of a run; it
+// stays blocking for nonblocking communicators). After abort(), while an exception unwinds the
+// stack, or with a group left open, the communicators are aborted instead (local, never waits
+// for a peer), except those recorded in the open group (see "Threads").
 #pragma once
 
 #include <chrono>
