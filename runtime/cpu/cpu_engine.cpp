@@ -276,6 +276,9 @@ struct Rank {
   std::vector<std::vector<int>> staged_after;  // per op: the reduce-scatters whose bucket it completes
   std::map<int, std::vector<float>> staged;    // reduce-scatter op -> its bucket, as the backward left it
   std::mutex staged_mu;
+  // The communication thread's buffer for a once-per-step reduce-scatter's bucket and for a gather:
+  // kept between calls (a fresh vector zero-fills what the pack or the copy writes anyway).
+  std::vector<float> comm_scratch;
   GatherGate gather_gate;
   double staged_bytes = 0, in_flight = 0;     // buckets staged by this compute op; those being reduce-scattered
   std::vector<std::size_t> written, staged_to;  // per chunk: this micro-batch's flat gradients, and how far staged
@@ -1042,17 +1045,22 @@ class CpuEngine final : public DeviceEngine {
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[j];
     const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
-    std::vector<float> buf;
+    std::vector<float> staged;
+    std::span<float> buf;
     if (plan_.reduces_every_microbatch()) {
       std::lock_guard lock(rk.staged_mu);
-      buf = std::move(rk.staged.at(index));
+      staged = std::move(rk.staged.at(index));
       rk.staged.erase(index);
+      buf = staged;
     } else {  // once per step, after the chunk's last backward: nothing writes the flat gradients any more
-      buf.resize(g.section * static_cast<std::size_t>(plan_.dp));
+      buf = scratch(rk, g.section * static_cast<std::size_t>(plan_.dp));
       z.plan.layout.pack(g, rk.chunks[j].gradients(), buf);
     }
     if (g.section == 0) return;
-    const std::int64_t local = count_nonfinite(buf);
+    // Gradients the backward found finite as it accumulated them are not scanned again (as the
+    // all-reduce's path): only a bucket that may hold inf/NaN is counted.
+    const bool finite = op.dep >= 0 && rk.finite_after[static_cast<std::size_t>(op.dep)];
+    const std::int64_t local = finite ? 0 : count_nonfinite(buf);
     rk.local_nonfinite += local;
     rk.collectives->reduce_scatter(buf, members, collective_tag(rk.step, op.channel), ReduceOp::sum, pr.allreduce,
                             divide_of(c, pr));
@@ -1137,11 +1145,17 @@ class CpuEngine final : public DeviceEngine {
   void gather_group(Rank& rk, int j, const ShardGroup& g, const std::vector<int>& members, std::uint64_t tag,
                     bool keep) {
     if (g.section == 0) return;
-    std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp));
+    const std::span<float> buf = scratch(rk, g.section * static_cast<std::size_t>(plan_.dp));
     const std::span<const float> own = working_shard(rk, j).subspan(g.shard_offset, g.section);
     std::copy(own.begin(), own.end(), buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(position(rk)) * g.section));
     rk.collectives->all_gather(buf, members, tag, plan_.config.precision.compute);
     if (keep) rk.zero[j].plan.layout.unpack(g, buf, rk.chunks[j].compute_weights());
+  }
+
+  // `n` elements of the rank's communication-thread scratch (their values are whatever was left).
+  static std::span<float> scratch(Rank& rk, std::size_t n) {
+    if (rk.comm_scratch.size() < n) rk.comm_scratch.resize(n);
+    return std::span<float>(rk.comm_scratch).first(n);
   }
 
   void note_nonfinite(Rank& rk) {
