@@ -137,6 +137,37 @@ TEST(CudaExecutor, ZeroAndRecomputeTrackTheCpu) {
   }
 }
 
+// Issue 18: FP32 losses of hybrid plans on the GPU equal the one-rank GPU run to FP32 rounding
+// (relative 1e-5, as the CPU's matrix of every layout holds against its one rank: the plans
+// split the same global batch and sum the same gradients in another order).
+TEST(CudaExecutor, HybridPlansTrainAsTheOneRankGpuRunInFp32) {
+  TRAINSIM_SKIP_WITHOUT_DEVICE();
+  const RunReport one = on_gpu(small_config(1, 1, ScheduleKind::one_f_one_b));
+  ASSERT_FALSE(one.failure) << one.failure->message;
+  struct Case {
+    int dp, pp, tp, vpp, zero;
+    ScheduleKind schedule;
+  };
+  for (const Case& k : {Case{2, 2, 1, 1, 0, ScheduleKind::one_f_one_b}, Case{2, 2, 1, 1, 0, ScheduleKind::zb_h1},
+                        Case{1, 2, 1, 2, 0, ScheduleKind::interleaved_1f1b}, Case{1, 1, 2, 1, 0, ScheduleKind::one_f_one_b},
+                        Case{2, 1, 2, 1, 1, ScheduleKind::one_f_one_b}, Case{2, 1, 1, 1, 3, ScheduleKind::gpipe}}) {
+    SCOPED_TRACE(::testing::Message() << "dp " << k.dp << " pp " << k.pp << " tp " << k.tp << " vpp " << k.vpp
+                                      << " zero " << k.zero << " " << schedule_name(k.schedule));
+    ScenarioConfig c = small_config(k.dp, k.pp, k.schedule, k.vpp);
+    c.parallelism.tensor_parallel_size = k.tp;
+    c.parallelism.sequence_parallel = k.tp > 1;
+    c.parallelism.zero_stage = k.zero;
+    c.cluster.num_gpus = k.dp * k.pp * k.tp;
+    const RunReport r = on_gpu(c);
+    ASSERT_FALSE(r.failure) << r.failure->message;
+    ASSERT_EQ(r.steps.size(), one.steps.size());
+    for (std::size_t i = 0; i < r.steps.size(); ++i) {
+      EXPECT_NEAR(r.steps[i].loss, one.steps[i].loss, 1e-5 * std::fabs(one.steps[i].loss)) << "step " << i + 1;
+      EXPECT_NEAR(r.steps[i].grad_norm, one.steps[i].grad_norm, 1e-4 * one.steps[i].grad_norm) << "step " << i + 1;
+    }
+  }
+}
+
 TEST(CudaExecutor, Bf16TracksTheCpuWithinTheFormat) {
   TRAINSIM_SKIP_WITHOUT_DEVICE();
   ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
