@@ -103,6 +103,10 @@ struct InjectedFault {
   int step = 0;
   Kind kind = Kind::raise;
   std::chrono::milliseconds stall{0};
+  // This fault if it names `rank` at `step`, else none (what an engine hands a rank's walk).
+  const InjectedFault* at(int at_step, int at_rank) const {
+    return rank == at_rank && step == at_step ? this : nullptr;
+  }
 };
 
 struct RunOptions {

@@ -375,7 +375,7 @@ class CpuEngine final : public DeviceEngine {
     for (auto& rk : ranks_)
       threads.emplace_back([this, r = rk.get(), step] {
         Driver driver(*this, *r);
-        r->error = r->walk.run(r->rank, *r->program, driver, fault_for(step, r->rank));
+        r->error = r->walk.run(r->rank, *r->program, driver, fault_.at(step, r->rank));
       });
     for (auto& t : threads) t.join();
     std::vector<RankStep> out;
@@ -1176,11 +1176,7 @@ class CpuEngine final : public DeviceEngine {
     rk.first_nonfinite = std::move(what);
   }
 
-  // RunOptions::fault, for the rank and step it names (else none).
-  const InjectedFault* fault_for(int step, int rank) const {
-    return fault_.rank == rank && fault_.step == step ? &fault_ : nullptr;
-  }
-  InjectedFault fault_;
+  InjectedFault fault_;  // RunOptions::fault
   const RuntimePlan& rp_;
   const Plan& plan_;
   const Dataset& data_;

@@ -457,7 +457,7 @@ class CudaEngine final : public DeviceEngine {
     for (auto& rk : ranks_)
       threads.emplace_back([this, r = rk.get(), step] {
         Driver driver(*this, *r);
-        r->error = r->walk.run(r->rank, *r->program, driver, fault_for(step, r->rank));
+        r->error = r->walk.run(r->rank, *r->program, driver, fault_.at(step, r->rank));
       });
     for (auto& t : threads) t.join();
     for (auto& rk : ranks_)
@@ -1206,10 +1206,10 @@ class CudaEngine final : public DeviceEngine {
   void run_collective(CudaRank& rk, int i, const Op& op) {
     const auto& pr = plan_.config.precision;
     const StreamHandle st = rk.streams.comm;
-    const std::uint64_t tag = collective_tag(rk.step, op.channel);
-    const auto at = static_cast<std::size_t>(i);
     // A local overflow check (channel -1) is no collective of the schedule: it has no entry.
     if (op.kind == OpKind::OverflowCheck && op.channel < 0) return local_overflow_check(rk);
+    const std::uint64_t tag = collective_tag(rk.step, op.channel);
+    const auto at = static_cast<std::size_t>(i);
     const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (!rk.zero.empty()) {  // ZeRO's collectives work on shards
@@ -1381,10 +1381,7 @@ class CudaEngine final : public DeviceEngine {
     if (rk.error) {
       s.error = error_text(rk.error);
       // (An error of the streams' final wait, after the walk, is stamped when it is reported.)
-      s.failed_at_ns = rk.walk.failed_at_ns() != 0 ? rk.walk.failed_at_ns()
-                                                   : std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                         std::chrono::system_clock::now().time_since_epoch())
-                                                         .count();
+      s.failed_at_ns = rk.walk.failed_at_ns() != 0 ? rk.walk.failed_at_ns() : failure_clock_ns();
       return rep;
     }
     // A rank's account only grows within a step (stashes are kept for reuse), so its peak is
@@ -1456,11 +1453,7 @@ class CudaEngine final : public DeviceEngine {
     return rep;
   }
 
-  // RunOptions::fault, for the rank and step it names (else none).
-  const InjectedFault* fault_for(int step, int rank) const {
-    return fault_.rank == rank && fault_.step == step ? &fault_ : nullptr;
-  }
-  InjectedFault fault_;
+  InjectedFault fault_;  // RunOptions::fault
   const RuntimePlan& rp_;
   const Plan& plan_;
   const Dataset& data_;

@@ -1,6 +1,5 @@
 #include "runtime/engine/rank_threads.h"
 
-#include <chrono>
 #include <stdexcept>
 #include <thread>
 
@@ -19,11 +18,8 @@ std::string error_text(std::exception_ptr error) {
 }
 
 void RankWalk::note_failure() {
-  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::system_clock::now().time_since_epoch())
-                               .count();
   std::int64_t none = 0;
-  failed_at_ns_.compare_exchange_strong(none, now);  // the first of the two threads' errors
+  failed_at_ns_.compare_exchange_strong(none, failure_clock_ns());  // the first of the two threads' errors
 }
 
 std::exception_ptr RankWalk::run(int rank, const RankProgram& program, RankDriver& driver,

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstddef>
@@ -117,6 +118,13 @@ class RankDriver {
   virtual void abort(const std::string& reason) = 0;
 };
 
+// The clock failures are stamped with (RankStep::failed_at_ns): the system clock in ns, comparable
+// across the processes of one run.
+inline std::int64_t failure_clock_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 // One rank's walk of one step, reused step after step.
 class RankWalk {
  public:
@@ -133,7 +141,7 @@ class RankWalk {
   // that depend on it from now on, before its driver call returns (ZeRO-3's gather, whose pass
   // starts on its first unit and takes the others as they come: runtime/engine/zero.h).
   void done_early(int i) { done_.mark(static_cast<std::size_t>(i)); }
-  // When this step's first error was caught on either thread (system clock, ns), or 0.
+  // When this step's first error was caught on either thread (failure_clock_ns), or 0.
   std::int64_t failed_at_ns() const { return failed_at_ns_.load(); }
 
  private:
