@@ -70,8 +70,9 @@ inline float max_nan(float a, float b) {
 
 class InProcessCommunicator final : public Communicator {
  public:
-  InProcessCommunicator(std::shared_ptr<WorldState> shared, int rank, std::chrono::microseconds poll)
-      : s_(std::move(shared)), rank_(rank), poll_(poll) {}
+  InProcessCommunicator(std::shared_ptr<WorldState> shared, int rank, std::chrono::microseconds poll,
+                        const std::atomic<bool>* poll_while)
+      : s_(std::move(shared)), rank_(rank), poll_(poll), poll_while_(poll_while) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return s_->world_size(); }
@@ -142,7 +143,7 @@ class InProcessCommunicator final : public Communicator {
   // describes the call for errors ("recv from rank 1 tag 7").
   template <typename Op>
   std::vector<float> take(Key key, Op&& op) {
-    std::vector<float> msg = s_->take(rank_, key, prefix(), op, poll_);
+    std::vector<float> msg = s_->take(rank_, key, prefix(), op, poll_, poll_while_);
     s_->in_flight.fetch_sub(msg.size() * sizeof(float));
     return msg;
   }
@@ -286,6 +287,7 @@ class InProcessCommunicator final : public Communicator {
   std::shared_ptr<WorldState> s_;
   int rank_;
   std::chrono::microseconds poll_;
+  const std::atomic<bool>* poll_while_;
 };
 
 }  // namespace
@@ -306,14 +308,15 @@ InProcessWorld::~InProcessWorld() = default;
 
 int InProcessWorld::world_size() const { return shared_->world_size(); }
 
-std::unique_ptr<Communicator> InProcessWorld::communicator(int rank, std::chrono::microseconds poll) {
+std::unique_ptr<Communicator> InProcessWorld::communicator(int rank, std::chrono::microseconds poll,
+                                                         const std::atomic<bool>* poll_while) {
   if (rank < 0 || rank >= shared_->world_size())
     throw std::invalid_argument("InProcessWorld: no rank " + std::to_string(rank) + " in a world of " +
                                 std::to_string(shared_->world_size()));
   if (poll.count() < 0)
     throw std::invalid_argument("InProcessWorld: poll must not be negative, got " + std::to_string(poll.count()) +
                                 " us");
-  return std::make_unique<InProcessCommunicator>(shared_, rank, poll);
+  return std::make_unique<InProcessCommunicator>(shared_, rank, poll, poll_while);
 }
 
 std::size_t InProcessWorld::bytes_in_flight() const { return shared_->in_flight.load(); }

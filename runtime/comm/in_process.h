@@ -18,6 +18,7 @@
 // their significand bits plus two, so the double rounding is harmless).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 
@@ -38,8 +39,11 @@ class InProcessWorld {
   // shares this world's state, so it stays usable even if the world is destroyed first. `poll`:
   // how long its calls poll for a message they wait for before sleeping (comm/mailbox.h), for a
   // thread that has a core to itself while it waits; zero (sleep at once) for threads that share
-  // cores, where a poller takes the core from the thread it waits for.
-  std::unique_ptr<Communicator> communicator(int rank, std::chrono::microseconds poll = {});
+  // cores, where a poller takes the core from the thread it waits for. `poll_while` (optional, must
+  // outlive the communicator): polling also stops, or does not start, while it is false (a thread
+  // that has a core of its own only at times: the CPU engine's gated tensor-parallel shards).
+  std::unique_ptr<Communicator> communicator(int rank, std::chrono::microseconds poll = {},
+                                             const std::atomic<bool>* poll_while = nullptr);
   // Bytes held in mailboxes right now and at most so far (messages sent, not yet received),
   // counted as stored: 4 bytes per element whatever the wire format.
   std::size_t bytes_in_flight() const;

@@ -86,13 +86,14 @@ class Mailboxes {
   }
 
   // Waits for the first message under `key` in `me`'s mailbox and moves it out, polling for it
-  // for up to `poll` before sleeping.
+  // for up to `poll` before sleeping, and only while `poll_while` (when given) holds true.
   template <class Op>
-  Message take(int me, MailKey key, const std::string& who, Op&& op, std::chrono::microseconds poll = {}) {
+  Message take(int me, MailKey key, const std::string& who, Op&& op, std::chrono::microseconds poll = {},
+               const std::atomic<bool>* poll_while = nullptr) {
     Inbox& box = inboxes_[static_cast<std::size_t>(me)];
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    if (poll.count() > 0)
-      if (std::optional<Message> msg = poll_for(box, key, poll)) return std::move(*msg);
+    if (poll.count() > 0 && (poll_while == nullptr || poll_while->load(std::memory_order_relaxed)))
+      if (std::optional<Message> msg = poll_for(box, key, poll, poll_while)) return std::move(*msg);
     std::unique_lock lock(box.mu);
     auto it = box.messages.end();
     const bool ready = box.arrived.wait_until(lock, deadline, [&] {
@@ -131,7 +132,8 @@ class Mailboxes {
   // world was aborted (take then sleeps, and reports aborts and timeouts). A plain spin: a thread
   // woken on this core still preempts the poller as it would preempt any running thread, while a
   // yield would hand the core to whatever else is runnable for a whole scheduler slice.
-  std::optional<Message> poll_for(Inbox& box, MailKey key, std::chrono::microseconds poll) {
+  std::optional<Message> poll_for(Inbox& box, MailKey key, std::chrono::microseconds poll,
+                                  const std::atomic<bool>* poll_while) {
     using Clock = std::chrono::steady_clock;
     const auto until = Clock::now() + poll;
     std::uint64_t looked_at = box.posted.load(std::memory_order_acquire) - 1;  // look at least once
@@ -141,7 +143,9 @@ class Mailboxes {
         std::lock_guard lock(box.mu);
         if (auto it = box.messages.find(key); it != box.messages.end()) return pop(box, it);
       }
-      if (spins % 64 == 0 && (aborted_.load() || Clock::now() >= until)) return std::nullopt;
+      if (spins % 64 == 0 && (aborted_.load() || Clock::now() >= until ||
+                              (poll_while != nullptr && !poll_while->load(std::memory_order_relaxed))))
+        return std::nullopt;
     }
   }
 

@@ -268,8 +268,7 @@ std::string cpu_description() {
       model = line.substr(line.find(':') + 2);
       break;
     }
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  return fmt::format("{}, {} cores", model, cores);
+  return fmt::format("{}, {} cores", model, host_cores());
 }
 
 namespace {
@@ -280,7 +279,7 @@ class CpuClock final : public KernelClock {
  public:
   CpuClock(const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)
       : pin_(options.pin), timer_(plan, options) {
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int cores = host_cores();
     shared_ = pin_ && plan.plan.num_ranks() * plan.plan.tp > cores;
     for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
     // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
@@ -391,7 +390,7 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
   p.measured = now_iso();
   p.scenario = plan.plan.source;
   p.emulated_low_precision = true;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = host_cores();
   p.ranks_per_node = cores;
   p.memory_gib = machine_memory_gib() / cores;
   return p;

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <limits>
 #include <chrono>
 #include <cmath>
 #include <exception>
@@ -56,6 +55,11 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
 // `shards` shards run the op together (they meet at collectives inside it), so the turn takes
 // min(shards, cores) cores at once and every shard of the cell joins it; the cores come back when
 // the last shard releases it.
+//
+// A turn's shards are pinned to the cores it took (shard s to the s-th, modulo), by the thread that
+// grants it, before they are woken. Left to the scheduler, a woken shard was at times queued for
+// milliseconds on the core where its partner already ran (and polled for it at their first
+// collective) while the other core was busy with other threads.
 class CoreGate {
  public:
   CoreGate(int cores, int cells, int shards, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout)
@@ -66,6 +70,10 @@ class CoreGate {
         timeout_(timeout),
         woken_(static_cast<std::size_t>(cells)) {
     paused_in_.assign(static_cast<std::size_t>(cells), 0);
+    may_poll_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(cells));
+    threads_.resize(static_cast<std::size_t>(cells * shards));
+    core_of_.assign(threads_.size(), -1);
+    users_.assign(static_cast<std::size_t>(cores), 0);
   }
 
   // Before each step (not measured).
@@ -77,7 +85,23 @@ class CoreGate {
     granted_.clear();
     paused_ = 0;
     std::fill(paused_in_.begin(), paused_in_.end(), 0);
+    std::fill(threads_.begin(), threads_.end(), std::optional<pthread_t>{});
+    std::fill(core_of_.begin(), core_of_.end(), -1);
+    std::fill(users_.begin(), users_.end(), 0);
+    for (std::size_t c = 0; c < woken_.size(); ++c) may_poll_[c].store(false);
     aborted_ = false;
+  }
+
+  // True while cell `cell` holds a turn with a core for each of its shards (none paused): then, and
+  // only then, its shards may poll for each other inside the op (InProcessWorld::communicator's
+  // `poll_while`). Polling for a partner that shares the poller's core would hold that core from it.
+  const std::atomic<bool>* may_poll(int cell) const { return &may_poll_[static_cast<std::size_t>(cell)]; }
+
+  // On the compute thread of cell `cell`'s shard `shard`, before the step starts: the thread its
+  // turns pin.
+  void enrol(int cell, int shard) {
+    std::lock_guard lock(mu_);
+    threads_[slot(cell, shard)] = pthread_self();
   }
 
   // Waits for cores for cell `turn.rank`'s op `op` (part `part`), or joins its shards already on them.
@@ -110,16 +134,21 @@ class CoreGate {
     const int took = std::min(take_, free_);
     free_ -= took;
     granted_[turn] = Granted{1, 0, took};
+    pin_shards(turn.rank, took);
+    may_poll_[static_cast<std::size_t>(turn.rank)].store(took == shards_);
     woken_[static_cast<std::size_t>(turn.rank)].notify_all();  // the cell's other shards join
     wake_next();
   }
 
-  void release(const CoreTurn& turn) {
+  // Shard `shard` of cell `turn.rank` is done with the turn.
+  void release(const CoreTurn& turn, int shard) {
     std::lock_guard lock(mu_);
+    unpin(slot(turn.rank, shard));
     auto g = granted_.find(turn);
     if (g == granted_.end() || ++g->second.released < shards_) return;
     free_ += g->second.cores;
     granted_.erase(g);
+    may_poll_[static_cast<std::size_t>(turn.rank)].store(false);
     wake_next();
   }
 
@@ -131,14 +160,16 @@ class CoreGate {
   // A shard resumes at once while a partner of its cell runs (the cell's shards meet at
   // collectives inside the op: a shard that waited for a core would wait for the partner that
   // spins for it), sharing its cores for the while.
-  void pause(int cell) {
+  void pause(int cell, int shard) {
     std::lock_guard lock(mu_);
+    unpin(slot(cell, shard));
+    may_poll_[static_cast<std::size_t>(cell)].store(false);  // until the cell's next turn
     ++free_;
     ++paused_;
     ++paused_in_[static_cast<std::size_t>(cell)];
     wake_next();
   }
-  void resume(int rank, int cell) {
+  void resume(int rank, int cell, int shard) {
     std::unique_lock lock(mu_);
     ++resuming_;
     const bool ready = resumed_.wait_for(lock, timeout_, [&] { return aborted_ || free_ > 0 || partner_runs(cell); });
@@ -148,6 +179,7 @@ class CoreGate {
     --free_;
     --paused_;
     --paused_in_[static_cast<std::size_t>(cell)];
+    pin(slot(cell, shard), least_used_core());
     resumed_.notify_all();  // its own paused partners may go on with it
   }
 
@@ -158,14 +190,14 @@ class CoreGate {
     resumed_.notify_all();
   }
 
-  // Holds a core for one op (part) of a rank, if there is a gate.
+  // Holds a core for one op (part) of a rank (shard `shard` of cell turn.rank), if there is a gate.
   class Hold {
    public:
-    Hold(CoreGate* gate, const CoreTurn& turn) : gate_(gate), turn_(turn) {
+    Hold(CoreGate* gate, const CoreTurn& turn, int shard) : gate_(gate), turn_(turn), shard_(shard) {
       if (gate_) gate_->acquire(turn);
     }
     ~Hold() {
-      if (gate_) gate_->release(turn_);
+      if (gate_) gate_->release(turn_, shard_);
     }
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
@@ -173,9 +205,44 @@ class CoreGate {
    private:
     CoreGate* gate_;
     CoreTurn turn_;
+    int shard_;
   };
 
  private:
+  std::size_t slot(int cell, int shard) const { return static_cast<std::size_t>(cell * shards_ + shard); }
+  // Under mu_: the core the fewest running shards are pinned to (a free one when there is one).
+  int least_used_core() const {
+    return static_cast<int>(std::min_element(users_.begin(), users_.end()) - users_.begin());
+  }
+  // Under mu_: pins the thread of `s` to `core` (where the system lets it: a failed pin leaves the
+  // thread where the scheduler puts it, which costs time, not correctness).
+  void pin(std::size_t s, int core) {
+    unpin(s);
+    core_of_[s] = core;
+    ++users_[static_cast<std::size_t>(core)];
+    if (!threads_[s]) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(core, &set);
+    pthread_setaffinity_np(*threads_[s], sizeof(set), &set);
+  }
+  void unpin(std::size_t s) {
+    if (core_of_[s] >= 0) --users_[static_cast<std::size_t>(core_of_[s])];
+    core_of_[s] = -1;
+  }
+  // Under mu_: a turn of `cell` took `took` cores: its shards go to the least used ones, shard s to
+  // the (s mod took)-th.
+  void pin_shards(int cell, int took) {
+    std::vector<int> cores;
+    std::vector<int> users = users_;
+    for (int k = 0; k < std::max(1, took); ++k) {
+      const int c = static_cast<int>(std::min_element(users.begin(), users.end()) - users.begin());
+      cores.push_back(c);
+      users[static_cast<std::size_t>(c)] = std::numeric_limits<int>::max();
+    }
+    for (int sh = 0; sh < shards_; ++sh) pin(slot(cell, sh), cores[static_cast<std::size_t>(sh) % cores.size()]);
+  }
+
   struct Granted {
     int joined = 0, released = 0;  // shards of the cell that took the turn, and that gave it back
     int cores = 0;                 // the cores it took
@@ -199,6 +266,10 @@ class CoreGate {
     }
   }
 
+  std::unique_ptr<std::atomic<bool>[]> may_poll_;   // per cell (may_poll)
+  std::vector<std::optional<pthread_t>> threads_;  // per cell and shard: its compute thread this step
+  std::vector<int> core_of_;                       // per cell and shard: the core it is pinned to, or -1
+  std::vector<int> users_;                         // per core: the shards pinned to it, in a turn
   int resuming_ = 0;                  // ranks waiting to resume an op (pause/resume)
   int paused_ = 0;                    // ranks paused in an op, until they resume
   std::vector<int> paused_in_;        // of them, per cell
@@ -219,9 +290,11 @@ class CoreGate {
 struct Rank {
   int rank = 0, stage = 0, replica = 0, shard = 0;  // shard: its tensor-parallel coordinate
   const RankProgram* program = nullptr;             // its cell's (World::cell)
-  std::unique_ptr<Communicator> comm;         // its compute thread's: receives, sends, the norm, TP collectives
+  std::unique_ptr<Communicator> comm;         // its compute thread's: receives, sends, the norm
   std::unique_ptr<Communicator> collectives;  // its communication thread's
-  std::unique_ptr<CommunicatorGroup> tensor_parallel;  // its tensor-parallel group (tp > 1), over `comm`
+  // Its compute thread's tensor-parallel collectives (tp > 1): the group over `tp_comm`.
+  std::unique_ptr<Communicator> tp_comm;
+  std::unique_ptr<CommunicatorGroup> tensor_parallel;
   std::vector<StageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   std::vector<OptimizerState> optimizers;
   std::vector<std::vector<std::uint8_t>> decay_masks;
@@ -300,6 +373,11 @@ class CpuEngine final : public DeviceEngine {
     const auto& cfg = plan_.config;
     const OptimizerSettings os = optimizer_settings(cfg);
 
+    if (!pinned_) {
+      check_turns(options.core_turns);
+      gate_ = std::make_unique<CoreGate>(host_cores(), world_.num_cells(), world_.tensor_parallel(), options.core_turns,
+                                         options.comm_timeout);
+    }
     std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
     ranks_.resize(static_cast<std::size_t>(world_.size()));
     for (int r = 0; r < world_.size(); ++r) {
@@ -313,12 +391,18 @@ class CpuEngine final : public DeviceEngine {
       // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
       // thread always (its communication thread preempts it when woken), the communication thread
       // only briefly where the plan reduces gradients while the backward runs on the same core.
+      // Sharing cores, a cell's shards still poll inside their op's tensor-parallel collectives
+      // while the gate gives each shard a core (CoreGate::may_poll): they meet a dozen times per
+      // layer, and a sleeping shard paid a wake-up at each (8 ranks, tp 2, on 2 cores: the ops took
+      // 1.8x what calibration, which polls, measured).
       const auto off = std::chrono::microseconds{0};
       rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
       rk->collectives = comm_world_.communicator(
           r, !pinned_ ? off : cfg.communication.overlap_grad_reduce ? kCpuOverlapPoll : kCpuCommPoll);
-      if (world_.tensor_parallel() > 1)
-        rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->comm, world_.tensor_parallel_group(r));
+      if (world_.tensor_parallel() > 1) {
+        rk->tp_comm = comm_world_.communicator(r, kCpuCommPoll, gate_ ? gate_->may_poll(world_.cell(r)) : nullptr);
+        rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->tp_comm, world_.tensor_parallel_group(r));
+      }
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk->stage, j);
         rk->chunks.emplace_back(stage_spec(rp_, vs, rk->shard));
@@ -341,12 +425,6 @@ class CpuEngine final : public DeviceEngine {
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
     sent_at_ = std::vector<std::atomic<Tick>>(static_cast<std::size_t>(schedule_->num_messages) *
                                               static_cast<std::size_t>(world_.tensor_parallel()));
-    if (!pinned_) {
-      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-      check_turns(options.core_turns);
-      gate_ = std::make_unique<CoreGate>(cores, world_.num_cells(), world_.tensor_parallel(), options.core_turns,
-                                         options.comm_timeout);
-    }
     if (plan_.zero() >= 1) setup_zero(os);
   }
 
@@ -467,7 +545,11 @@ class CpuEngine final : public DeviceEngine {
     Driver(CpuEngine& e, Rank& rk) : e_(e), rk_(rk) {}
     void start_compute_thread() override {
       if (e_.pinned_) pin(rk_.rank);
+      if (e_.gate_) e_.gate_->enrol(e_.world_.cell(rk_.rank), rk_.shard);
       e_.start_together();
+    }
+    void start_comm_thread() override {
+      if (e_.pinned_) pin(rk_.rank);  // the rank's core, as its compute thread
     }
     void run_compute(int i) override {
       // An op starts when the one before it on this thread and what it waits for have ended, and a
@@ -500,7 +582,7 @@ class CpuEngine final : public DeviceEngine {
       }
       {
         const bool gated = is_compute(op.kind) && op.kind != OpKind::OptimizerStep;  // the optimizer: inside
-        CoreGate::Hold core(gated ? e_.gate_.get() : nullptr, CoreTurn{e_.world_.cell(rk_.rank), i, 0});
+        CoreGate::Hold core(gated ? e_.gate_.get() : nullptr, CoreTurn{e_.world_.cell(rk_.rank), i, 0}, rk_.shard);
         e_.run_op(rk_, i, op);
         if (e_.stages_buckets_ && is_compute(op.kind)) {
           e_.stage_buckets(rk_, i, op);
@@ -820,7 +902,7 @@ class CpuEngine final : public DeviceEngine {
   // Where ranks share cores, the step takes two turns at a core: before its gradient norm's
   // all-reduce over every rank, and after it (none is held while the ranks wait for each other).
   void optimizer_step(Rank& rk, int index) {
-    std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{world_.cell(rk.rank), index, 0});
+    std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{world_.cell(rk.rank), index, 0}, rk.shard);
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
     // Reductions that made finite gradients non-finite (a wire format that overflowed).
@@ -864,7 +946,7 @@ class CpuEngine final : public DeviceEngine {
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         DType::fp32, Divide::none);
     rk.grad_norm = std::sqrt(static_cast<double>(total));
-    core.emplace(gate_.get(), CoreTurn{world_.cell(rk.rank), index, 1});
+    core.emplace(gate_.get(), CoreTurn{world_.cell(rk.rank), index, 1}, rk.shard);
 
     const bool checks = cfg.precision.loss_scaling.mode != LossScalingMode::none;
     rk.skipped = rk.scaler->update(checks && rk.found_nonfinite);
@@ -970,8 +1052,8 @@ class CpuEngine final : public DeviceEngine {
           z.gate = std::make_unique<ChunkWeightGate>(z.plan, r.gather_gate, unit_key(j, 0),
                                                      [this, &r, j](int unit) { poison(r, j, unit); });
           r.chunks[j].set_weight_gate(z.gate.get());
-          if (gate_) r.gather_gate.on_wait([this, &r] { gate_->pause(world_.cell(r.rank)); },
-                                               [this, &r] { gate_->resume(r.rank, world_.cell(r.rank)); });
+          if (gate_) r.gather_gate.on_wait([this, &r] { gate_->pause(world_.cell(r.rank), r.shard); },
+                                               [this, &r] { gate_->resume(r.rank, world_.cell(r.rank), r.shard); });
           for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(r, j, u);
         }
     }
@@ -1200,10 +1282,9 @@ class CpuEngine final : public DeviceEngine {
 
 }  // namespace
 
-bool cpu_pins_ranks(const RunOptions& options, int ranks) {
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  return options.pin_threads && ranks <= cores;
-}
+int host_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+bool cpu_pins_ranks(const RunOptions& options, int ranks) { return options.pin_threads && ranks <= host_cores(); }
 
 std::unique_ptr<DeviceEngine> make_cpu_engine(const RuntimePlan& plan, const Dataset& data, const RunOptions& options) {
   return std::make_unique<CpuEngine>(plan, data, options);
@@ -1228,7 +1309,7 @@ const Backend& cpu_backend() {
             return bench_in_process_comm(o);
           },
       // Ranks are threads on the machine's cores.
-      .comm_ranks = [](const RuntimePlan&) { return static_cast<int>(std::max(2u, std::thread::hardware_concurrency())); },
+      .comm_ranks = [](const RuntimePlan&) { return std::max(2, host_cores()); },
       .kernel_clock = "one core, pinned",
       .calibrate_between_steps = true,  // a shared host's speed wanders
       .shares_by_turns = true,          // ranks beyond the cores: the engine's CoreGate

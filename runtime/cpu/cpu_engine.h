@@ -31,6 +31,9 @@ namespace trainsim::runtime {
 inline constexpr std::chrono::microseconds kCpuCommPoll{10'000};
 inline constexpr std::chrono::microseconds kCpuOverlapPoll{100};
 
+// The cores this host runs threads on (at least 1).
+int host_cores();
+
 // Whether the CPU engine pins rank r's threads to core r: when asked and the ranks fit the cores.
 bool cpu_pins_ranks(const RunOptions& options, int ranks);
 

@@ -65,7 +65,8 @@ class OpCompletion {
   std::exception_ptr error_;
 };
 
-// The ops a rank's compute thread hands its communication thread, in program order; -1 stops it.
+// The ops a rank's compute thread hands its communication thread, in program order (and RankWalk's
+// start and stop marks).
 class CollectiveQueue {
  public:
   void push(int op) {
@@ -152,6 +153,9 @@ class RankWalk {
   void note_failure();
 
   OpCompletion done_;
+  // What the compute thread hands the communication thread besides ops: its own start is done
+  // (first), and the end of the step (last).
+  static constexpr int kGo = -2, kStop = -1;
   CollectiveQueue collectives_;
   std::exception_ptr comm_error_;
   std::atomic<std::int64_t> failed_at_ns_{0};

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -151,6 +152,38 @@ TEST(InProcessComm, SendCopiesAndReturnsBeforeTheReceiverArrives) {
   c1->recv(0, 2, rest);
   EXPECT_EQ(world.bytes_in_flight(), 0u);
   EXPECT_EQ(world.peak_bytes_in_flight(), 150 * sizeof(float));
+}
+
+// CPU time of the calling thread.
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// `poll_while` false: a receiver that may poll for a second sleeps at once instead (a gated
+// tensor-parallel shard whose partner has no core), and wakes when the message comes; true: it
+// polls, and still gets the message.
+TEST(InProcessComm, PollWhileFalseSleepsAtOnceAndTheMessageStillArrives) {
+  InProcessWorld world(2, 20s);
+  for (const bool may_poll : {false, true}) {
+    std::atomic<bool> flag{may_poll};
+    auto c0 = world.communicator(0), c1 = world.communicator(1, 1s, &flag);
+    double cpu = 0;
+    std::vector<float> got(8);
+    std::thread receiver([&] {
+      const double before = thread_cpu_seconds();
+      c1->recv(0, 5, got);
+      cpu = thread_cpu_seconds() - before;
+    });
+    std::this_thread::sleep_for(200ms);
+    c0->send(1, 5, std::vector<float>(8, 2.5f));
+    receiver.join();
+    for (float v : got) EXPECT_EQ(v, 2.5f);
+    // Sleeping, the 200 ms wait costs next to no CPU; polling, the receiver spins for it (at least
+    // whatever share of those 200 ms the scheduler gave it: only bounded where it cannot fail).
+    if (!may_poll) EXPECT_LT(cpu, 0.05) << "the receiver polled although poll_while was false";
+  }
 }
 
 TEST(InProcessComm, OutOfOrderTagsAndFifoWithinATag) {
