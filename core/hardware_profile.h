@@ -89,6 +89,10 @@ struct HardwareProfile {
   // the shards' waiting for one another costs on this machine as it is, and the compute model
   // adds no separate price for those collectives.
   bool core_factors_include_tensor_parallel = false;
+  // Where ranks share cores by turns (the CPU backend with more ranks than cores): how long a core
+  // given back by one thread waits for the next turn's thread, asleep until then, to run on it (a
+  // condition variable's wake-up on that core). 0: not measured.
+  double core_handoff_us = 0;
   double core_factor(int rank) const {
     return core_factors.empty() ? 1.0 : core_factors[static_cast<std::size_t>(rank) % core_factors.size()];
   }

@@ -56,6 +56,24 @@ TEST(CoreSharing, FirstComeFirstServedOnOneCore) {
   EXPECT_EQ(share_cores(t, sh).timeline.ops[1][0].end, 10 * kUs);
 }
 
+TEST(CoreSharing, ATurnThatSleptWaitsForItsThreadToWake) {
+  // One core, rank 0 two ops, rank 1 one. Rank 0 takes the core at 0 (its turn, the core free: no
+  // wake-up), rank 1 slept until 10 us and runs 2 us later; rank 0's second op, asked for at 10 us
+  // while rank 1 held the core, waits again and is woken at 22 us.
+  const Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::Forward, 5 * kUs}}, {{OpKind::Forward, 10 * kUs}}});
+  CoreSharing sh;
+  sh.cores = 1;
+  sh.handoff = 2 * kUs;
+  const SharedStep s = share_cores(t, sh);
+  EXPECT_EQ(s.timeline.ops[0][0].end, 10 * kUs);
+  EXPECT_EQ(s.timeline.ops[1][0].end, 22 * kUs);
+  EXPECT_EQ(s.timeline.ops[0][1].start, 10 * kUs);
+  EXPECT_EQ(s.timeline.ops[0][1].end, 29 * kUs);
+  // With a core each nobody sleeps, and nothing changes.
+  sh.cores = 2;
+  EXPECT_EQ(share_cores(t, sh).timeline.ops[0][1].end, 15 * kUs);
+}
+
 TEST(CoreSharing, FollowsTheOrderItIsGiven) {
   const Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::Forward, 5 * kUs}},
                             {{OpKind::Forward, 10 * kUs}}});

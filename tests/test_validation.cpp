@@ -182,6 +182,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.memory_gib = 11.5;
   p.ranks_per_node = 2;
   p.allreduce[4] = {55, 1.0};
+  p.core_handoff_us = 21.5;
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
   fs::create_directories(dir);
   std::ofstream(dir / "p.yaml") << profile_to_yaml(p);
@@ -201,6 +202,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   ASSERT_EQ(q.allreduce.size(), 2u);
   EXPECT_EQ(q.allreduce.at(4).latency_us, 55);
   EXPECT_EQ(q.p2p.bandwidth_gbps, 10);
+  EXPECT_EQ(q.core_handoff_us, 21.5);
 }
 
 TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {

@@ -273,11 +273,12 @@ class Replay {
         ++next_turn_;
       }
       const CoreTurn t = it->turn;
+      const Tick woken = it->at < now_ ? sharing_.handoff : 0;  // it slept until now
       requests_.erase(it);
       granted_.push_back(t);
       --free_cores_;
       ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::running;
-      at(now_ + part_duration(t.rank, t.op, t.part), Kind::part_end, t.rank, t.op);
+      at(now_ + woken + part_duration(t.rank, t.op, t.part), Kind::part_end, t.rank, t.op);
     }
   }
 

@@ -14,7 +14,8 @@
 // collectives in order once their producing op ended and every member arrived, and the optimizer
 // step waits, between its gradient norm and its update, for every rank's share of the norm (the
 // engine's all-reduce over all ranks; the core is free meanwhile). Op durations are those of a
-// prediction in which every rank had a core to itself (`alone`). Given no order, it hands cores out
+// prediction in which every rank had a core to itself (`alone`), and a turn whose thread slept until
+// its core came waits for it to wake (`handoff`). Given no order, it hands cores out
 // first come first served (ties: lower rank, then earlier op) and returns that order, which is what
 // validate passes to the run and then replays with the profile measured during the run.
 #pragma once
@@ -32,6 +33,10 @@ struct CoreSharing {
   // squared norm), and the all-reduce's time once every rank has reached it.
   double optimizer_first_part = 0.2;
   Tick norm_allreduce = 0;
+  // A core handed to a turn whose thread waited for it asleep is idle this long before that thread
+  // runs (HardwareProfile::core_handoff_us); a thread that finds its turn and a free core at once
+  // pays nothing.
+  Tick handoff = 0;
   // Per rank: it skipped its update (an overflow): its optimizer step ends with the norm.
   std::vector<char> skipped_update;
   // The order compute ops take cores in; empty: first come, first served.

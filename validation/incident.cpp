@@ -237,10 +237,13 @@ std::vector<std::string> write_incident_report(const IncidentReport& r, const st
   }
   md << "\n## How to read the scaled runs\n\n"
         "The scaled runs execute the same schedule and precision settings as the full-size plan on a small model, "
-        "one rank per thread. With more ranks than cores the ranks share the cores; the prediction then stretches "
-        "every compute op by the average number of busy ranks per core (processor sharing, averaged over the step), "
-        "which the real scheduler does unevenly, op by op: expect the scaled step time to be off by more than on "
-        "the validation baselines, which keep one rank per core (docs/validation.md).\n";
+        "one rank per thread. With more ranks than cores the ranks take the cores in turns, one whole compute op "
+        "at a time, in an order the prediction fixes before the run (a rank waiting for its turn counts as busy, "
+        "as a time-shared rank would be); the prediction replays that order with each op at its calibrated time "
+        "and each handoff of a core at the time the engine's own gate took on this machine. The communication "
+        "threads take the cores beside the turns as the operating system lets them, which the prediction does "
+        "not price: expect the scaled step time to be off by more than on the validation baselines, which keep "
+        "one rank per core (docs/validation.md).\n";
   file("report.md", [&](std::ostream& out) { out << md.str(); });
   return written;
 }

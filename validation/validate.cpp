@@ -97,6 +97,7 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
   sh.skipped_update = std::move(skipped);
   if (const auto it = p.allreduce.find(plan.num_ranks() * plan.tp); it != p.allreduce.end())
     sh.norm_allreduce = seconds_to_ticks(it->second.latency_us * 1e-6);
+  sh.handoff = seconds_to_ticks(p.core_handoff_us * 1e-6);
   return sh;
 }
 
@@ -336,9 +337,9 @@ std::string format_validation(const Validation& v) {
                      schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
                      plan.micro_batch_size, dtype_name(plan.config.precision.compute));
   if (v.oversubscribed)
-    out << fmt::format("  cores    {} ranks share {} cores: compute scaled x{:.2f} (busy ranks per core, from the "
-                       "prediction)\n",
-                       v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_factor(0));
+    out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
+                       "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",
+                       v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_handoff_us);
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);

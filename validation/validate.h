@@ -80,7 +80,7 @@ struct Validation {
   runtime::RunReport measured;
   NumericsSummary numerics;
   std::string backend = "cpu";  // the backend that ran it
-  bool oversubscribed = false;  // more ranks than cores: compute priced with processor sharing
+  bool oversubscribed = false;  // more ranks than cores: ops take the cores in turns (core_sharing.h)
   bool drift_measured = false;  // calibration passes ran between the steps (the CPU backend, no profile given)
   double machine_drift = 0;   // calibration passes during the run against before it, - 1 (0 when not measured)
 };

@@ -9,10 +9,12 @@
 #include <barrier>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <deque>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -23,6 +25,7 @@
 
 #include "core/kernel_inventory.h"
 #include "runtime/comm/in_process.h"
+#include "runtime/cpu/core_gate.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/engine/world.h"
 #include "runtime/model/layers.h"
@@ -382,6 +385,41 @@ std::unique_ptr<KernelCalibrator> make_cpu_kernel_calibrator(const RuntimePlan& 
       });
 }
 
+double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
+  // The engine's own gate, as a step with more ranks than cores uses it: every cell's shards on
+  // threads of their own, turns in a fixed round-robin order (each thread asleep between its
+  // turns), each turn a fixed spin of `work` on every shard. A core's cycle is a turn's work and
+  // the handoff to the next turn; turns run side by side where the cores allow.
+  const int cores = host_cores();
+  const int at_once = std::max(1, cores / std::min(shards, cores));
+  const auto work = std::chrono::microseconds{50};
+  std::vector<CoreTurn> turns;
+  for (int k = 0; k < turns_per_cell; ++k)
+    for (int c = 0; c < cells; ++c) turns.push_back(CoreTurn{c, k, 0});
+  CoreGate gate(cores, cells, shards, turns, std::chrono::seconds(10));
+  gate.reset();
+  std::barrier start(cells * shards + 1);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < cells; ++c)
+    for (int sh = 0; sh < shards; ++sh)
+      threads.emplace_back([&, c, sh] {
+        gate.enrol(c, sh);
+        start.arrive_and_wait();
+        for (int k = 0; k < turns_per_cell; ++k) {
+          CoreGate::Hold core(&gate, CoreTurn{c, k, 0}, sh);
+          const auto until = Clock::now() + work;
+          while (Clock::now() < until) {
+          }
+        }
+      });
+  start.arrive_and_wait();
+  const auto t0 = Clock::now();
+  for (auto& t : threads) t.join();
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double cycles = std::ceil(static_cast<double>(turns.size()) / at_once);
+  return std::max(0.0, elapsed / cycles - std::chrono::duration<double>(work).count());
+}
+
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {
   HardwareProfile p;
   p.name = name;
@@ -393,6 +431,8 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
   const int cores = host_cores();
   p.ranks_per_node = cores;
   p.memory_gib = machine_memory_gib() / cores;
+  if (plan.plan.num_ranks() * plan.plan.tp > cores)  // ranks take the cores in turns
+    p.core_handoff_us = core_handoff_seconds(plan.plan.num_ranks(), plan.plan.tp) * 1e6;
   return p;
 }
 

@@ -17,8 +17,13 @@ namespace trainsim::runtime {
 // The CPU backend's kernel calibrator for `plan` (its clock: the runtime's own kernels, pinned).
 std::unique_ptr<KernelCalibrator> make_cpu_kernel_calibrator(const RuntimePlan& plan, const CalibrateOptions& options);
 
-// A profile with the machine's description and no rates yet.
+// A profile with the machine's description and no rates yet (and, for a plan with more ranks than
+// cores, the core handoff).
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name);
+// HardwareProfile::core_handoff_us in seconds: what a turn of the engine's CoreGate costs beyond its
+// work, `cells` schedule ranks of `shards` threads each taking `turns_per_cell` turns in
+// round-robin order on this machine's cores.
+double core_handoff_seconds(int cells, int shards, int turns_per_cell = 50);
 // The machine's CPU model and core count, for the profile's `device`.
 std::string cpu_description();
 // calibrate_profile(cpu_backend(), ...).

@@ -1,7 +1,8 @@
 // The communication benchmarks of `trainsim calibrate` (runtime/calibrate/comm_bench.h): the
 // latency/bandwidth fit against its closed form, a small run's rows against the nccl-tests
 // definitions (exact data, busbw = algbw * 2(n-1)/n, doubling sizes), the table's shape, and
-// the #wrong check on a corrupted buffer. No timing assertions: the machine is noisy.
+// the #wrong check on a corrupted buffer; the core handoff's gate runs every layout to its end.
+// No timing assertions: the machine is noisy.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
+#include "runtime/cpu/cpu_calibrate.h"
 #include "tests/runtime/comm_bench_checks.h"
 #include "tests/runtime/runtime_test_config.h"
 
@@ -464,6 +466,21 @@ TEST(KernelCalibrator, CoreFactorsDivideByTheWarmStageAlone) {
   ASSERT_EQ(factors.size(), 2u);
   EXPECT_DOUBLE_EQ(factors[0], 1.65 / 1.5);
   EXPECT_DOUBLE_EQ(factors[1], 1.8 / 1.5);
+}
+
+// ---------------------------------------------------------------------------------------
+// The core handoff (cpu_calibrate.h): the engine's own gate, turns in round-robin order
+// ---------------------------------------------------------------------------------------
+
+// Every layout ranks share cores in, tensor-parallel cells wider than the machine included (a turn
+// then takes every core and its shards share them), completes its turns (the gate neither
+// deadlocks nor loses a turn: its threads would wait out the gate's timeout and throw) and prices
+// a handoff as a finite, non-negative time (how long is the machine's: not asserted).
+TEST(CoreHandoff, EveryLayoutCompletesItsTurnsAndPricesAHandoff) {
+  for (const auto& [cells, shards] : {std::pair{8, 1}, std::pair{4, 2}, std::pair{2, 4}, std::pair{3, 1}}) {
+    const double s = core_handoff_seconds(cells, shards, 20);
+    EXPECT_TRUE(std::isfinite(s) && s >= 0) << cells << " cells x " << shards << " shards: " << s << " s";
+  }
 }
 
 }  // namespace
