@@ -269,7 +269,8 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
   }
   if (const YAML::Node c = root["composition"]) {
     expect_map(path, c, "composition");
-    p.composition = Composition{number(path, c, "forward", 1, 1e-6, 1e6), number(path, c, "backward", 1, 1e-6, 1e6)};
+    p.composition = Composition{number(path, c, "forward", 1, 1e-6, 1e6), number(path, c, "backward", 1, 1e-6, 1e6),
+                                number_or_zero(path, c, "backward_weight", 1e-6, 1e6)};
   }
   if (const YAML::Node f = root["core_factors"]) {
     expect_list(path, f, "core_factors");
@@ -317,8 +318,10 @@ std::string profile_to_yaml(const HardwareProfile& p) {
   out << YAML::Key << "ranks_per_node" << YAML::Value << p.ranks_per_node;
   out << YAML::Key << "emulated_low_precision" << YAML::Value << p.emulated_low_precision;
   out << YAML::Key << "composition" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "forward"
-      << YAML::Value << p.composition.forward << YAML::Key << "backward" << YAML::Value << p.composition.backward
-      << YAML::EndMap;
+      << YAML::Value << p.composition.forward << YAML::Key << "backward" << YAML::Value << p.composition.backward;
+  if (p.composition.backward_weight > 0)
+    out << YAML::Key << "backward_weight" << YAML::Value << p.composition.backward_weight;
+  out << YAML::EndMap;
   if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
   if (p.core_factors_include_tensor_parallel)
     out << YAML::Key << "core_factors_include_tensor_parallel" << YAML::Value << true;

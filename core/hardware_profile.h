@@ -50,6 +50,10 @@ struct KernelRate {
 // ways isolated timings cannot show; the cost models scale forward and backward ops by these.
 struct Composition {
   double forward = 1, backward = 1;
+  // Where the calibrated stage ran a split backward (ZB-H1: the input pass, then the weight pass):
+  // the weight pass's own composition, `backward` then being the input pass's. 0: one backward,
+  // both passes at `backward`.
+  double backward_weight = 0;
 };
 
 struct LinkFit {

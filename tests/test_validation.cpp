@@ -16,6 +16,7 @@
 #include "core/model_shape.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
+#include "runtime/calibrate/calibrate.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "sim/cost/compute_model.h"
 #include "sim/simulator.h"
@@ -122,6 +123,38 @@ TEST(CalibratedCompute, OpTimeIsTheSumOfItsKernelsAtTheirRates) {
   EXPECT_GT(model.chunk(1).forward, model.chunk(0).forward);
 }
 
+// A split backward (ZB-H1) is composed pass by pass: the input pass against its kernels, the
+// weight pass against its own; the compute model prices each pass with its own. A whole backward
+// of the same two times is their bytes-weighted mean, as before.
+TEST(CalibratedCompute, ASplitBackwardIsComposedPassByPass) {
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::zb_h1, DType::fp32);
+  const Plan bare = Plan::from_config(c);
+  const HardwareProfile u = uniform_profile(bare, 0.05, 10);
+  // The stage priced at its kernels: a composition of 1 second over each pass.
+  const Composition unit = runtime::stage_composition(c, 2, 4, u.kernels, 1, 1, 1);
+  const double pf = 1 / unit.forward, pi = 1 / unit.backward, pw = 1 / unit.backward_weight;
+  const Composition split = runtime::stage_composition(c, 2, 4, u.kernels, 1.1 * pf, 1.2 * pi, 1.5 * pw);
+  EXPECT_NEAR(split.forward, 1.1, 1e-12);
+  EXPECT_NEAR(split.backward, 1.2, 1e-12);
+  EXPECT_NEAR(split.backward_weight, 1.5, 1e-12);
+  const Composition whole = runtime::stage_composition(c, 2, 4, u.kernels, 1.1 * pf, 1.2 * pi + 1.5 * pw);
+  EXPECT_NEAR(whole.backward, (1.2 * pi + 1.5 * pw) / (pi + pw), 1e-12);
+  EXPECT_EQ(whole.backward_weight, 0);
+
+  // Priced: the weight pass at its own factor, the input pass at the backward's.
+  HardwareProfile p = u;
+  p.composition = split;
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const RooflineComputeModel composed(Plan::from_config(c));
+  p.composition = Composition{};
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const RooflineComputeModel plain(Plan::from_config(c));
+  for (int vs = 0; vs < 2; ++vs) {
+    EXPECT_NEAR(composed.chunk(vs).backward_input, 1.2 * plain.chunk(vs).backward_input, 1e-12) << vs;
+    EXPECT_NEAR(composed.chunk(vs).backward_weight, 1.5 * plain.chunk(vs).backward_weight, 1e-12) << vs;
+  }
+}
+
 TEST(HardwareProfile, KernelLookupExactThenNearestScaledByWork) {
   HardwareProfile p;
   KernelRate a{"linear.forward", DType::fp32, {}, 0, 2e-3};
@@ -183,6 +216,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.ranks_per_node = 2;
   p.allreduce[4] = {55, 1.0};
   p.core_handoff_us = 21.5;
+  p.composition = Composition{1.2, 1.1, 1.4};
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
   fs::create_directories(dir);
   std::ofstream(dir / "p.yaml") << profile_to_yaml(p);
@@ -203,6 +237,8 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.allreduce.at(4).latency_us, 55);
   EXPECT_EQ(q.p2p.bandwidth_gbps, 10);
   EXPECT_EQ(q.core_handoff_us, 21.5);
+  EXPECT_EQ(q.composition.backward_weight, 1.4);
+  EXPECT_EQ(q.composition.forward, 1.2);
 }
 
 TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {

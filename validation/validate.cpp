@@ -323,9 +323,12 @@ std::string format_validation(const Validation& v) {
   out << fmt::format("{} — predicted with the calibrated profile vs measured on the {} backend\n",
                      plan.config.name, backend_title(v.backend));
   out << fmt::format("  profile  {} ({}, measured {}): {} kernels, in-layer composition x{:.2f} forward, x{:.2f} "
-                     "backward{}\n",
+                     "backward{}{}\n",
                      v.profile.name, v.profile.device, v.profile.measured, v.profile.kernels.size(),
                      v.profile.composition.forward, v.profile.composition.backward,
+                     v.profile.composition.backward_weight > 0
+                         ? fmt::format(" input pass, x{:.2f} weight pass", v.profile.composition.backward_weight)
+                         : std::string(),
                      v.profile.core_factors.empty()
                          ? std::string()
                          : fmt::format(", cores x{:.2f}", fmt::join(v.profile.core_factors, "/x")));

@@ -45,13 +45,14 @@ void KernelCalibrator::run_passes(int passes) {
         total += t;
       }
       pass_seconds_.push_back(total);
-      const auto [f, b] = clock_->time_stage();
-      stage_forward_.push_back(f);
-      stage_backward_.push_back(b);
+      const StageSeconds cold = clock_->time_stage();
+      stage_forward_.push_back(cold.forward);
+      stage_backward_.push_back(cold.backward);
+      stage_backward_weight_.push_back(cold.backward_weight);
       if (clock_->stage_ranks() > 1) {
-        const auto [wf, wb] = clock_->time_stage();
-        warm_forward_.push_back(wf);
-        warm_backward_.push_back(wb);
+        const StageSeconds warm = clock_->time_stage();
+        warm_forward_.push_back(warm.forward);
+        warm_backward_.push_back(warm.backward + warm.backward_weight);
       }
     }
   });
@@ -79,7 +80,7 @@ std::vector<KernelRate> KernelCalibrator::rates() const {
 Composition KernelCalibrator::composition() const {
   // The same stage priced from its kernels, with the backend's storage bytes.
   return stage_composition(plan_.plan.config, kComposeLayers, storage_bytes_, rates(), median(stage_forward_),
-                           median(stage_backward_));
+                           median(stage_backward_), median(stage_backward_weight_));
 }
 
 std::vector<double> KernelCalibrator::core_factors() const {
@@ -154,7 +155,8 @@ std::vector<double> stage_factors(const std::vector<double>& forward_alone, cons
 }
 
 Composition stage_composition(const ScenarioConfig& config, int layers, int storage,
-                              const std::vector<KernelRate>& rates, double forward_seconds, double backward_seconds) {
+                              const std::vector<KernelRate>& rates, double forward_seconds, double backward_seconds,
+                              double backward_weight_seconds) {
   ScenarioConfig c = config;
   c.parallelism.pipeline_parallel_size = 3;
   c.parallelism.data_parallel_size = 1;
@@ -176,9 +178,14 @@ Composition stage_composition(const ScenarioConfig& config, int layers, int stor
     return t;
   };
   Composition out;
-  const double f = priced(middle.forward), b = priced(middle.backward_input) + priced(middle.backward_weight);
+  const double f = priced(middle.forward), bi = priced(middle.backward_input), bw = priced(middle.backward_weight);
   out.forward = f > 0 ? forward_seconds / f : 1;
-  out.backward = b > 0 ? backward_seconds / b : 1;
+  if (backward_weight_seconds > 0) {  // a split backward, each pass against its own kernels
+    out.backward = bi > 0 ? backward_seconds / bi : 1;
+    out.backward_weight = bw > 0 ? backward_weight_seconds / bw : 1;
+  } else {
+    out.backward = bi + bw > 0 ? backward_seconds / (bi + bw) : 1;
+  }
   return out;
 }
 

@@ -43,6 +43,14 @@ struct CalibrateOptions {
   std::function<void(const std::string&)> progress;  // a line per kernel group measured
 };
 
+// One forward and one backward of a stage, timed. A plan whose backward is split (ZB-H1) times its
+// two passes apart: `backward` is then the input pass and `backward_weight` the weight pass (0 when
+// the backward ran whole).
+struct StageSeconds {
+  double forward = 0, backward = 0, backward_weight = 0;
+  double total() const { return forward + backward + backward_weight; }
+};
+
 // A backend's side of kernel calibration: how it times one kernel, one stage alone, and one stage
 // per rank at once, on its device (a pinned core; a rank's streams). KernelCalibrator owns the
 // method around it.
@@ -58,7 +66,7 @@ class KernelClock {
   // after an untimed one; 0 for work this backend does not do.
   virtual double time_kernel(std::size_t i) = 0;
   // On the timing thread: seconds of one forward and one backward of rank 0's middle stage.
-  virtual std::pair<double, double> time_stage() = 0;
+  virtual StageSeconds time_stage() = 0;
   // How many ranks' stages time_stages_together runs (1: rank 0's alone, no factors).
   virtual int stage_ranks() const = 0;
   // The middle stage on every rank at once: seconds (forward + backward) per rank.
@@ -117,6 +125,7 @@ class KernelCalibrator {
   std::vector<std::vector<double>> samples_;       // [kernel][pass]
   std::vector<double> pass_seconds_;               // all kernels, per pass
   std::vector<double> stage_forward_, stage_backward_;  // rank 0 alone, per pass (after the kernels: cold)
+  std::vector<double> stage_backward_weight_;           // its weight pass, where the backward is split
   // Rank 0 alone again right after (warm, as time_stages_together times every rank's stage): the
   // core factors' base, so that a factor is contention alone, not also the caches' state.
   std::vector<double> warm_forward_, warm_backward_;
@@ -153,13 +162,15 @@ std::vector<double> stage_factors(const std::vector<double>& forward_alone, cons
                                   const std::vector<std::vector<double>>& together);
 
 // The composition of a middle stage of `layers` blocks of `config`'s model that took
-// `forward_seconds` and `backward_seconds` (the medians of its timings): each against the same
+// `forward_seconds` and `backward_seconds` (the medians of its timings; with a split backward,
+// `backward_seconds` its input pass and `backward_weight_seconds` its weight pass): each against the same
 // stage priced with `rates`, the inventory (core/kernel_inventory.h) of the middle chunk of a
 // three-stage 1F1B pipeline of `layers` blocks per stage, counted with `storage` bytes per
 // stored element (a kernel without a rate of its kernel, dtype and shape costs nothing). A
 // direction priced at zero gets 1.
 Composition stage_composition(const ScenarioConfig& config, int layers, int storage,
-                              const std::vector<KernelRate>& rates, double forward_seconds, double backward_seconds);
+                              const std::vector<KernelRate>& rates, double forward_seconds, double backward_seconds,
+                              double backward_weight_seconds = 0);
 
 // A communication benchmark's fits into `p` (p2p, allreduce) and its rows into the profile's
 // tables (sendrecv rows into p2p_table, all_reduce rows of op sum into allreduce_tables per

@@ -235,7 +235,11 @@ struct StageBench {
   std::unique_ptr<StageModel> model;
   std::vector<float> in, out, grad_out, grad_in;
 
-  StageBench(const StageSpec& spec, std::uint32_t seed) : model(std::make_unique<StageModel>(spec)) {
+  // `split`: the backward runs as the zero-bubble schedules run it, input pass then weight pass.
+  bool split = false;
+
+  StageBench(const StageSpec& spec, std::uint32_t seed, bool split_backward)
+      : model(std::make_unique<StageModel>(spec)), split(split_backward) {
     // A tensor-parallel shard timed alone: its work, without its group's collectives.
     model->set_tensor_parallel_group(&TimingOnlyGroup::instance());
     model->init(seed);
@@ -246,18 +250,30 @@ struct StageBench {
     out.resize(act);
     grad_in.resize(act);
   }
-  // Seconds of one forward and one backward of micro-batch 0.
-  std::pair<double, double> time() {
+  // Seconds of one forward and one backward of micro-batch 0 (a split one's two passes apart).
+  StageSeconds time() {
     StageModel& st = *model;
+    const auto seconds = [](Clock::time_point from, Clock::time_point to) {
+      return std::chrono::duration<double>(to - from).count();
+    };
     const auto a = Clock::now();
     st.forward(0, nullptr, nullptr, in.data(), out.data());
     const auto b = Clock::now();
-    st.backward_begin(0, grad_out.data(), 1.0f);
-    for (int u = 0; u < st.backward_units(); ++u) st.backward_unit(0);
-    st.backward_end(0, grad_in.data());
-    const auto c = Clock::now();
+    StageSeconds t{seconds(a, b), 0, 0};
+    if (split) {
+      st.backward_input(0, grad_out.data(), 1.0f, grad_in.data());
+      const auto c = Clock::now();
+      st.backward_weight(0);
+      t.backward = seconds(b, c);
+      t.backward_weight = seconds(c, Clock::now());
+    } else {
+      st.backward_begin(0, grad_out.data(), 1.0f);
+      for (int u = 0; u < st.backward_units(); ++u) st.backward_unit(0);
+      st.backward_end(0, grad_in.data());
+      t.backward = seconds(b, Clock::now());
+    }
     st.zero_gradients();
-    return {std::chrono::duration<double>(b - a).count(), std::chrono::duration<double>(c - b).count()};
+    return t;
   }
 };
 
@@ -293,7 +309,7 @@ class CpuClock final : public KernelClock {
     const int ranks = pin_ ? std::min(world, cores) : 1;
     for (int c = 0; c < ranks; ++c) {
       spec.tensor_parallel_rank = c % tp;
-      stages_.emplace_back(spec, 7);
+      stages_.emplace_back(spec, 7, plan.plan.config.parallelism.schedule == ScheduleKind::zb_h1);
     }
     // Under tensor parallelism with a core per shard, the stages timed together are the world's
     // shards and run their groups' collectives for real (an in-process world of their own): what
@@ -329,7 +345,7 @@ class CpuClock final : public KernelClock {
     return std::chrono::duration<double>(Clock::now() - a).count();
   }
 
-  std::pair<double, double> time_stage() override { return stages_[0].time(); }
+  StageSeconds time_stage() override { return stages_[0].time(); }
   int stage_ranks() const override { return static_cast<int>(stages_.size()); }
 
   std::vector<double> time_stages_together() override {
@@ -353,8 +369,7 @@ class CpuClock final : public KernelClock {
         // stage another core ran last, cold.
         if (!shared_) stage.time();
         start.arrive_and_wait();
-        const auto [f, b] = stage.time();
-        seconds[static_cast<std::size_t>(c)] = f + b;
+        seconds[static_cast<std::size_t>(c)] = stage.time().total();
         stage.model->set_tensor_parallel_group(&TimingOnlyGroup::instance());  // stage 0 is also timed alone
       });
     for (auto& t : threads) t.join();

@@ -506,7 +506,10 @@ class CudaClock final : public KernelClock {
     return events_->elapsed_seconds();
   }
 
-  std::pair<double, double> time_stage() override { return stages_[0]->time(); }
+  StageSeconds time_stage() override {  // the backward whole (a split one is not timed apart here)
+    const auto [f, b] = stages_[0]->time();
+    return {f, b, 0};
+  }
   int stage_ranks() const override { return static_cast<int>(stages_.size()); }
 
   std::vector<double> time_stages_together() override {

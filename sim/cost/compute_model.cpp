@@ -82,7 +82,8 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     const Composition& in_layer = profile.composition;
     c.forward = in_layer.forward * kernels_seconds(k.forward, profile, rate, hbm) + tp.forward;
     c.backward_input = in_layer.backward * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input;
-    c.backward_weight = in_layer.backward * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
+    const double weight_pass = in_layer.backward_weight > 0 ? in_layer.backward_weight : in_layer.backward;
+    c.backward_weight = weight_pass * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
     chunks_.push_back(c);
   }
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;

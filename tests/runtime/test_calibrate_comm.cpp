@@ -440,9 +440,9 @@ class ScriptedClock final : public KernelClock {
   std::string placement() const override { return "scripted"; }
   void on_timing_thread(const std::function<void()>& body) override { body(); }
   double time_kernel(std::size_t) override { return 1e-3; }
-  std::pair<double, double> time_stage() override {
+  StageSeconds time_stage() override {
     const bool cold = stage_calls_++ % 2 == 0;
-    return cold ? std::pair{0.6, 1.2} : std::pair{0.5, 1.0};  // cold 1.8 s, warm 1.5 s
+    return cold ? StageSeconds{0.6, 1.2} : StageSeconds{0.5, 1.0};  // cold 1.8 s, warm 1.5 s
   }
   int stage_ranks() const override { return 2; }
   std::vector<double> time_stages_together() override { return {1.65, 1.8}; }
