@@ -437,11 +437,20 @@ std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
     take(c.backward_input);
     take(c.backward_weight);
   }
+  double largest_chunk = 0;
   for (int s = 0; s < plan.pp; ++s) {
     double params = 0;
-    for (int j = 0; j < plan.vpp; ++j) params += plan.shard_params(j * plan.pp + s);
+    for (int j = 0; j < plan.vpp; ++j) {
+      params += plan.shard_params(j * plan.pp + s);
+      largest_chunk = std::max(largest_chunk, plan.shard_params(j * plan.pp + s));
+    }
     take(optimizer_kernels(plan, params));
   }
+  // ZeRO: the runtime packs a collective's buffer from the flat gradients and unpacks gathered
+  // weights into them (runtime/engine/zero.h's shard layout), copies a framework with contiguous
+  // shards does not make; one size suffices (a copy's time is its bytes').
+  if (plan.config.parallelism.zero_stage >= 1 && plan.dp > 1)
+    Builder{DType::fp32, static_cast<double>(storage), &all}.memory(kShardCopyKernel, largest_chunk, 2);
   for (KernelWork& w : all) w.count = 1;
   return all;
 }

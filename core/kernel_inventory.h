@@ -80,6 +80,11 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage);
 // The optimizer step of a rank holding `params` parameters.
 std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
 
+// The runtime's copy between a ZeRO collective's buffer and the flat parameters or gradients (a
+// read and a write per element, in fp32 storage): what calibration times for the collective model,
+// which adds it to the runtime's reduce-scatters and gathers when a profile has its rate.
+inline constexpr const char* kShardCopyKernel = "shard_copy";
+
 // Every distinct (kernel, dtype, shape) in the plan's inventory, once: what calibration measures.
 std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage);
 

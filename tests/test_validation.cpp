@@ -18,6 +18,7 @@
 #include "core/scenario.h"
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/cpu/cpu_engine.h"
+#include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
@@ -152,6 +153,37 @@ TEST(CalibratedCompute, ASplitBackwardIsComposedPassByPass) {
   for (int vs = 0; vs < 2; ++vs) {
     EXPECT_NEAR(composed.chunk(vs).backward_input, 1.2 * plain.chunk(vs).backward_input, 1e-12) << vs;
     EXPECT_NEAR(composed.chunk(vs).backward_weight, 1.5 * plain.chunk(vs).backward_weight, 1e-12) << vs;
+  }
+}
+
+// A calibrated runtime's ZeRO collectives carry its copies around the ring at the profile's
+// shard_copy rate (a read and a write per element): stage 1's reduce-scatter packs the bucket and
+// takes its own section, (1 + 1/n) of the bucket; stage 2's adds its section into the shard, 1/n
+// (the pack was the backward's); a stage 1-2 gather puts its own section in and unpacks every one,
+// (1 + 1/n) of the chunk; stage 3's gathers, unit by unit beside the pass, and the plain all-reduce
+// copy nothing; a preset (no profile) prices none of it.
+TEST(CalibratedCollectives, ZeroCollectivesCarryTheRuntimesShardCopies) {
+  const double gbps = 10;
+  for (int zero : {0, 1, 2, 3}) {
+    ScenarioConfig c = runtime_sized(1, 2, ScheduleKind::one_f_one_b, DType::fp32);
+    c.parallelism.zero_stage = zero;
+    const Plan bare = Plan::from_config(c);
+    c.cluster.calibrated = std::make_shared<HardwareProfile>(uniform_profile(bare, 0.05, gbps));
+    const Plan plan = Plan::from_config(c);
+    const NetworkCollectiveModel model(plan);
+    const double bucket = 1 << 20;  // elements
+    const Collective rs{zero >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce, CollectivePurpose::gradients,
+                        static_cast<Bytes>(bucket * 4), {0, 1}};
+    const Collective ag{OpKind::AllGather, CollectivePurpose::parameters, static_cast<Bytes>(bucket * 4), {0, 1}};
+    const double copy = bucket * 2 * 4 / (gbps * 1e9);  // one pass over the bucket, read and written
+    const double rs_copies = zero == 1 ? 1.5 * copy : zero >= 2 ? 0.5 * copy : 0;
+    EXPECT_NEAR(model.shard_copy_seconds(rs), rs_copies, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(model.shard_copy_seconds(ag), zero == 1 || zero == 2 ? 1.5 * copy : 0, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(ticks_to_seconds(model.duration(rs)),
+                model.seconds(rs.kind, rs.members, static_cast<double>(rs.bytes)) + rs_copies, 1e-9);
+    c.cluster.calibrated = nullptr;
+    const Plan preset = Plan::from_config(c);
+    EXPECT_EQ(NetworkCollectiveModel(preset).shard_copy_seconds(rs), 0) << "ZeRO " << zero;
   }
 }
 

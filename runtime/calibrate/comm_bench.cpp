@@ -164,7 +164,13 @@ std::string format_time_us(double us) {
 
 double seconds_since(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// The largest data cache of this machine (sysfs), or 32 MiB when it does not say.
+std::string format_fit(const LinkFit& f) {
+  if (f.bandwidth_gbps == 0 && f.latency_us == 0) return "not fitted (needs at least two sizes)";
+  return fmt::format("latency {:.2f} us, bandwidth {:.3f} GB/s", f.latency_us, f.bandwidth_gbps);
+}
+
+}  // namespace
+
 std::size_t last_level_cache_bytes() {
   std::size_t largest = 0;
   for (int index = 0; index < 8; ++index) {
@@ -179,12 +185,6 @@ std::size_t last_level_cache_bytes() {
   return largest > 0 ? largest : std::size_t{32} << 20;
 }
 
-std::string format_fit(const LinkFit& f) {
-  if (f.bandwidth_gbps == 0 && f.latency_us == 0) return "not fitted (needs at least two sizes)";
-  return fmt::format("latency {:.2f} us, bandwidth {:.3f} GB/s", f.latency_us, f.bandwidth_gbps);
-}
-
-}  // namespace
 
 std::string nccl_type_name(DType wire) {
   switch (wire) {

@@ -110,6 +110,9 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options);
 // throws std::invalid_argument otherwise. Exposed for tests.
 LinkFit fit_latency_bandwidth(const std::vector<std::pair<double, double>>& bytes_and_seconds);
 
+// The largest data cache of this machine (sysfs), or 32 MiB when it does not say.
+std::size_t last_level_cache_bytes();
+
 // Elements where got[i] != expected[i] (NaN always counts as wrong): the #wrong column.
 // Throws std::invalid_argument if the sizes differ.
 std::int64_t count_wrong(std::span<const float> got, std::span<const float> expected);

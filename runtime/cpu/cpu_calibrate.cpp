@@ -195,6 +195,20 @@ class KernelTimer {
       auto g = floats(n);
       return launch([=, this] { std::fill(g.begin(), g.end(), 0.0f); });
     }
+    if (k == kShardCopyKernel) {
+      // From memory, as the runtime copies the flat gradients a backward wrote long before (and
+      // as the all-reduce benchmark times its rings): each launch copies the next of enough
+      // buffer pairs to exceed twice the last-level cache.
+      const std::size_t pair_bytes = 2 * static_cast<std::size_t>(n) * sizeof(float);
+      const std::size_t pairs = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + pair_bytes - 1) / pair_bytes);
+      auto buffers = std::make_shared<std::vector<std::pair<std::span<float>, std::span<float>>>>();
+      for (std::size_t p = 0; p < pairs; ++p) buffers->emplace_back(floats(n), floats(n));
+      auto next = std::make_shared<std::size_t>(0);
+      return launch([buffers, next] {
+        const auto& [from, to] = (*buffers)[(*next)++ % buffers->size()];
+        std::copy(from.begin(), from.end(), to.begin());
+      });
+    }
     throw std::logic_error("calibrate: no CPU implementation to time for kernel " + k);
   }
 

@@ -204,7 +204,8 @@ class KernelTimer {
       void* y = output(n, dt);
       return [=] { k::residual_add(y, a, b, n, dt, S); };
     }
-    if (kn == "copy") {  // a received activation or gradient into the stage's own buffer
+    if (kn == "copy" || kn == kShardCopyKernel) {  // a received activation or gradient into the stage's
+                                                    // own buffer; a ZeRO buffer's section into the flat one
       void* a = random(n, dt);
       void* y = output(n, dt);
       const std::size_t bytes = n * eb_;

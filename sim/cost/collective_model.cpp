@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/kernel_inventory.h"
+
 namespace trainsim {
 
 double ring_allreduce_seconds(int n, double bytes, double alpha, double bw) {
@@ -147,7 +149,35 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
 }
 
 Tick NetworkCollectiveModel::duration(const Collective& c) const {
-  return seconds_to_ticks(seconds(c.kind, c.members, static_cast<double>(c.bytes)));
+  return seconds_to_ticks(seconds(c.kind, c.members, static_cast<double>(c.bytes)) + shard_copy_seconds(c));
+}
+
+double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
+  const auto& profile = plan_.config.cluster.calibrated;
+  const int n = static_cast<int>(c.members.size());
+  const int zero = plan_.config.parallelism.zero_stage;
+  if (!profile || zero < 1 || n <= 1) return 0;
+  // Elements of the collective's buffer (schedule.cpp: a reduce-scatter's bucket on the wire, a
+  // gather's chunk of working weights), and those the runtime copies around the ring.
+  double copied = 0;
+  if (c.kind == OpKind::ReduceScatter && c.purpose == CollectivePurpose::gradients) {
+    const double elements = static_cast<double>(c.bytes) / dtype_bytes(plan_.config.precision.allreduce);
+    // Stage 1 packs the bucket from the flat gradients and takes its own section; stages 2-3
+    // packed it after the backward (the compute op's) and add their section into the shard.
+    copied = zero == 1 ? elements * (1.0 + 1.0 / n) : elements / n;
+  } else if (c.kind == OpKind::AllGather && c.purpose == CollectivePurpose::parameters && zero < 3) {
+    // Its own section in, every section out to the flat weights. (Stage 3 gathers unit by unit
+    // while the pass computes, copies included; the schedule's one gather per chunk stands for
+    // them, and pricing its copies would expose what the run hides.)
+    const double elements = static_cast<double>(c.bytes) / plan_.weight_bytes();
+    copied = elements * (1.0 + 1.0 / n);
+  }
+  if (copied <= 0) return 0;
+  const double storage = profile->emulated_low_precision ? 4.0 : plan_.activation_bytes();
+  KernelShape shape;
+  shape.elements = static_cast<long>(copied);
+  const double s = profile->kernel_seconds(kShardCopyKernel, DType::fp32, shape, 2 * copied * storage);
+  return s > 0 ? s : 0;  // a profile without the kernel's rate: not priced
 }
 
 }  // namespace trainsim

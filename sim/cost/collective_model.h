@@ -81,6 +81,9 @@ class NetworkCollectiveModel final : public CollectiveModel {
   // GPU's links).
   double seconds(OpKind kind, const std::vector<int>& members, double bytes) const;
   GroupShape shape_of(const std::vector<int>& members) const;
+  // A calibrated runtime's copies around a ZeRO reduce-scatter or gather (kShardCopyKernel at its
+  // measured rate; core/kernel_inventory.h), 0 for other collectives and for presets.
+  double shard_copy_seconds(const Collective& c) const;
 
  private:
   const Plan& plan_;
