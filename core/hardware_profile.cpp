@@ -293,6 +293,12 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
     p.p2p = link_of(path, l);
     p.p2p_table = table_of(path, l);
   }
+  if (root["allreduce_wire"]) {
+    const std::string name = get<std::string>(path, root, "allreduce_wire", "fp32");
+    const auto d = parse_dtype(name);
+    if (!d || *d == DType::fp8) bad(path, root["allreduce_wire"], fmt::format("allreduce_wire '{}' is not fp32, tf32, fp16 or bf16", name));
+    p.allreduce_wire = *d;
+  }
   if (const YAML::Node ar = root["allreduce"]) {
     expect_list(path, ar, "allreduce");
     for (const YAML::Node& g : ar) {
@@ -330,6 +336,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
       << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps;
   emit_table(out, p.p2p_table);
   out << YAML::EndMap;
+  if (p.allreduce_wire != DType::fp32)
+    out << YAML::Key << "allreduce_wire" << YAML::Value << std::string(dtype_name(p.allreduce_wire));
   out << YAML::Key << "allreduce" << YAML::Value << YAML::BeginSeq;
   for (const auto& [n, f] : p.allreduce) {
     out << YAML::BeginMap << YAML::Key << "ranks" << YAML::Value << n << YAML::Key << "latency_us" << YAML::Value

@@ -105,6 +105,9 @@ struct HardwareProfile {
   // The measurements the fits came from; where present they price instead of the fits.
   SizeTable p2p_table;
   std::map<int, SizeTable> allreduce_tables;
+  // The wire format the all-reduce fits and tables were measured in: their bytes are its (an
+  // fp16 row of B bytes reduced B/2 elements).
+  DType allreduce_wire = DType::fp32;
   // One message between two ranks.
   double p2p_seconds(double bytes) const;
 

@@ -188,25 +188,29 @@ TEST(CalibratedCollectives, ZeroCollectivesCarryTheRuntimesShardCopies) {
   }
 }
 
-// The CPU runtime moves every element as a 4-byte float whatever the wire format, and its profile
-// was measured so: a 16-bit all-reduce of B wire bytes costs what an fp32 one of 2B does, and a
-// bf16 activation message of B bytes what a float message of 2B does. A device profile (the CUDA
-// backend stores the format itself) prices the bytes as they are.
+// The CPU runtime moves every element as a 4-byte float whatever the wire format: a 16-bit
+// all-reduce of B wire bytes costs what a row of an fp32-measured table at 2B does (the same
+// elements), and a row of an fp16-measured table at B; a bf16 activation message of B bytes what a
+// float message of 2B does. A device profile (the CUDA backend stores the format itself) prices
+// the bytes as they are.
 TEST(CalibratedCollectives, AnEmulatingRuntimeMovesFloatsWhateverTheWire) {
+  for (const DType measured : {DType::fp32, DType::fp16})
   for (const bool emulated : {true, false}) {
     ScenarioConfig c = runtime_sized(2, 2, ScheduleKind::one_f_one_b, DType::bf16);
     c.precision.allreduce = DType::fp16;
     const Plan bare = Plan::from_config(c);
     HardwareProfile p = uniform_profile(bare, 0.05, 10);
     p.emulated_low_precision = emulated;
+    p.allreduce_wire = measured;
     p.allreduce[2] = {10, 2};
     p.p2p = {5, 10};
     c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
     const Plan plan = Plan::from_config(c);
     const Collective ar{OpKind::AllReduce, CollectivePurpose::gradients, 1 << 20, {0, 2}};
     const double factor = emulated ? 2.0 : 1.0;
-    EXPECT_NEAR(ticks_to_seconds(NetworkCollectiveModel(plan).duration(ar)), p.allreduce_seconds(2, factor * (1 << 20)),
-                1e-9) << (emulated ? "emulated" : "device");
+    const double ar_factor = emulated && measured == DType::fp32 ? 2.0 : 1.0;
+    EXPECT_NEAR(ticks_to_seconds(NetworkCollectiveModel(plan).duration(ar)), p.allreduce_seconds(2, ar_factor * (1 << 20)),
+                1e-9) << (emulated ? "emulated" : "device") << ", tables in " << dtype_name(measured);
     EXPECT_NEAR(ticks_to_seconds(LinkP2PModel(plan).duration(0, 1, 1 << 16)), p.p2p_seconds(factor * (1 << 16)), 1e-9)
         << (emulated ? "emulated" : "device");
   }
@@ -273,6 +277,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.ranks_per_node = 2;
   p.allreduce[4] = {55, 1.0};
   p.core_handoff_us = 21.5;
+  p.allreduce_wire = DType::bf16;
   p.composition = Composition{1.2, 1.1, 1.4};
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
   fs::create_directories(dir);
@@ -294,6 +299,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.allreduce.at(4).latency_us, 55);
   EXPECT_EQ(q.p2p.bandwidth_gbps, 10);
   EXPECT_EQ(q.core_handoff_us, 21.5);
+  EXPECT_EQ(q.allreduce_wire, DType::bf16);
   EXPECT_EQ(q.composition.backward_weight, 1.4);
   EXPECT_EQ(q.composition.forward, 1.2);
 }
@@ -381,6 +387,10 @@ TEST(HardwareProfile, ValuesTheCostModelsCannotPriceAreRefused) {
       {"kernels: []\ncore_factors: [1, 0]\n", "p.yaml:2: a core factor must be between 1e-06 and 1e+06, got 0"},
       {"kernels: []\ncomposition: {forward: 0}\n", "p.yaml:2: forward must be between 1e-06 and 1e+06, got 0"},
       {"kernels: []\nranks_per_node: 0\n", "p.yaml:2: ranks_per_node must be between 1 and 1048576, got 0"},
+      {"kernels: []\nallreduce_wire: fp8\n", "p.yaml:2: allreduce_wire 'fp8' is not fp32, tf32, fp16 or bf16"},
+      {"kernels: []\ncomposition: {forward: 1, backward: 1, backward_weight: -1}\n",
+       "p.yaml:2: backward_weight must be 0 or between 1e-06 and 1e+06, got -1"},
+      {"kernels: []\ncore_handoff_us: .nan\n", "p.yaml:2: core_handoff_us must be 0 or between 1e-06 and 1e+12, got nan"},
       {"kernels: []\nmemory_gib: -1\n", "p.yaml:2: memory_gib must be between 0 and 1e+09, got -1"},
   };
   for (const auto& [text, message] : cases) {

@@ -164,6 +164,10 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   co.communication = co.communication && !co.comm.group_sizes.empty();
   // The runtime model's gradient buffers are a few MiB: larger collectives only cost time.
   co.comm.max_bytes = std::min<std::size_t>(co.comm.max_bytes, 8u << 20);
+  // In the gradients' wire format: a 16-bit ring rounds every partial sum (the CPU backend
+  // emulates the format, a pass the fp32 ring does not make).
+  if (const DType wire = v.plan.plan.config.precision.allreduce; wire == DType::fp16 || wire == DType::bf16)
+    co.comm.wire = wire;
   co.placement = o.backend.placement;
   runtime::RunOptions ro;
   ro.placement = o.backend.placement;

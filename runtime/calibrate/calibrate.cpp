@@ -141,6 +141,7 @@ void calibrate_communication(const Backend& backend, HardwareProfile& p, const C
   if (options.progress) options.progress("point-to-point and all-reduce benchmarks" + backend.comm_where);
   const CommBenchResult comm = backend.comm_bench(options.comm, options.placement);
   apply_comm_bench(p, comm, backend.comm_where);
+  p.allreduce_wire = options.comm.wire;
   if (comm_table) *comm_table = comm;
 }
 

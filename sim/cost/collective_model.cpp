@@ -151,13 +151,14 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
 Tick NetworkCollectiveModel::duration(const Collective& c) const {
   double bytes = static_cast<double>(c.bytes);
   // A runtime that emulates 16-bit formats (the CPU backend) moves every element as a 4-byte
-  // float whatever the wire format, and its profile's tables were measured so (fp32 wire).
+  // float whatever the wire format: its cost goes with the elements, and its profile's tables
+  // count bytes in the wire format they were measured in (HardwareProfile::allreduce_wire).
   if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision) {
     const auto& pr = plan_.config.precision;
     const double wire = c.purpose == CollectivePurpose::parameters ? plan_.weight_bytes()
                         : c.purpose == CollectivePurpose::overflow ? 4.0
                                                                     : dtype_bytes(pr.allreduce);
-    bytes *= 4.0 / wire;
+    bytes *= dtype_bytes(profile->allreduce_wire) / wire;
   }
   return seconds_to_ticks(seconds(c.kind, c.members, bytes) + shard_copy_seconds(c));
 }
