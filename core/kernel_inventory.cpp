@@ -441,8 +441,9 @@ std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
   for (int s = 0; s < plan.pp; ++s) {
     double params = 0;
     for (int j = 0; j < plan.vpp; ++j) {
-      params += plan.shard_params(j * plan.pp + s);
-      largest_chunk = std::max(largest_chunk, plan.shard_params(j * plan.pp + s));
+      const double chunk = plan.shard_params(j * plan.pp + s);
+      params += chunk;
+      largest_chunk = std::max(largest_chunk, chunk);
     }
     take(optimizer_kernels(plan, params));
   }

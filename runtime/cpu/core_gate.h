@@ -25,6 +25,15 @@
 
 namespace trainsim::runtime {
 
+// Pins `thread` to `core` (where the system lets it: a failed pin leaves the thread where the
+// scheduler puts it, which costs time, not correctness).
+inline void pin_to_core(pthread_t thread, int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  pthread_setaffinity_np(thread, sizeof(set), &set);
+}
+
 // Where ranks share cores: hands the cores to the ranks' compute ops one op at a time, each op whole,
 // in the order given (RunOptions::core_turns) or first come first served. Left to the operating
 // system, 8 rank threads on 2 cores were time-sliced at its tick (4 ms) over ops of 1-2 ms, and the
@@ -193,17 +202,12 @@ class CoreGate {
   int least_used_core() const {
     return static_cast<int>(std::min_element(users_.begin(), users_.end()) - users_.begin());
   }
-  // Under mu_: pins the thread of `s` to `core` (where the system lets it: a failed pin leaves the
-  // thread where the scheduler puts it, which costs time, not correctness).
+  // Under mu_: pins the thread of `s` to `core`.
   void pin(std::size_t s, int core) {
     unpin(s);
     core_of_[s] = core;
     ++users_[static_cast<std::size_t>(core)];
-    if (!threads_[s]) return;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(core, &set);
-    pthread_setaffinity_np(*threads_[s], sizeof(set), &set);
+    if (threads_[s]) pin_to_core(*threads_[s], core);
   }
   void unpin(std::size_t s) {
     if (core_of_[s] >= 0) --users_[static_cast<std::size_t>(core_of_[s])];

@@ -9,12 +9,10 @@
 #include <barrier>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <deque>
 #include <fstream>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <span>
 #include <stdexcept>
@@ -237,12 +235,7 @@ double machine_memory_gib() {
   return pages > 0 && size > 0 ? static_cast<double>(pages) * size / (1024.0 * 1024 * 1024) : 0;
 }
 
-void pin_to(int core) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(core, &set);
-  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
+void pin_to(int core) { pin_to_core(pthread_self(), core); }
 
 // A stage of the runtime's own blocks with its input and gradient buffers.
 struct StageBench {

@@ -305,12 +305,12 @@ class CpuEngine final : public DeviceEngine {
    public:
     Driver(CpuEngine& e, Rank& rk) : e_(e), rk_(rk) {}
     void start_compute_thread() override {
-      if (e_.pinned_) pin(rk_.rank);
+      if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);
       if (e_.gate_) e_.gate_->enrol(e_.world_.cell(rk_.rank), rk_.shard);
       e_.start_together();
     }
     void start_comm_thread() override {
-      if (e_.pinned_) pin(rk_.rank);  // the rank's core, as its compute thread
+      if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);  // the rank's core, as its compute thread
     }
     void run_compute(int i) override {
       // An op starts when the one before it on this thread and what it waits for have ended, and a
@@ -383,12 +383,6 @@ class CpuEngine final : public DeviceEngine {
     }
 
    private:
-    static void pin(int core) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(core, &set);
-      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-    }
     CpuEngine& e_;
     Rank& rk_;
     Tick previous_end_ = -1;  // of this thread's last op this step

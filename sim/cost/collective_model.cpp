@@ -153,14 +153,17 @@ Tick NetworkCollectiveModel::duration(const Collective& c) const {
   // A runtime that emulates 16-bit formats (the CPU backend) moves every element as a 4-byte
   // float whatever the wire format: its cost goes with the elements, and its profile's tables
   // count bytes in the wire format they were measured in (HardwareProfile::allreduce_wire).
-  if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision) {
-    const auto& pr = plan_.config.precision;
-    const double wire = c.purpose == CollectivePurpose::parameters ? plan_.weight_bytes()
-                        : c.purpose == CollectivePurpose::overflow ? 4.0
-                                                                    : dtype_bytes(pr.allreduce);
-    bytes *= dtype_bytes(profile->allreduce_wire) / wire;
-  }
+  if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision)
+    bytes *= dtype_bytes(profile->allreduce_wire) / wire_bytes(c);
   return seconds_to_ticks(seconds(c.kind, c.members, bytes) + shard_copy_seconds(c));
+}
+
+double NetworkCollectiveModel::wire_bytes(const Collective& c) const {
+  // schedule.cpp: gathers move working weights, the overflow check one fp32 flag, the rest
+  // gradients in the all-reduce format.
+  if (c.purpose == CollectivePurpose::parameters) return plan_.weight_bytes();
+  if (c.purpose == CollectivePurpose::overflow) return 4.0;
+  return dtype_bytes(plan_.config.precision.allreduce);
 }
 
 double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
@@ -170,9 +173,9 @@ double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
   if (!profile || zero < 1 || n <= 1) return 0;
   // Elements of the collective's buffer (schedule.cpp: a reduce-scatter's bucket on the wire, a
   // gather's chunk of working weights), and those the runtime copies around the ring.
+  const double elements = static_cast<double>(c.bytes) / wire_bytes(c);
   double copied = 0;
   if (c.kind == OpKind::ReduceScatter && c.purpose == CollectivePurpose::gradients) {
-    const double elements = static_cast<double>(c.bytes) / dtype_bytes(plan_.config.precision.allreduce);
     // Stage 1 packs the bucket from the flat gradients and takes its own section; stages 2-3
     // packed it after the backward (the compute op's) and add their section into the shard.
     copied = zero == 1 ? elements * (1.0 + 1.0 / n) : elements / n;
@@ -180,7 +183,6 @@ double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
     // Its own section in, every section out to the flat weights. (Stage 3 gathers unit by unit
     // while the pass computes, copies included; the schedule's one gather per chunk stands for
     // them, and pricing its copies would expose what the run hides.)
-    const double elements = static_cast<double>(c.bytes) / plan_.weight_bytes();
     copied = elements * (1.0 + 1.0 / n);
   }
   if (copied <= 0) return 0;

@@ -86,6 +86,8 @@ class NetworkCollectiveModel final : public CollectiveModel {
   double shard_copy_seconds(const Collective& c) const;
 
  private:
+  // Bytes per element of `c` on the wire.
+  double wire_bytes(const Collective& c) const;
   const Plan& plan_;
 };
 
