@@ -185,12 +185,64 @@ TEST(Collectives, HierarchicalReduceScatterAndAllGatherAreTwoPasses) {
 }
 
 TEST(PointToPoint, LatencyPlusBytesOverTheJoiningLinksShare) {
-  // 16 ranks, 8 per node: 7 -> 8 crosses nodes, 0 -> 1 does not.
+  // 16 ranks, 8 per node: 7 -> 8 crosses nodes, 0 -> 1 does not. No pipeline: nothing but the
+  // link limits a send (a two-member communicator on one node gets 16 channels of 20 GB/s).
   const Plan plan = cluster_plan(16, 8, AllReduceAlgorithm::ring);
   const LinkP2PModel p2p(plan);
   const Bytes S = 32 << 20;
   EXPECT_EQ(p2p.duration(0, 1, S), seconds_to_ticks(3e-6 + S / (300e9 * 0.8)));
   EXPECT_EQ(p2p.duration(7, 8, S), seconds_to_ticks(6e-6 + S / (25e9 * 0.94)));
+}
+
+// NCCL's channel arithmetic (src/graph/paths.cc, src/enqueue.cc), worked by hand for the
+// nodes in the presets. An A100 has 12 NVLinks: 24 collective channels, 32 p2p channels, 32 per
+// NVLink peer, each at one NVLink's effective 20 GB/s.
+TEST(PointToPoint, NcclStripesASendOverTheChannelsItsCommunicatorAllows) {
+  ClusterConfig a100;
+  a100.intra_node = {300, 3, 0.8};
+  a100.inter_node = {25, 6, 0.94};
+  // Eight members on one node: 32 -> 16 -> 8 -> 4 channels to start (4 x 8 <= 32), at most 16
+  // (16 x 8 <= 4 x 32); a 28 MiB activation stays on 4 (7 MiB parts, under 16 MiB).
+  const P2pChannels eight = nccl_p2p_channel_range(8, false, a100);
+  EXPECT_EQ(eight.min, 4);
+  EXPECT_EQ(eight.max, 16);
+  EXPECT_EQ(nccl_p2p_channels(eight, false, 28.0 * 1048576), 4);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, true, 8, false, a100), 4 * 20e9);
+  // 256 MiB doubles to 8 (32 MiB parts), then 16 (16 MiB): 320 GB/s of channels, the link's 240.
+  EXPECT_EQ(nccl_p2p_channels(eight, false, 256.0 * 1048576), 16);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(256.0 * 1048576, true, 8, false, a100), 240e9);
+  // Two members: 16 channels from the start, so the link limits.
+  EXPECT_EQ(nccl_p2p_channel_range(2, false, a100).min, 16);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(1048576, true, 2, false, a100), 240e9);
+  // A communicator with a member on another node: every peer gets the NIC's 2 channels (200 Gb/s
+  // HDR: max(2, 25 / 14)), its NVLink neighbours too (40 GB/s); the NIC's hop is the NIC's 23.5.
+  const P2pChannels spread = nccl_p2p_channel_range(16, true, a100);
+  EXPECT_EQ(spread.min, 2);
+  EXPECT_EQ(nccl_p2p_channels(spread, true, 1e9), 2);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, true, 16, true, a100), 40e9);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, false, 16, true, a100), 25e9 * 0.94);
+  // H100: 18 NVLinks at 20.6 GB/s, 400 Gb/s NICs: ceil(50 / 14) = 4 channels per remote peer.
+  ClusterConfig h100;
+  h100.intra_node = {450, 3, 0.824};
+  h100.inter_node = {50, 6, 0.94};
+  EXPECT_EQ(nccl_p2p_channel_range(16, true, h100).min, 4);
+  EXPECT_NEAR(nccl_p2p_bytes_per_second(28.0 * 1048576, true, 16, true, h100), 4 * 25e9 * 0.824, 1.0);
+}
+
+// A pipeline of 8 stages on one A100 node sends its 28 MiB activations at 4 channels' 80 GB/s;
+// stretched over two nodes, every NVLink hop of it runs at the NIC's 2 channels.
+TEST(PointToPoint, APipelinesSendsRunAtItsCommunicatorsChannels) {
+  ScenarioConfig c = testing::small_config(8, 8, ScheduleKind::one_f_one_b);
+  c.cluster.intra_node = {300, 3, 0.8};
+  c.cluster.inter_node = {25, 6, 0.94};
+  const Bytes S = 28 << 20;
+  const Plan one_node = Plan::from_config(c);
+  EXPECT_EQ(LinkP2PModel(one_node).duration(0, 1, S), seconds_to_ticks(3e-6 + S / 80e9));
+  c.cluster.gpus_per_node = 4;
+  const Plan two_nodes = Plan::from_config(c);
+  const LinkP2PModel p2p(two_nodes);
+  EXPECT_EQ(p2p.duration(0, 1, S), seconds_to_ticks(3e-6 + S / 40e9));
+  EXPECT_EQ(p2p.duration(3, 4, S), seconds_to_ticks(6e-6 + S / (25e9 * 0.94)));
 }
 
 // Without p2p overlap a send holds its rank's compute stream: the step is longer than with
