@@ -188,7 +188,7 @@ StepFigures::Rank rank_pass(const RankProgram& prog, const std::vector<std::uint
     if (cls >= kCollectiveOp) [[unlikely]] {
       ws.collectives.push_back(t);
       ws.coll_index.push_back(static_cast<int>(i));
-      if (cls == kCollectiveOp) f.collective += t.end - t.start;
+      if (cls == kCollectiveOp) f.collective += t.end - t.start - t.waited;
       continue;
     }
     const bool on_compute = cls != kOther;

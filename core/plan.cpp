@@ -1,5 +1,6 @@
 #include "core/plan.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -71,6 +72,30 @@ bool Plan::reduces_every_microbatch() const {
 }
 bool Plan::gathers_before_forward() const { return zero() == 3 || (zero() == 2 && framework == Framework::fsdp); }
 bool Plan::gathers_before_backward() const { return zero() == 3; }
+Plan::GatherUnits Plan::zero3_gather_units(int vs, bool forward) const {
+  const ModelShape m = shape();
+  const int V = num_virtual_stages();
+  const int layers = layers_per_virtual_stage.at(vs);
+  const bool embedding = vs == 0, head = vs == V - 1, merged = embedding && head && m.tied;
+  const double head_params = m.final_norm_params() + (!m.tied || V > 1 ? m.output_params() : 0.0);
+  const double merged_params = m.embedding_params() + m.final_norm_params();
+  GatherUnits g;
+  double first = 0;
+  if (forward) {
+    g.count = (embedding ? 1 : 0) + layers + (head && !merged ? 1 : 0);
+    first = embedding ? (merged ? merged_params : m.embedding_params()) : layers > 0 ? m.params_per_layer() : head_params;
+  } else {
+    g.count = (head ? 1 : 0) + layers;
+    first = head ? (merged ? merged_params : head_params) : m.params_per_layer();
+  }
+  const double whole = virtual_stage_params_of(*this, m, vs);
+  if (g.count == 0 || whole <= 0) return {0, 0, 0};  // nothing to gather (a backward over the embedding alone)
+  g.first_share = std::min(1.0, first / whole);
+  const double left_out = !forward && embedding && !merged ? m.embedding_params() : 0.0;
+  g.gathered_share = std::clamp(1.0 - left_out / whole, g.first_share, 1.0);
+  return g;
+}
+
 bool Plan::gathers_after_step() const { return zero() == 1 || (zero() == 2 && framework != Framework::fsdp); }
 bool Plan::shards_gradients() const { return zero() >= 2 && reduces_every_microbatch(); }
 

@@ -38,6 +38,18 @@ struct Plan {
   bool gathers_before_forward() const;
   bool gathers_before_backward() const;
   bool gathers_after_step() const;
+  // ZeRO-3 gathers a pass's weights unit by unit, as DeepSpeed and FSDP do (each block, the
+  // embedding, the head; with tied embeddings on a one-stage pipeline, embedding and head are
+  // one unit): how many units the forward (or backward) pass of virtual stage `vs` gathers, and
+  // the first one's share of the chunk's parameters (the pass begins once it is there), and the
+  // share of all it gathers (a backward leaves the embedding, whose gradient needs no weights).
+  // runtime/engine/zero.cpp's plan_zero_chunk lays out the same units.
+  struct GatherUnits {
+    int count = 1;
+    double first_share = 1;
+    double gathered_share = 1;
+  };
+  GatherUnits zero3_gather_units(int vs, bool forward) const;
   // Gradients kept sharded in memory (stage >= 2 unless FSDP accumulates them unsharded).
   bool shards_gradients() const;
   // The framework and its setting in its own words, e.g. "deepspeed" and

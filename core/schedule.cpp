@@ -42,7 +42,9 @@ std::string op_label(const Op& op) {
     case OpKind::RecvGradient: return fmt::format("recv grad {}", op.microbatch);
     case OpKind::AllReduce: return op.bucket >= 0 ? fmt::format("AR b{}", op.bucket) : "AR embedding";
     case OpKind::ReduceScatter: return fmt::format("RS b{}", op.bucket);
-    case OpKind::AllGather: return op.microbatch >= 0 ? fmt::format("AG w{}", op.microbatch) : "AG params";
+    case OpKind::AllGather:
+      if (op.microbatch < 0) return "AG params";
+      return op.bucket == 1 ? fmt::format("AG w{} rest", op.microbatch) : fmt::format("AG w{}", op.microbatch);
     case OpKind::OverflowCheck: return "found-inf";
     case OpKind::OptimizerStep: return "optimizer";
   }
@@ -195,14 +197,28 @@ class Builder {
     }
     // Sharded parameters gathered for every micro-batch: before its forward, and again before
     // its backward when they were resharded after the forward (ZeRO-3, reshard_after_forward).
+    // ZeRO-3 gathers unit by unit: the pass's first unit (the pass waits for it), then the rest
+    // (one collective per unit, while the pass runs): two collectives each (Plan::zero3_gather_units).
     gather_dirs_ = (plan.gathers_before_forward() ? 1 : 0) + (plan.gathers_before_backward() ? 1 : 0);
+    gather_parts_ = plan.gathers_before_backward() ? 2 : 1;
     if (gather_dirs_ > 0) {
       zero3_base_ = num_collectives_;
       for (int vs = 0; vs < V_; ++vs)
         for (int mb = 0; mb < m_; ++mb)
-          for (int dir = 0; dir < gather_dirs_; ++dir)
-            stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs]),
-                          vs % stage_count);
+          for (int dir = 0; dir < gather_dirs_; ++dir) {
+            if (gather_parts_ == 1) {
+              stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, chunk_weight_bytes_[vs]),
+                            vs % stage_count);
+              continue;
+            }
+            const Plan::GatherUnits u = plan.zero3_gather_units(vs, dir == 0 && plan.gathers_before_forward());
+            const auto whole = static_cast<double>(chunk_weight_bytes_[vs]);
+            const auto first = static_cast<Bytes>(std::llround(whole * u.first_share));
+            const Bytes rest = std::max<Bytes>(0, static_cast<Bytes>(std::llround(whole * u.gathered_share)) - first);
+            stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, first), vs % stage_count);
+            stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, rest), vs % stage_count);
+            sched_.collectives[num_collectives_ - 1].parts = rest > 0 ? std::max(1, u.count - 1) : 0;
+          }
     }
     sched_.collectives.resize(num_collectives_);
   }
@@ -240,6 +256,7 @@ class Builder {
     c.kind = kind;
     c.purpose = purpose;
     c.bytes = bytes;
+    c.parts = 1;
     c.members.clear();
     return c.members;
   }
@@ -401,10 +418,20 @@ class Builder {
       const bool needs_weights = task.kind != OpKind::BackwardWeight;
       if (!needs_weights || !(fwd ? plan_.gathers_before_forward() : plan_.gathers_before_backward())) return -1;
       Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs), task.microbatch};
-      ag.channel = zero3_base_ + (vs * m_ + task.microbatch) * gather_dirs_ + (fwd ? 0 : 1);
-      ag.bytes = chunk_weight_bytes_[vs];
+      ag.channel = zero3_base_ + ((vs * m_ + task.microbatch) * gather_dirs_ + (fwd ? 0 : 1)) * gather_parts_;
+      ag.bytes = sched_.collectives[ag.channel].bytes;
+      ag.bucket = 0;  // the first unit (ZeRO-3), or the whole chunk
       ag.dep = compute_ops.size() >= 2 ? compute_ops[compute_ops.size() - 2] : -1;  // prefetch one ahead
-      return push(ops, ag);
+      const int first = push(ops, ag);
+      if (gather_parts_ == 2) {  // the rest, right after it on the communication stream
+        Op rest = ag;
+        rest.channel = ag.channel + 1;
+        rest.bytes = sched_.collectives[rest.channel].bytes;
+        rest.bucket = 1;
+        rest.dep = -1;
+        push(ops, rest);
+      }
+      return first;
     };
     for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
       const bool pair = paired && i + 1 < static_cast<int>(tasks.size()) && tasks[i].kind == OpKind::Forward &&
@@ -492,6 +519,7 @@ class Builder {
   std::vector<int> bucket_base_;
   int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1, embedding_base_ = -1;
   bool per_microbatch_ = false;  // gradients reduced after every micro-batch
+  int gather_parts_ = 1;         // collectives per gather: 2 under ZeRO-3 (first unit, the rest)
   int gather_dirs_ = 0;          // per-micro-batch parameter gathers: 1 (forward) or 2 (and backward)
   // build_rank's scratch, reused rank after rank.
   std::vector<Task> tasks_;

@@ -89,6 +89,9 @@ struct Collective {
   CollectivePurpose purpose = CollectivePurpose::gradients;
   Bytes bytes = 0;           // payload per member
   std::vector<int> members;  // ranks, ascending
+  // The library calls it stands for, one after another, each of bytes / parts: ZeRO-3 gathers
+  // the rest of a pass's units after its first, one collective per unit. 0 with no bytes.
+  int parts = 1;
 };
 
 struct Schedule {

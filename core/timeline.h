@@ -14,6 +14,10 @@ namespace trainsim {
 struct OpTiming {
   Tick start = 0;
   Tick end = 0;
+  // Inside [start, end): time the op was held up rather than working. A measured ZeRO-3 gather
+  // runs unit by unit beside its pass and waits between units for the pass to free room; those
+  // waits are not communication. 0 in predictions.
+  Tick waited = 0;
 };
 
 struct Timeline {

@@ -48,7 +48,8 @@ void Simulation::prepare_collective(const Models& models, std::int32_t c) {
   if (same_members) {
     const Collective& prev = s.collectives[last_priced_];
     const CollectiveState& ps = collectives_[last_priced_];
-    cs.duration = prev.kind == col.kind && prev.bytes == col.bytes ? ps.duration : models.collective(col);
+    cs.duration = prev.kind == col.kind && prev.bytes == col.bytes && prev.parts == col.parts ? ps.duration
+                                                                                              : models.collective(col);
     cs.target = ps.target;
     cs.first = ps.first;
     cs.count = ps.count;

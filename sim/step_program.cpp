@@ -151,7 +151,7 @@ class Compiler {
   }
   std::int32_t collective_price(std::int32_t c) {
     const Collective& col = s_.collectives[c];
-    const auto key = std::make_tuple(static_cast<int>(col.kind), col.bytes, col.members);
+    const auto key = std::make_tuple(static_cast<int>(col.kind) * 65536 + col.parts, col.bytes, col.members);
     auto [it, added] = collective_prices_.try_emplace(key, 0);
     if (added) {
       out_->collectives.push_back(c);

@@ -6,6 +6,7 @@
 
 #include "core/config_fields.h"
 #include "core/metrics.h"
+#include "sim/cost/collective_model.h"
 #include "sim/cost/memory_model.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
@@ -350,6 +351,47 @@ TEST(DataParallelTraffic, WhatTheFrameworkRefusesIsRefusedWithTheReason) {
   c.parallelism.framework = Framework::deepspeed;
   c.parallelism.fsdp_no_sync = true;
   EXPECT_THROW(Plan::from_config(c), ScenarioError) << "no_sync is FSDP's";
+}
+
+// ZeRO-3 gathers a pass's weights unit by unit (DeepSpeed, FSDP): a gather of the first unit,
+// which the pass waits for, then one of the rest, one call per unit, while the pass runs. Here
+// two blocks and a tied embedding (one unit with the head): three units each way.
+TEST(DataParallelTraffic, ZeroThreePassesStartOnTheirFirstUnit) {
+  ScenarioConfig c = small_config(1, 2, ScheduleKind::one_f_one_b, 1, 2);
+  c.parallelism.zero_stage = 3;
+  c.model.vocab_size = 4096;  // an embedding larger than a block
+  const Plan plan = Plan::from_config(c);
+  const Plan::GatherUnits fwd = plan.zero3_gather_units(0, true), bwd = plan.zero3_gather_units(0, false);
+  ASSERT_EQ(fwd.count, 3);
+  ASSERT_EQ(bwd.count, 3);
+  const ModelShape m = plan.shape();
+  const double whole = plan.virtual_stage_params(0);
+  EXPECT_DOUBLE_EQ(fwd.first_share, (m.embedding_params() + m.final_norm_params()) / whole);
+  EXPECT_DOUBLE_EQ(fwd.gathered_share, 1.0);
+  const Prediction p = predict(plan);
+  ASSERT_EQ(check_schedule(*p.schedule), "");
+  const auto& ops = p.schedule->ranks[0].ops;
+  const auto& t = p.timeline.ops[0];
+  const NetworkCollectiveModel model(plan);
+  int passes = 0;
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    if (!is_compute(ops[i].kind) || ops[i].dep < 0 || ops[ops[i].dep].kind != OpKind::AllGather) continue;
+    const auto first = static_cast<std::size_t>(ops[i].dep), rest = first + 1;
+    ASSERT_EQ(ops[first].bucket, 0);
+    ASSERT_EQ(ops[rest].kind, OpKind::AllGather);
+    ASSERT_EQ(ops[rest].bucket, 1);
+    const Collective& cf = p.schedule->collectives[ops[first].channel];
+    const Collective& cr = p.schedule->collectives[ops[rest].channel];
+    EXPECT_EQ(cf.bytes + cr.bytes, static_cast<Bytes>(std::llround(whole * plan.weight_bytes())));
+    EXPECT_EQ(cr.parts, 2);
+    EXPECT_GE(t[i].start, t[first].end);          // the pass waits for its first unit
+    EXPECT_LT(t[i].start, t[rest].end);           // and not for the rest
+    EXPECT_GE(t[rest].start, t[first].end);       // which follows it on the stream
+    EXPECT_EQ(t[rest].end - t[rest].start,        // one call per unit
+              seconds_to_ticks(2 * model.seconds(OpKind::AllGather, cr.members, cr.bytes / 2.0)));
+    ++passes;
+  }
+  EXPECT_EQ(passes, 2 * 2);  // two micro-batches, forward and backward
 }
 
 // The case: Llama 2 13B as DP 4 x TP 4 with ZeRO-3 on 16 V100s and 16 micro-batches.

@@ -69,6 +69,7 @@ struct Rank {
   std::vector<int> units_done;                                         // [slot]
   std::vector<OpTiming> timing;
   std::vector<Tick> arrival;          // collectives: when this rank's communication thread started them
+  Tick gather_waited = 0;             // the last ZeRO-3 gather's waits for room (OpTiming::waited)
   // Backward ops: whether the op's chunk had accumulated only finite gradients when it ended (the
   // model scans every accumulation), so a collective that depends on it need not scan them again.
   std::vector<char> finite_after;
@@ -331,13 +332,10 @@ class CpuEngine final : public DeviceEngine {
       Tick start = e_.now();
       if (previous_end_ >= 0) {
         Tick ready = previous_end_;
-        // A collective it waited for ended before it: its end is when the op could start. Not a
-        // ZeRO-3 gather, which hands the pass its first unit and goes on gathering (its end is
-        // not known yet, and its communication thread is still writing it).
+        // A collective it waited for ended before it: its end is when the op could start.
         if (op.dep >= 0) {
           const Op& dep = rk_.program->ops[static_cast<std::size_t>(op.dep)];
-          if (is_collective(dep.kind) && !e_.gathered_unit_by_unit(dep))
-            ready = std::max(ready, rk_.timing[static_cast<std::size_t>(op.dep)].end);
+          if (is_collective(dep.kind)) ready = std::max(ready, rk_.timing[static_cast<std::size_t>(op.dep)].end);
         }
         start = std::min(start, ready);
       }
@@ -373,8 +371,9 @@ class CpuEngine final : public DeviceEngine {
       // earlier, and would charge the wait for this rank's own stream to the others.)
       const Tick start = e_.now();
       rk_.arrival[static_cast<std::size_t>(i)] = start;
+      rk_.gather_waited = 0;
       e_.run_collective(rk_, i, rk_.program->ops[static_cast<std::size_t>(i)]);
-      rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now()};
+      rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now(), rk_.gather_waited};
     }
     void abort(const std::string& reason) override {
       if (e_.gate_) e_.gate_->abort();
@@ -747,10 +746,6 @@ class CpuEngine final : public DeviceEngine {
   // reduce-scatters, gathers and embedding sum on them, the optimizer on the shard.
   // ---------------------------------------------------------------------------------------
   static int unit_key(int chunk, int unit) { return chunk * 4096 + unit; }  // in the rank's GatherGate
-  // A stage-3 gather before a pass: done early, with the pass's first unit (zero_gather).
-  bool gathered_unit_by_unit(const Op& op) const {
-    return gathers_units_ && op.kind == OpKind::AllGather && op.microbatch >= 0;
-  }
   int position(const Rank& rk) const {
     const std::vector<int> group = world_.data_parallel_group(rk.rank);
     return static_cast<int>(std::find(group.begin(), group.end(), rk.rank) - group.begin());
@@ -956,20 +951,19 @@ class CpuEngine final : public DeviceEngine {
 
   // The schedule's all-gather of chunk op.chunk: after the optimizer step (stages 1-2) or before
   // FSDP's forwards (stage 2) the whole chunk into the working weights; before each pass under
-  // stage 3, unit by unit as the pass will use them.
+  // stage 3, unit by unit as the pass will use them: the first (op bucket 0), then the rest.
   void zero_gather(Rank& rk, int index, const Op& op) {
     const int j = shape_.local_chunk(op);
     auto& z = rk.zero[j];
     const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
-      gather_units(
-          z.plan, gather_serves_forward(*rk.program, index), rk.gather_gate, unit_key(j, 0),
-          [&](int u, int part) {
-            for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-              gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
-          },
-          [&] { rk.walk.done_early(index); });  // the pass may begin with the first unit
+      rk.gather_waited = 1000 * gather_units(z.plan, gather_serves_forward(*rk.program, index), op.bucket == 1,
+                                             rk.gather_gate, unit_key(j, 0), [&](int u, int part) {
+                                               for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
+                                                 gather_group(rk, j, g, members,
+                                                              collective_tag(rk.step, op.channel, part++), true);
+                                             });
       return;
     }
     // FSDP's stage 2 gathers before every forward what the first one already brought: the values

@@ -983,15 +983,14 @@ class CudaEngine final : public DeviceEngine {
     const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
-      gather_units(
-          z.plan, gather_serves_forward(*rk.program, i), rk.gather_gate, unit_key(j, 0),
-          [&](int u, int part) {
-            wait_event(st, z.unit_freed[static_cast<std::size_t>(u)].e);  // its last pass has let it go
-            for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-              gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
-            record(z.unit_ready[static_cast<std::size_t>(u)].e, st);
-          },
-          [&] { rk.walk.done_early(i); });  // the pass may begin with the first unit
+      // The first unit (op bucket 0), which the pass waits for, or the rest while it runs.
+      gather_units(z.plan, gather_serves_forward(*rk.program, i), op.bucket == 1, rk.gather_gate, unit_key(j, 0),
+                   [&](int u, int part) {
+                     wait_event(st, z.unit_freed[static_cast<std::size_t>(u)].e);  // its last pass has let it go
+                     for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
+                       gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
+                     record(z.unit_ready[static_cast<std::size_t>(u)].e, st);
+                   });
       return;
     }
     const bool keep = op.microbatch < 0 || !z.gathered;

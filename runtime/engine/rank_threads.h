@@ -138,10 +138,6 @@ class RankWalk {
                          const InjectedFault* fault = nullptr);
   // Waits (on any thread) until op `i` is done; rethrows the rank's failure.
   void wait(int i) { done_.wait(static_cast<std::size_t>(i)); }
-  // From the communication thread, inside run_collective(i): op `i` counts as done for the ops
-  // that depend on it from now on, before its driver call returns (ZeRO-3's gather, whose pass
-  // starts on its first unit and takes the others as they come: runtime/engine/zero.h).
-  void done_early(int i) { done_.mark(static_cast<std::size_t>(i)); }
   // When this step's first error was caught on either thread (failure_clock_ns), or 0.
   std::int64_t failed_at_ns() const { return failed_at_ns_.load(); }
 

@@ -207,6 +207,8 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
 }
 
 bool gather_serves_forward(const RankProgram& program, int index) {
+  const Op& op = program.ops[static_cast<std::size_t>(index)];
+  if (op.kind == OpKind::AllGather && op.bucket == 1 && index > 0) --index;
   for (std::size_t i = static_cast<std::size_t>(index) + 1; i < program.ops.size(); ++i)
     if (program.ops[i].dep == index && is_compute(program.ops[i].kind)) return program.ops[i].kind == OpKind::Forward;
   return true;

@@ -23,6 +23,8 @@
 //    FSDP and DeepSpeed's ZeRO-3 hold "the gathered layer and the next" (sim's memory model).
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -145,7 +147,8 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
                           const BucketRanges& buckets, const ParamInfo& tied_embedding, int members, int position);
 
 // Whether the schedule's all-gather at op `index` of `program` serves a forward (else a backward):
-// the compute op that waits for it.
+// the compute op that waits for it (for the rest of a ZeRO-3 pass's units, op bucket 1, the one
+// that waits for the gather of its first, right before it).
 bool gather_serves_forward(const RankProgram& program, int index);
 
 // Stage 3's hand-over of gathered units between a rank's communication thread (which gathers
@@ -181,22 +184,29 @@ class GatherGate {
   std::function<void()> before_wait_, after_wait_;
 };
 
-// Stage 3's all-gather before a pass of chunk `zero` (its key_base in the rank's gate): every unit
-// the pass gathers, in order, each once there is room for it (`gather(unit, first_part)` moves it,
-// parts numbered across the op), handed over to the pass; `first` runs once the first is there
-// (the pass may begin).
-template <class Gather, class First>
-void gather_units(const ZeroChunk& zero, bool forward, GatherGate& gate, int key_base, Gather&& gather, First&& first) {
+// Stage 3's all-gathers before a pass of chunk `zero` (its key_base in the rank's gate): the
+// schedule's first gather op (`rest` false) brings the pass's first unit, the next one (`rest`
+// true) every other unit, in order, each once there is room for it (`gather(unit, first_part)`
+// moves it, parts numbered across the op), handed over to the pass. Returns the nanoseconds
+// spent waiting for room (the pass's pace, not the gather's: OpTiming::waited).
+template <class Gather>
+std::int64_t gather_units(const ZeroChunk& zero, bool forward, bool rest, GatherGate& gate, int key_base,
+                          Gather&& gather) {
   int part = 0;
-  bool begun = false;
-  for (int u : zero.gathers(forward)) {
+  std::int64_t waited_ns = 0;
+  const std::vector<int> units = zero.gathers(forward);
+  const std::size_t from = rest ? std::min<std::size_t>(1, units.size()) : 0;
+  const std::size_t to = rest ? units.size() : std::min<std::size_t>(1, units.size());
+  for (std::size_t k = from; k < to; ++k) {
+    const int u = units[k];
+    const auto t0 = std::chrono::steady_clock::now();
     gate.reserve(key_base + u);
+    waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     gather(u, part);
     part += static_cast<int>(zero.units[static_cast<std::size_t>(u)].groups.size());
     gate.gathered();
-    if (!begun) first();
-    begun = true;
   }
+  return waited_ns;
 }
 
 // The model's WeightGate for one chunk under stage 3: maps its calls onto the chunk's uses (the

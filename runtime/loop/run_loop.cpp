@@ -156,8 +156,11 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const auto& ops = schedule->ranks[r].ops;
     for (std::size_t i = 0; i < ops.size(); ++i)
-      if (ops[i].channel >= 0 && is_collective(ops[i].kind))
-        tl.ops[r][i].start = std::min(tl.ops[r][i].end, std::max(tl.ops[r][i].start, last_arrival[ops[i].channel]));
+      if (ops[i].channel >= 0 && is_collective(ops[i].kind)) {
+        OpTiming& t = tl.ops[r][i];
+        t.start = std::min(t.end, std::max(t.start, last_arrival[ops[i].channel]));
+        t.waited = std::clamp<Tick>(t.waited, 0, t.end - t.start);
+      }
   }
   return tl;
 }
@@ -178,6 +181,7 @@ std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>
     for (std::size_t i = 0; i < s.timing.size(); ++i) {
       cells[c].timing[i].start = std::max(cells[c].timing[i].start, s.timing[i].start);
       cells[c].timing[i].end = std::max(cells[c].timing[i].end, s.timing[i].end);
+      cells[c].timing[i].waited = std::min(cells[c].timing[i].waited, s.timing[i].waited);  // held up: every shard
       cells[c].arrival[i] = std::max(cells[c].arrival[i], s.arrival[i]);
     }
   }

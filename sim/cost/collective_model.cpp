@@ -155,7 +155,10 @@ Tick NetworkCollectiveModel::duration(const Collective& c) const {
   // count bytes in the wire format they were measured in (HardwareProfile::allreduce_wire).
   if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision)
     bytes *= dtype_bytes(profile->allreduce_wire) / wire_bytes(c);
-  return seconds_to_ticks(seconds(c.kind, c.members, bytes) + shard_copy_seconds(c));
+  if (c.parts <= 0) return 0;
+  // One call per part (ZeRO-3's units after the first), each paying its own latency and fill.
+  const double per_part = seconds(c.kind, c.members, bytes / c.parts);
+  return seconds_to_ticks(c.parts * per_part + shard_copy_seconds(c));
 }
 
 double NetworkCollectiveModel::wire_bytes(const Collective& c) const {
