@@ -216,6 +216,7 @@ class Builder {
             const auto first = static_cast<Bytes>(std::llround(whole * u.first_share));
             const Bytes rest = std::max<Bytes>(0, static_cast<Bytes>(std::llround(whole * u.gathered_share)) - first);
             stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, first), vs % stage_count);
+            sched_.collectives[num_collectives_ - 1].parts = first > 0 ? 1 : 0;  // nothing to gather: no call
             stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, rest), vs % stage_count);
             sched_.collectives[num_collectives_ - 1].parts = rest > 0 ? std::max(1, u.count - 1) : 0;
           }

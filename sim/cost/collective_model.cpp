@@ -183,9 +183,10 @@ double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
     // packed it after the backward (the compute op's) and add their section into the shard.
     copied = zero == 1 ? elements * (1.0 + 1.0 / n) : elements / n;
   } else if (c.kind == OpKind::AllGather && c.purpose == CollectivePurpose::parameters && zero < 3) {
-    // Its own section in, every section out to the flat weights. (Stage 3 gathers unit by unit
-    // while the pass computes, copies included; the schedule's one gather per chunk stands for
-    // them, and pricing its copies would expose what the run hides.)
+    // Its own section in, every section out to the flat weights. (Stage 3's units are copied the
+    // same way, but priced so, the calibrated copy rate, which swings run to run, made the
+    // predicted bubble of the ZeRO-3 baselines swing from 0.5% to 7.5% over four calibrations
+    // while the runs measured 0.8-2.2%: left out until that is understood; docs/validation.md.)
     copied = elements * (1.0 + 1.0 / n);
   }
   if (copied <= 0) return 0;
