@@ -152,15 +152,18 @@ class CpuEngine final : public DeviceEngine {
       rk->program = &schedule_->ranks[static_cast<std::size_t>(world_.cell(r))];
       // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
       // thread always (its communication thread preempts it when woken), the communication thread
-      // only briefly where the plan reduces gradients while the backward runs on the same core.
+      // only briefly where its collectives run beside the compute on the same core: gradients
+      // reduced while the backward runs, or ZeRO-2/3's per-micro-batch reduce-scatters and
+      // gathers, which overlap the passes whatever overlap_grad_reduce says.
       // Sharing cores, a cell's shards still poll inside their op's tensor-parallel collectives
       // while the gate gives each shard a core (CoreGate::may_poll): they meet a dozen times per
       // layer, and a sleeping shard paid a wake-up at each (8 ranks, tp 2, on 2 cores: the ops took
       // 1.8x what calibration, which polls, measured).
       const auto off = std::chrono::microseconds{0};
       rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
-      rk->collectives = comm_world_.communicator(
-          r, !pinned_ ? off : cfg.communication.overlap_grad_reduce ? kCpuOverlapPoll : kCpuCommPoll);
+      const bool beside_compute = cfg.communication.overlap_grad_reduce || plan_.reduces_every_microbatch() ||
+                                  plan_.gathers_before_forward();
+      rk->collectives = comm_world_.communicator(r, !pinned_ ? off : beside_compute ? kCpuOverlapPoll : kCpuCommPoll);
       if (world_.tensor_parallel() > 1) {
         rk->tp_comm = comm_world_.communicator(r, kCpuCommPoll, gate_ ? gate_->may_poll(world_.cell(r)) : nullptr);
         rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->tp_comm, world_.tensor_parallel_group(r));

@@ -23,9 +23,10 @@ namespace trainsim::runtime {
 // (InProcessWorld::communicator's `poll`): a ring all-reduce waits for its peer at every step, a
 // pipeline stage at every receive, and a sleeping thread pays a wake-up each time (microseconds on
 // an idle core, a scheduler slice on a busy one). A thread woken on the core preempts the poller as
-// it would any running thread. The communication thread of a plan that reduces gradients while the
-// backward runs polls only briefly (kCpuOverlapPoll), for the steps of a ring its peers are already
-// in: longer, it would take the core from its own compute thread. Ranks that share cores never
+// it would any running thread. The communication thread of a plan whose collectives run beside
+// the passes (gradients reduced while the backward runs; ZeRO-2/3's per-micro-batch collectives)
+// polls only briefly (kCpuOverlapPoll), for the steps of a ring its peers are already in: longer,
+// it would take the core from its own compute thread (docs/validation.md, "Sixth session"). Ranks that share cores never
 // poll. The communication benchmark polls as the compute thread does (calibration measures what a
 // step does; its calls all find their peers in the ring).
 inline constexpr std::chrono::microseconds kCpuCommPoll{10'000};
