@@ -207,26 +207,28 @@ TEST(PointToPoint, NcclStripesASendOverTheChannelsItsCommunicatorAllows) {
   EXPECT_EQ(eight.min, 4);
   EXPECT_EQ(eight.max, 16);
   EXPECT_EQ(nccl_p2p_channels(eight, false, 28.0 * 1048576), 4);
-  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, true, 8, false, a100), 4 * 20e9);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, true, eight, false, a100), 4 * 20e9);
   // 256 MiB doubles to 8 (32 MiB parts), then 16 (16 MiB): 320 GB/s of channels, the link's 240.
   EXPECT_EQ(nccl_p2p_channels(eight, false, 256.0 * 1048576), 16);
-  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(256.0 * 1048576, true, 8, false, a100), 240e9);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(256.0 * 1048576, true, eight, false, a100), 240e9);
   // Two members: 16 channels from the start, so the link limits.
-  EXPECT_EQ(nccl_p2p_channel_range(2, false, a100).min, 16);
-  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(1048576, true, 2, false, a100), 240e9);
+  const P2pChannels two = nccl_p2p_channel_range(2, false, a100);
+  EXPECT_EQ(two.min, 16);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(1048576, true, two, false, a100), 240e9);
   // A communicator with a member on another node: every peer gets the NIC's 2 channels (200 Gb/s
   // HDR: max(2, 25 / 14)), its NVLink neighbours too (40 GB/s); the NIC's hop is the NIC's 23.5.
   const P2pChannels spread = nccl_p2p_channel_range(16, true, a100);
   EXPECT_EQ(spread.min, 2);
   EXPECT_EQ(nccl_p2p_channels(spread, true, 1e9), 2);
-  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, true, 16, true, a100), 40e9);
-  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, false, 16, true, a100), 25e9 * 0.94);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, true, spread, true, a100), 40e9);
+  EXPECT_DOUBLE_EQ(nccl_p2p_bytes_per_second(28.0 * 1048576, false, spread, true, a100), 25e9 * 0.94);
   // H100: 18 NVLinks at 20.6 GB/s, 400 Gb/s NICs: ceil(50 / 14) = 4 channels per remote peer.
   ClusterConfig h100;
   h100.intra_node = {450, 3, 0.824};
   h100.inter_node = {50, 6, 0.94};
-  EXPECT_EQ(nccl_p2p_channel_range(16, true, h100).min, 4);
-  EXPECT_NEAR(nccl_p2p_bytes_per_second(28.0 * 1048576, true, 16, true, h100), 4 * 25e9 * 0.824, 1.0);
+  const P2pChannels h100_spread = nccl_p2p_channel_range(16, true, h100);
+  EXPECT_EQ(h100_spread.min, 4);
+  EXPECT_NEAR(nccl_p2p_bytes_per_second(28.0 * 1048576, true, h100_spread, true, h100), 4 * 25e9 * 0.824, 1.0);
 }
 
 // A pipeline of 8 stages on one A100 node sends its 28 MiB activations at 4 channels' 80 GB/s;

@@ -149,13 +149,13 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
 }
 
 Tick NetworkCollectiveModel::duration(const Collective& c) const {
+  if (c.parts <= 0) return 0;
   double bytes = static_cast<double>(c.bytes);
   // A runtime that emulates 16-bit formats (the CPU backend) moves every element as a 4-byte
   // float whatever the wire format: its cost goes with the elements, and its profile's tables
   // count bytes in the wire format they were measured in (HardwareProfile::allreduce_wire).
   if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision)
     bytes *= dtype_bytes(profile->allreduce_wire) / wire_bytes(c);
-  if (c.parts <= 0) return 0;
   // One call per part (ZeRO-3's units after the first), each paying its own latency and fill.
   const double per_part = seconds(c.kind, c.members, bytes / c.parts);
   return seconds_to_ticks(c.parts * per_part + shard_copy_seconds(c));

@@ -44,22 +44,23 @@ int nccl_p2p_channels(const P2pChannels& range, bool spans_nodes, double bytes) 
   return c;
 }
 
-double nccl_p2p_bytes_per_second(double bytes, bool same_node, int members, bool spans_nodes,
+double nccl_p2p_bytes_per_second(double bytes, bool same_node, const P2pChannels& range, bool spans_nodes,
                                  const ClusterConfig& cl) {
   const LinkConfig& link = same_node ? cl.intra_node : cl.inter_node;
   const double link_rate = gbps_to_bytes_per_second(link.bandwidth_gbps) * link.efficiency;
-  const int channels = nccl_p2p_channels(nccl_p2p_channel_range(members, spans_nodes, cl), spans_nodes, bytes);
+  const int channels = nccl_p2p_channels(range, spans_nodes, bytes);
   const double per_channel = same_node ? gbps_to_bytes_per_second(kNvlinkLaneGBps) * cl.intra_node.efficiency
                                        : gbps_to_bytes_per_second(kNcclP2pNetChannelGBps);
   return std::min(link_rate, channels * per_channel);
 }
 
 LinkP2PModel::LinkP2PModel(const Plan& plan) : plan_(plan) {
-  pipeline_spans_nodes_.assign(static_cast<std::size_t>(std::max(1, plan.dp)), 0);
+  pipelines_.resize(static_cast<std::size_t>(std::max(1, plan.dp)));
   for (int r = 0; r < plan.dp; ++r) {
+    Pipeline& p = pipelines_[static_cast<std::size_t>(r)];
     const int first = plan.node_of(plan.rank_of(0, r));
-    for (int s = 1; s < plan.pp; ++s)
-      if (plan.node_of(plan.rank_of(s, r)) != first) pipeline_spans_nodes_[static_cast<std::size_t>(r)] = 1;
+    for (int s = 1; s < plan.pp; ++s) p.spans_nodes = p.spans_nodes || plan.node_of(plan.rank_of(s, r)) != first;
+    p.channels = nccl_p2p_channel_range(plan.pp, p.spans_nodes, plan.config.cluster);
   }
 }
 

@@ -40,9 +40,10 @@ struct P2pChannels {
 // The channels one send of `bytes` gets: a communicator of `members` ranks, on one node or not.
 P2pChannels nccl_p2p_channel_range(int members, bool spans_nodes, const ClusterConfig& cl);
 int nccl_p2p_channels(const P2pChannels& range, bool spans_nodes, double bytes);
-// Bytes per second one send of `bytes` moves from `from` to `to` (same node or not) inside a
-// communicator of `members` ranks that does or does not span nodes.
-double nccl_p2p_bytes_per_second(double bytes, bool same_node, int members, bool spans_nodes,
+// Bytes per second one send of `bytes` moves between two ranks (on one node or not) of a
+// communicator whose channels are `range` (nccl_p2p_channel_range) and that does or does not
+// span nodes.
+double nccl_p2p_bytes_per_second(double bytes, bool same_node, const P2pChannels& range, bool spans_nodes,
                                  const ClusterConfig& cl);
 
 class LinkP2PModel final : public P2PModel {
@@ -60,15 +61,20 @@ class LinkP2PModel final : public P2PModel {
     }
     const bool same = plan_.same_node(from_rank, to_rank);
     const LinkConfig& link = same ? cl.intra_node : cl.inter_node;
-    const bool spans = pipeline_spans_nodes_[static_cast<std::size_t>(plan_.replica_of(from_rank))];
-    const double rate = nccl_p2p_bytes_per_second(static_cast<double>(bytes), same, plan_.pp, spans, cl);
+    const Pipeline& p = pipelines_[static_cast<std::size_t>(plan_.replica_of(from_rank))];
+    const double rate = nccl_p2p_bytes_per_second(static_cast<double>(bytes), same, p.channels, p.spans_nodes, cl);
     return seconds_to_ticks(us_to_seconds(link.latency_us) + static_cast<double>(bytes) / rate);
   }
   bool blocks_sender() const override { return !plan_.config.communication.overlap_p2p_comm; }
 
  private:
+  // Per replica: its pipeline communicator's channels per send, and whether it leaves one node.
+  struct Pipeline {
+    P2pChannels channels;
+    bool spans_nodes = false;
+  };
   const Plan& plan_;
-  std::vector<char> pipeline_spans_nodes_;  // per replica: its pipeline group leaves one node
+  std::vector<Pipeline> pipelines_;
 };
 
 }  // namespace trainsim
