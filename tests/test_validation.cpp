@@ -654,23 +654,28 @@ TEST(Baselines, EachPlanIsValidatedOnTheBackendChosenForIt) {
 }
 
 TEST(Baselines, UpdateAcceptsTheMedianOfItsAttempts) {
-  BaselineFolder f(kAccepted);
+  BaselineFolder f(std::string("# How these were set.\n# Why the tolerances.\n") + kAccepted);
   validation::BaselineOptions o;
   o.update = true;
   int calls = 0;
-  const double steps[] = {0.10, -0.02, 0.03, 0.04, 0.05, 0.06};
+  const double steps[] = {0.10, -0.02, 0.031234567, 0.04, 0.05, 0.06};
   o.validate_plan = [&](const Scenario&) { return with_errors(steps[calls++], 0.0, 0.0); };
   const auto r = validation::check_baselines(f.dir.string(), o);
   EXPECT_TRUE(r.updated);
   EXPECT_EQ(calls, 6);
-  EXPECT_NEAR(r.plans[0].step_time_error, 0.03, 1e-12);  // median of 0.10, -0.02, 0.03
+  EXPECT_NEAR(r.plans[0].step_time_error, 0.031234567, 1e-12);  // median of 0.10, -0.02, 0.0312...
   EXPECT_NEAR(r.plans[1].step_time_error, 0.05, 1e-12);
+  // Written with four decimals, under the file's own opening comment.
+  std::ifstream in(f.dir / "accepted.yaml");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.rfind("# How these were set.\n# Why the tolerances.\ntargets:", 0), 0u) << text;
+  EXPECT_NE(text.find("accepted: 0.0312,"), std::string::npos) << text;
   // Read back: the accepted values are the medians.
   o.update = false;
   o.validate_plan = [](const Scenario&) { return with_errors(0.03, 0.0, 0.0); };
   const auto again = validation::check_baselines(f.dir.string(), o);
   ASSERT_EQ(again.plans.size(), 2u);
-  EXPECT_NEAR(again.plans[0].accepted_step, 0.03, 1e-4);
+  EXPECT_NEAR(again.plans[0].accepted_step, 0.0312, 1e-12);
   EXPECT_NEAR(again.plans[1].accepted_step, 0.05, 1e-4);
 }
 

@@ -131,19 +131,26 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
     for (std::size_t i = 0; i < report.plans.size(); ++i) {
       YAML::Node b = root["baselines"][i];
       const auto& p = report.plans[i];
-      b["step_time"]["accepted"] = std::round(p.step_time_error * 1e4) / 1e4;
-      b["bubble_fraction"]["accepted"] = std::round(p.bubble_error * 1e4) / 1e4;
-      b["peak_memory"]["accepted"] = std::round(p.memory_error * 1e4) / 1e4;
+      // Four decimals, written as such (a double node would carry every digit of its binary value).
+      const auto rounded = [](double x) { return fmt::format("{}", std::round(x * 1e4) / 1e4 + 0.0); };
+      b["step_time"]["accepted"] = rounded(p.step_time_error);
+      b["bubble_fraction"]["accepted"] = rounded(p.bubble_error);
+      b["peak_memory"]["accepted"] = rounded(p.memory_error);
       for (const char* k : {"step_time", "bubble_fraction", "peak_memory"})
         if (!b[k]["tolerance"])
           b[k]["tolerance"] = std::string(k) == "step_time" ? 0.15 : std::string(k) == "bubble_fraction" ? 0.06 : 0.01;
     }
     YAML::Emitter e;
-    e.SetDoublePrecision(4);
     e << root;
-    std::ofstream(index) << "# Accepted prediction errors of the baselines (trainsim validate --baselines "
-                            "validation/baselines --update).\n"
-                         << e.c_str() << "\n";
+    // The file's opening comment (how its numbers were set, why its tolerances) stays.
+    std::string header;
+    {
+      std::ifstream in(index);
+      for (std::string line; std::getline(in, line) && line.rfind('#', 0) == 0;) header += line + "\n";
+    }
+    if (header.empty())
+      header = "# Accepted prediction errors of the baselines (trainsim validate --baselines validation/baselines --update).\n";
+    std::ofstream(index) << header << e.c_str() << "\n";
     report.passed = true;
     report.updated = true;
   }
