@@ -270,7 +270,8 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
   if (const YAML::Node c = root["composition"]) {
     expect_map(path, c, "composition");
     p.composition = Composition{number(path, c, "forward", 1, 1e-6, 1e6), number(path, c, "backward", 1, 1e-6, 1e6),
-                                number_or_zero(path, c, "backward_weight", 1e-6, 1e6)};
+                                number_or_zero(path, c, "backward_weight", 1e-6, 1e6),
+                                number_or_zero(path, c, "first_forward", 1e-6, 1e6)};
   }
   if (const YAML::Node f = root["core_factors"]) {
     expect_list(path, f, "core_factors");
@@ -327,6 +328,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
       << YAML::Value << p.composition.forward << YAML::Key << "backward" << YAML::Value << p.composition.backward;
   if (p.composition.backward_weight > 0)
     out << YAML::Key << "backward_weight" << YAML::Value << p.composition.backward_weight;
+  if (p.composition.first_forward > 0)
+    out << YAML::Key << "first_forward" << YAML::Value << p.composition.first_forward;
   out << YAML::EndMap;
   if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
   if (p.core_factors_include_tensor_parallel)

@@ -48,12 +48,17 @@ struct KernelRate {
 // How kernels compose inside a layer: the runtime's own blocks, timed whole, against the sum
 // of their kernels timed one by one. Kernels in sequence share caches and memory traffic in
 // ways isolated timings cannot show; the cost models scale forward and backward ops by these.
+// Measured on a stage run right after itself (warm), as a rank runs a step's passes one after
+// another; its first forward of each chunk in a step runs after the optimizer step and the steps
+// between (cold: its weights and buffers evicted), at `first_forward`.
 struct Composition {
   double forward = 1, backward = 1;
   // Where the calibrated stage ran a split backward (ZB-H1: the input pass, then the weight pass):
   // the weight pass's own composition, `backward` then being the input pass's. 0: one backward,
   // both passes at `backward`.
   double backward_weight = 0;
+  // A rank's first forward of a chunk in a step. 0: at `forward` (not measured).
+  double first_forward = 0;
 };
 
 struct LinkFit {

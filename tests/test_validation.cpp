@@ -157,6 +157,58 @@ TEST(CalibratedCompute, ASplitBackwardIsComposedPassByPass) {
   }
 }
 
+// A rank's first forward of each chunk in a step runs cold (after the optimizer step), every later
+// pass warm: the compute model prices micro-batch 0's forward at the composition's first_forward,
+// the other forwards and every backward at the warm factors, and a simulated step holds both.
+TEST(CalibratedCompute, AChunksFirstForwardOfAStepIsPricedCold) {
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::interleaved_1f1b, DType::fp32);
+  c.parallelism.virtual_pipeline_stages = 2;
+  const Plan bare = Plan::from_config(c);
+  HardwareProfile p = uniform_profile(bare, 0.05, 10);
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const RooflineComputeModel plain(Plan::from_config(c));
+  p.composition = Composition{1.1, 1.2, 0, 1.3};
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const Plan plan = Plan::from_config(c);
+  const RooflineComputeModel composed(plan);
+  const Schedule schedule = build_schedule(plan);
+  int firsts = 0, others = 0;
+  for (int r = 0; r < plan.num_ranks(); ++r)
+    for (const Op& op : schedule.ranks[static_cast<std::size_t>(r)].ops) {
+      if (op.kind != OpKind::Forward && op.kind != OpKind::Backward) continue;
+      const double base = op.kind == OpKind::Forward ? plain.chunk(op.chunk).forward : plain.chunk(op.chunk).backward();
+      const double factor = op.kind == OpKind::Backward ? 1.2 : op.microbatch == 0 ? 1.3 : 1.1;
+      EXPECT_NEAR(ticks_to_seconds(composed.duration(op, r)), factor * base, 2e-9) << op_label(op) << " rank " << r;
+      (op.kind == OpKind::Forward && op.microbatch == 0 ? firsts : others) += 1;
+    }
+  EXPECT_EQ(firsts, plan.num_virtual_stages());  // one per chunk
+  EXPECT_GT(others, firsts);
+  // Not measured (a profile without it): every forward at `forward`.
+  p.composition.first_forward = 0;
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const RooflineComputeModel unmeasured(Plan::from_config(c));
+  Op first;
+  first.kind = OpKind::Forward;
+  first.chunk = 0;
+  first.microbatch = 0;
+  EXPECT_NEAR(ticks_to_seconds(unmeasured.duration(first, 0)), 1.1 * plain.chunk(0).forward, 2e-9);
+}
+
+// The composition stage holds a rank's blocks, every chunk of it: a pipeline of two stages over four
+// layers gives each rank two, interleaved or not; one rank holds them all; uneven stages: the fullest.
+TEST(CalibratedCompute, TheCompositionStageHoldsARanksLayers) {
+  EXPECT_EQ(runtime::KernelCalibrator::compose_layers(
+                Plan::from_config(runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::fp32))), 4);
+  EXPECT_EQ(runtime::KernelCalibrator::compose_layers(
+                Plan::from_config(runtime_sized(2, 2, ScheduleKind::one_f_one_b, DType::fp32))), 2);
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::interleaved_1f1b, DType::fp32);
+  c.parallelism.virtual_pipeline_stages = 2;
+  EXPECT_EQ(runtime::KernelCalibrator::compose_layers(Plan::from_config(c)), 2);
+  c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
+  c.parallelism.layers_per_stage = {3, 1};
+  EXPECT_EQ(runtime::KernelCalibrator::compose_layers(Plan::from_config(c)), 3);
+}
+
 // A calibrated runtime's ZeRO collectives carry its copies around the ring at the profile's
 // shard_copy rate (a read and a write per element): stage 1's reduce-scatter packs the bucket and
 // takes its own section, (1 + 1/n) of the bucket; stage 2's adds its section into the shard, 1/n
@@ -278,7 +330,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.allreduce[4] = {55, 1.0};
   p.core_handoff_us = 21.5;
   p.allreduce_wire = DType::bf16;
-  p.composition = Composition{1.2, 1.1, 1.4};
+  p.composition = Composition{1.2, 1.1, 1.4, 1.35};
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
   fs::create_directories(dir);
   std::ofstream(dir / "p.yaml") << profile_to_yaml(p);
@@ -302,6 +354,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.allreduce_wire, DType::bf16);
   EXPECT_EQ(q.composition.backward_weight, 1.4);
   EXPECT_EQ(q.composition.forward, 1.2);
+  EXPECT_EQ(q.composition.first_forward, 1.35);
 }
 
 TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {

@@ -46,14 +46,38 @@ std::vector<int> collective_group_sizes(const Plan& plan) {
 }
 
 // Ranks that share cores by turns run one compute op per core at a time: every rank at the cores'
-// mean speed side by side.
+// mean speed side by side. Each op finds its core as another rank's op left it, cold, which the
+// factors (timed so) hold: no pass is priced cold apart.
 HardwareProfile turn_profile(HardwareProfile p, int ranks) {
+  p.composition.first_forward = 0;
   if (!p.core_factors.empty()) {
     double mean = 0;
     for (double f : p.core_factors) mean += f / static_cast<double>(p.core_factors.size());
     p.core_factors.assign(static_cast<std::size_t>(ranks), mean);
   }
   return p;
+}
+
+// The cores' factors around the step the run reports (its median): from the passes between the
+// steps kCoreFactorSteps before and after it. A shared host slows one core by 20-70% in bursts of
+// a few to tens of passes; the median over the whole run then lands in or out of a burst by how
+// many passes it covered, not by what the reported step met (a bubble 0.05 off in one run of four).
+// All of the run's passes where the step is unknown.
+constexpr int kCoreFactorSteps = 2;
+std::vector<double> step_core_factors(const runtime::KernelCalibrator& kernels, const runtime::RunReport& run,
+                                      const std::vector<int>& passes_after_step, int passes_between_steps) {
+  const auto& steps = run.steps;
+  const auto it = std::find_if(steps.begin(), steps.end(),
+                               [&](const runtime::StepRecord& s) { return s.step == run.timeline_step; });
+  const int n = static_cast<int>(std::min(steps.size(), passes_after_step.size()));
+  const int i = static_cast<int>(it - steps.begin());
+  if (it == steps.end() || i >= n) return kernels.core_factors();
+  const int first = i - kCoreFactorSteps - 1 >= 0 ? passes_after_step[static_cast<std::size_t>(i - kCoreFactorSteps - 1)]
+                                                  : std::max(0, passes_after_step[0] - passes_between_steps);
+  const int last = std::min(i + kCoreFactorSteps, n - 1);
+  const std::vector<double> f =
+      kernels.core_factors(first, passes_after_step[static_cast<std::size_t>(last)] + passes_between_steps);
+  return f.empty() ? kernels.core_factors() : f;
 }
 
 // Of the optimizer step's priced time, the passes before its gradient norm's all-reduce: unscaling
@@ -224,7 +248,11 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     const std::unique_ptr<runtime::KernelCalibrator> kernels = record.kernels(v.plan, co);
     kernels->run_until_settled();
     const int before = kernels->passes_done();
-    ro.on_step = [&](const runtime::StepRecord&) { kernels->run_passes(o.passes_between_steps); };
+    std::vector<int> passes_after_step;  // [i]: passes done when the run's i-th step ended
+    ro.on_step = [&](const runtime::StepRecord&) {
+      passes_after_step.push_back(kernels->passes_done());
+      kernels->run_passes(o.passes_between_steps);
+    };
     say("running, with calibration passes between steps");
     HardwareProfile settled = v.profile;
     settled.kernels = kernels->rates();
@@ -233,7 +261,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.measured = run(settled);
     v.profile.kernels = kernels->rates();
     v.profile.composition = kernels->composition();
-    v.profile.core_factors = kernels->core_factors();
+    v.profile.core_factors = step_core_factors(*kernels, v.measured, passes_after_step, o.passes_between_steps);
     v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;
@@ -326,10 +354,14 @@ std::string format_validation(const Validation& v) {
   std::ostringstream out;
   out << fmt::format("{} — predicted with the calibrated profile vs measured on the {} backend\n",
                      plan.config.name, backend_title(v.backend));
-  out << fmt::format("  profile  {} ({}, measured {}): {} kernels, in-layer composition x{:.2f} forward, x{:.2f} "
+  out << fmt::format("  profile  {} ({}, measured {}): {} kernels, in-layer composition x{:.2f} forward{}, x{:.2f} "
                      "backward{}{}\n",
                      v.profile.name, v.profile.device, v.profile.measured, v.profile.kernels.size(),
-                     v.profile.composition.forward, v.profile.composition.backward,
+                     v.profile.composition.forward,
+                     v.profile.composition.first_forward > 0
+                         ? fmt::format(" (a step's first x{:.2f})", v.profile.composition.first_forward)
+                         : std::string(),
+                     v.profile.composition.backward,
                      v.profile.composition.backward_weight > 0
                          ? fmt::format(" input pass, x{:.2f} weight pass", v.profile.composition.backward_weight)
                          : std::string(),

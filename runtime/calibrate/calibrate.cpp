@@ -45,15 +45,8 @@ void KernelCalibrator::run_passes(int passes) {
         total += t;
       }
       pass_seconds_.push_back(total);
-      const StageSeconds cold = clock_->time_stage();
-      stage_forward_.push_back(cold.forward);
-      stage_backward_.push_back(cold.backward);
-      stage_backward_weight_.push_back(cold.backward_weight);
-      if (clock_->stage_ranks() > 1) {
-        const StageSeconds warm = clock_->time_stage();
-        warm_forward_.push_back(warm.forward);
-        warm_backward_.push_back(warm.backward + warm.backward_weight);
-      }
+      cold_.push_back(clock_->time_stage());
+      warm_.push_back(clock_->time_stage());
     }
   });
   if (clock_->stage_ranks() > 1)
@@ -79,13 +72,48 @@ std::vector<KernelRate> KernelCalibrator::rates() const {
 
 Composition KernelCalibrator::composition() const {
   // The same stage priced from its kernels, with the backend's storage bytes.
-  return stage_composition(plan_.plan.config, kComposeLayers, storage_bytes_, rates(), median(stage_forward_),
-                           median(stage_backward_), median(stage_backward_weight_));
+  const auto compose = [&](const std::vector<StageSeconds>& t) {
+    std::vector<double> f, b, w;
+    for (const StageSeconds& s : t) {
+      f.push_back(s.forward);
+      b.push_back(s.backward);
+      w.push_back(s.backward_weight);
+    }
+    return stage_composition(plan_.plan.config, compose_layers(plan_.plan), storage_bytes_, rates(), median(f),
+                             median(b), median(w));
+  };
+  Composition out = compose(warm_);
+  out.first_forward = compose(cold_).forward;
+  return out;
 }
 
-std::vector<double> KernelCalibrator::core_factors() const {
+int KernelCalibrator::compose_layers(const Plan& plan) {
+  int most = 1;
+  for (int s = 0; s < plan.pp; ++s) {
+    int layers = 0;
+    for (int j = 0; j < plan.vpp; ++j) layers += plan.layers_per_virtual_stage[static_cast<std::size_t>(j * plan.pp + s)];
+    most = std::max(most, layers);
+  }
+  return most;
+}
+
+std::vector<double> KernelCalibrator::core_factors() const { return core_factors(0, passes_done()); }
+
+std::vector<double> KernelCalibrator::core_factors(int first_pass, int end_pass) const {
   if (clock_->stage_ranks() <= 1) return {};
-  return stage_factors(warm_forward_, warm_backward_, rank_seconds_);
+  first_pass = std::clamp(first_pass, 0, passes_done());
+  end_pass = std::clamp(end_pass, first_pass, passes_done());
+  if (first_pass == end_pass) return {};
+  std::vector<double> forward, backward;
+  for (int p = first_pass; p < end_pass; ++p) {
+    const StageSeconds& s = warm_[static_cast<std::size_t>(p)];
+    forward.push_back(s.forward);
+    backward.push_back(s.backward + s.backward_weight);
+  }
+  std::vector<std::vector<double>> together;
+  for (const std::vector<double>& rank : rank_seconds_)
+    together.emplace_back(rank.begin() + first_pass, rank.begin() + end_pass);
+  return stage_factors(forward, backward, together);
 }
 
 bool KernelCalibrator::core_factors_include_tensor_parallel() const {

@@ -99,15 +99,22 @@ class KernelCalibrator {
   void run_passes(int passes);
   void run_until_settled();  // passes until options' min_passes and min_seconds
   std::vector<KernelRate> rates() const;  // throws std::logic_error before any pass
-  // The runtime's own blocks (a middle stage of kComposeLayers) against the sum of their
+  // The runtime's own blocks (a middle stage of compose_layers) against the sum of their
   // kernels' times: how much faster or slower kernels run in sequence inside a layer than
   // alone (operands left in cache by the kernel before, or evicted by the layer's traffic).
+  // Warm (the stage right after itself), with the cold stage's forward as `first_forward`.
   Composition composition() const;
-  static constexpr int kComposeLayers = 2;
+  // The composition stage's blocks: as many as the plan's fullest rank holds (all its chunks),
+  // so that the stage's weights and activations press on the caches as a rank's passes do
+  // between one forward and the next.
+  static int compose_layers(const Plan& plan);
   // Per rank: the stage's time with every rank running it at once (each on its core or its
   // streams), against its time alone on rank 0's (HardwareProfile::core_factors). Empty for one
   // rank, or when the ranks are not timed together.
   std::vector<double> core_factors() const;
+  // The same from passes [first_pass, end_pass) only (clamped to the passes done; empty when none
+  // is left): the cores as they were in one stretch of the calibration.
+  std::vector<double> core_factors(int first_pass, int end_pass) const;
   // core_factors() hold the tensor-parallel shards' collectives (KernelClock::stages_run_tensor_parallel).
   bool core_factors_include_tensor_parallel() const;
   std::size_t num_kernels() const;
@@ -124,11 +131,11 @@ class KernelCalibrator {
   std::unique_ptr<KernelClock> clock_;
   std::vector<std::vector<double>> samples_;       // [kernel][pass]
   std::vector<double> pass_seconds_;               // all kernels, per pass
-  std::vector<double> stage_forward_, stage_backward_;  // rank 0 alone, per pass (after the kernels: cold)
-  std::vector<double> stage_backward_weight_;           // its weight pass, where the backward is split
-  // Rank 0 alone again right after (warm, as time_stages_together times every rank's stage): the
-  // core factors' base, so that a factor is contention alone, not also the caches' state.
-  std::vector<double> warm_forward_, warm_backward_;
+  // Rank 0's stage alone, per pass: right after the pass's kernels (cold: as a rank's first
+  // forward of a step finds its data evicted by the optimizer step and the steps between), and
+  // again right after itself (warm: as every later pass of a step runs, one after another on the
+  // same stage; also the core factors' base, so that a factor is contention alone).
+  std::vector<StageSeconds> cold_, warm_;
   std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
 };
 

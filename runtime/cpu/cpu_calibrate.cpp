@@ -308,10 +308,10 @@ class CpuClock final : public KernelClock {
     const int cores = host_cores();
     shared_ = pin_ && plan.plan.num_ranks() * plan.plan.tp > cores;
     for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
-    // A middle stage of kComposeLayers blocks at the plan's shapes, one per core that runs a rank
+    // A middle stage of a rank's blocks at the plan's shapes, one per core that runs a rank
     // (ranks that share cores run one compute op per core at a time: as many as the cores; a
     // tensor-parallel plan's ranks are its shards).
-    StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    StageSpec spec = middle_stage_spec(plan, KernelCalibrator::compose_layers(plan.plan));
     const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;
     const int ranks = pin_ ? std::min(world, cores) : 1;
     for (int c = 0; c < ranks; ++c) {

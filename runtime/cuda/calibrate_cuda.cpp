@@ -473,9 +473,9 @@ class CudaClock final : public KernelClock {
  public:
   CudaClock(const RuntimePlan& plan, const std::vector<KernelWork>& kernels, const CudaCalibrateOptions& cuda)
       : partition_(plan.plan.num_ranks(), cuda.sm_sharing, cuda.device) {
-    // A middle stage (no embedding, no head) of kComposeLayers blocks at the plan's shapes, one per
+    // A middle stage (no embedding, no head) of a rank's blocks at the plan's shapes, one per
     // rank.
-    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::kComposeLayers);
+    const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::compose_layers(plan.plan));
     on_timing_thread([&] {
       const StreamHandle stream = partition_.streams(0).compute;
       timer_ = std::make_unique<KernelTimer>(plan, stream);

@@ -80,7 +80,9 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     const ChunkSeconds tp = in_factors ? ChunkSeconds{} : tensor_parallel_seconds(plan, vs, profile, storage);
     ChunkSeconds c;
     const Composition& in_layer = profile.composition;
-    c.forward = in_layer.forward * kernels_seconds(k.forward, profile, rate, hbm) + tp.forward;
+    const double forward_kernels = kernels_seconds(k.forward, profile, rate, hbm);
+    c.forward = in_layer.forward * forward_kernels + tp.forward;
+    if (in_layer.first_forward > 0) c.first_forward = in_layer.first_forward * forward_kernels + tp.forward;
     c.backward_input = in_layer.backward * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input;
     const double weight_pass = in_layer.backward_weight > 0 ? in_layer.backward_weight : in_layer.backward;
     c.backward_weight = weight_pass * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
@@ -336,13 +338,20 @@ const KernelInventoryCache::Entry& KernelInventoryCache::of(const Plan& plan) {
   return *entries_.front();
 }
 
+namespace {
+
+std::array<Tick, 5> chunk_ticks(const RooflineComputeModel::ChunkSeconds& c) {
+  return {seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()), seconds_to_ticks(c.backward_input),
+          seconds_to_ticks(c.backward_weight), seconds_to_ticks(c.first_forward > 0 ? c.first_forward : c.forward)};
+}
+
+}  // namespace
+
 RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCache* cache) {
   const ScenarioConfig& cfg = plan.config;
   if (cfg.cluster.calibrated) {
     price_from_profile(plan, *cfg.cluster.calibrated);
-    for (const auto& c : chunks_)
-      chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),
-                              seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});
+    for (const auto& c : chunks_) chunk_ticks_.push_back(chunk_ticks(c));
     return;
   }
   // Every kernel Megatron-LM / PyTorch launches for the op, each priced by what bounds it:
@@ -393,9 +402,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCach
   optimizer_ticks_.reserve(static_cast<std::size_t>(plan.num_ranks()));
   for (int r = 0; r < plan.num_ranks(); ++r) optimizer_ticks_.push_back(of_stage[static_cast<std::size_t>(plan.stage_of(r))]);
   chunk_ticks_.reserve(chunks_.size());
-  for (const auto& c : chunks_)
-    chunk_ticks_.push_back({seconds_to_ticks(c.forward), seconds_to_ticks(c.backward()),
-                            seconds_to_ticks(c.backward_input), seconds_to_ticks(c.backward_weight)});
+  for (const auto& c : chunks_) chunk_ticks_.push_back(chunk_ticks(c));
 }
 
 }  // namespace trainsim

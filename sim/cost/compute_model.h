@@ -65,7 +65,7 @@ class RooflineComputeModel final : public ComputeModel {
   Tick duration(const Op& op, int rank) const override {
     int k = 0;
     switch (op.kind) {
-      case OpKind::Forward: k = 0; break;
+      case OpKind::Forward: k = op.microbatch == 0 ? 4 : 0; break;  // a chunk's first forward of the step: cold
       case OpKind::Backward: k = 1; break;
       case OpKind::BackwardInput: k = 2; break;
       case OpKind::BackwardWeight: k = 3; break;
@@ -80,6 +80,9 @@ class RooflineComputeModel final : public ComputeModel {
 
   struct ChunkSeconds {
     double forward = 0, backward_input = 0, backward_weight = 0;
+    // The chunk's first forward of a step (micro-batch 0), where a calibrated profile measured
+    // it apart (Composition::first_forward); 0: at `forward`.
+    double first_forward = 0;
     double backward() const { return backward_input + backward_weight; }
   };
   const ChunkSeconds& chunk(int vstage) const { return chunks_.at(vstage); }
@@ -88,9 +91,9 @@ class RooflineComputeModel final : public ComputeModel {
   void price_from_profile(const Plan& plan, const HardwareProfile& profile);
 
   std::vector<ChunkSeconds> chunks_;
-  // Pricing an op is a lookup: [chunk][Forward, Backward, BackwardInput, BackwardWeight],
-  // and the optimizer step per rank.
-  std::vector<std::array<Tick, 4>> chunk_ticks_;
+  // Pricing an op is a lookup: [chunk][Forward, Backward, BackwardInput, BackwardWeight, the
+  // first Forward], and the optimizer step per rank.
+  std::vector<std::array<Tick, 5>> chunk_ticks_;
   std::vector<Tick> optimizer_ticks_;
   std::vector<double> rank_factors_;  // a calibrated profile's per-core factors, by rank; empty: all 1
 };

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/kernel_inventory.h"
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
 #include "runtime/cpu/cpu_calibrate.h"
@@ -445,10 +446,15 @@ class ScriptedClock final : public KernelClock {
     return cold ? StageSeconds{0.6, 1.2} : StageSeconds{0.5, 1.0};  // cold 1.8 s, warm 1.5 s
   }
   int stage_ranks() const override { return 2; }
-  std::vector<double> time_stages_together() override { return {1.65, 1.8}; }
+  // Core 1 in a burst of slowness in passes 3 to 5.
+  std::vector<double> time_stages_together() override {
+    const int pass = together_calls_++;
+    return {1.65, pass >= 3 && pass < 6 ? 2.4 : 1.8};
+  }
 
  private:
   int stage_calls_ = 0;
+  int together_calls_ = 0;
 };
 
 // A core factor is contention alone: a rank's stage timed with every rank's at once (warm, each
@@ -466,6 +472,41 @@ TEST(KernelCalibrator, CoreFactorsDivideByTheWarmStageAlone) {
   ASSERT_EQ(factors.size(), 2u);
   EXPECT_DOUBLE_EQ(factors[0], 1.65 / 1.5);
   EXPECT_DOUBLE_EQ(factors[1], 1.8 / 1.5);
+}
+
+// Factors from a stretch of passes see the cores as they were then: a burst on core 1 in passes 3-5
+// is all of that stretch's factor, and outside the median over every pass.
+TEST(KernelCalibrator, CoreFactorsOfAStretchOfPasses) {
+  const RuntimePlan plan = make_runtime_plan(testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2));
+  KernelCalibrator calibrator(plan, CalibrateOptions{}, {}, 4, [](const RuntimePlan&, const CalibrateOptions&,
+                                                                  const std::vector<KernelWork>&) {
+    return std::make_unique<ScriptedClock>();
+  });
+  calibrator.run_passes(9);
+  EXPECT_DOUBLE_EQ(calibrator.core_factors()[1], 1.8 / 1.5);
+  EXPECT_DOUBLE_EQ(calibrator.core_factors(3, 6)[1], 2.4 / 1.5);
+  EXPECT_DOUBLE_EQ(calibrator.core_factors(3, 6)[0], 1.65 / 1.5);
+  EXPECT_DOUBLE_EQ(calibrator.core_factors(6, 100)[1], 1.8 / 1.5);  // clamped to the passes done
+  EXPECT_TRUE(calibrator.core_factors(9, 12).empty());
+}
+
+// The composition is the warm stage's (as a step's later passes run), its first forward the cold
+// stage's: with every kernel of the middle stage at 1 ms, the two forwards differ as the stage's two
+// timings do (0.6 s cold, 0.5 s warm).
+TEST(KernelCalibrator, CompositionIsWarmWithTheColdFirstForward) {
+  const RuntimePlan plan = make_runtime_plan(testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2));
+  KernelCalibrator calibrator(plan, CalibrateOptions{}, distinct_kernels(plan.plan, 4), 4,
+                              [](const RuntimePlan&, const CalibrateOptions&, const std::vector<KernelWork>&) {
+                                return std::make_unique<ScriptedClock>();
+                              });
+  calibrator.run_passes(3);
+  const Composition c = calibrator.composition();
+  ASSERT_GT(c.forward, 0);
+  EXPECT_NEAR(c.first_forward / c.forward, 0.6 / 0.5, 1e-12);
+  const Composition unit = stage_composition(plan.plan.config, KernelCalibrator::compose_layers(plan.plan), 4,
+                                             calibrator.rates(), 1, 1, 0);
+  EXPECT_NEAR(c.forward, 0.5 * unit.forward, 1e-12);
+  EXPECT_NEAR(c.backward, 1.0 * unit.backward, 1e-12);
 }
 
 // ---------------------------------------------------------------------------------------
