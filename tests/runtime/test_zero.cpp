@@ -116,7 +116,9 @@ TEST(ShardLayout, Stage3UnitsAreTheOnesTheSimulatorPrices) {
         double all = 0;
         for (const GatherUnit& u : z.units) all += static_cast<double>(u.elements);
         // One stage of 8 blocks: the embedding and the head are one unit when tied, two when not.
-        if (pp * vpp == 1) EXPECT_EQ(z.gathers(true).size(), tied ? 9u : 10u);
+        if (pp * vpp == 1) {
+          EXPECT_EQ(z.gathers(true).size(), tied ? 9u : 10u);
+        }
         for (const bool forward : {true, false}) {
           const std::vector<int> units = z.gathers(forward);
           const Plan::GatherUnits priced = rp.plan.zero3_gather_units(vs, forward);
