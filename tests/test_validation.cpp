@@ -516,6 +516,31 @@ TEST(MeasuredResult, SplitsIdleTimeAsThePredictionDoes) {
 
 // validate on a backend other than the CPU's (the CUDA one comes from the command line): the
 // profile is the backend's calibration, the measurement its run, and the report says which ran.
+// The core factors' passes around the reported step: a run of 8 steps (numbered from 1) after 10
+// calibration passes, 2 passes after each step, so step k (index k-1) ended at 10 + 2 (k-1) passes.
+TEST(Validate, CoreFactorsComeFromThePassesAroundTheReportedStep) {
+  runtime::RunReport run;
+  std::vector<int> after;
+  for (int k = 1; k <= 8; ++k) {
+    runtime::StepRecord r;
+    r.step = k;
+    run.steps.push_back(r);
+    after.push_back(10 + 2 * (k - 1));
+  }
+  const auto window = [&](int step, int each_side) {
+    run.timeline_step = step;
+    return validation::passes_around_step(run, after, 2, each_side);
+  };
+  // Step 5 (index 4), two steps each side: from the passes after step 2 (before step 3) to the
+  // end of those after step 7.
+  EXPECT_EQ(window(5, 2), (std::pair{12, 24}));
+  EXPECT_EQ(window(5, 0), (std::pair{16, 20}));  // before it and after it
+  // Near the ends: the calibration's last passes before the first step, the passes after the last.
+  EXPECT_EQ(window(1, 2), (std::pair{8, 16}));
+  EXPECT_EQ(window(8, 2), (std::pair{18, 26}));
+  EXPECT_FALSE(window(9, 2).has_value());  // not a step of the run
+}
+
 TEST(Validate, CalibratesAndRunsThroughTheBackendItIsGiven) {
   ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::bf16);
   c.runtime.num_layers = 4, c.runtime.hidden_size = 128, c.runtime.num_attention_heads = 4;

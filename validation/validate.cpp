@@ -61,22 +61,13 @@ HardwareProfile turn_profile(HardwareProfile p, int ranks) {
 // The cores' factors around the step the run reports (its median): from the passes between the
 // steps kCoreFactorSteps before and after it. A shared host slows one core by 20-70% in bursts of
 // a few to tens of passes; the median over the whole run then lands in or out of a burst by how
-// many passes it covered, not by what the reported step met (a bubble 0.05 off in one run of four).
+// many passes it covered, not by what the reported step met (a bubble 0.05 off in two runs of four).
 // All of the run's passes where the step is unknown.
 constexpr int kCoreFactorSteps = 2;
 std::vector<double> step_core_factors(const runtime::KernelCalibrator& kernels, const runtime::RunReport& run,
                                       const std::vector<int>& passes_after_step, int passes_between_steps) {
-  const auto& steps = run.steps;
-  const auto it = std::find_if(steps.begin(), steps.end(),
-                               [&](const runtime::StepRecord& s) { return s.step == run.timeline_step; });
-  const int n = static_cast<int>(std::min(steps.size(), passes_after_step.size()));
-  const int i = static_cast<int>(it - steps.begin());
-  if (it == steps.end() || i >= n) return kernels.core_factors();
-  const int first = i - kCoreFactorSteps - 1 >= 0 ? passes_after_step[static_cast<std::size_t>(i - kCoreFactorSteps - 1)]
-                                                  : std::max(0, passes_after_step[0] - passes_between_steps);
-  const int last = std::min(i + kCoreFactorSteps, n - 1);
-  const std::vector<double> f =
-      kernels.core_factors(first, passes_after_step[static_cast<std::size_t>(last)] + passes_between_steps);
+  const auto window = passes_around_step(run, passes_after_step, passes_between_steps, kCoreFactorSteps);
+  const std::vector<double> f = window ? kernels.core_factors(window->first, window->second) : std::vector<double>{};
   return f.empty() ? kernels.core_factors() : f;
 }
 
@@ -147,6 +138,22 @@ std::string backend_title(const std::string& backend) {
   for (const runtime::Backend* b : runtime::backends())
     if (b->name == backend) return b->title;
   return backend;
+}
+
+std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& run,
+                                                      const std::vector<int>& passes_after_step,
+                                                      int passes_between_steps, int steps_each_side) {
+  const auto& steps = run.steps;
+  const auto it = std::find_if(steps.begin(), steps.end(),
+                               [&](const runtime::StepRecord& s) { return s.step == run.timeline_step; });
+  const int n = static_cast<int>(std::min(steps.size(), passes_after_step.size()));
+  const int i = static_cast<int>(it - steps.begin());
+  if (it == steps.end() || i >= n) return std::nullopt;
+  const auto after = [&](int k) { return passes_after_step[static_cast<std::size_t>(k)]; };
+  const int before = i - steps_each_side - 1;  // the step whose passes come just before the window's first
+  const int first = before >= 0 ? after(before) : std::max(0, after(0) - passes_between_steps);
+  const int end = after(std::min(i + steps_each_side, n - 1)) + passes_between_steps;
+  return std::pair{first, end};
 }
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r) {

@@ -15,6 +15,7 @@
 #include <iosfwd>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -106,6 +107,15 @@ nlohmann::ordered_json validation_to_json(const Validation& v);
 void write_validation_trace(const Validation& v, std::ostream& out);
 // The predicted timeline above the measured one, on one time axis.
 void write_validation_svg(const Validation& v, std::ostream& out);
+
+// The calibration passes around the step a run reports (its median), as [first, end): those run
+// between the steps `steps_each_side` before and after it (clamped to the run), where
+// `passes_after_step[i]` is how many passes were done when the run's i-th step ended and each step
+// was followed by `passes_between_steps`. Before the first step: the last `passes_between_steps` of
+// the calibration before the run. nullopt when the reported step is not among them.
+std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& run,
+                                                      const std::vector<int>& passes_after_step,
+                                                      int passes_between_steps, int steps_each_side);
 
 NumericsSummary summarize_numerics(const runtime::RunReport& r);
 // "CPU", "CUDA": a backend's name as a sentence says it (its record's title; a name the registry
