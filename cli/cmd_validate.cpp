@@ -21,7 +21,7 @@ Command add_validate_command(CLI::App& app) {
     std::string file, profile, trace, svg, baselines;
     BackendChoice backend;
     int steps = 0;
-    bool json = false, synthetic = false, update = false;
+    bool json = false, synthetic = false, update = false, by_op = false;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
@@ -31,6 +31,8 @@ Command add_validate_command(CLI::App& app) {
   sub->add_option("--profile", o->profile, "A profile from `trainsim calibrate` (default: calibrate now)");
   sub->add_option("--steps", o->steps, "Optimizer steps to run (default: runtime.steps)")->check(CLI::PositiveNumber);
   sub->add_flag("--json", o->json, "Print {\"predicted\", \"measured\", \"error\", \"numerics\"} instead of the table");
+  sub->add_flag("--by-op", o->by_op,
+                "Also print, per rank, each kind of op's time in the step predicted against measured (where the error comes from)");
   sub->add_option("--trace", o->trace, "Write the predicted and the measured timelines as one Perfetto trace");
   sub->add_option("--svg", o->svg, "Write the predicted timeline above the measured one");
   sub->add_flag("--synthetic", o->synthetic, "Train on synthetic tokens instead of the corpus");
@@ -72,6 +74,9 @@ Command add_validate_command(CLI::App& app) {
               std::cout << validation::validation_to_json(v).dump(2) << "\n";
             else
               std::cout << validation::format_validation(v);
+            if (o->by_op && !o->json)
+              std::cout << "\n  where the step's time went, summed per kind of op:\n"
+                        << validation::format_time_by_op_kind(validation::time_by_op_kind(v));
             if (!o->trace.empty())
               write_output(o->trace, [&](std::ostream& out) { validation::write_validation_trace(v, out); },
                            "open in https://ui.perfetto.dev");

@@ -516,6 +516,66 @@ TEST(MeasuredResult, SplitsIdleTimeAsThePredictionDoes) {
 
 // validate on a backend other than the CPU's (the CUDA one comes from the command line): the
 // profile is the backend's calibration, the measurement its run, and the report says which ran.
+// The by-op breakdown sums each kind of op of a rank, predicted and measured, a chunk's first
+// forward apart and a measured collective less its waits; a rank whose two programs differ is left
+// out rather than compared op by op against another program.
+TEST(Validate, TimeByOpKindSumsEachKindOfOpOfARank) {
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
+  c.training.global_batch_size = 8;  // 4 micro-batches of 2
+  const Plan plan = Plan::from_config(c);
+  auto schedule = std::make_shared<const Schedule>(build_schedule(plan));
+  validation::Validation v;
+  v.predicted.schedule = schedule;
+  v.measured.schedule = schedule;
+  v.predicted.timeline.schedule = schedule;
+  v.measured.timeline.schedule = schedule;
+  const Tick us = kTicksPerSecond / 1'000'000;
+  double forwards = 0, first = 0;
+  for (const RankProgram& prog : schedule->ranks) {
+    std::vector<OpTiming> p, m;
+    Tick t = 0;
+    for (std::size_t i = 0; i < prog.ops.size(); ++i) {
+      const Tick d = static_cast<Tick>(i + 1) * us;
+      p.push_back({t, t + d, 0});
+      // Measured twice as long; a collective waited half of it.
+      const bool collective = prog.ops[i].kind == OpKind::AllReduce;
+      m.push_back({t, t + 2 * d, collective ? d : 0});
+      if (prog.rank == 0 && prog.ops[i].kind == OpKind::Forward)
+        (prog.ops[i].microbatch == 0 ? first : forwards) += ticks_to_seconds(d);
+      t += 2 * d;
+    }
+    v.predicted.timeline.ops.push_back(p);
+    v.measured.timeline.ops.push_back(m);
+  }
+  const std::vector<validation::OpKindTime> rows = validation::time_by_op_kind(v);
+  auto row = [&](int rank, const std::string& kind) {
+    for (const auto& x : rows)
+      if (x.rank == rank && x.kind == kind) return x;
+    ADD_FAILURE() << "no row " << rank << " " << kind;
+    return validation::OpKindTime{};
+  };
+  EXPECT_EQ(row(0, "F first").count, 1);
+  EXPECT_NEAR(row(0, "F first").predicted_s, first, 1e-15);
+  EXPECT_EQ(row(0, "F").count, 3);
+  EXPECT_NEAR(row(0, "F").predicted_s, forwards, 1e-15);
+  EXPECT_NEAR(row(0, "F").measured_s, 2 * forwards, 1e-15);
+  EXPECT_EQ(row(0, "B").count, 4);
+  EXPECT_EQ(row(1, "recv act").count, 4);
+  const auto ar = row(0, "AR embedding");  // the tied embedding's sum: waited half, measured once
+  EXPECT_EQ(ar.count, 1);
+  EXPECT_NEAR(ar.measured_s, ar.predicted_s, 1e-15);
+  // Every op of a rank is in exactly one row.
+  int ops = 0;
+  for (const auto& x : rows) ops += x.rank == 0 ? x.count : 0;
+  EXPECT_EQ(ops, static_cast<int>(schedule->ranks[0].ops.size()));
+  // A measured program that differs: that rank is left out.
+  Schedule other = *schedule;
+  other.ranks[1].ops.pop_back();
+  v.measured.timeline.schedule = std::make_shared<const Schedule>(other);
+  for (const auto& x : validation::time_by_op_kind(v)) EXPECT_EQ(x.rank, 0) << x.kind;
+  EXPECT_NE(validation::format_time_by_op_kind(rows).find("F first"), std::string::npos);
+}
+
 // The core factors' passes around the reported step: a run of 8 steps (numbered from 1) after 10
 // calibration passes, 2 passes after each step, so step k (index k-1) ended at 10 + 2 (k-1) passes.
 TEST(Validate, CoreFactorsComeFromThePassesAroundTheReportedStep) {

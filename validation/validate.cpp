@@ -1,6 +1,7 @@
 #include "validation/validate.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <ostream>
 #include <regex>
@@ -356,6 +357,57 @@ double peak_memory_error(const Validation& v) {
   return worst;
 }
 
+std::vector<OpKindTime> time_by_op_kind(const Validation& v) {
+  std::vector<OpKindTime> rows;
+  const Schedule* ps = v.predicted.schedule.get();
+  const Schedule* ms = v.measured.timeline.schedule ? v.measured.timeline.schedule.get() : v.measured.schedule.get();
+  if (!ps || !ms) return rows;
+  const auto& pt = v.predicted.timeline.ops;
+  const auto& mt = v.measured.timeline.ops;
+  for (std::size_t r = 0; r < ps->ranks.size() && r < ms->ranks.size() && r < pt.size() && r < mt.size(); ++r) {
+    const auto& ops = ps->ranks[r].ops;
+    const auto& other = ms->ranks[r].ops;
+    bool same = ops.size() == other.size() && pt[r].size() == ops.size() && mt[r].size() == ops.size();
+    for (std::size_t i = 0; same && i < ops.size(); ++i)
+      same = ops[i].kind == other[i].kind && ops[i].microbatch == other[i].microbatch && ops[i].chunk == other[i].chunk;
+    if (!same) continue;
+    const std::size_t first_row = rows.size();
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const Op& op = ops[i];
+      std::string kind;
+      if (op.kind == OpKind::Forward && op.microbatch == 0) {
+        kind = "F first";
+      } else {
+        for (char c : op_label(op))
+          if (!std::isdigit(static_cast<unsigned char>(c))) kind += c;
+        while (!kind.empty() && kind.back() == ' ') kind.pop_back();
+      }
+      auto it = std::find_if(rows.begin() + static_cast<std::ptrdiff_t>(first_row), rows.end(),
+                             [&](const OpKindTime& x) { return x.kind == kind; });
+      if (it == rows.end()) {
+        rows.push_back({static_cast<int>(r), kind, 0, 0, 0});
+        it = rows.end() - 1;
+      }
+      const OpTiming& a = pt[r][i];
+      const OpTiming& b = mt[r][i];
+      it->count += 1;
+      it->predicted_s += ticks_to_seconds(a.end - a.start - a.waited);
+      it->measured_s += ticks_to_seconds(b.end - b.start - b.waited);
+    }
+  }
+  return rows;
+}
+
+std::string format_time_by_op_kind(const std::vector<OpKindTime>& rows) {
+  std::string o = fmt::format("  {:<6} {:<16} {:>6} {:>14} {:>14} {:>9}\n", "rank", "op", "count", "predicted",
+                              "measured", "error");
+  for (const OpKindTime& x : rows)
+    o += fmt::format("  {:<6} {:<16} {:>6} {:>14} {:>14} {:>9}\n", x.rank, x.kind, x.count,
+                     format_seconds(x.predicted_s), format_seconds(x.measured_s),
+                     x.measured_s > 0 ? fmt::format("{:+.1f}%", 100 * (x.predicted_s / x.measured_s - 1)) : "-");
+  return o;
+}
+
 std::string format_validation(const Validation& v) {
   const Plan& plan = v.plan.plan;
   std::ostringstream out;
@@ -437,6 +489,14 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
   }
   err["ranks"] = ranks;
   j["error"] = err;
+  nlohmann::ordered_json by_op = nlohmann::ordered_json::array();
+  for (const OpKindTime& x : time_by_op_kind(v))
+    by_op.push_back({{"rank", x.rank},
+                     {"op", x.kind},
+                     {"count", x.count},
+                     {"predicted_s", round6(x.predicted_s)},
+                     {"measured_s", round6(x.measured_s)}});
+  j["by_op"] = by_op;
   const NumericsSummary& n = v.numerics;
   j["numerics"] = {{"stable", n.stable},
                    {"steps", n.steps},

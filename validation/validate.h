@@ -100,6 +100,20 @@ struct MetricError {
 std::vector<MetricError> errors_of(const Validation& v);
 double peak_memory_error(const Validation& v);  // largest relative error of any rank's peak
 
+// Where the step's time went, predicted against measured: per rank, the summed duration of each
+// kind of op of the reported step (op_label without its numbers: "F", "B", "AR b", "AG w rest",
+// "recv grad" (the time blocked on it), ...; a chunk's first forward of the step apart as
+// "F first"); a measured collective less its waits (OpTiming::waited). In the order the kinds
+// first appear in the rank's program. Ranks whose two programs differ are left out.
+struct OpKindTime {
+  int rank = 0;
+  std::string kind;
+  int count = 0;
+  double predicted_s = 0, measured_s = 0;
+};
+std::vector<OpKindTime> time_by_op_kind(const Validation& v);
+std::string format_time_by_op_kind(const std::vector<OpKindTime>& rows);
+
 std::string format_validation(const Validation& v);
 // {"predicted": <result>, "measured": <result + steps>, "error": {...}, "numerics": {...}, ...}
 nlohmann::ordered_json validation_to_json(const Validation& v);
