@@ -726,13 +726,22 @@ const char* kAccepted =
 TEST(Baselines, WithinToleranceAndTargetsPassesFirstTime) {
   BaselineFolder f(kAccepted);
   validation::BaselineOptions o;
-  o.validate_plan = [](const Scenario&) { return with_errors(0.02, 0.01, 0.008); };
+  o.validate_plan = [](const Scenario& s) {
+    validation::Validation v = with_errors(0.02, 0.01, 0.008);
+    if (s.config.name == "a.yaml") v.profile.core_factors = {1.05, 1.64};  // b.yaml: one rank, none
+    return v;
+  };
   const auto r = validation::check_baselines(f.dir.string(), o);
   EXPECT_TRUE(r.passed) << validation::format_baseline_report(r);
   ASSERT_EQ(r.plans.size(), 2u);
   EXPECT_EQ(r.plans[0].attempts, 1);
   EXPECT_NEAR(r.median_step_error, 0.02, 1e-12);
   EXPECT_NEAR(r.max_memory_error, 0.008, 1e-12);
+  // How busy the host was: each plan's largest core factor, in the table.
+  EXPECT_EQ(r.plans[0].core_contention, 1.64);
+  EXPECT_EQ(r.plans[1].core_contention, 0);
+  const std::string table = validation::format_baseline_report(r);
+  EXPECT_NE(table.find(" x1.64 "), std::string::npos) << table;
 }
 
 TEST(Baselines, OneSlowRunIsRetriedADriftFailsEveryAttempt) {

@@ -79,6 +79,8 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
       out.allreduce_error = errors[2].error;
       out.memory_error = peak_memory_error(v);
       out.machine_drift = v.machine_drift;
+      out.core_contention = 0;
+      for (double f : v.profile.core_factors) out.core_contention = std::max(out.core_contention, f);
       out.stable = v.numerics.stable;
       out.failures.clear();
       if (options.update) {
@@ -160,12 +162,13 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
 
 std::string format_baseline_report(const BaselineReport& r) {
   std::ostringstream o;
-  o << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10} {:>9} {:>8}  {}\n", "plan", "step time", "bubble", "peak mem",
-                   "all-reduce", "machine", "numerics", "verdict");
+  o << fmt::format("{:<28} {:>10} {:>10} {:>10} {:>10} {:>9} {:>6} {:>8}  {}\n", "plan", "step time", "bubble",
+                   "peak mem", "all-reduce", "machine", "cores", "numerics", "verdict");
   for (const auto& p : r.plans) {
-    o << fmt::format("{:<28} {:>+9.1f}% {:>+10.3f} {:>+9.2f}% {:>+9.1f}% {:>+8.1f}% {:>8}  {}{}\n", p.file,
+    o << fmt::format("{:<28} {:>+9.1f}% {:>+10.3f} {:>+9.2f}% {:>+9.1f}% {:>+8.1f}% {:>6} {:>8}  {}{}\n", p.file,
                      100 * p.step_time_error, p.bubble_error, 100 * p.memory_error,
                      std::isfinite(p.allreduce_error) ? 100 * p.allreduce_error : 0.0, 100 * p.machine_drift,
+                     p.core_contention > 0 ? fmt::format("x{:.2f}", p.core_contention) : std::string("-"),
                      p.stable ? "stable" : "unstable", p.failures.empty() ? "ok" : "FAIL",
                      p.attempts > 1 ? fmt::format(" ({} attempts)", p.attempts) : std::string());
     for (const auto& f : p.failures) o << "    " << f << "\n";

@@ -38,6 +38,10 @@ struct BaselineOutcome {
   double accepted_step = 0, accepted_bubble = 0, accepted_memory = 0;
   double tolerance_step = 0, tolerance_bubble = 0, tolerance_memory = 0;
   double machine_drift = 0;
+  // The largest core factor of the validation's profile (HardwareProfile::core_factors): how much
+  // slower a core ran with every rank computing than one alone. 1.03-1.08 on a quiet 2-core host,
+  // 1.6 and more when the host is busy; 0 for one rank.
+  double core_contention = 0;
   int attempts = 1;
   bool stable = true;
   std::vector<std::string> failures;
