@@ -131,7 +131,10 @@ class Compiler {
   std::int32_t slot_of(std::int32_t rank, std::int32_t op) const { return out_->first_slot[rank] + op; }
 
   std::int32_t compute_price(std::int32_t r, const Op& op, std::int32_t index) {
-    const auto key = std::make_tuple(r, static_cast<int>(op.kind), static_cast<int>(op.chunk), op.work);
+    // What RooflineComputeModel::duration reads: rank, kind, chunk, share of the work, and whether
+    // it is the chunk's first forward of the step (priced cold under a calibrated profile).
+    const bool first_forward = op.kind == OpKind::Forward && op.microbatch == 0;
+    const auto key = std::make_tuple(r, static_cast<int>(op.kind), static_cast<int>(op.chunk), first_forward, op.work);
     auto [it, added] = compute_prices_.try_emplace(key, 0);
     if (added) {
       out_->compute.push_back({r, index});
@@ -151,7 +154,7 @@ class Compiler {
   }
   std::int32_t collective_price(std::int32_t c) {
     const Collective& col = s_.collectives[c];
-    const auto key = std::make_tuple(static_cast<int>(col.kind) * 65536 + col.parts, col.bytes, col.members);
+    const auto key = std::make_tuple(static_cast<int>(col.kind), col.parts, col.bytes, col.members);
     auto [it, added] = collective_prices_.try_emplace(key, 0);
     if (added) {
       out_->collectives.push_back(c);
@@ -287,9 +290,9 @@ class Compiler {
   std::vector<std::int32_t> worklist_, inputs_;
   std::vector<std::uint8_t> dep_target_;  // per op slot
   std::int64_t completed_ = 0;
-  std::map<std::tuple<std::int32_t, int, int, double>, std::int32_t> compute_prices_;
+  std::map<std::tuple<std::int32_t, int, int, bool, double>, std::int32_t> compute_prices_;
   std::map<std::tuple<std::int32_t, std::int32_t, Bytes>, std::int32_t> send_prices_;
-  std::map<std::tuple<int, Bytes, std::vector<int>>, std::int32_t> collective_prices_;
+  std::map<std::tuple<int, int, Bytes, std::vector<int>>, std::int32_t> collective_prices_;
 };
 
 }  // namespace

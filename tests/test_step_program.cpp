@@ -143,6 +143,15 @@ class MicrobatchCompute final : public ComputeModel {
  public:
   Tick duration(const Op& op, int) const override { return is_compute(op.kind) ? 1000 + op.microbatch : 0; }
 };
+// As a calibrated profile prices compute: a chunk's first forward of the step (micro-batch 0)
+// cold, every other op of a kind and chunk alike.
+class FirstForwardCompute final : public ComputeModel {
+ public:
+  Tick duration(const Op& op, int) const override {
+    if (!is_compute(op.kind)) return 0;
+    return 1000 + 10 * op.chunk + (op.kind == OpKind::Forward && op.microbatch == 0 ? 300 : 0);
+  }
+};
 class RankedP2P final : public P2PModel {
  public:
   Tick duration(int from, int to, Bytes bytes) const override { return 31 + 5 * from + 3 * to + bytes % 97; }
@@ -228,9 +237,18 @@ TEST(StepProgram, TimelineEqualsTheEnginesOnRandomPlans) {
     ASSERT_TRUE(program.compile(full, false));
     EXPECT_TRUE(program.prices_hold(compute, p2p, collective));
     EXPECT_TRUE(program.prices_hold(ranked));
-    if (plan.num_microbatches > 1) {
+    // Micro-batches 1 and 2's forwards of a chunk share a price class (micro-batch 0's is its own:
+    // a calibrated profile prices it cold), so pricing by micro-batch must be caught.
+    if (plan.num_microbatches > 2) {
       EXPECT_FALSE(program.prices_hold(by_microbatch));
     }
+    // A first forward priced apart keeps the compiled program (its price is a class of its own).
+    const FirstForwardCompute first_forward;
+    const CostModels cold_first{&first_forward, &m.ranked_p2p, &m.sized};
+    EXPECT_TRUE(program.prices_hold(cold_first));
+    sim.run(full, cold_first, want);
+    program.run(cold_first, got);
+    ASSERT_TRUE(same_timeline(got, want, &where)) << "first forward priced apart: " << where;
     sim.run(full, compute, p2p, collective, want, false);
     program.run(compute, p2p, collective, got);
     ASSERT_TRUE(same_timeline(got, want, &where)) << where;

@@ -72,6 +72,7 @@ std::vector<KernelRate> KernelCalibrator::rates() const {
 
 Composition KernelCalibrator::composition() const {
   // The same stage priced from its kernels, with the backend's storage bytes.
+  const std::vector<KernelRate> measured = rates();
   const auto compose = [&](const std::vector<StageSeconds>& t) {
     std::vector<double> f, b, w;
     for (const StageSeconds& s : t) {
@@ -79,7 +80,7 @@ Composition KernelCalibrator::composition() const {
       b.push_back(s.backward);
       w.push_back(s.backward_weight);
     }
-    return stage_composition(plan_.plan.config, compose_layers(plan_.plan), storage_bytes_, rates(), median(f),
+    return stage_composition(plan_.plan.config, compose_layers(plan_.plan), storage_bytes_, measured, median(f),
                              median(b), median(w));
   };
   Composition out = compose(warm_);
