@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "core/metrics.h"
+#include "sim/core_contention.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/memory_model.h"
@@ -21,7 +22,9 @@ Prediction predict(const Plan& plan) {
   const RooflineComputeModel compute(plan);
   const LinkP2PModel p2p(plan);
   const NetworkCollectiveModel collective(plan);
-  p.timeline = simulate_schedule(p.schedule, CostModels{&compute, &p2p, &collective});
+  Simulation sim;
+  sim.run(p.schedule, compute, p2p, collective, p.timeline);
+  settle_core_contention(plan, p.schedule, compute, p2p, collective, sim, p.timeline);
   p.memory = MemoryModel(plan).peak_per_rank(*p.schedule);
   p.result = compute_result(plan, p.timeline, p.memory);
   return p;
@@ -189,6 +192,7 @@ const Prediction& Predictor::predict(const Plan& plan) {
   const LinkP2PModel p2p(plan);
   const NetworkCollectiveModel collective(plan);
   ws_->sim.run(schedule_, compute, p2p, collective, last_.timeline, replicas_symmetric(plan, s, collective));
+  settle_core_contention(plan, schedule_, compute, p2p, collective, ws_->sim, last_.timeline);
   last_.schedule = schedule_;
   finish(plan, MemoryModel(plan), s, ws_->sim.last_run_symmetric(), last_.result);
   return last_;
@@ -213,7 +217,10 @@ struct Predictor::Models {
 // else the variant whose compiled program runs it (built and compiled now if new).
 Predictor::Route Predictor::route(const Plan& plan, const Models& m, Result& out) {
   CachedSchedule& entry = ws_->lookup();
-  if (++entry.uses == 1) {  // a schedule not met lately: the engine, as without the cache
+  // A schedule not met lately: the engine, as without the cache. So too ranks that contend for
+  // their host's cores, whose ops the engine prices again from each round's overlaps.
+  const bool contend = cores_contend(plan);
+  if (++entry.uses == 1 || contend) {
     if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
     Schedule& s = *schedule_;
     bool symmetric = false;
@@ -225,6 +232,7 @@ Predictor::Route Predictor::route(const Plan& plan, const Models& m, Result& out
     if (!symmetric) {  // every rank simulated, as predict() does
       build_schedule_into(plan, s);
       ws_->sim.run(schedule_, m.compute, m.p2p, m.collective, last_.timeline, false);
+      settle_core_contention(plan, schedule_, m.compute, m.p2p, m.collective, ws_->sim, last_.timeline);
     }
     finish(plan, MemoryModel(plan), s, symmetric, out);
     return {};

@@ -13,6 +13,7 @@
 #include "core/hardware_profile.h"
 #include "core/kernel_inventory.h"
 #include "core/median.h"
+#include "core/metrics.h"
 #include "core/model_shape.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
@@ -21,6 +22,8 @@
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/p2p_model.h"
+#include "sim/core_contention.h"
+#include "sim/engine.h"
 #include "sim/simulator.h"
 #include "tests/test_helpers.h"
 #include "validation/baselines.h"
@@ -207,6 +210,113 @@ TEST(CalibratedCompute, TheCompositionStageHoldsARanksLayers) {
   c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
   c.parallelism.layers_per_stage = {3, 1};
   EXPECT_EQ(runtime::KernelCalibrator::compose_layers(Plan::from_config(c)), 3);
+}
+
+// Ranks that share a host's cores (sim/core_contention.h). A plan whose every thread has a core of
+// its own, with a calibrated profile whose core factors are `factors`.
+Plan contended_plan(ScenarioConfig c, std::vector<double> factors, int cores) {
+  const Plan bare = Plan::from_config(c);
+  HardwareProfile p = uniform_profile(bare, 0.05, 10);
+  p.core_factors = std::move(factors);
+  p.ranks_per_node = cores;
+  apply_profile(p, c.cluster);
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  return Plan::from_config(c);
+}
+
+// The step as the engine gives it with every compute op at its core factor (before settling).
+Timeline unsettled(const Plan& plan, const std::shared_ptr<const Schedule>& s) {
+  const RooflineComputeModel compute(plan);
+  const LinkP2PModel p2p(plan);
+  const NetworkCollectiveModel collective(plan);
+  Simulation sim;
+  Timeline t;
+  sim.run(s, compute, p2p, collective, t);
+  return t;
+}
+
+// The alone work an op of `t` does in its interval: the integral of 1 / f(threads computing),
+// from every other op's start and end (written apart from the settling's walk).
+double work_done(const Plan& plan, const Timeline& t, const RooflineComputeModel& compute, int r, std::size_t i) {
+  const Schedule& s = *t.schedule;
+  const OpTiming me = t.ops[static_cast<std::size_t>(r)][i];
+  std::vector<Tick> cuts{me.start, me.end};
+  for (std::size_t q = 0; q < s.ranks.size(); ++q)
+    for (std::size_t k = 0; k < s.ranks[q].ops.size(); ++k)
+      if (is_compute(s.ranks[q].ops[k].kind))
+        for (Tick x : {t.ops[q][k].start, t.ops[q][k].end})
+          if (x > me.start && x < me.end) cuts.push_back(x);
+  std::sort(cuts.begin(), cuts.end());
+  const double n = static_cast<double>(plan.num_ranks() * plan.tp);
+  const double factor = compute.core_factor(s.ranks[static_cast<std::size_t>(r)].ops[i], r);
+  double work = 0;
+  for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
+    const Tick mid = cuts[c] + (cuts[c + 1] - cuts[c]) / 2;
+    int threads = 0;
+    for (std::size_t q = 0; q < s.ranks.size(); ++q)
+      for (std::size_t k = 0; k < s.ranks[q].ops.size(); ++k)
+        if (is_compute(s.ranks[q].ops[k].kind) && t.ops[q][k].start <= mid && mid < t.ops[q][k].end) threads += plan.tp;
+    work += static_cast<double>(cuts[c + 1] - cuts[c]) / (1 + (factor - 1) * (threads - 1) / (n - 1));
+  }
+  return work;
+}
+
+// Every compute op of a pipeline does its alone work at the speed the threads beside it allow
+// (checked by an integration of its own); the first forward, which no other rank's compute
+// overlaps, runs at its alone price; and the bubble falls from the price-everything-at-F step's.
+TEST(CoreContention, EachOpRunsAtTheSpeedOfTheThreadsComputingBesideIt) {
+  for (ScheduleKind kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe, ScheduleKind::zb_h1}) {
+    const Plan plan = contended_plan(runtime_sized(2, 1, kind, DType::fp32), {1.5, 1.7}, 2);
+    ASSERT_TRUE(cores_contend(plan));
+    const Prediction p = predict(plan);
+    const RooflineComputeModel compute(plan);
+    const Schedule& s = *p.schedule;
+    for (int r = 0; r < plan.num_ranks(); ++r)
+      for (std::size_t i = 0; i < s.ranks[static_cast<std::size_t>(r)].ops.size(); ++i) {
+        const Op& op = s.ranks[static_cast<std::size_t>(r)].ops[i];
+        if (!is_compute(op.kind)) continue;
+        const double alone = static_cast<double>(compute.alone_duration(op, r));
+        EXPECT_NEAR(work_done(plan, p.timeline, compute, r, i), alone, 1e-5 * alone)
+            << schedule_name(kind) << " rank " << r << " " << op_label(op);
+      }
+    const OpTiming first = p.timeline.ops[0][0];
+    ASSERT_EQ(s.ranks[0].ops[0].kind, OpKind::Forward);
+    EXPECT_NEAR(static_cast<double>(first.end - first.start), static_cast<double>(compute.alone_duration(s.ranks[0].ops[0], 0)), 1.0);
+    const Result before = compute_result(plan, unsettled(plan, p.schedule), p.memory);
+    EXPECT_LT(p.result.bubble_fraction, before.bubble_fraction - 0.01) << schedule_name(kind);
+    EXPECT_LT(p.result.step_time_s, before.step_time_s) << schedule_name(kind);
+  }
+}
+
+// Two replicas with the same factor compute side by side through the whole step: every op at F,
+// the step the engine gave. A factor of 1 (alone and together alike) settles nothing either; and a
+// host with fewer cores than threads shares them by turns (validation/core_sharing.h), not so.
+TEST(CoreContention, RanksThatAlwaysComputeTogetherKeepTheirFactor) {
+  const Plan dp = contended_plan(runtime_sized(1, 2, ScheduleKind::one_f_one_b, DType::fp32), {1.4, 1.4}, 2);
+  const Prediction p = predict(dp);
+  const Timeline before = unsettled(dp, p.schedule);
+  for (std::size_t r = 0; r < before.ops.size(); ++r)
+    for (std::size_t i = 0; i < before.ops[r].size(); ++i) {
+      EXPECT_EQ(p.timeline.ops[r][i].start, before.ops[r][i].start) << r << " " << i;
+      EXPECT_EQ(p.timeline.ops[r][i].end, before.ops[r][i].end) << r << " " << i;
+    }
+  const Plan flat = contended_plan(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32), {1.0, 1.0}, 2);
+  const Prediction q = predict(flat);
+  EXPECT_EQ(q.result.step_time_s, compute_result(flat, unsettled(flat, q.schedule), q.memory).step_time_s);
+  EXPECT_FALSE(cores_contend(contended_plan(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32), {1.5, 1.5}, 1)));
+  EXPECT_FALSE(cores_contend(Plan::from_config(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32))));
+}
+
+// The sweep's Predictor gives what predict() gives for contended plans, first meeting and after.
+TEST(CoreContention, ThePredictorSettlesAsPredictDoes) {
+  const Plan plan = contended_plan(runtime_sized(2, 2, ScheduleKind::one_f_one_b, DType::fp32), {1.3, 1.6, 1.2, 1.5}, 4);
+  const Result want = predict(plan).result;
+  Predictor predictor;
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(predictor.evaluate(plan).step_time_s, want.step_time_s) << round;
+    EXPECT_EQ(predictor.evaluate(plan).bubble_fraction, want.bubble_fraction) << round;
+    EXPECT_EQ(predictor.predict(plan).result.step_time_s, want.step_time_s) << round;
+  }
 }
 
 // A calibrated runtime's ZeRO collectives carry its copies around the ring at the profile's

@@ -92,8 +92,11 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
     const double params = plan.shard_stage_params(s);
-    optimizer_ticks_.push_back(seconds_to_ticks(profile.core_factor(plan.first_gpu_of(r)) * kernels_seconds(
-        optimizer_kernels(plan, params / shards), profile, rate, hbm)));
+    const double alone = kernels_seconds(optimizer_kernels(plan, params / shards), profile, rate, hbm);
+    const double factor = profile.core_factor(plan.first_gpu_of(r));
+    optimizer_ticks_.push_back(seconds_to_ticks(factor * alone));
+    optimizer_alone_ticks_.push_back(seconds_to_ticks(alone));
+    if (!profile.core_factors.empty()) optimizer_factors_.push_back(factor);
   }
   // A rank of the schedule runs on its tensor-parallel shards' cores (GPUs first_gpu_of(r) ..
   // + tp - 1), which wait for each other at every layer: the slowest one's factor.

@@ -62,20 +62,14 @@ class RooflineComputeModel final : public ComputeModel {
   // the same with or without it.
   explicit RooflineComputeModel(const Plan& plan, KernelInventoryCache* cache = nullptr);
   // Pricing an op is a lookup (inline: the engine calls it once per op).
-  Tick duration(const Op& op, int rank) const override {
-    int k = 0;
-    switch (op.kind) {
-      case OpKind::Forward: k = op.microbatch == 0 ? 4 : 0; break;  // a chunk's first forward of the step: cold
-      case OpKind::Backward: k = 1; break;
-      case OpKind::BackwardInput: k = 2; break;
-      case OpKind::BackwardWeight: k = 3; break;
-      case OpKind::OptimizerStep: return optimizer_ticks_[rank];
-      default: return 0;
-    }
-    const Tick whole = chunk_ticks_[op.chunk][k];
-    // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
-    const double share = op.work * (rank_factors_.empty() ? 1.0 : rank_factors_[rank]);
-    return share == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * share + 0.5);
+  Tick duration(const Op& op, int rank) const override { return price(op, rank, true); }
+  // The op with its rank's cores to itself: without the calibrated profile's core factor.
+  Tick alone_duration(const Op& op, int rank) const { return price(op, rank, false); }
+  // duration / alone_duration: a calibrated profile's core factor for the op's rank (its
+  // tensor-parallel shards' slowest; the optimizer step its first shard's), 1 without one.
+  double core_factor(const Op& op, int rank) const {
+    if (op.kind == OpKind::OptimizerStep) return optimizer_factors_.empty() ? 1.0 : optimizer_factors_[rank];
+    return rank_factors_.empty() ? 1.0 : rank_factors_[rank];
   }
 
   struct ChunkSeconds {
@@ -89,12 +83,30 @@ class RooflineComputeModel final : public ComputeModel {
 
  private:
   void price_from_profile(const Plan& plan, const HardwareProfile& profile);
+  Tick price(const Op& op, int rank, bool with_core_factor) const {
+    int k = 0;
+    switch (op.kind) {
+      case OpKind::Forward: k = op.microbatch == 0 ? 4 : 0; break;  // a chunk's first forward of the step: cold
+      case OpKind::Backward: k = 1; break;
+      case OpKind::BackwardInput: k = 2; break;
+      case OpKind::BackwardWeight: k = 3; break;
+      case OpKind::OptimizerStep:
+        return (with_core_factor || optimizer_alone_ticks_.empty() ? optimizer_ticks_ : optimizer_alone_ticks_)[rank];
+      default: return 0;
+    }
+    const Tick whole = chunk_ticks_[op.chunk][k];
+    // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
+    const double share = op.work * (with_core_factor && !rank_factors_.empty() ? rank_factors_[rank] : 1.0);
+    return share == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * share + 0.5);
+  }
 
   std::vector<ChunkSeconds> chunks_;
   // Pricing an op is a lookup: [chunk][Forward, Backward, BackwardInput, BackwardWeight, the
   // first Forward], and the optimizer step per rank.
   std::vector<std::array<Tick, 5>> chunk_ticks_;
   std::vector<Tick> optimizer_ticks_;
+  std::vector<Tick> optimizer_alone_ticks_;  // without the core factor; empty: optimizer_ticks_
+  std::vector<double> optimizer_factors_;    // by rank, where a calibrated profile has core factors
   std::vector<double> rank_factors_;  // a calibrated profile's per-core factors, by rank; empty: all 1
 };
 

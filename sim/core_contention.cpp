@@ -1,0 +1,157 @@
+#include "sim/core_contention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "sim/cost/collective_model.h"
+#include "sim/cost/compute_model.h"
+#include "sim/cost/p2p_model.h"
+#include "sim/engine.h"
+
+namespace trainsim {
+
+namespace {
+
+// Rounds of re-simulation before giving up on agreement (a pipeline settles in 3-6), the first
+// ones undamped, and the agreement asked for: no op's duration moving by more than this share.
+constexpr int kMaxRounds = 40;
+constexpr int kUndampedRounds = 6;
+constexpr double kAgreement = 1e-6;
+
+// Each compute op at the duration of a table, by rank and op index; the engine prices the
+// program's own ops, so an op's index is its place in its rank's program.
+class TabledCompute final : public ComputeModel {
+ public:
+  TabledCompute(const Schedule& s, const std::vector<std::vector<Tick>>& ticks) : s_(s), ticks_(ticks) {}
+  Tick duration(const Op& op, int rank) const override {
+    const auto& ops = s_.ranks[static_cast<std::size_t>(rank)].ops;
+    const std::ptrdiff_t i = &op - ops.data();
+    if (i < 0 || i >= static_cast<std::ptrdiff_t>(ops.size()))
+      throw std::logic_error("settle_core_contention: an op priced outside its rank's program");
+    return ticks_[static_cast<std::size_t>(rank)][static_cast<std::size_t>(i)];
+  }
+
+ private:
+  const Schedule& s_;
+  const std::vector<std::vector<Tick>>& ticks_;
+};
+
+// How many threads of the other ranks of a host compute, from each time on: a step function.
+struct Others {
+  std::vector<Tick> at;   // increasing
+  std::vector<int> threads;  // from at[j] to at[j + 1]; 0 before at[0]
+};
+
+}  // namespace
+
+bool cores_contend(const Plan& plan) {
+  const auto& p = plan.config.cluster.calibrated;
+  if (!p || p->core_factors.empty()) return false;
+  const int threads = plan.num_ranks() * plan.tp;
+  return threads >= 2 && threads <= p->ranks_per_node;
+}
+
+int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedule>& schedule,
+                           const RooflineComputeModel& compute, const LinkP2PModel& p2p,
+                           const NetworkCollectiveModel& collective, Simulation& sim, Timeline& t) {
+  if (!cores_contend(plan)) return 0;
+  const Schedule& s = *schedule;
+  const int ranks = static_cast<int>(s.ranks.size());
+  const int tp = plan.tp;
+  const double threads = static_cast<double>(ranks) * tp;  // the host's, each on a core (cores_contend)
+
+  // The table the engine prices with, starting from `compute`'s (every op at its factor: t).
+  std::vector<std::vector<Tick>> ticks(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    const auto& ops = s.ranks[static_cast<std::size_t>(r)].ops;
+    ticks[static_cast<std::size_t>(r)].assign(ops.size(), 0);
+    for (std::size_t i = 0; i < ops.size(); ++i)
+      if (is_compute(ops[i].kind)) ticks[static_cast<std::size_t>(r)][i] = compute.duration(ops[i], r);
+  }
+  std::vector<std::vector<Tick>> next = ticks;
+  const TabledCompute tabled(s, ticks);
+
+  std::vector<std::pair<Tick, int>> events;
+  Others others;
+  for (int round = 1;; ++round) {
+    // Each op's duration from the threads computing beside it in `t`.
+    double moved = 0;
+    for (int r = 0; r < ranks; ++r) {
+      events.clear();
+      for (int q = 0; q < ranks; ++q) {
+        if (q == r) continue;
+        const auto& ops = s.ranks[static_cast<std::size_t>(q)].ops;
+        for (std::size_t i = 0; i < ops.size(); ++i) {
+          const OpTiming& x = t.ops[static_cast<std::size_t>(q)][i];
+          if (!is_compute(ops[i].kind) || x.end <= x.start) continue;
+          events.emplace_back(x.start, tp);
+          events.emplace_back(x.end, -tp);
+        }
+      }
+      std::sort(events.begin(), events.end());
+      others.at.clear();
+      others.threads.clear();
+      int level = 0;
+      for (const auto& [at, delta] : events) {
+        level += delta;
+        if (!others.at.empty() && others.at.back() == at)
+          others.threads.back() = level;
+        else {
+          others.at.push_back(at);
+          others.threads.push_back(level);
+        }
+      }
+      const auto& ops = s.ranks[static_cast<std::size_t>(r)].ops;
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        if (!is_compute(ops[i].kind)) continue;
+        const double factor = compute.core_factor(ops[i], r);
+        const double alone = static_cast<double>(compute.alone_duration(ops[i], r));
+        Tick& d = next[static_cast<std::size_t>(r)][i];
+        if (factor == 1.0 || alone <= 0) {
+          d = static_cast<Tick>(alone);
+          continue;
+        }
+        // Walk the others' steps from the op's start until its alone work is done.
+        const Tick start = t.ops[static_cast<std::size_t>(r)][i].start;
+        auto j = static_cast<std::ptrdiff_t>(std::upper_bound(others.at.begin(), others.at.end(), start) -
+                                             others.at.begin()) - 1;
+        double now = static_cast<double>(start), left = alone;
+        for (;;) {
+          const int beside = j >= 0 ? others.threads[static_cast<std::size_t>(j)] : 0;
+          const double f = 1.0 + (factor - 1.0) * (tp + beside - 1) / (threads - 1);
+          const double until = j + 1 < static_cast<std::ptrdiff_t>(others.at.size())
+                                   ? static_cast<double>(others.at[static_cast<std::size_t>(j + 1)])
+                                   : std::numeric_limits<double>::infinity();
+          if ((until - now) / f >= left) {
+            now += left * f;
+            break;
+          }
+          left -= (until - now) / f;
+          now = until;
+          ++j;
+        }
+        d = static_cast<Tick>(std::llround(now)) - start;
+      }
+    }
+    for (int r = 0; r < ranks; ++r)
+      for (std::size_t i = 0; i < next[static_cast<std::size_t>(r)].size(); ++i) {
+        const Tick a = ticks[static_cast<std::size_t>(r)][i], b = next[static_cast<std::size_t>(r)][i];
+        if (a != b) moved = std::max(moved, std::abs(static_cast<double>(b - a)) / std::max<double>(1, static_cast<double>(a)));
+      }
+    if (moved <= kAgreement || round > kMaxRounds) return round;
+    // The next round's table: the new durations, halfway there once the first rounds have not agreed.
+    for (int r = 0; r < ranks; ++r)
+      for (std::size_t i = 0; i < next[static_cast<std::size_t>(r)].size(); ++i) {
+        Tick& a = ticks[static_cast<std::size_t>(r)][i];
+        const Tick b = next[static_cast<std::size_t>(r)][i];
+        a = round <= kUndampedRounds ? b : a + (b - a) / 2;
+      }
+    sim.run(schedule, CostModels{&tabled, &p2p, &collective}, t);
+  }
+}
+
+}  // namespace trainsim
