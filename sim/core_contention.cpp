@@ -40,10 +40,12 @@ class TabledCompute final : public ComputeModel {
   const std::vector<std::vector<Tick>>& ticks_;
 };
 
-// How many threads of the other ranks of a host compute, from each time on: a step function.
-struct Others {
-  std::vector<Tick> at;   // increasing
+// What a rank's core holds from each time on, a step function: how many threads of the other
+// ranks of its host compute, and whether its own communication thread runs a collective.
+struct Beside {
+  std::vector<Tick> at;      // increasing
   std::vector<int> threads;  // from at[j] to at[j + 1]; 0 before at[0]
+  std::vector<int> collectives;
 };
 
 }  // namespace
@@ -75,35 +77,48 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
   std::vector<std::vector<Tick>> next = ticks;
   const TabledCompute tabled(s, ticks);
 
-  std::vector<std::pair<Tick, int>> events;
-  Others others;
+  struct Change {
+    Tick at;
+    int threads, collectives;
+    bool operator<(const Change& o) const { return at < o.at; }
+  };
+  std::vector<Change> events;
+  Beside beside;
+  const bool preempts = plan.config.cluster.calibrated->collectives_take_rank_core;
   for (int round = 1;; ++round) {
     // Each op's duration from the threads computing beside it in `t`.
     double moved = 0;
     for (int r = 0; r < ranks; ++r) {
       events.clear();
       for (int q = 0; q < ranks; ++q) {
-        if (q == r) continue;
         const auto& ops = s.ranks[static_cast<std::size_t>(q)].ops;
         for (std::size_t i = 0; i < ops.size(); ++i) {
           const OpTiming& x = t.ops[static_cast<std::size_t>(q)][i];
-          if (!is_compute(ops[i].kind) || x.end <= x.start) continue;
-          events.emplace_back(x.start, tp);
-          events.emplace_back(x.end, -tp);
+          if (x.end <= x.start) continue;
+          if (q != r && is_compute(ops[i].kind)) {
+            events.push_back({x.start, tp, 0});
+            events.push_back({x.end, -tp, 0});
+          } else if (q == r && preempts && is_collective(ops[i].kind) && ops[i].channel >= 0) {
+            events.push_back({x.start, 0, 1});
+            events.push_back({x.end, 0, -1});
+          }
         }
       }
       std::sort(events.begin(), events.end());
-      others.at.clear();
-      others.threads.clear();
-      int level = 0;
-      for (const auto& [at, delta] : events) {
-        level += delta;
-        if (!others.at.empty() && others.at.back() == at)
-          others.threads.back() = level;
-        else {
-          others.at.push_back(at);
-          others.threads.push_back(level);
+      beside.at.clear();
+      beside.threads.clear();
+      beside.collectives.clear();
+      int threads_now = 0, collectives_now = 0;
+      for (const Change& e : events) {
+        threads_now += e.threads;
+        collectives_now += e.collectives;
+        if (beside.at.empty() || beside.at.back() != e.at) {
+          beside.at.push_back(e.at);
+          beside.threads.push_back(0);
+          beside.collectives.push_back(0);
         }
+        beside.threads.back() = threads_now;
+        beside.collectives.back() = collectives_now;
       }
       const auto& ops = s.ranks[static_cast<std::size_t>(r)].ops;
       for (std::size_t i = 0; i < ops.size(); ++i) {
@@ -111,26 +126,29 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
         const double factor = compute.core_factor(ops[i], r);
         const double alone = static_cast<double>(compute.alone_duration(ops[i], r));
         Tick& d = next[static_cast<std::size_t>(r)][i];
-        if (factor == 1.0 || alone <= 0) {
+        if ((factor == 1.0 && !preempts) || alone <= 0) {
           d = static_cast<Tick>(alone);
           continue;
         }
-        // Walk the others' steps from the op's start until its alone work is done.
+        // Walk the core's steps from the op's start until its alone work is done: none while the
+        // rank's own collective holds the core.
         const Tick start = t.ops[static_cast<std::size_t>(r)][i].start;
-        auto j = static_cast<std::ptrdiff_t>(std::upper_bound(others.at.begin(), others.at.end(), start) -
-                                             others.at.begin()) - 1;
+        auto j = static_cast<std::ptrdiff_t>(std::upper_bound(beside.at.begin(), beside.at.end(), start) -
+                                             beside.at.begin()) - 1;
         double now = static_cast<double>(start), left = alone;
         for (;;) {
-          const int beside = j >= 0 ? others.threads[static_cast<std::size_t>(j)] : 0;
-          const double f = 1.0 + (factor - 1.0) * (tp + beside - 1) / (threads - 1);
-          const double until = j + 1 < static_cast<std::ptrdiff_t>(others.at.size())
-                                   ? static_cast<double>(others.at[static_cast<std::size_t>(j + 1)])
+          const auto k = static_cast<std::size_t>(j);
+          const int others = j >= 0 ? beside.threads[k] : 0;
+          const bool held = j >= 0 && beside.collectives[k] > 0;
+          const double f = 1.0 + (factor - 1.0) * (tp + others - 1) / (threads - 1);
+          const double until = j + 1 < static_cast<std::ptrdiff_t>(beside.at.size())
+                                   ? static_cast<double>(beside.at[k + 1])
                                    : std::numeric_limits<double>::infinity();
-          if ((until - now) / f >= left) {
+          if (!held && (until - now) / f >= left) {
             now += left * f;
             break;
           }
-          left -= (until - now) / f;
+          if (!held) left -= (until - now) / f;
           now = until;
           ++j;
         }

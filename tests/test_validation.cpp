@@ -214,10 +214,11 @@ TEST(CalibratedCompute, TheCompositionStageHoldsARanksLayers) {
 
 // Ranks that share a host's cores (sim/core_contention.h). A plan whose every thread has a core of
 // its own, with a calibrated profile whose core factors are `factors`.
-Plan contended_plan(ScenarioConfig c, std::vector<double> factors, int cores) {
+Plan contended_plan(ScenarioConfig c, std::vector<double> factors, int cores, bool collectives_take_core = false) {
   const Plan bare = Plan::from_config(c);
   HardwareProfile p = uniform_profile(bare, 0.05, 10);
   p.core_factors = std::move(factors);
+  p.collectives_take_rank_core = collectives_take_core;
   p.ranks_per_node = cores;
   apply_profile(p, c.cluster);
   c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
@@ -236,14 +237,16 @@ Timeline unsettled(const Plan& plan, const std::shared_ptr<const Schedule>& s) {
 }
 
 // The alone work an op of `t` does in its interval: the integral of 1 / f(threads computing),
-// from every other op's start and end (written apart from the settling's walk).
+// from every other op's start and end (written apart from the settling's walk); none while the
+// rank's own collectives run, where they take its core.
 double work_done(const Plan& plan, const Timeline& t, const RooflineComputeModel& compute, int r, std::size_t i) {
+  const bool preempts = plan.config.cluster.calibrated->collectives_take_rank_core;
   const Schedule& s = *t.schedule;
   const OpTiming me = t.ops[static_cast<std::size_t>(r)][i];
   std::vector<Tick> cuts{me.start, me.end};
   for (std::size_t q = 0; q < s.ranks.size(); ++q)
     for (std::size_t k = 0; k < s.ranks[q].ops.size(); ++k)
-      if (is_compute(s.ranks[q].ops[k].kind))
+      if (is_compute(s.ranks[q].ops[k].kind) || is_collective(s.ranks[q].ops[k].kind))
         for (Tick x : {t.ops[q][k].start, t.ops[q][k].end})
           if (x > me.start && x < me.end) cuts.push_back(x);
   std::sort(cuts.begin(), cuts.end());
@@ -253,9 +256,15 @@ double work_done(const Plan& plan, const Timeline& t, const RooflineComputeModel
   for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
     const Tick mid = cuts[c] + (cuts[c + 1] - cuts[c]) / 2;
     int threads = 0;
+    bool held = false;
     for (std::size_t q = 0; q < s.ranks.size(); ++q)
-      for (std::size_t k = 0; k < s.ranks[q].ops.size(); ++k)
-        if (is_compute(s.ranks[q].ops[k].kind) && t.ops[q][k].start <= mid && mid < t.ops[q][k].end) threads += plan.tp;
+      for (std::size_t k = 0; k < s.ranks[q].ops.size(); ++k) {
+        const Op& op = s.ranks[q].ops[k];
+        const bool during = t.ops[q][k].start <= mid && mid < t.ops[q][k].end;
+        if (during && is_compute(op.kind)) threads += plan.tp;
+        if (during && preempts && static_cast<int>(q) == r && is_collective(op.kind) && op.channel >= 0) held = true;
+      }
+    if (held) continue;
     work += static_cast<double>(cuts[c + 1] - cuts[c]) / (1 + (factor - 1) * (threads - 1) / (n - 1));
   }
   return work;
@@ -305,6 +314,40 @@ TEST(CoreContention, RanksThatAlwaysComputeTogetherKeepTheirFactor) {
   EXPECT_EQ(q.result.step_time_s, compute_result(flat, unsettled(flat, q.schedule), q.memory).step_time_s);
   EXPECT_FALSE(cores_contend(contended_plan(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32), {1.5, 1.5}, 1)));
   EXPECT_FALSE(cores_contend(Plan::from_config(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32))));
+}
+
+// ZeRO-2's reduce-scatters run beside the backward on the rank's communication thread, pinned to
+// the compute thread's core: while one moves data the compute beside it does none, and the step
+// grows by about what they overlapped.
+TEST(CoreContention, ARanksCollectivesTakeItsCoreFromTheComputeBesideIt) {
+  ScenarioConfig c = runtime_sized(1, 2, ScheduleKind::one_f_one_b, DType::fp32);
+  c.parallelism.zero_stage = 2;
+  c.communication.overlap_grad_reduce = true;
+  const Plan shared = contended_plan(c, {1.2, 1.2}, 2, true);
+  const Plan apart = contended_plan(c, {1.2, 1.2}, 2, false);
+  const Prediction p = predict(shared);
+  const RooflineComputeModel compute(shared);
+  const Schedule& s = *p.schedule;
+  Tick overlapped = 0;
+  for (int r = 0; r < shared.num_ranks(); ++r) {
+    const auto& ops = s.ranks[static_cast<std::size_t>(r)].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const OpTiming x = p.timeline.ops[static_cast<std::size_t>(r)][i];
+      if (is_compute(ops[i].kind)) {
+        const double alone = static_cast<double>(compute.alone_duration(ops[i], r));
+        EXPECT_NEAR(work_done(shared, p.timeline, compute, r, i), alone, 1e-5 * alone) << "rank " << r << " " << op_label(ops[i]);
+      }
+      if (r == 0 && is_collective(ops[i].kind) && ops[i].channel >= 0)
+        for (std::size_t k = 0; k < ops.size(); ++k) {
+          const OpTiming y = p.timeline.ops[0][k];
+          if (is_compute(ops[k].kind)) overlapped += std::max<Tick>(0, std::min(x.end, y.end) - std::max(x.start, y.start));
+        }
+    }
+  }
+  ASSERT_GT(overlapped, 0);  // the test holds collectives that run beside compute
+  const double grew = p.result.step_time_s - predict(apart).result.step_time_s;
+  EXPECT_GT(grew, 0.5 * ticks_to_seconds(overlapped));
+  EXPECT_LT(grew, 1.5 * ticks_to_seconds(overlapped));
 }
 
 // The sweep's Predictor gives what predict() gives for contended plans, first meeting and after.
@@ -439,6 +482,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.ranks_per_node = 2;
   p.allreduce[4] = {55, 1.0};
   p.core_handoff_us = 21.5;
+  p.collectives_take_rank_core = true;
   p.allreduce_wire = DType::bf16;
   p.composition = Composition{1.2, 1.1, 1.4, 1.35};
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
@@ -461,6 +505,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.allreduce.at(4).latency_us, 55);
   EXPECT_EQ(q.p2p.bandwidth_gbps, 10);
   EXPECT_EQ(q.core_handoff_us, 21.5);
+  EXPECT_TRUE(q.collectives_take_rank_core);
   EXPECT_EQ(q.allreduce_wire, DType::bf16);
   EXPECT_EQ(q.composition.backward_weight, 1.4);
   EXPECT_EQ(q.composition.forward, 1.2);

@@ -452,6 +452,7 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
   p.emulated_low_precision = true;
   const int cores = host_cores();
   p.ranks_per_node = cores;
+  p.collectives_take_rank_core = true;  // the engine pins a rank's communication thread to its core
   p.memory_gib = machine_memory_gib() / cores;
   if (plan.plan.num_ranks() * plan.plan.tp > cores)  // ranks take the cores in turns
     p.core_handoff_us = core_handoff_seconds(plan.plan.num_ranks(), plan.plan.tp) * 1e6;
