@@ -230,6 +230,30 @@ HardwareProfile load_profile(const std::string& path) {
   return load_profile_text(text.str(), path);
 }
 
+namespace {
+
+// A list of per-core factors under `key` (absent: empty), each a number in [1e-6, 1e6].
+std::vector<double> factor_list(const std::string& path, const YAML::Node& root, const char* key, const char* what) {
+  std::vector<double> out;
+  const YAML::Node f = root[key];
+  if (!f) return out;
+  expect_list(path, f, key);
+  for (const YAML::Node& x : f) {
+    double v = 0;
+    try {
+      if (!x.IsScalar()) throw YAML::Exception(x.Mark(), "not a scalar");
+      v = x.as<double>();
+    } catch (const YAML::Exception&) {
+      bad(path, x, fmt::format("{} holds numbers", key));
+    }
+    if (!(v >= 1e-6 && v <= 1e6)) bad(path, x, fmt::format("{} must be between 1e-06 and 1e+06, got {}", what, v));
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
 HardwareProfile load_profile_text(const std::string& yaml_text, const std::string& path) {
   YAML::Node root;
   try {
@@ -273,20 +297,8 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
                                 number_or_zero(path, c, "backward_weight", 1e-6, 1e6),
                                 number_or_zero(path, c, "first_forward", 1e-6, 1e6)};
   }
-  if (const YAML::Node f = root["core_factors"]) {
-    expect_list(path, f, "core_factors");
-    for (const YAML::Node& x : f) {
-      double v = 0;
-      try {
-        if (!x.IsScalar()) throw YAML::Exception(x.Mark(), "not a scalar");
-        v = x.as<double>();
-      } catch (const YAML::Exception&) {
-        bad(path, x, "core_factors holds numbers");
-      }
-      if (!(v >= 1e-6 && v <= 1e6)) bad(path, x, fmt::format("a core factor must be between 1e-06 and 1e+06, got {}", v));
-      p.core_factors.push_back(v);
-    }
-  }
+  p.core_factors = factor_list(path, root, "core_factors", "a core factor");
+  p.core_alone_factors = factor_list(path, root, "core_alone_factors", "a core alone factor");
   p.core_factors_include_tensor_parallel = get<bool>(path, root, "core_factors_include_tensor_parallel", false);
   p.core_handoff_us = number_or_zero(path, root, "core_handoff_us", kMinMicroseconds, kMaxMicroseconds);
   p.collectives_take_rank_core = get<bool>(path, root, "collectives_take_rank_core", false);
@@ -333,6 +345,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
     out << YAML::Key << "first_forward" << YAML::Value << p.composition.first_forward;
   out << YAML::EndMap;
   if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
+  if (!p.core_alone_factors.empty())
+    out << YAML::Key << "core_alone_factors" << YAML::Value << YAML::Flow << p.core_alone_factors;
   if (p.core_factors_include_tensor_parallel)
     out << YAML::Key << "core_factors_include_tensor_parallel" << YAML::Value << true;
   if (p.core_handoff_us > 0) out << YAML::Key << "core_handoff_us" << YAML::Value << p.core_handoff_us;

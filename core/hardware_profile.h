@@ -93,6 +93,9 @@ struct HardwareProfile {
   // is slower than the others (a busy neighbour on a shared host) and what running side by
   // side costs (shared cache and memory bandwidth). Empty: all 1.
   std::vector<double> core_factors;
+  // Per core: its compute time alone, every other core idle, against the calibration core's alone
+  // (1 for that one): a core slow by itself, not only beside the others. Empty: all 1.
+  std::vector<double> core_alone_factors;
   // The core factors were timed with each tensor-parallel shard's stage running its group's real
   // collectives against the others' (the CPU backend under tensor parallelism): they hold what
   // the shards' waiting for one another costs on this machine as it is, and the compute model
@@ -107,6 +110,9 @@ struct HardwareProfile {
   bool collectives_take_rank_core = false;
   double core_factor(int rank) const {
     return core_factors.empty() ? 1.0 : core_factors[static_cast<std::size_t>(rank) % core_factors.size()];
+  }
+  double core_alone_factor(int rank) const {
+    return core_alone_factors.empty() ? 1.0 : core_alone_factors[static_cast<std::size_t>(rank) % core_alone_factors.size()];
   }
   LinkFit p2p;
   std::map<int, LinkFit> allreduce;  // by group size

@@ -123,10 +123,10 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
       const auto& ops = s.ranks[static_cast<std::size_t>(r)].ops;
       for (std::size_t i = 0; i < ops.size(); ++i) {
         if (!is_compute(ops[i].kind)) continue;
-        const double factor = compute.core_factor(ops[i], r);
+        const double together = compute.core_factor(ops[i], r), by_itself = compute.alone_factor(ops[i], r);
         const double alone = static_cast<double>(compute.alone_duration(ops[i], r));
         Tick& d = next[static_cast<std::size_t>(r)][i];
-        if ((factor == 1.0 && !preempts) || alone <= 0) {
+        if ((together == by_itself && !preempts) || alone <= 0) {
           d = static_cast<Tick>(alone);
           continue;
         }
@@ -140,7 +140,7 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
           const auto k = static_cast<std::size_t>(j);
           const int others = j >= 0 ? beside.threads[k] : 0;
           const bool held = j >= 0 && beside.collectives[k] > 0;
-          const double f = 1.0 + (factor - 1.0) * (tp + others - 1) / (threads - 1);
+          const double f = 1.0 + (together / by_itself - 1.0) * (tp + others - 1) / (threads - 1);
           const double until = j + 1 < static_cast<std::ptrdiff_t>(beside.at.size())
                                    ? static_cast<double>(beside.at[k + 1])
                                    : std::numeric_limits<double>::infinity();

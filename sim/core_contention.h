@@ -2,20 +2,24 @@
 // more threads than cores), compute at a speed that follows how many of them compute at once.
 //
 // A calibrated profile's core factor F (HardwareProfile::core_factors) is a rank's compute time
-// with every thread of the host computing against its time alone: shared caches, memory
-// bandwidth and clocks. The compute model prices every compute op at F, which is right while
-// every rank computes and wrong while a rank computes with others idle: a pipeline's fill and
-// drain, a stage waiting for its neighbour, a replica waiting in a collective. There the op runs
-// nearer its alone speed (measured: a two-stage pipeline's bubble 9-10% with F = 1.65 where
-// pricing every op at F gave 13.7%; docs/validation.md, "Seventh session").
+// with every thread of the host computing, and its core alone factor S (core_alone_factors) the
+// same with every other core idle, both against the calibration core alone: S holds a core slow by
+// itself (a busy neighbour on a shared host), F / S what computing side by side costs (shared
+// caches, memory bandwidth, clocks). The compute model prices every compute op at F, which is
+// right while every rank computes and wrong while a rank computes with others idle: a pipeline's
+// fill and drain, a stage waiting for its neighbour, a replica waiting in a collective. There the
+// op runs at S (measured: a two-stage pipeline's bubble 9-10% with F = 1.65 where pricing every op
+// at F gave 13.7%; docs/validation.md, "Seventh session").
 //
-// Between the two ends a compute op progresses at 1 / f(a), a the threads computing on its
-// host at that moment (its own included: its rank's tensor-parallel shards), N the plan's
-// threads on the host:
-//   f(a) = 1 + (F - 1) (a - 1) / (N - 1)
+// Between the two ends a compute op progresses at 1 / f(a) of its speed alone, a the threads
+// computing on its host at that moment (its own included: its rank's tensor-parallel shards), N
+// the plan's threads on the host:
+//   f(a) = 1 + (F / S - 1) (a - 1) / (N - 1)
 // linear in the threads that compete, exact at one thread (alone) and at N (the calibration's
-// together). An op of alone duration A that starts at s ends at the first e with
-//   integral from s to e of dt / f(a(t)) = A.
+// together). An op of alone duration A (at S) that starts at s ends at the first e with
+//   integral from s to e of dt / f(a(t)) = A,
+// and, where the profile says a rank's collectives take its core (collectives_take_rank_core), no
+// progress while one of them runs.
 // Durations and the timeline depend on each other, so the step is simulated again with the ops'
 // durations from the last timeline until they agree (a fixed point: each round's durations
 // follow from the previous round's overlaps; rounds after the first few are damped).

@@ -6,6 +6,8 @@
 #include <ostream>
 #include <regex>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -51,6 +53,7 @@ std::vector<int> collective_group_sizes(const Plan& plan) {
 // factors (timed so) hold: no pass is priced cold apart.
 HardwareProfile turn_profile(HardwareProfile p, int ranks) {
   p.composition.first_forward = 0;
+  p.core_alone_factors.clear();
   if (!p.core_factors.empty()) {
     double mean = 0;
     for (double f : p.core_factors) mean += f / static_cast<double>(p.core_factors.size());
@@ -65,11 +68,15 @@ HardwareProfile turn_profile(HardwareProfile p, int ranks) {
 // many passes it covered, not by what the reported step met (a bubble 0.05 off in two runs of four).
 // All of the run's passes where the step is unknown.
 constexpr int kCoreFactorSteps = 2;
-std::vector<double> step_core_factors(const runtime::KernelCalibrator& kernels, const runtime::RunReport& run,
-                                      const std::vector<int>& passes_after_step, int passes_between_steps) {
-  const auto window = passes_around_step(run, passes_after_step, passes_between_steps, kCoreFactorSteps);
-  const std::vector<double> f = window ? kernels.core_factors(window->first, window->second) : std::vector<double>{};
-  return f.empty() ? kernels.core_factors() : f;
+// The core factors and alone factors (HardwareProfile::core_factors, core_alone_factors) of those passes.
+std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runtime::KernelCalibrator& kernels,
+                                                                      const runtime::RunReport& run,
+                                                                      const std::vector<int>& passes_after_step,
+                                                                      int passes_between_steps) {
+  auto window = passes_around_step(run, passes_after_step, passes_between_steps, kCoreFactorSteps);
+  if (window && kernels.core_factors(window->first, window->second).empty()) window.reset();
+  const auto [first, end] = window ? *window : std::pair{0, kernels.passes_done()};
+  return {kernels.core_factors(first, end), kernels.core_alone_factors(first, end)};
 }
 
 // Of the optimizer step's priced time, the passes before its gradient norm's all-reduce: unscaling
@@ -269,7 +276,8 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.measured = run(settled);
     v.profile.kernels = kernels->rates();
     v.profile.composition = kernels->composition();
-    v.profile.core_factors = step_core_factors(*kernels, v.measured, passes_after_step, o.passes_between_steps);
+    std::tie(v.profile.core_factors, v.profile.core_alone_factors) =
+        step_core_factors(*kernels, v.measured, passes_after_step, o.passes_between_steps);
     v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;
@@ -426,7 +434,10 @@ std::string format_validation(const Validation& v) {
                          : std::string(),
                      v.profile.core_factors.empty()
                          ? std::string()
-                         : fmt::format(", cores x{:.2f}", fmt::join(v.profile.core_factors, "/x")));
+                         : fmt::format(", cores x{:.2f}{}", fmt::join(v.profile.core_factors, "/x"),
+                                       v.profile.core_alone_factors.empty()
+                                           ? std::string()
+                                           : fmt::format(" (alone x{:.2f})", fmt::join(v.profile.core_alone_factors, "/x"))));
   out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {} compute\n", plan.dp,
                      plan.pp,
                      plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,

@@ -53,6 +53,11 @@ void KernelCalibrator::run_passes(int passes) {
     for (int p = 0; p < passes; ++p) {
       const std::vector<double> seconds = clock_->time_stages_together();
       for (std::size_t r = 0; r < seconds.size(); ++r) rank_seconds_[r].push_back(seconds[r]);
+      const std::vector<double> alone = clock_->time_stages_alone();
+      if (alone.size() == seconds.size()) {
+        alone_seconds_.resize(alone.size());
+        for (std::size_t r = 0; r < alone.size(); ++r) alone_seconds_[r].push_back(alone[r]);
+      }
     }
 }
 
@@ -117,6 +122,22 @@ std::vector<double> KernelCalibrator::core_factors(int first_pass, int end_pass)
   return stage_factors(forward, backward, together);
 }
 
+std::vector<double> KernelCalibrator::core_alone_factors(int first_pass, int end_pass) const {
+  if (clock_->stage_ranks() <= 1 || alone_seconds_.empty() ||
+      alone_seconds_[0].size() != static_cast<std::size_t>(passes_done()))
+    return {};
+  first_pass = std::clamp(first_pass, 0, passes_done());
+  end_pass = std::clamp(end_pass, first_pass, passes_done());
+  if (first_pass == end_pass) return {};
+  std::vector<double> base;
+  for (int p = first_pass; p < end_pass; ++p) base.push_back(warm_[static_cast<std::size_t>(p)].total());
+  const double rank0 = median(base);
+  std::vector<double> out{1.0};
+  for (std::size_t r = 1; r < alone_seconds_.size(); ++r)
+    out.push_back(median({alone_seconds_[r].begin() + first_pass, alone_seconds_[r].begin() + end_pass}) / rank0);
+  return out;
+}
+
 bool KernelCalibrator::core_factors_include_tensor_parallel() const {
   return clock_->stage_ranks() > 1 && clock_->stages_run_tensor_parallel();
 }
@@ -144,6 +165,7 @@ HardwareProfile calibrate_profile(const Backend& backend, const RuntimePlan& pla
     p.kernels = kernels->rates();
     p.composition = kernels->composition();
     p.core_factors = kernels->core_factors();
+    p.core_alone_factors = kernels->core_alone_factors(0, kernels->passes_done());
     p.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
   }
   // The other formats the backend runs, so that a scenario naming this profile may compute in

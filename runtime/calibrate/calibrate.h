@@ -71,6 +71,10 @@ class KernelClock {
   virtual int stage_ranks() const = 0;
   // The middle stage on every rank at once: seconds (forward + backward) per rank.
   virtual std::vector<double> time_stages_together() = 0;
+  // Right after time_stages_together: each rank's stage again on its own core with every other
+  // core idle, seconds (forward + backward) per rank; rank 0's entry is not timed (0: time_stage
+  // is its). Empty where a backend does not time them (every core then as fast alone as rank 0's).
+  virtual std::vector<double> time_stages_alone() { return {}; }
   // Whether time_stages_together runs tensor-parallel shards with their group's real collectives
   // (HardwareProfile::core_factors_include_tensor_parallel).
   virtual bool stages_run_tensor_parallel() const { return false; }
@@ -115,6 +119,10 @@ class KernelCalibrator {
   // The same from passes [first_pass, end_pass) only (clamped to the passes done; empty when none
   // is left): the cores as they were in one stretch of the calibration.
   std::vector<double> core_factors(int first_pass, int end_pass) const;
+  // Per rank: its stage alone on its own core (every other core idle) against rank 0's alone
+  // (HardwareProfile::core_alone_factors; rank 0's is 1), from the same passes. Empty where the
+  // clock does not time them or core_factors(first_pass, end_pass) is empty.
+  std::vector<double> core_alone_factors(int first_pass, int end_pass) const;
   // core_factors() hold the tensor-parallel shards' collectives (KernelClock::stages_run_tensor_parallel).
   bool core_factors_include_tensor_parallel() const;
   std::size_t num_kernels() const;
@@ -137,6 +145,7 @@ class KernelCalibrator {
   // same stage; also the core factors' base, so that a factor is contention alone).
   std::vector<StageSeconds> cold_, warm_;
   std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
+  std::vector<std::vector<double>> alone_seconds_;  // [rank][pass]: each alone on its core (rank 0's unused)
 };
 
 // Everything, on `backend`: a profile describing it, the plan's kernels in its compute format and

@@ -382,6 +382,23 @@ class CpuClock final : public KernelClock {
     for (auto& t : threads) t.join();
     return seconds;
   }
+  // Each core's stage alone, the others idle, right after the stages together (which left it warm
+  // on its core): whether a core is slow by itself (a busy neighbour on a shared host) or only
+  // beside the others (shared caches and memory bandwidth). Not where ranks share cores (they take
+  // them in turns) or shards run their groups' collectives (one alone would wait for its partners).
+  std::vector<double> time_stages_alone() override {
+    const int n = static_cast<int>(stages_.size());
+    if (shared_ || !groups_.empty() || n <= 1) return {};
+    std::vector<double> seconds(static_cast<std::size_t>(n), 0.0);
+    for (int c = 1; c < n; ++c) {
+      std::thread t([&, c] {
+        pin_to(c);
+        seconds[static_cast<std::size_t>(c)] = stages_[static_cast<std::size_t>(c)].time().total();
+      });
+      t.join();
+    }
+    return seconds;
+  }
   bool stages_run_tensor_parallel() const override { return !groups_.empty(); }
 
  private:

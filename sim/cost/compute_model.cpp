@@ -94,18 +94,22 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     const double params = plan.shard_stage_params(s);
     const double alone = kernels_seconds(optimizer_kernels(plan, params / shards), profile, rate, hbm);
     const double factor = profile.core_factor(plan.first_gpu_of(r));
+    const double alone_factor = profile.core_alone_factor(plan.first_gpu_of(r));
     optimizer_ticks_.push_back(seconds_to_ticks(factor * alone));
-    optimizer_alone_ticks_.push_back(seconds_to_ticks(alone));
-    if (!profile.core_factors.empty()) optimizer_factors_.push_back(factor);
+    optimizer_alone_ticks_.push_back(seconds_to_ticks(alone_factor * alone));
+    if (!profile.core_factors.empty()) optimizer_factors_.push_back({factor, alone_factor});
   }
   // A rank of the schedule runs on its tensor-parallel shards' cores (GPUs first_gpu_of(r) ..
   // + tp - 1), which wait for each other at every layer: the slowest one's factor.
   if (!profile.core_factors.empty())
     for (int r = 0; r < plan.num_ranks(); ++r) {
-      double slowest = 0;
-      for (int g = plan.first_gpu_of(r); g < plan.first_gpu_of(r) + plan.tp; ++g)
+      double slowest = 0, slowest_alone = 0;
+      for (int g = plan.first_gpu_of(r); g < plan.first_gpu_of(r) + plan.tp; ++g) {
         slowest = std::max(slowest, profile.core_factor(g));
+        slowest_alone = std::max(slowest_alone, profile.core_alone_factor(g));
+      }
       rank_factors_.push_back(slowest);
+      if (!profile.core_alone_factors.empty()) rank_alone_factors_.push_back(slowest_alone);
     }
 }
 

@@ -63,13 +63,19 @@ class RooflineComputeModel final : public ComputeModel {
   explicit RooflineComputeModel(const Plan& plan, KernelInventoryCache* cache = nullptr);
   // Pricing an op is a lookup (inline: the engine calls it once per op).
   Tick duration(const Op& op, int rank) const override { return price(op, rank, true); }
-  // The op with its rank's cores to itself: without the calibrated profile's core factor.
+  // The op with every other core of its host idle: at the calibrated profile's core alone factor
+  // instead of its core factor.
   Tick alone_duration(const Op& op, int rank) const { return price(op, rank, false); }
-  // duration / alone_duration: a calibrated profile's core factor for the op's rank (its
-  // tensor-parallel shards' slowest; the optimizer step its first shard's), 1 without one.
+  // A calibrated profile's core factor and core alone factor for the op's rank (its tensor-parallel
+  // shards' slowest; the optimizer step its first shard's): duration and alone_duration over the
+  // op's price on the calibration core alone. 1 without them.
   double core_factor(const Op& op, int rank) const {
-    if (op.kind == OpKind::OptimizerStep) return optimizer_factors_.empty() ? 1.0 : optimizer_factors_[rank];
+    if (op.kind == OpKind::OptimizerStep) return optimizer_factors_.empty() ? 1.0 : optimizer_factors_[rank][0];
     return rank_factors_.empty() ? 1.0 : rank_factors_[rank];
+  }
+  double alone_factor(const Op& op, int rank) const {
+    if (op.kind == OpKind::OptimizerStep) return optimizer_factors_.empty() ? 1.0 : optimizer_factors_[rank][1];
+    return rank_alone_factors_.empty() ? 1.0 : rank_alone_factors_[rank];
   }
 
   struct ChunkSeconds {
@@ -96,7 +102,8 @@ class RooflineComputeModel final : public ComputeModel {
     }
     const Tick whole = chunk_ticks_[op.chunk][k];
     // A backward split at bucket bounds: its share, rounded; segments sum to the whole within a tick each.
-    const double share = op.work * (with_core_factor && !rank_factors_.empty() ? rank_factors_[rank] : 1.0);
+    const std::vector<double>& factors = with_core_factor ? rank_factors_ : rank_alone_factors_;
+    const double share = op.work * (factors.empty() ? 1.0 : factors[rank]);
     return share == 1.0 ? whole : static_cast<Tick>(static_cast<double>(whole) * share + 0.5);
   }
 
@@ -105,9 +112,10 @@ class RooflineComputeModel final : public ComputeModel {
   // first Forward], and the optimizer step per rank.
   std::vector<std::array<Tick, 5>> chunk_ticks_;
   std::vector<Tick> optimizer_ticks_;
-  std::vector<Tick> optimizer_alone_ticks_;  // without the core factor; empty: optimizer_ticks_
-  std::vector<double> optimizer_factors_;    // by rank, where a calibrated profile has core factors
+  std::vector<Tick> optimizer_alone_ticks_;  // at the core alone factor; empty: optimizer_ticks_
+  std::vector<std::array<double, 2>> optimizer_factors_;  // by rank: core factor, core alone factor
   std::vector<double> rank_factors_;  // a calibrated profile's per-core factors, by rank; empty: all 1
+  std::vector<double> rank_alone_factors_;  // its per-core alone factors, by rank; empty: all 1
 };
 
 }  // namespace trainsim

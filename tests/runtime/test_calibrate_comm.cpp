@@ -451,6 +451,11 @@ class ScriptedClock final : public KernelClock {
     const int pass = together_calls_++;
     return {1.65, pass >= 3 && pass < 6 ? 2.4 : 1.8};
   }
+  // Core 1 alone: as slow by itself as beside core 0 in the burst, 1.6 s otherwise.
+  std::vector<double> time_stages_alone() override {
+    const int pass = together_calls_ - 1;
+    return {0, pass >= 3 && pass < 6 ? 2.4 : 1.6};
+  }
 
  private:
   int stage_calls_ = 0;
@@ -488,6 +493,10 @@ TEST(KernelCalibrator, CoreFactorsOfAStretchOfPasses) {
   EXPECT_DOUBLE_EQ(calibrator.core_factors(3, 6)[0], 1.65 / 1.5);
   EXPECT_DOUBLE_EQ(calibrator.core_factors(6, 100)[1], 1.8 / 1.5);  // clamped to the passes done
   EXPECT_TRUE(calibrator.core_factors(9, 12).empty());
+  // Alone, each against rank 0's warm stage alone (1.5 s): core 1 slow by itself in the burst.
+  EXPECT_EQ(calibrator.core_alone_factors(0, 9), (std::vector<double>{1.0, 1.6 / 1.5}));
+  EXPECT_EQ(calibrator.core_alone_factors(3, 6), (std::vector<double>{1.0, 2.4 / 1.5}));
+  EXPECT_TRUE(calibrator.core_alone_factors(9, 12).empty());
 }
 
 // The composition is the warm stage's (as a step's later passes run), its first forward the cold
