@@ -613,6 +613,8 @@ TEST(HardwareProfile, ValuesTheCostModelsCannotPriceAreRefused) {
       // moved 1e-320 bytes priced another size of it at an infinite time.
       {"kernels: [{kernel: k, bytes: 1e-320, us: 17.9}]\n", "p.yaml:1: bytes must be 0 or between 1 and 1e+18, got 1e-320"},
       {"kernels: []\ncore_factors: [1, 0]\n", "p.yaml:2: a core factor must be between 1e-06 and 1e+06, got 0"},
+      {"kernels: []\ncore_alone_factors: [1, -2]\n", "p.yaml:2: a core alone factor must be between 1e-06 and 1e+06, got -2"},
+      {"kernels: []\ncore_alone_factors: 1.5\n", "p.yaml:2: core_alone_factors must be a list"},
       {"kernels: []\ncomposition: {forward: 0}\n", "p.yaml:2: forward must be between 1e-06 and 1e+06, got 0"},
       {"kernels: []\nranks_per_node: 0\n", "p.yaml:2: ranks_per_node must be between 1 and 1048576, got 0"},
       {"kernels: []\nallreduce_wire: fp8\n", "p.yaml:2: allreduce_wire 'fp8' is not fp32, tf32, fp16 or bf16"},
