@@ -22,7 +22,7 @@
 // progress while one of them runs.
 // Durations and the timeline depend on each other, so the step is simulated again with the ops'
 // durations from the last timeline until they agree (a fixed point: each round's durations
-// follow from the previous round's overlaps; rounds after the first few are damped).
+// follow from the previous round's overlaps; rounds after the first six are damped).
 #pragma once
 
 #include <memory>

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -366,6 +367,56 @@ TEST(CoreContention, ARanksCollectivesTakeItsCoreFromTheComputeBesideIt) {
   const double grew = p.result.step_time_s - predict(apart).result.step_time_s;
   EXPECT_GT(grew, 0.5 * ticks_to_seconds(overlapped));
   EXPECT_LT(grew, 1.5 * ticks_to_seconds(overlapped));
+}
+
+// The settling agrees on random factors over the layouts two to four cores run (schedules, replicas,
+// tensor parallelism, ZeRO with its collectives beside the passes), well inside its round limit, and
+// every op of the agreed step does its alone work (the integral above).
+TEST(CoreContention, SettlesOnRandomPlans) {
+  std::mt19937 rng(20261126);
+  std::uniform_real_distribution<double> together(1.0, 1.9), alone(0.9, 1.2);
+  struct Layout {
+    int pp, dp, tp, zero;
+    ScheduleKind kind;
+  };
+  const Layout layouts[] = {{2, 1, 1, 0, ScheduleKind::one_f_one_b}, {2, 1, 1, 0, ScheduleKind::zb_h1},
+                            {2, 1, 1, 0, ScheduleKind::gpipe},       {1, 2, 1, 2, ScheduleKind::one_f_one_b},
+                            {2, 2, 1, 0, ScheduleKind::one_f_one_b}, {2, 2, 1, 1, ScheduleKind::zb_h1},
+                            {1, 2, 2, 0, ScheduleKind::one_f_one_b}, {1, 2, 1, 3, ScheduleKind::one_f_one_b}};
+  for (const Layout& l : layouts)
+    for (int trial = 0; trial < 3; ++trial) {
+      ScenarioConfig c = runtime_sized(l.pp, l.dp, l.kind, DType::fp32);
+      c.parallelism.tensor_parallel_size = l.tp;
+      c.cluster.num_gpus = c.cluster.gpus_per_node = l.pp * l.dp * l.tp;
+      c.parallelism.zero_stage = l.zero;
+      c.communication.overlap_grad_reduce = trial % 2 == 1;
+      std::vector<double> f, a;
+      for (int g = 0; g < c.cluster.num_gpus; ++g) {
+        f.push_back(together(rng));
+        a.push_back(g == 0 ? 1.0 : alone(rng));
+      }
+      const Plan plan = contended_plan(c, f, c.cluster.num_gpus, trial != 0, a);
+      const std::string what = fmt::format("pp {} dp {} tp {} zero {} {} trial {}", l.pp, l.dp, l.tp, l.zero,
+                                           schedule_name(l.kind), trial);
+      ASSERT_TRUE(cores_contend(plan)) << what;
+      auto s = std::make_shared<const Schedule>(build_schedule(plan));
+      const RooflineComputeModel compute(plan);
+      const LinkP2PModel p2p(plan);
+      const NetworkCollectiveModel collective(plan);
+      Simulation sim;
+      Timeline t;
+      sim.run(s, compute, p2p, collective, t);
+      const int rounds = settle_core_contention(plan, s, compute, p2p, collective, sim, t);
+      EXPECT_GE(rounds, 1) << what;
+      EXPECT_LT(rounds, 50) << what;  // agreed, not stopped at the limit (60)
+      for (int r = 0; r < plan.num_ranks(); ++r)
+        for (std::size_t i = 0; i < s->ranks[static_cast<std::size_t>(r)].ops.size(); ++i) {
+          const Op& op = s->ranks[static_cast<std::size_t>(r)].ops[i];
+          if (!is_compute(op.kind)) continue;
+          const double work = static_cast<double>(compute.alone_duration(op, r));
+          EXPECT_NEAR(work_done(plan, t, compute, r, i), work, 1e-4 * work + 2) << what << " rank " << r << " " << op_label(op);
+        }
+    }
 }
 
 // The sweep's Predictor gives what predict() gives for contended plans, first meeting and after.
