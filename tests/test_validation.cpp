@@ -228,16 +228,20 @@ Plan contended_plan(ScenarioConfig c, std::vector<double> factors, int cores, bo
   return Plan::from_config(c);
 }
 
-// The step as the engine gives it with every compute op at its core factor (before settling).
-Timeline unsettled(const Plan& plan, const std::shared_ptr<const Schedule>& s) {
+// The step as the engine gives it with every compute op at its core factor, then (`settle`)
+// settled; `rounds` (optional): the rounds the settling took.
+Timeline simulated(const Plan& plan, const std::shared_ptr<const Schedule>& s, bool settle, int* rounds = nullptr) {
   const RooflineComputeModel compute(plan);
   const LinkP2PModel p2p(plan);
   const NetworkCollectiveModel collective(plan);
   Simulation sim;
   Timeline t;
   sim.run(s, compute, p2p, collective, t);
+  const int n = settle ? settle_core_contention(plan, s, compute, p2p, collective, sim, t) : 0;
+  if (rounds) *rounds = n;
   return t;
 }
+Timeline unsettled(const Plan& plan, const std::shared_ptr<const Schedule>& s) { return simulated(plan, s, false); }
 
 // The alone work an op of `t` does in its interval: the integral of 1 / f(threads computing),
 // from every other op's start and end (written apart from the settling's walk); none while the
@@ -400,13 +404,9 @@ TEST(CoreContention, SettlesOnRandomPlans) {
                                            schedule_name(l.kind), trial);
       ASSERT_TRUE(cores_contend(plan)) << what;
       auto s = std::make_shared<const Schedule>(build_schedule(plan));
+      int rounds = 0;
+      const Timeline t = simulated(plan, s, true, &rounds);
       const RooflineComputeModel compute(plan);
-      const LinkP2PModel p2p(plan);
-      const NetworkCollectiveModel collective(plan);
-      Simulation sim;
-      Timeline t;
-      sim.run(s, compute, p2p, collective, t);
-      const int rounds = settle_core_contention(plan, s, compute, p2p, collective, sim, t);
       EXPECT_GE(rounds, 1) << what;
       EXPECT_LT(rounds, 50) << what;  // agreed, not stopped at the limit (60)
       for (int r = 0; r < plan.num_ranks(); ++r)
