@@ -73,10 +73,11 @@ std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runt
                                                                       const runtime::RunReport& run,
                                                                       const std::vector<int>& passes_after_step,
                                                                       int passes_between_steps) {
-  auto window = passes_around_step(run, passes_after_step, passes_between_steps, kCoreFactorSteps);
-  if (window && kernels.core_factors(window->first, window->second).empty()) window.reset();
-  const auto [first, end] = window ? *window : std::pair{0, kernels.passes_done()};
-  return {kernels.core_factors(first, end), kernels.core_alone_factors(first, end)};
+  if (const auto window = passes_around_step(run, passes_after_step, passes_between_steps, kCoreFactorSteps)) {
+    std::vector<double> f = kernels.core_factors(window->first, window->second);
+    if (!f.empty()) return {std::move(f), kernels.core_alone_factors(window->first, window->second)};
+  }
+  return {kernels.core_factors(), kernels.core_alone_factors(0, kernels.passes_done())};
 }
 
 // Of the optimizer step's priced time, the passes before its gradient norm's all-reduce: unscaling

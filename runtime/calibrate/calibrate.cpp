@@ -106,6 +106,18 @@ int KernelCalibrator::compose_layers(const Plan& plan) {
 std::vector<double> KernelCalibrator::core_factors() const { return core_factors(0, passes_done()); }
 
 std::vector<double> KernelCalibrator::core_factors(int first_pass, int end_pass) const {
+  return factors_over(rank_seconds_, first_pass, end_pass);
+}
+
+std::vector<double> KernelCalibrator::core_alone_factors(int first_pass, int end_pass) const {
+  if (alone_seconds_.empty() || alone_seconds_[0].size() != static_cast<std::size_t>(passes_done())) return {};
+  std::vector<double> out = factors_over(alone_seconds_, first_pass, end_pass);
+  if (!out.empty()) out[0] = 1.0;  // rank 0's alone is the base itself
+  return out;
+}
+
+std::vector<double> KernelCalibrator::factors_over(const std::vector<std::vector<double>>& per_rank, int first_pass,
+                                                   int end_pass) const {
   if (clock_->stage_ranks() <= 1) return {};
   first_pass = std::clamp(first_pass, 0, passes_done());
   end_pass = std::clamp(end_pass, first_pass, passes_done());
@@ -116,26 +128,9 @@ std::vector<double> KernelCalibrator::core_factors(int first_pass, int end_pass)
     forward.push_back(s.forward);
     backward.push_back(s.backward + s.backward_weight);
   }
-  std::vector<std::vector<double>> together;
-  for (const std::vector<double>& rank : rank_seconds_)
-    together.emplace_back(rank.begin() + first_pass, rank.begin() + end_pass);
-  return stage_factors(forward, backward, together);
-}
-
-std::vector<double> KernelCalibrator::core_alone_factors(int first_pass, int end_pass) const {
-  if (clock_->stage_ranks() <= 1 || alone_seconds_.empty() ||
-      alone_seconds_[0].size() != static_cast<std::size_t>(passes_done()))
-    return {};
-  first_pass = std::clamp(first_pass, 0, passes_done());
-  end_pass = std::clamp(end_pass, first_pass, passes_done());
-  if (first_pass == end_pass) return {};
-  std::vector<double> base;
-  for (int p = first_pass; p < end_pass; ++p) base.push_back(warm_[static_cast<std::size_t>(p)].total());
-  const double rank0 = median(base);
-  std::vector<double> out{1.0};
-  for (std::size_t r = 1; r < alone_seconds_.size(); ++r)
-    out.push_back(median({alone_seconds_[r].begin() + first_pass, alone_seconds_[r].begin() + end_pass}) / rank0);
-  return out;
+  std::vector<std::vector<double>> stretch;
+  for (const std::vector<double>& rank : per_rank) stretch.emplace_back(rank.begin() + first_pass, rank.begin() + end_pass);
+  return stage_factors(forward, backward, stretch);
 }
 
 bool KernelCalibrator::core_factors_include_tensor_parallel() const {

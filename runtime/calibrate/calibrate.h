@@ -146,6 +146,10 @@ class KernelCalibrator {
   std::vector<StageSeconds> cold_, warm_;
   std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
   std::vector<std::vector<double>> alone_seconds_;  // [rank][pass]: each alone on its core (rank 0's unused)
+  // Per rank: the median of `per_rank`'s passes [first_pass, end_pass) over rank 0's warm stage
+  // alone in the same passes (clamped; empty when none is left or one rank is timed).
+  std::vector<double> factors_over(const std::vector<std::vector<double>>& per_rank, int first_pass,
+                                   int end_pass) const;
 };
 
 // Everything, on `backend`: a profile describing it, the plan's kernels in its compute format and
