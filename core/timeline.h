@@ -16,7 +16,9 @@ struct OpTiming {
   Tick end = 0;
   // Inside [start, end): time the op was held up rather than working. A measured ZeRO-3 gather
   // runs unit by unit beside its pass and waits between units for the pass to free room; those
-  // waits are not communication. 0 in predictions.
+  // waits are not communication. Where ranks share cores (the CPU engine's turns), a compute op's
+  // wait for its turn at a core, measured and replayed (validation/core_sharing.h): busy time all
+  // the same, but not its work. 0 in other predictions.
   Tick waited = 0;
 };
 

@@ -51,6 +51,9 @@ TEST(CoreSharing, FirstComeFirstServedOnOneCore) {
   EXPECT_EQ(s.timeline.ops[1][0].start, 0);
   EXPECT_EQ(s.timeline.ops[1][0].end, 20 * kUs);
   EXPECT_EQ(s.turns, (std::vector<CoreTurn>{{0, 0, 0}, {1, 0, 0}}));
+  // Rank 1's wait for its turn is reported as the engine reports it (OpTiming::waited).
+  EXPECT_EQ(s.timeline.ops[0][0].waited, 0);
+  EXPECT_EQ(s.timeline.ops[1][0].waited, 10 * kUs);
   // As many cores as ranks: nobody waits.
   sh.cores = 2;
   EXPECT_EQ(share_cores(t, sh).timeline.ops[1][0].end, 10 * kUs);
@@ -107,6 +110,28 @@ TEST(CoreSharing, OptimizerStepsMeetAtTheGradientNorm) {
   s = share_cores(t, sh);
   EXPECT_EQ(s.timeline.ops[0][1].end, 37 * kUs);
   EXPECT_EQ(s.timeline.ops[1][1].end, 42 * kUs);
+}
+
+TEST(CoreSharing, ASendKeepsTheCoreOfTheOpBeforeIt) {
+  // One core. Rank 0 runs a forward (10 us) and sends its output (2 us) to rank 1, which runs a
+  // forward of its own and then receives. Rank 0's turn comes first and keeps the core through
+  // its send, so rank 1's forward runs from 12 us, not from 10.
+  Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::SendActivation, 2 * kUs}},
+                      {{OpKind::Forward, 10 * kUs}, {OpKind::RecvActivation, 0}}});
+  auto s = std::make_shared<Schedule>(*t.schedule);
+  s->num_messages = 1;
+  s->ranks[0].ops[1].channel = s->ranks[1].ops[1].channel = 0;
+  s->ranks[0].ops[1].peer = 1;
+  s->ranks[1].ops[1].peer = 0;
+  t.schedule = s;
+  CoreSharing sh;
+  sh.cores = 1;
+  const SharedStep out = share_cores(t, sh);
+  EXPECT_EQ(out.timeline.ops[0][1].start, 10 * kUs);
+  EXPECT_EQ(out.timeline.ops[0][1].end, 12 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][0].end, 22 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][1].end, 22 * kUs);  // the message was there at 12 us
+  EXPECT_EQ(out.timeline.ops[1][0].waited, 12 * kUs);
 }
 
 TEST(CoreSharing, RefusesAnOrderThatIsNotOneTurnPerOp) {

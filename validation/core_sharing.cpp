@@ -91,8 +91,17 @@ class Replay {
     std::deque<int> queue;  // the communication thread's collectives, in program order
     bool comm_busy = false;
     bool comm_arrived = false;
+    bool holds_core = false;  // a compute op's turn, kept through the sends after it
     std::vector<char> done;
   };
+
+  // Rank r's compute thread's next op after op i (collectives go to the other thread) is a send.
+  bool next_on_thread_is_send(int r, int i) const {
+    const auto& ops = s_.ranks[static_cast<std::size_t>(r)].ops;
+    for (std::size_t j = static_cast<std::size_t>(i) + 1; j < ops.size(); ++j)
+      if (!is_collective(ops[j].kind)) return is_send(ops[j].kind);
+    return false;
+  }
 
   Tick duration(int r, int i) const {
     const OpTiming& t = alone_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
@@ -213,9 +222,12 @@ class Replay {
     RankState& st = ranks_[static_cast<std::size_t>(e.rank)];
     switch (e.kind) {
       case Kind::part_end: {
-        ++free_cores_;
         const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
-        if (st.part + 1 < parts_of(op.kind)) {
+        const bool last_part = st.part + 1 >= parts_of(op.kind);
+        // The turn is kept for the sends of the op's output that follow it.
+        st.holds_core = last_part && next_on_thread_is_send(e.rank, e.a);
+        if (!st.holds_core) ++free_cores_;
+        if (!last_part) {
           // The optimizer's gradient norm is in: its all-reduce over every rank, core released.
           st.wait = Wait::barrier;
           last_at_barrier_ = std::max(last_at_barrier_, now_);
@@ -229,6 +241,10 @@ class Replay {
       }
       case Kind::send_end: {
         const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
+        if (st.holds_core && !next_on_thread_is_send(e.rank, e.a)) {
+          st.holds_core = false;
+          ++free_cores_;
+        }
         arrival_[static_cast<std::size_t>(op.channel)] = now_;
         finish_compute_op(e.rank, e.a, now_);
         advance(e.rank);
@@ -274,6 +290,10 @@ class Replay {
       }
       const CoreTurn t = it->turn;
       const Tick woken = it->at < now_ ? sharing_.handoff : 0;  // it slept until now
+      // The wait for the turn, as the engine reports it (OpTiming::waited; the optimizer's two
+      // parts and the norm between them: none).
+      if (parts_of(s_.ranks[static_cast<std::size_t>(t.rank)].ops[static_cast<std::size_t>(t.op)].kind) == 1)
+        out_.ops[static_cast<std::size_t>(t.rank)][static_cast<std::size_t>(t.op)].waited = now_ + woken - it->at;
       requests_.erase(it);
       granted_.push_back(t);
       --free_cores_;

@@ -3,14 +3,15 @@
 //
 // The CPU engine (runtime/cpu/cpu_engine.h) hands its `cores` to the ranks' compute ops one op at a
 // time, in an order fixed before the run (RunOptions::core_turns): an op waits for its turn and a
-// free core, then runs whole at the speed of a rank that has a core to itself. A rank waiting for
-// its turn is inside its op (busy), as a time-shared rank would be. The communication threads
-// (collectives) and the copies of sends and receives are not gated; they take what the operating
-// system gives them, which is little next to the compute.
+// free core, then runs whole at the speed of a rank that has a core to itself, and keeps the core
+// for the sends of its output that follow it. A rank waiting for its turn is inside its op (busy),
+// as a time-shared rank would be. The communication threads (collectives) and the copies of
+// receives are not gated; they take what the operating system gives them, which is little next to
+// the compute.
 //
 // share_cores replays the schedule that way: each rank's compute thread walks its program in
-// order (compute ops through the gate, sends for their copy time, receives until the message is
-// there, collectives handed to the communication thread), each communication thread runs its
+// order (compute ops through the gate, sends for their copy time on the core of the op before them,
+// receives until the message is there, collectives handed to the communication thread), each communication thread runs its
 // collectives in order once their producing op ended and every member arrived, and the optimizer
 // step waits, between its gradient norm and its update, for every rank's share of the norm (the
 // engine's all-reduce over all ranks; the core is free meanwhile). Op durations are those of a

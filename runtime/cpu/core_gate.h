@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -187,8 +188,11 @@ class CoreGate {
     ~Hold() {
       if (gate_) gate_->release(turn_, shard_);
     }
+    // Moved, the turn goes with it (the CPU engine keeps a compute op's turn for its sends).
+    Hold(Hold&& other) noexcept : gate_(std::exchange(other.gate_, nullptr)), turn_(other.turn_), shard_(other.shard_) {}
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
+    Hold& operator=(Hold&&) = delete;
 
    private:
     CoreGate* gate_;

@@ -11,10 +11,15 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <atomic>
+#include <chrono>
 #include <map>
+#include <optional>
+#include <thread>
 
 #include "core/metrics.h"
 #include "sim/simulator.h"
+#include "runtime/cpu/core_gate.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/loop/run_report.h"
 #include "core/diagnostics.h"
@@ -465,6 +470,28 @@ TEST(Executor, RanksThatShareCoresTakeTurnsInTheOrderGiven) {
   EXPECT_EQ(losses(ordered), losses(first_come));
   o.core_turns.pop_back();
   EXPECT_THROW(run(c, o), std::invalid_argument);
+}
+
+TEST(Executor, AMovedTurnIsHeldUntilItsLastHolderEnds) {
+  // The CPU engine keeps a compute op's turn for the sends after it by moving its Hold: the move
+  // must not give the core back. One core, two cells, first come first served.
+  CoreGate gate(1, 2, 1, {}, std::chrono::milliseconds(10'000));
+  gate.reset();
+  std::optional<CoreGate::Hold> kept;
+  {
+    CoreGate::Hold op(&gate, CoreTurn{0, 0, 0}, 0);
+    kept.emplace(std::move(op));
+  }  // the op's own Hold ends here, moved from
+  std::atomic<bool> got{false};
+  std::thread other([&] {
+    CoreGate::Hold next(&gate, CoreTurn{1, 0, 0}, 0);
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(got) << "the core went to the next turn while the moved turn was held";
+  kept.reset();
+  other.join();
+  EXPECT_TRUE(got);
 }
 
 TEST(Executor, MemoryAccountingFollowsParametersAndStashes) {
