@@ -357,6 +357,8 @@ class CpuEngine final : public DeviceEngine {
         // Where ranks share cores, the time before the op's turn came is its wait (busy all the same).
         if (gated && e_.gate_) waited = std::max<Tick>(0, e_.now() - start);
         e_.run_op(rk_, i, op);
+        // ZeRO-3: the time the pass waited for its units inside the op (its gathers' pace).
+        if (e_.gathers_units_ && is_compute(op.kind)) waited += rk_.gather_gate.take_compute_waited_ns() * 1000;
         if (e_.stages_buckets_ && is_compute(op.kind)) {
           e_.stage_buckets(rk_, i, op);
           rk_.in_flight = rk_.staged_bytes;

@@ -221,6 +221,7 @@ void GatherGate::reset() {
   std::lock_guard lock(mu_);
   held_.clear();
   gathered_ = acquired_ = 0;
+  compute_waited_ns_ = 0;
   failed_.clear();
 }
 
@@ -255,13 +256,18 @@ void GatherGate::gathered() {
 
 void GatherGate::acquire() {
   std::unique_lock lock(mu_);
-  const bool waits = gathered_ <= acquired_ && failed_.empty() && before_wait_;
+  const bool missing = gathered_ <= acquired_ && failed_.empty();
+  const bool waits = missing && before_wait_;
+  const auto t0 = missing ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   if (waits) {
     lock.unlock();
     before_wait_();
     lock.lock();
   }
   wait(lock, [&] { return gathered_ > acquired_; });
+  if (missing)
+    compute_waited_ns_ +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   ++acquired_;
   if (waits) {
     lock.unlock();

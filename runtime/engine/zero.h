@@ -34,6 +34,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <utility>
 #include <vector>
 
 #include "core/plan.h"
@@ -172,6 +173,9 @@ class GatherGate {
   // Compute thread: wait for the next unit; give unit `key` back.
   void acquire();
   void release(int key);
+  // Compute thread: nanoseconds acquire() waited for units since the last call (a pass held up
+  // by its gathers: OpTiming::waited of the compute op).
+  std::int64_t take_compute_waited_ns() { return std::exchange(compute_waited_ns_, 0); }
 
  private:
   void wait(std::unique_lock<std::mutex>& lock, const std::function<bool()>& ready);
@@ -180,6 +184,7 @@ class GatherGate {
   int capacity_;
   std::vector<int> held_;  // keys reserved and not yet given back
   long gathered_ = 0, acquired_ = 0;
+  std::int64_t compute_waited_ns_ = 0;  // compute thread only
   std::string failed_;
   std::function<void()> before_wait_, after_wait_;
 };

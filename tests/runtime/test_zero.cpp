@@ -14,9 +14,11 @@
 //    identical.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <numeric>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -218,6 +220,30 @@ void expect_memory_as_predicted(const RunReport& r, double bound) {
         << p.memory[rank].optimizer << ", activations " << p.memory[rank].activations << ", buffers "
         << p.memory[rank].buffers << ")";
   }
+}
+
+TEST(GatherGate, APassThatWaitsForItsUnitSaysHowLong) {
+  // Stage 3's compute thread takes units as its communication thread gathers them; the time it
+  // waited for one is the pass's (OpTiming::waited of its compute op), and a unit that was there
+  // already costs nothing.
+  using namespace std::chrono;
+  GatherGate gate;
+  std::thread comm([&] {
+    std::this_thread::sleep_for(milliseconds(100));  // the compute thread is waiting by then
+    gate.reserve(0);
+    gate.gathered();
+  });
+  const auto t0 = steady_clock::now();
+  gate.acquire();  // before the unit is there
+  const auto waited = gate.take_compute_waited_ns();
+  comm.join();
+  EXPECT_GT(waited, 0);
+  EXPECT_LE(waited, duration_cast<nanoseconds>(steady_clock::now() - t0).count());
+  EXPECT_EQ(gate.take_compute_waited_ns(), 0) << "taken once";
+  gate.reserve(1);
+  gate.gathered();
+  gate.acquire();  // already there
+  EXPECT_EQ(gate.take_compute_waited_ns(), 0);
 }
 
 TEST(ZeroAndRecompute, EveryLayoutTrainsAsOneRankInFp32) {
