@@ -70,6 +70,7 @@ struct Rank {
   std::vector<OpTiming> timing;
   std::vector<Tick> arrival;          // collectives: when this rank's communication thread started them
   Tick gather_waited = 0;             // the last ZeRO-3 gather's waits for room (OpTiming::waited)
+  std::vector<std::vector<std::pair<Tick, Tick>>> parts;  // ZeRO-3 gathers: each unit's room and end (RankStep::parts)
   // Backward ops: whether the op's chunk had accumulated only finite gradients when it ended (the
   // model scans every accumulation), so a collective that depends on it need not scan them again.
   std::vector<char> finite_after;
@@ -185,6 +186,7 @@ class CpuEngine final : public DeviceEngine {
       rk->scaler = std::make_unique<LossScaler>(cfg.precision.loss_scaling);
       rk->timing.resize(rk->program->ops.size());
       rk->arrival.assign(rk->program->ops.size(), -1);
+      rk->parts.assign(rk->program->ops.size(), {});
       rk->finite_after.assign(rk->program->ops.size(), 0);
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
@@ -511,6 +513,7 @@ class CpuEngine final : public DeviceEngine {
     rs.first_nonfinite_at = rk.first_nonfinite_at;
     rs.timing = rk.timing;
     rs.arrival = rk.arrival;
+    rs.parts = rk.parts;
     rs.weights_hash = h;
     return rs;
   }
@@ -535,8 +538,9 @@ class CpuEngine final : public DeviceEngine {
     }
   }
 
-  Tick now() const {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - epoch_).count() * 1000;
+  Tick now() const { return at(Clock::now()); }
+  Tick at(Clock::time_point t) const {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t - epoch_).count() * 1000;
   }
 
   std::size_t act_elems(const Rank& rk) const { return rk.chunks[0].activation_elements(); }
@@ -984,12 +988,18 @@ class CpuEngine final : public DeviceEngine {
     const Collective& c = collective_of(*schedule_, op);
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     if (gathers_units_ && op.microbatch >= 0) {
-      rk.gather_waited = 1000 * gather_units(z.plan, gather_serves_forward(*rk.program, index), op.bucket == 1,
-                                             rk.gather_gate, unit_key(j, 0), [&](int u, int part) {
-                                               for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
-                                                 gather_group(rk, j, g, members,
-                                                              collective_tag(rk.step, op.channel, part++), true);
-                                             });
+      UnitTimes units;
+      rk.gather_waited = 1000 * gather_units(
+                                    z.plan, gather_serves_forward(*rk.program, index), op.bucket == 1, rk.gather_gate,
+                                    unit_key(j, 0),
+                                    [&](int u, int part) {
+                                      for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
+                                        gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
+                                    },
+                                    &units);
+      auto& parts = rk.parts[static_cast<std::size_t>(index)];
+      parts.clear();
+      for (const auto& [room, end] : units) parts.emplace_back(at(room), at(end));
       return;
     }
     // FSDP's stage 2 gathers before every forward what the first one already brought: the values

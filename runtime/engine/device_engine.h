@@ -42,6 +42,9 @@ struct RankStep {
   Tick first_nonfinite_at = -1;  // when numerics.first_nonfinite was produced (the step's clock)
   std::vector<OpTiming> timing;  // per op of its program, from the step's start on this rank
   std::vector<Tick> arrival;     // per op: when this rank reached a collective; -1 for other ops
+  // Per op: a collective run in parts that each wait for room first (ZeRO-3's gathers, unit by
+  // unit), each part's (room, end) on this rank; empty for other ops (and engines that do not say).
+  std::vector<std::vector<std::pair<Tick, Tick>>> parts;
   std::uint64_t weights_hash = 0;  // over its master weights after the step (fnv1a, weights.h)
   std::string error;             // non-empty: the rank failed, and why; the rest is not meaningful
   // When its error was caught (system clock, ns; 0: not recorded). One failure makes the others

@@ -193,10 +193,12 @@ class GatherGate {
 // schedule's first gather op (`rest` false) brings the pass's first unit, the next one (`rest`
 // true) every other unit, in order, each once there is room for it (`gather(unit, first_part)`
 // moves it, parts numbered across the op), handed over to the pass. Returns the nanoseconds
-// spent waiting for room (the pass's pace, not the gather's: OpTiming::waited).
+// spent waiting for room (the pass's pace, not the gather's: OpTiming::waited); `units`, if given,
+// gets each unit's moment of room and end (RankStep::parts).
+using UnitTimes = std::vector<std::pair<std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point>>;
 template <class Gather>
 std::int64_t gather_units(const ZeroChunk& zero, bool forward, bool rest, GatherGate& gate, int key_base,
-                          Gather&& gather) {
+                          Gather&& gather, UnitTimes* unit_times = nullptr) {
   int part = 0;
   std::int64_t waited_ns = 0;
   const std::vector<int> units = zero.gathers(forward);
@@ -206,10 +208,12 @@ std::int64_t gather_units(const ZeroChunk& zero, bool forward, bool rest, Gather
     const int u = units[k];
     const auto t0 = std::chrono::steady_clock::now();
     gate.reserve(key_base + u);
-    waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    const auto room = std::chrono::steady_clock::now();
+    waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(room - t0).count();
     gather(u, part);
     part += static_cast<int>(zero.units[static_cast<std::size_t>(u)].groups.size());
     gate.gathered();
+    if (unit_times) unit_times->emplace_back(room, std::chrono::steady_clock::now());
   }
   return waited_ns;
 }

@@ -153,12 +153,40 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
       if (ops[i].channel >= 0 && is_collective(ops[i].kind))
         last_arrival[ops[i].channel] = std::max(last_arrival[ops[i].channel], ranks[r].arrival[i]);
   }
+  // A collective run in parts that each wait for room (ZeRO-3's gathers): part k moves once its
+  // last member has room for it, so the time a member spends before that is the pass's pace, not
+  // communication, whoever's room it waited for.
+  std::vector<std::vector<Tick>> last_room(schedule->collectives.size());
+  auto parts_of = [&](std::size_t r, std::size_t i) -> const std::vector<std::pair<Tick, Tick>>& {
+    static const std::vector<std::pair<Tick, Tick>> none;
+    return i < ranks[r].parts.size() ? ranks[r].parts[i] : none;
+  };
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const auto& ops = schedule->ranks[r].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const auto& parts = parts_of(r, i);
+      if (ops[i].channel < 0 || !is_collective(ops[i].kind) || parts.empty()) continue;
+      auto& room = last_room[static_cast<std::size_t>(ops[i].channel)];
+      room.resize(std::max(room.size(), parts.size()), 0);
+      for (std::size_t k = 0; k < parts.size(); ++k) room[k] = std::max(room[k], parts[k].first);
+    }
+  }
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const auto& ops = schedule->ranks[r].ops;
     for (std::size_t i = 0; i < ops.size(); ++i)
       if (ops[i].channel >= 0 && is_collective(ops[i].kind)) {
         OpTiming& t = tl.ops[r][i];
         t.start = std::min(t.end, std::max(t.start, last_arrival[ops[i].channel]));
+        const auto& parts = parts_of(r, i);
+        const auto& room = last_room[static_cast<std::size_t>(ops[i].channel)];
+        if (!parts.empty() && room.size() == parts.size()) {
+          t.waited = 0;
+          Tick previous = t.start;  // this member's end of the part before
+          for (std::size_t k = 0; k < parts.size(); ++k) {
+            t.waited += std::max<Tick>(0, room[k] - previous);
+            previous = std::max(previous, parts[k].second);
+          }
+        }
         t.waited = std::clamp<Tick>(t.waited, 0, t.end - t.start);
       }
   }
@@ -175,8 +203,21 @@ std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>
     if (!seen[c]) {
       cells[c].timing = s.timing;
       cells[c].arrival = s.arrival;
+      cells[c].parts = s.parts;
       seen[c] = true;
       continue;
+    }
+    // Each part of a collective in parts: when the cell's last shard had room, and ended it.
+    for (std::size_t i = 0; i < std::min(s.parts.size(), cells[c].parts.size()); ++i) {
+      auto& cell = cells[c].parts[i];
+      if (cell.size() != s.parts[i].size()) {
+        cell.clear();  // shards that disagree: the op's own waits stand
+        continue;
+      }
+      for (std::size_t k = 0; k < cell.size(); ++k) {
+        cell[k].first = std::max(cell[k].first, s.parts[i][k].first);
+        cell[k].second = std::max(cell[k].second, s.parts[i][k].second);
+      }
     }
     for (std::size_t i = 0; i < s.timing.size(); ++i) {
       cells[c].timing[i].start = std::max(cells[c].timing[i].start, s.timing[i].start);

@@ -44,7 +44,9 @@ Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::str
 
 // The measured Timeline of one step from every schedule rank's op timings and, for collectives,
 // when each rank reached them: a collective starts when its last member reaches it (as the
-// simulator defines it).
+// simulator defines it). A collective run in parts that each wait for room (RankStep::parts:
+// ZeRO-3's gathers unit by unit) waited, on each member, until its last member had room for
+// each part (OpTiming::waited: the passes' pace, not communication).
 Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::vector<RankStep>& ranks);
 
 // The schedule ranks' steps (timings and arrivals) from the world's, by rank: a schedule rank

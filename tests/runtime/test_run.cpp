@@ -119,6 +119,8 @@ TEST(RunLoop, FoldsTensorParallelShardsIntoTheirScheduleRank) {
   shards[1].timing = {{2, 12}, {12, 25}};
   shards[0].arrival = {-1, 10};
   shards[1].arrival = {-1, 12};
+  shards[0].parts = {{}, {{11, 20}}};
+  shards[1].parts = {{}, {{15, 18}}};
   const std::vector<RankStep> cells = cell_steps(world, shards);
   ASSERT_EQ(cells.size(), 1u);
   EXPECT_EQ(cells[0].timing[0].start, 2);
@@ -126,10 +128,54 @@ TEST(RunLoop, FoldsTensorParallelShardsIntoTheirScheduleRank) {
   EXPECT_EQ(cells[0].timing[1].start, 12);
   EXPECT_EQ(cells[0].timing[1].end, 30);
   EXPECT_EQ(cells[0].arrival[1], 12);
+  // A part of a collective has room when its last shard has, and ends with its last shard.
+  ASSERT_EQ(cells[0].parts[1].size(), 1u);
+  EXPECT_EQ(cells[0].parts[1][0], (std::pair<Tick, Tick>{15, 20}));
 }
 
 // The run's summary splits idle time as the simulator's does: a data-parallel run's idle time is
 // exposed communication, not a pipeline bubble, and the two parts add up to the bubble fraction.
+TEST(RunLoop, AGatherInPartsWaitsUntilItsLastMemberHasRoomForEachPart) {
+  // Two ranks, one ZeRO-3 gather in two parts. Rank 0 reached it at 0 and had room at 10 and 60
+  // (its first part ended at 30), rank 1 reached it at 5 and had room at 20 and 50 (its first
+  // part ended at 40). The gather starts with its last member (5); its parts move from 20 and from
+  // 60, so rank 0 waited 15 + 30 and rank 1 15 + 20, whoever's room it was.
+  auto s = std::make_shared<Schedule>();
+  s->ranks.resize(2);
+  Collective c;
+  c.kind = OpKind::AllGather;
+  c.purpose = CollectivePurpose::parameters;
+  c.members = {0, 1};
+  c.parts = 2;
+  s->collectives.push_back(c);
+  for (int r = 0; r < 2; ++r) {
+    Op op;
+    op.kind = OpKind::AllGather;
+    op.channel = 0;
+    s->ranks[static_cast<std::size_t>(r)].rank = r;
+    s->ranks[static_cast<std::size_t>(r)].replica = r;
+    s->ranks[static_cast<std::size_t>(r)].ops.push_back(op);
+  }
+  std::vector<RankStep> ranks(2);
+  ranks[0].timing = {{0, 100, 40}};
+  ranks[0].arrival = {0};
+  ranks[0].parts = {{{10, 30}, {60, 80}}};
+  ranks[1].timing = {{5, 100, 25}};
+  ranks[1].arrival = {5};
+  ranks[1].parts = {{{20, 40}, {50, 90}}};
+  const Timeline tl = measured_timeline(s, ranks);
+  EXPECT_EQ(tl.ops[0][0].start, 5);
+  EXPECT_EQ(tl.ops[0][0].waited, 45);
+  EXPECT_EQ(tl.ops[1][0].start, 5);
+  EXPECT_EQ(tl.ops[1][0].waited, 35);
+  // Without the parts, each member's own waits stand.
+  ranks[0].parts.clear();
+  ranks[1].parts.clear();
+  const Timeline own = measured_timeline(s, ranks);
+  EXPECT_EQ(own.ops[0][0].waited, 40);
+  EXPECT_EQ(own.ops[1][0].waited, 25);
+}
+
 TEST(RunLoop, TheSummarySplitsIdleTimeIntoPipelineBubbleAndExposedCommunication) {
   for (const ScenarioConfig& c : {config(2, 1, ScheduleKind::one_f_one_b), config(1, 2, ScheduleKind::one_f_one_b)}) {
     const RunReport r = run_null(c);
