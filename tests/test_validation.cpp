@@ -792,6 +792,11 @@ TEST(Validate, TimeByOpKindSumsEachKindOfOpOfARank) {
   const auto ar = row(0, "AR embedding");  // the tied embedding's sum: waited half, measured once
   EXPECT_EQ(ar.count, 1);
   EXPECT_NEAR(ar.measured_s, ar.predicted_s, 1e-15);
+  EXPECT_NEAR(ar.measured_waited_s, ar.predicted_s, 1e-15);  // the half it waited, summed apart
+  EXPECT_EQ(ar.predicted_waited_s, 0);
+  EXPECT_EQ(row(0, "F").measured_waited_s, 0);
+  // The table shows the waits' columns because one op waited.
+  EXPECT_NE(validation::format_time_by_op_kind(rows).find("waited (meas)"), std::string::npos);
   // Every op of a rank is in exactly one row.
   int ops = 0;
   for (const auto& x : rows) ops += x.rank == 0 ? x.count : 0;

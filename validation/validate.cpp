@@ -402,18 +402,28 @@ std::vector<OpKindTime> time_by_op_kind(const Validation& v) {
       it->count += 1;
       it->predicted_s += ticks_to_seconds(a.end - a.start - a.waited);
       it->measured_s += ticks_to_seconds(b.end - b.start - b.waited);
+      it->predicted_waited_s += ticks_to_seconds(a.waited);
+      it->measured_waited_s += ticks_to_seconds(b.waited);
     }
   }
   return rows;
 }
 
 std::string format_time_by_op_kind(const std::vector<OpKindTime>& rows) {
-  std::string o = fmt::format("  {:<6} {:<16} {:>6} {:>14} {:>14} {:>9}\n", "rank", "op", "count", "predicted",
+  // The waits' columns only where some op waited.
+  const bool waits = std::any_of(rows.begin(), rows.end(),
+                                 [](const OpKindTime& x) { return x.predicted_waited_s > 0 || x.measured_waited_s > 0; });
+  std::string o = fmt::format("  {:<6} {:<16} {:>6} {:>14} {:>14} {:>9}", "rank", "op", "count", "predicted",
                               "measured", "error");
-  for (const OpKindTime& x : rows)
-    o += fmt::format("  {:<6} {:<16} {:>6} {:>14} {:>14} {:>9}\n", x.rank, x.kind, x.count,
+  o += waits ? fmt::format(" {:>14} {:>14}\n", "waited (pred)", "waited (meas)") : "\n";
+  for (const OpKindTime& x : rows) {
+    o += fmt::format("  {:<6} {:<16} {:>6} {:>14} {:>14} {:>9}", x.rank, x.kind, x.count,
                      format_seconds(x.predicted_s), format_seconds(x.measured_s),
                      x.measured_s > 0 ? fmt::format("{:+.1f}%", 100 * (x.predicted_s / x.measured_s - 1)) : "-");
+    o += waits ? fmt::format(" {:>14} {:>14}\n", format_seconds(x.predicted_waited_s),
+                             format_seconds(x.measured_waited_s))
+               : "\n";
+  }
   return o;
 }
 
@@ -507,7 +517,9 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
                      {"op", x.kind},
                      {"count", x.count},
                      {"predicted_s", round6(x.predicted_s)},
-                     {"measured_s", round6(x.measured_s)}});
+                     {"measured_s", round6(x.measured_s)},
+                     {"predicted_waited_s", round6(x.predicted_waited_s)},
+                     {"measured_waited_s", round6(x.measured_waited_s)}});
   j["by_op"] = by_op;
   const NumericsSummary& n = v.numerics;
   j["numerics"] = {{"stable", n.stable},

@@ -103,13 +103,16 @@ double peak_memory_error(const Validation& v);  // largest relative error of any
 // Where the step's time went, predicted against measured: per rank, the summed duration of each
 // kind of op of the reported step (op_label without its numbers: "F", "B", "AR b", "AG w rest",
 // "recv grad" (the time blocked on it), ...; a chunk's first forward of the step apart as
-// "F first"); a measured collective less its waits (OpTiming::waited). In the order the kinds
-// first appear in the rank's program. Ranks whose two programs differ are left out.
+// "F first"), each op less what it waited inside (OpTiming::waited: a collective for its peers'
+// room, a compute op for its turn at a shared core or, under ZeRO-3, for its units), the waits
+// summed apart. In the order the kinds first appear in the rank's program. Ranks whose two
+// programs differ are left out.
 struct OpKindTime {
   int rank = 0;
   std::string kind;
   int count = 0;
   double predicted_s = 0, measured_s = 0;
+  double predicted_waited_s = 0, measured_waited_s = 0;
 };
 std::vector<OpKindTime> time_by_op_kind(const Validation& v);
 std::string format_time_by_op_kind(const std::vector<OpKindTime>& rows);
