@@ -413,8 +413,11 @@ std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params) {
   const auto& pr = plan.config.precision;
   std::vector<KernelWork> out;
   Builder k{pr.compute, 4.0, &out};
-  // Gradient norm (read), the update (gradient, master, moments: read and written), the
-  // working copy (written and rounded), zeroing the gradients for the next step.
+  // Under loss scaling the gradients unscaled (read and written: Megatron-LM's
+  // _amp_foreach_non_finite_check_and_unscale_, the CPU engine's multiply; without it the scale is
+  // 1 and nothing is done). Gradient norm (read), the update (gradient, master, moments: read and
+  // written), the working copy (written and rounded), zeroing the gradients for the next step.
+  if (pr.loss_scaling.mode != LossScalingMode::none) k.memory("unscale", params, 2);
   k.memory("grad_norm", params, 1);
   k.memory(plan.config.training.optimizer == Optimizer::sgd ? "sgd" : "adam", params,
            plan.config.training.optimizer == Optimizer::sgd ? 5 : 7);

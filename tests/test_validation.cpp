@@ -112,6 +112,27 @@ TEST(KernelInventory, StagesSplitTheWorkWithoutLosingAny) {
   EXPECT_DOUBLE_EQ(f1, f2);
 }
 
+TEST(KernelInventory, TheOptimizerUnscalesOnlyUnderLossScaling) {
+  // Its passes over the parameters: the unscale (read and written) only where a loss scale makes
+  // one, then the norm, the update, the working copy and the zeroing, the same bytes either way.
+  ScenarioConfig c = runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::fp16);
+  const double params = 1e6;
+  auto bytes_of = [&](const std::vector<KernelWork>& ws, const std::string& kernel) {
+    double b = -1;
+    for (const KernelWork& w : ws)
+      if (w.kernel == kernel) b = w.count * w.bytes;
+    return b;
+  };
+  const auto none = optimizer_kernels(Plan::from_config(c), params);
+  c.precision.loss_scaling.mode = LossScalingMode::dynamic;
+  const auto scaled = optimizer_kernels(Plan::from_config(c), params);
+  EXPECT_EQ(bytes_of(none, "unscale"), -1);
+  EXPECT_DOUBLE_EQ(bytes_of(scaled, "unscale"), 2 * 4 * params);
+  for (const char* k : {"grad_norm", "adam", "round", "zero"})
+    EXPECT_DOUBLE_EQ(bytes_of(scaled, k), bytes_of(none, k)) << k;
+  EXPECT_EQ(scaled.size(), none.size() + 1);
+}
+
 TEST(CalibratedCompute, OpTimeIsTheSumOfItsKernelsAtTheirRates) {
   ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
   const Plan bare = Plan::from_config(c);

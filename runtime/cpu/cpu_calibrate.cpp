@@ -167,6 +167,14 @@ class KernelTimer {
         round_and_scan(pr.grad_accumulation, acc.data(), n);
       });
     }
+    if (k == "unscale") {  // the optimizer step's unscaling (cpu_engine.cpp optimizer_step)
+      auto g = floats(n);
+      return launch([=, this] {
+        const float s = unit_scale_;  // a load, so that the product is made as the runtime makes it
+        for (float& x : g) x *= s;
+        sink_ += g[0];
+      });
+    }
     if (k == "grad_norm") {
       auto g = floats(n);
       return launch([=, this] {
@@ -228,6 +236,7 @@ class KernelTimer {
   std::mt19937 rng_;
   int B_, T_, C_, V_;
   double sink_ = 0;
+  float unit_scale_ = 1.0f;  // the unscale kernel's factor, read at each launch (not folded away)
 };
 
 double machine_memory_gib() {

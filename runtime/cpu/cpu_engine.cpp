@@ -720,7 +720,8 @@ class CpuEngine final : public DeviceEngine {
     }
     double sumsq = 0;
     for (const Part& p : parts) {
-      for (float& x : p.grads) x *= inv_scale;
+      if (inv_scale != 1.0f)  // no loss scaling: nothing to unscale (x * 1 is x, NaN and inf included)
+        for (float& x : p.grads) x *= inv_scale;
       // In index order over the ranges counted, as one pass that skipped the others would add them.
       for (const auto& [from, to] : p.counted)
         for (std::size_t i = from; i < to; ++i) sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
@@ -846,8 +847,14 @@ class CpuEngine final : public DeviceEngine {
     auto& z = rk.zero[j];
     const DType compute = plan_.config.precision.compute;
     if (compute == DType::fp32) return;
-    z.working = z.master;
-    round_inplace(compute, z.working);
+    // Block by block, each rounded while its copy is in cache (one pass over the shard's memory).
+    z.working.resize(z.master.size());
+    constexpr std::size_t kBlock = 1 << 14;
+    for (std::size_t at = 0; at < z.master.size(); at += kBlock) {
+      const std::size_t n = std::min(kBlock, z.master.size() - at);
+      std::copy_n(z.master.begin() + static_cast<std::ptrdiff_t>(at), n, z.working.begin() + static_cast<std::ptrdiff_t>(at));
+      round_inplace(compute, std::span<float>(z.working).subspan(at, n));
+    }
   }
   std::span<const float> working_shard(Rank& rk, int j) {
     auto& z = rk.zero[j];

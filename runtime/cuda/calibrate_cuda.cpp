@@ -277,6 +277,12 @@ class KernelTimer {
         k::accumulate(acc, gacc, rounded, dt, n, S);
       };
     }
+    if (kn == "unscale") {  // the optimizer's unscale and inf/NaN check, in the accumulation format
+      const DType gacc = gacc_;
+      void* g = random(n, gacc);
+      auto* found = static_cast<int*>(device_bytes(sizeof(int)));
+      return [=] { k::unscale_and_check(g, n, 1.0f, found, gacc, S); };
+    }
     if (kn == "grad_norm") {
       const DType gacc = gacc_;
       void* g = random(n, gacc);

@@ -410,10 +410,18 @@ std::unique_ptr<StageModel::Impl::BackwardT> StageModel::Impl::take_backward(boo
 
 void StageModel::Impl::refresh_working() {
   if (spec.compute == DType::fp32) return;
-  std::copy(master.begin(), master.end(), working.begin());
-  for (const ParamInfo& p : params)
+  // Tensor by tensor, each rounded while its copy is still in cache: one pass over the weights'
+  // memory, as a framework's cast of its master weights to the compute format is. (Elements no
+  // tensor names, if any, are copied as they are.)
+  std::size_t named = 0;
+  for (const ParamInfo& p : params) named += p.size;
+  if (named != master.size()) std::copy(master.begin(), master.end(), working.begin());
+  for (const ParamInfo& p : params) {
+    std::copy_n(master.begin() + static_cast<std::ptrdiff_t>(p.offset), p.size,
+                working.begin() + static_cast<std::ptrdiff_t>(p.offset));
     record(round_and_scan(spec.compute, working.data() + p.offset, p.size), Tag{p.name.c_str(), -1, " working copy"},
            false, -1);
+  }
 }
 
 void check_forward_arguments(const StageSpec& spec, const char* who, const std::int32_t* tokens,
