@@ -167,12 +167,18 @@ class KernelTimer {
         round_and_scan(pr.grad_accumulation, acc.data(), n);
       });
     }
-    if (k == "unscale") {  // the optimizer step's unscaling (cpu_engine.cpp optimizer_step)
-      auto g = floats(n);
-      return launch([=, this] {
+    if (k == "unscale") {
+      // The optimizer step's unscaling (cpu_engine.cpp optimizer_step), from memory as the step
+      // meets the gradients the backward wrote long before: each launch scales the next of
+      // enough buffers to exceed twice the last-level cache.
+      const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(float);
+      const std::size_t count = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + bytes - 1) / bytes);
+      auto buffers = std::make_shared<std::vector<std::span<float>>>();
+      for (std::size_t b = 0; b < count; ++b) buffers->push_back(floats(n));
+      auto next = std::make_shared<std::size_t>(0);
+      return launch([buffers, next, this] {
         const float s = unit_scale_;  // a load, so that the product is made as the runtime makes it
-        for (float& x : g) x *= s;
-        sink_ += g[0];
+        for (float& x : (*buffers)[(*next)++ % buffers->size()]) x *= s;
       });
     }
     if (k == "grad_norm") {
