@@ -195,12 +195,24 @@ class KernelTimer {
       set.kind = tr.optimizer;
       set.learning_rate = tr.lr;
       set.beta1 = tr.adam_beta1, set.beta2 = tr.adam_beta2, set.eps = tr.adam_eps, set.weight_decay = tr.weight_decay;
-      OptimizerState* opt = optimizers_.emplace_back(std::make_unique<OptimizerState>(set, n)).get();
-      auto weights = floats(n, 0.02f), grads = floats(n, 1e-3f);
+      // From memory, as the step meets a stage's master weights, moments and gradients once a
+      // step: each launch updates the next of enough copies to exceed twice the last-level cache.
+      struct Copy {
+        OptimizerState* state;
+        std::span<float> weights, grads;
+      };
+      const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(float) * (tr.optimizer == Optimizer::sgd ? 3 : 4);
+      const std::size_t count = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + bytes - 1) / bytes);
+      auto copies = std::make_shared<std::vector<Copy>>();
+      for (std::size_t c = 0; c < count; ++c)
+        copies->push_back({optimizers_.emplace_back(std::make_unique<OptimizerState>(set, n)).get(), floats(n, 0.02f),
+                           floats(n, 1e-3f)});
+      auto next = std::make_shared<std::size_t>(0);
       const DType master = plan_.plan.config.precision.master_weights;
-      return launch([=, this] {
-        opt->step(weights, grads, 1.0f);
-        if (master != DType::fp32) round_inplace(master, weights);
+      return launch([copies, next, master] {
+        const Copy& c = (*copies)[(*next)++ % copies->size()];
+        c.state->step(c.weights, c.grads, 1.0f);
+        if (master != DType::fp32) round_inplace(master, c.weights);
       });
     }
     if (k == "zero") {
