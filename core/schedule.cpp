@@ -51,6 +51,13 @@ std::string op_label(const Op& op) {
   return "?";
 }
 
+bool sends_next(const RankProgram& program, int i) {
+  const auto& ops = program.ops;
+  for (std::size_t j = static_cast<std::size_t>(i) + 1; j < ops.size(); ++j)
+    if (!is_collective(ops[j].kind)) return is_send(ops[j].kind);
+  return false;
+}
+
 std::size_t Schedule::total_ops() const {
   std::size_t n = 0;
   for (const auto& r : ranks) n += r.ops.size();

@@ -80,6 +80,10 @@ struct RankProgram {
   std::vector<Op> ops;
 };
 
+// Whether the op rank `program`'s compute thread runs after op `i` is a send (collectives go to
+// its communication thread): where ranks share cores, a compute op keeps its turn for it.
+bool sends_next(const RankProgram& program, int i);
+
 // gradients: data-parallel buckets; embedding: the tied word-embedding gradient shared by
 // the first and last stage; parameters: ZeRO gathers; overflow: the found-inf reduction.
 enum class CollectivePurpose : std::uint8_t { gradients, embedding, parameters, overflow };

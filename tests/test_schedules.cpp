@@ -55,6 +55,18 @@ INSTANTIATE_TEST_SUITE_P(Schedules, BubbleFormula,
 
 // Interleaved 1F1B divides the bubble time by v: bubble = (p - 1)(F + B)/v, where F and B
 // are a whole stage's times (each of the v chunks takes 1/v of them).
+TEST(RankProgram, SendsNextLooksPastTheCollectivesToTheComputeThreadsNextOp) {
+  RankProgram p;
+  for (OpKind k : {OpKind::Forward, OpKind::AllReduce, OpKind::SendActivation, OpKind::RecvGradient, OpKind::Backward}) {
+    Op op;
+    op.kind = k;
+    p.ops.push_back(op);
+  }
+  EXPECT_TRUE(sends_next(p, 0));   // the all-reduce is the other thread's
+  EXPECT_FALSE(sends_next(p, 2));  // a receive
+  EXPECT_FALSE(sends_next(p, 4));  // the program's end
+}
+
 TEST(Interleaved, BubbleTimeIsOneFOneBOverV) {
   for (auto [p, v, m] : {std::tuple{2, 2, 4}, {4, 2, 8}, {4, 2, 16}, {4, 4, 8}, {8, 2, 32}, {8, 4, 64}}) {
     SCOPED_TRACE(fmt::format("p={} v={} m={}", p, v, m));

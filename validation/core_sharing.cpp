@@ -95,14 +95,6 @@ class Replay {
     std::vector<char> done;
   };
 
-  // Rank r's compute thread's next op after op i (collectives go to the other thread) is a send.
-  bool next_on_thread_is_send(int r, int i) const {
-    const auto& ops = s_.ranks[static_cast<std::size_t>(r)].ops;
-    for (std::size_t j = static_cast<std::size_t>(i) + 1; j < ops.size(); ++j)
-      if (!is_collective(ops[j].kind)) return is_send(ops[j].kind);
-    return false;
-  }
-
   Tick duration(int r, int i) const {
     const OpTiming& t = alone_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
     return std::max<Tick>(0, t.end - t.start);
@@ -225,7 +217,7 @@ class Replay {
         const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
         const bool last_part = st.part + 1 >= parts_of(op.kind);
         // The turn is kept for the sends of the op's output that follow it.
-        st.holds_core = last_part && next_on_thread_is_send(e.rank, e.a);
+        st.holds_core = last_part && sends_next(s_.ranks[static_cast<std::size_t>(e.rank)], e.a);
         if (!st.holds_core) ++free_cores_;
         if (!last_part) {
           // The optimizer's gradient norm is in: its all-reduce over every rank, core released.
@@ -241,7 +233,7 @@ class Replay {
       }
       case Kind::send_end: {
         const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
-        if (st.holds_core && !next_on_thread_is_send(e.rank, e.a)) {
+        if (st.holds_core && !sends_next(s_.ranks[static_cast<std::size_t>(e.rank)], e.a)) {
           st.holds_core = false;
           ++free_cores_;
         }

@@ -365,7 +365,7 @@ class CpuEngine final : public DeviceEngine {
           e_.stage_buckets(rk_, i, op);
           rk_.in_flight = rk_.staged_bytes;
         }
-        if (core && next_on_thread_is_send(i)) held_.emplace(std::move(*core));
+        if (core && sends_next(*rk_.program, i)) held_.emplace(std::move(*core));
       }
       Tick end = e_.now();
       if (is_recv(op.kind)) {
@@ -401,14 +401,6 @@ class CpuEngine final : public DeviceEngine {
     }
 
    private:
-    // The compute thread's next op after `i` (collectives go to the other thread) is a send.
-    bool next_on_thread_is_send(int i) const {
-      const auto& ops = rk_.program->ops;
-      for (std::size_t j = static_cast<std::size_t>(i) + 1; j < ops.size(); ++j)
-        if (!is_collective(ops[j].kind)) return is_send(ops[j].kind);
-      return false;
-    }
-
     CpuEngine& e_;
     Rank& rk_;
     Tick previous_end_ = -1;                // of this thread's last op this step
@@ -539,7 +531,7 @@ class CpuEngine final : public DeviceEngine {
   }
 
   Tick now() const { return at(Clock::now()); }
-  Tick at(Clock::time_point t) const {
+  Tick at(Clock::time_point t) const {  // the step's clock at `t`
     return std::chrono::duration_cast<std::chrono::nanoseconds>(t - epoch_).count() * 1000;
   }
 
@@ -850,10 +842,11 @@ class CpuEngine final : public DeviceEngine {
     // Block by block, each rounded while its copy is in cache (one pass over the shard's memory).
     z.working.resize(z.master.size());
     constexpr std::size_t kBlock = 1 << 14;
-    for (std::size_t at = 0; at < z.master.size(); at += kBlock) {
-      const std::size_t n = std::min(kBlock, z.master.size() - at);
-      std::copy_n(z.master.begin() + static_cast<std::ptrdiff_t>(at), n, z.working.begin() + static_cast<std::ptrdiff_t>(at));
-      round_inplace(compute, std::span<float>(z.working).subspan(at, n));
+    for (std::size_t from = 0; from < z.master.size(); from += kBlock) {
+      const std::size_t n = std::min(kBlock, z.master.size() - from);
+      std::copy_n(z.master.begin() + static_cast<std::ptrdiff_t>(from), n,
+                  z.working.begin() + static_cast<std::ptrdiff_t>(from));
+      round_inplace(compute, std::span<float>(z.working).subspan(from, n));
     }
   }
   std::span<const float> working_shard(Rank& rk, int j) {

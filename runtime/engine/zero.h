@@ -34,7 +34,6 @@
 #include <span>
 #include <string>
 #include <utility>
-#include <utility>
 #include <vector>
 
 #include "core/plan.h"
