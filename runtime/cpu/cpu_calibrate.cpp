@@ -47,6 +47,17 @@ std::vector<float> random_floats(std::size_t n, std::mt19937& rng, float scale =
 
 
 // Times one kernel of the inventory with the runtime's implementation of it.
+// A kernel that meets data a step touches once (written long before, or kept from the last step)
+// is timed from memory: each launch works on the next of enough copies of its buffers, `bytes`
+// each, to exceed twice the last-level cache. Returns a callable handing out the copies in turn.
+template <class Copy, class Make>
+auto copies_past_cache(std::size_t bytes, Make&& make) {
+  const std::size_t count = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + bytes - 1) / std::max<std::size_t>(1, bytes));
+  auto copies = std::make_shared<std::vector<Copy>>();
+  for (std::size_t c = 0; c < count; ++c) copies->push_back(make());
+  return [copies, next = std::make_shared<std::size_t>(0)]() -> Copy& { return (*copies)[(*next)++ % copies->size()]; };
+}
+
 class KernelTimer {
  public:
   KernelTimer(const RuntimePlan& plan, const CalibrateOptions& o) : plan_(plan), o_(o), rng_(12345) {
@@ -168,17 +179,12 @@ class KernelTimer {
       });
     }
     if (k == "unscale") {
-      // The optimizer step's unscaling (cpu_engine.cpp optimizer_step), from memory as the step
-      // meets the gradients the backward wrote long before: each launch scales the next of
-      // enough buffers to exceed twice the last-level cache.
-      const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(float);
-      const std::size_t count = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + bytes - 1) / bytes);
-      auto buffers = std::make_shared<std::vector<std::span<float>>>();
-      for (std::size_t b = 0; b < count; ++b) buffers->push_back(floats(n));
-      auto next = std::make_shared<std::size_t>(0);
-      return launch([buffers, next, this] {
+      // The optimizer step's unscaling (cpu_engine.cpp optimizer_step), from memory: the step meets
+      // the gradients the backward wrote long before.
+      auto next = copies_past_cache<std::span<float>>(static_cast<std::size_t>(n) * sizeof(float), [&] { return floats(n); });
+      return launch([next, this] {
         const float s = unit_scale_;  // a load, so that the product is made as the runtime makes it
-        for (float& x : (*buffers)[(*next)++ % buffers->size()]) x *= s;
+        for (float& x : next()) x *= s;
       });
     }
     if (k == "grad_norm") {
@@ -195,22 +201,19 @@ class KernelTimer {
       set.kind = tr.optimizer;
       set.learning_rate = tr.lr;
       set.beta1 = tr.adam_beta1, set.beta2 = tr.adam_beta2, set.eps = tr.adam_eps, set.weight_decay = tr.weight_decay;
-      // From memory, as the step meets a stage's master weights, moments and gradients once a
-      // step: each launch updates the next of enough copies to exceed twice the last-level cache.
+      // From memory: the step meets a stage's master weights, moments and gradients once a step.
       struct Copy {
         OptimizerState* state;
         std::span<float> weights, grads;
       };
       const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(float) * (tr.optimizer == Optimizer::sgd ? 3 : 4);
-      const std::size_t count = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + bytes - 1) / bytes);
-      auto copies = std::make_shared<std::vector<Copy>>();
-      for (std::size_t c = 0; c < count; ++c)
-        copies->push_back({optimizers_.emplace_back(std::make_unique<OptimizerState>(set, n)).get(), floats(n, 0.02f),
-                           floats(n, 1e-3f)});
-      auto next = std::make_shared<std::size_t>(0);
+      auto next = copies_past_cache<Copy>(bytes, [&] {
+        return Copy{optimizers_.emplace_back(std::make_unique<OptimizerState>(set, n)).get(), floats(n, 0.02f),
+                    floats(n, 1e-3f)};
+      });
       const DType master = plan_.plan.config.precision.master_weights;
-      return launch([copies, next, master] {
-        const Copy& c = (*copies)[(*next)++ % copies->size()];
+      return launch([next, master] {
+        const Copy& c = next();
         c.state->step(c.weights, c.grads, 1.0f);
         if (master != DType::fp32) round_inplace(master, c.weights);
       });
@@ -221,15 +224,12 @@ class KernelTimer {
     }
     if (k == kShardCopyKernel) {
       // From memory, as the runtime copies the flat gradients a backward wrote long before (and
-      // as the all-reduce benchmark times its rings): each launch copies the next of enough
-      // buffer pairs to exceed twice the last-level cache.
-      const std::size_t pair_bytes = 2 * static_cast<std::size_t>(n) * sizeof(float);
-      const std::size_t pairs = std::max<std::size_t>(2, (2 * last_level_cache_bytes() + pair_bytes - 1) / pair_bytes);
-      auto buffers = std::make_shared<std::vector<std::pair<std::span<float>, std::span<float>>>>();
-      for (std::size_t p = 0; p < pairs; ++p) buffers->emplace_back(floats(n), floats(n));
-      auto next = std::make_shared<std::size_t>(0);
-      return launch([buffers, next] {
-        const auto& [from, to] = (*buffers)[(*next)++ % buffers->size()];
+      // as the all-reduce benchmark times its rings).
+      using Pair = std::pair<std::span<float>, std::span<float>>;
+      auto next = copies_past_cache<Pair>(2 * static_cast<std::size_t>(n) * sizeof(float),
+                                          [&] { return Pair{floats(n), floats(n)}; });
+      return launch([next] {
+        const auto& [from, to] = next();
         std::copy(from.begin(), from.end(), to.begin());
       });
     }
