@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -77,6 +78,56 @@ void dispatch(DType dt, const char* kernel, F&& f) {
 }
 
 // ---------------------------------------------------------------------------------------
+// 16-byte accesses. A pack is kPack consecutive elements: 16 bytes of a 16-bit format (one
+// 128-bit load or store) or 32 of fp32 (two). A memory-bound kernel moves whole packs where every
+// pointer it touches is 16-byte aligned (the launcher asks aligned16) and single elements
+// elsewhere, e.g. a shard at an odd offset; the arithmetic on each element is the same either way,
+// so the results do not depend on the path.
+// ---------------------------------------------------------------------------------------
+inline constexpr int kPack = 8;
+
+template <class T>
+__device__ __forceinline__ void load_pack(float (&f)[kPack], const T* p) {
+  constexpr int kWords = static_cast<int>(sizeof(T)) * kPack / 16;
+  uint4 raw[kWords];
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) raw[w] = reinterpret_cast<const uint4*>(p)[w];
+  T t[kPack];
+  memcpy(t, raw, sizeof t);
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) f[k] = to_float(t[k]);
+}
+
+template <class T>
+__device__ __forceinline__ void store_pack(T* p, const float (&f)[kPack]) {
+  constexpr int kWords = static_cast<int>(sizeof(T)) * kPack / 16;
+  T t[kPack];
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) t[k] = from_float<T>(f[k]);
+  uint4 raw[kWords];
+  memcpy(raw, t, sizeof t);
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) reinterpret_cast<uint4*>(p)[w] = raw[w];
+}
+
+// Every pointer 16-byte aligned (a null one, an operand the kernel skips, is).
+template <class... P>
+bool aligned16(const P*... p) {
+  return ((reinterpret_cast<std::uintptr_t>(p) % 16 == 0) && ...);
+}
+
+// Grid-stride visit of n elements: pack_fn(i) for each whole pack (i = 0, kPack, 2 kPack, ...)
+// when `packed`, then one_fn(i) for each element left (all n when not packed).
+template <class PackFn, class OneFn>
+__device__ __forceinline__ void for_each_element(std::size_t n, bool packed, PackFn&& pack_fn, OneFn&& one_fn) {
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t packs = packed ? n / kPack : 0;
+  for (std::size_t p = first; p < packs; p += stride) pack_fn(p * kPack);
+  for (std::size_t i = packs * kPack + first; i < n; i += stride) one_fn(i);
+}
+
+// ---------------------------------------------------------------------------------------
 // Launch shapes
 // ---------------------------------------------------------------------------------------
 inline constexpr int kElementwiseThreads = 256;
@@ -89,6 +140,9 @@ inline unsigned elementwise_blocks(std::size_t n) {
   const std::size_t cap = 1u << 16;
   return static_cast<unsigned>(want == 0 ? 1 : (want < cap ? want : cap));
 }
+
+// Blocks for for_each_element: one thread per pack (or per element when not packed).
+inline unsigned packed_blocks(std::size_t n, bool packed) { return elementwise_blocks(packed ? (n + kPack - 1) / kPack : n); }
 
 inline unsigned row_blocks(std::size_t rows) {
   return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);

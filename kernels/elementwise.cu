@@ -19,24 +19,41 @@ namespace {
 // Embedding
 // ---------------------------------------------------------------------------------------
 
-// Grid-stride, one thread per output element of (N, C). out = wte[token] + wpe[t]: one fp32 add
-// rounded once to T, the same operations as the CPU's float add then round_to(dt), so the result
-// is bit-identical to it. A token outside [0, V) writes NaN.
+// One thread per pack (or element) of the (N, C) output; a pack never spans two rows (packed
+// only when C is a multiple of kPack). out = wte[token] + wpe[t]: one fp32 add rounded once to T,
+// the same operations as the CPU's float add then round_to(dt), so the result is bit-identical to
+// it. A token outside [0, V) writes NaN.
 template <class T>
 __global__ void embedding_forward_kernel(T* out, const std::int32_t* tokens, const T* wte, const T* wpe, int seq, int C,
-                                         int V, std::size_t total) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+                                         int V, std::size_t total, bool packed) {
+  auto row_of = [&](std::size_t i, const T*& e, const T*& p) {
     const std::size_t n = i / C, c = i % C;
-    const int t = static_cast<int>(n % seq);
     const std::int32_t tok = tokens[n];
-    if (tok < 0 || tok >= V) {
-      out[i] = from_float<T>(NAN);
-      continue;
-    }
-    out[i] = from_float<T>(to_float(wte[static_cast<std::size_t>(tok) * C + c]) +
-                           to_float(wpe[static_cast<std::size_t>(t) * C + c]));
-  }
+    if (tok < 0 || tok >= V) return false;
+    e = wte + static_cast<std::size_t>(tok) * C + c;
+    p = wpe + (n % seq) * C + c;
+    return true;
+  };
+  for_each_element(
+      total, packed,
+      [&](std::size_t i) {
+        const T *e, *p;
+        float v[kPack], w[kPack];
+        if (row_of(i, e, p)) {
+          load_pack(v, e);
+          load_pack(w, p);
+#pragma unroll
+          for (int k = 0; k < kPack; ++k) v[k] += w[k];
+        } else {
+#pragma unroll
+          for (int k = 0; k < kPack; ++k) v[k] = NAN;
+        }
+        store_pack(out + i, v);
+      },
+      [&](std::size_t i) {
+        const T *e, *p;
+        out[i] = from_float<T>(row_of(i, e, p) ? to_float(*e) + to_float(*p) : NAN);
+      });
 }
 
 // dwpe: one thread per (t, c); adds dout[b, t, c] for b = 0, 1, ... in order onto the existing
@@ -88,33 +105,55 @@ __global__ void embedding_backward_wte_kernel(float* dwte, const T* dout, const 
   }
 }
 
-// Tensor parallelism. Grid-stride, one thread per output element.
+// Tensor parallelism. One thread per pack (or element), packs within a row as above.
 template <class T>
 __global__ void embedding_shard_forward_kernel(T* out, const std::int32_t* local_tokens, const T* wte, int C, int Vl,
-                                               std::size_t total) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+                                               std::size_t total, bool packed) {
+  auto row_of = [&](std::size_t i) -> const T* {  // null: a token this shard does not hold
     const std::size_t n = i / C, c = i % C;
     const std::int32_t tok = local_tokens[n];
-    out[i] = tok >= 0 && tok < Vl ? wte[static_cast<std::size_t>(tok) * C + c] : from_float<T>(0.0f);
-  }
+    return tok >= 0 && tok < Vl ? wte + static_cast<std::size_t>(tok) * C + c : nullptr;
+  };
+  for_each_element(
+      total, packed,
+      [&](std::size_t i) {
+        float v[kPack] = {};
+        if (const T* e = row_of(i)) load_pack(v, e);
+        store_pack(out + i, v);
+      },
+      [&](std::size_t i) {
+        const T* e = row_of(i);
+        out[i] = e ? *e : from_float<T>(0.0f);
+      });
+}
+
+// out[i] += row[i mod C] of `table`, whose row is picked by row_of(n), n = i / C: a position
+// embedding or a bias. One fp32 add, one rounding.
+template <class T, class RowOf>
+__device__ __forceinline__ void add_rows(T* out, const T* table, int C, std::size_t total, bool packed, RowOf row_of) {
+  for_each_element(
+      total, packed,
+      [&](std::size_t i) {
+        const T* r = table + row_of(i / C) * C + i % C;
+        float v[kPack], w[kPack];
+        load_pack(v, out + i);
+        load_pack(w, r);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] += w[k];
+        store_pack(out + i, v);
+      },
+      [&](std::size_t i) { out[i] = from_float<T>(to_float(out[i]) + to_float(table[row_of(i / C) * C + i % C])); });
 }
 
 template <class T>
-__global__ void add_position_embedding_kernel(T* out, const T* wpe, std::size_t row0, int seq, int C, std::size_t total) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::size_t n = i / C, c = i % C;
-    const std::size_t t = (row0 + n) % static_cast<std::size_t>(seq);
-    out[i] = from_float<T>(to_float(out[i]) + to_float(wpe[t * C + c]));
-  }
+__global__ void add_position_embedding_kernel(T* out, const T* wpe, std::size_t row0, int seq, int C, std::size_t total,
+                                              bool packed) {
+  add_rows(out, wpe, C, total, packed, [&](std::size_t n) { return (row0 + n) % static_cast<std::size_t>(seq); });
 }
 
 template <class T>
-__global__ void add_bias_kernel(T* y, const T* b, int OC, std::size_t total) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    y[i] = from_float<T>(to_float(y[i]) + to_float(b[i % OC]));
+__global__ void add_bias_kernel(T* y, const T* b, int OC, std::size_t total, bool packed) {
+  add_rows(y, b, OC, total, packed, [](std::size_t) { return std::size_t(0); });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -123,54 +162,77 @@ __global__ void add_bias_kernel(T* y, const T* b, int OC, std::size_t total) {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
-// Grid-stride, one thread per element. y = 0.5 x (1 + tanh(s (x + c x^3))).
-template <class T>
-__global__ void gelu_forward_kernel(T* y, const T* x, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const float v = to_float(x[i]);
-    y[i] = from_float<T>(0.5f * v * (1.0f + tanhf(kGeluScale * (v + kGeluCubic * (v * v * v)))));
-  }
+// ---------------------------------------------------------------------------------------
+// Elementwise maps: out[i] = f(a[i]) or f(a[i], b[i]) in fp32, rounded once to the output's
+// format, by packs where aligned (for_each_element). The output may alias an input: each element
+// is read and written by one thread.
+// ---------------------------------------------------------------------------------------
+template <class O, class A, class F>
+__global__ void map_kernel(O* out, const A* a, std::size_t n, bool packed, F f) {
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack];
+        load_pack(v, a + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] = f(v[k]);
+        store_pack(out + i, v);
+      },
+      [&](std::size_t i) { out[i] = from_float<O>(f(to_float(a[i]))); });
 }
 
-// Grid-stride, one thread per element; tanh evaluated once per element as on the CPU.
-// dx = dy (0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 c x^2)). dx may alias dy.
-template <class T>
-__global__ void gelu_backward_kernel(T* dx, const T* x, const T* dy, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const float v = to_float(x[i]);
+template <class O, class A, class B, class F>
+__global__ void map_kernel(O* out, const A* a, const B* b, std::size_t n, bool packed, F f) {
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack], w[kPack];
+        load_pack(v, a + i);
+        load_pack(w, b + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] = f(v[k], w[k]);
+        store_pack(out + i, v);
+      },
+      [&](std::size_t i) { out[i] = from_float<O>(f(to_float(a[i]), to_float(b[i]))); });
+}
+
+template <class O, class A, class F>
+void launch_map(O* out, const A* a, std::size_t n, StreamHandle stream, F f) {
+  const bool packed = aligned16(out, a);
+  map_kernel<<<packed_blocks(n, packed), kElementwiseThreads, 0, stream>>>(out, a, n, packed, f);
+}
+
+template <class O, class A, class B, class F>
+void launch_map(O* out, const A* a, const B* b, std::size_t n, StreamHandle stream, F f) {
+  const bool packed = aligned16(out, a, b);
+  map_kernel<<<packed_blocks(n, packed), kElementwiseThreads, 0, stream>>>(out, a, b, n, packed, f);
+}
+
+// y = 0.5 x (1 + tanh(s (x + c x^3))).
+struct GeluForward {
+  __device__ float operator()(float v) const {
+    return 0.5f * v * (1.0f + tanhf(kGeluScale * (v + kGeluCubic * (v * v * v))));
+  }
+};
+
+// tanh evaluated once per element as on the CPU. dx = dy (0.5 (1 + th) + 0.5 x (1 - th^2) s (1 + 3 c x^2)).
+struct GeluBackward {
+  __device__ float operator()(float v, float dy) const {
     const float th = tanhf(kGeluScale * (v + kGeluCubic * (v * v * v)));
     const float d = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
-    dx[i] = from_float<T>(to_float(dy[i]) * d);
+    return dy * d;
   }
-}
+};
 
-// ---------------------------------------------------------------------------------------
 // Residual add, accumulation, casts: one fp32 operation (or none) and one rounding, as the CPU
-// does them, so results are bit-identical to the CPU's.
-// ---------------------------------------------------------------------------------------
-template <class T>
-__global__ void residual_add_kernel(T* out, const T* a, const T* b, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
-}
-
-template <class A, class X>
-__global__ void accumulate_kernel(A* acc, const X* x, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    acc[i] = from_float<A>(to_float(acc[i]) + to_float(x[i]));
-}
-
-// fp16 <-> bf16 go through fp32, which holds both exactly: one rounding in all.
-template <class D, class S>
-__global__ void cast_kernel(D* dst, const S* src, std::size_t n) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    dst[i] = from_float<D>(to_float(src[i]));
-}
+// does them, so results are bit-identical to the CPU's. fp16 <-> bf16 casts go through fp32,
+// which holds both exactly: one rounding in all.
+struct Add {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct Identity {
+  __device__ float operator()(float a) const { return a; }
+};
 
 void require_dims(const char* kernel, std::initializer_list<long long> dims) {
   for (long long d : dims) require(d > 0, kernel, "every dimension must be positive");
@@ -188,8 +250,9 @@ void embedding_forward(void* out, const std::int32_t* tokens, const void* wte, c
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const std::size_t total = static_cast<std::size_t>(B) * T * C;
-    embedding_forward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(out), tokens, static_cast<const S*>(wte), static_cast<const S*>(wpe), T, C, V, total);
+    const bool packed = C % kPack == 0 && aligned16(out, wte, wpe);
+    embedding_forward_kernel<S><<<packed_blocks(total, packed), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(out), tokens, static_cast<const S*>(wte), static_cast<const S*>(wpe), T, C, V, total, packed);
   });
   check_launch(name);
 }
@@ -252,8 +315,9 @@ void embedding_shard_forward(void* out, const std::int32_t* local_tokens, const 
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const std::size_t total = static_cast<std::size_t>(N) * C;
-    embedding_shard_forward_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(out), local_tokens, static_cast<const S*>(wte_shard), C, Vl, total);
+    const bool packed = C % kPack == 0 && aligned16(out, wte_shard);
+    embedding_shard_forward_kernel<S><<<packed_blocks(total, packed), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(out), local_tokens, static_cast<const S*>(wte_shard), C, Vl, total, packed);
   });
   check_launch(name);
 }
@@ -266,8 +330,9 @@ void add_position_embedding(void* out, const void* wpe, std::size_t row0, std::s
   if (total == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    add_position_embedding_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(out), static_cast<const S*>(wpe), row0, T, C, total);
+    const bool packed = C % kPack == 0 && aligned16(out, wpe);
+    add_position_embedding_kernel<S><<<packed_blocks(total, packed), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(out), static_cast<const S*>(wpe), row0, T, C, total, packed);
   });
   check_launch(name);
 }
@@ -279,8 +344,9 @@ void add_bias(void* y, const void* b, std::size_t N, int OC, DType dt, StreamHan
   if (total == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    add_bias_kernel<S><<<elementwise_blocks(total), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(y), static_cast<const S*>(b), OC, total);
+    const bool packed = OC % kPack == 0 && aligned16(y, b);
+    add_bias_kernel<S><<<packed_blocks(total, packed), kElementwiseThreads, 0, stream>>>(
+        static_cast<S*>(y), static_cast<const S*>(b), OC, total, packed);
   });
   check_launch(name);
 }
@@ -290,8 +356,7 @@ void gelu_forward(void* y, const void* x, std::size_t n, DType dt, StreamHandle 
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    gelu_forward_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(y), static_cast<const S*>(x), n);
+    launch_map(static_cast<S*>(y), static_cast<const S*>(x), n, stream, GeluForward{});
   });
   check_launch(name);
 }
@@ -301,8 +366,7 @@ void gelu_backward(void* dx, const void* x, const void* dy, std::size_t n, DType
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    gelu_backward_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(dx), static_cast<const S*>(x), static_cast<const S*>(dy), n);
+    launch_map(static_cast<S*>(dx), static_cast<const S*>(x), static_cast<const S*>(dy), n, stream, GeluBackward{});
   });
   check_launch(name);
 }
@@ -312,8 +376,7 @@ void residual_add(void* out, const void* a, const void* b, std::size_t n, DType 
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    residual_add_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
-        static_cast<S*>(out), static_cast<const S*>(a), static_cast<const S*>(b), n);
+    launch_map(static_cast<S*>(out), static_cast<const S*>(a), static_cast<const S*>(b), n, stream, Add{});
   });
   check_launch(name);
 }
@@ -325,8 +388,7 @@ void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t 
     using A = typename decltype(acc_tag)::type;
     dispatch(x_dt, name, [&](auto x_tag) {
       using X = typename decltype(x_tag)::type;
-      accumulate_kernel<A, X><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
-          static_cast<A*>(acc), static_cast<const X*>(x), n);
+      launch_map(static_cast<A*>(acc), static_cast<const A*>(acc), static_cast<const X*>(x), n, stream, Add{});
     });
   });
   check_launch(name);
@@ -339,8 +401,7 @@ void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n,
     using D = typename decltype(dst_tag)::type;
     dispatch(src_dt, name, [&](auto src_tag) {
       using S = typename decltype(src_tag)::type;
-      cast_kernel<D, S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(
-          static_cast<D*>(dst), static_cast<const S*>(src), n);
+      launch_map(static_cast<D*>(dst), static_cast<const S*>(src), n, stream, Identity{});
     });
   });
   check_launch(name);

@@ -19,19 +19,27 @@ namespace {
 // Loss scaling
 // ---------------------------------------------------------------------------------------
 
-// Grid-stride, one thread per element: g = g * inv_scale (one fp32 multiply, as the executor),
+// One thread per pack (or element): g = g * inv_scale (one fp32 multiply, as the executor),
 // rounded to T; a thread that sees an inf/NaN input or result sets *found_inf = 1 (a plain store
 // of the same value from any number of threads: no atomics needed, nothing ever clears it).
 template <class T>
-__global__ void unscale_kernel(T* g, std::size_t n, float inv_scale, int* found_inf) {
+__global__ void unscale_kernel(T* g, std::size_t n, float inv_scale, int* found_inf, bool packed) {
   bool bad = false;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const float v = to_float(g[i]);
-    const T u = from_float<T>(v * inv_scale);
-    bad |= !isfinite(v) || !isfinite(to_float(u));
-    g[i] = u;
-  }
+  auto one = [&](float v) {
+    const float u = to_float(from_float<T>(v * inv_scale));
+    bad |= !isfinite(v) || !isfinite(u);
+    return u;
+  };
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack];
+        load_pack(v, g + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] = one(v[k]);
+        store_pack(g + i, v);  // v holds values of T: storing rounds nothing
+      },
+      [&](std::size_t i) { g[i] = from_float<T>(one(to_float(g[i]))); });
   if (bad) *found_inf = 1;
 }
 
@@ -45,15 +53,26 @@ static_assert(kReductionBlocks % 32 == 0 && kReductionBlocks <= 1024, "the final
 
 // Thread k of the grid sums elements k, k + grid size, ... (squared when kSquare: an fp32 value
 // squared in double is exact), then the block sums its threads; one partial per block.
+// Packed (when x is aligned), thread k sums packs k, k + grid size, ... element by element in
+// order, then the elements after the last whole pack: the order is still fixed by n (and x's
+// alignment) alone.
 template <class T, bool kSquare>
-__global__ void reduce_partials_kernel(double* partials, const T* x, std::size_t n) {
+__global__ void reduce_partials_kernel(double* partials, const T* x, std::size_t n, bool packed) {
   __shared__ double shared[32];
   double acc = 0.0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const double v = to_float(x[i]);
+  auto add = [&](float f) {
+    const double v = f;
     acc += kSquare ? v * v : v;
-  }
+  };
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack];
+        load_pack(v, x + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) add(v[k]);
+      },
+      [&](std::size_t i) { add(to_float(x[i])); });
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
@@ -70,7 +89,7 @@ __global__ void __launch_bounds__(kReductionBlocks)
 template <class T, bool kSquare>
 void reduce(const char* name, double* out, const T* x, std::size_t n, double* scratch, bool accumulate,
             cudaStream_t stream) {
-  reduce_partials_kernel<T, kSquare><<<kReductionBlocks, kReduceThreads, 0, stream>>>(scratch, x, n);
+  reduce_partials_kernel<T, kSquare><<<kReductionBlocks, kReduceThreads, 0, stream>>>(scratch, x, n, aligned16(x));
   check_launch(name);
   reduce_final_kernel<<<1, kReductionBlocks, 0, stream>>>(out, scratch, accumulate);
   check_launch(name);
@@ -132,8 +151,9 @@ void unscale_and_check(void* grads, std::size_t n, float inv_scale, int* found_i
   if (n == 0) return;
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    unscale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(static_cast<S*>(grads), n,
-                                                                                            inv_scale, found_inf);
+    const bool packed = aligned16(grads);
+    unscale_kernel<S><<<packed_blocks(n, packed), kElementwiseThreads, 0, stream>>>(static_cast<S*>(grads), n,
+                                                                                    inv_scale, found_inf, packed);
   });
   check_launch(name);
 }

@@ -10,12 +10,19 @@ using namespace detail;
 
 namespace {
 
-// Grid-stride, one thread per element: one fp32 multiply, rounded once to T.
+// One thread per pack (or element): one fp32 multiply, rounded once to T.
 template <class T>
-__global__ void scale_kernel(T* x, std::size_t n, float factor) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    x[i] = from_float<T>(to_float(x[i]) * factor);
+__global__ void scale_kernel(T* x, std::size_t n, float factor, bool packed) {
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack];
+        load_pack(v, x + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] *= factor;
+        store_pack(x + i, v);
+      },
+      [&](std::size_t i) { x[i] = from_float<T>(to_float(x[i]) * factor); });
 }
 
 }  // namespace
@@ -26,7 +33,8 @@ void scale_inplace(void* x, std::size_t n, float factor, DType dt, StreamHandle 
   require(x != nullptr, name, "x is null with n = " + std::to_string(n));
   dispatch(dt, name, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    scale_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(static_cast<S*>(x), n, factor);
+    const bool packed = aligned16(x);
+    scale_kernel<S><<<packed_blocks(n, packed), kElementwiseThreads, 0, stream>>>(static_cast<S*>(x), n, factor, packed);
   });
   check_launch(name);
 }

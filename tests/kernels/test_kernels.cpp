@@ -256,7 +256,7 @@ constexpr int kN = kB * kT;
 // fp32 error bound of the row and column reductions, relative to the sum of the terms'
 // magnitudes: per-lane (or per-thread) sequential sums of at most ceil(len/32) terms, then at most
 // 32 more additions in a tree or in order, plus a few roundings of the elementwise work around them:
-// (len/32 + 32 + 8) u32 <= 1e-5 for every length in these tests (<= 1024 columns, <= 256 rows).
+// (len/32 + 32 + 8) u32 <= 1e-5 for every length in these tests (<= 1288 columns, <= 300 rows).
 constexpr double kReduce = 1e-5;
 
 // =======================================================================================
@@ -313,8 +313,11 @@ TEST_P(GpuByDType, EmbeddingBackwardIsIdenticalToTheCpu) {
 struct RowShape {
   int N, C;
 };
-// The stage's (N, C) and a wide row (GPT-2 small's hidden size: 24 columns per lane).
-const RowShape kRowShapes[] = {{kN, kC}, {64, 768}};
+// The stage's (N, C), a wide row (GPT-2 small's hidden size: 24 columns per lane), a row wider
+// than a lane's registers hold (1288 columns: read again for each pass), and a row that is no
+// whole number of 16-byte packs (element by element) over more rows than one column chunk
+// (kernels/norm_softmax.cu: 64 rows packed, 128 not).
+const RowShape kRowShapes[] = {{kN, kC}, {64, 768}, {16, 1288}, {300, 100}};
 
 TEST_P(GpuByDType, LayerNormForwardMatchesLayers) {
   const DType dt = GetParam();
@@ -511,12 +514,14 @@ TEST_P(GpuByDType, GeluForwardAndBackwardMatchLayers) {
 // row of the scores before the softmax and of the softmax's output gradient before the backward,
 // so the test writes its own random rows there and reads back what layers.h computes from them.
 // =======================================================================================
-constexpr int kAttB = 2, kAttH = 3, kAttT = 70, kAttHs = 16, kAttC = kAttH * kAttHs;  // 1/sqrt(16) is exact
+constexpr int kAttB = 2, kAttH = 3, kAttHs = 16, kAttC = kAttH * kAttHs;  // 1/sqrt(16) is exact
 constexpr int kAttBH = kAttB * kAttH;
+// Sequence lengths: rows of 16-byte packs (64) and rows that are not (70, element by element).
+const int kAttTs[] = {70, 64};
 
 // Reference softmax of `scores` (BH, T, T) scaled by `scale`, computed by layers::attention_forward.
-std::vector<double> reference_softmax(const std::vector<float>& scores, double scale, std::mt19937& rng) {
-  const int B = kAttB, T = kAttT, C = kAttC, H = kAttH;
+std::vector<double> reference_softmax(const std::vector<float>& scores, int T, double scale, std::mt19937& rng) {
+  const int B = kAttB, C = kAttC, H = kAttH;
   const auto qkv = to_double(randn(DType::fp32, std::size_t(B) * T * 3 * C, rng));
   std::vector<double> out(std::size_t(B) * T * C), probs(std::size_t(kAttBH) * T * T), scratch(std::size_t(T) * T);
   std::size_t row = 0;  // rows come in (b, h, i) order
@@ -537,12 +542,12 @@ std::vector<double> reference_softmax(const std::vector<float>& scores, double s
 TEST_P(GpuByDType, CausalSoftmaxForwardMatchesLayers) {
   const DType dt = GetParam();
   const double u = unit_roundoff_of(dt), sub = subnormal_half_spacing(dt);
-  const int T = kAttT;
   std::mt19937 rng(401);
+  for (const int T : kAttTs)
   for (const float scale : {1.0f, 0.125f}) {  // 1: as layers.h (scale in the product); 0.125: exact in both
-    SCOPED_TRACE("scale " + std::to_string(scale));
+    SCOPED_TRACE("T " + std::to_string(T) + ", scale " + std::to_string(scale));
     const auto scores = randn(dt, std::size_t(kAttBH) * T * T, rng, 0.0, 2.0);  // above the diagonal too: ignored
-    const auto ref = reference_softmax(scores, scale, rng);
+    const auto ref = reference_softmax(scores, T, scale, rng);
     auto tol = [&](std::size_t i) {
       const std::size_t r = i / T;
       const int row_i = static_cast<int>(r % T), j = static_cast<int>(i % T);
@@ -570,12 +575,14 @@ TEST_P(GpuByDType, CausalSoftmaxForwardMatchesLayers) {
 TEST_P(GpuByDType, CausalSoftmaxBackwardMatchesLayers) {
   const DType dt = GetParam();
   const double u = unit_roundoff_of(dt), sub = subnormal_half_spacing(dt);
-  const int B = kAttB, T = kAttT, C = kAttC, H = kAttH;
+  const int B = kAttB, C = kAttC, H = kAttH;
   const float scale = 0.25f;  // 1/sqrt(hs), as attention_backward computes it (exact for hs = 16)
   std::mt19937 rng(402);
+  for (const int T : kAttTs) {
+  SCOPED_TRACE("T " + std::to_string(T));
   // Realistic probabilities: the softmax of random scores, rounded to the format.
   const auto scores = randn(DType::fp32, std::size_t(kAttBH) * T * T, rng, 0.0, 2.0);
-  const auto p_exact = reference_softmax(scores, 1.0, rng);
+  const auto p_exact = reference_softmax(scores, T, 1.0, rng);
   std::vector<float> probs(p_exact.size());
   for (std::size_t i = 0; i < probs.size(); ++i) probs[i] = round_to(dt, static_cast<float>(p_exact[i]));
   const auto dprobs = randn(dt, probs.size(), rng);
@@ -617,6 +624,7 @@ TEST_P(GpuByDType, CausalSoftmaxBackwardMatchesLayers) {
   causal_softmax_backward(d_dp.data(), d_p.data(), d_dp.data(), kAttBH, T, scale, dt, nullptr);  // in place
   synchronize();
   expect_within("dscores in place", from_device(dt, d_dp, probs.size()), ref, tol);
+  }
 }
 
 // =======================================================================================
@@ -732,6 +740,56 @@ TEST_P(GpuByDType, ResidualAddIsIdenticalToTheCpu) {
   synchronize();
   expect_identical("residual", from_device(dt, d_out, n), ref);
   expect_identical("residual in place", from_device(dt, d_a, n), ref);
+}
+
+// The packed path (16-byte accesses, taken where every operand is aligned) and the one-element
+// path (here: every operand one element off alignment) do the same arithmetic on each element:
+// the same bits. The aligned results are checked against the CPU by the tests above.
+TEST_P(GpuByDType, ElementwiseKernelsGiveTheSameBitsOffAlignment) {
+  const DType dt = GetParam();
+  const std::size_t n = 1003, e = dtype_bytes(dt);
+  std::mt19937 rng(612);
+  const auto x = randn(dt, n, rng, 0.0, 2.0), y = randn(dt, n, rng);
+  auto shifted = [&](const std::vector<float>& v) {  // v one element past a 16-byte boundary
+    std::vector<float> s(v.size() + 1, 0.0f);
+    std::copy(v.begin(), v.end(), s.begin() + 1);
+    return to_device(dt, s);
+  };
+  auto off = [&](DeviceBuffer& b) { return static_cast<void*>(b.as<std::uint8_t>() + e); };
+  auto x0 = to_device(dt, x), x1 = shifted(x), y0 = to_device(dt, y), y1 = shifted(y);
+  DeviceBuffer o0(n * e), o1((n + 1) * e);
+  auto same = [&](const std::string& what, DeviceBuffer& aligned, DeviceBuffer& unaligned, std::size_t count) {
+    synchronize();
+    auto b = from_device(dt, unaligned, count + 1);
+    b.erase(b.begin());
+    expect_identical(what, from_device(dt, aligned, count), b);
+  };
+  gelu_forward(o0.data(), x0.data(), n, dt, nullptr);
+  gelu_forward(off(o1), off(x1), n, dt, nullptr);
+  same("gelu forward", o0, o1, n);
+  gelu_backward(o0.data(), x0.data(), y0.data(), n, dt, nullptr);
+  gelu_backward(off(o1), off(x1), off(y1), n, dt, nullptr);
+  same("gelu backward", o0, o1, n);
+  residual_add(o0.data(), x0.data(), y0.data(), n, dt, nullptr);
+  residual_add(off(o1), off(x1), off(y1), n, dt, nullptr);
+  same("residual add", o0, o1, n);
+  // Rows of 8 columns (a whole pack when aligned): a bias, then the embedding's lookups.
+  const int rows = 125, cols = 8;
+  add_bias(o0.data(), y0.data(), rows, cols, dt, nullptr);
+  add_bias(off(o1), off(y1), rows, cols, dt, nullptr);
+  same("bias", o0, o1, n);
+  std::vector<std::int32_t> tokens(rows);
+  for (auto& t : tokens) t = static_cast<std::int32_t>(rng() % 9);  // 8 is outside a vocabulary of 8: NaN
+  auto d_tok = to_device_raw(tokens);
+  embedding_forward(o0.data(), d_tok.as<std::int32_t>(), x0.data(), y0.data(), 5, 25, cols, 8, dt, nullptr);
+  embedding_forward(off(o1), d_tok.as<std::int32_t>(), off(x1), off(y1), 5, 25, cols, 8, dt, nullptr);
+  same("embedding", o0, o1, std::size_t(rows) * cols);
+  DeviceBuffer f0(sizeof(int)), f1(sizeof(int));
+  fill_zero(f0.data(), sizeof(int));
+  fill_zero(f1.data(), sizeof(int));
+  unscale_and_check(x0.data(), n, 0.5f, f0.as<int>(), dt, nullptr);
+  unscale_and_check(off(x1), n, 0.5f, f1.as<int>(), dt, nullptr);
+  same("unscale", x0, x1, n);
 }
 
 // =======================================================================================
@@ -1113,7 +1171,7 @@ INSTANTIATE_TEST_SUITE_P(Precision, GpuGemm, ::testing::Values(DType::fp32, DTyp
 // mistake (a wrong stride or transpose) gives errors of order 1.
 // =======================================================================================
 TEST_F(Gpu, AttentionFromProductsAndSoftmaxMatchesLayers) {
-  const int B = kAttB, T = kAttT, C = kAttC, H = kAttH, hs = kAttHs, C3 = 3 * C;
+  const int B = kAttB, T = kAttTs[0], C = kAttC, H = kAttH, hs = kAttHs, C3 = 3 * C;
   const float scale = 0.25f;  // 1/sqrt(16)
   const DType f = DType::fp32;
   std::mt19937 rng(1001);
