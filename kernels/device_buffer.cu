@@ -43,6 +43,14 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes) {
 
 void fill_zero(void* dst, std::size_t bytes) { check_cuda(cudaMemset(dst, 0, bytes), "cudaMemset"); }
 
+void keep_default_pool_memory(int device) {
+  cudaMemPool_t pool = nullptr;
+  check_cuda(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool of device " + std::to_string(device));
+  std::uint64_t keep_everything = UINT64_MAX;
+  check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything),
+             "cudaMemPoolSetAttribute(default pool's release threshold)");
+}
+
 // ---------------------------------------------------------------------------------------
 // DeviceBuffer
 // ---------------------------------------------------------------------------------------

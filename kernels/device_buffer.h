@@ -116,6 +116,13 @@ class EventTimer {
   EventHandle stop_ = nullptr;
 };
 
+// Makes `device`'s default pool (cudaMallocAsync without a pool) keep freed memory instead of
+// returning it to the driver at every synchronisation (its release threshold is 0 by default),
+// so that a stream-ordered allocation is a lookup, not a driver call (tens of microseconds, with
+// the stream idle meanwhile). The single-GPU world stages every message there; the kernels that
+// need scratch (embedding_backward, layernorm_backward_weight, bias_backward) take it there.
+void keep_default_pool_memory(int device);
+
 // The device's memory system, from cudaDeviceGetAttribute: peak bandwidth = 2 (double data rate)
 // x memory clock x bus width. (cudaDeviceProp::memoryClockRate is gone in CUDA 13; the attribute
 // cudaDevAttrMemoryClockRate remains.)

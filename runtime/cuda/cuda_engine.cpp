@@ -257,9 +257,11 @@ struct CudaRank {
   // Per op, in the context of the stream the op runs on (an event is recorded only on a stream of
   // its own context): the communication thread's for collectives, the compute thread's otherwise.
   std::vector<Event> start, end;
-  // The step's start on the compute stream and on the comm stream, one instant (Driver::align_epochs):
-  // the origins of the compute ops' and the collectives' times.
+  // The step's start on the compute stream and on the comm stream: the origins of the compute
+  // ops' and the collectives' times. Two contexts, so the device clock is stamped beside each
+  // (epoch_clock[0] compute, [1] comm) to put the collectives on the compute ops' time line.
   std::unique_ptr<Event> epoch, comm_epoch;
+  k::DeviceBuffer epoch_clock;
   std::unique_ptr<PinnedBuffer> readback;  // the optimizer step's scalars and flags, read on the host
   FlagLayout flags_at;
   k::DeviceBuffer flags, scans, scalars, scratch;
@@ -340,13 +342,14 @@ class CudaEngine final : public DeviceEngine {
                                            p2p_links(*schedule_, world_));
       nccl_ = comm.get();
       partition_ = std::make_unique<SmPartition>(1, SmSharing::shared, current_device());
+      k::keep_default_pool_memory(current_device());  // the kernels take their scratch there
       local.push_back(placement.launch->rank);
       ranks_.push_back(std::make_unique<CudaRank>());
       ranks_.back()->comm = std::move(comm);
     } else {
       partition_ = std::make_unique<SmPartition>(world, placement.sm_sharing, placement.device);
       device_world_ = std::make_unique<DeviceWorld>(world, options.comm_timeout);
-      keep_default_pool_memory(placement.device);  // where the world stages its messages
+      k::keep_default_pool_memory(placement.device);  // where the world stages its messages
       for (int r = 0; r < world; ++r) {
         local.push_back(r);
         ranks_.push_back(std::make_unique<CudaRank>());
@@ -414,6 +417,7 @@ class CudaEngine final : public DeviceEngine {
         rk.end.emplace_back(nullptr);
       }
       rk.scans = k::DeviceBuffer(std::max<std::size_t>(ops, 1) * sizeof(k::TensorScan));
+      rk.epoch_clock = k::DeviceBuffer(2 * sizeof(std::uint64_t));
       rk.scalars = k::DeviceBuffer(sizeof(Scalars));
       rk.scratch = k::DeviceBuffer(k::kReductionScratchDoubles * sizeof(double));
       for (RankThread thread : {RankThread::compute, RankThread::comm}) {
@@ -588,22 +592,20 @@ class CudaEngine final : public DeviceEngine {
       e_.partition_->make_current(rk_.partition_index, RankThread::compute);
       // Every stream of the rank starts the step at its epoch (the comm stream: start_comm_thread).
       record(rk_.epoch->e, rk_.streams.compute);
+      stamp_device_clock(rk_.epoch_clock.as<std::uint64_t>(), rk_.streams.compute);
       wait_event(rk_.streams.send, rk_.epoch->e);
     }
+    // The comm thread starts after the compute thread, so its epoch is later by that thread's
+    // start-up on the host (up to 0.2 ms with 8 ranks on an H200); each epoch's device-clock stamp
+    // says by how much (summarize). (Re-recording the compute epoch after a wait for the comm
+    // epoch was off by the compute thread's wake-up instead: 28 us on an H100.)
     void start_comm_thread() override {
-      bool recorded = false;
-      struct Tell {  // the compute thread waits for this, also when the comm thread's start throws
-        Driver& d;
-        const bool& ok;
-        ~Tell() { d.comm_epoch_recorded(ok); }
-      } tell{*this, recorded};
       e_.partition_->make_current(rk_.partition_index, RankThread::comm);
       wait_event(rk_.streams.comm, rk_.epoch->e);
       record(rk_.comm_epoch->e, rk_.streams.comm);
-      recorded = true;
+      stamp_device_clock(rk_.epoch_clock.as<std::uint64_t>() + 1, rk_.streams.comm);
     }
     void run_compute(int i) override {
-      align_epochs();
       const Op& op = rk_.program->ops[static_cast<std::size_t>(i)];
       if (is_send(op.kind)) {
         e_.send(rk_, i, op);
@@ -638,7 +640,6 @@ class CudaEngine final : public DeviceEngine {
       record(rk_.end[static_cast<std::size_t>(i)].e, st);
     }
     void waited_for(int dep, RankThread thread) override {
-      if (thread == RankThread::compute) align_epochs();
       wait_event(thread == RankThread::compute ? rk_.streams.compute : rk_.streams.comm,
                  rk_.end[static_cast<std::size_t>(dep)].e);
     }
@@ -648,37 +649,8 @@ class CudaEngine final : public DeviceEngine {
     }
 
    private:
-    // The comm stream's epoch is recorded when the comm thread starts, later than the compute
-    // stream's by that thread's start-up on the host (on an H200 with 8 ranks, up to 0.2 ms):
-    // measured from their own epochs, collectives showed up that much before the ops they wait
-    // for. So before its first op the compute stream, idle, waits for the comm epoch and records
-    // its epoch again: both origins are then one instant. (Events of two green contexts cannot be
-    // compared directly: each stream is timed from its own context's epoch.)
-    void align_epochs() {
-      if (aligned_) return;
-      aligned_ = true;
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return comm_started_; });
-      if (!comm_epoch_ok_) return;  // the comm thread failed: the step fails, its times are not read
-      wait_event(rk_.streams.compute, rk_.comm_epoch->e);
-      record(rk_.epoch->e, rk_.streams.compute);
-      wait_event(rk_.streams.send, rk_.epoch->e);
-    }
-    void comm_epoch_recorded(bool ok) {
-      {
-        std::lock_guard lock(mu_);
-        comm_started_ = true;
-        comm_epoch_ok_ = ok;
-      }
-      cv_.notify_all();
-    }
-
     CudaEngine& e_;
     CudaRank& rk_;
-    bool aligned_ = false;  // compute thread only
-    std::mutex mu_;
-    std::condition_variable cv_;
-    bool comm_started_ = false, comm_epoch_ok_ = false;
   };
 
   // Master weights held in a format other than fp32 are rounded to it after every update.
@@ -1389,11 +1361,17 @@ class CudaEngine final : public DeviceEngine {
     const auto& ops = rk.program->ops;
     s.timing.resize(ops.size());
     s.arrival.assign(ops.size(), -1);
+    std::uint64_t clock[2] = {};
+    copy_device_to_host(clock, rk.epoch_clock.data(), sizeof clock, rk.streams.compute);  // pageable: waits
+    // Where the comm epoch falls on the compute epoch's time line (ns -> ps).
+    const Tick comm_epoch_at = (static_cast<Tick>(clock[1]) - static_cast<Tick>(clock[0])) * 1000;
     for (std::size_t i = 0; i < ops.size(); ++i) {
-      // Events of one context measured from that context's epoch (both epochs are one instant).
-      const EventHandle origin = is_collective(ops[i].kind) ? rk.comm_epoch->e : rk.epoch->e;
-      s.timing[i] = {ticks_between(origin, rk.start[i].e), ticks_between(origin, rk.end[i].e)};
-      if (is_collective(ops[i].kind)) s.arrival[i] = s.timing[i].start;
+      // Events of one context measured from that context's epoch, then moved onto one time line.
+      const bool comm = is_collective(ops[i].kind);
+      const EventHandle origin = comm ? rk.comm_epoch->e : rk.epoch->e;
+      const Tick shift = comm ? comm_epoch_at : 0;
+      s.timing[i] = {ticks_between(origin, rk.start[i].e) + shift, ticks_between(origin, rk.end[i].e) + shift};
+      if (comm) s.arrival[i] = s.timing[i].start;
     }
     std::vector<k::TensorScan> scans(std::max<std::size_t>(ops.size(), 1));
     copy_device_to_host(scans.data(), rk.scans.data(), rk.scans.bytes(), rk.streams.compute);

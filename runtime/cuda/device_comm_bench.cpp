@@ -109,7 +109,7 @@ CommBenchResult bench_device_world_comm(const CommBenchOptions& options, int dev
   const CommBenchOptions o = checked_comm_options(options, kWires, "the single-GPU world", k::kMaxRingMembers);
   std::string why;
   if (!k::device_available(&why)) throw std::runtime_error("calibrate: the single-GPU world needs a GPU: " + why);
-  keep_default_pool_memory(device);  // where the world stages its messages
+  k::keep_default_pool_memory(device);  // where the world stages its messages
 
   CommBenchResult result;
   for (const CommSection& s : comm_sections(o)) run_section(s, o, device, result);

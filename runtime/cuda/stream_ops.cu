@@ -19,8 +19,18 @@ std::string of(const char* what, std::size_t bytes) {
   return std::string(what) + " of " + std::to_string(bytes) + " bytes";
 }
 
+__global__ void stamp_device_clock_kernel(std::uint64_t* slot) {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  *slot = t;
+}
 
 }  // namespace
+
+void stamp_device_clock(std::uint64_t* slot, StreamHandle stream) {
+  stamp_device_clock_kernel<<<1, 1, 0, stream>>>(slot);
+  check_cuda(cudaGetLastError(), "stamp_device_clock");
+}
 
 void copy_host_to_device(void* dst, const void* src, std::size_t bytes, StreamHandle stream) {
   if (bytes == 0) return;
@@ -64,14 +74,6 @@ std::size_t pool_attribute(PoolHandle pool, cudaMemPoolAttr attr, const char* wh
   return static_cast<std::size_t>(v);
 }
 }  // namespace
-
-void keep_default_pool_memory(int device) {
-  cudaMemPool_t pool = nullptr;
-  check_cuda(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool of device " + std::to_string(device));
-  std::uint64_t keep_everything = UINT64_MAX;
-  check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything),
-        "cudaMemPoolSetAttribute(default pool's release threshold)");
-}
 
 MemoryPool::MemoryPool(int device) {
   cudaMemPoolProps props{};

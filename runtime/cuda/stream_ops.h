@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "kernels/cuda_handles.h"
@@ -27,6 +28,11 @@ void copy_device_to_device(void* dst, const void* src, std::size_t bytes, Stream
 void fill_zero(void* dst, std::size_t bytes, StreamHandle stream);
 // Waits for the work queued on `stream`; reports an error a kernel on it raised.
 void synchronize(StreamHandle stream);
+
+// Writes the device's global nanosecond clock (%globaltimer) to *slot (device memory) when
+// `stream` reaches this point. An event is timed only against events of its own context; this
+// clock is the same in every context of the device (the green contexts a rank's streams run in).
+void stamp_device_clock(std::uint64_t* slot, StreamHandle stream);
 
 // Page-locked host memory (cudaMallocHost), freed with the object. Move-only.
 class PinnedBuffer {
@@ -42,11 +48,6 @@ class PinnedBuffer {
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
 };
-
-// Makes `device`'s default pool (cudaMallocAsync without a pool) keep freed memory instead of
-// returning it to the driver at every synchronisation (its release threshold is 0 by default):
-// the single-GPU world stages every message there.
-void keep_default_pool_memory(int device);
 
 // One rank's pool for stream-ordered allocations (cudaMemPoolCreate on `device`): the
 // activations and gradients in flight between ops, wire-format copies for an all-reduce. Its

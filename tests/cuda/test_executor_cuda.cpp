@@ -304,7 +304,8 @@ TEST(CudaExecutor, MeasuredTimelineFollowsTheSchedule) {
         EXPECT_GE(t.start, last_compute_end) << op_label(op);
         last_compute_end = t.end;
       }
-      // Events resolve to about half a microsecond.
+      // Events resolve to about half a microsecond; a collective's times are moved from its
+      // context's epoch onto the compute epoch's time line by the device clock's stamps.
       if (op.dep >= 0) {
         EXPECT_GE(t.start, r.timeline.ops[rank][op.dep].end - 1'000'000) << op_label(op);
       }
