@@ -3,6 +3,7 @@
 // trainsim validate --baselines DIR: the regression check over validation/baselines/.
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -21,7 +22,7 @@ Command add_validate_command(CLI::App& app) {
     std::string file, profile, trace, svg, baselines;
     BackendChoice backend;
     int steps = 0;
-    bool json = false, synthetic = false, update = false, by_op = false;
+    bool json = false, synthetic = false, update = false, by_op = false, progress = false;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
@@ -36,13 +37,19 @@ Command add_validate_command(CLI::App& app) {
   sub->add_option("--trace", o->trace, "Write the predicted and the measured timelines as one Perfetto trace");
   sub->add_option("--svg", o->svg, "Write the predicted timeline above the measured one");
   sub->add_flag("--synthetic", o->synthetic, "Train on synthetic tokens instead of the corpus");
+  sub->add_flag("--progress", o->progress,
+                "Say on stderr what it is doing, with the seconds since it began (the default on a terminal)");
   sub->add_option("--baselines", o->baselines,
                   "Re-run every plan of this folder (validation/baselines) and check its errors against the "
                   "accepted ones");
   sub->add_flag("--update", o->update, "With --baselines: accept the errors measured now");
   return {sub, [o, sub] {
-            auto progress = [](const std::string& s) {
-              if (isatty(STDERR_FILENO)) std::cerr << "validate: " << s << "\n";
+            const bool say = o->progress || isatty(STDERR_FILENO);
+            const auto began = std::chrono::steady_clock::now();
+            auto progress = [say, began](const std::string& s) {
+              if (!say) return;
+              const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+              std::cerr << fmt::format("validate: [{:.1f} s] {}\n", t, s);
             };
             if (!o->baselines.empty()) {
               if (!o->file.empty()) throw CLI::ValidationError("FILE", "give either FILE or --baselines, not both");

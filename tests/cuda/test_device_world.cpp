@@ -133,7 +133,9 @@ TEST_P(RingReduce, ReduceScatterAndAllGatherGiveTheInProcessBits) {
     for (std::size_t i = 0; i < count; ++i)
       ASSERT_EQ(device[r][i], host[r][i]) << "member " << r << " element " << i;
   }
-  if (count > 0) EXPECT_NE(device[0], inputs[0]);
+  if (count > 0) {
+    EXPECT_NE(device[0], inputs[0]);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
