@@ -234,6 +234,30 @@ struct Identity {
   __device__ float operator()(float a) const { return a; }
 };
 
+// ---------------------------------------------------------------------------------------
+// Random operands: splitmix64 (Steele, Lea and Flood) of (seed, i), two 24-bit uniforms, one
+// Box-Muller normal.
+// ---------------------------------------------------------------------------------------
+__host__ __device__ inline std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+template <class T>
+__global__ void fill_normal_kernel(T* dst, std::size_t n, float scale, std::uint64_t key, bool squared) {
+  constexpr float kTwoToMinus24 = 5.9604644775390625e-8f;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint64_t h = splitmix64(key + i);
+    const float u1 = static_cast<float>((h >> 40) + 1) * kTwoToMinus24;          // (0, 1]: log is finite
+    const float u2 = static_cast<float>((h >> 16) & 0xffffffu) * kTwoToMinus24;  // [0, 1)
+    const float v = scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    dst[i] = from_float<T>(squared ? v * v : v);
+  }
+}
+
 void require_dims(const char* kernel, std::initializer_list<long long> dims) {
   for (long long d : dims) require(d > 0, kernel, "every dimension must be positive");
 }
@@ -390,6 +414,18 @@ void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t 
       using X = typename decltype(x_tag)::type;
       launch_map(static_cast<A*>(acc), static_cast<const A*>(acc), static_cast<const X*>(x), n, stream, Add{});
     });
+  });
+  check_launch(name);
+}
+
+void fill_normal(void* dst, DType dt, std::size_t n, float scale, std::uint64_t seed, bool squared,
+                 StreamHandle stream) {
+  const char* name = "fill_normal";
+  if (n == 0) return;
+  dispatch(dt, name, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    fill_normal_kernel<S><<<elementwise_blocks(n), kElementwiseThreads, 0, stream>>>(static_cast<S*>(dst), n, scale,
+                                                                                     splitmix64(seed), squared);
   });
   check_launch(name);
 }

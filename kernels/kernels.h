@@ -136,6 +136,14 @@ void accumulate(void* acc, DType acc_dt, const void* x, DType x_dt, std::size_t 
 // +-inf, NaN stays NaN, subnormals as the format has them (exactly lowp.h's round_to).
 void cast(void* dst, DType dst_dt, const void* src, DType src_dt, std::size_t n, StreamHandle stream);
 
+// dst[i] = scale * z_i rounded to dt (or its square, `squared`: a second moment), z_i a standard
+// normal draw (Box-Muller) from a hash of (seed, i): the same values for the same seed on any
+// device and launch shape. Operands for benchmarks and calibration, drawn where they are used
+// (a host draw of the ~10^9 values a GPU-sized calibration times took half a minute); the
+// model's own initialisation stays the CPU's (the backends' weights must agree).
+void fill_normal(void* dst, DType dt, std::size_t n, float scale, std::uint64_t seed, bool squared,
+                 StreamHandle stream);
+
 // ---------------------------------------------------------------------------------------
 // Mixed-precision optimizer step
 // ---------------------------------------------------------------------------------------

@@ -69,28 +69,6 @@ void on_rank_thread(const SmPartition& partition, int rank, F&& body) {
   });
 }
 
-// `values` stored into `dst` in format `dt` on `stream` (through an fp32 copy and kernels.h
-// cast when dt is narrower); waits for the stream.
-void upload(void* dst, DType dt, const std::vector<float>& values, StreamHandle stream) {
-  if (values.empty()) return;
-  const std::size_t bytes = values.size() * sizeof(float);
-  if (dt == DType::fp32) {
-    copy_host_to_device(dst, values.data(), bytes, stream);
-  } else {
-    const DeviceBuffer wide(bytes);
-    copy_host_to_device(wide.data(), values.data(), bytes, stream);
-    k::cast(dst, dt, wide.data(), DType::fp32, values.size(), stream);
-  }
-  synchronize(stream);
-}
-
-std::vector<float> normal_floats(std::size_t n, std::mt19937& rng, float scale) {
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
 const void* at(const void* base, std::size_t i, std::size_t bytes) {
   return static_cast<const char*>(base) + i * bytes;
 }
@@ -306,9 +284,9 @@ class KernelTimer {
   void* device_bytes(std::size_t bytes) { return buffers_.emplace_back(std::max<std::size_t>(bytes, 1)).data(); }
   void* output(std::size_t n, DType dt) { return device_bytes(n * static_cast<std::size_t>(dtype_bytes(dt))); }
   // `n` fresh normal values stored in `dt`: what a launch reads.
-  void* random(std::size_t n, DType dt, float scale = 1.0f) {
+  void* random(std::size_t n, DType dt, float scale = 1.0f, bool squared = false) {
     void* p = output(n, dt);
-    upload(p, dt, normal_floats(n, rng_, scale), stream_);
+    k::fill_normal(p, dt, n, scale, next_seed_++, squared, stream_);
     return p;
   }
   // Token ids (or targets) in [0, V), kept on the host for launchers that upload them.
@@ -409,10 +387,7 @@ class KernelTimer {
     float* v = nullptr;
     if (os.kind != Optimizer::sgd) {
       m = static_cast<float*>(random(n, DType::fp32, 1e-3f));
-      std::vector<float> second = normal_floats(n, rng_, 1e-3f);
-      for (float& x : second) x *= x;  // a second moment is not negative
-      v = static_cast<float*>(output(n, DType::fp32));
-      upload(v, DType::fp32, second, S);
+      v = static_cast<float*>(random(n, DType::fp32, 1e-3f, true));  // a second moment is not negative
     }
     return [=] {
       update_chunk(os, master, m, v, grads, gacc, mask, n, 1, 1.0f, S);
@@ -423,7 +398,8 @@ class KernelTimer {
   const RuntimePlan& plan_;
   StreamHandle stream_;
   k::GemmContext gemm_;
-  std::mt19937 rng_;
+  std::mt19937 rng_;               // token ids, drawn on the host (kept there for uploads)
+  std::uint64_t next_seed_ = 12345;  // device-drawn operands (kernels.h fill_normal): one seed each
   int B_, T_, C_, V_;
   DType dt_, gacc_, master_;
   std::size_t eb_;
@@ -451,9 +427,8 @@ struct StageBench {
     out = DeviceBuffer(bytes);
     grad_out = DeviceBuffer(bytes);
     grad_in = DeviceBuffer(bytes);
-    std::mt19937 rng(seed);
-    upload(in.data(), dt, normal_floats(act, rng, 1.0f), stream);
-    upload(grad_out.data(), dt, normal_floats(act, rng, 1e-3f), stream);
+    k::fill_normal(in.data(), dt, act, 1.0f, 2 * std::uint64_t{seed}, false, stream);
+    k::fill_normal(grad_out.data(), dt, act, 1e-3f, 2 * std::uint64_t{seed} + 1, false, stream);
   }
   // Device seconds of one forward and one backward of micro-batch 0.
   std::pair<double, double> time() {
