@@ -27,6 +27,7 @@
 #include "kernels/kernels.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/cuda/stream_ops.h"
+#include "runtime/engine/world.h"
 #include "runtime/cuda/cuda_engine.h"
 #include "runtime/cuda/optimizer_cuda.h"
 
@@ -75,6 +76,11 @@ const void* at(const void* base, std::size_t i, std::size_t bytes) {
 void* at(void* base, std::size_t i, std::size_t bytes) { return static_cast<char*>(base) + i * bytes; }
 
 constexpr double kEventResolutionSeconds = 0.5e-6;
+
+// The ranks the run places on the GPU: every tensor-parallel shard is one (World::of), with its
+// own green context. (Counting the schedule's ranks alone, a tp 2 plan was calibrated on all 132
+// SMs of an H100, then stretched x2 for the shards thought to share them: +54% on the step.)
+int placed_ranks(const Plan& plan) { return World::of(plan).size(); }
 
 // Times one kernel of the inventory with the launches the CUDA backend makes for it, on one
 // stream (rank 0's compute stream; its context current when created and used).
@@ -455,7 +461,7 @@ namespace {
 class CudaClock final : public KernelClock {
  public:
   CudaClock(const RuntimePlan& plan, const std::vector<KernelWork>& kernels, const CudaCalibrateOptions& cuda)
-      : partition_(plan.plan.num_ranks(), cuda.sm_sharing, cuda.device) {
+      : partition_(placed_ranks(plan.plan), cuda.sm_sharing, cuda.device) {
     // The kernels' scratch comes from the default pool, kept warm by the run (cuda_engine.cpp):
     // so here too, or each launch that takes scratch is timed with a driver allocation.
     k::keep_default_pool_memory(cuda.device);
@@ -560,7 +566,7 @@ CudaKernelCalibrator::CudaKernelCalibrator(const RuntimePlan& plan, const Calibr
 HardwareProfile describe_cuda_profile(const RuntimePlan& plan, const std::string& name,
                                       const CudaCalibrateOptions& cuda) {
   const CudaDevice gpu = find_device(cuda.device);
-  const int ranks = plan.plan.num_ranks();
+  const int ranks = placed_ranks(plan.plan);
   const SmPartition placement(ranks, cuda.sm_sharing, cuda.device);
   HardwareProfile p;
   p.name = name;

@@ -143,6 +143,20 @@ TEST_F(CalibrateCuda, MeasuresCompositionAndEveryRanksFactor) {
   for (double f : factors) EXPECT_TRUE(std::isfinite(f) && f > 0) << f;
 }
 
+// The run places every tensor-parallel shard as a rank (its own green context): the calibration
+// too, so a shard's kernels are timed on its share of the SMs and each shard has a factor.
+TEST_F(CalibrateCuda, EveryTensorParallelShardIsARankAsTheRunPlacesIt) {
+  ScenarioConfig c = testing::tiny_plan(1, 1, ScheduleKind::one_f_one_b, 1, 2, 4);
+  c.precision.compute = DType::fp16;
+  c.parallelism.tensor_parallel_size = 2;
+  const RuntimePlan plan = make_runtime_plan(c);
+  CudaKernelCalibrator calibrator(plan, quick(), {});
+  calibrator.run_until_settled();
+  EXPECT_EQ(calibrator.core_factors().size(), 2u);
+  const HardwareProfile p = describe_cuda_profile(plan, "tp2", {});
+  EXPECT_EQ(p.ranks_per_node, 2);
+}
+
 TEST_F(CalibrateCuda, OneRankInFp32HasNoFactorsAndNoSeparateCommit) {
   const RuntimePlan plan = make_runtime_plan(testing::tiny_training(1, 1, ScheduleKind::one_f_one_b));
   CudaKernelCalibrator calibrator(plan, quick(), {});
