@@ -127,6 +127,36 @@ __device__ __forceinline__ void for_each_element(std::size_t n, bool packed, Pac
   for (std::size_t i = packs * kPack + first; i < n; i += stride) one_fn(i);
 }
 
+// f(a[i]) in fp32 for n elements, in for_each_element's order (a reduction's terms).
+template <class A, class F>
+__device__ __forceinline__ void for_each_value(const A* a, std::size_t n, bool packed, F&& f) {
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack];
+        load_pack(v, a + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) f(v[k]);
+      },
+      [&](std::size_t i) { f(to_float(a[i])); });
+}
+
+// out[i] = f(a[i]) for n elements (for_each_element), in fp32 and rounded once to O's format. Each
+// element is read and written by one thread, so out may be a.
+template <class O, class A, class F>
+__device__ __forceinline__ void map_elements(O* out, const A* a, std::size_t n, bool packed, F&& f) {
+  for_each_element(
+      n, packed,
+      [&](std::size_t i) {
+        float v[kPack];
+        load_pack(v, a + i);
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) v[k] = f(v[k]);
+        store_pack(out + i, v);
+      },
+      [&](std::size_t i) { out[i] = from_float<O>(f(to_float(a[i]))); });
+}
+
 // ---------------------------------------------------------------------------------------
 // Launch shapes
 // ---------------------------------------------------------------------------------------

@@ -169,16 +169,7 @@ constexpr float kGeluCubic = 0.044715f;
 // ---------------------------------------------------------------------------------------
 template <class O, class A, class F>
 __global__ void map_kernel(O* out, const A* a, std::size_t n, bool packed, F f) {
-  for_each_element(
-      n, packed,
-      [&](std::size_t i) {
-        float v[kPack];
-        load_pack(v, a + i);
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) v[k] = f(v[k]);
-        store_pack(out + i, v);
-      },
-      [&](std::size_t i) { out[i] = from_float<O>(f(to_float(a[i]))); });
+  map_elements(out, a, n, packed, f);
 }
 
 template <class O, class A, class B, class F>

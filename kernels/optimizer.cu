@@ -25,21 +25,12 @@ namespace {
 template <class T>
 __global__ void unscale_kernel(T* g, std::size_t n, float inv_scale, int* found_inf, bool packed) {
   bool bad = false;
-  auto one = [&](float v) {
+  // The result as stored (rounded to T), so that its check sees what is written.
+  map_elements(g, g, n, packed, [&](float v) {
     const float u = to_float(from_float<T>(v * inv_scale));
     bad |= !isfinite(v) || !isfinite(u);
     return u;
-  };
-  for_each_element(
-      n, packed,
-      [&](std::size_t i) {
-        float v[kPack];
-        load_pack(v, g + i);
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) v[k] = one(v[k]);
-        store_pack(g + i, v);  // v holds values of T: storing rounds nothing
-      },
-      [&](std::size_t i) { g[i] = from_float<T>(one(to_float(g[i]))); });
+  });
   if (bad) *found_inf = 1;
 }
 
@@ -60,19 +51,10 @@ template <class T, bool kSquare>
 __global__ void reduce_partials_kernel(double* partials, const T* x, std::size_t n, bool packed) {
   __shared__ double shared[32];
   double acc = 0.0;
-  auto add = [&](float f) {
+  for_each_value(x, n, packed, [&](float f) {
     const double v = f;
     acc += kSquare ? v * v : v;
-  };
-  for_each_element(
-      n, packed,
-      [&](std::size_t i) {
-        float v[kPack];
-        load_pack(v, x + i);
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) add(v[k]);
-      },
-      [&](std::size_t i) { add(to_float(x[i])); });
+  });
   acc = block_sum(acc, shared);
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }

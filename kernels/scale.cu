@@ -13,16 +13,7 @@ namespace {
 // One thread per pack (or element): one fp32 multiply, rounded once to T.
 template <class T>
 __global__ void scale_kernel(T* x, std::size_t n, float factor, bool packed) {
-  for_each_element(
-      n, packed,
-      [&](std::size_t i) {
-        float v[kPack];
-        load_pack(v, x + i);
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) v[k] *= factor;
-        store_pack(x + i, v);
-      },
-      [&](std::size_t i) { x[i] = from_float<T>(to_float(x[i]) * factor); });
+  map_elements(x, x, n, packed, [=](float v) { return v * factor; });
 }
 
 }  // namespace
