@@ -152,8 +152,12 @@ void describe(std::ostream& o, const ConfigurationStory& c, bool markdown) {
     for (const auto& n : rp.notes) o << "- runtime note: " << n << "\n";
   } else {
     o << fmt::format("  layout     {}\n  precision  {}\n", layout(full), precision_line(c.scenario.config.precision));
-    o << fmt::format("  scaled     {} ranks on {} cores, model {} layers x hidden {}\n", rank_threads(rp.plan),
-                     c.scaled.profile.ranks_per_node, d.num_layers, d.hidden_size);
+    // Where the scaled run ran: the CPU's cores, or a device (its name, before the placement).
+    const HardwareProfile& p = c.scaled.profile;
+    const std::string where = p.backend == "cpu" ? fmt::format("{} cores", p.ranks_per_node)
+                                                 : p.device.substr(0, p.device.find(';'));
+    o << fmt::format("  scaled     {} ranks on {}, model {} layers x hidden {}\n", rank_threads(rp.plan), where,
+                     d.num_layers, d.hidden_size);
   }
 }
 
