@@ -424,7 +424,7 @@ struct StageBench {
   StageBench(const StageSpec& spec, StreamHandle stream, std::uint32_t seed) : model(spec, stream) {
     // A tensor-parallel shard is timed alone: its work, without its group's collectives.
     model.set_tensor_parallel_group(&TimingOnlyDeviceGroup::instance());
-    model.init(seed);
+    model.randomize_for_timing(seed);
     model.reserve(1, 1, 0, 0);  // no allocation inside a timed forward or backward
     const std::size_t act = model.activation_elements();
     const DType dt = model.activation_format();

@@ -771,6 +771,12 @@ void CudaStageModel::init(std::uint64_t seed) {
   set_master_weights(std::vector<float>(w.begin(), w.end()));
 }
 
+void CudaStageModel::randomize_for_timing(std::uint64_t seed) {
+  Impl& m = *impl_;
+  k::fill_normal(m.master.data(), DType::fp32, m.total, 0.02f, seed, false, m.stream);
+  m.refresh_working();
+}
+
 void CudaStageModel::set_master_weights(const std::vector<float>& weights) {
   Impl& m = *impl_;
   if (weights.size() != m.total)

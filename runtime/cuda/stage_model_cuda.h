@@ -116,6 +116,11 @@ class CudaStageModel {
   // Initialises a CPU StageModel of the same spec with `seed` and copies its master weights to
   // the device, so both start from identical weights; refreshes the working copy.
   void init(std::uint64_t seed);
+  // Master weights drawn on the device (kernels.h fill_normal, normal with deviation 0.02) and the
+  // working copy refreshed: for a stage that is only timed (the calibration's), where the values
+  // do not matter and init's host draw of a GPU-sized stage (~10^8 weights) takes seconds per
+  // rank. Not an initialisation the CPU backend can match.
+  void randomize_for_timing(std::uint64_t seed);
   // Replaces the master weights (params() layout, e.g. from a checkpoint) and refreshes the
   // working copy. weights.size() must equal the parameter count.
   void set_master_weights(const std::vector<float>& weights);

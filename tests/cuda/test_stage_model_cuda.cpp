@@ -249,6 +249,25 @@ TEST_F(CudaStage, ReservedBuffersAreAllAStepAllocates) {
     EXPECT_NEAR(gpu_loss[mb], cpu_loss[mb], std::ldexp(1.0, -7) * std::fabs(cpu_loss[mb])) << "micro-batch " << mb;
 }
 
+// A stage that is only timed draws its weights on the device: finite, deviation 0.02, the same
+// for a seed and others for another.
+TEST_F(CudaStage, RandomizedForTimingDrawsItsWeightsBySeed) {
+  const StageSpec spec = stage(small_dims(2), 0, 2, true, true, DType::bf16);
+  CudaStageModel a(spec), b(spec);
+  a.randomize_for_timing(3);
+  b.randomize_for_timing(3);
+  const std::vector<float> w = a.master_weights_to_host();
+  EXPECT_EQ(w, b.master_weights_to_host());
+  b.randomize_for_timing(4);
+  EXPECT_NE(w, b.master_weights_to_host());
+  double sq = 0;
+  for (float x : w) {
+    ASSERT_TRUE(std::isfinite(x));
+    sq += double(x) * x;
+  }
+  EXPECT_NEAR(std::sqrt(sq / double(w.size())), 0.02, 0.002);
+}
+
 // ---------------------------------------------------------------------------------------
 // (1) fp32, first and last stage in one: loss and every gradient element
 // ---------------------------------------------------------------------------------------
