@@ -116,16 +116,6 @@ __global__ void layernorm_backward_input_kernel(T* dx, const T* dout, const T* x
 constexpr int kCachedPacks = 4;  // per lane
 constexpr int kCachedColumns = 32 * kPack * kCachedPacks;
 
-template <class T>
-__device__ __forceinline__ void load_lane_row(float (&v)[kCachedPacks][kPack], const T* row, int C) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int q = 0; q < kCachedPacks; ++q) {
-    const int c = (lane + 32 * q) * kPack;
-    if (c < C) load_pack(v[q], row + c);
-  }
-}
-
 // f(q, c) for each of the lane's packs q present in a row of C columns (c its first column).
 template <class F>
 __device__ __forceinline__ void for_lane_packs(int C, F&& f) {
@@ -135,6 +125,11 @@ __device__ __forceinline__ void for_lane_packs(int C, F&& f) {
     const int c = (lane + 32 * q) * kPack;
     if (c < C) f(q, c);
   }
+}
+
+template <class T>
+__device__ __forceinline__ void load_lane_row(float (&v)[kCachedPacks][kPack], const T* row, int C) {
+  for_lane_packs(C, [&](int q, int c) { load_pack(v[q], row + c); });
 }
 
 template <class T>
