@@ -5,15 +5,13 @@
 // m = N, n = M, and each operand's transpose flag as given.
 #include "kernels/gemm.h"
 
-#include <cublasLt.h>
-#include <cublas_v2.h>
-
 #include <map>
 #include <string>
 #include <tuple>
 #include <utility>
 
 #include "kernels/common.cuh"
+#include "kernels/cublas_api.h"
 #include "kernels/device_buffer.h"
 
 namespace trainsim::cuda {
@@ -24,8 +22,8 @@ namespace {
 
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error(std::string("cuBLAS error in ") + what + ": " + cublasGetStatusName(status) + " (" +
-                             cublasGetStatusString(status) + ")");
+    throw std::runtime_error(std::string("cuBLAS error in ") + what + ": " + cublas().status_name(status) + " (" +
+                             cublas().status_string(status) + ")");
 }
 
 // The format the elements of `d` are stored in (tf32 is stored as fp32).
@@ -90,10 +88,10 @@ struct BiasedProduct {
   BiasedProduct(const BiasedProduct&) = delete;
   BiasedProduct& operator=(const BiasedProduct&) = delete;
   ~BiasedProduct() {
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
+    if (d) cublas().lt_matrix_layout_destroy(d);
+    if (b) cublas().lt_matrix_layout_destroy(b);
+    if (a) cublas().lt_matrix_layout_destroy(a);
+    if (op) cublas().lt_matmul_desc_destroy(op);
   }
 };
 
@@ -108,8 +106,8 @@ struct GemmContext::Impl {
 
   ~Impl() {
     biased.clear();
-    if (lt) cublasLtDestroy(lt);
-    if (handle) cublasDestroy(handle);
+    if (lt) cublas().lt_destroy(lt);
+    if (handle) cublas().destroy(handle);
     if (workspace) {
       cudaFree(workspace);
       if (account) account->refund(workspace_bytes);
@@ -117,14 +115,14 @@ struct GemmContext::Impl {
   }
   // cublasSetStream resets the handle to cuBLAS's default workspace pool, so ours is set again.
   void bind(cudaStream_t s) {
-    check_cublas(cublasSetStream(handle, s), "cublasSetStream");
-    if (workspace) check_cublas(cublasSetWorkspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
+    check_cublas(cublas().set_stream(handle, s), "cublasSetStream");
+    if (workspace) check_cublas(cublas().set_workspace(handle, workspace, workspace_bytes), "cublasSetWorkspace");
     stream = s;
   }
 };
 
 GemmContext::GemmContext(StreamHandle stream, std::size_t workspace_bytes) : impl_(std::make_unique<Impl>()) {
-  check_cublas(cublasCreate(&impl_->handle), "cublasCreate (is a CUDA device present?)");
+  check_cublas(cublas().create(&impl_->handle), "cublasCreate (is a CUDA device present?)");
   if (workspace_bytes > 0) {
     check_cuda(cudaMalloc(&impl_->workspace, workspace_bytes), "cudaMalloc of the cuBLAS workspace");
     impl_->workspace_bytes = workspace_bytes;
@@ -133,7 +131,7 @@ GemmContext::GemmContext(StreamHandle stream, std::size_t workspace_bytes) : imp
   }
   // Default math (no TF32 unless the compute type asks for it), and reductions kept in the fp32
   // accumulator type rather than a 16-bit output type.
-  check_cublas(cublasSetMathMode(
+  check_cublas(cublas().set_math_mode(
                    impl_->handle,
                    static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
                "cublasSetMathMode");
@@ -157,7 +155,7 @@ void gemm(GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, flo
   check_shape(what, M, N, K, trans_a, trans_b, lda, ldb, ldc);
   const cudaDataType_t t_ab = data_type(ab, what), t_c = data_type(c, what);
   check_cublas(
-      cublasGemmEx(ctx.impl().handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
+      cublas().gemm_ex(ctx.impl().handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K,
                    &alpha, B, t_ab, ldb, A, t_ab, lda, &beta, C, t_c, ldc, compute_type(ab), CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx");
 }
@@ -170,7 +168,7 @@ void gemm_strided_batched(GemmContext& ctx, bool trans_a, bool trans_b, int M, i
   check_shape(what, M, N, K, trans_a, trans_b, lda, ldb, ldc);
   if (batch <= 0) throw std::invalid_argument(std::string(what) + ": batch must be positive");
   const cudaDataType_t t_ab = data_type(ab, what), t_c = data_type(c, what);
-  check_cublas(cublasGemmStridedBatchedEx(ctx.impl().handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+  check_cublas(cublas().gemm_strided_batched_ex(ctx.impl().handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, t_ab, ldb, stride_b,
                                           A, t_ab, lda, stride_a, &beta, C, t_c, ldc, stride_c, batch, compute_type(ab),
                                           CUBLAS_GEMM_DEFAULT),
@@ -189,48 +187,48 @@ bool linear_forward_biased(GemmContext::Impl& impl, void* y, const void* x, cons
                            int in, int out, DType dt) {
   const char* what = "linear_forward";
   const DType st = storage_of(dt);
-  if (!impl.lt) check_cublas(cublasLtCreate(&impl.lt), "cublasLtCreate");
+  if (!impl.lt) check_cublas(cublas().lt_create(&impl.lt), "cublasLtCreate");
   auto& slot = impl.biased[{N, in, out, static_cast<int>(dt)}];
   if (!slot) {
     auto p = std::make_unique<BiasedProduct>();
     const cudaDataType_t t = data_type(st, what);
-    check_cublas(cublasLtMatmulDescCreate(&p->op, compute_type(dt), CUDA_R_32F), "cublasLtMatmulDescCreate");
+    check_cublas(cublas().lt_matmul_desc_create(&p->op, compute_type(dt), CUDA_R_32F), "cublasLtMatmulDescCreate");
     const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const std::int32_t bias_type = t;
-    check_cublas(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
+    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
                  "cublasLtMatmulDescSetAttribute(TRANSA)");
-    check_cublas(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
+    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
                  "cublasLtMatmulDescSetAttribute(TRANSB)");
-    check_cublas(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
+    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
                  "cublasLtMatmulDescSetAttribute(EPILOGUE)");
     check_cublas(
-        cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)),
+        cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)),
         "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)");
-    check_cublas(cublasLtMatrixLayoutCreate(&p->a, t, in, out, in), "cublasLtMatrixLayoutCreate(w)");
-    check_cublas(cublasLtMatrixLayoutCreate(&p->b, t, in, N, in), "cublasLtMatrixLayoutCreate(x)");
-    check_cublas(cublasLtMatrixLayoutCreate(&p->d, t, out, N, out), "cublasLtMatrixLayoutCreate(y)");
+    check_cublas(cublas().lt_matrix_layout_create(&p->a, t, in, out, in), "cublasLtMatrixLayoutCreate(w)");
+    check_cublas(cublas().lt_matrix_layout_create(&p->b, t, in, N, in), "cublasLtMatrixLayoutCreate(x)");
+    check_cublas(cublas().lt_matrix_layout_create(&p->d, t, out, N, out), "cublasLtMatrixLayoutCreate(y)");
     cublasLtMatmulPreference_t pref = nullptr;
-    check_cublas(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    check_cublas(cublas().lt_preference_create(&pref), "cublasLtMatmulPreferenceCreate");
     const std::size_t ws = impl.workspace_bytes;
     // Split-K partial sums only in the FP32 compute type (gemm.h's contract), never the output's.
     const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes));
+    cublas().lt_preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+    cublas().lt_preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(impl.lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+        cublas().lt_algo_get_heuristic(impl.lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
+    cublas().lt_preference_destroy(pref);
     p->usable = status == CUBLAS_STATUS_SUCCESS && found > 0;
     if (p->usable) p->algo = result.algo;
     slot = std::move(p);
   }
   if (!slot->usable) return false;
-  check_cublas(cublasLtMatmulDescSetAttribute(slot->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
+  check_cublas(cublas().lt_matmul_desc_set_attribute(slot->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)),
                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)");
   const float alpha = 1.0f, beta = 0.0f;
-  check_cublas(cublasLtMatmul(impl.lt, slot->op, &alpha, w, slot->a, x, slot->b, &beta, y, slot->d, y, slot->d,
+  check_cublas(cublas().lt_matmul(impl.lt, slot->op, &alpha, w, slot->a, x, slot->b, &beta, y, slot->d, y, slot->d,
                               &slot->algo, impl.workspace, impl.workspace_bytes, impl.stream),
                "cublasLtMatmul");
   return true;

@@ -3,10 +3,13 @@
 // cuBLAS workspaces are charged to, and its stream-ordered pool.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
 
+#include "kernels/cublas_api.h"
 #include "kernels/device_buffer.h"
 #include "kernels/device_info.h"
 #include "kernels/gemm.h"
@@ -20,6 +23,31 @@ TEST(Cuda, RuntimeAndNcclAreLinked) {
   const CudaInventory inv = query_cuda_devices();
   EXPECT_GT(inv.runtime_version, 0);
   EXPECT_GT(inv.nccl_version, 0);
+}
+
+// The shared objects mapped into this process now (/proc/self/maps).
+std::string mapped_files() {
+  std::ifstream maps("/proc/self/maps");
+  std::stringstream text;
+  text << maps.rdbuf();
+  return text.str();
+}
+
+TEST(Cuda, CublasIsOpenedByTheFirstProductNotAtStart) {
+  // Each test runs in a process of its own (gtest_discover_tests), so nothing before this test
+  // made a product. Opening cuBLAS needs the libraries, not a device.
+  ASSERT_FALSE(mapped_files().empty());
+  EXPECT_EQ(mapped_files().find("libcublasLt.so"), std::string::npos) << "cuBLASLt was loaded at start";
+  EXPECT_EQ(mapped_files().find("libcublas.so"), std::string::npos) << "cuBLAS was loaded at start";
+  const cuda::CublasApi& api = cuda::cublas();
+#define TRAINSIM_EXPECT_RESOLVED(member, symbol, ...) EXPECT_NE(api.member, nullptr) << #symbol;
+  TRAINSIM_CUBLAS_ENTRIES(TRAINSIM_EXPECT_RESOLVED)
+  TRAINSIM_CUBLAS_OVERLOADED_ENTRIES(TRAINSIM_EXPECT_RESOLVED)
+  TRAINSIM_CUBLASLT_ENTRIES(TRAINSIM_EXPECT_RESOLVED)
+#undef TRAINSIM_EXPECT_RESOLVED
+  EXPECT_NE(mapped_files().find("libcublasLt.so"), std::string::npos);
+  EXPECT_EQ(&cuda::cublas(), &api);  // opened once
+  EXPECT_STREQ(api.status_name(CUBLAS_STATUS_NOT_INITIALIZED), "CUBLAS_STATUS_NOT_INITIALIZED");
 }
 
 TEST(Cuda, DevicesAreOnesWeBuildFor) {
