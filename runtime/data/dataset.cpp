@@ -11,36 +11,13 @@
 #include <stdexcept>
 #include <utility>
 
+#include "runtime/numerics/splitmix64.h"
+
 namespace trainsim::runtime {
 namespace {
 
-// splitmix64 (Steele, Lea, Flood 2014): a bijective 64-bit mixer; also our RNG's step.
-constexpr std::uint64_t mix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() {
-    state_ += 0x9E3779B97F4A7C15ull;
-    std::uint64_t z = state_;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, n) by the multiply-shift reduction (no modulo bias worth the name for
-  // n < 2^32, and no platform-dependent distribution code).
-  std::uint32_t below(std::uint32_t n) {
-    return static_cast<std::uint32_t>(((next() >> 32) * static_cast<std::uint64_t>(n)) >> 32);
-  }
-
- private:
-  std::uint64_t state_;
-};
+// splitmix64's output for counter value x: the finaliser of x one gamma on.
+constexpr std::uint64_t mix64(std::uint64_t x) { return splitmix64_mix(x + kSplitMixGamma); }
 
 // A keyed permutation of [0, n): a balanced 4-round Feistel network on the smallest even
 // number of bits covering n, with cycle walking for values >= n. Stateless, so ranks on

@@ -20,6 +20,7 @@
 #include "runtime/model/stage_layout.h"
 #include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
+#include "runtime/numerics/splitmix64.h"
 
 namespace trainsim::runtime {
 
@@ -33,11 +34,6 @@ using ConstRow = layers::ConstRowMap<float>;
 // Initialisation: a counter-based generator, so a value depends on (seed, tensor name, index)
 // only and any cut of the model draws the same weights as the whole.
 // ---------------------------------------------------------------------------------------
-std::uint64_t mix64(std::uint64_t z) {  // splitmix64's finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 std::uint64_t hash_name(std::string_view s) {  // FNV-1a
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
@@ -45,9 +41,8 @@ std::uint64_t hash_name(std::string_view s) {  // FNV-1a
 }
 // The i-th standard normal of stream `key`: Box-Muller on the splitmix64 outputs 2i+1, 2i+2.
 double normal_at(std::uint64_t key, std::uint64_t i) {
-  constexpr std::uint64_t kGamma = 0x9e3779b97f4a7c15ull;
-  const double u1 = (static_cast<double>(mix64(key + (2 * i + 1) * kGamma) >> 11) + 0.5) * 0x1p-53;
-  const double u2 = (static_cast<double>(mix64(key + (2 * i + 2) * kGamma) >> 11) + 0.5) * 0x1p-53;
+  const double u1 = (static_cast<double>(splitmix64_mix(key + (2 * i + 1) * kSplitMixGamma) >> 11) + 0.5) * 0x1p-53;
+  const double u2 = (static_cast<double>(splitmix64_mix(key + (2 * i + 2) * kSplitMixGamma) >> 11) + 0.5) * 0x1p-53;
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
@@ -856,7 +851,7 @@ void StageModel::init(std::uint64_t seed) {
     const ParamInfo& p = m.params[i];
     const ParamShard& shard = p.shard;
     float* w = m.master.data() + p.offset;
-    const std::uint64_t key = mix64(seed ^ mix64(hash_name(p.name)));
+    const std::uint64_t key = splitmix64_mix(seed ^ splitmix64_mix(hash_name(p.name)));
     switch (m.inits[i]) {
       case Init::ones:
         std::fill_n(w, p.size, 1.0f);
