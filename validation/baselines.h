@@ -1,9 +1,10 @@
 // The regression check over validation/baselines/: small plans that run in seconds on the CPU
 // backend, each with its accepted prediction errors and tolerances (accepted.yaml). Each is
 // validated again (calibrate, predict, run); a plan fails when an error moved further from its
-// accepted value than its tolerance in `attempts` validations in a row (one slow stretch of a
-// shared machine is not a drift of the model; a drift misses every time), and the set fails
-// when it drifts from the targets:
+// accepted value than its tolerance in each of `attempts` validations, taken in rounds (every
+// plan, then the plans still off, again after one another: one slow stretch of a shared machine
+// is not a drift of the model; a drift misses every time), and the set fails when it drifts from
+// the targets:
 //   step time   median |error| over the set: target targets.step_time_median (5%)
 //   bubble      median and largest |error|: target targets.bubble_abs (0.03)
 //   peak memory every rank's |error| <= targets.peak_memory (5%)
