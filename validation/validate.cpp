@@ -62,21 +62,19 @@ HardwareProfile turn_profile(HardwareProfile p, int ranks) {
   return p;
 }
 
-// The cores' factors around the step the run reports (its median): from the passes between the
-// steps kCoreFactorSteps before and after it. A shared host slows one core by 20-70% in bursts of
-// a few to tens of passes; the median over the whole run then lands in or out of a burst by how
-// many passes it covered, not by what the reported step met (a bubble 0.05 off in two runs of four).
-// All of the run's passes where the step is unknown.
-constexpr int kCoreFactorSteps = 2;
-// The core factors and alone factors (HardwareProfile::core_factors, core_alone_factors) of those passes.
+// The passes that price the step the run reports (its median): those between the steps
+// kStepWindowSteps before and after it. A shared host slows one core, or both, by 20-70% in bursts
+// of a few to tens of passes; the median over the whole run then lands in or out of a burst by how
+// many passes it covered, not by what the reported step met (core factors: a bubble 0.05 off in
+// two runs of four; kernel rates: 9 of 32 step times beyond 15% of the accepted error on the
+// thirteenth session's host against 1 of 32 from the window; docs/validation.md).
+constexpr int kStepWindowSteps = 2;
+// The core factors and alone factors (HardwareProfile::core_factors, core_alone_factors) of passes
+// [first, end), or of all passes where those hold none.
 std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runtime::KernelCalibrator& kernels,
-                                                                      const runtime::RunReport& run,
-                                                                      const std::vector<int>& passes_after_step,
-                                                                      int passes_between_steps) {
-  if (const auto window = passes_around_step(run, passes_after_step, passes_between_steps, kCoreFactorSteps)) {
-    std::vector<double> f = kernels.core_factors(window->first, window->second);
-    if (!f.empty()) return {std::move(f), kernels.core_alone_factors(window->first, window->second)};
-  }
+                                                                      int first, int end) {
+  if (std::vector<double> f = kernels.core_factors(first, end); !f.empty())
+    return {std::move(f), kernels.core_alone_factors(first, end)};
   return {kernels.core_factors(), kernels.core_alone_factors(0, kernels.passes_done())};
 }
 
@@ -275,10 +273,13 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     settled.composition = kernels->composition();
     settled.core_factors = kernels->core_factors();
     v.measured = run(settled);
-    v.profile.kernels = kernels->rates();
-    v.profile.composition = kernels->composition();
-    std::tie(v.profile.core_factors, v.profile.core_alone_factors) =
-        step_core_factors(*kernels, v.measured, passes_after_step, o.passes_between_steps);
+    // The kernels' rates, composition and cores' factors of the passes around the step the run
+    // reports: the machine as it ran then (a shared host's speed wanders by 10-30% within a run).
+    const auto window = passes_around_step(v.measured, passes_after_step, o.passes_between_steps, kStepWindowSteps);
+    const auto [first, end] = window.value_or(std::pair{0, kernels->passes_done()});
+    v.profile.kernels = kernels->rates(first, end);
+    v.profile.composition = kernels->composition(first, end);
+    std::tie(v.profile.core_factors, v.profile.core_alone_factors) = step_core_factors(*kernels, first, end);
     v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;

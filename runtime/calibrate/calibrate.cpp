@@ -65,22 +65,30 @@ void KernelCalibrator::run_until_settled() {
   while (!calibration_settled(options_, pass_seconds_)) run_passes(1);
 }
 
-std::vector<KernelRate> KernelCalibrator::rates() const {
+std::vector<KernelRate> KernelCalibrator::rates() const { return rates(0, passes_done()); }
+
+std::vector<KernelRate> KernelCalibrator::rates(int first_pass, int end_pass) const {
+  if (passes_done() == 0) throw std::logic_error("KernelCalibrator::rates before any pass");
+  const auto [first, end] = clamped(first_pass, end_pass);
   std::vector<KernelRate> out;
   for (std::size_t i = 0; i < kernels_.size(); ++i) {
-    if (samples_[i].empty()) throw std::logic_error("KernelCalibrator::rates before any pass");
     const KernelWork& w = kernels_[i];
-    out.push_back(KernelRate{w.kernel, w.dtype, w.shape, w.bytes, median(samples_[i])});
+    out.push_back(
+        KernelRate{w.kernel, w.dtype, w.shape, w.bytes, median({samples_[i].begin() + first, samples_[i].begin() + end})});
   }
   return out;
 }
 
-Composition KernelCalibrator::composition() const {
+Composition KernelCalibrator::composition() const { return composition(0, passes_done()); }
+
+Composition KernelCalibrator::composition(int first_pass, int end_pass) const {
   // The same stage priced from its kernels, with the backend's storage bytes.
-  const std::vector<KernelRate> measured = rates();
+  const std::vector<KernelRate> measured = rates(first_pass, end_pass);
+  const auto [first, end] = clamped(first_pass, end_pass);
   const auto compose = [&](const std::vector<StageSeconds>& t) {
     std::vector<double> f, b, w;
-    for (const StageSeconds& s : t) {
+    for (int p = first; p < end; ++p) {
+      const StageSeconds& s = t[static_cast<std::size_t>(p)];
       f.push_back(s.forward);
       b.push_back(s.backward);
       w.push_back(s.backward_weight);
@@ -91,6 +99,13 @@ Composition KernelCalibrator::composition() const {
   Composition out = compose(warm_);
   out.first_forward = compose(cold_).forward;
   return out;
+}
+
+std::pair<int, int> KernelCalibrator::clamped(int first_pass, int end_pass) const {
+  // At least one pass: the last one when the range holds none.
+  const int n = passes_done();
+  const int first = std::clamp(first_pass, 0, n - 1);
+  return {first, std::clamp(end_pass, first + 1, n)};
 }
 
 int KernelCalibrator::compose_layers(const Plan& plan) {

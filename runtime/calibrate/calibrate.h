@@ -15,6 +15,7 @@
 #pragma once
 
 #include <functional>
+#include <utility>
 #include <memory>
 #include <vector>
 #include <string>
@@ -103,11 +104,15 @@ class KernelCalibrator {
   void run_passes(int passes);
   void run_until_settled();  // passes until options' min_passes and min_seconds
   std::vector<KernelRate> rates() const;  // throws std::logic_error before any pass
+  // The same from passes [first_pass, end_pass) only (clamped to at least one pass done): the
+  // kernels as they ran in one stretch of the calibration.
+  std::vector<KernelRate> rates(int first_pass, int end_pass) const;
   // The runtime's own blocks (a middle stage of compose_layers) against the sum of their
   // kernels' times: how much faster or slower kernels run in sequence inside a layer than
   // alone (operands left in cache by the kernel before, or evicted by the layer's traffic).
   // Warm (the stage right after itself), with the cold stage's forward as `first_forward`.
   Composition composition() const;
+  Composition composition(int first_pass, int end_pass) const;  // from passes [first_pass, end_pass), as rates()
   // The composition stage's blocks: as many as the plan's fullest rank holds (all its chunks),
   // so that the stage's weights and activations press on the caches as a rank's passes do
   // between one forward and the next.
@@ -148,6 +153,7 @@ class KernelCalibrator {
   std::vector<std::vector<double>> alone_seconds_;  // [rank][pass]: each alone on its core (rank 0's unused)
   // Per rank: the median of `per_rank`'s passes [first_pass, end_pass) over rank 0's warm stage
   // alone in the same passes (clamped; empty when none is left or one rank is timed).
+  std::pair<int, int> clamped(int first_pass, int end_pass) const;  // [first, end) within the passes, not empty
   std::vector<double> factors_over(const std::vector<std::vector<double>>& per_rank, int first_pass,
                                    int end_pass) const;
 };

@@ -518,6 +518,53 @@ TEST(KernelCalibrator, CompositionIsWarmWithTheColdFirstForward) {
   EXPECT_NEAR(c.backward, 1.0 * unit.backward, 1e-12);
 }
 
+// A clock on which the whole machine runs at half speed in passes 3 to 5: every kernel 2 ms
+// instead of 1, every stage twice as long.
+class BurstClock final : public KernelClock {
+ public:
+  explicit BurstClock(std::size_t kernels) : kernels_(kernels) {}
+  std::string placement() const override { return "scripted"; }
+  void on_timing_thread(const std::function<void()>& body) override { body(); }
+  double time_kernel(std::size_t) override { return 1e-3 * slow(kernel_calls_++ / kernels_); }
+  StageSeconds time_stage() override {
+    const std::size_t pass = stage_calls_++ / 2;
+    return StageSeconds{0.5 * slow(pass), 1.0 * slow(pass)};
+  }
+  int stage_ranks() const override { return 1; }
+  std::vector<double> time_stages_together() override { return {}; }
+  std::vector<double> time_stages_alone() override { return {}; }
+
+ private:
+  static double slow(std::size_t pass) { return pass >= 3 && pass < 6 ? 2.0 : 1.0; }
+  std::size_t kernels_, kernel_calls_ = 0, stage_calls_ = 0;
+};
+
+// Rates and composition from a stretch of passes are the machine as it ran then (validate prices
+// the step it reports with the passes around it): the burst's passes alone give its halved speed,
+// every pass the median's, and a stretch past the passes done the last pass.
+TEST(KernelCalibrator, RatesAndCompositionOfAStretchOfPasses) {
+  const RuntimePlan plan = make_runtime_plan(testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2));
+  const std::vector<KernelWork> kernels = distinct_kernels(plan.plan, 4);
+  KernelCalibrator calibrator(plan, CalibrateOptions{}, kernels, 4,
+                              [&](const RuntimePlan&, const CalibrateOptions&, const std::vector<KernelWork>&) {
+                                return std::make_unique<BurstClock>(kernels.size());
+                              });
+  EXPECT_THROW(calibrator.rates(0, 1), std::logic_error);
+  calibrator.run_passes(9);
+  for (const KernelRate& k : calibrator.rates()) EXPECT_DOUBLE_EQ(k.seconds, 1e-3);
+  for (const KernelRate& k : calibrator.rates(3, 6)) EXPECT_DOUBLE_EQ(k.seconds, 2e-3);
+  for (const KernelRate& k : calibrator.rates(2, 6)) EXPECT_DOUBLE_EQ(k.seconds, 2e-3);  // median of 1, 2, 2, 2
+  for (const KernelRate& k : calibrator.rates(8, 20)) EXPECT_DOUBLE_EQ(k.seconds, 1e-3);
+  for (const KernelRate& k : calibrator.rates(20, 30)) EXPECT_DOUBLE_EQ(k.seconds, 1e-3);  // the last pass
+  // Stage and kernels slowed alike: the composition (stage over its kernels) is the same in and
+  // out of the burst, and equal to the one over every pass.
+  const Composition all = calibrator.composition(), burst = calibrator.composition(3, 6);
+  EXPECT_NEAR(burst.forward, all.forward, 1e-12);
+  EXPECT_NEAR(burst.backward, all.backward, 1e-12);
+  EXPECT_NEAR(burst.first_forward, all.first_forward, 1e-12);
+  EXPECT_EQ(calibrator.rates(0, calibrator.passes_done()).size(), kernels.size());
+}
+
 // ---------------------------------------------------------------------------------------
 // The core handoff (cpu_calibrate.h): the engine's own gate, turns in round-robin order
 // ---------------------------------------------------------------------------------------
