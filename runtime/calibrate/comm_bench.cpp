@@ -312,6 +312,7 @@ void run_comm_section(const CommSection& s, const CommBenchOptions& options, Com
       for (int it = 0; it < z.warmup + z.iters; ++it) {
         s.prepare(r, buf);
         if (calls.load) calls.load(z.count);
+        if (calls.evict && it >= z.warmup) calls.evict();
         sync.arrive_and_wait();
         const double seconds = calls.call(z.count);
         if (it >= z.warmup) times[ru][static_cast<std::size_t>(it - z.warmup)] = seconds;
@@ -406,7 +407,7 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
       const std::size_t evict_bytes =
           all_reduce && pinned ? std::max(std::size_t{4} << 20, 2 * last_level_cache_bytes() / n_ranks) : 0;
       std::vector<float> other(evict_bytes / sizeof(float), 1.0f);
-      const auto evict = [&](std::size_t) {
+      const auto evict = [&] {
         for (std::size_t i = 0; i < other.size(); i += 16) other[i] += 1.0f;  // a cache line per write
       };
       const auto call = [&](std::size_t count) {
@@ -429,7 +430,7 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
         comm.send(0, kTag, buf);  // echo what arrived: a corrupted message is counted on both ranks
         return -1.0;              // only rank 0 sees the round trip
       };
-      measure(CommRankCalls{buffer, other.empty() ? nullptr : std::function<void(std::size_t)>(evict), call});
+      measure(CommRankCalls{buffer, nullptr, call, other.empty() ? nullptr : std::function<void()>(evict)});
     };
     run_comm_section(s, o, result, rank,
                      [&](int r, const std::string& why) { comms[static_cast<std::size_t>(r)]->abort(why); });

@@ -179,13 +179,16 @@ struct CommRankCalls {
   // host's first `count` elements. Returns this rank's seconds, or a negative number if this
   // rank's time does not count.
   std::function<double(std::size_t count)> call;
+  // Leaves the caches as a step leaves them, after load and before each timed call (a warm-up's
+  // caches do not matter); not timed. Empty: the caches as the previous call left them.
+  std::function<void()> evict;
 };
 
 // Runs section `s` on one thread per rank and appends its rows to out.rows (calling
 // options.on_row for each, on rank 0's thread). rank(r, measure) runs on rank r's thread: it
 // sets the rank up (pinning, current device, buffers) and calls measure once with the rank's
 // calls, which makes every call of every size. Before each call every rank prepares its
-// buffer and loads it, then all meet at a barrier; every call's output (warm-ups included) is
+// buffer and loads it (and evicts, before a timed call), then all meet at a barrier; every call's output (warm-ups included) is
 // checked. A row's time is the median over timed calls of the slowest rank's (at least 1 ns),
 // its #wrong the sum over ranks and calls. The first failure on a rank calls abort(r, message)
 // (the transport aborts its world, so ranks blocked in a call throw instead of waiting) and

@@ -97,7 +97,7 @@ void run_section(const CommSection& s, const CommBenchOptions& o, int device, Co
       buffer.download(count);
       return seconds;
     };
-    measure(CommRankCalls{buffer.host(), [&](std::size_t count) { buffer.upload(count); }, call});
+    measure(CommRankCalls{buffer.host(), [&](std::size_t count) { buffer.upload(count); }, call, nullptr});
   };
   run_comm_section(s, o, out, rank,
                    [&](int r, const std::string& why) { comms[static_cast<std::size_t>(r)]->abort(why); });
