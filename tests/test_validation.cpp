@@ -856,6 +856,39 @@ TEST(Validate, CoreFactorsComeFromThePassesAroundTheReportedStep) {
   EXPECT_FALSE(window(9, 2).has_value());  // not a step of the run
 }
 
+// The communication benchmark reaches every buffer the plan moves, four times over, and no
+// further: a pipeline plan's all-reduces are a few bytes and its messages one micro-batch's
+// activations, far below the 4 MiB the baselines allow; a tensor-parallel plan keeps the limit.
+TEST(Validate, CommunicationBenchmarkCoversThePlansBuffers) {
+  constexpr std::size_t kLimit = 4u << 20;
+  for (const char* file : {"pp2-1f1b-bf16.yaml", "pp2-zbh1-fp32.yaml", "dp2-fp32.yaml", "dp2-zero3-fp32-overlap.yaml",
+                           "dp2-zero2-bf16-overlap.yaml", "single-fp32.yaml", "tp2-fp32.yaml"}) {
+    SCOPED_TRACE(file);
+    const Plan plan = runtime::make_runtime_plan(
+                          load_scenario_file(std::string(TRAINSIM_SOURCE_DIR) + "/validation/baselines/" + file))
+                          .plan;
+    const std::size_t need = validation::communication_bytes(plan, kLimit);
+    EXPECT_GE(need, 4096u);
+    EXPECT_LE(need, kLimit);
+    EXPECT_EQ(need & (need - 1), 0u) << need;  // a size of the benchmark's doubling series
+    if (plan.tp > 1) {
+      EXPECT_EQ(need, kLimit);
+      continue;
+    }
+    const Schedule s = build_schedule(plan);
+    double most = 0;
+    for (const Collective& c : s.collectives) most = std::max(most, static_cast<double>(c.bytes));
+    for (const RankProgram& r : s.ranks)
+      for (const Op& op : r.ops) most = std::max(most, static_cast<double>(op.bytes));
+    if (need < kLimit) {
+      EXPECT_GE(static_cast<double>(need), 4 * most);
+    }
+    if (plan.dp == 1 && plan.pp > 1) {
+      EXPECT_LT(need, kLimit);
+    }
+  }
+}
+
 TEST(Validate, CalibratesAndRunsThroughTheBackendItIsGiven) {
   ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::bf16);
   c.runtime.num_layers = 4, c.runtime.hidden_size = 128, c.runtime.num_attention_heads = 4;

@@ -190,6 +190,18 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   return s;
 }
 
+std::size_t communication_bytes(const Plan& plan, std::size_t limit) {
+  if (plan.tp > 1) return limit;
+  const Schedule s = build_schedule(plan);
+  double most = 0;
+  for (const Collective& c : s.collectives) most = std::max(most, static_cast<double>(c.bytes));
+  for (const RankProgram& r : s.ranks)
+    for (const Op& op : r.ops) most = std::max(most, static_cast<double>(op.bytes));  // 0 for compute
+  std::size_t need = 4096;
+  while (static_cast<double>(need) < 4 * most && need < limit) need *= 2;
+  return std::min(need, limit);
+}
+
 Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   Validation v;
   v.plan = runtime::make_runtime_plan(scenario);
@@ -201,7 +213,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   if (co.comm.group_sizes.empty()) co.comm.group_sizes = collective_group_sizes(v.plan.plan);
   co.communication = co.communication && !co.comm.group_sizes.empty();
   // The runtime model's gradient buffers are a few MiB: larger collectives only cost time.
-  co.comm.max_bytes = std::min<std::size_t>(co.comm.max_bytes, 8u << 20);
+  co.comm.max_bytes = communication_bytes(v.plan.plan, std::min<std::size_t>(co.comm.max_bytes, 8u << 20));
   // In the gradients' wire format: a 16-bit ring rounds every partial sum (the CPU backend
   // emulates the format, a pass the fp32 ring does not make).
   if (const DType wire = v.plan.plan.config.precision.allreduce; wire == DType::fp16 || wire == DType::bf16)

@@ -125,6 +125,16 @@ void write_validation_trace(const Validation& v, std::ostream& out);
 // The predicted timeline above the measured one, on one time axis.
 void write_validation_svg(const Validation& v, std::ostream& out);
 
+// The largest buffer the communication benchmark needs to reach for `plan` (at most `limit`):
+// the schedule's messages and collectives, four times over (a runtime that emulates 16- and 8-bit
+// formats moves 4-byte floats: NetworkCollectiveModel::duration), rounded up to a power of two,
+// at least 4 KiB (the optimizer's norm and overflow all-reduces, outside the schedule). The
+// prediction reads only the table rows around a size (SizeTable::seconds), so rows past this are
+// never read, and on the CPU each all-reduce row costs a cache eviction per call (a pipeline
+// plan's benchmark went to sizes up to 4 MiB for its 4-byte all-reduces). Tensor-parallel plans
+// get `limit`: their layers' collectives are priced apart from the schedule.
+std::size_t communication_bytes(const Plan& plan, std::size_t limit);
+
 // The calibration passes around the step a run reports (its median), as [first, end): those run
 // between the steps `steps_each_side` before and after it (clamped to the run), where
 // `passes_after_step[i]` is how many passes were done when the run's i-th step ended and each step
