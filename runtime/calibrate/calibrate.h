@@ -15,10 +15,10 @@
 #pragma once
 
 #include <functional>
-#include <utility>
 #include <memory>
-#include <vector>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/hardware_profile.h"
 #include "core/kernel_inventory.h"
@@ -151,9 +151,9 @@ class KernelCalibrator {
   std::vector<StageSeconds> cold_, warm_;
   std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
   std::vector<std::vector<double>> alone_seconds_;  // [rank][pass]: each alone on its core (rank 0's unused)
+  std::pair<int, int> clamped(int first_pass, int end_pass) const;  // [first, end) within the passes, not empty
   // Per rank: the median of `per_rank`'s passes [first_pass, end_pass) over rank 0's warm stage
   // alone in the same passes (clamped; empty when none is left or one rank is timed).
-  std::pair<int, int> clamped(int first_pass, int end_pass) const;  // [first, end) within the passes, not empty
   std::vector<double> factors_over(const std::vector<std::vector<double>>& per_rank, int first_pass,
                                    int end_pass) const;
 };

@@ -188,11 +188,12 @@ struct CommRankCalls {
 // options.on_row for each, on rank 0's thread). rank(r, measure) runs on rank r's thread: it
 // sets the rank up (pinning, current device, buffers) and calls measure once with the rank's
 // calls, which makes every call of every size. Before each call every rank prepares its
-// buffer and loads it (and evicts, before a timed call), then all meet at a barrier; every call's output (warm-ups included) is
-// checked. A row's time is the median over timed calls of the slowest rank's (at least 1 ns),
-// its #wrong the sum over ranks and calls. The first failure on a rank calls abort(r, message)
-// (the transport aborts its world, so ranks blocked in a call throw instead of waiting) and
-// drops that rank from the barrier; it is rethrown once every thread has ended.
+// buffer and loads it (and evicts, before a timed call), then all meet at a barrier; every
+// call's output (warm-ups included) is checked. A row's time is the median over timed calls of
+// the slowest rank's (at least 1 ns), its #wrong the sum over ranks and calls. The first failure
+// on a rank calls abort(r, message) (the transport aborts its world, so ranks blocked in a call
+// throw instead of waiting) and drops that rank from the barrier; it is rethrown once every
+// thread has ended.
 void run_comm_section(const CommSection& s, const CommBenchOptions& options, CommBenchResult& out,
                       const std::function<void(int, const std::function<void(const CommRankCalls&)>&)>& rank,
                       const std::function<void(int, const std::string&)>& abort);
