@@ -5,6 +5,7 @@
 #include <cmath>
 #include <ostream>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -190,16 +191,22 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   return s;
 }
 
-std::size_t communication_bytes(const Plan& plan, std::size_t limit) {
-  if (plan.tp > 1) return limit;
+std::optional<CommunicationSizes> communication_sizes(const Plan& plan) {
+  if (plan.tp > 1) return std::nullopt;
+  std::set<std::size_t> sendrecv, all_reduce{8};
+  const auto around = [](std::set<std::size_t>& rows, double bytes) {
+    std::size_t b = 8;
+    while (static_cast<double>(2 * b) <= bytes / 2) b *= 2;
+    for (; static_cast<double>(b / 2) < 4 * bytes; b *= 2) rows.insert(b);
+  };
   const Schedule s = build_schedule(plan);
-  double most = 0;
-  for (const Collective& c : s.collectives) most = std::max(most, static_cast<double>(c.bytes));
+  for (const Collective& c : s.collectives)
+    if (c.bytes > 0) around(all_reduce, static_cast<double>(c.bytes) / std::max(1, c.parts));
   for (const RankProgram& r : s.ranks)
-    for (const Op& op : r.ops) most = std::max(most, static_cast<double>(op.bytes));  // 0 for compute
-  std::size_t need = 4096;
-  while (static_cast<double>(need) < 4 * most && need < limit) need *= 2;
-  return std::min(need, limit);
+    for (const Op& op : r.ops)
+      if ((op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient) && op.bytes > 0)
+        around(sendrecv, static_cast<double>(op.bytes));
+  return CommunicationSizes{{sendrecv.begin(), sendrecv.end()}, {all_reduce.begin(), all_reduce.end()}};
 }
 
 Validation validate(const Scenario& scenario, const ValidateOptions& o) {
@@ -212,8 +219,14 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   runtime::CalibrateOptions co = o.calibrate;
   if (co.comm.group_sizes.empty()) co.comm.group_sizes = collective_group_sizes(v.plan.plan);
   co.communication = co.communication && !co.comm.group_sizes.empty();
-  // The runtime model's gradient buffers are a few MiB: larger collectives only cost time.
-  co.comm.max_bytes = communication_bytes(v.plan.plan, std::min<std::size_t>(co.comm.max_bytes, 8u << 20));
+  if (const std::optional<CommunicationSizes> sizes = communication_sizes(v.plan.plan)) {
+    co.comm.sendrecv_sizes = sizes->sendrecv;
+    co.comm.all_reduce_sizes = sizes->all_reduce;
+    co.comm.sendrecv = !sizes->sendrecv.empty();
+  } else {
+    // The runtime model's buffers are a few MiB: larger collectives only cost time.
+    co.comm.max_bytes = std::min<std::size_t>(co.comm.max_bytes, 8u << 20);
+  }
   // In the gradients' wire format: a 16-bit ring rounds every partial sum (the CPU backend
   // emulates the format, a pass the fp32 ring does not make).
   if (const DType wire = v.plan.plan.config.precision.allreduce; wire == DType::fp16 || wire == DType::bf16)
@@ -272,7 +285,13 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.profile = record.describe(v.plan, profile_name, co);
     runtime::calibrate_communication(record, v.profile, co);
     const std::unique_ptr<runtime::KernelCalibrator> kernels = record.kernels(v.plan, co);
-    kernels->run_until_settled();
+    // The rates the prediction takes come from the passes around the step the run reports (below).
+    // Before the run, ranks that share cores by turns need settled rates for the order of their
+    // turns; other plans only a reference for the machine's drift.
+    if (shares_by_turns(v.profile))
+      kernels->run_until_settled();
+    else
+      kernels->run_passes(o.passes_before_run);
     const int before = kernels->passes_done();
     std::vector<int> passes_after_step;  // [i]: passes done when the run's i-th step ended
     ro.on_step = [&](const runtime::StepRecord&) {

@@ -56,6 +56,9 @@ struct ValidateOptions {
   std::string data_path;     // resolved by the caller; empty: the bundled corpus
   runtime::CalibrateOptions calibrate;
   int passes_between_steps = 2;  // kernel calibration passes run between the run's steps
+  // Kernel calibration passes before the run: the reference `machine_drift` is measured against
+  // (ranks that share cores by turns: as many as calibrate runs, for the order of their turns).
+  int passes_before_run = 8;
   std::function<void(const std::string&)> progress;
 };
 
@@ -125,15 +128,22 @@ void write_validation_trace(const Validation& v, std::ostream& out);
 // The predicted timeline above the measured one, on one time axis.
 void write_validation_svg(const Validation& v, std::ostream& out);
 
-// The largest buffer the communication benchmark needs to reach for `plan` (at most `limit`):
-// the schedule's messages and collectives, four times over (a runtime that emulates 16- and 8-bit
-// formats moves 4-byte floats: NetworkCollectiveModel::duration), rounded up to a power of two,
-// at least 4 KiB (the optimizer's norm and overflow all-reduces, outside the schedule). The
-// prediction reads only the table rows around a size (SizeTable::seconds), so rows past this are
-// never read, and on the CPU each all-reduce row costs a cache eviction per call (a pipeline
-// plan's benchmark went to sizes up to 4 MiB for its 4-byte all-reduces). Tensor-parallel plans
-// get `limit`: their layers' collectives are priced apart from the schedule.
-std::size_t communication_bytes(const Plan& plan, std::size_t limit);
+// The rows the communication benchmark measures for `plan`: the prediction reads a table only
+// between the two rows around a size (SizeTable::seconds), so only the powers of two around the
+// plan's own messages and collectives are run, not the whole doubling series (on the CPU each
+// all-reduce row costs a cache eviction per call: a series of 20 sizes made up two thirds of a
+// pipeline baseline's validation). Around each buffer of the schedule (a collective's bytes per
+// call, a message's bytes): every power of two from half to four times it, the range the cost
+// models scale it over (NetworkCollectiveModel and LinkP2PModel: a runtime that emulates 16- and
+// 8-bit formats moves 4-byte floats, and its tables count the wire format's bytes). All-reduces
+// also get the 8-byte row: the optimizer's norm and the overflow flag are one float each, and a
+// size below the first row reads that row. `sendrecv` is empty when the plan sends nothing.
+// std::nullopt for tensor-parallel plans: their layers' collectives are priced apart from the
+// schedule (tensor_parallel_seconds), from the whole series.
+struct CommunicationSizes {
+  std::vector<std::size_t> sendrecv, all_reduce;  // bytes, ascending
+};
+std::optional<CommunicationSizes> communication_sizes(const Plan& plan);
 
 // The calibration passes around the step a run reports (its median), as [first, end): those run
 // between the steps `steps_each_side` before and after it (clamped to the run), where

@@ -87,19 +87,25 @@ void fill(std::span<float> buf, float weight, int period) {
   }
 }
 
-// The section's sizes (min_bytes doubling up to max_bytes) and its largest count and iters.
-void set_sizes(CommSection& s, const CommBenchOptions& o) {
+// The section's sizes (`listed`, else min_bytes doubling up to max_bytes) and its largest count
+// and iters.
+void set_sizes(CommSection& s, const CommBenchOptions& o, const std::vector<std::size_t>& listed) {
   const auto element_bytes = static_cast<std::size_t>(dtype_bytes(s.wire));
-  for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 2) {
+  std::set<std::size_t> asked(listed.begin(), listed.end());
+  if (asked.empty())
+    for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 2) {
+      asked.insert(b);
+      if (b > std::numeric_limits<std::size_t>::max() / 2) break;
+    }
+  for (std::size_t b : asked) {
     const std::size_t count = b / element_bytes, bytes = count * element_bytes;
-    const auto scaled = [&](int asked, std::size_t budget, std::size_t floor) {
-      return static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(asked), std::max(floor, budget / bytes)));
+    const auto scaled = [&](int wanted, std::size_t budget, std::size_t floor) {
+      return static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(wanted), std::max(floor, budget / bytes)));
     };
     s.sizes.push_back(
         CommSize{bytes, count, scaled(o.warmup_iters, kWarmupBytes, 1), scaled(o.iters, kTimedBytes, 2)});
     s.max_count = std::max(s.max_count, count);
     s.max_iters = std::max(s.max_iters, s.sizes.back().iters);
-    if (b > std::numeric_limits<std::size_t>::max() / 2) break;
   }
 }
 
@@ -111,7 +117,7 @@ CommSection sendrecv_section(const CommBenchOptions& o) {
   s.ranks = 2;
   s.wire = DType::fp32;
   s.bus_factor = 1;
-  set_sizes(s, o);
+  set_sizes(s, o, o.sendrecv_sizes);
   s.fill_expected = [](std::span<float> e) { fill(e, 1.0f, kPeriod); };
   s.prepare = [](int r, std::span<float> buf) {
     if (r == 0)
@@ -133,7 +139,7 @@ CommSection all_reduce_section(const CommBenchOptions& o, int n, ReduceOp op) {
   s.reduce = op;
   s.wire = o.wire;
   s.bus_factor = 2.0 * (n - 1) / n;
-  set_sizes(s, o);
+  set_sizes(s, o, o.all_reduce_sizes);
   const Pattern p = pattern_for(n, o.wire);
   const float total = std::accumulate(p.weight.begin(), p.weight.end(), 0.0f);  // exact: small integers
   const float largest = *std::max_element(p.weight.begin(), p.weight.end());
@@ -266,6 +272,12 @@ CommBenchOptions checked_comm_options(const CommBenchOptions& options, std::span
   if (o.min_bytes < 4) bad(fmt::format("min_bytes must be at least 4 (one float element), got {}", o.min_bytes));
   if (o.max_bytes < o.min_bytes)
     bad(fmt::format("max_bytes ({}) must be at least min_bytes ({})", o.max_bytes, o.min_bytes));
+  for (std::size_t b : o.sendrecv_sizes)
+    if (b < 4) bad(fmt::format("sendrecv_sizes: {} bytes is less than one float element", b));
+  const auto wire_bytes = static_cast<std::size_t>(dtype_bytes(o.wire));
+  for (std::size_t b : o.all_reduce_sizes)
+    if (b < wire_bytes)
+      bad(fmt::format("all_reduce_sizes: {} bytes is less than one {} element", b, dtype_name(o.wire)));
   if (o.iters < 1) bad(fmt::format("iters must be at least 1, got {}", o.iters));
   if (o.warmup_iters < 0) bad(fmt::format("warmup_iters must be 0 or more, got {}", o.warmup_iters));
   std::set<int> seen;

@@ -74,6 +74,10 @@ struct CollectiveRow {            // one line of the nccl-tests style table
 struct CommBenchOptions {
   std::vector<int> group_sizes;        // all_reduce group sizes, e.g. {2, 4}; default: {2}
   std::size_t min_bytes = 8, max_bytes = 64u << 20;  // sizes double from min to max, like nccl-tests -b 8 -e 64M -f 2
+  // When not empty: the sendrecv / all_reduce rows at exactly these sizes (bytes, each at least
+  // one element of the row's format; any order, repeats once) instead of min_bytes doubling to
+  // max_bytes. `validate` measures only the rows its plan's prediction reads.
+  std::vector<std::size_t> sendrecv_sizes, all_reduce_sizes;
   // Calls per size. Scaled down automatically for big buffers so a full run stays under ~3 s
   // on 2 cores: a size of B bytes runs min(iters, max(2, 64 MiB / B)) timed calls and
   // min(warmup_iters, max(1, 32 MiB / B)) warm-ups (CollectiveRow says how many it ran).
@@ -130,7 +134,7 @@ std::string nccl_type_name(DType wire);
 // `options` checked for a transport, with group_sizes defaulted to {2}. Throws
 // std::invalid_argument, saying which field and what is accepted, for a wire format not in
 // `wires` ("calibrate: wire <w> is not a format <transport> moves; accepted: ..."), sizes below
-// one float element or reversed, iters < 1, warmup_iters < 0, a group size below 2, above
+// one float element or reversed (a listed size: below one element of its row's format), iters < 1, warmup_iters < 0, a group size below 2, above
 // `max_ranks` (when positive: "<transport> reduces over at most <max_ranks> ranks"), repeated,
 // or too large to check exactly in the wire format, and empty or repeated redops.
 CommBenchOptions checked_comm_options(const CommBenchOptions& options, std::span<const DType> wires,

@@ -210,6 +210,31 @@ TEST(CalibrateCommBench, BigBuffersRunFewerCalls) {
   }
 }
 
+TEST(CalibrateCommBench, ListedSizesRunExactlyThoseRows) {
+  CommBenchOptions o = small_options();
+  o.wire = DType::bf16;
+  o.group_sizes = {2};
+  o.sendrecv_sizes = {4096, 8, 4096, 64};  // any order, a repeat once
+  o.all_reduce_sizes = {2, 1024};           // a 2-byte row: one bf16 element
+  const CommBenchResult r = bench_in_process_comm(o);
+  std::vector<std::pair<std::string, std::size_t>> rows;
+  for (const CollectiveRow& row : r.rows) {
+    rows.emplace_back(row.op, row.bytes);
+    EXPECT_EQ(row.wrong, 0) << row.op << " " << row.bytes;
+  }
+  const std::vector<std::pair<std::string, std::size_t>> expected{
+      {"sendrecv", 8}, {"sendrecv", 64}, {"sendrecv", 4096}, {"all_reduce", 2}, {"all_reduce", 1024}};
+  EXPECT_EQ(rows, expected);
+  EXPECT_TRUE(r.allreduce.contains(2));  // fitted from its two rows
+
+  CommBenchOptions too_small = o;
+  too_small.all_reduce_sizes = {1};
+  EXPECT_THROW(bench_in_process_comm(too_small), std::invalid_argument);
+  too_small = o;
+  too_small.sendrecv_sizes = {2};
+  EXPECT_THROW(bench_in_process_comm(too_small), std::invalid_argument);
+}
+
 TEST(CalibrateCommBench, RejectsOptionsItCannotRun) {
   auto run = [](auto edit) {
     CommBenchOptions o = small_options();
