@@ -28,6 +28,23 @@ inline std::string slurp(const fs::path& p) {
   return s.str();
 }
 
+// The bundled default scenario (the README's first command runs it).
+inline const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
+
+// The bundled incident's configuration alone: its own `sweep:` and `constraints:` sections
+// (top-level blocks) are dropped, so tests choose their own.
+inline std::string postmortem_text() {
+  std::istringstream in(slurp(kDefault));
+  std::string out, line;
+  bool skipping = false;
+  while (std::getline(in, line)) {
+    const bool top_level_key = !line.empty() && line[0] != ' ' && line[0] != '#';
+    if (top_level_key) skipping = line.rfind("sweep:", 0) == 0 || line.rfind("constraints:", 0) == 0;
+    if (!skipping) out += line + "\n";
+  }
+  return out;
+}
+
 inline std::string temp_prefix() { return "trainsim_test_" + std::to_string(::getpid()) + "_"; }
 
 // This test's own folder.

@@ -15,8 +15,6 @@ namespace fs = std::filesystem;
 
 using namespace trainsim::testing;
 
-const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
-
 TEST(Cli, SimulatePrintsASummary) {
   const CommandResult r = run("simulate " + kDefault);
   ASSERT_EQ(r.status, 0) << r.err;

@@ -15,6 +15,7 @@
 #include "sim/cost/p2p_model.h"
 #include "core/scenario.h"
 #include "sim/simulator.h"
+#include "tests/sim_equality.h"
 #include "tests/test_helpers.h"
 
 namespace trainsim {
@@ -342,10 +343,9 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
 namespace trainsim {
 namespace {
 
-bool same_op(const Op& a, const Op& b) {
-  return a.kind == b.kind && a.chunk == b.chunk && a.microbatch == b.microbatch && a.dep == b.dep &&
-         a.peer == b.peer && a.channel == b.channel && a.bucket == b.bucket && a.bytes == b.bytes && a.work == b.work;
-}
+using testing::expect_same_memory;
+using testing::expect_same_result;
+using testing::same_op;
 
 void expect_same_schedule(const Schedule& a, const Schedule& b) {
   EXPECT_EQ(a.kind, b.kind);
@@ -372,42 +372,7 @@ void expect_same_schedule(const Schedule& a, const Schedule& b) {
   }
 }
 
-void expect_same_memory(const MemoryBreakdown& a, const MemoryBreakdown& b) {
-  EXPECT_EQ(a.weights, b.weights);
-  EXPECT_EQ(a.gradients, b.gradients);
-  EXPECT_EQ(a.optimizer, b.optimizer);
-  EXPECT_EQ(a.activations, b.activations);
-  EXPECT_EQ(a.buffers, b.buffers);
-}
 
-// Bit-for-bit: same doubles, same strings; operator== covers every field, including any
-// added to Result later, and the lines below say which one differs.
-void expect_same_result(const Result& a, const Result& b) {
-  EXPECT_TRUE(a == b);
-  EXPECT_EQ(a.step_time_s, b.step_time_s);
-  EXPECT_EQ(a.bubble_fraction, b.bubble_fraction);
-  EXPECT_EQ(a.tokens_per_s, b.tokens_per_s);
-  EXPECT_EQ(a.mfu, b.mfu);
-  EXPECT_EQ(a.allreduce_time_s, b.allreduce_time_s);
-  EXPECT_EQ(a.exposed_comm_time_s, b.exposed_comm_time_s);
-  EXPECT_EQ(a.fits_in_memory, b.fits_in_memory);
-  EXPECT_EQ(a.memory_capacity_bytes, b.memory_capacity_bytes);
-  EXPECT_EQ(a.warnings, b.warnings);
-  ASSERT_EQ(a.ranks.size(), b.ranks.size());
-  for (std::size_t r = 0; r < a.ranks.size(); ++r) {
-    const RankResult &x = a.ranks[r], &y = b.ranks[r];
-    EXPECT_EQ(x.rank, y.rank);
-    EXPECT_EQ(x.stage, y.stage);
-    EXPECT_EQ(x.replica, y.replica);
-    EXPECT_EQ(x.busy_s, y.busy_s);
-    EXPECT_EQ(x.idle_s, y.idle_s);
-    EXPECT_EQ(x.utilization, y.utilization);
-    EXPECT_EQ(x.allreduce_s, y.allreduce_s);
-    EXPECT_EQ(x.exposed_comm_s, y.exposed_comm_s);
-    EXPECT_EQ(x.peak_memory_bytes, y.peak_memory_bytes);
-    expect_same_memory(x.memory, y.memory);
-  }
-}
 
 // One Predictor, reused across differently shaped random plans (fixed seed), gives what a
 // fresh predict() gives: schedule, timeline, memory and result, bit for bit. Placements

@@ -3,6 +3,8 @@
 // own prediction, and the precision advice names every risk of the bundled incident.
 #include <gtest/gtest.h>
 #include <fmt/format.h>
+
+#include "tests/command_helpers.h"
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -28,14 +30,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using trainsim::testing::kDefault;
+using trainsim::testing::postmortem_text;
+using trainsim::testing::run;
 
 bool has_issue(const std::vector<PrecisionIssue>& v, const std::string& id) {
   for (const auto& i : v)
@@ -49,19 +46,6 @@ void expect_same_config(const ScenarioConfig& a, const ScenarioConfig& b) {
     if (!f.get || f.path == "name" || f.path == "description") continue;
     EXPECT_EQ(format_field_value(f.get(a)), format_field_value(f.get(b))) << f.path;
   }
-}
-
-// The bundled incident's configuration without its own `sweep:` and `constraints:`.
-std::string postmortem_text() {
-  std::istringstream in(slurp(kDefault));
-  std::string out, line;
-  bool skipping = false;
-  while (std::getline(in, line)) {
-    const bool top_level_key = !line.empty() && line[0] != ' ' && line[0] != '#';
-    if (top_level_key) skipping = line.rfind("sweep:", 0) == 0 || line.rfind("constraints:", 0) == 0;
-    if (!skipping) out += line + "\n";
-  }
-  return out;
 }
 
 // The plan of the bundled incident file as it stands, computed once (a few thousand
@@ -419,18 +403,6 @@ TEST(PlanJudgement, Bf16AndFp8AdviceAsAnExpertGivesIt) {
 
 // ---- the command ----------------------------------------------------------------------------
 
-std::pair<int, std::string> run(const std::string& args) {
-  const std::string cmd = std::string(TRAINSIM_EXE) + " " + args + " 2>/dev/null";
-  std::string out;
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) return {-1, out};
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
-  const int st = ::pclose(pipe);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
-
 // Nothing fits: a documented non-zero exit status (5) from plan and sweep, the report still printed.
 TEST(PlanCli, NothingFeasibleExitsFive) {
   const fs::path d = fs::temp_directory_path() / ("trainsim_plan5_" + std::to_string(::getpid()));
@@ -438,13 +410,13 @@ TEST(PlanCli, NothingFeasibleExitsFive) {
   const fs::path f = d / "70b.yaml";
   std::ofstream(f) << "model: {preset: llama2-70b}\ncluster: {gpu: a100-80gb, num_gpus: 1}\n"
                       "training: {global_batch_size: 4}\nsweep:\n  training.activation_recompute: [none, full]\n";
-  auto [status, text] = run("plan --threads 2 " + f.string());
-  EXPECT_EQ(status, 5);
-  EXPECT_NE(text.find("what would make it fit"), std::string::npos);
-  auto [status2, table] = run("sweep --threads 2 " + f.string());
-  EXPECT_EQ(status2, 5);
-  EXPECT_NE(table.find("nothing fits"), std::string::npos);
-  EXPECT_NE(table.find("model states alone"), std::string::npos);
+  const auto plan = run("plan --threads 2 " + f.string());
+  EXPECT_EQ(plan.status, 5);
+  EXPECT_NE(plan.out.find("what would make it fit"), std::string::npos);
+  const auto sweep = run("sweep --threads 2 " + f.string());
+  EXPECT_EQ(sweep.status, 5);
+  EXPECT_NE(sweep.out.find("nothing fits"), std::string::npos);
+  EXPECT_NE(sweep.out.find("model states alone"), std::string::npos);
   fs::remove_all(d);
 }
 
@@ -452,18 +424,18 @@ TEST(PlanCli, WrittenScenarioSimulatesToThePlansFigures) {
   const fs::path d = fs::temp_directory_path() / ("trainsim_plan_" + std::to_string(::getpid()));
   fs::create_directories(d);
   const fs::path chosen = d / "chosen.yaml";
-  auto [status, out] = run("plan --json --threads 2 " + kDefault + " --write-scenario " + chosen.string());
+  const auto [status, out, err] = run("plan --json --threads 2 " + kDefault + " --write-scenario " + chosen.string());
   ASSERT_EQ(status, 0);
   const auto plan = nlohmann::json::parse(out);
-  auto [status2, sim] = run("simulate --json " + chosen.string());
+  const auto [status2, sim, err2] = run("simulate --json " + chosen.string());
   ASSERT_EQ(status2, 0);
   const auto result = nlohmann::json::parse(sim);
   EXPECT_EQ(result["tokens_per_s"], plan["chosen"]["tokens_per_s"]);
   EXPECT_EQ(result["step_time_s"], plan["chosen"]["step_time_s"]);
   EXPECT_EQ(result["bubble_fraction"], plan["chosen"]["bubble_fraction"]);
   // Byte-identical whatever the thread count.
-  EXPECT_EQ(run("plan --json --threads 1 " + kDefault).second, out);
-  auto [status3, text] = run("plan " + kDefault);
+  EXPECT_EQ(run("plan --json --threads 1 " + kDefault).out, out);
+  const auto [status3, text, err3] = run("plan " + kDefault);
   ASSERT_EQ(status3, 0);
   EXPECT_NE(text.find("what changes"), std::string::npos);
   EXPECT_NE(text.find("runners-up"), std::string::npos);

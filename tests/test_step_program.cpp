@@ -31,10 +31,14 @@
 #include "sim/cost/p2p_model.h"
 #include "sim/simulator.h"
 #include "sim/step_program.h"
+#include "tests/sim_equality.h"
 #include "tests/test_helpers.h"
 
 namespace trainsim {
 namespace {
+
+using testing::expect_same_result;
+using testing::same_op;
 
 bool same_timeline(const Timeline& a, const Timeline& b, std::string* where = nullptr) {
   if (a.ops.size() != b.ops.size()) return false;
@@ -55,26 +59,6 @@ bool same_timeline(const Timeline& a, const Timeline& b, std::string* where = nu
   return true;
 }
 
-// The whole Result (operator==), and where it differs when it does.
-void expect_same_result(const Result& got, const Result& want) {
-  if (got == want) return;
-  ADD_FAILURE() << "results differ";
-  EXPECT_EQ(got.step_time_s, want.step_time_s);
-  EXPECT_EQ(got.bubble_fraction, want.bubble_fraction);
-  EXPECT_EQ(got.tokens_per_s, want.tokens_per_s);
-  EXPECT_EQ(got.allreduce_time_s, want.allreduce_time_s);
-  EXPECT_EQ(got.exposed_comm_time_s, want.exposed_comm_time_s);
-  EXPECT_EQ(got.fits_in_memory, want.fits_in_memory);
-  EXPECT_EQ(got.warnings, want.warnings);
-  ASSERT_EQ(got.ranks.size(), want.ranks.size());
-  for (std::size_t r = 0; r < got.ranks.size(); ++r) {
-    const RankResult &x = got.ranks[r], &y = want.ranks[r];
-    if (x == y) continue;
-    ADD_FAILURE() << "rank " << r << ": busy " << x.busy_s << " vs " << y.busy_s << ", utilization " << x.utilization
-                  << " vs " << y.utilization << ", exposed " << x.exposed_comm_s << " vs " << y.exposed_comm_s
-                  << ", peak " << x.peak_memory_bytes << " vs " << y.peak_memory_bytes;
-  }
-}
 
 // A random valid configuration of the small test model: every schedule, 1-8 stages,
 // 1-4 replicas, tensor parallelism, ZeRO 0-3, recompute, overlapped and bucketed gradients,
@@ -523,10 +507,6 @@ TEST(Predictor, EvaluateBatchEqualsPredict) {
 
 // ---- What the cache relies on --------------------------------------------------------
 
-bool same_op(const Op& a, const Op& b) {
-  return a.kind == b.kind && a.chunk == b.chunk && a.microbatch == b.microbatch && a.dep == b.dep &&
-         a.peer == b.peer && a.channel == b.channel && a.bucket == b.bucket && a.bytes == b.bytes && a.work == b.work;
-}
 
 std::string schedule_difference(const Schedule& a, const Schedule& b) {
   if (a.kind != b.kind || a.num_stages != b.num_stages || a.num_replicas != b.num_replicas ||

@@ -30,23 +30,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kDefault = std::string(TRAINSIM_SOURCE_DIR) + "/scenarios/postmortem-8x40gb.yaml";
-
+using trainsim::testing::kDefault;
+using trainsim::testing::postmortem_text;
 using trainsim::testing::slurp;
-
-// The bundled incident's configuration alone: its own `sweep:` and `constraints:` sections
-// (top-level blocks) are dropped, so tests choose their own.
-std::string postmortem_text() {
-  std::istringstream in(slurp(kDefault));
-  std::string out, line;
-  bool skipping = false;
-  while (std::getline(in, line)) {
-    const bool top_level_key = !line.empty() && line[0] != ' ' && line[0] != '#';
-    if (top_level_key) skipping = line.rfind("sweep:", 0) == 0 || line.rfind("constraints:", 0) == 0;
-    if (!skipping) out += line + "\n";
-  }
-  return out;
-}
 
 // The bundled incident with `extra` (a sweep and constraints) appended.
 Scenario postmortem_with(const std::string& extra) {
