@@ -182,7 +182,9 @@ TEST(InProcessComm, PollWhileFalseSleepsAtOnceAndTheMessageStillArrives) {
     for (float v : got) EXPECT_EQ(v, 2.5f);
     // Sleeping, the 200 ms wait costs next to no CPU; polling, the receiver spins for it (at least
     // whatever share of those 200 ms the scheduler gave it: only bounded where it cannot fail).
-    if (!may_poll) EXPECT_LT(cpu, 0.05) << "the receiver polled although poll_while was false";
+    if (!may_poll) {
+      EXPECT_LT(cpu, 0.05) << "the receiver polled although poll_while was false";
+    }
   }
 }
 
