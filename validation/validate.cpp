@@ -18,6 +18,7 @@
 #include "core/report/format.h"
 #include "core/report/report.h"
 #include "runtime/loop/run_loop.h"
+#include "sim/cost/compute_model.h"
 #include "runtime/loop/run_report.h"
 #include "validation/core_sharing.h"
 
@@ -191,8 +192,7 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
   return s;
 }
 
-std::optional<CommunicationSizes> communication_sizes(const Plan& plan) {
-  if (plan.tp > 1) return std::nullopt;
+CommunicationSizes communication_sizes(const Plan& plan) {
   std::set<std::size_t> sendrecv, all_reduce{8};
   const auto around = [](std::set<std::size_t>& rows, double bytes) {
     std::size_t b = 8;
@@ -206,6 +206,12 @@ std::optional<CommunicationSizes> communication_sizes(const Plan& plan) {
     for (const Op& op : r.ops)
       if ((op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient) && op.bytes > 0)
         around(sendrecv, static_cast<double>(op.bytes));
+  if (plan.tp > 1) {
+    const TensorParallelBuffers tp = tensor_parallel_buffers(plan, plan.activation_bytes());
+    for (double bytes : {tp.activation, tp.head_row_maxima, tp.head_row_sums, tp.norm_gradients,
+                         tp.final_norm_gradients})
+      around(all_reduce, bytes);
+  }
   return CommunicationSizes{{sendrecv.begin(), sendrecv.end()}, {all_reduce.begin(), all_reduce.end()}};
 }
 
@@ -219,14 +225,10 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   runtime::CalibrateOptions co = o.calibrate;
   if (co.comm.group_sizes.empty()) co.comm.group_sizes = collective_group_sizes(v.plan.plan);
   co.communication = co.communication && !co.comm.group_sizes.empty();
-  if (const std::optional<CommunicationSizes> sizes = communication_sizes(v.plan.plan)) {
-    co.comm.sendrecv_sizes = sizes->sendrecv;
-    co.comm.all_reduce_sizes = sizes->all_reduce;
-    co.comm.sendrecv = !sizes->sendrecv.empty();
-  } else {
-    // The runtime model's buffers are a few MiB: larger collectives only cost time.
-    co.comm.max_bytes = std::min<std::size_t>(co.comm.max_bytes, 8u << 20);
-  }
+  const CommunicationSizes sizes = communication_sizes(v.plan.plan);
+  co.comm.sendrecv_sizes = sizes.sendrecv;
+  co.comm.all_reduce_sizes = sizes.all_reduce;
+  co.comm.sendrecv = !sizes.sendrecv.empty();
   // In the gradients' wire format: a 16-bit ring rounds every partial sum (the CPU backend
   // emulates the format, a pass the fp32 ring does not make).
   if (const DType wire = v.plan.plan.config.precision.allreduce; wire == DType::fp16 || wire == DType::bf16)

@@ -137,13 +137,13 @@ void write_validation_svg(const Validation& v, std::ostream& out);
 // models scale it over (NetworkCollectiveModel and LinkP2PModel: a runtime that emulates 16- and
 // 8-bit formats moves 4-byte floats, and its tables count the wire format's bytes). All-reduces
 // also get the 8-byte row: the optimizer's norm and the overflow flag are one float each, and a
-// size below the first row reads that row. `sendrecv` is empty when the plan sends nothing.
-// std::nullopt for tensor-parallel plans: their layers' collectives are priced apart from the
-// schedule (tensor_parallel_seconds), from the whole series.
+// size below the first row reads that row. Tensor-parallel plans also get the rows around
+// their layers' collectives, which are priced apart from the schedule (tensor_parallel_buffers).
+// `sendrecv` is empty when the plan sends nothing.
 struct CommunicationSizes {
   std::vector<std::size_t> sendrecv, all_reduce;  // bytes, ascending
 };
-std::optional<CommunicationSizes> communication_sizes(const Plan& plan);
+CommunicationSizes communication_sizes(const Plan& plan);
 
 // The calibration passes around the step a run reports (its median), as [first, end): those run
 // between the steps `steps_each_side` before and after it (clamped to the run), where

@@ -41,31 +41,40 @@ RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int
   RooflineComputeModel::ChunkSeconds c;
   const int t = plan.tp;
   if (t <= 1) return c;
-  const ModelShape m = plan.shape();
   const bool sp = plan.config.parallelism.sequence_parallel;
   const bool split = plan.config.parallelism.schedule == ScheduleKind::zb_h1;
-  const double rows = static_cast<double>(plan.micro_batch_size) * m.s;
+  const TensorParallelBuffers buffers = tensor_parallel_buffers(plan, storage);
   auto all_reduce = [&](double bytes) { return profile.allreduce_seconds(t, bytes); };
-  const double activation = all_reduce(rows * m.h * storage);
+  const double activation = all_reduce(buffers.activation);
   const double reduce = sp ? activation / 2 : activation;
   const double gather = sp ? activation / 2 : 0.0;
   const int layers = plan.layers_per_virtual_stage[vs];
   c.forward = layers * 2 * (reduce + gather);
   c.backward_input = layers * 2 * (reduce + gather);
-  if (sp) c.backward_weight = layers * ((split ? 4 : 2) * gather + all_reduce(4.0 * m.h * 4));
+  if (sp) c.backward_weight = layers * ((split ? 4 : 2) * gather + all_reduce(buffers.norm_gradients));
   if (vs == 0) {
     c.forward += reduce;
     c.backward_weight += gather;
   }
   if (vs == plan.num_virtual_stages() - 1) {
-    c.forward += gather + all_reduce(rows * 4) + all_reduce(2 * rows * 4);
+    c.forward += gather + all_reduce(buffers.head_row_maxima) + all_reduce(buffers.head_row_sums);
     c.backward_input += reduce;
-    if (sp) c.backward_weight += all_reduce(2.0 * m.h * 4);
+    if (sp) c.backward_weight += all_reduce(buffers.final_norm_gradients);
   }
   return c;
 }
 
 }  // namespace
+
+TensorParallelBuffers tensor_parallel_buffers(const Plan& plan, int storage) {
+  const ModelShape m = plan.shape();
+  const double rows = static_cast<double>(plan.micro_batch_size) * m.s;
+  return TensorParallelBuffers{.activation = rows * m.h * storage,
+                               .head_row_maxima = rows * 4,
+                               .head_row_sums = 2 * rows * 4,
+                               .norm_gradients = 4.0 * m.h * 4,
+                               .final_norm_gradients = 2.0 * m.h * 4};
+}
 
 void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwareProfile& profile) {
   const ScenarioConfig& cfg = plan.config;

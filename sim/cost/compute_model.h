@@ -27,6 +27,19 @@ namespace trainsim {
 
 struct ChunkKernels;
 
+// The buffers tensor parallelism's collectives move inside a virtual stage's ops, in bytes as a
+// profile's all-reduce table is read (activations in `storage` bytes an element): what
+// tensor_parallel_seconds prices (compute_model.cpp), and so the sizes a calibration must measure
+// for it (validation::communication_sizes).
+struct TensorParallelBuffers {
+  double activation = 0;       // one micro-batch's rows x hidden: a layer's all-reduce (halves: SP's scatter, gather)
+  double head_row_maxima = 0;  // the cross-entropy's row maxima across vocabulary shards (fp32)
+  double head_row_sums = 0;    // its row sums and target logits (fp32)
+  double norm_gradients = 0;   // SP: a layer's two norms' partial weight gradients (fp32)
+  double final_norm_gradients = 0;  // SP: the final norm's (fp32)
+};
+TensorParallelBuffers tensor_parallel_buffers(const Plan& plan, int storage);
+
 // `config` with every field cleared that neither the framework kernel inventory
 // (core/kernel_inventory.h, InventoryTarget::framework) nor the shape part of its products'
 // prices (their tiles on the SM count, their bytes in the compute format) reads, into `key`:
