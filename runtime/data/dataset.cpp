@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <stdexcept>
 #include <utility>
 
@@ -79,6 +80,43 @@ void chain_candidates(std::uint64_t chain_key, std::uint32_t vocab, std::int32_t
   }
 }
 
+std::vector<std::int32_t> make_synthetic_stream(int vocab_size, std::size_t num_tokens, std::uint64_t seed) {
+  const auto vocab = static_cast<std::uint32_t>(vocab_size);
+  const std::uint64_t chain_key = mix64(seed ^ 0xC0FFEE5EED5EED00ull);
+  SplitMix64 rng(mix64(seed) ^ 0x7A11B0A75EEDull);
+  std::vector<std::int32_t> tokens(num_tokens);
+  tokens[0] = static_cast<std::int32_t>(rng.below(vocab));
+  if (num_tokens > 1) tokens[1] = static_cast<std::int32_t>(rng.below(vocab));
+  std::int32_t cand[kCandidates];
+  for (std::size_t i = 2; i < num_tokens; ++i) {
+    chain_candidates(chain_key, vocab, tokens[i - 2], tokens[i - 1], cand);
+    std::uint32_t r = rng.below(kWeightTotal);
+    int j = 0;
+    while (r >= kWeights[j]) r -= kWeights[j++];
+    tokens[i] = cand[j];
+  }
+  return tokens;
+}
+
+// The stream is a function of its three arguments alone, and a run makes 2^20 tokens (~50 ms)
+// whatever it reads, more than a small plan's whole run: the last stream made is kept, for the
+// runs of one process that ask for the same one (a test's matrix of layouts, `prove`'s two runs,
+// a validation's attempts). A copy is handed out; the tokens are the same either way.
+std::vector<std::int32_t> synthetic_stream(int vocab_size, std::size_t num_tokens, std::uint64_t seed) {
+  struct Kept {
+    int vocab_size = 0;
+    std::size_t num_tokens = 0;
+    std::uint64_t seed = 0;
+    std::vector<std::int32_t> tokens;
+  };
+  static std::mutex mu;
+  static Kept kept;
+  std::lock_guard lock(mu);
+  if (kept.tokens.empty() || kept.vocab_size != vocab_size || kept.num_tokens != num_tokens || kept.seed != seed)
+    kept = Kept{vocab_size, num_tokens, seed, make_synthetic_stream(vocab_size, num_tokens, seed)};
+  return kept.tokens;
+}
+
 std::string describe_errno(int err) { return err == 0 ? std::string("read error") : std::strerror(err); }
 
 }  // namespace
@@ -123,23 +161,9 @@ Dataset Dataset::synthetic(int vocab_size, std::size_t num_tokens, int seq_lengt
     throw std::runtime_error("synthetic dataset: num_tokens (" + std::to_string(num_tokens) +
                              ") is shorter than one sample of seq_length + 1 = " +
                              std::to_string(seq_length + 1));
-  const auto vocab = static_cast<std::uint32_t>(vocab_size);
-  const std::uint64_t chain_key = mix64(seed ^ 0xC0FFEE5EED5EED00ull);
-  SplitMix64 rng(mix64(seed) ^ 0x7A11B0A75EEDull);
-  std::vector<std::int32_t> tokens(num_tokens);
-  tokens[0] = static_cast<std::int32_t>(rng.below(vocab));
-  if (num_tokens > 1) tokens[1] = static_cast<std::int32_t>(rng.below(vocab));
-  std::int32_t cand[kCandidates];
-  for (std::size_t i = 2; i < num_tokens; ++i) {
-    chain_candidates(chain_key, vocab, tokens[i - 2], tokens[i - 1], cand);
-    std::uint32_t r = rng.below(kWeightTotal);
-    int j = 0;
-    while (r >= kWeights[j]) r -= kWeights[j++];
-    tokens[i] = cand[j];
-  }
   std::string source = "synthetic(order-2 Markov, vocab_size=" + std::to_string(vocab_size) +
                        ", num_tokens=" + std::to_string(num_tokens) + ", seed=" + std::to_string(seed) + ")";
-  return Dataset(std::move(source), vocab_size, seq_length, seed, std::move(tokens));
+  return Dataset(std::move(source), vocab_size, seq_length, seed, synthetic_stream(vocab_size, num_tokens, seed));
 }
 
 std::size_t Dataset::num_samples() const {

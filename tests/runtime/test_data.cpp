@@ -200,6 +200,12 @@ TEST(Data, SyntheticChainIsDeterministicAndLearnable) {
   Dataset c = Dataset::synthetic(vocab, 400'000, 32, 43);
   EXPECT_EQ(a.tokens(), b.tokens());
   EXPECT_NE(a.tokens(), c.tokens());
+  // The last stream made is kept: asked for again after another one, the first is the same, and
+  // a shorter stream of the same chain is the longer one's beginning, at its own length.
+  EXPECT_EQ(Dataset::synthetic(vocab, 400'000, 32, 42).tokens(), a.tokens());
+  const Dataset shorter = Dataset::synthetic(vocab, 1000, 32, 42);
+  ASSERT_EQ(shorter.num_tokens(), 1000u);
+  EXPECT_TRUE(std::equal(shorter.tokens().begin(), shorter.tokens().end(), a.tokens().begin()));
   EXPECT_EQ(a.vocab_size(), vocab);
   EXPECT_EQ(a.num_samples(), (400'000u - 1) / 32);
   for (std::int32_t t : a.tokens()) {
