@@ -392,7 +392,11 @@ class CpuEngine final : public DeviceEngine {
       rk_.arrival[static_cast<std::size_t>(i)] = start;
       rk_.gather_waited = 0;
       e_.run_collective(rk_, i, rk_.program->ops[static_cast<std::size_t>(i)]);
-      rk_.timing[static_cast<std::size_t>(i)] = {start, e_.now(), rk_.gather_waited};
+      // A gather in parts (ZeRO-3's units) ended with its last unit in place: the hand-over after
+      // it may have given this thread's core to the compute thread (zero.h, gather_units).
+      const auto& parts = rk_.parts[static_cast<std::size_t>(i)];
+      const Tick end = parts.empty() ? e_.now() : std::max(start, parts.back().second);
+      rk_.timing[static_cast<std::size_t>(i)] = {start, end, rk_.gather_waited};
     }
     void abort(const std::string& reason) override {
       if (e_.gate_) e_.gate_->abort();

@@ -210,9 +210,13 @@ std::int64_t gather_units(const ZeroChunk& zero, bool forward, bool rest, Gather
     const auto room = std::chrono::steady_clock::now();
     waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(room - t0).count();
     gather(u, part);
+    // The unit's end is when its weights are in place: the hand-over wakes the compute thread
+    // waiting for it, which may take this thread's core (where they share one) for a scheduler
+    // slice before the clock could be read again.
+    const auto done = std::chrono::steady_clock::now();
     part += static_cast<int>(zero.units[static_cast<std::size_t>(u)].groups.size());
     gate.gathered();
-    if (unit_times) unit_times->emplace_back(room, std::chrono::steady_clock::now());
+    if (unit_times) unit_times->emplace_back(room, done);
   }
   return waited_ns;
 }
