@@ -173,28 +173,29 @@ double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
   const auto& profile = plan_.config.cluster.calibrated;
   const int n = static_cast<int>(c.members.size());
   const int zero = plan_.config.parallelism.zero_stage;
-  if (!profile || zero < 1 || n <= 1) return 0;
+  if (!profile || zero < 1 || n <= 1 || c.parts <= 0) return 0;
   // Elements of the collective's buffer (schedule.cpp: a reduce-scatter's bucket on the wire, a
-  // gather's chunk of working weights), and those the runtime copies around the ring.
-  const double elements = static_cast<double>(c.bytes) / wire_bytes(c);
+  // gather's chunk of working weights), and those the runtime copies around the ring, per call
+  // (ZeRO-3's units are one call each, each copied on its own).
+  const double elements = static_cast<double>(c.bytes) / wire_bytes(c) / c.parts;
   double copied = 0;
   if (c.kind == OpKind::ReduceScatter && c.purpose == CollectivePurpose::gradients) {
     // Stage 1 packs the bucket from the flat gradients and takes its own section; stages 2-3
     // packed it after the backward (the compute op's) and add their section into the shard.
     copied = zero == 1 ? elements * (1.0 + 1.0 / n) : elements / n;
-  } else if (c.kind == OpKind::AllGather && c.purpose == CollectivePurpose::parameters && zero < 3) {
-    // Its own section in, every section out to the flat weights. (Stage 3's units are copied the
-    // same way, but priced so, the calibrated copy rate, which swings run to run, made the
-    // predicted bubble of the ZeRO-3 baselines swing from 0.5% to 7.5% over four calibrations
-    // while the runs measured 0.8-2.2%: left out until that is understood; docs/validation.md.)
+  } else if (c.kind == OpKind::AllGather && c.purpose == CollectivePurpose::parameters) {
+    // Its own section in, every section out to the flat weights (stage 3: the unit's).
     copied = elements * (1.0 + 1.0 / n);
   }
   if (copied <= 0) return 0;
   const double storage = profile->emulated_low_precision ? 4.0 : plan_.activation_bytes();
   KernelShape shape;
   shape.elements = static_cast<long>(copied);
-  const double s = profile->kernel_seconds(kShardCopyKernel, DType::fp32, shape, 2 * copied * storage);
-  return s > 0 ? s : 0;  // a profile without the kernel's rate: not priced
+  // Stage 3 copies each unit out of the buffer its gather has just written (in cache, the
+  // kernel "copy"); the others pack from, or unpack into, flat arrays written long before.
+  const bool unit = zero == 3 && c.kind == OpKind::AllGather;
+  const double s = profile->kernel_seconds(unit ? "copy" : kShardCopyKernel, DType::fp32, shape, 2 * copied * storage);
+  return s > 0 ? c.parts * s : 0;  // a profile without the kernel's rate: not priced
 }
 
 }  // namespace trainsim
