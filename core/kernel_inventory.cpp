@@ -455,11 +455,11 @@ std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
   // shards does not make; one size suffices (a copy's time is its bytes'). Stage 3 copies each
   // unit (a block) out of the buffer its gather has just written: a copy from cache, at a
   // block's size.
-  if (plan.config.parallelism.zero_stage >= 1 && plan.dp > 1)
-    Builder{DType::fp32, static_cast<double>(storage), &all}.memory(kShardCopyKernel, largest_chunk, 2);
-  if (plan.zero() == 3)
-    Builder{DType::fp32, static_cast<double>(storage), &all}.memory(
-        "copy", plan.shape().params_per_layer() / plan.tp * (1.0 + 1.0 / plan.dp), 2);
+  if (plan.zero() >= 1) {
+    Builder copies{DType::fp32, static_cast<double>(storage), &all};
+    copies.memory(kShardCopyKernel, largest_chunk, 2);
+    if (plan.zero() == 3) copies.memory("copy", plan.shape().params_per_layer() / plan.tp * (1.0 + 1.0 / plan.dp), 2);
+  }
   for (KernelWork& w : all) w.count = 1;
   return all;
 }

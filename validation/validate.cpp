@@ -18,8 +18,8 @@
 #include "core/report/format.h"
 #include "core/report/report.h"
 #include "runtime/loop/run_loop.h"
-#include "sim/cost/compute_model.h"
 #include "runtime/loop/run_report.h"
+#include "sim/cost/compute_model.h"
 #include "validation/core_sharing.h"
 
 namespace trainsim::validation {
