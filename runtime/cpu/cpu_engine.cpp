@@ -88,6 +88,7 @@ struct Rank {
   int loss_count = 0;
   double grad_norm = 0;
   bool skipped = false;
+  Tick optimizer_end = 0;  // where ranks share cores: its update's end, before its turn's core went on
   double scale_used = 1;
   std::string first_nonfinite;
   Tick first_nonfinite_at = -1;
@@ -345,6 +346,7 @@ class CpuEngine final : public DeviceEngine {
         start = std::min(start, ready);
       }
       Tick waited = 0;
+      Tick end = 0;
       {
         // A compute op's turn at a core is kept through the sends of its output that follow it
         // (eager copies, tens of microseconds of work): released first, a send competed for the
@@ -366,8 +368,12 @@ class CpuEngine final : public DeviceEngine {
           rk_.in_flight = rk_.staged_bytes;
         }
         if (core && sends_next(*rk_.program, i)) held_.emplace(std::move(*core));
+        // The op ends before its turn's core is released: the release wakes the next turn's
+        // thread, which takes this core at once where ranks share cores; read after it, the end
+        // came a scheduler slice late (sends measured at 1-4 ms where their copies take 15 us).
+        // The optimizer step takes its turns inside, and ends as its second turn did.
+        end = op.kind == OpKind::OptimizerStep && e_.gate_ ? rk_.optimizer_end : e_.now();
       }
-      Tick end = e_.now();
       if (is_recv(op.kind)) {
         const Tick sent = e_.sent_at_[e_.sent_index(rk_, op)].load(std::memory_order_acquire);
         if (sent >= 0) end = std::clamp(sent, start, end);
@@ -683,6 +689,13 @@ class CpuEngine final : public DeviceEngine {
   // all-reduce over every rank, and after it (none is held while the ranks wait for each other).
   void optimizer_step(Rank& rk, int index) {
     std::optional<CoreGate::Hold> core(std::in_place, gate_.get(), CoreTurn{world_.cell(rk.rank), index, 0}, rk.shard);
+    optimizer_update(rk, index, core);
+    rk.optimizer_end = now();  // before `core` lets the next turn take the core (RankWalk: an op's end)
+  }
+
+  // The step's work between its two turns: `core` holds the first, is released for the norm's
+  // all-reduce, and holds the second on return.
+  void optimizer_update(Rank& rk, int index, std::optional<CoreGate::Hold>& core) {
     const auto& cfg = plan_.config;
     const float inv_scale = static_cast<float>(1.0 / rk.scaler->scale());
     // Reductions that made finite gradients non-finite (a wire format that overflowed).

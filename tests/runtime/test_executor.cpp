@@ -472,6 +472,32 @@ TEST(Executor, RanksThatShareCoresTakeTurnsInTheOrderGiven) {
   EXPECT_THROW(run(c, o), std::invalid_argument);
 }
 
+TEST(Executor, RanksThatShareCoresNeverRunMoreOpsThanCores) {
+  // A turn's op ends before its core goes to the next turn: its measured end precedes the next
+  // op's start of work on that core. Read after the release, the end fell wherever the scheduler
+  // let the releasing thread run again (the woken next turn takes the core at once), and the
+  // measured step showed more ops working at once than there are cores. Each op works from the
+  // end of its wait for a turn (OpTiming::waited) to its end; sends hold the core of the op before
+  // them; the optimizer step takes its turns inside its op (not timed apart).
+  const ScenarioConfig c = small_config(2, 4, ScheduleKind::gpipe);
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const RunReport r = run(c);
+    ASSERT_FALSE(r.failure);
+    std::vector<std::pair<Tick, int>> edges;
+    for (const RankProgram& p : r.schedule->ranks)
+      for (std::size_t i = 0; i < p.ops.size(); ++i)
+        if (is_compute(p.ops[i].kind) && p.ops[i].kind != OpKind::OptimizerStep) {
+          const OpTiming& t = r.timeline.ops[static_cast<std::size_t>(p.rank)][i];
+          edges.push_back({t.start + t.waited, +1});
+          edges.push_back({t.end, -1});
+        }
+    std::sort(edges.begin(), edges.end());  // an end before a start at the same tick
+    int working = 0, most = 0;
+    for (const auto& [at, change] : edges) most = std::max(most, working += change);
+    EXPECT_LE(most, host_cores()) << "attempt " << attempt;
+  }
+}
+
 TEST(Executor, AMovedTurnIsHeldUntilItsLastHolderEnds) {
   // The CPU engine keeps a compute op's turn for the sends after it by moving its Hold: the move
   // must not give the core back. One core, two cells, first come first served.
