@@ -288,7 +288,8 @@ std::vector<FieldSpec> make_fields() {
     };
     t.push_back(std::move(f));
   }
-  t.push_back(integer("cluster.num_gpus", FIELD(cluster.num_gpus), 1, 1 << 20, "", "GPUs in the job"));
+  t.push_back(integer("cluster.num_gpus", FIELD(cluster.num_gpus), 1, 1 << 20, "", "GPUs in the job",
+                      "data x pipeline x tensor parallel sizes where data_parallel_size is written, else 8"));
   t.push_back(integer("cluster.gpus_per_node", FIELD(cluster.gpus_per_node), 1, 1024, "",
                       "GPUs joined by the intra-node link (NVLink); ranks are placed on nodes in order"));
   t.push_back(real("cluster.memory_gib", FIELD(cluster.memory_gib), 0.001, 1e6, "GiB", "Memory per GPU"));
@@ -333,7 +334,7 @@ std::vector<FieldSpec> make_fields() {
 
   // ---- parallelism -------------------------------------------------------------------
   t.push_back(integer("parallelism.data_parallel_size", FIELD(parallelism.data_parallel_size), 1, 1 << 20, "",
-                      "Model replicas d"));
+                      "Model replicas d", "num_gpus / (pipeline_parallel_size * tensor_parallel_size)"));
   t.push_back(integer("parallelism.pipeline_parallel_size", FIELD(parallelism.pipeline_parallel_size), 1, 4096,
                       "", "Pipeline stages p"));
   t.push_back(integer("parallelism.tensor_parallel_size", FIELD(parallelism.tensor_parallel_size), 1, 1024, "",

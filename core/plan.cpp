@@ -199,8 +199,13 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   if (static_cast<long long>(d) * p * t != cl.num_gpus)
     ck.error("parallelism.data_parallel_size",
              fmt::format("data_parallel_size({}) * pipeline_parallel_size({}) * tensor_parallel_size({}) = {} != "
-                         "num_gpus({})",
-                         d, p, t, static_cast<long long>(d) * p * t, cl.num_gpus),
+                         "num_gpus({}){}",
+                         d, p, t, static_cast<long long>(d) * p * t, cl.num_gpus,
+                         // data_parallel_size, when not written, is num_gpus / (p * t): say why it could not be
+                         cl.num_gpus % (static_cast<long long>(p) * t) != 0
+                             ? fmt::format(" (num_gpus is not a multiple of pipeline x tensor = {})",
+                                           static_cast<long long>(p) * t)
+                             : std::string()),
              {"parallelism.pipeline_parallel_size", "parallelism.tensor_parallel_size", "cluster.num_gpus"});
   if (cl.num_gpus > cl.gpus_per_node && cl.num_gpus % cl.gpus_per_node != 0)
     ck.error("cluster.num_gpus", fmt::format("num_gpus({}) is not a whole number of nodes of gpus_per_node({})",

@@ -74,6 +74,13 @@ struct Scenario {
                         std::initializer_list<std::string_view> related = {}) const;
 };
 
+// What a file leaves unwritten of the GPU count and its factorisation, derived from the rest as
+// Megatron-LM and torchrun do: data_parallel_size = num_gpus / (pipeline x tensor) when the file
+// does not write it (1 when that does not divide: Plan states the mismatch and why), and
+// num_gpus = data x pipeline x tensor when the file writes data_parallel_size but not num_gpus.
+// Loading applies it; a sweep again to each configuration, after its axes.
+void derive_layout(ScenarioConfig& config, bool data_parallel_written, bool num_gpus_written);
+
 // Throws ScenarioError listing every problem found (syntax, unknown keys, types, ranges).
 Scenario load_scenario_file(const std::string& path);
 Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name = "<string>");

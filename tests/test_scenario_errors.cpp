@@ -513,10 +513,12 @@ training:
   ASSERT_EQ(ds.size(), 1u) << dump(ds);
   expect_at(ds[0], 9, 3, "parallelism.data_parallel_size");
   EXPECT_EQ(ds[0].message,
-            "data_parallel_size(2) * pipeline_parallel_size(4) * tensor_parallel_size(1) = 8 != num_gpus(6)");
+            "data_parallel_size(2) * pipeline_parallel_size(4) * tensor_parallel_size(1) = 8 != num_gpus(6) "
+            "(num_gpus is not a multiple of pipeline x tensor = 4)");
   EXPECT_EQ(format_diagnostic(ds[0]),
             "test.yaml:9:3: error: parallelism.data_parallel_size: data_parallel_size(2) * "
-            "pipeline_parallel_size(4) * tensor_parallel_size(1) = 8 != num_gpus(6)");
+            "pipeline_parallel_size(4) * tensor_parallel_size(1) = 8 != num_gpus(6) (num_gpus is not a multiple of "
+            "pipeline x tensor = 4)");
 }
 
 TEST(ScenarioInvariants, InvariantOnAKeyNotWrittenPointsAtItsSection) {
@@ -528,16 +530,18 @@ parallelism:
   pipeline_parallel_size: 4
 )"));
   ASSERT_EQ(ds.size(), 1u) << dump(ds);
-  // data_parallel_size is not written: the error points at the first written key of the
-  // product it states, pipeline_parallel_size.
+  // data_parallel_size is not written, and 6 GPUs do not make whole 4-stage pipelines, so it is
+  // not derived: the error points at the first written key of the product it states,
+  // pipeline_parallel_size, and says why no data-parallel size fits.
   expect_at(ds[0], 5, 3, "parallelism.data_parallel_size");
   EXPECT_EQ(ds[0].message,
-            "data_parallel_size(1) * pipeline_parallel_size(4) * tensor_parallel_size(1) = 4 != num_gpus(6)");
+            "data_parallel_size(1) * pipeline_parallel_size(4) * tensor_parallel_size(1) = 4 != num_gpus(6) "
+            "(num_gpus is not a multiple of pipeline x tensor = 4)");
 }
 
 // When neither the implicated key nor its section is written, the error points at the key
-// that makes the default wrong: cluster.gpu for a compute format the GPU lacks,
-// cluster.num_gpus for the GPU-count product.
+// that makes the default wrong: cluster.gpu for a compute format the GPU lacks. (The GPU count
+// cannot be wrong that way: with no parallel size written, data_parallel_size is num_gpus.)
 TEST(ScenarioInvariants, InvariantOnDefaultsStillNamesALineOfTheFile) {
   auto ds = plan_errors(yaml(R"(
 cluster:
@@ -551,12 +555,28 @@ cluster:
             "scaling");
   EXPECT_EQ(compute->where.line, 2) << format_diagnostic(*compute);  // gpu: v100-32gb
   EXPECT_EQ(compute->where.column, 3) << format_diagnostic(*compute);
-  const Diagnostic* gpus = find_key(ds, "parallelism.data_parallel_size");
-  ASSERT_NE(gpus, nullptr) << dump(ds);
-  EXPECT_EQ(gpus->message,
-            "data_parallel_size(1) * pipeline_parallel_size(1) * tensor_parallel_size(1) = 1 != num_gpus(8)");
-  EXPECT_EQ(gpus->where.line, 3) << format_diagnostic(*gpus);  // num_gpus: 8
-  EXPECT_EQ(gpus->where.column, 3) << format_diagnostic(*gpus);
+  EXPECT_EQ(find_key(ds, "parallelism.data_parallel_size"), nullptr) << dump(ds);
+  EXPECT_EQ(ds.size(), 1u) << dump(ds);
+}
+
+// What the file leaves unwritten of the layout is derived as Megatron-LM derives it
+// (core/scenario.h, derive_layout): data_parallel_size = num_gpus / (pipeline x tensor);
+// num_gpus = data x pipeline x tensor when only data_parallel_size is written.
+TEST(ScenarioInvariants, UnwrittenLayoutIsDerivedFromTheRest) {
+  auto load = [](const std::string& text) { return load_scenario_text(text, "test.yaml").config; };
+  const ScenarioConfig data = load("cluster: {num_gpus: 64}\nparallelism: {pipeline_parallel_size: 2, tensor_parallel_size: 8}\n");
+  EXPECT_EQ(data.parallelism.data_parallel_size, 4);
+  EXPECT_EQ(data.cluster.num_gpus, 64);
+  const ScenarioConfig gpus = load("parallelism: {data_parallel_size: 4, pipeline_parallel_size: 4}\n");
+  EXPECT_EQ(gpus.cluster.num_gpus, 16);
+  EXPECT_EQ(gpus.parallelism.data_parallel_size, 4);
+  const ScenarioConfig unwritten = load("name: no-layout\n");
+  EXPECT_EQ(unwritten.cluster.num_gpus, 8);  // one node
+  EXPECT_EQ(unwritten.parallelism.data_parallel_size, 8);
+  // Both written: kept as written, and a mismatch is an error (GpuCountIsTheProductOfTheParallelSizes).
+  const ScenarioConfig both = load("cluster: {num_gpus: 8}\nparallelism: {data_parallel_size: 2}\n");
+  EXPECT_EQ(both.parallelism.data_parallel_size, 2);
+  EXPECT_EQ(both.cluster.num_gpus, 8);
 }
 
 TEST(ScenarioInvariants, LayersNotDivisibleByStages) {

@@ -333,6 +333,55 @@ TEST(SweepEvaluate, OutOfMemoryNamesTheRankAndTheExcess) {
       << row.reason;
 }
 
+// A file that does not write data_parallel_size leaves it to each configuration: num_gpus over
+// its swept pipeline and tensor sizes (as Megatron-LM derives it). One that writes it keeps it,
+// and a configuration whose product misses num_gpus is invalid with the numbers.
+TEST(SweepEvaluate, AnUnwrittenDataParallelSizeFollowsEachConfiguration) {
+  const std::string base = R"(
+model: {preset: gpt3-13b}
+cluster: {gpu: a100-80gb, num_gpus: 64}
+training: {global_batch_size: 512}
+sweep:
+  parallelism.tensor_parallel_size: [1, 2, 8]
+  parallelism.pipeline_parallel_size: [1, 4]
+)";
+  const auto points = expand_sweep(load_scenario_text(base));
+  ASSERT_EQ(points.size(), 6u);
+  for (const auto& p : points) {
+    const ParallelismConfig& par = p.config.parallelism;
+    EXPECT_EQ(par.data_parallel_size, 64 / (par.tensor_parallel_size * par.pipeline_parallel_size));
+    EXPECT_NE(evaluate(p.config).status, SweepStatus::invalid) << evaluate(p.config).reason;
+  }
+  // Swept GPU counts too; where pipeline x tensor does not divide them (8 x 4 on 16), no data
+  // size fits: invalid, saying why.
+  const auto gpus = expand_sweep(load_scenario_text(base + "  cluster.num_gpus: [16, 32]\n"));
+  ASSERT_EQ(gpus.size(), 12u);
+  for (const auto& p : gpus) {
+    const ParallelismConfig& par = p.config.parallelism;
+    const int model_parallel = par.tensor_parallel_size * par.pipeline_parallel_size;
+    if (p.config.cluster.num_gpus % model_parallel == 0) {
+      EXPECT_EQ(par.data_parallel_size * model_parallel, p.config.cluster.num_gpus);
+      continue;
+    }
+    EXPECT_EQ(par.data_parallel_size, 1);
+    const SweepRow row = evaluate(p.config);
+    EXPECT_EQ(row.status, SweepStatus::invalid);
+    EXPECT_NE(row.reason.find("num_gpus is not a multiple of pipeline x tensor = 32"), std::string::npos) << row.reason;
+  }
+  // Written: kept, and the products that miss 64 are invalid, saying so.
+  const auto written = expand_sweep(load_scenario_text(base + "parallelism: {data_parallel_size: 8}\n"));
+  ASSERT_EQ(written.size(), 6u);
+  int invalid = 0;
+  for (const auto& p : written) {
+    EXPECT_EQ(p.config.parallelism.data_parallel_size, 8);
+    const SweepRow row = evaluate(p.config);
+    if (row.status != SweepStatus::invalid) continue;
+    ++invalid;
+    EXPECT_NE(row.reason.find("!= num_gpus(64)"), std::string::npos) << row.reason;
+  }
+  EXPECT_EQ(invalid, 4);  // tp 2 x pp 4 and tp 8 x pp 1 make 8 x 8 = 64
+}
+
 TEST(SweepEvaluate, InvalidStatesTheInvariantWithItsNumbers) {
   ScenarioConfig c = load_scenario_file(kDefault).config;
   c.parallelism.data_parallel_size = 8;

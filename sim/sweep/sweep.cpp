@@ -163,6 +163,17 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     cur = std::move(next);
   }
 
+  // A layout the file leaves to be derived follows each configuration's swept GPU count and
+  // pipeline and tensor sizes (`parallelism: auto` sets all three itself).
+  if (!auto_parallel) {
+    bool data_written = sc.has_key(kDp), gpus_written = sc.has_key("cluster.num_gpus");
+    for (const SweepAxis* a : value_axes) {
+      data_written = data_written || a->path == kDp;
+      gpus_written = gpus_written || a->path == "cluster.num_gpus";
+    }
+    if (!data_written || !gpus_written)
+      for (auto& p : cur) derive_layout(p.config, data_written, gpus_written);
+  }
   if (auto_parallel) {
     std::vector<SweepConfiguration> next;
     for (const auto& p : cur) {
