@@ -18,8 +18,12 @@
 #include <Eigen/Dense>
 #pragma GCC diagnostic pop
 #include <fstream>
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "runtime/comm/in_process.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/model/matmul.h"
 #include "runtime/runtime_plan.h"
@@ -150,5 +154,43 @@ void BM_TwoCoreStep_dp2(benchmark::State& state) { training_step(state, DType::f
 BENCHMARK(BM_TwoCoreStep_tp2)->Unit(benchmark::kMillisecond)->Iterations(2);
 BENCHMARK(BM_TwoCoreStep_tp2_sp)->Unit(benchmark::kMillisecond)->Iterations(2);
 BENCHMARK(BM_TwoCoreStep_dp2)->Unit(benchmark::kMillisecond)->Iterations(2);
+
+// One all-reduce of N floats over n rank threads of the in-process communicator, threads that
+// sleep at once when they wait (as ranks that share cores do), per call on rank 0. A call whose
+// member receives at most 1024 elements from the others, (n-1) x N, goes direct (one wait),
+// a larger one round the ring (2(n-1) waits in a row, runtime/comm/in_process.cpp): on 8
+// members 128 and 256 elements fall either side of the switch, on 2 members 1024 and 1025.
+void BM_SmallAllReduce(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  const auto size = static_cast<std::size_t>(state.range(1));
+  constexpr int kCalls = 200;
+  runtime::InProcessWorld world(n);
+  std::vector<std::unique_ptr<runtime::Communicator>> comms;
+  for (int r = 0; r < n; ++r) comms.push_back(world.communicator(r));
+  std::vector<int> members(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) members[static_cast<std::size_t>(r)] = r;
+  std::uint64_t tag = 0;
+  for (auto _ : state) {
+    std::vector<std::thread> others;
+    auto calls = [&](int r, std::uint64_t first) {
+      std::vector<float> v(size, 1.0f);
+      for (int i = 0; i < kCalls; ++i)
+        comms[static_cast<std::size_t>(r)]->all_reduce(v, members, first + static_cast<std::uint64_t>(i),
+                                                       runtime::ReduceOp::sum, DType::fp32, runtime::Divide::none);
+    };
+    for (int r = 1; r < n; ++r) others.emplace_back(calls, r, tag);
+    calls(0, tag);
+    for (auto& t : others) t.join();
+    tag += kCalls;
+  }
+  state.SetItemsProcessed(state.iterations() * kCalls);
+  state.counters["us_per_call"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * kCalls,
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+BENCHMARK(BM_SmallAllReduce)
+    ->ArgsProduct({{2, 8}, {1, 64, 128, 256, 1024, 1025}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace

@@ -577,8 +577,8 @@ TEST(InProcessComm, RecvTimeoutNamesRankOpAndPeer) {
   }
 }
 
-TEST(InProcessComm, CollectiveTimeoutNamesRankStepAndPeer) {
-  // Ranks 0 and 1 of members {0,1,2} call the all-reduce; rank 2 never does.
+// Ranks 0 and 1 of members {0,1,2} call an all-reduce of `elements`; rank 2 never does.
+std::vector<std::string> all_reduce_without_rank_2(std::size_t elements) {
   InProcessWorld world(3, 100ms);
   const std::vector<int> members = {0, 1, 2};
   std::vector<std::string> messages(2);
@@ -587,7 +587,7 @@ TEST(InProcessComm, CollectiveTimeoutNamesRankStepAndPeer) {
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r)
     threads.emplace_back([&, r] {
-      std::vector<float> v(6, 1.0f);
+      std::vector<float> v(elements, 1.0f);
       try {
         comms[static_cast<std::size_t>(r)]->all_reduce(v, members, 11, ReduceOp::sum, DType::fp32, Divide::none);
       } catch (const CommError& e) {
@@ -595,11 +595,53 @@ TEST(InProcessComm, CollectiveTimeoutNamesRankStepAndPeer) {
       }
     });
   for (auto& t : threads) t.join();
-  // Rank 0 waits on its predecessor, rank 2, at the first step.
-  EXPECT_NE(messages[0].find("rank 0: all_reduce tag 11 step 0 (peer rank 2)"), std::string::npos) << messages[0];
-  EXPECT_NE(messages[0].find("timed out"), std::string::npos) << messages[0];
-  // Rank 1 gets rank 0's first chunk, then waits on rank 0 at step 1.
-  EXPECT_NE(messages[1].find("rank 1: all_reduce tag 11 step 1 (peer rank 0)"), std::string::npos) << messages[1];
+  return messages;
+}
+
+TEST(InProcessComm, CollectiveTimeoutNamesRankStepAndPeer) {
+  // Round the ring (a buffer larger than the direct path's): rank 0 waits on its predecessor,
+  // rank 2, at the first step; rank 1 gets rank 0's first chunk, then waits on rank 0 at step 1.
+  const auto ring = all_reduce_without_rank_2(3000);
+  EXPECT_NE(ring[0].find("rank 0: all_reduce tag 11 step 0 (peer rank 2)"), std::string::npos) << ring[0];
+  EXPECT_NE(ring[0].find("timed out"), std::string::npos) << ring[0];
+  EXPECT_NE(ring[1].find("rank 1: all_reduce tag 11 step 1 (peer rank 0)"), std::string::npos) << ring[1];
+  // Direct (a small buffer): both wait on the member that never came.
+  const auto direct = all_reduce_without_rank_2(6);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(direct[r].find("rank " + std::to_string(r) + ": all_reduce tag 11 (peer rank 2)"), std::string::npos)
+        << direct[r];
+    EXPECT_NE(direct[r].find("timed out"), std::string::npos) << direct[r];
+  }
+}
+
+// Small buffers take the direct path, large ones the ring (in_process.cpp: direct while a member
+// receives at most 1024 elements, (n-1) x N): both sum in the ring's order, bit for bit, on both
+// sides of the switch (1024 and 1025 elements on 2 members, 146 and 147 on 8), in every wire
+// format, divide and reduction, and on every member.
+TEST(InProcessComm, DirectAndRingAllReduceGiveTheRingsBits) {
+  for (std::size_t size : {std::size_t{1}, std::size_t{7}, std::size_t{146}, std::size_t{147}, std::size_t{1024},
+                           std::size_t{1025}, std::size_t{2051}})
+    for (int n : {2, 3, 8})
+      for (DType wire : {DType::fp32, DType::bf16})
+        for (Divide divide : {Divide::none, Divide::before, Divide::after}) {
+          const auto x = random_inputs(n, size, static_cast<std::uint32_t>(size * 31 + n), 0.01f, 300.0f);
+          const auto out = ring_all_reduce(x, ReduceOp::sum, wire, divide);
+          expect_identical_on_all_members(out);
+          for (std::size_t i = 0; i < size; ++i)
+            ASSERT_TRUE(same_bits(out[0][i], reference_ring_sum(x, i, wire, divide)))
+                << "size " << size << ", " << n << " members, " << dtype_name(wire) << ", element " << i;
+        }
+  // max, with a NaN on one member only: it reaches every member by either path.
+  for (std::size_t size : {std::size_t{5}, std::size_t{1500}}) {
+    auto x = random_inputs(4, size, 3);
+    x[2][size - 1] = std::numeric_limits<float>::quiet_NaN();
+    const auto out = ring_all_reduce(x, ReduceOp::max, DType::fp32, Divide::none);
+    for (const auto& o : out) {
+      EXPECT_TRUE(std::isnan(o[size - 1])) << "size " << size;
+      for (std::size_t i = 0; i + 1 < size; ++i)
+        ASSERT_EQ(o[i], std::max({x[0][i], x[1][i], x[2][i], x[3][i]})) << "size " << size << " element " << i;
+    }
+  }
 }
 
 TEST(InProcessComm, AbortUnblocksPendingCallsAndFailsLaterOnes) {
