@@ -426,6 +426,15 @@ std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params) {
   return out;
 }
 
+std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, double grad_bytes) {
+  std::vector<KernelWork> out = optimizer_kernels(plan, params);
+  if (plan.zero() >= 1 && !plan.reduces_every_microbatch()) {
+    Builder copies{DType::fp32, grad_bytes, &out};
+    copies.memory(kShardCopyKernel, params, 2);
+  }
+  return out;
+}
+
 std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
   std::vector<KernelWork> all;
   Builder k{DType::fp32, 0, &all};

@@ -134,6 +134,35 @@ TEST(KernelInventory, TheOptimizerUnscalesOnlyUnderLossScaling) {
   EXPECT_EQ(scaled.size(), none.size() + 1);
 }
 
+// The runtime's optimizer step under ZeRO-1 first copies its shard of the gradients out of the
+// flat buffer, where the reduce-scatters left each section in place (both engines); stages 2-3
+// reduce into the shard itself, stage 0 updates everything in place. A calibrated profile prices
+// that copy with the rest (at one rate for every memory-bound kernel: their bytes over it).
+TEST(CalibratedCompute, TheZero1OptimizerTakesItsShardFromTheFlatGradients) {
+  for (int zero : {0, 1, 2, 3}) {
+    SCOPED_TRACE("ZeRO " + std::to_string(zero));
+    ScenarioConfig c = runtime_sized(1, 2, ScheduleKind::one_f_one_b, DType::fp32);
+    c.parallelism.zero_stage = zero;
+    const Plan bare = Plan::from_config(c);
+    const double shard = bare.shard_stage_params(0) / (zero >= 1 ? 2 : 1);
+    const auto kernels = runtime_optimizer_kernels(bare, shard, 4);
+    double copy = 0, bytes = 0;
+    for (const KernelWork& w : kernels) {
+      bytes += w.count * w.bytes;
+      if (w.kernel == kShardCopyKernel) copy += w.count * w.bytes;
+    }
+    EXPECT_DOUBLE_EQ(copy, zero == 1 ? 2 * 4 * shard : 0.0);  // read from the flat gradients, written to the shard
+    EXPECT_EQ(kernels.size(), optimizer_kernels(bare, shard).size() + (zero == 1 ? 1 : 0));
+    const double gbps = 10;
+    c.cluster.calibrated = std::make_shared<HardwareProfile>(uniform_profile(bare, 0.05, gbps));
+    const Plan plan = Plan::from_config(c);
+    const RooflineComputeModel model(plan);
+    Op step;
+    step.kind = OpKind::OptimizerStep;
+    EXPECT_NEAR(ticks_to_seconds(model.duration(step, 0)), bytes / (gbps * 1e9), 1e-9);
+  }
+}
+
 TEST(CalibratedCompute, OpTimeIsTheSumOfItsKernelsAtTheirRates) {
   ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
   const Plan bare = Plan::from_config(c);

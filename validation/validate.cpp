@@ -80,20 +80,22 @@ std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runt
   return {kernels.core_factors(), kernels.core_alone_factors(0, kernels.passes_done())};
 }
 
-// Of the optimizer step's priced time, the passes before its gradient norm's all-reduce: unscaling
-// and the squared norm, twice the inventory's grad_norm (the update follows it).
+// Of the optimizer step's priced time (runtime_optimizer_kernels, as the compute model prices it),
+// the kernels before its gradient norm's all-reduce: the ZeRO-1 shard taken from the flat
+// gradients, their unscaling under loss scaling, the squared norm (the update follows it).
 double optimizer_norm_share(const Plan& plan, const HardwareProfile& p) {
   double params = 0;
   for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp);
-  double norm = 0, all = 0;
-  for (const KernelWork& w : optimizer_kernels(plan, params / plan.tp))
-    for (const KernelRate& k : p.kernels)
-      if (k.kernel == w.kernel && k.dtype == w.dtype && k.shape == w.shape) {
-        all += w.count * k.seconds;
-        if (w.kernel == "grad_norm") norm += 2 * w.count * k.seconds;
-        break;
-      }
-  return all > 0 ? std::min(0.5, norm / all) : 0.2;
+  const double shard = params / plan.tp / (plan.zero() >= 1 ? plan.dp : 1);
+  const double grad_bytes = p.emulated_low_precision ? 4.0 : dtype_bytes(plan.config.precision.grad_accumulation);
+  double first = 0, all = 0;
+  for (const KernelWork& w : runtime_optimizer_kernels(plan, shard, grad_bytes)) {
+    const double t = p.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
+    if (t < 0) continue;
+    all += w.count * t;
+    if (w.kernel == kShardCopyKernel || w.kernel == "unscale" || w.kernel == "grad_norm") first += w.count * t;
+  }
+  return all > 0 ? first / all : 0.2;
 }
 
 // Per rank: it skipped its update in the run's measured step (an overflow under loss scaling). The
