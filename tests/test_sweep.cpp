@@ -351,6 +351,10 @@ sweep:
     const ParallelismConfig& par = p.config.parallelism;
     EXPECT_EQ(par.data_parallel_size, 64 / (par.tensor_parallel_size * par.pipeline_parallel_size));
     EXPECT_NE(evaluate(p.config).status, SweepStatus::invalid) << evaluate(p.config).reason;
+    // It moves with the swept sizes, so the tables show it, first.
+    ASSERT_EQ(p.values.size(), 3u);
+    EXPECT_EQ(p.values.front().first, "parallelism.data_parallel_size");
+    EXPECT_EQ(format_field_value(p.values.front().second), std::to_string(par.data_parallel_size));
   }
   // Swept GPU counts too; where pipeline x tensor does not divide them (8 x 4 on 16), no data
   // size fits: invalid, saying why.
@@ -374,6 +378,7 @@ sweep:
   int invalid = 0;
   for (const auto& p : written) {
     EXPECT_EQ(p.config.parallelism.data_parallel_size, 8);
+    EXPECT_EQ(p.values.size(), 2u);  // as written: not a column
     const SweepRow row = evaluate(p.config);
     if (row.status != SweepStatus::invalid) continue;
     ++invalid;

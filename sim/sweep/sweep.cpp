@@ -79,12 +79,20 @@ std::vector<ParallelLayout> auto_parallel_layouts(const ScenarioConfig& c) {
 
 std::vector<std::string> sweep_keys(const Scenario& sc) {
   std::vector<std::string> keys;
+  bool layout_swept = false, data_swept = false;
   for (const auto& a : sc.sweep) {
-    if (a.kind == SweepAxisKind::auto_parallelism)
+    if (a.kind == SweepAxisKind::auto_parallelism) {
       keys.insert(keys.end(), {kDp, kPp, kTp});
-    else
+      data_swept = true;
+    } else {
       keys.push_back(a.path);
+      data_swept = data_swept || a.path == kDp;
+      layout_swept = layout_swept || a.path == kPp || a.path == kTp || a.path == "cluster.num_gpus";
+    }
   }
+  // A data-parallel size the file leaves to each configuration (derive_layout) moves with the
+  // swept sizes: a column of its own.
+  if (layout_swept && !data_swept && !sc.has_key(kDp)) keys.insert(keys.begin(), kDp);
   return keys;
 }
 
