@@ -103,12 +103,7 @@ class InProcessCommunicator final : public Communicator {
   void all_reduce(std::span<float> data, std::span<const int> members, std::uint64_t tag, ReduceOp op, DType wire,
                   Divide divide) override {
     const int me = check_members(members, tag);
-    with_rounding(wire, [&](auto round) {
-      if ((members.size() - 1) * data.size() <= kDirectAllReduceElements)
-        direct_all_reduce(data, members, me, tag, op, divide, round);
-      else
-        ring_all_reduce(data, members, me, tag, op, divide, round);
-    });
+    with_rounding(wire, [&](auto round) { all_reduce_in(data, members, me, tag, op, divide, round); });
   }
 
   void reduce_scatter(std::span<float> data, std::span<const int> members, std::uint64_t tag, ReduceOp op,
@@ -250,22 +245,30 @@ class InProcessCommunicator final : public Communicator {
     }
   }
 
+  // The contributions into the wire format, then the ring or, for a small buffer, the direct path.
   template <typename Round>
-  void ring_all_reduce(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag, ReduceOp op,
-                       Divide divide, Round round) {
+  void all_reduce_in(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag, ReduceOp op,
+                     Divide divide, Round round) {
     const int n = static_cast<int>(members.size());
     const Ring r{data, members, me, n, tag, "all_reduce"};
     throw_if_aborted(r.op_text(0, r.prev()));
     contribute(data, n, divide, round);
-    if (n == 1) {
+    if (n == 1)
       finish(data, n, divide, round);
-      return;
-    }
+    else if (static_cast<std::size_t>(n - 1) * data.size() <= kDirectAllReduceElements)
+      direct_all_reduce(r, op, divide, round);
+    else
+      ring_all_reduce(r, op, divide, round);
+  }
+
+  // The all-reduce of the contributions (already in the wire format) over n > 1 members.
+  template <typename Round>
+  void ring_all_reduce(const Ring& r, ReduceOp op, Divide divide, Round round) {
     std::vector<float> owned = reduce_phase(r, 0, op, round);
-    finish(owned, n, divide, round);
-    std::span<float> dst = r.chunk(r.mod(me + 1));
+    finish(owned, r.n, divide, round);
+    std::span<float> dst = r.chunk(r.mod(r.me + 1));
     std::copy(owned.begin(), owned.end(), dst.begin());
-    gather_phase(r, 0, n - 1, std::move(owned));
+    gather_phase(r, 0, r.n - 1, std::move(owned));
   }
 
   // A small buffer (gradient norms, overflow flags, a head's row maxima): latency-bound, where the
@@ -275,16 +278,11 @@ class InProcessCommunicator final : public Communicator {
   // so the result is the ring's bit for bit: one wait instead of 2(n-1), n-1 messages of the
   // whole buffer instead of 2(n-1) of a chunk.
   template <typename Round>
-  void direct_all_reduce(std::span<float> data, std::span<const int> members, int me, std::uint64_t tag, ReduceOp op,
-                         Divide divide, Round round) {
-    const int n = static_cast<int>(members.size());
-    const Ring r{data, members, me, n, tag, "all_reduce"};
-    throw_if_aborted(r.op_text(0, r.prev()));
-    contribute(data, n, divide, round);
-    if (n == 1) {
-      finish(data, n, divide, round);
-      return;
-    }
+  void direct_all_reduce(const Ring& r, ReduceOp op, Divide divide, Round round) {
+    const std::span<float> data = r.data;
+    const std::span<const int> members = r.members;
+    const int n = r.n, me = r.me;
+    const std::uint64_t tag = r.tag;
     for (int k = 1; k < n; ++k)
       post(members[static_cast<std::size_t>(r.mod(me + k))], Key{rank_, tag, 1u},
            std::vector<float>(data.begin(), data.end()));
