@@ -163,6 +163,30 @@ TEST(CalibratedCompute, TheZero1OptimizerTakesItsShardFromTheFlatGradients) {
   }
 }
 
+// Where ranks share cores the replay splits the optimizer step at its norm's all-reduce: the part
+// before it is the ZeRO-1 shard copy (2 passes over the shard), the unscale under loss scaling
+// (2) and the squared norm (1); after it Adam (7), the rounded working copy below fp32 (2) and
+// the zeroing (1). At one rate for every memory-bound kernel, the share is those passes' ratio.
+TEST(CalibratedCompute, TheOptimizerSplitsAtItsNormAsItsKernelsDo) {
+  struct Case {
+    DType compute;
+    LossScalingMode scaling;
+    int zero;
+    double share;
+  };
+  for (const Case& k : {Case{DType::fp32, LossScalingMode::none, 1, 3.0 / 11},
+                        Case{DType::fp16, LossScalingMode::dynamic, 0, 3.0 / 13},
+                        Case{DType::bf16, LossScalingMode::none, 2, 1.0 / 11},
+                        Case{DType::bf16, LossScalingMode::none, 1, 3.0 / 13}}) {
+    ScenarioConfig c = runtime_sized(1, 2, ScheduleKind::one_f_one_b, k.compute);
+    c.precision.loss_scaling.mode = k.scaling;
+    c.parallelism.zero_stage = k.zero;
+    const Plan plan = Plan::from_config(c);
+    EXPECT_NEAR(validation::optimizer_norm_share(plan, uniform_profile(plan, 0.05, 10)), k.share, 1e-12)
+        << dtype_name(k.compute) << ", ZeRO " << k.zero;
+  }
+}
+
 TEST(CalibratedCompute, OpTimeIsTheSumOfItsKernelsAtTheirRates) {
   ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32);
   const Plan bare = Plan::from_config(c);

@@ -80,23 +80,6 @@ std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runt
   return {kernels.core_factors(), kernels.core_alone_factors(0, kernels.passes_done())};
 }
 
-// Of the optimizer step's priced time (runtime_optimizer_kernels, as the compute model prices it),
-// the kernels before its gradient norm's all-reduce: the ZeRO-1 shard taken from the flat
-// gradients, their unscaling under loss scaling, the squared norm (the update follows it).
-double optimizer_norm_share(const Plan& plan, const HardwareProfile& p) {
-  double params = 0;
-  for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp);
-  const double shard = params / plan.tp / (plan.zero() >= 1 ? plan.dp : 1);
-  const double grad_bytes = p.emulated_low_precision ? 4.0 : dtype_bytes(plan.config.precision.grad_accumulation);
-  double first = 0, all = 0;
-  for (const KernelWork& w : runtime_optimizer_kernels(plan, shard, grad_bytes)) {
-    const double t = p.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
-    if (t < 0) continue;
-    all += w.count * t;
-    if (w.kernel == kShardCopyKernel || w.kernel == "unscale" || w.kernel == "grad_norm") first += w.count * t;
-  }
-  return all > 0 ? first / all : 0.2;
-}
 
 // Per rank: it skipped its update in the run's measured step (an overflow under loss scaling). The
 // step's timing is predicted for the branch its numerics took: no update where there was none.
@@ -130,6 +113,22 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
 std::string loss_text(double x) { return std::isfinite(x) ? fmt::format("{:.3f}", x) : std::isnan(x) ? "NaN" : "inf"; }
 
 }  // namespace
+
+// 0.2 where the profile prices none of the step's kernels.
+double optimizer_norm_share(const Plan& plan, const HardwareProfile& p) {
+  double params = 0;
+  for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp);
+  const double shard = params / plan.tp / (plan.zero() >= 1 ? plan.dp : 1);
+  const double grad_bytes = p.emulated_low_precision ? 4.0 : dtype_bytes(plan.config.precision.grad_accumulation);
+  double first = 0, all = 0;
+  for (const KernelWork& w : runtime_optimizer_kernels(plan, shard, grad_bytes)) {
+    const double t = p.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
+    if (t < 0) continue;
+    all += w.count * t;
+    if (w.kernel == kShardCopyKernel || w.kernel == "unscale" || w.kernel == "grad_norm") first += w.count * t;
+  }
+  return all > 0 ? first / all : 0.2;
+}
 
 std::string describe_numerics(const NumericsSummary& n) {
   std::string s = fmt::format("{} steps, loss {} -> {}", n.steps, loss_text(n.first_loss), loss_text(n.last_loss));

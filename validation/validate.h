@@ -154,6 +154,12 @@ std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& 
                                                       const std::vector<int>& passes_after_step,
                                                       int passes_between_steps, int steps_each_side);
 
+// Where ranks share cores, the share of the optimizer step's priced time (the calibrated
+// runtime_optimizer_kernels of a rank's shard) that comes before its gradient norm's all-reduce:
+// the ZeRO-1 shard taken from the flat gradients, their unscaling under loss scaling, the
+// squared norm. The replay of shared cores splits the step there (validation/core_sharing.h).
+double optimizer_norm_share(const Plan& plan, const HardwareProfile& profile);
+
 NumericsSummary summarize_numerics(const runtime::RunReport& r);
 // "CPU", "CUDA": a backend's name as a sentence says it (its record's title; a name the registry
 // does not know, as it is).
