@@ -5,6 +5,7 @@
 
 #include <iostream>
 #include <memory>
+#include <vector>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -23,12 +24,14 @@ Command add_calibrate_command(CLI::App& app) {
     BackendChoice backend;
     std::vector<int> ranks;
     double max_mib = 64;
+    std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
       "calibrate", "Measure the backend's matrix-product, memory-bound kernel and communication rates at the "
                    "scenario's runtime shapes into a hardware profile (cluster.profile)");
   sub->add_option("FILE", o->file, "Scenario YAML whose runtime plan's kernels are measured")->required();
+  add_set_option(sub, o->sets);
   add_backend_options(sub, o->backend);
   sub->add_option("-o,--out", o->out, "Write the profile here (default: print it)");
   sub->add_option("--name", o->name, "The profile's name (default: <backend>-<scenario name>)");
@@ -36,7 +39,7 @@ Command add_calibrate_command(CLI::App& app) {
   sub->add_option("--max-mib", o->max_mib, "Largest collective buffer, MiB (default 64, as nccl-tests -e 64M)")
       ->check(CLI::PositiveNumber);
   return {sub, [o, sub] {
-            const Scenario scenario = load_scenario_file(o->file);
+            const Scenario scenario = load_scenario_with(o->file, o->sets);
             const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             if (!backend.kernels || !backend.comm_ranks)

@@ -1,6 +1,7 @@
 // trainsim plan FILE: pick the best configuration that fits and explain what changed and why.
 #include <iostream>
 #include <memory>
+#include <vector>
 
 #include "cli/commands.h"
 #include "core/scenario.h"
@@ -18,12 +19,14 @@ Command add_plan_command(CLI::App& app) {
     std::size_t runners_up = 5;
     unsigned threads = 0;
     double margin_pct = 100 * kPlanMargin;
+    std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
       "plan", "Pick the fastest configuration that fits, explain each change against the file's, advise on precision");
   sub->add_option("FILE", o->file, "Scenario YAML; its sweep: axes are the candidates (default: docs/sweep.md)")
       ->required();
+  add_set_option(sub, o->sets);
   sub->add_flag("--json", o->json, "Print the plan as JSON, with the chosen configuration as a scenario fragment");
   sub->add_option("--write-scenario", o->write_scenario,
                   "Write the chosen configuration as a scenario file that trainsim simulate accepts");
@@ -37,7 +40,7 @@ Command add_plan_command(CLI::App& app) {
       ->check(CLI::Range(0.0, 1000.0));
   sub->add_option("--threads", o->threads, "Worker threads (default: all cores)")->check(CLI::PositiveNumber);
   return {sub, [o] {
-            const Scenario scenario = load_scenario_file(o->file);
+            const Scenario scenario = load_scenario_with(o->file, o->sets);
             PlanOptions options;
             options.threads = o->threads;
             options.runners_up = o->runners_up;

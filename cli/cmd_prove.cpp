@@ -5,6 +5,7 @@
 
 #include <iostream>
 #include <memory>
+#include <vector>
 
 #include "cli/commands.h"
 #include "core/scenario.h"
@@ -17,17 +18,19 @@ Command add_prove_command(CLI::App& app) {
     std::string file, report;
     BackendChoice backend;
     int steps = 0;
+    std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
       "prove", "Plan the scenario, run the original and the redesign at the runtime's scaled size, and compare "
                "prediction with measurement (utilization, bubble, numerics)");
   sub->add_option("FILE", o->file, "Scenario YAML (the bundled incident: scenarios/postmortem-8x40gb.yaml)")->required();
+  add_set_option(sub, o->sets);
   sub->add_option("--report", o->report, "Write DIR/report.md with its tables and pictures");
   sub->add_option("--steps", o->steps, "Optimizer steps per run (default: runtime.steps)")->check(CLI::PositiveNumber);
   add_backend_options(sub, o->backend);
   return {sub, [o, sub] {
-            const Scenario scenario = load_scenario_file(o->file);
+            const Scenario scenario = load_scenario_with(o->file, o->sets);
             validation::ProveOptions po;
             po.backend = validation_backend(scenario, *sub, o->backend, "prove");
             po.steps = o->steps;

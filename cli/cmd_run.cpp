@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -36,10 +37,12 @@ Command add_run_command(CLI::App& app) {
     BackendChoice backend;
     int steps = 0, checkpoint_every = -1;
     bool json = false, synthetic = false, no_pin = false;
+    std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand("run", "Execute the scenario's plan for real (the runtime section's model) and measure it");
   sub->add_option("FILE", o->file, "Scenario YAML")->required();
+  add_set_option(sub, o->sets);
   add_backend_options(sub, o->backend);
   sub->add_option("--steps", o->steps, "Optimizer steps (default: runtime.steps)")->check(CLI::PositiveNumber);
   sub->add_flag("--json", o->json, "Print the measured result object with per-step numerics instead of the summary");
@@ -51,7 +54,7 @@ Command add_run_command(CLI::App& app) {
   sub->add_flag("--synthetic", o->synthetic, "Train on synthetic tokens instead of the corpus");
   sub->add_flag("--no-pin", o->no_pin, "Do not pin rank threads to cores");
   return {sub, [o, sub] {
-            const Scenario scenario = load_scenario_file(o->file);
+            const Scenario scenario = load_scenario_with(o->file, o->sets);
             const runtime::Backend& backend = backend_for(scenario, *sub, o->backend);
             const runtime::RuntimePlan rp = runtime::make_runtime_plan(scenario);
             const auto& rt = scenario.config.runtime;

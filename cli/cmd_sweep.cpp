@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <vector>
 
 #include "cli/commands.h"
 #include "core/scenario.h"
@@ -50,10 +51,12 @@ Command add_sweep_command(CLI::App& app) {
     bool json = false, stats = false;
     std::size_t top = 10, infeasible = 10;
     unsigned threads = 0;
+    std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand("sweep", "Simulate every configuration of the scenario's sweep: axes and rank them");
   sub->add_option("FILE", o->file, "Scenario YAML with a sweep: section (see docs/sweep.md)")->required();
+  add_set_option(sub, o->sets);
   sub->add_option("--top", o->top, "Feasible configurations shown in the table")->capture_default_str();
   sub->add_option("--infeasible", o->infeasible, "Configurations that cannot run shown with their reason")
       ->capture_default_str();
@@ -68,7 +71,7 @@ Command add_sweep_command(CLI::App& app) {
                 "After the outputs, print on stderr what the sweep cost: configurations evaluated (simulated) and "
                 "rejected, evaluations per CPU-second, and the whole command's CPU time");
   return {sub, [o] {
-            const Scenario scenario = load_scenario_file(o->file);
+            const Scenario scenario = load_scenario_with(o->file, o->sets);
             if (scenario.sweep.empty())
               std::cerr << o->file << ": no sweep: section; evaluating the file's own configuration (see docs/sweep.md; "
                                       "trainsim plan searches a default space)\n";

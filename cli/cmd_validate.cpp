@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -23,11 +24,13 @@ Command add_validate_command(CLI::App& app) {
     BackendChoice backend;
     int steps = 0;
     bool json = false, synthetic = false, update = false, by_op = false, progress = false;
+    std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
       "validate", "Predict the scenario's runtime plan with a calibrated profile, run it, and compare the two");
   sub->add_option("FILE", o->file, "Scenario YAML (its runtime section says what runs)");
+  add_set_option(sub, o->sets);
   add_backend_options(sub, o->backend);
   sub->add_option("--profile", o->profile, "A profile from `trainsim calibrate` (default: calibrate now)");
   sub->add_option("--steps", o->steps, "Optimizer steps to run (default: runtime.steps)")->check(CLI::PositiveNumber);
@@ -64,7 +67,7 @@ Command add_validate_command(CLI::App& app) {
               return r.passed ? 0 : kExitRunFailed;
             }
             if (o->file.empty()) throw CLI::RequiredError("FILE");
-            const Scenario scenario = load_scenario_file(o->file);
+            const Scenario scenario = load_scenario_with(o->file, o->sets);
             validation::ValidateOptions vo;
             vo.backend = validation_backend(scenario, *sub, o->backend, "validate");
             vo.profile_path = o->profile;

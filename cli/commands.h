@@ -6,6 +6,7 @@
 #include <functional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -44,6 +45,11 @@ Command add_calibrate_command(CLI::App& app);
 Command add_validate_command(CLI::App& app);
 Command add_prove_command(CLI::App& app);
 Command add_fidelity_command(CLI::App& app);
+
+// cli/scenario_args.cpp. `--set KEY=VALUE` (repeatable) on a command that reads a scenario, and
+// the scenario file with those keys set as if it wrote them.
+void add_set_option(CLI::App* sub, std::vector<std::string>& sets);
+Scenario load_scenario_with(const std::string& file, const std::vector<std::string>& sets);
 
 // The backend a run, calibration or validation uses, from --backend, --sm-sharing, --device.
 struct BackendChoice {

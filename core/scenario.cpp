@@ -17,6 +17,9 @@ namespace trainsim {
 
 namespace {
 
+// The source diagnostics about command-line overrides name.
+constexpr std::string_view kOverrideSource = "--set";
+
 template <class T>
 ConstraintField int_constraint(std::string key, std::optional<T> SweepConstraints::*member, double min, double max,
                                std::string help) {
@@ -198,7 +201,7 @@ class Loader {
  public:
   explicit Loader(Scenario& sc) : sc_(sc) {}
 
-  void load(const YAML::Node& root) {
+  void load(const YAML::Node& root, const std::vector<KeyOverride>& overrides) {
     if (!root.IsDefined() || root.IsNull()) {
       error("", {}, "the scenario is empty; start from scenarios/postmortem-8x40gb.yaml");
       return;
@@ -208,12 +211,13 @@ class Loader {
       return;
     }
     walk(root, "");
+    for (const KeyOverride& o : overrides) override_key(o);
     // Presets first, wherever and however (nested or dotted) they are written, so that
     // every explicit key overrides them whatever the order of keys in the file.
     for (const auto& p : pending_)
-      if (p.field->applies_preset) apply(*p.field, p.value, p.key_at);
+      if (p.field->applies_preset) apply(p);
     for (const auto& p : pending_)
-      if (!p.field->applies_preset) apply(*p.field, p.value, p.key_at);
+      if (!p.field->applies_preset) apply(p);
     check_generated_axes();
   }
 
@@ -224,11 +228,46 @@ class Loader {
     const FieldSpec* field;
     YAML::Node value;
     SourceLocation key_at;
+    bool from_command_line = false;
+    bool replaced = false;  // by a command-line override
   };
 
   void error(const std::string& path, SourceLocation where, std::string message) {
-    errors.push_back(Diagnostic{sc_.file, where, path, std::move(message)});
+    // An override's value is a document of its own: its line and column say nothing.
+    if (applying_override_)
+      errors.push_back(Diagnostic{std::string(kOverrideSource), {}, path, std::move(message)});
+    else
+      errors.push_back(Diagnostic{sc_.file, where, path, std::move(message)});
   }
+
+  // `--set KEY=VALUE`: in place of what the file wrote for the key (its location dropped, so a
+  // later diagnostic does not point at a line whose value was replaced).
+  void override_key(const KeyOverride& o) {
+    applying_override_ = true;
+    const FieldSpec* f = find_field(o.key);
+    YAML::Node value;
+    try {
+      value = YAML::Load(o.value);
+    } catch (const YAML::Exception& e) {
+      error(o.key, {}, "YAML syntax in the value: " + e.msg);
+    }
+    if (!f) {
+      if (o.key == "sweep" || o.key.rfind("sweep.", 0) == 0 || o.key.rfind("constraints", 0) == 0)
+        error(o.key, {}, "only scenario keys can be set (`trainsim fields`); write sweeps and constraints in the file");
+      else
+        unknown_key(o.key.substr(0, o.key.rfind('.') == std::string::npos ? 0 : o.key.rfind('.')),
+                    o.key.substr(o.key.rfind('.') == std::string::npos ? 0 : o.key.rfind('.') + 1), {});
+    } else if (value.IsDefined()) {
+      // Marked, not erased: assigning a YAML::Node writes through to the node it refers to, so
+      // a vector of them must not shift.
+      for (Pending& p : pending_)
+        if (p.field == f) p.replaced = true;
+      sc_.locations.erase(f->path);
+      pending_.push_back(Pending{f, value, {}, true});
+    }
+    applying_override_ = false;
+  }
+  bool applying_override_ = false;
 
   // Records where each key path was written; false (and an error) when it was written
   // before, in this map or elsewhere (a dotted key `cluster.num_gpus` and a nested one
@@ -354,6 +393,13 @@ class Loader {
       }
     }
     return std::nullopt;
+  }
+
+  void apply(const Pending& p) {
+    if (p.replaced) return;
+    applying_override_ = p.from_command_line;
+    apply(*p.field, p.value, p.key_at);
+    applying_override_ = false;
   }
 
   void apply(const FieldSpec& f, const YAML::Node& v, SourceLocation key_at) {
@@ -556,7 +602,7 @@ void check_parser_progress(const std::string& text) {
   }
 }
 
-Scenario load(const std::string& text, const std::string& file_name) {
+Scenario load(const std::string& text, const std::string& file_name, const std::vector<KeyOverride>& overrides) {
   Scenario sc;
   sc.file = file_name;
   std::vector<YAML::Node> documents;
@@ -575,7 +621,7 @@ Scenario load(const std::string& text, const std::string& file_name) {
                                                 "is one document (put variants in `sweep:` or in separate files)",
                                                 documents.size())}});
   Loader loader(sc);
-  loader.load(documents.empty() ? YAML::Node() : documents.front());
+  loader.load(documents.empty() ? YAML::Node() : documents.front(), overrides);
   // In the order of the file, as a compiler lists them (presets are applied first).
   std::stable_sort(loader.errors.begin(), loader.errors.end(), [](const Diagnostic& a, const Diagnostic& b) {
     return std::pair(a.where.line, a.where.column) < std::pair(b.where.line, b.where.column);
@@ -600,11 +646,20 @@ void derive_layout(ScenarioConfig& c, bool data_parallel_written, bool num_gpus_
   }
 }
 
-Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name) {
-  return load(yaml_text, file_name);
+KeyOverride parse_key_override(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ScenarioError({Diagnostic{std::string(kOverrideSource), {}, "",
+                                    fmt::format("expects KEY=VALUE (a scenario key's dotted path, `trainsim fields`), got \"{}\"", text)}});
+  return KeyOverride{text.substr(0, eq), text.substr(eq + 1)};
 }
 
-Scenario load_scenario_file(const std::string& path) {
+Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name,
+                            const std::vector<KeyOverride>& overrides) {
+  return load(yaml_text, file_name, overrides);
+}
+
+Scenario load_scenario_file(const std::string& path, const std::vector<KeyOverride>& overrides) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     throw ScenarioError({Diagnostic{path, {}, "", "is a folder, not a scenario file"}});
@@ -613,7 +668,7 @@ Scenario load_scenario_file(const std::string& path) {
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) throw ScenarioError({Diagnostic{path, {}, "", "cannot read the file"}});
-  return load(text.str(), path);
+  return load(text.str(), path, overrides);
 }
 
 }  // namespace trainsim

@@ -81,8 +81,20 @@ struct Scenario {
 // Loading applies it; a sweep again to each configuration, after its axes.
 void derive_layout(ScenarioConfig& config, bool data_parallel_written, bool num_gpus_written);
 
+// A key set from the command line (`--set KEY=VALUE`): the key's dotted path and its value as
+// YAML text (`4`, `bf16`, `[10, 10, 12]`).
+struct KeyOverride {
+  std::string key, value;
+};
+// "KEY=VALUE" split at its first '='; throws ScenarioError (naming --set) without one.
+KeyOverride parse_key_override(const std::string& text);
+
 // Throws ScenarioError listing every problem found (syntax, unknown keys, types, ranges).
-Scenario load_scenario_file(const std::string& path);
-Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name = "<string>");
+// `overrides` apply after the file's keys, each as if the file wrote it in place of what it
+// wrote for that key (so it counts as written: derive_layout, diagnostics); their errors name
+// --set.
+Scenario load_scenario_file(const std::string& path, const std::vector<KeyOverride>& overrides = {});
+Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name = "<string>",
+                            const std::vector<KeyOverride>& overrides = {});
 
 }  // namespace trainsim

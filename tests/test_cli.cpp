@@ -65,6 +65,39 @@ TEST(Cli, InvariantErrorsAreReportedAfterKeysAreClean) {
       << r.err;
 }
 
+// `--set KEY=VALUE` runs the file as if it wrote each key: the same result as the edited file,
+// byte for byte; bad overrides are errors naming --set, all of them, and nothing runs.
+TEST(Cli, SetOverridesAKeyAsIfTheFileWroteIt) {
+  const fs::path d = temp_dir();
+  const fs::path base = d / "base.yaml", edited = d / "edited.yaml";
+  const std::string common = "model: {preset: gpt3-1.3b}\ncluster: {gpu: a100-80gb, num_gpus: 16}\n"
+                             "training: {micro_batch_size: 1, global_batch_size: 64}\n";
+  std::ofstream(base) << common << "parallelism: {tensor_parallel_size: 2, schedule: gpipe}\n";
+  std::ofstream(edited) << common << "parallelism: {tensor_parallel_size: 4, schedule: 1f1b}\n";
+  const CommandResult want = run("simulate --json " + edited.string());
+  ASSERT_EQ(want.status, 0) << want.err;
+  const CommandResult got = run("simulate --json " + base.string() +
+                                " --set parallelism.tensor_parallel_size=4 --set parallelism.schedule=1f1b");
+  ASSERT_EQ(got.status, 0) << got.err;
+  EXPECT_EQ(got.out, want.out);  // data_parallel_size follows the new tensor size: 16 / 4
+  EXPECT_EQ(nlohmann::json::parse(got.out)["ranks"].size(), 4u);
+
+  const CommandResult bad = run("simulate " + base.string() +
+                                " --set parallelism.tensor_parallel_sise=4 --set training.micro_batch_size=x");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_EQ(bad.out, "");
+  EXPECT_NE(bad.err.find("--set: error: parallelism.tensor_parallel_sise: unknown key; did you mean "
+                         "\"tensor_parallel_size\"?"),
+            std::string::npos)
+      << bad.err;
+  EXPECT_NE(bad.err.find("--set: error: training.micro_batch_size: expected an integer, got \"x\""), std::string::npos)
+      << bad.err;
+  const CommandResult malformed = run("simulate " + base.string() + " --set nothing --set =3");
+  EXPECT_EQ(malformed.status, 2);
+  EXPECT_NE(malformed.err.find("got \"nothing\""), std::string::npos) << malformed.err;
+  EXPECT_NE(malformed.err.find("got \"=3\""), std::string::npos) << malformed.err;
+}
+
 TEST(Cli, MissingFileAndUnwritableOutputAreErrorsNotCrashes) {
   CommandResult r = run("simulate /nonexistent/x.yaml");
   EXPECT_EQ(r.status, 2);

@@ -559,6 +559,24 @@ cluster:
   EXPECT_EQ(ds.size(), 1u) << dump(ds);
 }
 
+// A command-line override (`--set`) is applied as the file's own key would be: presets first
+// (the file's other keys still override the swept-in preset), and it counts as written.
+TEST(ScenarioOverrides, AnOverrideIsAppliedAsAWrittenKey) {
+  const std::string file = "model: {preset: gpt3-1.3b, num_layers: 12}\ncluster: {num_gpus: 8}\n";
+  const Scenario sc = load_scenario_text(file, "t.yaml",
+                                         {{"model.preset", "gpt3-2.7b"}, {"parallelism.pipeline_parallel_size", "2"}});
+  EXPECT_EQ(sc.config.model.hidden_size, 2560);  // gpt3-2.7b's
+  EXPECT_EQ(sc.config.model.num_layers, 12);     // the file's, over the preset's 32
+  EXPECT_TRUE(sc.has_key("parallelism.pipeline_parallel_size"));
+  EXPECT_EQ(sc.config.parallelism.data_parallel_size, 4);  // derived from the overridden layout
+  // Replacing a written key: the file's value is not applied (it would fail) and its line is no
+  // longer the key's.
+  const Scenario replaced =
+      load_scenario_text("training: {micro_batch_size: 0}\n", "t.yaml", {{"training.micro_batch_size", "2"}});
+  EXPECT_EQ(replaced.config.training.micro_batch_size, 2);
+  EXPECT_EQ(replaced.locations.count("training.micro_batch_size"), 0u);
+}
+
 // What the file leaves unwritten of the layout is derived as Megatron-LM derives it
 // (core/scenario.h, derive_layout): data_parallel_size = num_gpus / (pipeline x tensor);
 // num_gpus = data x pipeline x tensor when only data_parallel_size is written.
