@@ -265,7 +265,9 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     ck.error("model.num_layers",
              fmt::format("num_layers({}) is not divisible by pipeline_parallel_size({}) * virtual_pipeline_stages({}) "
                          "= {}; give parallelism.layers_per_stage to split unevenly",
-                         m.num_layers, p, v, vstages));
+                         m.num_layers, p, v, vstages),
+             // A preset's layer count: the stage counts written are what to change.
+             {"parallelism.virtual_pipeline_stages", "parallelism.pipeline_parallel_size"});
   } else {
     plan.layers_per_virtual_stage.assign(vstages, m.num_layers / vstages);
   }

@@ -621,6 +621,27 @@ training:
             "parallelism.layers_per_stage to split unevenly");
 }
 
+// The layer count from a preset: the error points at the stage count the file wrote.
+TEST(ScenarioInvariants, LayersOfAPresetNotDivisiblePointAtTheStages) {
+  auto ds = plan_errors(yaml(R"(
+cluster:
+  gpu: a100-40gb
+  num_gpus: 6
+model:
+  preset: gpt3-13b
+parallelism:
+  pipeline_parallel_size: 3
+training:
+  micro_batch_size: 1
+  global_batch_size: 8
+)"));
+  ASSERT_EQ(ds.size(), 1u) << dump(ds);
+  expect_at(ds[0], 7, 3, "model.num_layers");  // pipeline_parallel_size: 3 (40 layers)
+  EXPECT_EQ(ds[0].message,
+            "num_layers(40) is not divisible by pipeline_parallel_size(3) * virtual_pipeline_stages(1) = 3; give "
+            "parallelism.layers_per_stage to split unevenly");
+}
+
 TEST(ScenarioInvariants, LayersPerStageThatDoesNotSum) {
   auto ds = plan_errors(yaml(R"(
 cluster:
