@@ -439,6 +439,7 @@ std::vector<FieldSpec> make_fields() {
                       {"static", LossScalingMode::static_scale},
                       {"dynamic", LossScalingMode::dynamic}},
                      "Loss scaling for FP16 gradients"));
+  t.back().default_note = "dynamic under fp16 compute, none otherwise";
   t.push_back(real("precision.loss_scaling.initial_scale", FIELD(precision.loss_scaling.initial_scale), 1e-30, 1e38,
                    "", "Starting (or static) loss scale"));
   t.push_back(integer("precision.loss_scaling.growth_interval", FIELD(precision.loss_scaling.growth_interval), 1,

@@ -627,20 +627,22 @@ Scenario load(const std::string& text, const std::string& file_name, const std::
     return std::pair(a.where.line, a.where.column) < std::pair(b.where.line, b.where.column);
   });
   if (!loader.errors.empty()) throw ScenarioError(std::move(loader.errors));
-  derive_layout(sc.config, sc.has_key("parallelism.data_parallel_size"), sc.has_key("cluster.num_gpus"));
+  derive_unwritten(sc.config, [&](std::string_view key) { return sc.has_key(std::string(key)); });
   return sc;
 }
 
 }  // namespace
 
-void derive_layout(ScenarioConfig& c, bool data_parallel_written, bool num_gpus_written) {
+void derive_unwritten(ScenarioConfig& c, const std::function<bool(std::string_view)>& written) {
+  if (!written("precision.loss_scaling.mode"))
+    c.precision.loss_scaling.mode = c.precision.compute == DType::fp16 ? LossScalingMode::dynamic : LossScalingMode::none;
   ParallelismConfig& par = c.parallelism;
   const long long model_parallel = static_cast<long long>(par.pipeline_parallel_size) * par.tensor_parallel_size;
   if (model_parallel < 1) return;  // out of range: the loader or Plan says so
-  if (!data_parallel_written) {
+  if (!written("parallelism.data_parallel_size")) {
     const bool whole = c.cluster.num_gpus >= model_parallel && c.cluster.num_gpus % model_parallel == 0;
     par.data_parallel_size = whole ? static_cast<int>(c.cluster.num_gpus / model_parallel) : 1;
-  } else if (!num_gpus_written) {
+  } else if (!written("cluster.num_gpus")) {
     const long long gpus = model_parallel * par.data_parallel_size;
     if (gpus <= (1 << 20)) c.cluster.num_gpus = static_cast<int>(gpus);
   }

@@ -74,12 +74,14 @@ struct Scenario {
                         std::initializer_list<std::string_view> related = {}) const;
 };
 
-// What a file leaves unwritten of the GPU count and its factorisation, derived from the rest as
-// Megatron-LM and torchrun do: data_parallel_size = num_gpus / (pipeline x tensor) when the file
-// does not write it (1 when that does not divide: Plan states the mismatch and why), and
-// num_gpus = data x pipeline x tensor when the file writes data_parallel_size but not num_gpus.
-// Loading applies it; a sweep again to each configuration, after its axes.
-void derive_layout(ScenarioConfig& config, bool data_parallel_written, bool num_gpus_written);
+// What a file leaves unwritten and follows from what it wrote, as Megatron-LM and torchrun have
+// it. The layout: data_parallel_size = num_gpus / (pipeline x tensor) when the file does not
+// write it (1 when that does not divide: Plan states the mismatch and why), num_gpus = data x
+// pipeline x tensor when it writes data_parallel_size but not num_gpus. The loss scaling:
+// dynamic under FP16 compute, none otherwise (BF16, FP8 and FP32 keep FP32's exponent range).
+// `written(key)`: whether the file (or a sweep axis) sets the key. Loading applies it; a sweep
+// again to each configuration, after its axes.
+void derive_unwritten(ScenarioConfig& config, const std::function<bool(std::string_view key)>& written);
 
 // A key set from the command line (`--set KEY=VALUE`): the key's dotted path and its value as
 // YAML text (`4`, `bf16`, `[10, 10, 12]`).
@@ -91,7 +93,7 @@ KeyOverride parse_key_override(const std::string& text);
 
 // Throws ScenarioError listing every problem found (syntax, unknown keys, types, ranges).
 // `overrides` apply after the file's keys, each as if the file wrote it in place of what it
-// wrote for that key (so it counts as written: derive_layout, diagnostics); their errors name
+// wrote for that key (so it counts as written: derive_unwritten, diagnostics); their errors name
 // --set.
 Scenario load_scenario_file(const std::string& path, const std::vector<KeyOverride>& overrides = {});
 Scenario load_scenario_text(const std::string& yaml_text, const std::string& file_name = "<string>",

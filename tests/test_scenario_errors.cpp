@@ -577,10 +577,10 @@ TEST(ScenarioOverrides, AnOverrideIsAppliedAsAWrittenKey) {
   EXPECT_EQ(replaced.locations.count("training.micro_batch_size"), 0u);
 }
 
-// What the file leaves unwritten of the layout is derived as Megatron-LM derives it
-// (core/scenario.h, derive_layout): data_parallel_size = num_gpus / (pipeline x tensor);
+// What the file leaves unwritten of the layout and loss scaling is derived as Megatron-LM has it
+// (core/scenario.h, derive_unwritten): data_parallel_size = num_gpus / (pipeline x tensor);
 // num_gpus = data x pipeline x tensor when only data_parallel_size is written.
-TEST(ScenarioInvariants, UnwrittenLayoutIsDerivedFromTheRest) {
+TEST(ScenarioInvariants, UnwrittenLayoutAndLossScalingAreDerivedFromTheRest) {
   auto load = [](const std::string& text) { return load_scenario_text(text, "test.yaml").config; };
   const ScenarioConfig data = load("cluster: {num_gpus: 64}\nparallelism: {pipeline_parallel_size: 2, tensor_parallel_size: 8}\n");
   EXPECT_EQ(data.parallelism.data_parallel_size, 4);
@@ -591,6 +591,13 @@ TEST(ScenarioInvariants, UnwrittenLayoutIsDerivedFromTheRest) {
   const ScenarioConfig unwritten = load("name: no-layout\n");
   EXPECT_EQ(unwritten.cluster.num_gpus, 8);  // one node
   EXPECT_EQ(unwritten.parallelism.data_parallel_size, 8);
+  // The loss scaling follows the compute format where it is not written: dynamic under FP16
+  // (Megatron-LM's), none under BF16 (FP32's exponent range); written, it is kept.
+  EXPECT_EQ(load("precision: {compute: fp16}\n").precision.loss_scaling.mode, LossScalingMode::dynamic);
+  EXPECT_EQ(load("precision: {compute: bf16}\n").precision.loss_scaling.mode, LossScalingMode::none);
+  EXPECT_EQ(load("name: x\n").precision.loss_scaling.mode, LossScalingMode::none);  // bf16 by default
+  EXPECT_EQ(load("precision: {compute: bf16, loss_scaling: {mode: static}}\n").precision.loss_scaling.mode,
+            LossScalingMode::static_scale);
   // Both written: kept as written, and a mismatch is an error (GpuCountIsTheProductOfTheParallelSizes).
   const ScenarioConfig both = load("cluster: {num_gpus: 8}\nparallelism: {data_parallel_size: 2}\n");
   EXPECT_EQ(both.parallelism.data_parallel_size, 2);

@@ -385,6 +385,12 @@ sweep:
     EXPECT_NE(row.reason.find("!= num_gpus(64)"), std::string::npos) << row.reason;
   }
   EXPECT_EQ(invalid, 4);  // tp 2 x pp 4 and tp 8 x pp 1 make 8 x 8 = 64
+  // A swept compute format carries its own loss scaling where the file writes none.
+  const auto formats = expand_sweep(load_scenario_text(base + "  precision.compute: [fp16, bf16]\n"));
+  ASSERT_EQ(formats.size(), 12u);
+  for (const auto& p : formats)
+    EXPECT_EQ(p.config.precision.loss_scaling.mode,
+              p.config.precision.compute == DType::fp16 ? LossScalingMode::dynamic : LossScalingMode::none);
 }
 
 TEST(SweepEvaluate, InvalidStatesTheInvariantWithItsNumbers) {

@@ -90,7 +90,7 @@ std::vector<std::string> sweep_keys(const Scenario& sc) {
       layout_swept = layout_swept || a.path == kPp || a.path == kTp || a.path == "cluster.num_gpus";
     }
   }
-  // A data-parallel size the file leaves to each configuration (derive_layout) moves with the
+  // A data-parallel size the file leaves to each configuration (derive_unwritten) moves with the
   // swept sizes: a column of its own.
   if (layout_swept && !data_swept && !sc.has_key(kDp)) keys.insert(keys.begin(), kDp);
   return keys;
@@ -171,17 +171,15 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
     cur = std::move(next);
   }
 
-  // A layout the file leaves to be derived follows each configuration's swept GPU count and
-  // pipeline and tensor sizes (`parallelism: auto` sets all three itself).
-  if (!auto_parallel) {
-    bool data_written = sc.has_key(kDp), gpus_written = sc.has_key("cluster.num_gpus");
-    for (const SweepAxis* a : value_axes) {
-      data_written = data_written || a->path == kDp;
-      gpus_written = gpus_written || a->path == "cluster.num_gpus";
-    }
-    if (!data_written || !gpus_written)
-      for (auto& p : cur) derive_layout(p.config, data_written, gpus_written);
-  }
+  // What the file leaves to be derived follows each configuration's swept keys: the layout its
+  // GPU count and pipeline and tensor sizes (`parallelism: auto` sets all three itself), the
+  // loss scaling its compute format.
+  auto written = [&](std::string_view key) {
+    if (sc.has_key(std::string(key))) return true;
+    if (auto_parallel && (key == kDp || key == kPp || key == kTp)) return true;
+    return std::any_of(value_axes.begin(), value_axes.end(), [&](const SweepAxis* a) { return a->path == key; });
+  };
+  for (auto& p : cur) derive_unwritten(p.config, written);
   if (auto_parallel) {
     std::vector<SweepConfiguration> next;
     for (const auto& p : cur) {
