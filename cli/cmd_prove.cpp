@@ -35,7 +35,13 @@ Command add_prove_command(CLI::App& app) {
             po.backend = validation_backend(scenario, *sub, o->backend, "prove");
             po.steps = o->steps;
             po.progress = [](const std::string& s) { std::cerr << "prove: " << s << "\n"; };
-            const validation::IncidentReport r = validation::prove(scenario, po);
+            validation::IncidentReport r;
+            try {
+              r = validation::prove(scenario, po);
+            } catch (const validation::NothingFeasible& e) {
+              std::cerr << "error: " << e.what() << "\n";
+              return kExitNothingFeasible;  // as sweep and plan
+            }
             std::cout << validation::format_incident(r) << std::flush;
             if (!o->report.empty()) {
               const auto files = validation::write_incident_report(r, o->report);

@@ -98,6 +98,17 @@ TEST(Cli, SetOverridesAKeyAsIfTheFileWroteIt) {
   EXPECT_NE(malformed.err.find("got \"=3\""), std::string::npos) << malformed.err;
 }
 
+// A scenario nothing fits has no redesign to prove: exit 5 as sweep and plan, saying where the
+// reasons are, and nothing on stdout.
+TEST(Cli, ProveOfAScenarioNothingFitsExitsFiveAndPointsAtPlan) {
+  const std::string file = (fs::path(kDefault).parent_path() / "llama2-70b-on-8-gpus.yaml").string();
+  const CommandResult r = run("prove " + file);
+  EXPECT_EQ(r.status, 5) << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_NE(r.err.find("no feasible configuration"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("`trainsim plan " + file + "`"), std::string::npos) << r.err;
+}
+
 TEST(Cli, MissingFileAndUnwritableOutputAreErrorsNotCrashes) {
   CommandResult r = run("simulate /nonexistent/x.yaml");
   EXPECT_EQ(r.status, 2);

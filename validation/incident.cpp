@@ -169,7 +169,10 @@ IncidentReport prove(const Scenario& scenario, const ProveOptions& o) {
   PlanOptions po;
   po.threads = o.threads;
   r.plan = make_plan(scenario, po);
-  if (!r.plan.chosen) throw std::runtime_error("trainsim plan found no feasible configuration for " + scenario.file);
+  if (!r.plan.chosen)
+    throw NothingFeasible("trainsim plan found no feasible configuration for " + scenario.file +
+                             ", so there is no redesign to prove (`trainsim plan " + scenario.file +
+                             "` says what bound each candidate and what would make one fit)");
   Scenario redesign = load_scenario_text(r.plan.fragment.dump(), scenario.file + " (redesign by trainsim plan)");
   redesign.config.runtime = scenario.config.runtime;  // the same scaled model and steps
   r.original = tell("original", scenario, o);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -39,7 +40,12 @@ struct IncidentReport {
   std::vector<std::string> findings;  // the verdict, one sentence each, from the numbers above
 };
 
-// Throws when the plan finds no feasible configuration.
+// What prove throws when the plan finds no feasible configuration: nothing to redesign.
+struct NothingFeasible : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Throws NothingFeasible when the plan finds no feasible configuration.
 IncidentReport prove(const Scenario& scenario, const ProveOptions& options);
 
 // The comparison as a person reads it on a terminal.
