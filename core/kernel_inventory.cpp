@@ -426,9 +426,10 @@ std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params) {
   return out;
 }
 
-std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, double grad_bytes) {
+std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, bool emulated_low_precision) {
   std::vector<KernelWork> out = optimizer_kernels(plan, params);
   if (plan.zero() >= 1 && !plan.reduces_every_microbatch()) {
+    const double grad_bytes = emulated_low_precision ? 4.0 : dtype_bytes(plan.config.precision.grad_accumulation);
     Builder copies{DType::fp32, grad_bytes, &out};
     copies.memory(kShardCopyKernel, params, 2);
   }

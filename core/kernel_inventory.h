@@ -83,9 +83,9 @@ std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
 // prices: optimizer_kernels, and under ZeRO-1 first the rank's shard of `params` gradients
 // copied out of the flat gradients, where the reduce-scatters left each section in place (as
 // Megatron's distributed optimizer does): CpuEngine::optimizer_update's take,
-// CudaEngine::take_flat_gradients. `grad_bytes`: a gradient element's bytes as the engine holds
-// it (4 where low precision is emulated).
-std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, double grad_bytes);
+// CudaEngine::take_flat_gradients. A gradient element is held in grad_accumulation's bytes, or
+// in 4 where the engine emulates low precision (HardwareProfile::emulated_low_precision).
+std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, bool emulated_low_precision);
 
 // The runtime's copy between a ZeRO collective's buffer and the flat parameters or gradients (a
 // read and a write per element, in fp32 storage): what calibration times for the collective model,

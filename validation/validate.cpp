@@ -116,12 +116,10 @@ std::string loss_text(double x) { return std::isfinite(x) ? fmt::format("{:.3f}"
 
 // 0.2 where the profile prices none of the step's kernels.
 double optimizer_norm_share(const Plan& plan, const HardwareProfile& p) {
-  double params = 0;
-  for (int j = 0; j < plan.vpp; ++j) params += plan.virtual_stage_params(j * plan.pp);
-  const double shard = params / plan.tp / (plan.zero() >= 1 ? plan.dp : 1);
-  const double grad_bytes = p.emulated_low_precision ? 4.0 : dtype_bytes(plan.config.precision.grad_accumulation);
+  // The first stage's rank, as the compute model prices it (a share: the same on every stage).
+  const double shard = plan.shard_stage_params(0) / (plan.zero() >= 1 ? plan.dp : 1);
   double first = 0, all = 0;
-  for (const KernelWork& w : runtime_optimizer_kernels(plan, shard, grad_bytes)) {
+  for (const KernelWork& w : runtime_optimizer_kernels(plan, shard, p.emulated_low_precision)) {
     const double t = p.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
     if (t < 0) continue;
     all += w.count * t;

@@ -98,11 +98,10 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     chunks_.push_back(c);
   }
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
-  const double grad_bytes = profile.emulated_low_precision ? 4.0 : dtype_bytes(cfg.precision.grad_accumulation);
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const int s = plan.stage_of(r);
     const double params = plan.shard_stage_params(s);
-    const double alone = kernels_seconds(runtime_optimizer_kernels(plan, params / shards, grad_bytes), profile, rate, hbm);
+    const double alone = kernels_seconds(runtime_optimizer_kernels(plan, params / shards, profile.emulated_low_precision), profile, rate, hbm);
     const double factor = profile.core_factor(plan.first_gpu_of(r));
     const double alone_factor = profile.core_alone_factor(plan.first_gpu_of(r));
     optimizer_ticks_.push_back(seconds_to_ticks(factor * alone));
