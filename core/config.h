@@ -19,7 +19,11 @@ namespace trainsim {
 struct HardwareProfile;  // core/hardware_profile.h
 
 enum class ScheduleKind { gpipe, one_f_one_b, interleaved_1f1b, zb_h1 };
-enum class Recompute { none, selective, full };
+// selective: Megatron-LM's (Korthikanti et al. 2022), the attention core recomputed; selective_op:
+// torchtitan's op-level policy, the attention core's output and every other matrix product's (the
+// 1st, 3rd, ... in the order the layer's code calls them) kept, the rest of the layer recomputed;
+// full: each layer from its input.
+enum class Recompute { none, selective, full, selective_op };
 enum class LossScalingMode { none, static_scale, dynamic };
 enum class OverflowScope { global, local };
 enum class AllReduceDivide { before, after };

@@ -396,9 +396,14 @@ std::vector<FieldSpec> make_fields() {
                       "(Megatron-LM's --gradient-accumulation-fusion, default since March 2022); false: a separate "
                       "add per micro-batch, as Megatron-LM before 2022, DeepSpeed and FSDP do"));
   t.push_back(choice("training.activation_recompute", FIELD(training.activation_recompute),
-                     {{"none", Recompute::none}, {"selective", Recompute::selective}, {"full", Recompute::full}},
-                     "Recompute activations in backward: selective recomputes attention's softmax part, full "
-                     "recomputes each layer from its input"));
+                     {{"none", Recompute::none},
+                      {"selective", Recompute::selective},
+                      {"full", Recompute::full},
+                      {"selective_op", Recompute::selective_op}},
+                     "Recompute activations in backward: selective recomputes attention's softmax part "
+                     "(Megatron-LM), full each layer from its input, selective_op keeps the attention core's "
+                     "output and every other matrix product's and recomputes the rest of the layer "
+                     "(torchtitan's op-level policy)"));
   t.push_back(choice("training.optimizer", FIELD(training.optimizer),
                      {{"adam", Optimizer::adam}, {"adamw", Optimizer::adamw}, {"sgd", Optimizer::sgd}},
                      "Optimizer (Adam keeps two FP32 moments per parameter, SGD one momentum)"));
