@@ -148,6 +148,21 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
         k.matmul("attention.forward", T, T, hs, 2 * b * H);
         k.memory("round", 2.0 * b * H * T * T, round_passes);
       }
+      // selective_op keeps the input, qkv, the attention output and fc (the decoder's 1st and 3rd
+      // products): the rest up to the MLP's activation again (its second projection feeds only
+      // the next layer's input, which is kept).
+      if (recompute == Recompute::selective_op) {
+        k.memory("layernorm.forward", Nl * C, 2);
+        k.matmul("attention.forward", T, T, hs, 2 * b * H);
+        k.matmul("linear.forward", N, C, Cout);
+        if (t > 1) k.memory("residual", Nl * C, 3);
+        k.memory("residual", Nl * C, 3);
+        k.memory("layernorm.forward", Nl * C, 2);
+        k.memory("gelu.forward", N * F, 2);
+        // ln1, x1, ln2 (the stream's rows); att again, gelu; the projection's output; scores and
+        // probabilities
+        k.memory("round", 3.0 * Nl * C + N * (Cout + F) + reduced + 2.0 * b * H * T * T, round_passes);
+      }
       k.matmul("linear.backward_input", N, F, C);
       k.memory("gelu.backward", N * F, 3);
       k.matmul("linear.backward_input", N, C, ffn_in);
@@ -307,6 +322,40 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       bias_dropout_add_forward();
     };
 
+    // selective_op (torchtitan's op-level policy): the backward reruns the layer's forward but for
+    // the products it kept (the 1st, 3rd, ... as the code calls them: m.layer_products()) and the
+    // attention core, whose output is kept (an unfused core rebuilds its probabilities). PyTorch's
+    // recompute stops once it has rebuilt what the backward reads (torch.utils.checkpoint's early
+    // stop): the last product runs, to hand its input over, its all-reduce and residual add do not.
+    auto op_rebuild = [&] {
+      const std::vector<LayerProduct> products = m.layer_products();
+      std::size_t i = 0;
+      auto product = [&](std::size_t n) {  // the next n products; whether any ran
+        bool ran = false;
+        for (const std::size_t end = i + n; i < end; ++i) {
+          if (ModelShape::op_policy_keeps(i)) continue;
+          const LayerProduct& p = products[i];
+          if (p.row_parallel) k.matmul("linear.forward", N, C, static_cast<long>(p.in) / t);
+          else k.matmul("linear.forward", N, static_cast<long>(p.out) / t, C);
+          ran = true;
+        }
+        return ran;
+      };
+      k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
+      product(m.separate_projections ? 3 : 1);
+      if (!m.learned_positions) k.memory_bytes("rope.forward", q_and_k, q_and_k * rope_bytes);
+      if (attn != AttentionKernel::flash) attention_core_forward();
+      if (eager && attn == AttentionKernel::flash) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (product(1)) tp_allreduce(act);
+      bias_dropout_add_forward();
+      k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
+      product(m.swiglu && m.separate_projections ? 2 : 1);
+      k.memory_bytes(m.swiglu ? "swiglu.forward" : "gelu.forward", static_cast<double>(N) * F,
+                     static_cast<double>(N) * F * act_fwd);
+      product(1);
+    };
+
     // ---- forward
     k.out = &c.forward;
     if (!first) pipeline_gather();
@@ -336,6 +385,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     for (int l = 0; l < layers; ++l) {
       if (rc == Recompute::full) layer_forward();
       if (rc == Recompute::selective) attention_core_forward();
+      if (rc == Recompute::selective_op) op_rebuild();
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
       k.matmul("linear.backward_input", N, F, C);
       k.memory_bytes(m.swiglu ? "swiglu.backward" : "gelu.backward", static_cast<double>(N) * F,

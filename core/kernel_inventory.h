@@ -34,7 +34,8 @@
 //              summed by kernels of their own unless model.fused_linear_bias, dropout masks
 //              only when dropout > 0, FP32 logits for the loss, gradient accumulation into the
 //              grad_accumulation format, activation recompute (full: the layer's forward again;
-//              selective: the attention core again) and tensor-parallel all-reduces
+//              selective: the attention core again; selective_op: the layer's forward but for the
+//              products and attention core it kept) and tensor-parallel all-reduces
 //              (`tp.allreduce` entries whose bytes the collective model prices).
 #pragma once
 

@@ -2,7 +2,7 @@
 
 namespace trainsim {
 
-ModelShape::ModelShape(const ModelConfig& m)
+ModelShape::ModelShape(const ModelConfig& m, bool separate)
     : h(m.hidden_size),
       a(m.num_attention_heads),
       kv_heads(m.num_query_groups > 0 ? m.num_query_groups : m.num_attention_heads),
@@ -10,6 +10,7 @@ ModelShape::ModelShape(const ModelConfig& m)
       V(m.vocab_size),
       s(m.seq_length),
       L(m.num_layers),
+      separate_projections(separate),
       swiglu(m.swiglu),
       learned_positions(m.position_embedding_type == PositionEmbedding::learned_absolute),
       tied(!m.untie_embeddings_and_output_weights),
@@ -67,10 +68,39 @@ double ModelShape::model_flops_per_sample() const {
   return 3.0 * (L * layer_forward_flops(1) + lm_head_forward_flops(1));
 }
 
+std::vector<LayerProduct> ModelShape::layer_products() const {
+  const double H = h, kv = static_cast<double>(h) / a * kv_heads, F = f;
+  std::vector<LayerProduct> p;
+  if (separate_projections) {
+    p = {{H, H}, {kv, H}, {kv, H}};
+  } else {
+    p = {{H + 2 * kv, H}};
+  }
+  p.push_back({H, H, true});
+  if (swiglu && separate_projections) {
+    p.push_back({F, H});
+    p.push_back({F, H});
+  } else {
+    p.push_back({swiglu ? 2 * F : F, H});
+  }
+  p.push_back({H, F, true});
+  return p;
+}
+
 double ModelShape::hardware_flops_per_sample(Recompute r) const {
-  const double again = r == Recompute::full        ? layer_forward_flops(1)
-                       : r == Recompute::selective ? layer_attention_core_flops(1)
-                                                   : 0.0;
+  double again = 0;
+  switch (r) {
+    case Recompute::none: break;
+    case Recompute::full: again = layer_forward_flops(1); break;
+    case Recompute::selective: again = layer_attention_core_flops(1); break;
+    case Recompute::selective_op: {
+      const std::vector<LayerProduct> products = layer_products();
+      for (std::size_t i = 0; i < products.size(); ++i)
+        if (!op_policy_keeps(i)) again += 2.0 * s * products[i].out * products[i].in;
+      if (attention != AttentionKernel::flash) again += layer_attention_core_flops(1);
+      break;
+    }
+  }
   return model_flops_per_sample() + L * again;
 }
 
@@ -88,6 +118,19 @@ double ModelShape::activation_bytes(int b, int e, int t, bool sp, Recompute r, b
   const double kv_frac = static_cast<double>(kv_heads) / a;
   const double ffn_ratio = static_cast<double>(f) / h;
   if (r == Recompute::full) return e * sbh / (sp ? t : 1);  // the layer's input only
+  if (r == Recompute::selective_op) {
+    // The layer's input and the attention core's output (with flash its log-sum-exp; an unfused
+    // core's probabilities are rebuilt from the kept q and k), and the kept products' outputs: a
+    // row-parallel one the stream's width (split only under sequence parallelism), the others 1/t.
+    // Dropout masks are drawn again from the saved RNG state.
+    double kept = e * sbh / (sp ? t : 1) + e * sbh / t;
+    if (flash) kept += 4.0 * a * static_cast<double>(s) * b / t;
+    const std::vector<LayerProduct> products = layer_products();
+    for (std::size_t i = 0; i < products.size(); ++i)
+      if (op_policy_keeps(i))
+        kept += e * static_cast<double>(s) * b * products[i].out / (products[i].row_parallel ? (sp ? t : 1) : t);
+    return kept;
+  }
   // Replicated across tensor-parallel ranks unless sequence parallel: the two norms' inputs,
   // the QKV and MLP inputs (e bytes each) and two 1-byte dropout masks.
   const double replicated = (2 * e + e + e) * sbh + (hidden_dropout ? 2 * sbh : 0.0);

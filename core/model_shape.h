@@ -11,16 +11,33 @@
 //   s b h (32 + 2 a s / h), which is what the runtime's decoder (naive attention) keeps.
 //   FlashAttention (model.attention: flash, the default) stores no s x s matrix: s b h 34
 //   plus its FP32 log-sum-exp, 4 a s b (Dao et al. 2022), whatever the recompute.
+//   torchtitan's op-level checkpointing (selective_op) keeps the layer's input, the attention
+//   core's output (with flash its log-sum-exp) and the output of every other matrix product in
+//   the order the code calls them: 16-bit, no tensor parallelism, Llama's separate q, k, v, w1,
+//   w3, w2 (torchtitan) keep x, q, v, attention, w1 and w2: s b (2h + 2h + 2 kv + 2h + 2f + 2h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "core/config.h"
 
 namespace trainsim {
 
+// One matrix product of a layer's forward, per token: `out` x `in` weights of the whole model.
+struct LayerProduct {
+  double out = 0, in = 0;
+  // Row-parallel under tensor parallelism (attention output, MLP down): its output has the
+  // residual stream's width on every rank; the others' outputs are split t ways.
+  bool row_parallel = false;
+};
+
 struct ModelShape {
-  explicit ModelShape(const ModelConfig& m);
+  // separate_projections: the layer's code calls q, k and v (and SwiGLU's gate and up) as products
+  // of their own, as PyTorch-native decoders write them (torchtitan, Hugging Face Llama); false:
+  // one QKV product and one gate/up product, as Megatron-LM and the runtime's decoder do.
+  explicit ModelShape(const ModelConfig& m, bool separate_projections = false);
 
   // Parameters (whole model, no parallel split).
   double params_per_layer() const;
@@ -46,7 +63,15 @@ struct ModelShape {
   // with full recompute: 96 s l h^2 (1 + s/(6h) + V/(16 l h))): full recompute adds each layer's
   // forward again, selective its attention core (QK^T and AV). FlashAttention's own
   // recomputation inside its backward is not counted.
+  // selective_op adds the products it does not keep, and the attention core where the kernel
+  // keeps its s x s probabilities (they are rebuilt).
   double hardware_flops_per_sample(Recompute r) const;
+
+  // The layer's matrix products in the order its code calls them (separate_projections says how
+  // many), and which outputs torchtitan's op-level policy keeps: the 1st, 3rd, 5th, ...
+  // (`_save_list` with every second `aten.mm` recomputed, torchtitan parallelize_llama.py).
+  std::vector<LayerProduct> layer_products() const;
+  static bool op_policy_keeps(std::size_t index) { return index % 2 == 0; }
 
   // Activation bytes kept for backward by one layer for one micro-batch, element size
   // `elem_bytes` (2 for 16-bit), with t-way tensor parallelism, as model.attention keeps them
@@ -63,6 +88,7 @@ struct ModelShape {
   double activation_bytes(int b, int e, int t, bool sp, Recompute r, bool flash) const;
 
  public:
+  bool separate_projections;
   bool swiglu, learned_positions, tied, bias, layernorm;
   bool hidden_dropout, attention_dropout;  // > 0: their masks (and attention's output) are kept
   AttentionKernel attention;

@@ -71,7 +71,9 @@ struct Plan {
   int num_virtual_stages() const { return pp * vpp; }
   int rank_stage_of_virtual(int vstage) const { return vstage % pp; }
 
-  ModelShape shape() const { return ModelShape(config.model); }
+  // The decoder as `framework` writes it: PyTorch-native code (FSDP: torchtitan, Hugging Face)
+  // calls q, k, v and gate/up as separate products, Megatron-LM (and DeepSpeed on it) fuses them.
+  ModelShape shape() const { return ModelShape(config.model, framework == Framework::fsdp); }
   // Parameters of one virtual stage (whole tensor-parallel group): its layers, plus the
   // embeddings on the first and the LM head on the last (a copy of tied embeddings when
   // the pipeline has more than one stage, as Megatron-LM keeps it).

@@ -407,6 +407,35 @@ TEST(ComputeModel, RecomputeRepeatsTheForwardOrItsAttention) {
   EXPECT_EQ(full.chunk(1).backward_weight, none.chunk(1).backward_weight);
 }
 
+// torchtitan's op-level policy reruns, before a layer's input gradients, the products whose output
+// it did not keep (with flash attention and memory-bound work free, only they cost): Megatron-LM's
+// fused qkv, o, fc1, fc2 rerun o and fc2; PyTorch-native code's q, k, v, o, fc1, fc2 (FSDP) rerun k,
+// o and fc2.
+TEST(ComputeModel, OpLevelRecomputeRerunsTheProductsItDidNotKeep) {
+  const double peak = 312e12, N = 512, h = 1024, f = 4096;
+  for (Framework fw : {Framework::megatron, Framework::fsdp}) {
+    ScenarioConfig c = compute_config(Recompute::none);
+    c.parallelism.framework = fw;
+    if (fw == Framework::fsdp) {  // FSDP shards without a pipeline
+      c.parallelism.pipeline_parallel_size = 1;
+      c.parallelism.data_parallel_size = 4;
+      c.parallelism.zero_stage = 3;
+      c.training.global_batch_size = 32;
+    }
+    const RooflineComputeModel none(Plan::from_config(c));
+    c.training.activation_recompute = Recompute::selective_op;
+    const RooflineComputeModel op(Plan::from_config(c));
+    const int layers = fw == Framework::fsdp ? 8 : 2;
+    const int chunk = fw == Framework::fsdp ? 0 : 1;
+    double again = product_seconds(N, h, h, peak) + product_seconds(N, h, f, peak);
+    if (fw == Framework::fsdp) again += product_seconds(N, h, h, peak);  // k (as wide as q: no grouped heads)
+    EXPECT_NEAR(op.chunk(chunk).backward_input - none.chunk(chunk).backward_input, layers * again, layers * again * 1e-9)
+        << (fw == Framework::fsdp ? "fsdp" : "megatron");
+    EXPECT_EQ(op.chunk(chunk).forward, none.chunk(chunk).forward);
+    EXPECT_EQ(op.chunk(chunk).backward_weight, none.chunk(chunk).backward_weight);
+  }
+}
+
 TEST(ComputeModel, TensorParallelSplitsProductsAndAddsTwoAllReducesEachWay) {
   ScenarioConfig c = compute_config(Recompute::none, 2);
   c.cluster.intra_node = {100, 2, 1};  // a link slow enough to see

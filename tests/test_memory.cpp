@@ -85,6 +85,79 @@ TEST(Activations, PublishedPerLayerFormulas) {
   EXPECT_DOUBLE_EQ(flash.layer_stored_activation_bytes(2, 2, 1, false, Recompute::full), 2 * sbh);
 }
 
+// torchtitan's op-level policy keeps each layer's input, the attention core's output and the
+// 1st, 3rd, ... product's output in the order the code calls them: Llama's separate q, k, v, o, w1,
+// w3, w2 (PyTorch-native, separate_projections) keep q, v, w1 and w2; a fused decoder's qkv, o,
+// fc1, fc2 keep qkv and fc1. A row-parallel output (o, w2) is the stream's width on every rank.
+TEST(Activations, OpLevelCheckpointingKeepsEveryOtherProduct) {
+  ModelConfig m;
+  m.hidden_size = 4096;
+  m.num_attention_heads = 32;
+  m.num_query_groups = 8;
+  m.ffn_hidden_size = 14336;
+  m.swiglu = true;
+  m.seq_length = 8192;
+  m.attention = AttentionKernel::flash;
+  const double s = 8192, b = 2, h = 4096, a = 32, kv = 1024, f = 14336, e = 2;
+  const ModelShape llama(m, true);
+  for (int t : {1, 2, 8}) {
+    const double lse = 4 * a * s * b / t;
+    EXPECT_DOUBLE_EQ(llama.layer_stored_activation_bytes(2, 2, t, false, Recompute::selective_op),
+                     e * s * b * (h + h / t + h / t + kv / t + f / t + h) + lse);
+    EXPECT_DOUBLE_EQ(llama.layer_stored_activation_bytes(2, 2, t, true, Recompute::selective_op),
+                     e * s * b * (h / t + h / t + h / t + kv / t + f / t + h / t) + lse);
+  }
+  // Megatron-LM's fused products: qkv (h + 2 kv) and the gate and up product (2f) kept.
+  const ModelShape fused(m, false);
+  EXPECT_DOUBLE_EQ(fused.layer_stored_activation_bytes(2, 2, 1, false, Recompute::selective_op),
+                   e * s * b * (h + h + (h + 2 * kv) + 2 * f) + 4 * a * s * b);
+  // A GPT with unfused attention: its probabilities are rebuilt, not kept (no s x s term).
+  ModelConfig g;
+  g.hidden_size = 1024;
+  g.num_attention_heads = 16;
+  g.seq_length = 1024;
+  g.attention = AttentionKernel::fused;
+  g.attention_dropout = 0.1;
+  g.hidden_dropout = 0.1;
+  const double gh = 1024, gs = 1024;
+  EXPECT_DOUBLE_EQ(ModelShape(g).layer_stored_activation_bytes(2, 2, 1, false, Recompute::selective_op),
+                   e * gs * b * (gh + gh + 3 * gh + 4 * gh));
+  // Between full recompute's and selective's, for every layout above.
+  for (const ModelShape& shape : {llama, fused, ModelShape(g)})
+    for (bool sp : {false, true}) {
+      const double op = shape.layer_stored_activation_bytes(2, 2, 2, sp, Recompute::selective_op);
+      EXPECT_GT(op, shape.layer_stored_activation_bytes(2, 2, 2, sp, Recompute::full));
+      EXPECT_LT(op, shape.layer_stored_activation_bytes(2, 2, 2, sp, Recompute::selective));
+    }
+  // The FLOPs the hardware runs: the products not kept again (k, o and w3 for Llama), per sample.
+  EXPECT_DOUBLE_EQ(llama.hardware_flops_per_sample(Recompute::selective_op) - llama.model_flops_per_sample(),
+                   llama.L * 2 * s * (kv * h + h * h + f * h));
+  EXPECT_DOUBLE_EQ(fused.hardware_flops_per_sample(Recompute::selective_op) - fused.model_flops_per_sample(),
+                   fused.L * 2 * s * (h * h + h * f));
+}
+
+// PyTorch's cross-entropy on FP32 logits (the FSDP frameworks' loss) holds, in its backward, the
+// kept log-softmax, the gradient into it and the one it produces: 12 bytes per logit at once,
+// where Megatron-LM's vocabulary-parallel cross-entropy works in its one FP32 buffer (4).
+TEST(Activations, PyTorchsLossHoldsThreeFp32LogitTensorsInItsBackward) {
+  ScenarioConfig c = testing::small_config(1, 1, ScheduleKind::one_f_one_b, 1, 2);
+  c.parallelism.zero_stage = 3;
+  c.training.activation_recompute = Recompute::full;
+  c.model.vocab_size = 4096;
+  const double logits = static_cast<double>(c.training.micro_batch_size) * c.model.seq_length * c.model.vocab_size;
+  c.parallelism.framework = Framework::deepspeed;
+  const Plan ds = Plan::from_config(c);
+  c.parallelism.framework = Framework::fsdp;
+  const Plan fsdp = Plan::from_config(c);
+  const double ds_peak = MemoryModel(ds).peak_per_rank(build_schedule(ds))[0].activations;
+  const double fsdp_peak = MemoryModel(fsdp).peak_per_rank(build_schedule(fsdp))[0].activations;
+  // Full recompute rebuilds one layer (smaller than the loss's 8 bytes per logit here).
+  const ModelShape shape = fsdp.shape();
+  const double layer = shape.layer_stored_activation_bytes(c.training.micro_batch_size, 2, 1, false, Recompute::none);
+  ASSERT_LT(layer, 8 * logits);
+  EXPECT_DOUBLE_EQ(fsdp_peak - ds_peak, 8 * logits - layer);
+}
+
 TEST(Activations, PeakFollowsTheSchedule) {
   // Middle stages hold p - s micro-batches under 1F1B and m under GPipe.
   const int p = 4, m = 8;

@@ -51,6 +51,11 @@ RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int
   const int layers = plan.layers_per_virtual_stage[vs];
   c.forward = layers * 2 * (reduce + gather);
   c.backward_input = layers * 2 * (reduce + gather);
+  // A rebuild runs its products' collectives again: full recompute the whole layer's, selective_op
+  // the attention projection's sum (its qkv and fc products, whose inputs are gathered, are kept).
+  const Recompute rc = plan.config.training.activation_recompute;
+  if (rc == Recompute::full) c.backward_input += layers * 2 * (reduce + gather);
+  if (rc == Recompute::selective_op) c.backward_input += layers * reduce;
   if (sp) c.backward_weight = layers * ((split ? 4 : 2) * gather + all_reduce(buffers.norm_gradients));
   if (vs == 0) {
     c.forward += reduce;

@@ -48,12 +48,18 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     if (vs == V - 1) a += 4.0 * b * m.s * static_cast<double>(m.V) / t + 2.0 * e * static_cast<double>(b) * m.s * m.h;
     tables_.act.push_back(a);
     // During a backward, recompute rebuilds one layer at a time: full, the layer's activations;
-    // selective, what it does not keep (the attention core's s x s tensors; none with flash).
+    // selective and selective_op, what they do not keep (selective: the attention core's s x s
+    // tensors, none with flash).
     const bool has_layers = plan.layers_per_virtual_stage[vs] > 0;
-    tables_.transient.push_back(!has_layers                    ? 0.0
-                                : rc == Recompute::full      ? full_layer
-                                : rc == Recompute::selective ? full_layer - per_layer
-                                                             : 0.0);
+    double transient = !has_layers || rc == Recompute::none ? 0.0 : rc == Recompute::full ? full_layer : full_layer - per_layer;
+    // PyTorch's cross-entropy on the FP32 logits (the FSDP frameworks' loss: torchtitan,
+    // `F.cross_entropy(pred.float(), labels)`) keeps its log-softmax (the 4 bytes above); its
+    // backward holds that, the gradient flowing into it and the one it produces, FP32 each, at
+    // once: 8 bytes per logit beyond the kept 4 (Megatron-LM's vocabulary-parallel cross-entropy
+    // works in place in the one FP32 buffer). The layers' rebuilds come after it.
+    if (vs == V - 1 && plan.framework == Framework::fsdp)
+      transient = std::max(transient, 8.0 * b * m.s * static_cast<double>(m.V) / t);
+    tables_.transient.push_back(transient);
     // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the
     // bucket it fills and the one before it, being reduce-scattered (DeepSpeed's reduce buckets,
     // FSDP's unit), in the reduction's format. The chunk's gradients g are cut into buckets of B
@@ -81,6 +87,10 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     // rows; the projection's and the MLP's second product's, split t ways) and the second norm's input.
     if (rc == Recompute::full)
       w += plan.layers_per_virtual_stage[vs] * rows * (3.0 * m.h / stream_split + (m.h + m.f) / t);
+    // selective_op keeps the projection's input (the attention core's output); the rebuilt first
+    // norm's output, the residual and the second norm's output, and the MLP's activation stay.
+    if (rc == Recompute::selective_op)
+      w += plan.layers_per_virtual_stage[vs] * rows * (3.0 * m.h / stream_split + static_cast<double>(m.f) / t);
     tables_.weight_pass.push_back(w);
   }
 }

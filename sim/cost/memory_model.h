@@ -29,7 +29,7 @@ ModelStateBytes model_state_bytes(const Plan& plan, double params);
 // All that the walk of a rank's program reads besides the program, per virtual stage.
 struct ActivationTables {
   std::vector<double> act;          // bytes one micro-batch leaves until its backward
-  std::vector<double> transient;    // extra during a backward: what recompute rebuilds
+  std::vector<double> transient;    // extra during a backward: what recompute rebuilds (FSDP's loss: its gradients)
   std::vector<double> weight_pass;  // kept from a split backward's input pass for its weight pass
   // ZeRO-2/3: the unsharded gradient buckets (the one filled, the one reduce-scattered) while an
   // op that produces gradients runs (Backward, BackwardWeight); counted with the activations.
