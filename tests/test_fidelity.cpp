@@ -10,6 +10,8 @@
 #include "core/diagnostics.h"
 #include "core/model_shape.h"
 #include "core/presets.h"
+#include "core/plan.h"
+#include "sim/simulator.h"
 #include "validation/fidelity.h"
 
 namespace trainsim {
@@ -92,6 +94,53 @@ TEST(Fidelity, AMalformedRowNamesItsFileLineAndKey) {
     EXPECT_NE(e.diagnostics()[0].key_path.find("num_layrs"), std::string::npos);
   }
   std::ofstream(path) << "published:\n  source: test\n  metric: tokens\n";
+  EXPECT_THROW(validation::load_published_file(path), ScenarioError);
+  std::remove(path.c_str());
+}
+
+// A row that publishes its peak memory gets a memory row: the simulator's largest peak over the
+// ranks, the same as `trainsim simulate` of the row's scenario reports, accepted like the others
+// and summed up apart from the sources' throughput figures.
+TEST(Fidelity, APublishedMemoryFigureIsHeldAgainstThePredictedPeak) {
+  const std::string path = std::string(TRAINSIM_BINARY_DIR) + "/fidelity_memory_row.yaml";
+  const std::string row = "published:\n"
+                          "  source: test\n"
+                          "  citation: none\n"
+                          "  label: memory\n"
+                          "  metric: step_time_s\n"
+                          "  value: 1\n"
+                          "  memory_gib: 40\n"
+                          "scenario:\n"
+                          "  name: memory\n"
+                          "  model: {preset: llama2-7b}\n"
+                          "  cluster: {gpu: a100-80gb, num_gpus: 8}\n"
+                          "  parallelism: {zero_stage: 3, framework: fsdp}\n"
+                          "  training: {micro_batch_size: 1, activation_recompute: selective_op}\n";
+  std::ofstream(path) << row;
+  const validation::PublishedFile f = validation::load_published_file(path);
+  EXPECT_EQ(f.memory_gib, 40);
+  const validation::FidelityReport r = validation::run_fidelity({f});
+  ASSERT_EQ(r.rows.size(), 1u);
+  ASSERT_EQ(r.memory.size(), 1u);
+  const Result sim = Predictor().evaluate(Plan::from_scenario(f.scenario));
+  double peak = 0;
+  for (const RankResult& rank : sim.ranks) peak = std::max(peak, rank.peak_memory_bytes);
+  EXPECT_DOUBLE_EQ(r.memory[0].predicted, peak / 1073741824.0);
+  EXPECT_EQ(r.memory[0].id, "fidelity_memory_row@memory");
+  EXPECT_NEAR(r.memory[0].error(), r.memory[0].predicted / 40 - 1, 1e-12);
+  EXPECT_EQ(r.overall.rows, 1);  // the memory row is not a throughput row
+  EXPECT_EQ(r.memory_overall.rows, 1);
+  // Accepted like the others: it moves, the check says so.
+  validation::AcceptedErrors a;
+  a.sources = {{"test", {1, 1}}, {"all", {1, 1}}};
+  a.rows = {{r.rows[0].id, r.rows[0].error()}, {r.memory[0].id, r.memory[0].error() + 0.01}};
+  const auto problems = validation::check_fidelity(r, a);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find("@memory"), std::string::npos);
+  // A memory figure on a ratio or bandwidth row has no single run to hold it against.
+  std::ofstream(path) << "published:\n  source: test\n  citation: none\n  label: bad\n  metric: busbw_gbps\n"
+                         "  value: 1\n  memory_gib: 40\n  collective: {op: all_reduce, bytes: 1e9}\n"
+                      << row.substr(row.find("scenario:"));
   EXPECT_THROW(validation::load_published_file(path), ScenarioError);
   std::remove(path.c_str());
 }

@@ -153,7 +153,8 @@ PublishedFile load_published_file(const std::string& path) {
   if (!pub || !pub.IsMap()) fail(path, root, "published", "needs a `published:` section");
   if (!sc || !sc.IsMap()) fail(path, root, "scenario", "needs a `scenario:` section (a scenario, indented)");
   check_keys(path, pub, "published",
-             {"source", "citation", "label", "note", "metric", "flops", "value", "collective", "baseline", "variants"});
+             {"source", "citation", "label", "note", "metric", "flops", "value", "memory_gib", "collective", "baseline",
+              "variants"});
 
   PublishedFile f;
   f.file = path;
@@ -182,6 +183,12 @@ PublishedFile load_published_file(const std::string& path) {
     }
   } else {
     f.value = get<double>(path, pub, "value", "published");
+  }
+  if (pub["memory_gib"]) {
+    if (f.metric == "busbw_gbps" || f.metric == "throughput_ratio")
+      fail(path, pub["memory_gib"], "published.memory_gib", "a memory figure belongs to a row of one training run");
+    f.memory_gib = get<double>(path, pub, "memory_gib", "published");
+    if (!(f.memory_gib > 0)) fail(path, pub["memory_gib"], "published.memory_gib", "must be > 0 (GiB per GPU)");
   }
   if (f.metric == "tflops_per_gpu") {
     f.flops = get<std::string>(path, pub, "flops", "published");
@@ -247,11 +254,24 @@ FidelityReport run_fidelity(const std::vector<PublishedFile>& files) {
       r.rows.push_back(row);
       continue;
     }
-    const double base_s = predictor.evaluate(plan).step_time_s;
+    const Result base = predictor.evaluate(plan);
+    const double base_s = base.step_time_s;
     if (f.metric != "throughput_ratio") {
       row.predicted = predicted_figure(f, plan, base_s);
       row.detail = fmt::format("step {:.3f} s", base_s);
       r.rows.push_back(row);
+      if (f.memory_gib > 0) {
+        FidelityRow mem = row;
+        mem.id = stem + "@memory";
+        mem.metric = "peak_memory_gib";
+        mem.time = false;
+        mem.published = f.memory_gib;
+        double peak = 0;
+        for (const RankResult& rank : base.ranks) peak = std::max(peak, rank.peak_memory_bytes);
+        mem.predicted = peak / 1073741824.0;
+        mem.detail = fmt::format("of {:.1f} GiB", plan.config.cluster.memory_gib);
+        r.memory.push_back(mem);
+      }
       continue;
     }
     for (const PublishedVariant& v : f.variants) {
@@ -289,6 +309,9 @@ FidelityReport run_fidelity(const std::vector<PublishedFile>& files) {
   }
   for (SourceSummary& s : r.sources) s.mean_abs /= std::max(1, s.rows);
   r.overall.mean_abs /= std::max(1, r.overall.rows);
+  r.memory_overall.source = "peak memory";
+  for (const FidelityRow& row : r.memory) add(r.memory_overall, row);
+  r.memory_overall.mean_abs /= std::max(1, r.memory_overall.rows);
   return r;
 }
 
@@ -305,6 +328,13 @@ std::string format_fidelity(const FidelityReport& r) {
   };
   for (const SourceSummary& s : r.sources) line(s);
   line(r.overall);
+  if (r.memory.empty()) return out;
+  out += fmt::format("\n{:<44} {:>6} {:<22} {:>10} {:>10} {:>8}  {}\n", "peak memory per GPU (over: +)", "GPUs",
+                     "figure", "published", "predicted", "error", "capacity");
+  for (const FidelityRow& row : r.memory)
+    out += fmt::format("{:<44} {:>6} {:<22} {:>10.4g} {:>10.4g} {:>+7.1f}%  {}\n", row.id, row.gpus, row.metric,
+                       row.published, row.predicted, 100 * row.error(), row.detail);
+  line(r.memory_overall);
   return out;
 }
 
@@ -415,13 +445,16 @@ std::string accepted_to_yaml(const FidelityReport& r, const AcceptedErrors& prev
   source(r.overall);
   out += "rows:\n";
   for (const FidelityRow& row : r.rows) out += fmt::format("  \"{}\": {:.4f}\n", row.id, row.error());
+  for (const FidelityRow& row : r.memory) out += fmt::format("  \"{}\": {:.4f}\n", row.id, row.error());
   return out;
 }
 
 std::vector<std::string> check_fidelity(const FidelityReport& r, const AcceptedErrors& a) {
   std::vector<std::string> problems;
   std::set<std::string> seen;
-  for (const FidelityRow& row : r.rows) {
+  std::vector<FidelityRow> rows = r.rows;
+  rows.insert(rows.end(), r.memory.begin(), r.memory.end());
+  for (const FidelityRow& row : rows) {
     seen.insert(row.id);
     auto it = a.rows.find(row.id);
     if (it == a.rows.end()) {

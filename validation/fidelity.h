@@ -19,6 +19,11 @@
 //                          whose figure is its throughput over the baseline's
 // Error = predicted / published - 1 for throughputs, published / predicted - 1 for times: positive
 // when the prediction is faster than the measurement.
+//
+// A row may also give `memory_gib`, the peak memory per GPU the source measured (GiB, as its
+// table defines it: torchtitan's is PyTorch's peak reserved bytes): a memory row beside it, held
+// against the simulator's peak per GPU (error predicted / published - 1: positive when more is
+// predicted), accepted like the others and summed up on its own, not into the sources' figures.
 #pragma once
 
 #include <map>
@@ -48,6 +53,7 @@ struct PublishedFile {
   std::string metric;       // one of the names above
   std::string flops;        // tflops_per_gpu: megatron | palm
   double value = 0;
+  double memory_gib = 0;    // 0: not published
   std::string collective;   // busbw_gbps: all_reduce | reduce_scatter | all_gather
   double bytes = 0;
   std::string baseline_label;  // throughput_ratio
@@ -80,6 +86,10 @@ struct FidelityReport {
   std::vector<FidelityRow> rows;
   std::vector<SourceSummary> sources;  // in order of first appearance
   SourceSummary overall;
+  // Peak memory per GPU where the source published it (metric peak_memory_gib, id "<row>@memory"),
+  // and their summary (source "peak memory").
+  std::vector<FidelityRow> memory;
+  SourceSummary memory_overall;
 };
 
 // Reads every *.yaml of `folder` except accepted.yaml. Throws ScenarioError (file, line, key)
