@@ -24,6 +24,7 @@
 #include "sim/simulator.h"
 #include "sim/sweep/advice.h"
 #include "sim/sweep/report.h"
+#include "tests/test_helpers.h"
 
 namespace trainsim {
 namespace {
@@ -244,6 +245,26 @@ TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
   }
   EXPECT_EQ(zero, (std::set<int>{0, 1, 2, 3}));
   EXPECT_TRUE(sp);
+  // Recompute as the framework has it: Megatron-LM's and DeepSpeed's selective, not torchtitan's.
+  std::set<Recompute> recompute;
+  for (const auto& row : p.sweep.rows) recompute.insert(row.point.config.training.activation_recompute);
+  EXPECT_EQ(recompute, (std::set<Recompute>{Recompute::none, Recompute::selective, Recompute::full}));
+}
+
+// The default space's selective recompute is the framework's own: Megatron-LM (and DeepSpeed on
+// it) recompute the attention core, PyTorch-native FSDP code (torchtitan) runs its op-level policy.
+TEST(Plan, TheDefaultSpacesSelectiveRecomputeIsTheFrameworks) {
+  for (Framework fw : {Framework::auto_select, Framework::megatron, Framework::deepspeed, Framework::fsdp})
+    for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::selective_op, Recompute::full}) {
+      ScenarioConfig c = testing::small_config(1, 2, ScheduleKind::one_f_one_b, 1, 2);
+      c.parallelism.framework = fw;
+      c.parallelism.zero_stage = 3;
+      c.training.activation_recompute = rc;
+      normalize_default_candidate(c);
+      const bool selective = rc == Recompute::selective || rc == Recompute::selective_op;
+      const Recompute want = !selective ? rc : fw == Framework::fsdp ? Recompute::selective_op : Recompute::selective;
+      EXPECT_EQ(c.training.activation_recompute, want) << static_cast<int>(fw) << " " << recompute_name(rc);
+    }
 }
 
 TEST(Plan, NothingFeasibleGivesNoChoice) {

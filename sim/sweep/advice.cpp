@@ -164,7 +164,7 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
   values("parallelism.schedule", {text("gpipe"), text("1f1b"), text("interleaved-1f1b"), text("zb-h1")});
   values("parallelism.virtual_pipeline_stages", {std::int64_t{1}, std::int64_t{2}});
   values("parallelism.sequence_parallel", {false, true});
-  values("training.activation_recompute", {text("none"), text("selective"), text("full")});
+  values("training.activation_recompute", {text("none"), text("selective"), text("selective_op"), text("full")});
   values("parallelism.zero_stage", {std::int64_t{0}, std::int64_t{1}, std::int64_t{2}, std::int64_t{3}});
   values("communication.overlap_grad_reduce", {false, true});
   return axes;
@@ -185,6 +185,11 @@ void normalize_default_candidate(ScenarioConfig& c) {
                            : p.framework;
   if (fw == Framework::deepspeed && p.zero_stage >= 2 && p.pipeline_parallel_size > 1) p.zero_stage = 1;
   if (fw == Framework::fsdp && p.zero_stage == 1) p.zero_stage = 2;
+  // The selective recompute the framework has: Megatron-LM's (and DeepSpeed on it) recomputes the
+  // attention core; PyTorch-native FSDP code (torchtitan) its op-level policy.
+  Recompute& rc = c.training.activation_recompute;
+  if (fw == Framework::fsdp && rc == Recompute::selective) rc = Recompute::selective_op;
+  if (fw != Framework::fsdp && rc == Recompute::selective_op) rc = Recompute::selective;
 }
 
 std::tuple<int, int, int, int, int> layout_complexity(const ScenarioConfig& c) {

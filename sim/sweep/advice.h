@@ -150,7 +150,8 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& config);
 // Folds the default space's meaningless combinations into one (applied to every candidate,
 // so duplicates are dropped): one schedule without a pipeline, virtual stages only with the
 // interleaved schedule, sequence parallelism only with tensor parallelism, ZeRO and overlap
-// only with data parallelism, ZeRO-2/3 only where the framework allows them.
+// only with data parallelism, ZeRO-2/3 only where the framework allows them, and the selective
+// recompute the framework has (Megatron-LM's selective, FSDP's selective_op).
 void normalize_default_candidate(ScenarioConfig& config);
 
 PlanResult make_plan(const Scenario& scenario, const PlanOptions& options = {});
