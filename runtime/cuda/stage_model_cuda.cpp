@@ -332,7 +332,7 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
   }
   if (s.recompute == Recompute::selective) redo.probs = act(static_cast<std::size_t>(B) * Hl * T * T);
   if (s.recompute == Recompute::full) {
-    redo.block = make_block_stash<DeviceBuffer>(shape(), true, [this](std::size_t n, Held h) { return make(n, h); });
+    redo.block = make_block_stash<DeviceBuffer>(shape(), {}, [this](std::size_t n, Held h) { return make(n, h); });
     redo.out = act(Nl * C);
   }
   fill_zero(grads.data(), grads.bytes(), stream);
