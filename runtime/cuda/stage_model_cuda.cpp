@@ -202,7 +202,9 @@ struct CudaStageModel::Impl : StageShape {
   void forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
   // Room for micro-batch losses 0..count-1, the ones already there kept.
   void ensure_loss_slots(std::size_t count);
-  void block_forward(int li, StashT& s);
+  // rebuild_op: selective_op's rebuild (StageModel::Impl::block_forward's): neither qkv nor fc, the
+  // attention output to scratch, no mlp.proj.
+  void block_forward(int li, StashT& s, bool rebuild_op = false);
   void head_forward(int mb, StashT& s);
   void attention_forward(BlockStash<DeviceBuffer>& st);
   void begin(int mb, const void* grad_output, float scale, bool split);
@@ -235,8 +237,9 @@ struct CudaStageModel::Impl : StageShape {
   const DeviceBuffer& stage_output(const StashT& s) const {
     return s.x[static_cast<std::size_t>(L)].bytes() == 0 ? redo.out : s.x[static_cast<std::size_t>(L)];
   }
-  // Full recompute under a split backward rebuilds a block in its stash's room, allocated with the
-  // stash (no allocation mid-step, while NCCL may wait): reserve() asked for split backwards.
+  // Full recompute and selective_op under a split backward rebuild a block in its stash's room,
+  // allocated with the stash (no allocation mid-step, while NCCL may wait): reserve() asked for
+  // split backwards.
   bool split_room = false;
 
   // Weights read through the engine's gate (set_weight_gate), piece by piece.
@@ -331,9 +334,14 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
     norm_partials = f32(4 * static_cast<std::size_t>(C));
   }
   if (s.recompute == Recompute::selective) redo.probs = act(static_cast<std::size_t>(B) * Hl * T * T);
+  auto make_buf = [this](std::size_t n, Held h) { return make(n, h); };
   if (s.recompute == Recompute::full) {
-    redo.block = make_block_stash<DeviceBuffer>(shape(), true, [this](std::size_t n, Held h) { return make(n, h); });
+    redo.block = make_block_stash<DeviceBuffer>(shape(), {}, make_buf);
     redo.out = act(Nl * C);
+  }
+  if (s.recompute == Recompute::selective_op) {
+    redo.block = make_block_stash<DeviceBuffer>(shape(), {.products = false}, make_buf);
+    if (!s.has_head && L > 0) redo.out = act(Nl * C);  // the stage's output, passed on
   }
   fill_zero(grads.data(), grads.bytes(), stream);
 }
@@ -432,7 +440,7 @@ void CudaStageModel::Impl::head_forward(int mb, StashT& s) {
   k::sum(mb_loss_sums.as<double>() + mb, losses.as<float>(), N, reduce_scratch.as<double>(), false, stream);
 }
 
-void CudaStageModel::Impl::block_forward(int li, StashT& s) {
+void CudaStageModel::Impl::block_forward(int li, StashT& s, bool rebuild_op) {
   const BlockParams& p = blocks[static_cast<std::size_t>(li)];
   BlockStash<DeviceBuffer>& b = s.blocks[static_cast<std::size_t>(li)];
   const int n = static_cast<int>(N), nl = static_cast<int>(Nl);
@@ -442,14 +450,19 @@ void CudaStageModel::Impl::block_forward(int li, StashT& s) {
 
   k::layernorm_forward(b.ln1.data(), b.mean1.as<float>(), b.rstd1.as<float>(), x0, w(p.ln1_w), w(p.ln1_b), nl, C, dt,
                        stream);
-  k::linear_forward(gemm, b.qkv.data(), gather_rows(b.ln1.data(), gathered, C), w(p.qkv_w), w(p.qkv_b), n, C,
-                    3 * Cl, dt);
+  if (!rebuild_op)
+    k::linear_forward(gemm, b.qkv.data(), gather_rows(b.ln1.data(), gathered, C), w(p.qkv_w), w(p.qkv_b), n, C,
+                      3 * Cl, dt);
+  if (rebuild_op) std::swap(b.att, datt);  // to scratch (datt: free until the input pass); attn.proj reads the kept one
   attention_forward(b);
+  if (rebuild_op) std::swap(b.att, datt);
   k::residual_add(b.x1.data(), x0, row_parallel(b.att.data(), p.attn_proj_w, p.attn_proj_b, Cl), nlc, dt, stream);
   k::layernorm_forward(b.ln2.data(), b.mean2.as<float>(), b.rstd2.as<float>(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), nl,
                        C, dt, stream);
-  k::linear_forward(gemm, b.fc.data(), gather_rows(b.ln2.data(), gathered, C), w(p.fc_w), w(p.fc_b), n, C, Fl, dt);
+  if (!rebuild_op)
+    k::linear_forward(gemm, b.fc.data(), gather_rows(b.ln2.data(), gathered, C), w(p.fc_w), w(p.fc_b), n, C, Fl, dt);
   k::gelu_forward(b.gelu.data(), b.fc.data(), N * Fl, dt, stream);
+  if (rebuild_op) return;
   k::residual_add(x2, b.x1.data(), row_parallel(b.gelu.data(), p.mlp_proj_w, p.mlp_proj_b, Fl), nlc, dt, stream);
 }
 
@@ -491,14 +504,21 @@ void CudaStageModel::Impl::forward_block(int li, StashT& s) {
       block_forward(li, s);
       std::swap(b.probs, redo.probs);
       return;
-    case Recompute::full: {  // the whole block goes to the workspace; its output stays only as the next input
+    case Recompute::full:            // the whole block goes to the workspace,
+    case Recompute::selective_op: {  // or all but qkv, att and fc; the output stays only as the next input
+      auto to_workspace = [&] {
+        if (spec.recompute == Recompute::full)
+          std::swap(b, redo.block);
+        else
+          swap_op_rebuilt(b, redo.block);
+      };
       DeviceBuffer& next = s.x[static_cast<std::size_t>(li) + 1];
-      std::swap(b, redo.block);
+      to_workspace();
       const bool kept = next.bytes() > 0;
       if (!kept) std::swap(next, redo.out);
       block_forward(li, s);
       if (!kept) std::swap(next, redo.out);
-      std::swap(b, redo.block);
+      to_workspace();  // and back
       return;
     }
   }
@@ -521,6 +541,19 @@ void CudaStageModel::Impl::rebuild(const Unit& u, StashT& s, bool split) {
     std::swap(st.att, datt);
     return;
   }
+  if (spec.recompute == Recompute::selective_op) {  // from the kept input, qkv, att and fc
+    if (!split) {
+      swap_op_rebuilt(st, redo.block);
+    } else {  // in the stash's room what the weight pass, later, reads; the softmax output in the workspace
+      if (st.ln1.bytes() == 0)
+        throw std::logic_error(
+            "CudaStageModel: a split backward under selective_op recompute needs reserve() with split backwards");
+      std::swap(st.probs, redo.block.probs);
+      st.kept = true;
+    }
+    block_forward(u.block, s, true);
+    return;
+  }
   if (!split) {
     std::swap(st, redo.block);
   } else {  // rebuilt in the stash's room: the weight pass, later, reads what the input pass leaves
@@ -536,6 +569,11 @@ void CudaStageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_d
   BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(u.block)];
   if (spec.recompute == Recompute::selective) {
     std::swap(st.probs, redo.probs);
+  } else if (spec.recompute == Recompute::selective_op) {
+    if (weights_done)
+      swap_op_rebuilt(st, redo.block);
+    else  // the rest kept for the weight pass
+      std::swap(st.probs, redo.block.probs);
   } else if (weights_done) {
     std::swap(st, redo.block);
   }  // else: kept; stash_bytes counts only what the weight pass reads
@@ -856,7 +894,8 @@ std::vector<float> CudaStageModel::losses(int count) const {
 
 void CudaStageModel::reserve(int stashes, int backwards, int split_backwards, int micro_batches) {
   Impl& m = *impl_;
-  if (split_backwards > 0 && m.spec.recompute == Recompute::full && !m.split_room) {
+  if (split_backwards > 0 && (m.spec.recompute == Recompute::full || m.spec.recompute == Recompute::selective_op) &&
+      !m.split_room) {
     m.split_room = true;
     m.free_stashes.clear();  // made again with the room
   }

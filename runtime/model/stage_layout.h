@@ -17,6 +17,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"  // Recompute
@@ -85,10 +86,23 @@ template <class Buf>
 struct BlockStash {
   Buf ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (Nl,C) (N,3Cl) (B,Hl,T,T) (N,Cl) (Nl,C) (Nl,C) (N,Fl) (N,Fl)
   Buf mean1, rstd1, mean2, rstd2;               // (Nl) fp32
-  // Full recompute under a split backward: the input pass rebuilds the block here and the weight
-  // pass, later, reads part of it; `kept` from the one to the other (stash_bytes counts it then).
+  // Full recompute (selective_op: what it does not keep) under a split backward: the input pass
+  // rebuilds the block here and the weight pass, later, reads part of it; `kept` from the one to
+  // the other (stash_bytes counts it then).
   bool kept = false;
 };
+// selective_op (torchtitan's op-level policy) keeps of a block the attention core's output and
+// every other product's, in the order block_forward calls them (qkv 1st, attn.proj 2nd, mlp.fc 3rd,
+// mlp.proj 4th): att, qkv and fc. The rest is rebuilt in the block's backward; this swaps it (ln1,
+// probs, x1, ln2, gelu and the statistics) between two blocks' tensors (the stash and the workspace).
+template <class Buf>
+void swap_op_rebuilt(BlockStash<Buf>& a, BlockStash<Buf>& b) {
+  using std::swap;
+  for (auto t : {&BlockStash<Buf>::ln1, &BlockStash<Buf>::probs, &BlockStash<Buf>::x1, &BlockStash<Buf>::ln2,
+                 &BlockStash<Buf>::gelu, &BlockStash<Buf>::mean1, &BlockStash<Buf>::rstd1, &BlockStash<Buf>::mean2,
+                 &BlockStash<Buf>::rstd2})
+    swap(a.*t, b.*t);
+}
 template <class Buf, class Ids>
 struct Stash {
   Ids tokens, targets;    // (N) int32: first stage, last stage
@@ -113,31 +127,42 @@ struct Backward {
 };
 
 // Allocation: make(elements, Held) -> Buf, make_ids(elements) -> Ids.
-// One block's tensors (`probs`: with the softmax output).
+// Which of a block's tensors to allocate: `products` the ones selective_op keeps (qkv, att, fc),
+// `probs` the softmax output, `rest` the others (the norms' outputs and statistics, x1, gelu).
+struct BlockParts {
+  bool products = true, probs = true, rest = true;
+};
 template <class Buf, class Make>
-BlockStash<Buf> make_block_stash(const StageShape& s, bool probs, Make&& make) {
+BlockStash<Buf> make_block_stash(const StageShape& s, BlockParts parts, Make&& make) {
   const std::size_t nlc = s.Nl * s.C, n = s.N;
   BlockStash<Buf> b;
-  b.ln1 = make(nlc, Held::compute);
-  b.qkv = make(3 * n * s.Cl, Held::compute);
-  if (probs) b.probs = make(static_cast<std::size_t>(s.B) * s.Hl * s.T * s.T, Held::compute);
-  b.att = make(n * s.Cl, Held::compute);
-  b.x1 = make(nlc, Held::compute);
-  b.ln2 = make(nlc, Held::compute);
-  b.fc = make(n * s.Fl, Held::compute);
-  b.gelu = make(n * s.Fl, Held::compute);
-  b.mean1 = make(s.Nl, Held::f32);
-  b.rstd1 = make(s.Nl, Held::f32);
-  b.mean2 = make(s.Nl, Held::f32);
-  b.rstd2 = make(s.Nl, Held::f32);
+  if (parts.products) {
+    b.qkv = make(3 * n * s.Cl, Held::compute);
+    b.att = make(n * s.Cl, Held::compute);
+    b.fc = make(n * s.Fl, Held::compute);
+  }
+  if (parts.probs) b.probs = make(static_cast<std::size_t>(s.B) * s.Hl * s.T * s.T, Held::compute);
+  if (parts.rest) {
+    b.ln1 = make(nlc, Held::compute);
+    b.x1 = make(nlc, Held::compute);
+    b.ln2 = make(nlc, Held::compute);
+    b.gelu = make(n * s.Fl, Held::compute);
+    b.mean1 = make(s.Nl, Held::f32);
+    b.rstd1 = make(s.Nl, Held::f32);
+    b.mean2 = make(s.Nl, Held::f32);
+    b.rstd2 = make(s.Nl, Held::f32);
+  }
   return b;
 }
 
 // A micro-batch's stash under activation recompute (training.activation_recompute, as sim's
 // memory model counts it): `none` keeps every tensor; `selective` no softmax output (rebuilt from
-// the kept QKV, Korthikanti et al. 2022); `full` each block's input only (the last block's output
-// only where the head reads it). `block_room`: under full recompute, allocate the blocks' tensors
-// anyway, as room a split backward rebuilds a block in (a device that must not allocate mid-step).
+// the kept QKV, Korthikanti et al. 2022); `selective_op` each block's input and its qkv, att and fc
+// (torchtitan's op-level policy: swap_op_rebuilt); `full` each block's input only. Under these two
+// the last block's output is kept only where the head reads it (it is no block's input).
+// `block_room`: under full recompute and selective_op, allocate the tensors they rebuild anyway
+// (selective_op's but the softmax output, which its rebuild leaves in the workspace), as room a
+// split backward rebuilds a block in for its weight pass (a device that must not allocate mid-step).
 template <class Buf, class Ids, class Make, class MakeIds>
 Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_head, Recompute recompute,
                            bool block_room, Make&& make, MakeIds&& make_ids) {
@@ -152,11 +177,19 @@ Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_hea
     st.rstdf = make(s.Nl, Held::f32);
     st.lse = make(n, Held::f32);
   }
+  const bool inputs_only = recompute == Recompute::full || recompute == Recompute::selective_op;
   for (int i = 0; i <= s.L; ++i)
-    st.x.push_back(recompute == Recompute::full && i == s.L && !has_head && s.L > 0 ? Buf() : make(nlc, Held::compute));
+    st.x.push_back(inputs_only && i == s.L && !has_head && s.L > 0 ? Buf() : make(nlc, Held::compute));
   st.blocks.resize(static_cast<std::size_t>(s.L));
-  if (recompute == Recompute::full && !block_room) return st;
-  for (BlockStash<Buf>& b : st.blocks) b = make_block_stash<Buf>(s, recompute != Recompute::selective, make);
+  BlockParts parts;
+  switch (recompute) {
+    case Recompute::none: break;
+    case Recompute::selective: parts.probs = false; break;
+    case Recompute::full: parts = {block_room, block_room, block_room}; break;
+    case Recompute::selective_op: parts = {true, false, block_room}; break;
+  }
+  if (!parts.products && !parts.probs && !parts.rest) return st;
+  for (BlockStash<Buf>& b : st.blocks) b = make_block_stash<Buf>(s, parts, make);
   return st;
 }
 
@@ -232,17 +265,22 @@ void for_each_tensor(const Stash<Buf, Ids>& st, Visit&& visit, VisitIds&& visit_
 
 // The bytes a stash holds for its backward, as the memory model counts them (bytes(buf, held)):
 // every tensor, but under full recompute a block's only while `kept`, and then only what its
-// weight pass reads (the products' and norms' inputs and statistics; not qkv, probs, fc).
+// weight pass reads (the products' and norms' inputs and statistics; not qkv, probs, fc); under
+// selective_op a block's qkv, att and fc, and while `kept` the rest of that (ln1, x1, ln2, gelu
+// and the statistics). (A device's room for them, block_room, is not counted until used.)
 template <class Buf, class Ids, class Bytes, class IdBytes>
 std::size_t stash_bytes(const Stash<Buf, Ids>& st, Recompute recompute, Bytes&& bytes, IdBytes&& id_bytes) {
   std::size_t total = id_bytes(st.tokens) + id_bytes(st.targets);
   for (const Buf& x : st.x) total += bytes(x, Held::compute);
+  const bool rebuilt = recompute == Recompute::full || recompute == Recompute::selective_op;
   for (const BlockStash<Buf>& b : st.blocks) {
-    if (recompute == Recompute::full && !b.kept) continue;
-    for (const Buf* t : {&b.ln1, &b.att, &b.x1, &b.ln2, &b.gelu}) total += bytes(*t, Held::compute);
-    for (const Buf* t : {&b.mean1, &b.rstd1, &b.mean2, &b.rstd2}) total += bytes(*t, Held::f32);
     if (recompute != Recompute::full)
-      for (const Buf* t : {&b.qkv, &b.probs, &b.fc}) total += bytes(*t, Held::compute);
+      for (const Buf* t : {&b.qkv, &b.att, &b.fc}) total += bytes(*t, Held::compute);
+    if (!rebuilt) total += bytes(b.probs, Held::compute);  // none under selective
+    if (rebuilt && !b.kept) continue;
+    for (const Buf* t : {&b.ln1, &b.x1, &b.ln2, &b.gelu}) total += bytes(*t, Held::compute);
+    for (const Buf* t : {&b.mean1, &b.rstd1, &b.mean2, &b.rstd2}) total += bytes(*t, Held::f32);
+    if (recompute == Recompute::full) total += bytes(b.att, Held::compute);
   }
   for (const Buf* t : {&st.lnf, &st.logits}) total += bytes(*t, Held::compute);
   for (const Buf* t : {&st.meanf, &st.rstdf, &st.lse}) total += bytes(*t, Held::f32);

@@ -137,9 +137,11 @@ struct StageModel::Impl : StageShape {
 
   // Activation recompute (spec.recompute), wrapped around block_forward and the block's backward:
   // the stash keeps less (stage_layout.h), and a block's backward first rebuilds what it needs in
-  // this workspace (full: one block's whole stash and output; selective: one softmax output), with
-  // the same code and inputs as the forward, so bitwise the same values (and, for a shard, the same
-  // collectives on every shard of the group). Numerics are recorded once, in the forward.
+  // this workspace (full: one block's whole stash and output; selective: one softmax output;
+  // selective_op: what swap_op_rebuilt names, and the stage's output when it is passed on, not
+  // kept), with the same code and inputs as the forward, so bitwise the same values (and, for a
+  // shard, the same collectives on every shard of the group). Numerics are recorded once, in the
+  // forward.
   struct RecomputeWork {
     BlockStash<Buffer> block;
     Buffer probs, out;
@@ -266,8 +268,17 @@ struct StageModel::Impl : StageShape {
   std::unique_ptr<StashT> take_stash();
   std::unique_ptr<BackwardT> take_backward(bool split);
   void release(Slot& s) {
-    for (BlockStash<Buffer>& b : s.stash->blocks)  // full recompute: what a split backward kept for its weight pass
-      if (b.kept) b = BlockStash<Buffer>{};
+    // Full recompute and selective_op: what a split backward rebuilt and kept for its weight pass.
+    for (BlockStash<Buffer>& b : s.stash->blocks) {
+      if (!b.kept) continue;
+      if (spec.recompute == Recompute::selective_op) {
+        BlockStash<Buffer> rebuilt;
+        swap_op_rebuilt(b, rebuilt);
+        b.kept = false;
+      } else {
+        b = BlockStash<Buffer>{};
+      }
+    }
     free_stashes.push_back(std::move(s.stash));
     free_backwards.push_back(std::move(s.backward));
     s.complete = true;
@@ -278,7 +289,10 @@ struct StageModel::Impl : StageShape {
 
   // -- passes --
   float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input, float* output);
-  void block_forward(int li, StashT& s, int mb);
+  // rebuild_op: selective_op's rebuild in the block's backward, which makes again neither what the
+  // stash keeps (qkv, fc: their products are skipped; att: the attention core writes to scratch and
+  // attn.proj reads the kept one) nor mlp.proj's output (only the next block's input, kept).
+  void block_forward(int li, StashT& s, int mb, bool rebuild_op = false);
   float head_forward(StashT& s, int mb);
   void begin(int mb, const float* grad_output, float scale, bool split);
   void unit_input(const Unit& u, StashT& s, BackwardT& b, int mb);
@@ -385,8 +399,12 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
   }
   if (s.recompute == Recompute::selective) redo.probs = floats(static_cast<std::size_t>(B) * Hl * T * T);
   if (s.recompute == Recompute::full) {
-    redo.block = make_block_stash<Buffer>(shape(), true, make);
+    redo.block = make_block_stash<Buffer>(shape(), {}, make);
     redo.out = floats(Nl * c);
+  }
+  if (s.recompute == Recompute::selective_op) {
+    redo.block = make_block_stash<Buffer>(shape(), {.products = false}, make);
+    if (!s.has_head && L > 0) redo.out = floats(Nl * c);  // the stage's output, passed on
   }
 }
 
@@ -522,7 +540,7 @@ float StageModel::Impl::head_forward(StashT& s, int mb) {
   return loss;
 }
 
-void StageModel::Impl::block_forward(int li, StashT& s, int mb) {
+void StageModel::Impl::block_forward(int li, StashT& s, int mb, bool rebuild_op) {
   const BlockParams& p = blocks[li];
   BlockStash<Buffer>& b = s.blocks[li];
   const int layer = spec.first_layer + li;
@@ -533,23 +551,31 @@ void StageModel::Impl::block_forward(int li, StashT& s, int mb) {
 
   layers::layernorm_forward(b.ln1.data(), b.mean1.data(), b.rstd1.data(), x0, w(p.ln1_w), w(p.ln1_b), Nl, C);
   done(b.ln1, "ln1 output");
-  layers::linear_forward(b.qkv.data(), gather_rows(b.ln1.data(), gathered, C), w(p.qkv_w), w(p.qkv_b), N, C,
-                         3 * Cl);
-  done(b.qkv, "attn.qkv output");
-  layers::attention_forward(b.att.data(), b.probs.data(), attn_scratch.data(), b.qkv.data(), B, T, Cl, Hl,
+  if (!rebuild_op) {
+    layers::linear_forward(b.qkv.data(), gather_rows(b.ln1.data(), gathered, C), w(p.qkv_w), w(p.qkv_b), N, C,
+                           3 * Cl);
+    done(b.qkv, "attn.qkv output");
+  }
+  // Rebuilding, the attention output goes to datt (N,Cl), scratch until the block's input pass:
+  // attn.proj reads the kept one.
+  float* att = rebuild_op ? datt.data() : b.att.data();
+  layers::attention_forward(att, b.probs.data(), attn_scratch.data(), b.qkv.data(), B, T, Cl, Hl,
                             [&](float* row, int n, AttnTensor t) {
                               finish(row, n, Tag{attn_name(t), layer}, false, mb);
                             });
-  done(b.att, "attn output");
+  finish(att, b.att.size(), Tag{"attn output", layer}, false, mb);
   const float* y = row_parallel(b.att.data(), p.attn_proj_w, p.attn_proj_b, Cl, Tag{"attn.proj output", layer}, mb);
   Row(b.x1.data(), nlc) = ConstRow(x0, nlc) + ConstRow(y, nlc);
   done(b.x1, "attn residual");
   layers::layernorm_forward(b.ln2.data(), b.mean2.data(), b.rstd2.data(), b.x1.data(), w(p.ln2_w), w(p.ln2_b), Nl, C);
   done(b.ln2, "ln2 output");
-  layers::linear_forward(b.fc.data(), gather_rows(b.ln2.data(), gathered, C), w(p.fc_w), w(p.fc_b), N, C, Fl);
-  done(b.fc, "mlp.fc output");
+  if (!rebuild_op) {
+    layers::linear_forward(b.fc.data(), gather_rows(b.ln2.data(), gathered, C), w(p.fc_w), w(p.fc_b), N, C, Fl);
+    done(b.fc, "mlp.fc output");
+  }
   layers::gelu_forward(b.gelu.data(), b.fc.data(), b.fc.size());
   done(b.gelu, "mlp.gelu output");
+  if (rebuild_op) return;
   y = row_parallel(b.gelu.data(), p.mlp_proj_w, p.mlp_proj_b, Fl, Tag{"mlp.proj output", layer}, mb);
   Row(x2, nlc) = ConstRow(b.x1.data(), nlc) + ConstRow(y, nlc);
   finish(x2, nlc, Tag{"output", layer}, false, mb);
@@ -568,13 +594,20 @@ void StageModel::Impl::forward_block(int li, StashT& s, int mb) {
       block_forward(li, s, mb);
       std::swap(s.blocks[li].probs, redo.probs);
       return;
-    case Recompute::full: {  // the whole block goes to the workspace; its output stays only as the next input
-      std::swap(s.blocks[li], redo.block);
+    case Recompute::full:            // the whole block goes to the workspace,
+    case Recompute::selective_op: {  // or all but qkv, att and fc; the output stays only as the next input
+      auto to_workspace = [&] {
+        if (spec.recompute == Recompute::full)
+          std::swap(s.blocks[li], redo.block);
+        else
+          swap_op_rebuilt(s.blocks[li], redo.block);
+      };
+      to_workspace();
       const bool kept = !s.x[li + 1].empty();
       if (!kept) std::swap(s.x[li + 1], redo.out);
       block_forward(li, s, mb);
       if (!kept) std::swap(s.x[li + 1], redo.out);
-      std::swap(s.blocks[li], redo.block);
+      to_workspace();  // and back
       return;
     }
   }
@@ -603,10 +636,24 @@ void StageModel::Impl::rebuild(const Unit& u, StashT& s, int mb, bool split) {
     std::swap(st.probs, redo.probs);
     return;
   }
+  if (spec.recompute == Recompute::selective_op) {  // from the kept input, qkv, att and fc
+    if (!split) {
+      swap_op_rebuilt(st, redo.block);
+    } else {  // in the stash what the weight pass, later, reads; the softmax output in the workspace
+      BlockStash<Buffer> room = make_block_stash<Buffer>(shape(), {.products = false, .probs = false}, make);
+      swap_op_rebuilt(st, room);
+      std::swap(st.probs, redo.block.probs);
+      st.kept = true;
+    }
+    redo.active = true;
+    block_forward(li, s, mb, true);
+    redo.active = false;
+    return;
+  }
   if (!split) {
     std::swap(st, redo.block);
   } else {  // rebuilt in the stash: the weight pass, later, reads what the input pass leaves
-    st = make_block_stash<Buffer>(shape(), true, make);
+    st = make_block_stash<Buffer>(shape(), {}, make);
     st.kept = true;
   }
   rerun_block(li, s, mb);
@@ -617,6 +664,10 @@ void StageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_done)
   BlockStash<Buffer>& st = s.blocks[u.block];
   if (spec.recompute == Recompute::selective)
     std::swap(st.probs, redo.probs);
+  else if (spec.recompute == Recompute::selective_op && weights_done)
+    swap_op_rebuilt(st, redo.block);
+  else if (spec.recompute == Recompute::selective_op)  // the weight pass reads all but the softmax output
+    std::swap(st.probs, redo.block.probs);
   else if (weights_done)
     std::swap(st, redo.block);
   else  // the weight pass needs the products' inputs (ln1, att, ln2, gelu) and ln2's (x1), not these

@@ -53,8 +53,11 @@ struct StageSpec {
   int micro_batch_size = 1;
   // Activation recompute (training.activation_recompute), as sim's memory model counts it:
   // `selective` keeps no softmax output and rebuilds it from the kept QKV in the block's
-  // backward (Korthikanti et al. 2022); `full` keeps only each block's input and reruns the
-  // block's forward in its backward. Rebuilt tensors are bitwise those of the forward.
+  // backward (Korthikanti et al. 2022); `selective_op` (torchtitan's op-level policy) keeps each
+  // block's input, the attention output and the 1st and 3rd products' outputs (qkv, mlp.fc) and
+  // rebuilds the rest from them in the block's backward (not mlp.proj's output: the next block's
+  // input, kept); `full` keeps only each block's input and reruns the block's forward in its
+  // backward. Rebuilt tensors are bitwise those of the forward.
   Recompute recompute = Recompute::none;
   // Tensor parallelism (stage_layout.h): this stage is shard `tensor_parallel_rank` of
   // `tensor_parallel_size`; its collectives go to the group set_tensor_parallel_group() names.
@@ -103,8 +106,8 @@ struct ParamInfo {
 // pass tells it, in the order it goes, which weights it is about to read and when it is done
 // with them. Pieces: the embedding (first stage), block `block` (local index), the head (last
 // stage). Forward uses embedding, blocks 0.., head; a backward (or backward_input) the head and
-// blocks ..0, each for its input-gradient pass and, with full recompute, the block's rebuild
-// (weight gradients and the embedding's need no weights).
+// blocks ..0, each for its input-gradient pass and, with recompute, the block's rebuild (weight
+// gradients and the embedding's need no weights).
 enum class WeightPiece : std::uint8_t { embedding, block, head };
 class WeightGate {
  public:

@@ -122,6 +122,7 @@ TEST(CudaExecutor, ZeroAndRecomputeTrackTheCpu) {
                         Case{2, 1, 2, Framework::fsdp, ScheduleKind::one_f_one_b, Recompute::none},
                         Case{2, 2, 2, Framework::megatron, ScheduleKind::zb_h1, Recompute::full},
                         Case{2, 2, 3, Framework::megatron, ScheduleKind::one_f_one_b, Recompute::full},
+                        Case{2, 2, 3, Framework::megatron, ScheduleKind::zb_h1, Recompute::selective_op},
                         Case{2, 1, 3, Framework::fsdp, ScheduleKind::gpipe, Recompute::selective}}) {
     SCOPED_TRACE(::testing::Message() << "dp " << k.dp << " pp " << k.pp << " zero " << k.zero << " "
                                       << schedule_name(k.schedule) << " recompute " << recompute_name(k.recompute));

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <ostream>
 #include <random>
 #include <span>
@@ -454,10 +455,13 @@ TEST_F(CudaStage, SplitBackwardGivesTheWholeBackwardsBits) {
   EXPECT_THROW(split.backward_weight(0), std::logic_error) << "its weight pass is done";
 }
 
-// Recompute (selective, full) rebuilds in the backward what the forward made, with the same
-// kernels: gradients bitwise those of keeping everything, whole and split; the stash is smaller.
+// Recompute (selective, selective_op, full) rebuilds in the backward what the forward made, with
+// the same kernels: gradients bitwise those of keeping everything, whole and split; the stash is
+// smaller: selective keeps no softmax outputs, selective_op only each block's input, qkv, att and
+// fc, full only the inputs (this middle stage's output, passed on, is kept by neither of the last).
 TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
-  for (const Recompute r : {Recompute::selective, Recompute::full})
+  std::map<Recompute, std::size_t> stashed, workspace;
+  for (const Recompute r : {Recompute::selective, Recompute::selective_op, Recompute::full})
     for (const bool split_backward : {false, true}) {
       SCOPED_TRACE(::testing::Message() << recompute_name(r) << (split_backward ? " split" : " whole"));
       StageSpec spec = stage(small_dims(4), 1, 2, false, false, DType::bf16);
@@ -477,6 +481,8 @@ TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
       k::cast(dout16.data(), DType::bf16, dout.data(), DType::fp32, n, nullptr);
       for (CudaStageModel* m : {&kept, &redo}) m->forward(0, nullptr, nullptr, in16.data(), nullptr);
       EXPECT_LT(redo.activation_bytes(), kept.activation_bytes());
+      stashed[r] = redo.activation_bytes();
+      workspace[r] = redo.recompute_bytes();
       for (CudaStageModel* m : {&kept, &redo}) {
         void* din = m == &kept ? din_kept.data() : din_redo.data();
         if (split_backward) {
@@ -489,7 +495,22 @@ TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
         }
       }
       EXPECT_EQ(kept.gradients_to_host(), redo.gradients_to_host());
+      k::synchronize();
+      auto bits = [&](const k::DeviceBuffer& b) {
+        std::vector<std::uint16_t> v(n);
+        b.download(v.data(), n * sizeof(std::uint16_t));
+        return v;
+      };
+      EXPECT_EQ(bits(din_kept), bits(din_redo)) << "input gradient";
     }
+  EXPECT_LT(stashed[Recompute::full], stashed[Recompute::selective_op]);
+  EXPECT_LT(stashed[Recompute::selective_op], stashed[Recompute::selective]);
+  // bf16 elements of the two blocks' (N = 32 rows, C = 32, F = 128, 2 heads, T = 16).
+  const std::size_t N = 32, C = 32, F = 128, probs = 2 * 2 * 16 * 16, blocks = 2, eb = 2;
+  EXPECT_EQ(stashed[Recompute::selective_op], blocks * (N * C + 3 * N * C + N * C + N * F) * eb)
+      << "each block's input, qkv, att and fc";
+  EXPECT_EQ(workspace[Recompute::selective_op], (3 * N * C + N * F + probs + N * C) * eb + 4 * N * sizeof(float))
+      << "ln1, x1, ln2, gelu, the softmax output and the stage's output; the norms' statistics";
 }
 
 // ---------------------------------------------------------------------------------------

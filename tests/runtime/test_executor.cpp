@@ -219,7 +219,7 @@ TEST(Executor, RecomputeTrainsBitwiseAsKeepingEverything) {
     c.precision.compute = DType::bf16;  // rounding inside the rebuilt layers too
     const RunReport kept = run(c);
     ASSERT_FALSE(kept.failure) << kept.failure->message;
-    for (const Recompute r : {Recompute::selective, Recompute::full}) {
+    for (const Recompute r : {Recompute::selective, Recompute::selective_op, Recompute::full}) {
       SCOPED_TRACE(::testing::Message() << schedule_name(schedule) << " recompute " << recompute_name(r));
       c.training.activation_recompute = r;
       const RunReport again = run(c);

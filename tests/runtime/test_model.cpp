@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <numbers>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -784,11 +785,14 @@ TEST(StageModel, RejectsBadSpecsAndInputs) {
 // ---------------------------------------------------------------------------------------
 struct ShardRun {
   std::vector<float> loss, output, grad_input, gradients, weights;
+  std::size_t stashed = 0, recompute = 0;  // activation_bytes() after both forwards; recompute_bytes()
+  StageNumerics numerics;
 };
 
 // Two micro-batches through `spec` (shard `rank` of `tp`; tp 1: the whole stage): the first with the
-// unsplit backward, the second split (backward_input, then backward_weight). Weights: the whole
-// model's `whole` (by its params), cut to the shard. Middle and last stages take `input`
+// unsplit backward, the second split (backward_input, then backward_weight), the first's whole
+// backward between the second's two passes, as a zero-bubble schedule may run them. Weights: the
+// whole model's `whole` (by its params), cut to the shard. Middle and last stages take `input`
 // (all N rows, the shard keeps its own under sequence parallelism) and `grad_output` likewise.
 ShardRun run_shard(StageSpec spec, int tp, int rank, bool sp, TensorParallelGroup* group, const StageModel& whole,
                    const std::vector<float>& whole_weights, const Batch& batch, const std::vector<float>& input,
@@ -814,21 +818,42 @@ ShardRun run_shard(StageSpec spec, int tp, int rank, bool sp, TensorParallelGrou
     out.loss.push_back(m.forward(mb, batch.tokens.data(), batch.targets.data(), in, y.data()));
     if (!spec.has_head) out.output.insert(out.output.end(), y.begin(), y.end());
   }
-  for (int mb = 0; mb < 2; ++mb) {
-    std::vector<float> gin(rows);
-    const float* gout = spec.has_head ? nullptr : grad_output.data() + first_row;
-    if (mb == 0) {
-      m.backward_begin(mb, gout, 4.0f);
-      for (int u = 0; u < m.backward_units(); ++u) m.backward_unit(mb);
-      m.backward_end(mb, gin.data());
-    } else {
-      m.backward_input(mb, gout, 4.0f, gin.data());
-      m.backward_weight(mb);
-    }
-    if (!spec.has_embedding) out.grad_input.insert(out.grad_input.end(), gin.begin(), gin.end());
-  }
+  out.stashed = m.activation_bytes();
+  out.recompute = m.recompute_bytes();
+  const float* gout = spec.has_head ? nullptr : grad_output.data() + first_row;
+  std::vector<float> gin0(rows), gin1(rows);
+  m.backward_input(1, gout, 4.0f, gin1.data());
+  m.backward_begin(0, gout, 4.0f);
+  for (int u = 0; u < m.backward_units(); ++u) m.backward_unit(0);
+  m.backward_end(0, gin0.data());
+  m.backward_weight(1);
+  if (!spec.has_embedding)
+    for (const std::vector<float>* gin : {&gin0, &gin1}) out.grad_input.insert(out.grad_input.end(), gin->begin(), gin->end());
   out.gradients.assign(m.gradients().begin(), m.gradients().end());
+  out.numerics = m.numerics();
   return out;
+}
+
+// Every shard of `spec` over `tp` (each on its own thread, the in-process ring as its group; tp 1:
+// the whole stage), as run_shard runs one.
+std::vector<ShardRun> run_shards(const StageSpec& spec, int tp, bool sp, const StageModel& whole,
+                                 const std::vector<float>& whole_weights, const Batch& batch,
+                                 const std::vector<float>& input, const std::vector<float>& grad_output) {
+  if (tp == 1) return {run_shard(spec, 1, 0, false, nullptr, whole, whole_weights, batch, input, grad_output)};
+  InProcessWorld world(tp);
+  std::vector<ShardRun> shards(tp);
+  std::vector<int> members(tp);
+  std::iota(members.begin(), members.end(), 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r)
+    threads.emplace_back([&, r] {
+      auto comm = world.communicator(r);
+      CommunicatorGroup group(*comm, members);
+      group.restart(1);
+      shards[r] = run_shard(spec, tp, r, sp, &group, whole, whole_weights, batch, input, grad_output);
+    });
+  for (auto& t : threads) t.join();
+  return shards;
 }
 
 TEST(StageModel, TensorParallelShardsComputeTheWholeStage) {
@@ -848,18 +873,7 @@ TEST(StageModel, TensorParallelShardsComputeTheWholeStage) {
       for (double x : randn(whole.activation_elements(), rng)) input.push_back(static_cast<float>(x));
       for (double x : randn(whole.activation_elements(), rng, 0.1)) grad_output.push_back(static_cast<float>(x));
       const ShardRun ref = run_shard(spec, 1, 0, false, nullptr, whole, weights, batch, input, grad_output);
-
-      InProcessWorld world(tp);
-      std::vector<ShardRun> shards(tp);
-      std::vector<std::thread> threads;
-      for (int r = 0; r < tp; ++r)
-        threads.emplace_back([&, r] {
-          auto comm = world.communicator(r);
-          CommunicatorGroup group(*comm, {0, 1});
-          group.restart(1);
-          shards[r] = run_shard(spec, tp, r, sp, &group, whole, weights, batch, input, grad_output);
-        });
-      for (auto& t : threads) t.join();
+      const std::vector<ShardRun> shards = run_shards(spec, tp, sp, whole, weights, batch, input, grad_output);
 
       auto largest = [](const std::vector<float>& v, std::size_t from, std::size_t n) {
         double m = 0;
@@ -913,6 +927,80 @@ TEST(StageModel, TensorParallelShardsComputeTheWholeStage) {
       // Each shard holds 1/tp of the sharded tensors: with the replicated ones, just over 1/tp of the whole.
       EXPECT_LT(static_cast<double>(held), 1.1 * weights.size());
     }
+}
+
+// Activation recompute rebuilds in a block's backward what its forward made, with the same code on
+// the same inputs (and, on a shard, the same collectives on every shard of the group): the losses,
+// the activations passed on, the input gradients and every weight gradient are those of keeping
+// everything, bit for bit, whole and split (run_shard: a split backward's weight pass waits over a
+// whole backward's rebuild), in FP32 and BF16, whole stages and tensor-parallel shards with and
+// without sequence parallelism; numerics are the forward's, recorded once. Only the stash shrinks:
+// selective drops the softmax outputs; selective_op keeps each block's input, qkv, att and fc;
+// full the inputs alone (both: the stage's output only where its head reads it).
+TEST(StageModel, RecomputeGivesTheKeptStashsBitsWithLessStashed) {
+  const ModelDims d = small_dims(3);  // C 16, 2 heads, T 8, F 64
+  const int mbs = 2;
+  const std::vector<Recompute> modes = {Recompute::none, Recompute::selective, Recompute::selective_op,
+                                        Recompute::full};
+  for (const DType dt : {DType::fp32, DType::bf16})
+    for (const auto& [first, count] : {std::pair{0, 3}, std::pair{1, 1}, std::pair{1, 2}})
+      for (const auto& [tp, sp] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " blocks [" << first << ", " << first + count
+                                          << ") tp " << tp << " sp " << sp);
+        StageSpec spec = stage_spec(d, first, count, mbs, dt, dt);
+        StageModel whole(spec);
+        whole.init(3);
+        randomize(whole, 11);
+        const std::vector<float> weights(whole.master_weights().begin(), whole.master_weights().end());
+        const Batch batch = make_batch(spec, 5);
+        std::mt19937_64 rng(9);
+        std::vector<float> input, grad_output;
+        for (double x : randn(whole.activation_elements(), rng)) input.push_back(round_to(dt, static_cast<float>(x)));
+        for (double x : randn(whole.activation_elements(), rng, 0.1))
+          grad_output.push_back(round_to(dt, static_cast<float>(x)));
+        std::vector<std::vector<ShardRun>> runs;
+        for (const Recompute r : modes) {
+          spec.recompute = r;
+          runs.push_back(run_shards(spec, tp, sp, whole, weights, batch, input, grad_output));
+        }
+        const std::vector<ShardRun>& kept = runs[0];
+        for (std::size_t k = 1; k < modes.size(); ++k)
+          for (int r = 0; r < tp; ++r) {
+            SCOPED_TRACE(::testing::Message() << recompute_name(modes[k]) << " shard " << r);
+            const ShardRun &got = runs[k][r], &ref = kept[r];
+            EXPECT_EQ(got.loss, ref.loss);
+            EXPECT_EQ(got.output, ref.output);
+            EXPECT_EQ(got.grad_input, ref.grad_input);
+            EXPECT_EQ(got.gradients, ref.gradients);
+            EXPECT_TRUE(std::any_of(got.gradients.begin(), got.gradients.end(), [](float x) { return x != 0; }));
+            EXPECT_EQ(got.numerics.max_abs_activation, ref.numerics.max_abs_activation);
+            EXPECT_EQ(got.numerics.max_abs_gradient, ref.numerics.max_abs_gradient);
+          }
+        // A shard's sizes (stage_layout.h) and bytes of a compute-format element.
+        const std::size_t eb = dtype_bytes(dt), N = static_cast<std::size_t>(mbs) * d.seq_length,
+                          Nl = sp ? N / tp : N, C = d.hidden_size, Cl = C / tp, Fl = d.ffn() / tp,
+                          probs = static_cast<std::size_t>(mbs) * (d.num_heads / tp) * d.seq_length * d.seq_length;
+        const std::size_t blocks = 2 * static_cast<std::size_t>(count);  // two micro-batches' stashes
+        const bool passes_output = first + count < d.num_layers;       // not kept under full and selective_op
+        // What selective_op keeps beyond the inputs (qkv, att, fc), and what it rebuilds in a
+        // block's backward (ln1, x1, ln2, gelu and the norms' statistics; the softmax output).
+        const std::size_t products = (3 * N * Cl + N * Cl + N * Fl) * eb;
+        const std::size_t rest = (3 * Nl * C + N * Fl) * eb + 4 * Nl * sizeof(float);
+        for (int r = 0; r < tp; ++r) {
+          const std::size_t none = runs[0][r].stashed, selective = runs[1][r].stashed, op = runs[2][r].stashed,
+                            full = runs[3][r].stashed;
+          EXPECT_GT(none, selective);
+          EXPECT_GT(selective, op);
+          EXPECT_GT(op, full);
+          EXPECT_EQ(none - selective, blocks * probs * eb);
+          EXPECT_EQ(op, full + blocks * products);
+          EXPECT_EQ(selective, op + blocks * rest + (passes_output ? 2 * Nl * C * eb : 0));
+          EXPECT_EQ(runs[0][r].recompute, 0u);
+          EXPECT_EQ(runs[1][r].recompute, probs * eb);
+          EXPECT_EQ(runs[2][r].recompute, rest + probs * eb + (passes_output ? Nl * C * eb : 0));
+          EXPECT_EQ(runs[3][r].recompute, products + rest + probs * eb + Nl * C * eb);
+        }
+      }
 }
 
 TEST(StageModel, TensorParallelRefusesShardsThatDoNotDivide) {
