@@ -72,8 +72,12 @@ struct Plan {
   int rank_stage_of_virtual(int vstage) const { return vstage % pp; }
 
   // The decoder as `framework` writes it: PyTorch-native code (FSDP: torchtitan, Hugging Face)
-  // calls q, k, v and gate/up as separate products, Megatron-LM (and DeepSpeed on it) fuses them.
-  ModelShape shape() const { return ModelShape(config.model, framework == Framework::fsdp); }
+  // calls q, k, v and gate/up as separate products, Megatron-LM (and DeepSpeed on it) fuses them;
+  // the runtime's decoder fuses them whatever the framework.
+  ModelShape shape() const { return ModelShape(config.model, framework == Framework::fsdp && !runtime_decoder); }
+  // The plan the runtime executes (runtime/runtime_plan.h): its GPT-2 decoder and its own loss
+  // run, not the framework's code, while the framework's sharding and traffic stay.
+  bool runtime_decoder = false;
   // Parameters of one virtual stage (whole tensor-parallel group): its layers, plus the
   // embeddings on the first and the LM head on the last (a copy of tied embeddings when
   // the pipeline has more than one stage, as Megatron-LM keeps it).

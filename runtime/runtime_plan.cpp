@@ -119,6 +119,7 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
   }()
                       : Plan::from_config(c);
   out.plan.source = scenario ? scenario->file : "";
+  out.plan.runtime_decoder = true;
   return out;
 }
 

@@ -52,7 +52,7 @@ void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, b
                                                    : zero >= 2 && p > 1 ? pick({1, 3})
                                                                         : pick({0, 1, 2, 3}));
   c.parallelism.fsdp_no_sync = c.parallelism.framework == Framework::fsdp && pick({0, 1});
-  c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+  c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2, 3}));
   c.training.micro_batch_size = pick({1, 2});
   c.training.global_batch_size = m * d * c.training.micro_batch_size;
   c.communication.overlap_grad_reduce = pick({0, 1});

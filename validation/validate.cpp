@@ -37,6 +37,7 @@ Plan calibrated_plan(const runtime::RuntimePlan& rp, const HardwareProfile& prof
   c.cluster.calibrated = std::make_shared<HardwareProfile>(profile);
   Plan plan = Plan::from_config(c);
   plan.source = rp.plan.source;
+  plan.runtime_decoder = rp.plan.runtime_decoder;
   return plan;
 }
 

@@ -186,6 +186,7 @@ HardwareProfile calibrate_profile(const Backend& backend, const RuntimePlan& pla
     ScenarioConfig c = plan.plan.config;
     c.precision.compute = d;
     other.plan = Plan::from_config(c);
+    other.plan.runtime_decoder = true;
     const std::unique_ptr<KernelCalibrator> k = backend.kernels(other, options);
     if (options.progress) options.progress(fmt::format("timing {} kernels in {}", k->num_kernels(), dtype_name(d)));
     k->run_until_settled();

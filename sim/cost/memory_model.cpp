@@ -57,7 +57,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     // backward holds that, the gradient flowing into it and the one it produces, FP32 each, at
     // once: 8 bytes per logit beyond the kept 4 (Megatron-LM's vocabulary-parallel cross-entropy
     // works in place in the one FP32 buffer). The layers' rebuilds come after it.
-    if (vs == V - 1 && plan.framework == Framework::fsdp)
+    if (vs == V - 1 && plan.framework == Framework::fsdp && !plan.runtime_decoder)
       transient = std::max(transient, 8.0 * b * m.s * static_cast<double>(m.V) / t);
     tables_.transient.push_back(transient);
     // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the

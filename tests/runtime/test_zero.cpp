@@ -9,7 +9,7 @@
 //  * BF16 and FP16 within the tolerances derived at BF16Fp16StayWithinTheirRounding;
 //  * memory per rank: optimizer state ~1/dp under ZeRO-1, gradients too under ZeRO-2, weights too
 //    under ZeRO-3, activations as recompute keeps them, and every rank's peak within 5% of the
-//    simulator's prediction of the same plan (selective_op's once the simulator prices it);
+//    simulator's prediction of the same plan;
 //  * resuming a ZeRO run (tensor parallel or not) from a checkpoint of its shards is bitwise
 //    identical.
 #include <gtest/gtest.h>
@@ -223,16 +223,6 @@ void expect_memory_as_predicted(const RunReport& r, double bound) {
   }
 }
 
-// Whether the memory model prices selective_op as what it keeps (core/model_shape.cpp, read by
-// sim/cost/memory_model.cpp): 0339ef3 named it, and a layer's stash under it is counted as
-// selective's until its pricing lands; only then can the peaks the runtime measures under it be
-// held to the prediction.
-bool memory_model_prices_selective_op() {
-  const Plan plan = make_runtime_plan(testing::tiny_training(1, 1, ScheduleKind::one_f_one_b)).plan;
-  auto layer = [&](Recompute r) { return plan.shape().layer_stored_activation_bytes(1, 2, 1, false, r); };
-  return layer(Recompute::selective_op) != layer(Recompute::selective);
-}
-
 TEST(GatherGate, APassThatWaitsForItsUnitSaysHowLong) {
   // Stage 3's compute thread takes units as its communication thread gathers them; the time it
   // waited for one is the pass's (OpTiming::waited of its compute op), and a unit that was there
@@ -263,7 +253,6 @@ TEST(ZeroAndRecompute, EveryLayoutTrainsAsOneRankInFp32) {
   double worst = 0;
   worst_memory_error = 0;
   int plans = 0;
-  const bool priced_op = memory_model_prices_selective_op();
   for (const Layout& l : layouts())
     for (const Sharding& z : shardings(l.dp, l.pp))
       for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::selective_op, Recompute::full}) {
@@ -285,7 +274,7 @@ TEST(ZeroAndRecompute, EveryLayoutTrainsAsOneRankInFp32) {
           EXPECT_NEAR(run_.steps[i].grad_norm, reference.steps[i].grad_norm, 1e-4 * reference.steps[i].grad_norm);
           EXPECT_EQ(run_.steps[i].replica_drift, 0.0);
         }
-        if (r != Recompute::selective_op || priced_op) expect_memory_as_predicted(run_, 0.05);
+        expect_memory_as_predicted(run_, 0.05);
       }
   RecordProperty("plans", plans);
   RecordProperty("worst_relative_loss_error", fmt::format("{:.2e}", worst));
@@ -329,7 +318,6 @@ TEST(ZeroAndRecompute, MemoryFollowsTheSettings) {
     }
   }
   std::map<Recompute, std::vector<double>> saved_by;  // per rank
-  const bool priced_op = memory_model_prices_selective_op();
   for (const Recompute rc : {Recompute::selective, Recompute::full, Recompute::selective_op}) {
     SCOPED_TRACE(recompute_name(rc));
     const auto [m, predicted] = memory(0, rc);
@@ -345,7 +333,6 @@ TEST(ZeroAndRecompute, MemoryFollowsTheSettings) {
       if (rc == Recompute::selective_op) {  // keeps more than full, less than selective
         EXPECT_GT(saved, saved_by[Recompute::selective][r]) << "rank " << r;
         EXPECT_LT(saved, saved_by[Recompute::full][r]) << "rank " << r;
-        if (!priced_op) continue;
       }
       EXPECT_NEAR(saved / predicted_saved, 1.0, 0.05)
           << "rank " << r << ": activations " << zero0[r].activations << " -> " << m[r].activations
