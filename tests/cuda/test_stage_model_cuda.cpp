@@ -38,6 +38,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -534,7 +535,10 @@ TEST(CudaStageModelWithoutDevice, RefusesFormatsTheKernelsDoNotStoreAndBadSpecs)
 // CPU shard's in the same places (products, row reductions), and the group's sums are the same
 // ring in the same order on both (device_world.h).
 // ---------------------------------------------------------------------------------------
-class CudaStageTensorParallel : public ::testing::TestWithParam<bool> {
+// Each recompute mode too: a shard's rebuild runs its row-parallel reduction again, which must
+// meet the other shard's (the CPU shards recompute bitwise as they keep everything,
+// test_model.cpp).
+class CudaStageTensorParallel : public ::testing::TestWithParam<std::tuple<bool, Recompute>> {
  protected:
   void SetUp() override { skip_without_device(); }
 };
@@ -545,11 +549,12 @@ struct ShardResult {
 };
 
 TEST_P(CudaStageTensorParallel, ShardsMatchTheCpuShards) {
-  const bool sp = GetParam();
+  const auto [sp, recompute] = GetParam();
   constexpr int tp = 2;
   StageSpec spec = stage(small_dims(2), 0, 2, true, true, DType::fp32);
   spec.tensor_parallel_size = tp;
   spec.sequence_parallel = sp;
+  spec.recompute = recompute;
   std::vector<Batch> batches;
   for (int mb = 0; mb < kMicroBatches; ++mb) batches.push_back(make_batch(spec, 100 + mb));
   const float scale = 1.0f / kMicroBatches;
@@ -620,8 +625,14 @@ TEST_P(CudaStageTensorParallel, ShardsMatchTheCpuShards) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(SequenceParallel, CudaStageTensorParallel, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "sp" : "tp_only"; });
+INSTANTIATE_TEST_SUITE_P(SequenceParallelAndRecompute, CudaStageTensorParallel,
+                         ::testing::Combine(::testing::Values(false, true),
+                                            ::testing::Values(Recompute::none, Recompute::selective,
+                                                              Recompute::selective_op, Recompute::full)),
+                         [](const ::testing::TestParamInfo<std::tuple<bool, Recompute>>& i) {
+                           return std::string(std::get<0>(i.param) ? "sp_" : "tp_only_") +
+                                  std::string(recompute_name(std::get<1>(i.param)));
+                         });
 
 }  // namespace
 }  // namespace trainsim::runtime::cuda
