@@ -191,6 +191,24 @@ TEST(RunLoop, TheSummarySplitsIdleTimeIntoPipelineBubbleAndExposedCommunication)
   }
 }
 
+// The summary's plan line names what ran: the ZeRO stage and its framework where data parallelism
+// shards, and the recompute mode.
+TEST(RunLoop, TheSummarySaysTheZeroStageAndRecomputeThatRan) {
+  ScenarioConfig c = config(2, 1, ScheduleKind::one_f_one_b);
+  c.parallelism.zero_stage = 3;
+  c.parallelism.framework = Framework::fsdp;
+  c.training.activation_recompute = Recompute::selective_op;
+  const RunReport r = run_null(c);
+  ASSERT_FALSE(r.failure) << r.failure->message;
+  const std::string summary = format_run_summary(r);
+  EXPECT_NE(summary.find(", ZeRO 3 (fsdp), recompute selective_op\n"), std::string::npos) << summary;
+  c.parallelism.zero_stage = 0;
+  c.training.activation_recompute = Recompute::none;
+  const std::string plain = format_run_summary(run_null(c));
+  EXPECT_EQ(plain.find("ZeRO"), std::string::npos) << plain;
+  EXPECT_NE(plain.find(", recompute none\n"), std::string::npos) << plain;
+}
+
 TEST(RunLoop, ResumingFromACheckpointIsBitwiseAndCheckpointsComeAtTheirCadence) {
   const fs::path dir = fresh_dir("resume");
   const ScenarioConfig c = config(2, 2, ScheduleKind::one_f_one_b, 1, 7);
