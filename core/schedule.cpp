@@ -89,11 +89,14 @@ void one_f_one_b_order(int s, int p, int m, std::vector<Task>& t) {
   for (int i = m - warmup; i < m; ++i) t.push_back({OpKind::Backward, 0, i});
 }
 
-// Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): forwards visit chunks in groups
-// of p micro-batches; backwards visit chunks in reverse.
-void interleaved_order(int s, int p, int m, int v, std::vector<Task>& t) {
+// Interleaved 1F1B (Narayanan et al. 2021): forwards visit chunks in groups of p micro-batches;
+// backwards visit chunks in reverse; stage s warms up with (v-1) p + 2 (p-s-1) forwards.
+// Megatron-LM runs every forward first when m == p (`all_warmup_microbatches` in
+// schedules.py); PyTorch's ScheduleInterleaved1F1B (torch.distributed.pipelining, what
+// torchtitan runs) keeps the rule there too (`get_rank_warmup_ops`).
+void interleaved_order(int s, int p, int m, int v, bool all_warmup_when_m_is_p, std::vector<Task>& t) {
   const int total = m * v;
-  int warmup = (m == p) ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * p);
+  int warmup = (m == p && all_warmup_when_m_is_p) ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * p);
   auto chunk_of = [&](int k, bool forward) {
     int c = (k % (p * v)) / p;
     return forward ? c : v - 1 - c;
@@ -129,13 +132,14 @@ void zb_h1_order(int s, int p, int m, std::vector<Task>& t) {
   while (next_w < m) t.push_back({OpKind::BackwardWeight, 0, next_w++});
 }
 
-// Into `t` (cleared first; its storage reused rank after rank).
-void pipeline_order(ScheduleKind kind, int s, int p, int m, int v, std::vector<Task>& t) {
+// Into `t` (cleared first; its storage reused rank after rank). `framework` says whose
+// interleaved schedule runs (FSDP: PyTorch's pipelining; otherwise Megatron-LM's).
+void pipeline_order(ScheduleKind kind, Framework framework, int s, int p, int m, int v, std::vector<Task>& t) {
   t.clear();
   switch (kind) {
     case ScheduleKind::gpipe: return gpipe_order(m, t);
     case ScheduleKind::one_f_one_b: return one_f_one_b_order(s, p, m, t);
-    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v, t);
+    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v, framework != Framework::fsdp, t);
     case ScheduleKind::zb_h1: return zb_h1_order(s, p, m, t);
   }
 }
@@ -323,7 +327,7 @@ class Builder {
     auto& ops = prog.ops;
     ops.clear();
     std::vector<Task>& tasks = tasks_;
-    pipeline_order(plan_.config.parallelism.schedule, s, p, m_, v, tasks);
+    pipeline_order(plan_.config.parallelism.schedule, plan_.framework, s, p, m_, v, tasks);
     const bool overlap = plan_.config.communication.overlap_grad_reduce;
 
     // The task that completes each chunk's gradients: its last B (or W when split).

@@ -149,6 +149,31 @@ TEST(InFlight, OneFOneBHoldsPMinusStageGpipeHoldsM) {
   }
 }
 
+// Interleaved with as many micro-batches as stages: Megatron-LM runs every forward first
+// (`all_warmup_microbatches`), PyTorch's ScheduleInterleaved1F1B (FSDP: torchtitan) keeps its
+// warm-up of (v-1) p + 2 (p-s-1) forwards, so its last stage holds far fewer chunks at once.
+TEST(Interleaved, WithMicroBatchesAsStagesMegatronWarmsUpEverythingPyTorchDoesNot) {
+  const int p = 4, v = 2, m = 4;
+  ScenarioConfig c = small_config(p, m, ScheduleKind::interleaved_1f1b, v, 2);
+  c.parallelism.zero_stage = 2;
+  for (Framework fw : {Framework::megatron, Framework::fsdp}) {
+    c.parallelism.framework = fw;
+    const Plan plan = Plan::from_config(c);
+    const Schedule sched = build_schedule(plan);
+    for (const RankProgram& prog : sched.ranks) {
+      const int s = plan.stage_of(prog.rank);
+      int warmup = 0;  // forwards before the first backward
+      for (const Op& op : prog.ops) {
+        if (op.kind == OpKind::Backward) break;
+        if (op.kind == OpKind::Forward) ++warmup;
+      }
+      // The warm-up, then the steady state's first forward before its first backward.
+      const int want = fw == Framework::megatron ? m * v : std::min(m * v, (v - 1) * p + 2 * (p - s - 1) + 1);
+      EXPECT_EQ(warmup, want) << (fw == Framework::fsdp ? "fsdp" : "megatron") << " stage " << s;
+    }
+  }
+}
+
 // Every schedule, with and without data parallelism, ZeRO and overlap, is structurally
 // sound: each receive has its send, each collective its members, deps point backwards;
 // and every rank runs each (chunk, micro-batch) forward and backward exactly once.
