@@ -74,6 +74,16 @@ ModelConfig llama2(int layers, int hidden, int heads, int groups, int ffn) {
   return m;
 }
 
+// Llama 3 and 3.1 (Dubey et al. 2024, table 3): Llama 2's layer with 8 KV heads at every size, a
+// 128,256-token vocabulary (128,000 BPE tokens and 256 special ones, the released configs'
+// vocab_size) and 8,192-token training sequences.
+ModelConfig llama3(int layers, int hidden, int heads, int ffn) {
+  ModelConfig m = llama2(layers, hidden, heads, 8, ffn);
+  m.vocab_size = 128256;
+  m.seq_length = 8192;
+  return m;
+}
+
 std::vector<ModelPreset> make_models() {
   return {
       {"gpt3-125m", "GPT-3 Small (Brown et al. 2020, table 2.1)", gpt(12, 768, 12)},
@@ -88,6 +98,9 @@ std::vector<ModelPreset> make_models() {
       {"llama2-7b", "Llama 2 7B (Touvron et al. 2023): SwiGLU, RoPE, RMSNorm, untied output", llama2(32, 4096, 32, 32, 11008)},
       {"llama2-13b", "Llama 2 13B (Touvron et al. 2023), as llama2-7b", llama2(40, 5120, 40, 40, 13824)},
       {"llama2-70b", "Llama 2 70B (Touvron et al. 2023): grouped-query attention with 8 KV heads", llama2(80, 8192, 64, 8, 28672)},
+      {"llama3-8b", "Llama 3 / 3.1 8B (Dubey et al. 2024, table 3): 8 KV heads, 128K vocabulary", llama3(32, 4096, 32, 14336)},
+      {"llama3-70b", "Llama 3 / 3.1 70B (Dubey et al. 2024, table 3), as llama3-8b", llama3(80, 8192, 64, 28672)},
+      {"llama3-405b", "Llama 3.1 405B (Dubey et al. 2024, table 3), as llama3-8b", llama3(126, 16384, 128, 53248)},
       {"megatron-22b", "Megatron 22B (Korthikanti et al. 2022, table 3)", megatron(48, 6144, 64)},
       {"megatron-530b", "Megatron-Turing 530B (Korthikanti et al. 2022, table 3)", megatron(105, 20480, 128)},
       {"megatron-1t", "Megatron 1T (Korthikanti et al. 2022, table 3; Narayanan et al. 2021, table 1)",

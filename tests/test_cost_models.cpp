@@ -268,6 +268,10 @@ TEST(PointToPoint, BlockingSendsHoldTheComputeStream) {
 TEST(ModelShape, ParameterCountsOfPublishedModels) {
   // Llama 2 7B has exactly 6,738,415,616 parameters (the released checkpoint).
   EXPECT_EQ(ModelShape(find_model_preset("llama2-7b")->model).total_params(), 6738415616.0);
+  // Llama 3 8B, 3 70B and 3.1 405B, as their released checkpoints count them.
+  EXPECT_EQ(ModelShape(find_model_preset("llama3-8b")->model).total_params(), 8030261248.0);
+  EXPECT_EQ(ModelShape(find_model_preset("llama3-70b")->model).total_params(), 70553706496.0);
+  EXPECT_EQ(ModelShape(find_model_preset("llama3-405b")->model).total_params(), 405853388800.0);
   // GPT-3 175B: 12 L h^2 + 13 L h + (V + s) h + 2h with biases and LayerNorms (Megatron's count).
   const ModelShape g(find_model_preset("gpt3-175b")->model);
   const double L = 96, h = 12288, V = 50304, s = 2048;
