@@ -12,12 +12,15 @@ struct Builder {
   DType dtype;
   double storage;
   std::vector<KernelWork>* out = nullptr;
-
   void matmul(const char* kernel, long m, long n, long k, long batch = 1) {
     KernelWork w{kernel, dtype, {}, 0, 1};
     w.shape.m = m, w.shape.n = n, w.shape.k = k, w.shape.batch = batch;
     add(std::move(w));
   }
+  // An FP8 cast of a 16-bit tensor: read it, write FP8 twice, row- and column-major (the weight
+  // gradient's product takes the transposes: Transformer Engine's cast_transpose), its amax
+  // found in the same pass.
+  void fp8_cast(double elements) { memory_bytes("fp8.cast", elements, elements * (storage + 2.0)); }
   // A memory-bound kernel over `elements`, touching each `passes` times (reads plus writes).
   void memory(const char* kernel, double elements, double passes) {
     if (elements <= 0) return;
@@ -244,6 +247,35 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
   auto build_chunk = [&](const int layers, const bool first, const bool last) {
     ChunkKernels c;
     Builder k{cfg.precision.compute, e};
+    // FP8 training (Transformer Engine, torchao's Float8) quantizes a linear layer's operands
+    // before its product: the input and the weight in the forward, the output gradient in the
+    // backward. A tensor of the residual stream's width (a column-parallel product's input, a
+    // row-parallel product's output gradient) is cast on the rank's rows before it is gathered
+    // (sequence parallelism: 1/t of them; TE and torchao's Float8ColwiseParallel gather FP8).
+    const bool fp8 = cfg.precision.compute == DType::fp8;
+    const double stream_rows = sp ? static_cast<double>(N) / t : static_cast<double>(N);
+    // A layer's product, forward (m tokens, n outputs, depth): `row_parallel` when its input is
+    // split t ways (attention output, MLP down) and its output the stream's width.
+    auto linear_forward = [&](long n, long depth, bool row_parallel) {
+      if (fp8) {
+        k.fp8_cast((row_parallel ? static_cast<double>(N) : stream_rows) * depth);
+        k.fp8_cast(static_cast<double>(n) * depth);
+      }
+      k.matmul("linear.forward", N, n, depth);
+    };
+    // Its input gradient (m tokens, n inputs, the output's width as depth).
+    auto linear_backward_input = [&](long n, long depth, bool row_parallel) {
+      if (fp8) k.fp8_cast((row_parallel ? stream_rows : static_cast<double>(N)) * depth);
+      k.matmul("linear.backward_input", N, n, depth);
+    };
+    // The output layer stays in 16 bits under FP8: torchtitan's Float8 leaves `output` out, and
+    // Megatron-LM's output layer is not a Transformer Engine layer.
+    auto head_product = [&](const char* kernel, long m, long n, long depth) {
+      const DType compute = k.dtype;
+      if (compute == DType::fp8) k.dtype = DType::bf16;
+      k.matmul(kernel, m, n, depth);
+      k.dtype = compute;
+    };
 
     // Each of Megatron's tensor-parallel all-reduces; with sequence parallelism a reduce-scatter
     // and an all-gather of the same buffer instead (Korthikanti et al. 2022, section 4.2.2).
@@ -303,21 +335,21 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     };
     auto layer_forward = [&] {
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
-      k.matmul("linear.forward", N, qkv, C);
+      linear_forward(qkv, C, false);
       if (separate_bias) k.memory("bias.add", static_cast<double>(N) * qkv, 2);
       if (!m.learned_positions) k.memory_bytes("rope.forward", q_and_k, q_and_k * rope_bytes);
       attention_core_forward();
       if (eager && attn == AttentionKernel::flash)  // the heads transposed back into one tensor
         k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
-      k.matmul("linear.forward", N, C, Cout);
+      linear_forward(C, Cout, true);
       tp_allreduce(act);
       bias_dropout_add_forward();
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
-      k.matmul("linear.forward", N, ffn_in, C);
+      linear_forward(ffn_in, C, false);
       k.memory_bytes(m.swiglu ? "swiglu.forward" : "gelu.forward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_fwd);
-      k.matmul("linear.forward", N, C, F);
+      linear_forward(C, F, true);
       tp_allreduce(act);
       bias_dropout_add_forward();
     };
@@ -335,8 +367,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
         for (const std::size_t end = i + n; i < end; ++i) {
           if (ModelShape::op_policy_keeps(i)) continue;
           const LayerProduct& p = products[i];
-          if (p.row_parallel) k.matmul("linear.forward", N, C, static_cast<long>(p.in) / t);
-          else k.matmul("linear.forward", N, static_cast<long>(p.out) / t, C);
+          if (p.row_parallel) linear_forward(C, static_cast<long>(p.in) / t, true);
+          else linear_forward(static_cast<long>(p.out) / t, C, false);
           ran = true;
         }
         return ran;
@@ -367,7 +399,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     for (int l = 0; l < layers; ++l) layer_forward();
     if (last) {
       k.memory("layernorm.forward", rep, 2);
-      k.matmul("linear.forward", N, V, C);
+      head_product("linear.forward", N, V, C);
       // The loss in FP32: the logits cast up, max, exp and sum, log: ~26 bytes per logit.
       k.memory_bytes("cross_entropy.forward", static_cast<double>(N) * V, static_cast<double>(N) * V * (e + 24));
       if (t > 1) k.memory_bytes("tp.allreduce", 3.0 * N, 3.0 * N * 4);  // max, sum and target logit (FP32)
@@ -378,7 +410,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     if (!last) pipeline_gather();
     if (last) {
       k.memory_bytes("cross_entropy.backward", static_cast<double>(N) * V, static_cast<double>(N) * V * (12 + e));
-      k.matmul("linear.backward_input", N, C, V);
+      head_product("linear.backward_input", N, C, V);
       tp_allreduce(act);
       k.memory("layernorm.backward_input", rep, 4);
     }
@@ -387,15 +419,15 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (rc == Recompute::selective) attention_core_forward();
       if (rc == Recompute::selective_op) op_rebuild();
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
-      k.matmul("linear.backward_input", N, F, C);
+      linear_backward_input(F, C, true);
       k.memory_bytes(m.swiglu ? "swiglu.backward" : "gelu.backward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_bwd);
-      k.matmul("linear.backward_input", N, C, ffn_in);
+      linear_backward_input(C, ffn_in, false);
       tp_allreduce(act);
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);  // the two branches' gradients summed
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
-      k.matmul("linear.backward_input", N, Cout, C);
+      linear_backward_input(Cout, C, true);
       if (attn == AttentionKernel::flash) {
         k.matmul("flash_attention.backward", T, T, hs, 5 * b * H);  // five products, S and P recomputed
       } else {
@@ -410,7 +442,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (layout_copies) k.memory("qkv.concat", static_cast<double>(N) * qkv, 2);
       if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
       if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);
-      k.matmul("linear.backward_input", N, C, qkv);
+      linear_backward_input(C, qkv, false);
       tp_allreduce(act);
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);
@@ -419,7 +451,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     // ---- backward, weight gradients
     k.out = &c.backward_weight;
     if (last) {
-      k.matmul(wgrad, V, C, N);
+      head_product(wgrad, V, C, N);
       k.memory("layernorm.backward_weight", rep, 2);
       k.memory_bytes("commit", m.output_params() / t, m.output_params() / t * layer_accumulate);
     }

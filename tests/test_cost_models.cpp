@@ -616,6 +616,54 @@ TEST(ComputeModel, UnfusedAttentionPaysItsLayoutCopies) {
   EXPECT_EQ(bytes(AttentionKernel::flash, "qkv.concat", true), 0.0);
 }
 
+// FP8 (Transformer Engine, torchao's Float8): each layer product's input and weight are cast in
+// the forward and its output gradient in the backward, each read in 16 bits and written in FP8
+// twice (row- and column-major): 4 bytes an element. A tensor of the stream's width is cast on
+// the rank's rows before it is gathered (1/t under sequence parallelism). The output layer stays
+// in BF16, at BF16's rate; nothing is cast in 16-bit training.
+TEST(ComputeModel, Fp8CastsEachProductsOperandsAndKeepsTheOutputLayerInBf16) {
+  const double N = 512, h = 1024, f = 4096, qkv = 3 * h;  // compute_config: GELU, no grouped heads
+  for (const auto& [t, sp] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    SCOPED_TRACE(::testing::Message() << "t " << t << " sp " << sp);
+    ScenarioConfig c = compute_config(Recompute::none, t);
+    c.parallelism.sequence_parallel = sp;
+    c.cluster.peak_tflops[DType::fp8] = 624;
+    c.precision.compute = DType::fp8;
+    const auto chunks = chunk_kernels(Plan::from_config(c), 2, InventoryTarget::framework);
+    auto cast_elements = [&](const std::vector<KernelWork>& ws) {
+      double sum = 0;
+      for (const KernelWork& w : ws)
+        if (w.kernel == "fp8.cast") {
+          EXPECT_DOUBLE_EQ(w.bytes, 4.0 * w.shape.elements);
+          sum += w.count * static_cast<double>(w.shape.elements);
+        }
+      return sum;
+    };
+    const double stream = sp ? N / t : N;  // rows of a stream-width tensor a rank casts
+    // Per layer, forward: qkv's and fc1's inputs (stream width), proj's and fc2's (split t ways),
+    // and the four weights; backward: proj's and fc2's output gradients (stream width), qkv's and
+    // fc1's (split).
+    const double forward = stream * h * 2 + N * h / t + N * f / t + (qkv * h + h * h + f * h + h * f) / t;
+    const double backward = stream * h * 2 + N * qkv / t + N * f / t;
+    EXPECT_DOUBLE_EQ(cast_elements(chunks[1].forward), 2 * forward);  // a middle chunk: two layers
+    EXPECT_DOUBLE_EQ(cast_elements(chunks[1].backward_input), 2 * backward);
+    EXPECT_EQ(cast_elements(chunks[1].backward_weight), 0.0);
+    int head_products = 0;
+    for (const auto& ws : {chunks.back().forward, chunks.back().backward_input, chunks.back().backward_weight})
+      for (const KernelWork& w : ws)
+        if (w.kernel.rfind("linear.", 0) == 0 &&
+            (w.shape.n == c.model.vocab_size / t || w.shape.m == c.model.vocab_size / t ||
+             w.shape.k == c.model.vocab_size / t)) {
+          EXPECT_EQ(w.dtype, DType::bf16) << w.kernel;
+          ++head_products;
+        }
+    EXPECT_EQ(head_products, 3);  // logits, their input gradient, the weight gradient
+  }
+  ScenarioConfig c = compute_config(Recompute::none);
+  for (const auto& ws : {chunk_kernels(Plan::from_config(c), 2, InventoryTarget::framework)[1].forward})
+    for (const KernelWork& w : ws) EXPECT_NE(w.kernel, "fp8.cast");
+}
+
 TEST(ComputeModel, PrecisionPicksItsPeakRate) {
   ScenarioConfig c = compute_config(Recompute::none);
   c.precision.compute = DType::fp32;

@@ -668,10 +668,13 @@ double framework_seconds(const Plan& p, const std::vector<KernelWork>& ws) {
     } else if (w.kernel.rfind("flash_attention", 0) == 0) {
       const double causal = std::min(1.0, 0.5 + 64.0 / static_cast<double>(w.shape.m));
       x = w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
-    } else if (w.kernel == "linear.backward_weight_accumulate") {
-      x = reference::gemm_seconds(w.shape, elem, peak, cl, 8.0);
     } else if (w.shape.is_matmul()) {
-      x = reference::gemm_seconds(w.shape, elem, peak, cl);
+      // A product in another format than the compute's (FP8's output layer in BF16): its rate and bytes.
+      const bool own = w.dtype == compute;
+      const double w_peak = own ? peak : p.peak_flops(w.dtype) * cl.sustained_clock_fraction;
+      const double w_elem = own ? elem : dtype_bytes(w.dtype);
+      x = w.kernel == "linear.backward_weight_accumulate" ? reference::gemm_seconds(w.shape, w_elem, w_peak, cl, 8.0)
+                                                           : reference::gemm_seconds(w.shape, w_elem, w_peak, cl);
     } else {
       double factor = 1.0;
       if (apex && w.kernel.rfind("layernorm.", 0) == 0)

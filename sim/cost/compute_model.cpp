@@ -197,8 +197,17 @@ struct FrameworkPricer {
     f.plain = !s.is_matmul() || s.n <= 0 || s.k <= 0;
     if (!f.plain) f.tile_use = gemm_tile_use(s, cl.sm_count);
     f.k = static_cast<double>(s.k);
-    f.io = gemm_io_bytes(s, elem, f.cls == KernelClass::accumulate ? 8.0 : -1);
+    f.io = gemm_io_bytes(s, elem_of(w), f.cls == KernelClass::accumulate ? 8.0 : -1);
     return f;
+  }
+  // A product in another format than the plan's compute (FP8's output layer stays in BF16): that
+  // format's rate and operand bytes.
+  double peak_of(const KernelWork& w) const {
+    const DType compute = plan.config.precision.compute;
+    return w.dtype == compute ? peak : plan.peak_flops(w.dtype) * cl.sustained_clock_fraction;
+  }
+  double elem_of(const KernelWork& w) const {
+    return w.dtype == plan.config.precision.compute ? elem : dtype_bytes(w.dtype);
   }
 
   // gemm_seconds, memory_seconds, nccl_collective, ... of the kernel (`f`: facts(w)).
@@ -220,7 +229,7 @@ struct FrameworkPricer {
       case KernelClass::matmul: {
         if (f.flops <= 0) return 0;
         const double efficiency = f.plain ? cl.compute_efficiency : gemm_efficiency_with(f.tile_use, f.k, cl);
-        return gemm_seconds_with(f.flops, efficiency, f.io, peak, cl);
+        return gemm_seconds_with(f.flops, efficiency, f.io, peak_of(w), cl);
       }
       case KernelClass::memory: {
         const double memory = memory_seconds(w.bytes, cl);
