@@ -96,17 +96,26 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
     ChunkKernels& c = out[vs];
     Builder k{cfg.precision.compute, static_cast<double>(storage)};
 
-    // One layer's forward: run by the forward, and again in the backward under full recompute.
-    auto layer_forward = [&] {
+    // One layer's forward as block_forward runs it: by the forward, again in the backward under
+    // full recompute, and under selective_op (`rebuild_op`) without the products whose outputs it
+    // kept (qkv, fc: the decoder's 1st and 3rd) and the second projection, whose output only the
+    // next layer's input, kept, holds.
+    auto layer_forward = [&](bool rebuild_op) {
       k.memory("layernorm.forward", Nl * C, 2);
-      k.matmul("linear.forward", N, qkv, C);
+      if (!rebuild_op) k.matmul("linear.forward", N, qkv, C);
       k.matmul("attention.forward", T, T, hs, 2 * b * H);
       k.matmul("linear.forward", N, C, Cout);
       if (t > 1) k.memory("residual", Nl * C, 3);  // the bias, after the sum
       k.memory("residual", Nl * C, 3);
       k.memory("layernorm.forward", Nl * C, 2);
-      k.matmul("linear.forward", N, ffn_in, C);
+      if (!rebuild_op) k.matmul("linear.forward", N, ffn_in, C);
       k.memory("gelu.forward", N * F, 2);
+      if (rebuild_op) {
+        // ln1, x1, ln2 (the stream's rows); att again, gelu; the projection's output; scores and
+        // probabilities
+        k.memory("round", 3.0 * Nl * C + N * (Cout + F) + reduced + 2.0 * b * H * T * T, round_passes);
+        return;
+      }
       k.matmul("linear.forward", N, C, F);
       if (t > 1) k.memory("residual", Nl * C, 3);
       k.memory("residual", Nl * C, 3);
@@ -124,7 +133,7 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       k.memory("copy", Nl * C, 2);  // the received activation into the stash
       k.memory("round", Nl * C, round_passes);
     }
-    for (int l = 0; l < layers; ++l) layer_forward();
+    for (int l = 0; l < layers; ++l) layer_forward(false);
     if (last) {
       k.memory("layernorm.forward", Nl * C, 2);
       k.matmul("linear.forward", N, V, C);
@@ -144,27 +153,14 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       k.memory("round", Nl * C, round_passes);
     }
     for (int l = 0; l < layers; ++l) {
-      // Recompute first rebuilds what the forward did not keep: the layer (full), or the
-      // attention core's scores and probabilities (selective).
-      if (recompute == Recompute::full) layer_forward();
+      // Recompute first rebuilds what the forward did not keep: the layer (full), all of it but
+      // the kept products (selective_op), or the attention core's scores and probabilities
+      // (selective).
+      if (recompute == Recompute::full || recompute == Recompute::selective_op)
+        layer_forward(recompute == Recompute::selective_op);
       if (recompute == Recompute::selective) {
         k.matmul("attention.forward", T, T, hs, 2 * b * H);
         k.memory("round", 2.0 * b * H * T * T, round_passes);
-      }
-      // selective_op keeps the input, qkv, the attention output and fc (the decoder's 1st and 3rd
-      // products): the rest up to the MLP's activation again (its second projection feeds only
-      // the next layer's input, which is kept).
-      if (recompute == Recompute::selective_op) {
-        k.memory("layernorm.forward", Nl * C, 2);
-        k.matmul("attention.forward", T, T, hs, 2 * b * H);
-        k.matmul("linear.forward", N, C, Cout);
-        if (t > 1) k.memory("residual", Nl * C, 3);
-        k.memory("residual", Nl * C, 3);
-        k.memory("layernorm.forward", Nl * C, 2);
-        k.memory("gelu.forward", N * F, 2);
-        // ln1, x1, ln2 (the stream's rows); att again, gelu; the projection's output; scores and
-        // probabilities
-        k.memory("round", 3.0 * Nl * C + N * (Cout + F) + reduced + 2.0 * b * H * T * T, round_passes);
       }
       k.matmul("linear.backward_input", N, F, C);
       k.memory("gelu.backward", N * F, 3);
