@@ -109,6 +109,12 @@ std::string Plan::framework_name() const {
   return "auto";
 }
 
+std::string Plan::zero_and_recompute() const {
+  const std::string_view recompute = recompute_name(config.training.activation_recompute);
+  return zero() > 0 ? fmt::format("ZeRO {} ({}), recompute {}", zero(), framework_name(), recompute)
+                    : fmt::format("recompute {}", recompute);
+}
+
 std::string Plan::framework_setting() const {
   const int z = config.parallelism.zero_stage;
   if (dp <= 1) return "no data parallelism (data_parallel_size 1): nothing is reduced or sharded across replicas";

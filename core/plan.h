@@ -57,6 +57,9 @@ struct Plan {
   // backward, gradients reduce-scattered after every micro-batch)".
   std::string framework_name() const;
   std::string framework_setting() const;
+  // What a plan line says of the sharding and recompute that run: "ZeRO 3 (fsdp), recompute full",
+  // "recompute none" without ZeRO.
+  std::string zero_and_recompute() const;
 
   // Schedule ranks: one per (stage, replica); each stands for a tensor-parallel group of tp
   // GPUs. Numbered stage-major as Megatron does (rank = stage * dp + replica), so the ranks

@@ -483,15 +483,13 @@ std::string format_validation(const Validation& v) {
                                        v.profile.core_alone_factors.empty()
                                            ? std::string()
                                            : fmt::format(" (alone x{:.2f})", fmt::join(v.profile.core_alone_factors, "/x"))));
-  out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {}recompute {}, {} compute\n",
+  out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {}, {} compute\n",
                      plan.dp, plan.pp,
                      plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
                                                plan.config.parallelism.sequence_parallel ? " (sequence parallel)" : "")
                                  : "",
                      schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
-                     plan.micro_batch_size,
-                     plan.zero() > 0 ? fmt::format("ZeRO {} ({}), ", plan.zero(), plan.framework_name()) : "",
-                     recompute_name(plan.config.training.activation_recompute), dtype_name(plan.config.precision.compute));
+                     plan.micro_batch_size, plan.zero_and_recompute(), dtype_name(plan.config.precision.compute));
   if (v.oversubscribed)
     out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
                        "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",

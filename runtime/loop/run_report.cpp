@@ -57,15 +57,13 @@ std::string format_run_summary(const RunReport& rep) {
   o += fmt::format("  model    executed: {} layers, hidden {}, {} heads, seq {}, vocab {}{}\n", d.num_layers,
                    d.hidden_size, d.num_heads, d.seq_length, d.vocab_size, d.tied_embeddings ? ", tied embeddings" : "");
   o += fmt::format("  plan     data {} x pipeline {}{}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
-                   "layers per stage {}, {}recompute {}\n",
+                   "layers per stage {}, {}\n",
                    plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "",
                    plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
                                              c.parallelism.sequence_parallel ? " (sequence parallel)" : "")
                                : "",
                    schedule_name(c.parallelism.schedule), plan.num_microbatches, plan.micro_batch_size,
-                   plan.global_batch_size, fmt::join(plan.layers_per_virtual_stage, "/"),
-                   plan.zero() > 0 ? fmt::format("ZeRO {} ({}), ", plan.zero(), plan.framework_name()) : "",
-                   recompute_name(c.training.activation_recompute));
+                   plan.global_batch_size, fmt::join(plan.layers_per_virtual_stage, "/"), plan.zero_and_recompute());
   const auto& pr = c.precision;
   const auto& ls = pr.loss_scaling;
   o += fmt::format("  numerics {} compute, {} master, {} accumulation, {} all-reduce (divide {}), overflow check {}, "
