@@ -856,6 +856,26 @@ std::vector<ShardRun> run_shards(const StageSpec& spec, int tp, bool sp, const S
   return shards;
 }
 
+// The whole stage of `spec` with random weights, and a random input and output gradient (values of
+// `dt`) for it: what the shard tests run every cut of against.
+struct ShardCase {
+  StageModel whole;
+  std::vector<float> weights;
+  Batch batch;
+  std::vector<float> input, grad_output;
+};
+ShardCase shard_case(const StageSpec& spec, DType dt = DType::fp32) {
+  ShardCase c{StageModel(spec), {}, make_batch(spec, 5), {}, {}};
+  c.whole.init(3);
+  randomize(c.whole, 11);
+  c.weights.assign(c.whole.master_weights().begin(), c.whole.master_weights().end());
+  std::mt19937_64 rng(9);
+  for (double x : randn(c.whole.activation_elements(), rng)) c.input.push_back(round_to(dt, static_cast<float>(x)));
+  for (double x : randn(c.whole.activation_elements(), rng, 0.1))
+    c.grad_output.push_back(round_to(dt, static_cast<float>(x)));
+  return c;
+}
+
 TEST(StageModel, TensorParallelShardsComputeTheWholeStage) {
   const ModelDims d = small_dims(3);  // 2 heads, vocabulary 32, sequence 8
   const int mbs = 2, tp = 2;
@@ -863,15 +883,8 @@ TEST(StageModel, TensorParallelShardsComputeTheWholeStage) {
     for (const bool sp : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "blocks [" << first << ", " << first + count << ") sp " << sp);
       const StageSpec spec = stage_spec(d, first, count, mbs);
-      StageModel whole(spec);
-      whole.init(3);
-      randomize(whole, 11);
-      const std::vector<float> weights(whole.master_weights().begin(), whole.master_weights().end());
-      const Batch batch = make_batch(spec, 5);
-      std::mt19937_64 rng(9);
-      std::vector<float> input, grad_output;
-      for (double x : randn(whole.activation_elements(), rng)) input.push_back(static_cast<float>(x));
-      for (double x : randn(whole.activation_elements(), rng, 0.1)) grad_output.push_back(static_cast<float>(x));
+      const ShardCase sc = shard_case(spec);
+      const auto& [whole, weights, batch, input, grad_output] = sc;
       const ShardRun ref = run_shard(spec, 1, 0, false, nullptr, whole, weights, batch, input, grad_output);
       const std::vector<ShardRun> shards = run_shards(spec, tp, sp, whole, weights, batch, input, grad_output);
 
@@ -948,16 +961,8 @@ TEST(StageModel, RecomputeGivesTheKeptStashsBitsWithLessStashed) {
         SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " blocks [" << first << ", " << first + count
                                           << ") tp " << tp << " sp " << sp);
         StageSpec spec = stage_spec(d, first, count, mbs, dt, dt);
-        StageModel whole(spec);
-        whole.init(3);
-        randomize(whole, 11);
-        const std::vector<float> weights(whole.master_weights().begin(), whole.master_weights().end());
-        const Batch batch = make_batch(spec, 5);
-        std::mt19937_64 rng(9);
-        std::vector<float> input, grad_output;
-        for (double x : randn(whole.activation_elements(), rng)) input.push_back(round_to(dt, static_cast<float>(x)));
-        for (double x : randn(whole.activation_elements(), rng, 0.1))
-          grad_output.push_back(round_to(dt, static_cast<float>(x)));
+        const ShardCase sc = shard_case(spec, dt);
+        const auto& [whole, weights, batch, input, grad_output] = sc;
         std::vector<std::vector<ShardRun>> runs;
         for (const Recompute r : modes) {
           spec.recompute = r;
