@@ -1040,6 +1040,68 @@ TEST(Validate, CalibratesAndRunsThroughTheBackendItIsGiven) {
   EXPECT_EQ(runs, 1) << "refused before running";
 }
 
+// Two data-parallel replicas whose cores ran the measured step at speeds the calibration did not
+// see (core 1 30% slower): the validation reads each replica's core from the step's own ops and
+// prices the step as it ran; a pipeline's stages, whose ops differ, are left as calibrated.
+TEST(Validate, ReplicasCoreSpeedsComeFromTheMeasuredStep) {
+  for (const auto& [pp, dp] : {std::pair{1, 2}, std::pair{2, 1}}) {
+    SCOPED_TRACE(fmt::format("pp {} dp {}", pp, dp));
+    Scenario scenario;
+    scenario.config = runtime_sized(pp, dp, ScheduleKind::one_f_one_b, DType::fp32);
+    scenario.config.runtime.data_synthetic = true;
+    scenario.config.runtime.steps = 2;
+    const auto priced = [](const runtime::RuntimePlan& rp, const HardwareProfile& p) {
+      ScenarioConfig c = rp.plan.config;
+      apply_profile(p, c.cluster);
+      c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+      return Plan::from_config(c);
+    };
+    HardwareProfile calibrated;
+    Prediction truth;
+    validation::ValidateOptions o;
+    o.backend.name = "other";
+    o.backend.calibrate = [&](const runtime::RuntimePlan& rp, const runtime::CalibrateOptions&) {
+      calibrated = uniform_profile(rp.plan, 0.5, 5);
+      calibrated.ranks_per_node = 2;
+      calibrated.core_factors = {1.0, 1.0};
+      return calibrated;
+    };
+    o.backend.run = [&](const runtime::RuntimePlan& rp, runtime::RunOptions ro) {
+      ro.pin_threads = false;
+      runtime::RunReport r = runtime::run_cpu(rp, ro);
+      // The machine as it ran: the calibrated rates, core 1 at 1.3 times core 0's time.
+      HardwareProfile machine = calibrated;
+      machine.core_factors = {1.0, 1.3};
+      truth = predict(priced(rp, machine));
+      r.timeline.ops = truth.timeline.ops;
+      r.result.step_time_s = truth.result.step_time_s;
+      r.result.bubble_fraction = truth.result.bubble_fraction;
+      return r;
+    };
+    const validation::Validation v = validation::validate(scenario, o);
+    const Prediction as_calibrated = predict(priced(v.plan, calibrated));
+    if (pp == 1) {
+      ASSERT_EQ(v.replica_core_factors.size(), 2u);
+      // Each replica's forward and backward ops take as long against the measured as the other's.
+      std::vector<double> p(2), m(2);
+      for (const validation::OpKindTime& x : validation::time_by_op_kind(v))
+        if (x.kind == "F" || x.kind == "F first" || x.kind == "B")
+          p[static_cast<std::size_t>(x.rank)] += x.predicted_s, m[static_cast<std::size_t>(x.rank)] += x.measured_s;
+      EXPECT_NEAR((p[1] / m[1]) / (p[0] / m[0]), 1.0, 0.01);
+      EXPECT_GT(v.replica_core_factors[1] / v.replica_core_factors[0], 1.2);
+      EXPECT_NEAR(v.replica_core_factors[0] + v.replica_core_factors[1], 2.0, 1e-9) << "the mean speed is the calibration's";
+      EXPECT_NEAR(v.predicted.result.bubble_fraction, truth.result.bubble_fraction, 0.005);
+      EXPECT_GT(truth.result.bubble_fraction - as_calibrated.result.bubble_fraction, 0.03)
+          << "the slower core's wait is what the calibration missed";
+      EXPECT_NE(validation::format_validation(v).find("replicas"), std::string::npos);
+      EXPECT_EQ(validation::validation_to_json(v)["replica_core_factors"].size(), 2u);
+    } else {
+      EXPECT_TRUE(v.replica_core_factors.empty()) << "a pipeline's stages run different ops";
+      EXPECT_DOUBLE_EQ(v.predicted.result.step_time_s, as_calibrated.result.step_time_s);
+    }
+  }
+}
+
 TEST(Reports, TwoTimelinesInOneTraceAndOneSvg) {
   const Plan plan = Plan::from_config(runtime_sized(2, 1, ScheduleKind::one_f_one_b, DType::fp32));
   const Prediction a = predict(plan);
