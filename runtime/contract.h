@@ -139,6 +139,9 @@ struct RunReport {
   std::shared_ptr<const Schedule> schedule;
   Timeline timeline;                  // the measured step the result describes
   int timeline_step = 0;              // which one: the median-time step, the first excluded when there are more
+  // Per rank the engine ran, in that step: RankStep::layer_seconds (-1: not timed). Empty when
+  // no step was reported.
+  std::vector<double> layer_seconds;
   std::vector<MemoryBreakdown> memory;  // per schedule rank, at its peak over the run (its largest shard's)
   std::vector<ExecutedRank> executed_ranks;  // every rank the engine ran (dp * pp * tp of them)
   // Per rank, the device memory its allocators handed out at its peak step (CUDA backend: the

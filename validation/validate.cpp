@@ -74,44 +74,30 @@ HardwareProfile turn_profile(HardwareProfile p, int ranks) {
 constexpr int kStepWindowSteps = 2;
 // The core factors and alone factors (HardwareProfile::core_factors, core_alone_factors) of passes
 // [first, end), or of all passes where those hold none.
-// Per rank of a plan whose ranks are data-parallel replicas and nothing else (one pipeline stage,
-// no tensor parallelism, more than one replica): its compute ops' measured time in the reported
-// step over their predicted time, divided by the mean of that over the ranks. Replicas run the
-// same ops on the same shapes, so a replica whose ops took longer than its peer's, relative to
-// the prediction, met a slower core: a shared host moves one vCPU's speed against the other's by
+// Per schedule rank of a plan whose ranks each compute on one core (no tensor parallelism): its
+// transformer blocks' seconds per block in the reported step (RunReport::layer_seconds) over the
+// mean of that over the ranks. Every rank's blocks are the same work (the same shapes, each
+// through the same forward and backward passes, whatever stage holds it), so a rank whose blocks
+// took longer ran on a slower core: a shared host moves one vCPU's speed against the other's by
 // 20-40% within seconds, faster than the calibration passes between the steps follow (they read
-// x1.07/x1.10 around a step whose ops ran x1.00/x0.77), and which replica waits for the other at
-// the gradients' all-reduce is then the whole of such a plan's bubble error. Empty for other
-// plans, or where the two timelines' programs differ.
-std::vector<double> replica_core_factors(const Plan& plan, const Prediction& predicted, const runtime::RunReport& measured) {
-  if (plan.pp != 1 || plan.tp != 1 || plan.dp < 2) return {};
-  const Schedule* ps = predicted.schedule.get();
-  const Schedule* ms = measured.timeline.schedule ? measured.timeline.schedule.get() : measured.schedule.get();
-  if (!ps || !ms || ps->ranks.size() != ms->ranks.size()) return {};
-  const auto& pt = predicted.timeline.ops;
-  const auto& mt = measured.timeline.ops;
-  std::vector<double> ratio;
-  for (std::size_t r = 0; r < ps->ranks.size(); ++r) {
-    const auto& ops = ps->ranks[r].ops;
-    if (r >= pt.size() || r >= mt.size() || ops.size() != ms->ranks[r].ops.size() || pt[r].size() != ops.size() ||
-        mt[r].size() != ops.size())
-      return {};
-    double p = 0, m = 0;
-    for (std::size_t i = 0; i < ops.size(); ++i) {
-      // Forward and backward only: the optimizer step waits inside for the gradient norm's
-      // all-reduce, and a skipped update is priced apart.
-      if (ops[i].kind != ms->ranks[r].ops[i].kind) return {};
-      if (!is_compute(ops[i].kind) || ops[i].kind == OpKind::OptimizerStep) continue;
-      p += ticks_to_seconds(pt[r][i].end - pt[r][i].start - pt[r][i].waited);
-      m += ticks_to_seconds(mt[r][i].end - mt[r][i].start - mt[r][i].waited);
-    }
-    if (!(p > 0) || !(m > 0)) return {};
-    ratio.push_back(m / p);
+// x1.07/x1.10 around a step whose blocks ran x1.00/x0.77), and which rank waits for the other,
+// at a data-parallel all-reduce or a pipeline's send, follows it. Empty where the blocks were not
+// timed, or for one rank.
+std::vector<double> core_factors_in_step(const Plan& plan, const runtime::RunReport& measured) {
+  const int ranks = plan.num_ranks();
+  if (plan.tp != 1 || ranks < 2 || measured.layer_seconds.size() != measured.executed_ranks.size()) return {};
+  std::vector<double> f(static_cast<std::size_t>(ranks), -1);
+  for (std::size_t e = 0; e < measured.executed_ranks.size(); ++e) {
+    const int r = measured.executed_ranks[e].schedule_rank;
+    if (r >= 0 && r < ranks) f[static_cast<std::size_t>(r)] = measured.layer_seconds[e];
   }
   double mean = 0;
-  for (double x : ratio) mean += x / static_cast<double>(ratio.size());
-  for (double& x : ratio) x /= mean;
-  return ratio;
+  for (double x : f) {
+    if (!(x > 0)) return {};
+    mean += x / static_cast<double>(ranks);
+  }
+  for (double& x : f) x /= mean;
+  return f;
 }
 
 std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runtime::KernelCalibrator& kernels,
@@ -395,30 +381,27 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     if (any) v.predicted.result = compute_result(plan, v.predicted.timeline, v.predicted.memory);
   };
   predict_measured_branch();
-  // Replicas on cores of their own: each core's speed relative to the others as the measured step
-  // found it (replica_core_factors), the mean speed still the calibration's. Twice: the first
-  // correction moves which replica computes alone while the other waits, which its factors price.
-  if (ranks <= cores && !v.profile.core_factors.empty()) {
-    const HardwareProfile calibrated = v.profile;
-    for (int round = 0; round < 2; ++round) {
-      const std::vector<double> c = replica_core_factors(v.plan.plan, v.predicted, v.measured);
-      if (c.empty()) break;
-      std::vector<double>& f = v.replica_core_factors;
-      if (f.empty()) f.assign(c.size(), 1.0);
+  // Ranks on cores of their own: each core's speed relative to the others as the measured step's
+  // blocks found it (core_factors_in_step), the mean speed still the calibration's.
+  if (ranks <= cores && !v.profile.core_factors.empty())
+    if (const std::vector<double> f = core_factors_in_step(v.plan.plan, v.measured); !f.empty()) {
+      // Each rank's core at the cores' calibrated mean times its own in the step; alone (the
+      // other cores idle) as much faster than beside the others as the calibration found it.
+      const HardwareProfile calibrated = v.profile;
       double mean = 0;
-      for (std::size_t r = 0; r < c.size(); ++r) mean += (f[r] *= c[r]) / static_cast<double>(c.size());
-      for (std::size_t r = 0; r < c.size(); ++r) {
-        f[r] /= mean;
-        const auto core = static_cast<std::size_t>(v.plan.plan.first_gpu_of(static_cast<int>(r)));
-        const auto scale = [&](std::vector<double>& to, const std::vector<double>& from) {
-          if (!from.empty()) to[core % to.size()] = from[core % from.size()] * f[r];
-        };
-        scale(v.profile.core_factors, calibrated.core_factors);
-        scale(v.profile.core_alone_factors, calibrated.core_alone_factors);
+      for (std::size_t r = 0; r < f.size(); ++r)
+        mean += calibrated.core_factor(v.plan.plan.first_gpu_of(static_cast<int>(r))) / static_cast<double>(f.size());
+      for (std::size_t r = 0; r < f.size(); ++r) {
+        const int core = v.plan.plan.first_gpu_of(static_cast<int>(r));
+        const auto at = static_cast<std::size_t>(core) % v.profile.core_factors.size();
+        v.profile.core_factors[at] = mean * f[r];
+        if (!v.profile.core_alone_factors.empty())
+          v.profile.core_alone_factors[static_cast<std::size_t>(core) % v.profile.core_alone_factors.size()] =
+              mean * f[r] * calibrated.core_alone_factor(core) / calibrated.core_factor(core);
       }
+      v.core_factors_in_step = f;
       predict_measured_branch();
     }
-  }
   // More ranks than cores on a backend whose ranks run at once: a compute op stretches by how many
   // ranks are busy per device. Processor sharing, averaged over the step: every rank's compute
   // scales by (ranks x mean utilization) / cores, the utilization taken from the prediction itself
@@ -559,10 +542,10 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
                        "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",
                        v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_handoff_us);
-  if (!v.replica_core_factors.empty())
-    out << fmt::format("  replicas their cores' time in the measured step against each other's: x{:.2f}, the core "
-                       "factors above include it (the replicas run the same ops)\n",
-                       fmt::join(v.replica_core_factors, "/x"));
+  if (!v.core_factors_in_step.empty())
+    out << fmt::format("  in step  the ranks' blocks took x{:.2f} of their mean per block in the measured step: the "
+                       "cores' factors above include it\n",
+                       fmt::join(v.core_factors_in_step, "/x"));
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);
@@ -635,7 +618,7 @@ nlohmann::ordered_json validation_to_json(const Validation& v) {
                    {"final_loss_scale", n.final_loss_scale},
                    {"max_replica_drift", n.max_replica_drift}};
   j["machine_drift"] = v.drift_measured ? nlohmann::ordered_json(round6(v.machine_drift)) : nlohmann::ordered_json(nullptr);
-  if (!v.replica_core_factors.empty()) j["replica_core_factors"] = v.replica_core_factors;
+  if (!v.core_factors_in_step.empty()) j["core_factors_in_step"] = v.core_factors_in_step;
   return j;
 }
 

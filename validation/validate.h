@@ -87,10 +87,10 @@ struct Validation {
   bool oversubscribed = false;  // more ranks than cores: ops take the cores in turns (core_sharing.h)
   bool drift_measured = false;  // calibration passes ran between the steps (the CPU backend, no profile given)
   double machine_drift = 0;   // calibration passes during the run against before it, - 1 (0 when not measured)
-  // Data-parallel replicas on cores of their own: each one's core speed in the measured step
-  // relative to the others', which the prediction took (validate.cpp, replica_core_factors). Empty: not
-  // applied.
-  std::vector<double> replica_core_factors;
+  // Ranks on cores of their own: each one's blocks' time per block in the measured step against
+  // the ranks' mean, which the prediction's core factors took (validate.cpp,
+  // core_factors_in_step). Empty: not applied.
+  std::vector<double> core_factors_in_step;
 };
 
 // Calibrates (or loads the profile), predicts, runs, compares. Throws ScenarioError for a

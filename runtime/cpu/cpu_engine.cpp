@@ -497,8 +497,12 @@ class CpuEngine final : public DeviceEngine {
     n.replica = rk.replica;
     n.shard = rk.shard;
     std::uint64_t h = kFnvOffset;
+    double block_seconds = 0;
+    int blocks = 0;
     for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
       StageModel& c = rk.chunks[j];
+      block_seconds += c.take_block_seconds();
+      blocks += c.spec().num_layers;
       const StageNumerics& sn = c.numerics();
       n.max_abs_activation = std::max(n.max_abs_activation, sn.max_abs_activation);
       n.max_abs_gradient = std::max(n.max_abs_gradient, sn.max_abs_gradient);
@@ -517,6 +521,7 @@ class CpuEngine final : public DeviceEngine {
     rs.arrival = rk.arrival;
     rs.parts = rk.parts;
     rs.weights_hash = h;
+    if (blocks > 0) rs.layer_seconds = block_seconds / blocks;
     return rs;
   }
 

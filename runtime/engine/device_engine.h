@@ -46,6 +46,9 @@ struct RankStep {
   // unit), each part's (room, end) on this rank; empty for other ops (and engines that do not say).
   std::vector<std::vector<std::pair<Tick, Tick>>> parts;
   std::uint64_t weights_hash = 0;  // over its master weights after the step (fnv1a, weights.h)
+  // Seconds its transformer blocks computed in the step, per block it holds
+  // (StageModel::take_block_seconds over its chunks); -1 where the engine does not time them.
+  double layer_seconds = -1;
   std::string error;             // non-empty: the rank failed, and why; the rest is not meaningful
   // When its error was caught (system clock, ns; 0: not recorded). One failure makes the others
   // fail too (aborted collectives, a stopped core gate): the run names the earliest, the cause.

@@ -47,6 +47,7 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
   report.first_step = first;
 
   std::vector<Timeline> timelines;
+  std::vector<std::vector<double>> layer_seconds;  // per step, per rank
   LossWatch loss_watch;
   for (int step = first; step <= steps; ++step) {
     // One optimizer step on every rank.
@@ -72,6 +73,8 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
 
     // What it measured: the step's timeline and numerics, and the replicas' weights.
     timelines.push_back(measured_timeline(report.schedule, cell_steps(world, ranks)));
+    layer_seconds.emplace_back();
+    for (const RankStep& r : ranks) layer_seconds.back().push_back(r.layer_seconds);
     std::string first_nonfinite;
     StepRecord rec = step_record(step, seconds, ranks, &first_nonfinite);
     std::vector<std::uint64_t> hashes;
@@ -102,6 +105,7 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
   // The result: the median step's timeline, through the simulator's own metrics.
   if (const int chosen = median_step_index(report.steps); chosen >= 0) {
     report.timeline = timelines[static_cast<std::size_t>(chosen)];
+    report.layer_seconds = layer_seconds[static_cast<std::size_t>(chosen)];
     report.timeline_step = report.steps[static_cast<std::size_t>(chosen)].step;
   } else {
     report.timeline.schedule = report.schedule;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numbers>
@@ -155,6 +156,20 @@ struct StageModel::Impl : StageShape {
 
   // Weights read through the engine's gate (set_weight_gate), piece by piece.
   GateCalls gate;
+  // Seconds the stage's blocks computed since take_block_seconds() last read them (BlockClock).
+  double block_seconds = 0;
+  // Adds the seconds from its construction to its destruction to block_seconds, for a block
+  // unit's work (`on`: the unit is a block; the head and embedding are not counted).
+  struct BlockClock {
+    double* to;
+    std::chrono::steady_clock::time_point t0;
+    BlockClock(double& sum, bool on) : to(on ? &sum : nullptr), t0(std::chrono::steady_clock::now()) {}
+    ~BlockClock() {
+      if (to) *to += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    BlockClock(const BlockClock&) = delete;
+    BlockClock& operator=(const BlockClock&) = delete;
+  };
   // A backward unit's input pass (and its rebuild) reads the unit's weights; the embedding's none.
   bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
   WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
@@ -495,7 +510,10 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
   }
   for (int li = 0; li < L; ++li) {
     gate.take(WeightPiece::block, li);
-    forward_block(li, s, mb);
+    {
+      const BlockClock clock(block_seconds, true);
+      forward_block(li, s, mb);
+    }
     gate.give(WeightPiece::block, li);
   }
   if (!spec.has_head) {
@@ -959,11 +977,18 @@ void StageModel::backward_unit(int mb) {
     throw std::logic_error("StageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
                            std::to_string(m.units.size()) + " units");
   const Impl::Unit& u = m.units[sl.units_done];
+  const bool block = u.kind == Impl::UnitKind::block;
   if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
-  m.rebuild(u, *sl.stash, mb, false);
-  m.unit_input(u, *sl.stash, *sl.backward, mb);
+  {
+    const Impl::BlockClock clock(m.block_seconds, block);
+    m.rebuild(u, *sl.stash, mb, false);
+    m.unit_input(u, *sl.stash, *sl.backward, mb);
+  }
   if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
-  m.unit_weight(u, *sl.stash, *sl.backward, mb);
+  {
+    const Impl::BlockClock clock(m.block_seconds, block);
+    m.unit_weight(u, *sl.stash, *sl.backward, mb);
+  }
   m.drop_rebuilt(u, *sl.stash, true);
   ++sl.units_done;
 }
@@ -995,8 +1020,11 @@ void StageModel::backward_input(int mb, const float* grad_output, float loss_gra
   Impl::Slot& sl = m.slot(mb);
   for (const Impl::Unit& u : m.units) {
     if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
-    m.rebuild(u, *sl.stash, mb, true);
-    m.unit_input(u, *sl.stash, *sl.backward, mb);
+    {
+      const Impl::BlockClock clock(m.block_seconds, u.kind == Impl::UnitKind::block);
+      m.rebuild(u, *sl.stash, mb, true);
+      m.unit_input(u, *sl.stash, *sl.backward, mb);
+    }
     if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
     m.drop_rebuilt(u, *sl.stash, false);
   }
@@ -1012,8 +1040,11 @@ void StageModel::backward_weight(int mb) {
   Impl::Slot& sl = m.slot(mb);
   if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done)
     throw std::logic_error("StageModel::backward_weight: micro-batch " + std::to_string(mb) + " has no backward_input");
-  for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done)
-    m.unit_weight(m.units[sl.units_done], *sl.stash, *sl.backward, mb);
+  for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done) {
+    const Impl::Unit& u = m.units[sl.units_done];
+    const Impl::BlockClock clock(m.block_seconds, u.kind == Impl::UnitKind::block);
+    m.unit_weight(u, *sl.stash, *sl.backward, mb);
+  }
   m.release(sl);
 }
 
@@ -1023,8 +1054,18 @@ void StageModel::backward_weight_unit(int mb) {
   if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done || sl.units_done >= static_cast<int>(m.units.size()))
     throw std::logic_error("StageModel::backward_weight_unit: micro-batch " + std::to_string(mb) +
                            " has no backward_input or no weight unit left");
-  m.unit_weight(m.units[sl.units_done], *sl.stash, *sl.backward, mb);
+  const Impl::Unit& u = m.units[sl.units_done];
+  {
+    const Impl::BlockClock clock(m.block_seconds, u.kind == Impl::UnitKind::block);
+    m.unit_weight(u, *sl.stash, *sl.backward, mb);
+  }
   ++sl.units_done;
+}
+
+double StageModel::take_block_seconds() {
+  const double s = impl_->block_seconds;
+  impl_->block_seconds = 0;
+  return s;
 }
 
 std::size_t StageModel::master_weight_bytes() const { return impl_->master.size() * sizeof(float); }

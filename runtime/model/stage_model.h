@@ -201,6 +201,12 @@ class StageModel {
   // gradients (gradients_complete() grows), then backward_weight() runs the rest.
   void backward_weight_unit(int mb);
 
+  // Seconds the stage's transformer blocks computed since the last call (their forward, rebuild,
+  // input and weight passes; not the embedding or head, not waits for weights at the gate), and
+  // back to 0. Blocks are the same work on every stage: validation reads each core's speed
+  // during a step from them (validation/validate.cpp, core_factors_in_step).
+  double take_block_seconds();
+
   // Memory held now, in bytes of the formats the values are in (the runtime's accounting):
   std::size_t master_weight_bytes() const;   // FP32 master
   std::size_t working_weight_bytes() const;  // compute-format copy (0 when compute is fp32)

@@ -439,6 +439,33 @@ TEST(Executor, MeasuredTimelineFollowsTheSchedule) {
   }
 }
 
+// Each rank's blocks are timed inside its compute ops: per block, more than nothing, and all its
+// blocks together within the time its forward and backward ops took (which add the embedding, the
+// head and the stage's passes around them). Under the zero-bubble split and recompute too.
+TEST(Executor, BlocksAreTimedInsideTheComputeOps) {
+  for (const ScheduleKind schedule : {ScheduleKind::gpipe, ScheduleKind::zb_h1}) {
+    ScenarioConfig c = small_config(1, 2, schedule);
+    c.training.activation_recompute = schedule == ScheduleKind::gpipe ? Recompute::full
+                                                                      : Recompute::none;
+    const RunReport r = run(c);
+    ASSERT_FALSE(r.failure) << r.failure->message;
+    ASSERT_EQ(r.layer_seconds.size(), r.executed_ranks.size());
+    for (const ExecutedRank& e : r.executed_ranks) {
+      const double per_block = r.layer_seconds[static_cast<std::size_t>(e.rank)];
+      EXPECT_GT(per_block, 0) << "rank " << e.rank;
+      const auto& ops = r.schedule->ranks[static_cast<std::size_t>(e.schedule_rank)].ops;
+      double compute = 0;
+      for (std::size_t i = 0; i < ops.size(); ++i)
+        if (is_compute(ops[i].kind) && ops[i].kind != OpKind::OptimizerStep) {
+          const OpTiming& t = r.timeline.ops[static_cast<std::size_t>(e.schedule_rank)][i];
+          compute += ticks_to_seconds(t.end - t.start);
+        }
+      const int blocks = r.runtime_plan.plan.layers_per_virtual_stage[static_cast<std::size_t>(e.pp)];
+      EXPECT_LT(per_block * blocks, compute) << "rank " << e.rank;
+    }
+  }
+}
+
 // Every compute op of every rank (the optimizer step twice, around its gradient norm), in the
 // order the simulator starts them: an order the ranks can follow.
 std::vector<CoreTurn> predicted_turns(const RunReport& r) {
