@@ -274,12 +274,17 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     };
 
     // Each of Megatron's tensor-parallel all-reduces; with sequence parallelism a reduce-scatter
-    // and an all-gather of the same buffer instead (Korthikanti et al. 2022, section 4.2.2).
-    auto tp_allreduce = [&](double bytes) {
+    // and an all-gather of the same buffer instead (Korthikanti et al. 2022, section 4.2.2). The
+    // reduce-scatter sums a product's 16-bit output; under FP8 the all-gather moves the FP8 copy
+    // the next product reads, cast on the rank's rows before the gather (above): one byte an
+    // element, unless what it feeds stays in 16 bits (`feeds_fp8_product`: the output layer, the
+    // embedding's gradient).
+    auto tp_allreduce = [&](double bytes, bool feeds_fp8_product = true) {
       if (t <= 1) return;
       if (sp) {
-        k.memory_bytes("tp.reducescatter", bytes / e, bytes);
-        k.memory_bytes("tp.allgather", bytes / e, bytes);
+        const double elements = bytes / e;
+        k.memory_bytes("tp.reducescatter", elements, bytes);
+        k.memory_bytes("tp.allgather", elements, fp8 && feeds_fp8_product ? elements : bytes);
       } else {
         k.memory_bytes("tp.allreduce", bytes / e, bytes);
       }
@@ -329,7 +334,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (m.hidden_dropout) k.memory_random("bias_dropout_add.forward", rep, rep * residual_fwd);
       else k.memory_bytes("bias_dropout_add.forward", rep, rep * residual_fwd);
     };
-    auto layer_forward = [&] {
+    // `feeds_head`: the layer's output goes to the output layer (the last layer of the last chunk).
+    auto layer_forward = [&](bool feeds_head = false) {
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
       linear_forward(qkv, C, false);
       if (separate_bias) k.memory("bias.add", static_cast<double>(N) * qkv, 2);
@@ -346,7 +352,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       k.memory_bytes(m.swiglu ? "swiglu.forward" : "gelu.forward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_fwd);
       linear_forward(C, F, true);
-      tp_allreduce(act);
+      tp_allreduce(act, !feeds_head);
       bias_dropout_add_forward();
     };
 
@@ -389,10 +395,10 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     if (!first) pipeline_gather();
     if (first) {
       k.memory("embedding.forward", static_cast<double>(N) * C, m.learned_positions ? 3 : 2);
-      tp_allreduce(act);  // vocabulary-parallel embedding
+      tp_allreduce(act, layers > 0 || !last);  // vocabulary-parallel embedding
       if (m.hidden_dropout) k.memory_random("dropout.forward", rep, rep * (2 * e + 1));
     }
-    for (int l = 0; l < layers; ++l) layer_forward();
+    for (int l = 0; l < layers; ++l) layer_forward(last && l == layers - 1);
     if (last) {
       k.memory("layernorm.forward", rep, 2);
       head_product("linear.forward", N, V, C);
@@ -407,7 +413,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     if (last) {
       k.memory_bytes("cross_entropy.backward", static_cast<double>(N) * V, static_cast<double>(N) * V * (12 + e));
       head_product("linear.backward_input", N, C, V);
-      tp_allreduce(act);
+      tp_allreduce(act, layers > 0 || !first);
       k.memory("layernorm.backward_input", rep, 4);
     }
     for (int l = 0; l < layers; ++l) {
@@ -439,7 +445,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
       if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);
       linear_backward_input(C, qkv, false);
-      tp_allreduce(act);
+      tp_allreduce(act, !(first && l == 0));  // the first layer's input gradient goes to the embedding
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);
     }

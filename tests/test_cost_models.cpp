@@ -658,6 +658,25 @@ TEST(ComputeModel, Fp8CastsEachProductsOperandsAndKeepsTheOutputLayerInBf16) {
           ++head_products;
         }
     EXPECT_EQ(head_products, 3);  // logits, their input gradient, the weight gradient
+    // Sequence parallelism's collectives: a reduce-scatter sums a product's 16-bit output; an
+    // all-gather moves the FP8 copy the next product reads, one byte an element, except the
+    // ones that feed the output layer (the last layer's output) and the embedding's gradient
+    // (the first layer's input gradient) in 16 bits.
+    auto gathered = [&](const std::vector<KernelWork>& ws, const char* kernel, double bytes_per_element) {
+      double elements = 0;
+      for (const KernelWork& w : ws)
+        if (w.kernel == kernel && w.bytes == bytes_per_element * static_cast<double>(w.shape.elements))
+          elements += w.count * static_cast<double>(w.shape.elements);
+      return elements;
+    };
+    const double per_layer = sp ? 2 * N * h : 0;  // two of each per layer and pass
+    EXPECT_DOUBLE_EQ(gathered(chunks[1].forward, "tp.allgather", 1), 2 * per_layer);
+    EXPECT_DOUBLE_EQ(gathered(chunks[1].backward_input, "tp.allgather", 1), 2 * per_layer);
+    EXPECT_DOUBLE_EQ(gathered(chunks[1].forward, "tp.reducescatter", 2), 2 * per_layer);
+    if (sp) {
+      EXPECT_DOUBLE_EQ(gathered(chunks.back().forward, "tp.allgather", 2), N * h);  // into the head
+      EXPECT_DOUBLE_EQ(gathered(chunks.front().backward_input, "tp.allgather", 2), N * h);  // to the embedding
+    }
   }
   ScenarioConfig c = compute_config(Recompute::none);
   for (const auto& ws : {chunk_kernels(Plan::from_config(c), 2, InventoryTarget::framework)[1].forward})
