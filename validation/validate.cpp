@@ -72,8 +72,7 @@ HardwareProfile turn_profile(HardwareProfile p, int ranks) {
 // two runs of four; kernel rates: 9 of 32 step times beyond 15% of the accepted error on the
 // thirteenth session's host against 1 of 32 from the window; docs/validation.md).
 constexpr int kStepWindowSteps = 2;
-// The core factors and alone factors (HardwareProfile::core_factors, core_alone_factors) of passes
-// [first, end), or of all passes where those hold none.
+
 // Per schedule rank of a plan whose ranks each compute on one core (no tensor parallelism): its
 // transformer blocks' seconds per block in the reported step (RunReport::layer_seconds) over the
 // mean of that over the ranks. Every rank's blocks are the same work (the same shapes, each
@@ -100,6 +99,8 @@ std::vector<double> core_factors_in_step(const Plan& plan, const runtime::RunRep
   return f;
 }
 
+// The core factors and alone factors (HardwareProfile::core_factors, core_alone_factors) of passes
+// [first, end), or of all passes where those hold none.
 std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runtime::KernelCalibrator& kernels,
                                                                       int first, int end) {
   if (std::vector<double> f = kernels.core_factors(first, end); !f.empty())
@@ -360,7 +361,8 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.oversubscribed = true;
     return v;
   }
-  const auto predict_measured_branch = [&] {
+  // The plan predicted with v.profile, on the branch the measured step's numerics took.
+  const auto predict_step = [&] {
     const Plan plan = calibrated_plan(v.plan, v.profile);
     v.predicted = predict(plan);
     // A rank that skipped its update in the measured step: its optimizer step (the step's last op,
@@ -380,7 +382,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     }
     if (any) v.predicted.result = compute_result(plan, v.predicted.timeline, v.predicted.memory);
   };
-  predict_measured_branch();
+  predict_step();
   // Ranks on cores of their own: each core's speed relative to the others as the measured step's
   // blocks found it (core_factors_in_step), the mean speed still the calibration's.
   if (ranks <= cores && !v.profile.core_factors.empty())
@@ -400,7 +402,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
               mean * f[r] * calibrated.core_alone_factor(core) / calibrated.core_factor(core);
       }
       v.core_factors_in_step = f;
-      predict_measured_branch();
+      predict_step();
     }
   // More ranks than cores on a backend whose ranks run at once: a compute op stretches by how many
   // ranks are busy per device. Processor sharing, averaged over the step: every rank's compute
