@@ -440,15 +440,17 @@ TEST(Executor, MeasuredTimelineFollowsTheSchedule) {
 }
 
 // Each rank's blocks are timed inside its compute ops: per block, more than nothing, and all its
-// blocks together within the time its forward and backward ops took (which add the embedding, the
-// head and the stage's passes around them). Under the zero-bubble split and recompute too.
+// blocks together (every chunk's, interleaved) within the time its forward and backward ops took
+// (which add the embedding, the head and the stage's passes around them). Under the zero-bubble
+// split and recompute too.
 TEST(Executor, BlocksAreTimedInsideTheComputeOps) {
-  for (const ScheduleKind schedule : {ScheduleKind::gpipe, ScheduleKind::zb_h1}) {
-    ScenarioConfig c = small_config(1, 2, schedule);
+  for (const ScheduleKind schedule : {ScheduleKind::gpipe, ScheduleKind::zb_h1, ScheduleKind::interleaved_1f1b}) {
+    ScenarioConfig c = small_config(1, 2, schedule, schedule == ScheduleKind::interleaved_1f1b ? 2 : 1);
     c.training.activation_recompute = schedule == ScheduleKind::gpipe ? Recompute::full
                                                                       : Recompute::none;
     const RunReport r = run(c);
     ASSERT_FALSE(r.failure) << r.failure->message;
+    EXPECT_EQ(r.runtime_plan.plan.vpp, schedule == ScheduleKind::interleaved_1f1b ? 2 : 1);
     ASSERT_EQ(r.layer_seconds.size(), r.executed_ranks.size());
     for (const ExecutedRank& e : r.executed_ranks) {
       const double per_block = r.layer_seconds[static_cast<std::size_t>(e.rank)];
@@ -460,7 +462,11 @@ TEST(Executor, BlocksAreTimedInsideTheComputeOps) {
           const OpTiming& t = r.timeline.ops[static_cast<std::size_t>(e.schedule_rank)][i];
           compute += ticks_to_seconds(t.end - t.start);
         }
-      const int blocks = r.runtime_plan.plan.layers_per_virtual_stage[static_cast<std::size_t>(e.pp)];
+      const Plan& plan = r.runtime_plan.plan;
+      int blocks = 0;
+      for (int vs = 0; vs < plan.num_virtual_stages(); ++vs)
+        if (plan.rank_stage_of_virtual(vs) == e.pp) blocks += plan.layers_per_virtual_stage[static_cast<std::size_t>(vs)];
+      EXPECT_GT(blocks, 0);
       EXPECT_LT(per_block * blocks, compute) << "rank " << e.rank;
     }
   }
