@@ -170,6 +170,8 @@ struct StageModel::Impl : StageShape {
     BlockClock(const BlockClock&) = delete;
     BlockClock& operator=(const BlockClock&) = delete;
   };
+  // The clock of backward unit u's work: running for a block, idle for the head and embedding.
+  BlockClock unit_clock(const Unit& u) { return {block_seconds, u.kind == UnitKind::block}; }
   // A backward unit's input pass (and its rebuild) reads the unit's weights; the embedding's none.
   bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
   WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
@@ -977,16 +979,15 @@ void StageModel::backward_unit(int mb) {
     throw std::logic_error("StageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
                            std::to_string(m.units.size()) + " units");
   const Impl::Unit& u = m.units[sl.units_done];
-  const bool block = u.kind == Impl::UnitKind::block;
   if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
   {
-    const Impl::BlockClock clock(m.block_seconds, block);
+    const auto clock = m.unit_clock(u);
     m.rebuild(u, *sl.stash, mb, false);
     m.unit_input(u, *sl.stash, *sl.backward, mb);
   }
   if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
   {
-    const Impl::BlockClock clock(m.block_seconds, block);
+    const auto clock = m.unit_clock(u);
     m.unit_weight(u, *sl.stash, *sl.backward, mb);
   }
   m.drop_rebuilt(u, *sl.stash, true);
@@ -1021,7 +1022,7 @@ void StageModel::backward_input(int mb, const float* grad_output, float loss_gra
   for (const Impl::Unit& u : m.units) {
     if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
     {
-      const Impl::BlockClock clock(m.block_seconds, u.kind == Impl::UnitKind::block);
+      const auto clock = m.unit_clock(u);
       m.rebuild(u, *sl.stash, mb, true);
       m.unit_input(u, *sl.stash, *sl.backward, mb);
     }
@@ -1042,7 +1043,7 @@ void StageModel::backward_weight(int mb) {
     throw std::logic_error("StageModel::backward_weight: micro-batch " + std::to_string(mb) + " has no backward_input");
   for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done) {
     const Impl::Unit& u = m.units[sl.units_done];
-    const Impl::BlockClock clock(m.block_seconds, u.kind == Impl::UnitKind::block);
+    const auto clock = m.unit_clock(u);
     m.unit_weight(u, *sl.stash, *sl.backward, mb);
   }
   m.release(sl);
@@ -1056,7 +1057,7 @@ void StageModel::backward_weight_unit(int mb) {
                            " has no backward_input or no weight unit left");
   const Impl::Unit& u = m.units[sl.units_done];
   {
-    const Impl::BlockClock clock(m.block_seconds, u.kind == Impl::UnitKind::block);
+    const auto clock = m.unit_clock(u);
     m.unit_weight(u, *sl.stash, *sl.backward, mb);
   }
   ++sl.units_done;
