@@ -307,6 +307,26 @@ TEST_P(GpuByDType, EmbeddingBackwardIsIdenticalToTheCpu) {
   expect_identical("dwpe", from_device(DType::fp32, d_dwpe, dwpe.size()), dwpe);
 }
 
+// Text's skew: one token in most positions (runs longer than the kernel's batches of loads, and
+// a remainder), a row wider than one block of columns and no whole number of them.
+TEST_P(GpuByDType, EmbeddingBackwardOfASkewedBatchIsIdenticalToTheCpu) {
+  const DType dt = GetParam();
+  constexpr int B = 4, T = 61, C = 300, V = 11;
+  std::mt19937 rng(103);
+  auto tokens = random_ids(B * T, V, rng);
+  for (int n = 0; n < B * T; n += 2) tokens[n] = 7;  // ~130 of 244 positions
+  const auto dout = randn(dt, std::size_t(B) * T * C, rng);
+  auto dwte = randn(DType::fp32, std::size_t(V) * C, rng, 0, 0.1), dwpe = randn(DType::fp32, std::size_t(T) * C, rng, 0, 0.1);
+  auto d_dout = to_device(dt, dout), d_tok = to_device_raw(tokens);
+  auto d_dwte = to_device(DType::fp32, dwte), d_dwpe = to_device(DType::fp32, dwpe);
+  embedding_backward(d_dwte.as<float>(), d_dwpe.as<float>(), d_dout.data(), d_tok.as<std::int32_t>(), B, T, C, V, dt,
+                     nullptr);
+  synchronize();
+  L::embedding_backward<float>(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+  expect_identical("dwte", from_device(DType::fp32, d_dwte, dwte.size()), dwte);
+  expect_identical("dwpe", from_device(DType::fp32, d_dwpe, dwpe.size()), dwpe);
+}
+
 // =======================================================================================
 // LayerNorm
 // =======================================================================================
