@@ -512,6 +512,13 @@ std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params) {
 
 std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, bool emulated_low_precision) {
   std::vector<KernelWork> out = optimizer_kernels(plan, params);
+  if (!emulated_low_precision) {
+    // The CUDA engine scans the accumulated gradients for the numerics report (inf/NaN, largest
+    // magnitude) before the norm, a read like the norm's (the CPU engine scans them as the
+    // backward writes them): priced as the norm's kernel.
+    Builder scan{plan.config.precision.compute, 4.0, &out};
+    scan.memory("grad_norm", params, 1);
+  }
   if (plan.zero() >= 1 && !plan.reduces_every_microbatch()) {
     const double grad_bytes = emulated_low_precision ? 4.0 : dtype_bytes(plan.config.precision.grad_accumulation);
     Builder copies{DType::fp32, grad_bytes, &out};

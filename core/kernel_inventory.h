@@ -81,7 +81,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage);
 // The optimizer step of a rank holding `params` parameters.
 std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
 // The optimizer step as trainsim's runtime runs it (both engines), what a calibrated profile
-// prices: optimizer_kernels, and under ZeRO-1 first the rank's shard of `params` gradients
+// prices: optimizer_kernels, on a device (not emulated) the gradients' scan for the numerics
+// report (a read, priced as the norm), and under ZeRO-1 first the rank's shard of `params` gradients
 // copied out of the flat gradients, where the reduce-scatters left each section in place (as
 // Megatron's distributed optimizer does): CpuEngine::optimizer_update's take,
 // CudaEngine::take_flat_gradients. A gradient element is held in grad_accumulation's bytes, or

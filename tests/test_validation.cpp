@@ -163,6 +163,24 @@ TEST(CalibratedCompute, TheZero1OptimizerTakesItsShardFromTheFlatGradients) {
   }
 }
 
+// The CUDA engine (a profile that does not emulate low precision) reads the accumulated gradients
+// once more than the CPU engine: its scan for the numerics report, priced as the norm's read.
+TEST(CalibratedCompute, TheDeviceOptimizerScansItsGradientsOnceMore) {
+  ScenarioConfig c = runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::bf16);
+  const Plan plan = Plan::from_config(c);
+  const double params = plan.shard_stage_params(0);
+  auto norm_bytes = [](const std::vector<KernelWork>& ws) {
+    double b = 0;
+    for (const KernelWork& w : ws)
+      if (w.kernel == "grad_norm") b += w.count * w.bytes;
+    return b;
+  };
+  const auto cpu = runtime_optimizer_kernels(plan, params, true), gpu = runtime_optimizer_kernels(plan, params, false);
+  EXPECT_DOUBLE_EQ(norm_bytes(cpu), 4 * params);
+  EXPECT_DOUBLE_EQ(norm_bytes(gpu), 2 * 4 * params);
+  EXPECT_EQ(gpu.size(), cpu.size());  // the norm's kernel, launched twice: one calibrated price
+}
+
 // Where ranks share cores the replay splits the optimizer step at its norm's all-reduce: the part
 // before it is the ZeRO-1 shard copy (2 passes over the shard), the unscale under loss scaling
 // (2) and the squared norm (1); after it Adam (7), the rounded working copy below fp32 (2) and

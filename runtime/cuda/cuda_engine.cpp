@@ -1276,7 +1276,10 @@ class CudaEngine final : public DeviceEngine {
       const std::size_t n = part.n;
       const DType gdt = cfg.precision.grad_accumulation;
       k::scan_tensor(scan_of(rk, index), g, n, gdt, cs);  // the scaled gradients, as the backward left them
-      k::unscale_and_check(g, n, inv_scale, flag(rk, rk.flags_at.unused()), gdt, cs);
+      // No loss scaling: nothing to unscale (x * 1 is x, NaN and inf included), as on the CPU
+      // engine and in the optimizer's kernel inventory (core/kernel_inventory.h): two passes over
+      // the gradients saved.
+      if (inv_scale != 1.0f) k::unscale_and_check(g, n, inv_scale, flag(rk, rk.flags_at.unused()), gdt, cs);
       // This rank's share of the global squared norm (norm_ranges), each element once over the
       // data-parallel group: a replica's whole copy counts 1/dp (below), a shard once.
       double* scratch = rk.scratch.as<double>();
