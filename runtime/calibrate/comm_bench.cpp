@@ -242,8 +242,9 @@ LinkFit fit_latency_bandwidth(const std::vector<std::pair<double, double>>& byte
     throw std::invalid_argument("fit_latency_bandwidth: all points have the same size; needs two distinct sizes");
   double b = sxt / sxx, a = tm - b * xm;  // seconds per byte, seconds
   if (!(b > 0)) {
-    // Time does not grow with size: no measurable bandwidth; the latency is the weighted mean.
-    return LinkFit{tm * 1e6, std::numeric_limits<double>::infinity()};
+    // Time does not grow with size: no measurable bandwidth (0: no size term, as a profile
+    // stores it); the latency is the weighted mean.
+    return LinkFit{tm * 1e6, 0.0};
   }
   if (a < 0) {
     // Refit through the origin: minimise sum w (b x - t)^2.

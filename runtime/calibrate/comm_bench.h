@@ -109,8 +109,9 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options);
 // error: minimises sum ((model - t) / t)^2, i.e. weighted least squares with weights 1/t^2,
 // so small and large sizes both matter. Closed form (weighted means, centred). Parameters are
 // kept physical: if the unconstrained latency is negative the fit is redone through the
-// origin (latency 0); if the slope is not positive, bandwidth is +infinity and latency the
-// weighted mean time. Needs at least two points with distinct x, x >= 0 and t > 0 (finite);
+// origin (latency 0); if the slope is not positive, the time has no size term: bandwidth 0 (the
+// profile's "no bandwidth term", LinkFit::seconds; an infinity would not load back) and latency
+// the weighted mean time. Needs at least two points with distinct x, x >= 0 and t > 0 (finite);
 // throws std::invalid_argument otherwise. Exposed for tests.
 LinkFit fit_latency_bandwidth(const std::vector<std::pair<double, double>>& bytes_and_seconds);
 

@@ -310,11 +310,14 @@ TEST_F(CalibrateCuda, WorldTableIsExactAndFollowsNcclTestsDefinitions) {
   for (std::size_t i = 0; i < streamed.size(); ++i) EXPECT_EQ(streamed[i].time_us, r.rows[i].time_us);
 
   EXPECT_GE(r.p2p.latency_us, 0.0);
-  EXPECT_GT(r.p2p.bandwidth_gbps, 0.0);
+  // A fit is physical and loads back into a profile: a finite bandwidth, or 0 where the times
+  // did not grow with size (no size term; on an H100 under load, all sizes of a small table).
+  auto physical = [](double gbps) { return gbps == 0.0 || (gbps > 0.0 && std::isfinite(gbps)); };
+  EXPECT_TRUE(physical(r.p2p.bandwidth_gbps)) << r.p2p.bandwidth_gbps;
   for (int n : {2, 3}) {
     ASSERT_EQ(r.allreduce.count(n), 1u) << n;
     EXPECT_GE(r.allreduce.at(n).latency_us, 0.0);
-    EXPECT_GT(r.allreduce.at(n).bandwidth_gbps, 0.0);
+    EXPECT_TRUE(physical(r.allreduce.at(n).bandwidth_gbps)) << r.allreduce.at(n).bandwidth_gbps;
   }
   EXPECT_NE(format_comm_table(r).find("# Out of bounds values : 0 OK"), std::string::npos);
 }

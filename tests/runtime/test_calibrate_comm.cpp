@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/hardware_profile.h"
 #include "core/kernel_inventory.h"
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
@@ -74,7 +75,18 @@ TEST(CalibrateCommFit, KeepsParametersPhysical) {
   // Times that fall with size: no bandwidth to measure, latency = the (weighted) mean time.
   const LinkFit flat = fit_latency_bandwidth({{8.0, 2e-6}, {16.0, 2e-6}, {32.0, 2e-6}});
   EXPECT_NEAR(flat.latency_us, 2.0, 1e-12);
-  EXPECT_TRUE(std::isinf(flat.bandwidth_gbps));
+  EXPECT_EQ(flat.bandwidth_gbps, 0.0);  // no size term: the time is the latency at any size
+  EXPECT_NEAR(flat.seconds(1e9), 2e-6, 1e-18);
+  // ...and a profile holding it loads back (an infinite bandwidth did not: seen on an H100,
+  // where the single-GPU world's small sizes all took the same time).
+  HardwareProfile p;
+  p.name = "flat";
+  p.backend = "cpu";
+  p.p2p = flat;
+  p.allreduce[2] = flat;
+  const HardwareProfile q = load_profile_text(profile_to_yaml(p), "flat.yaml");
+  EXPECT_EQ(q.p2p.bandwidth_gbps, 0.0);
+  EXPECT_NEAR(q.allreduce.at(2).latency_us, 2.0, 1e-9);
   // Pure bandwidth with noise that would make the intercept negative: refit through 0.
   const LinkFit origin = fit_latency_bandwidth({{1e3, 0.9e-6}, {1e6, 1e-3}, {2e6, 2e-3}});
   EXPECT_EQ(origin.latency_us, 0.0);
