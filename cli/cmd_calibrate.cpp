@@ -15,6 +15,7 @@
 #include "runtime/backend.h"
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/runtime_plan.h"
+#include "validation/validate.h"
 
 namespace trainsim::cli {
 
@@ -35,7 +36,7 @@ Command add_calibrate_command(CLI::App& app) {
   add_backend_options(sub, o->backend);
   sub->add_option("-o,--out", o->out, "Write the profile here (default: print it)");
   sub->add_option("--name", o->name, "The profile's name (default: <backend>-<scenario name>)");
-  sub->add_option("--ranks", o->ranks, "All-reduce group sizes to measure (default: 2 up to the cores, cpu, or the plan's ranks, cuda; doubling)");
+  sub->add_option("--ranks", o->ranks, "Collective group sizes to measure (default: 2 up to the cores, cpu, or the plan's ranks, cuda; doubling)");
   sub->add_option("--max-mib", o->max_mib, "Largest collective buffer, MiB (default 64, as nccl-tests -e 64M)")
       ->check(CLI::PositiveNumber);
   return {sub, [o, sub] {
@@ -52,6 +53,13 @@ Command add_calibrate_command(CLI::App& app) {
               const int most = backend.comm_ranks(rp);
               for (int n = 2; n <= most; n *= 2) co.comm.group_sizes.push_back(n);
             }
+            // The ring's halves, where the plan gathers or scatters (ZeRO, sequence parallelism):
+            // the same doubling sizes as the all-reduce, so the profile prices them as measured.
+            const validation::CommunicationSizes used = validation::communication_sizes(rp.plan);
+            std::vector<std::size_t> series;
+            for (std::size_t b = co.comm.min_bytes; b <= co.comm.max_bytes; b *= 2) series.push_back(b);
+            if (!used.all_gather.empty()) co.comm.all_gather_sizes = series;
+            if (!used.reduce_scatter.empty()) co.comm.reduce_scatter_sizes = series;
             co.progress = [](const std::string& s) { std::cerr << "calibrate: " << s << "\n"; };
             runtime::CommBenchResult comm;
             const std::string name = o->name.empty() ? backend.name + "-" + scenario.config.name : o->name;

@@ -60,6 +60,22 @@ double HardwareProfile::kernel_seconds(const std::string& kernel, DType dtype, c
   return nearest->seconds * work / kwork;
 }
 
+namespace {
+double half_ring_seconds(const HardwareProfile& p, const std::map<int, SizeTable>& tables, int n, double bytes) {
+  if (n <= 1) return 0;
+  if (auto t = tables.find(n); t != tables.end() && !t->second.rows.empty()) return t->second.seconds(bytes);
+  return p.allreduce_seconds(n, bytes) / 2;
+}
+}  // namespace
+
+double HardwareProfile::allgather_seconds(int n, double bytes) const {
+  return half_ring_seconds(*this, allgather_tables, n, bytes);
+}
+
+double HardwareProfile::reduce_scatter_seconds(int n, double bytes) const {
+  return half_ring_seconds(*this, reduce_scatter_tables, n, bytes);
+}
+
 double HardwareProfile::allreduce_seconds(int n, double bytes) const {
   if (n <= 1) return 0;
   if (auto t = allreduce_tables.find(n); t != allreduce_tables.end() && !t->second.rows.empty())
@@ -323,6 +339,15 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
       if (g["table"]) p.allreduce_tables[n] = table_of(path, g);
     }
   }
+  for (auto [key, tables] : {std::pair{"allgather", &p.allgather_tables}, std::pair{"reduce_scatter", &p.reduce_scatter_tables}})
+    if (const YAML::Node list = root[key]) {
+      expect_list(path, list, key);
+      for (const YAML::Node& g : list) {
+        expect_map(path, g, key);
+        if (!g["ranks"] || !g["table"]) bad(path, g, fmt::format("a {} entry is {{ranks: N, table: [[bytes, us], ...]}}", key));
+        (*tables)[static_cast<int>(integer(path, g, "ranks", 0, 2, kMaxRanks))] = table_of(path, g);
+      }
+    }
   return p;
 }
 
@@ -365,6 +390,16 @@ std::string profile_to_yaml(const HardwareProfile& p) {
     out << YAML::EndMap;
   }
   out << YAML::EndSeq;
+  for (auto [key, tables] : {std::pair{"allgather", &p.allgather_tables}, std::pair{"reduce_scatter", &p.reduce_scatter_tables}}) {
+    if (tables->empty()) continue;
+    out << YAML::Key << key << YAML::Value << YAML::BeginSeq;
+    for (const auto& [n, t] : *tables) {
+      out << YAML::BeginMap << YAML::Key << "ranks" << YAML::Value << n;
+      emit_table(out, t);
+      out << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
+  }
   out << YAML::Key << "kernels" << YAML::Value << YAML::BeginSeq;
   for (const KernelRate& k : p.kernels) {
     out << YAML::Flow << YAML::BeginMap;

@@ -119,7 +119,10 @@ struct HardwareProfile {
   // The measurements the fits came from; where present they price instead of the fits.
   SizeTable p2p_table;
   std::map<int, SizeTable> allreduce_tables;
-  // The wire format the all-reduce fits and tables were measured in: their bytes are its (an
+  // The ring's halves measured on their own (nccl-tests' all_gather_perf, reduce_scatter_perf;
+  // bytes: the whole buffer), by group size. Absent: half the all-reduce of the same buffer.
+  std::map<int, SizeTable> allgather_tables, reduce_scatter_tables;
+  // The wire format the collectives' fits and tables were measured in: their bytes are its (an
   // fp16 row of B bytes reduced B/2 elements).
   DType allreduce_wire = DType::fp32;
   // One message between two ranks.
@@ -131,6 +134,10 @@ struct HardwareProfile {
   // Ring all-reduce of `bytes` over n ranks from the table of group size n, else its fit, else
   // the nearest measured size's fit with the latency scaled by (n-1) as a ring's is. 0 when n <= 1.
   double allreduce_seconds(int n, double bytes) const;
+  // An all-gather / reduce-scatter of a whole buffer of `bytes` over n ranks: its table for
+  // group size n where measured, else half allreduce_seconds (a ring's half of its steps).
+  double allgather_seconds(int n, double bytes) const;
+  double reduce_scatter_seconds(int n, double bytes) const;
   // Best measured matrix-product rate in `dtype` (TFLOP/s), 0 if none.
   double best_matmul_tflops(DType dtype) const;
 };

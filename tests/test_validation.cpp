@@ -655,6 +655,8 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.core_alone_factors = {1.0, 1.25};
   p.allreduce_wire = DType::bf16;
   p.composition = Composition{1.2, 1.1, 1.4, 1.35};
+  p.allgather_tables[2].rows = {{1024, 20e-6}, {1 << 20, 90e-6}};
+  p.reduce_scatter_tables[3].rows = {{4096, 30e-6}};
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_roundtrip";
   fs::create_directories(dir);
   std::ofstream(dir / "p.yaml") << profile_to_yaml(p);
@@ -681,6 +683,33 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.composition.backward_weight, 1.4);
   EXPECT_EQ(q.composition.forward, 1.2);
   EXPECT_EQ(q.composition.first_forward, 1.35);
+  for (auto [got, want] : {std::pair{&q.allgather_tables, &p.allgather_tables},
+                           std::pair{&q.reduce_scatter_tables, &p.reduce_scatter_tables}}) {
+    ASSERT_EQ(got->size(), 1u);
+    const auto& [n, table] = *want->begin();
+    ASSERT_EQ(got->count(n), 1u);
+    ASSERT_EQ(got->at(n).rows.size(), table.rows.size());
+    for (std::size_t i = 0; i < table.rows.size(); ++i) {
+      EXPECT_EQ(got->at(n).rows[i].first, table.rows[i].first);
+      EXPECT_NEAR(got->at(n).rows[i].second, table.rows[i].second, 1e-15);
+    }
+  }
+}
+
+// A ring's halves are priced from their own tables where the profile measured them (the group
+// size's), else at half the all-reduce of the same buffer; the collective model and the tensor-
+// parallel layers' collectives both read them.
+TEST(HardwareProfile, GathersAndScattersArePricedFromTheirOwnTables) {
+  HardwareProfile p;
+  p.allreduce_tables[2].rows = {{1e3, 10e-6}, {1e6, 400e-6}};
+  EXPECT_DOUBLE_EQ(p.allgather_seconds(2, 1e6), 200e-6);
+  EXPECT_DOUBLE_EQ(p.reduce_scatter_seconds(2, 1e6), 200e-6);
+  EXPECT_EQ(p.allgather_seconds(1, 1e6), 0.0);
+  p.allgather_tables[2].rows = {{1e3, 8e-6}, {1e6, 60e-6}};
+  p.reduce_scatter_tables[2].rows = {{1e3, 9e-6}, {1e6, 150e-6}};
+  EXPECT_DOUBLE_EQ(p.allgather_seconds(2, 1e6), 60e-6);
+  EXPECT_DOUBLE_EQ(p.reduce_scatter_seconds(2, 1e6), 150e-6);
+  EXPECT_DOUBLE_EQ(p.allgather_seconds(4, 1e6), p.allreduce_seconds(4, 1e6) / 2);  // no table for 4
 }
 
 TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {
@@ -959,10 +988,11 @@ std::vector<std::pair<Tick, Tick>> op_times(const Prediction& p) {
 TEST(Validate, CommunicationBenchmarkMeasuresEveryRowThePredictionReads) {
   // The rows validate measures for a plan against the whole doubling series (8 B to 64 MiB), the
   // same link behind both: every op of the prediction must start and end at the same tick, or the
-  // plan reads a row validate did not measure.
+  // plan reads a row validate did not measure. Each collective has its own table (all-reduce,
+  // all-gather, reduce-scatter), as validate calibrates them.
   std::vector<std::size_t> series;
   for (std::size_t b = 8; b <= (64u << 20); b *= 2) series.push_back(b);
-  int compared = 0;
+  int compared = 0, with_halves = 0;
   for (const auto& entry : fs::directory_iterator(std::string(TRAINSIM_SOURCE_DIR) + "/validation/baselines")) {
     if (entry.path().filename() == "accepted.yaml") continue;
     SCOPED_TRACE(entry.path().filename().string());
@@ -971,39 +1001,48 @@ TEST(Validate, CommunicationBenchmarkMeasuresEveryRowThePredictionReads) {
     EXPECT_EQ(sizes.sendrecv.empty(), rp.plan.pp == 1);
     EXPECT_TRUE(std::is_sorted(sizes.all_reduce.begin(), sizes.all_reduce.end()));
     EXPECT_LT(sizes.sendrecv.size() + sizes.all_reduce.size(), series.size()) << "fewer rows than the whole series";
+    EXPECT_EQ(sizes.all_gather.empty(), rp.plan.zero() == 0 && !(rp.plan.tp > 1 && rp.plan.config.parallelism.sequence_parallel));
+    with_halves += !sizes.all_gather.empty() || !sizes.reduce_scatter.empty();
 
-    const auto predicted = [&](const std::vector<std::size_t>& sendrecv, const std::vector<std::size_t>& all_reduce) {
+    const auto predicted = [&](const validation::CommunicationSizes& rows) {
       HardwareProfile p = uniform_profile(rp.plan, 0.05, 10);
       p.p2p = {};
       p.allreduce.clear();
       // As validate calibrates: the CPU backend's emulated formats, a 16-bit wire where the plan has one.
       const DType wire = rp.plan.config.precision.allreduce;
       p.allreduce_wire = wire == DType::fp16 || wire == DType::bf16 ? wire : DType::fp32;
-      if (!sendrecv.empty()) p.p2p_table = curved_table(sendrecv);
-      for (int n = 2; n <= 8; ++n) p.allreduce_tables[n] = curved_table(all_reduce);
+      if (!rows.sendrecv.empty()) p.p2p_table = curved_table(rows.sendrecv);
+      for (int n = 2; n <= 8; ++n) {
+        p.allreduce_tables[n] = curved_table(rows.all_reduce);
+        if (!rows.all_gather.empty()) p.allgather_tables[n] = curved_table(rows.all_gather);
+        if (!rows.reduce_scatter.empty()) p.reduce_scatter_tables[n] = curved_table(rows.reduce_scatter);
+      }
       ScenarioConfig c = rp.plan.config;
       apply_profile(p, c.cluster);
       c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
       return op_times(predict(Plan::from_config(c)));
     };
-    const auto whole = predicted(series, series);
-    EXPECT_EQ(predicted(sizes.sendrecv, sizes.all_reduce), whole);
+    // The whole series for every collective the plan has.
+    const auto whole = predicted({series, series, sizes.all_gather.empty() ? sizes.all_gather : series,
+                                  sizes.reduce_scatter.empty() ? sizes.reduce_scatter : series});
+    EXPECT_EQ(predicted(sizes), whole);
     ++compared;
 
     if (rp.plan.num_ranks() == 1) continue;  // nothing to communicate
     // The comparison sees a missing row: some row, left out, moves the times.
     int moved = 0;
-    for (std::size_t i = 0; i < sizes.sendrecv.size() + sizes.all_reduce.size(); ++i) {
-      std::vector<std::size_t> sendrecv = sizes.sendrecv, all_reduce = sizes.all_reduce;
-      if (i < sendrecv.size())
-        sendrecv.erase(sendrecv.begin() + static_cast<std::ptrdiff_t>(i));
-      else
-        all_reduce.erase(all_reduce.begin() + static_cast<std::ptrdiff_t>(i - sendrecv.size()));
-      if (sendrecv.empty() == sizes.sendrecv.empty() && !all_reduce.empty()) moved += predicted(sendrecv, all_reduce) != whole;
-    }
+    for (auto list : {&validation::CommunicationSizes::sendrecv, &validation::CommunicationSizes::all_reduce,
+                      &validation::CommunicationSizes::all_gather, &validation::CommunicationSizes::reduce_scatter})
+      for (std::size_t i = 0; i < (sizes.*list).size(); ++i) {
+        validation::CommunicationSizes fewer = sizes;
+        (fewer.*list).erase((fewer.*list).begin() + static_cast<std::ptrdiff_t>(i));
+        if ((fewer.*list).empty()) continue;  // an empty list is no table: another price, not a missing row
+        moved += predicted(fewer) != whole;
+      }
     EXPECT_GT(moved, 0);
   }
   EXPECT_GE(compared, 16);
+  EXPECT_GE(with_halves, 2);  // ZeRO-3 and sequence-parallel plans are among the baselines
 }
 
 TEST(Validate, CalibratesAndRunsThroughTheBackendItIsGiven) {

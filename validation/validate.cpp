@@ -220,7 +220,7 @@ NumericsSummary summarize_numerics(const runtime::RunReport& r) {
 }
 
 CommunicationSizes communication_sizes(const Plan& plan) {
-  std::set<std::size_t> sendrecv, all_reduce{8};
+  std::set<std::size_t> sendrecv, all_reduce{8}, all_gather, reduce_scatter;
   const auto around = [](std::set<std::size_t>& rows, double bytes) {
     std::size_t b = 8;
     while (static_cast<double>(2 * b) <= bytes / 2) b *= 2;
@@ -228,18 +228,30 @@ CommunicationSizes communication_sizes(const Plan& plan) {
   };
   const Schedule s = build_schedule(plan);
   for (const Collective& c : s.collectives)
-    if (c.bytes > 0) around(all_reduce, static_cast<double>(c.bytes) / std::max(1, c.parts));
+    if (c.bytes > 0)
+      around(c.kind == OpKind::AllGather       ? all_gather
+             : c.kind == OpKind::ReduceScatter ? reduce_scatter
+                                               : all_reduce,
+             static_cast<double>(c.bytes) / std::max(1, c.parts));
   for (const RankProgram& r : s.ranks)
     for (const Op& op : r.ops)
       if ((op.kind == OpKind::SendActivation || op.kind == OpKind::SendGradient) && op.bytes > 0)
         around(sendrecv, static_cast<double>(op.bytes));
   if (plan.tp > 1) {
     const TensorParallelBuffers tp = tensor_parallel_buffers(plan, plan.activation_bytes());
-    for (double bytes : {tp.activation, tp.head_row_maxima, tp.head_row_sums, tp.norm_gradients,
-                         tp.final_norm_gradients})
+    if (plan.config.parallelism.sequence_parallel) {
+      around(all_gather, tp.activation);
+      around(reduce_scatter, tp.activation);
+    } else {
+      around(all_reduce, tp.activation);
+    }
+    for (double bytes : {tp.head_row_maxima, tp.head_row_sums, tp.norm_gradients, tp.final_norm_gradients})
       around(all_reduce, bytes);
   }
-  return CommunicationSizes{{sendrecv.begin(), sendrecv.end()}, {all_reduce.begin(), all_reduce.end()}};
+  return CommunicationSizes{{sendrecv.begin(), sendrecv.end()},
+                            {all_reduce.begin(), all_reduce.end()},
+                            {all_gather.begin(), all_gather.end()},
+                            {reduce_scatter.begin(), reduce_scatter.end()}};
 }
 
 Validation validate(const Scenario& scenario, const ValidateOptions& o) {
@@ -255,6 +267,8 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   const CommunicationSizes sizes = communication_sizes(v.plan.plan);
   co.comm.sendrecv_sizes = sizes.sendrecv;
   co.comm.all_reduce_sizes = sizes.all_reduce;
+  co.comm.all_gather_sizes = sizes.all_gather;
+  co.comm.reduce_scatter_sizes = sizes.reduce_scatter;
   co.comm.sendrecv = !sizes.sendrecv.empty();
   // In the gradients' wire format: a 16-bit ring rounds every partial sum (the CPU backend
   // emulates the format, a pass the fp32 ring does not make).

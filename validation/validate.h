@@ -143,9 +143,11 @@ void write_validation_svg(const Validation& v, std::ostream& out);
 // also get the 8-byte row: the optimizer's norm and the overflow flag are one float each, and a
 // size below the first row reads that row. Tensor-parallel plans also get the rows around
 // their layers' collectives, which are priced apart from the schedule (tensor_parallel_buffers).
+// Each collective is measured as itself: ZeRO's gathers and scatters and sequence parallelism's
+// in `all_gather` and `reduce_scatter` (their own tables price them), the rest in `all_reduce`.
 // `sendrecv` is empty when the plan sends nothing.
 struct CommunicationSizes {
-  std::vector<std::size_t> sendrecv, all_reduce;  // bytes, ascending
+  std::vector<std::size_t> sendrecv, all_reduce, all_gather, reduce_scatter;  // bytes, ascending
 };
 CommunicationSizes communication_sizes(const Plan& plan);
 

@@ -289,6 +289,8 @@ void apply_comm_bench(HardwareProfile& p, const CommBenchResult& comm, const std
     const std::pair<double, double> row{static_cast<double>(r.bytes), r.time_us * 1e-6};
     if (r.op == "sendrecv") p.p2p_table.rows.push_back(row);
     if (r.op == "all_reduce" && r.redop == "sum") p.allreduce_tables[r.ranks].rows.push_back(row);
+    if (r.op == "all_gather") p.allgather_tables[r.ranks].rows.push_back(row);
+    if (r.op == "reduce_scatter" && r.redop == "sum") p.reduce_scatter_tables[r.ranks].rows.push_back(row);
   }
 }
 

@@ -89,8 +89,11 @@ void fill(std::span<float> buf, float weight, int period) {
 
 // The section's sizes (`listed`, else min_bytes doubling up to max_bytes) and its largest count
 // and iters.
-void set_sizes(CommSection& s, const CommBenchOptions& o, const std::vector<std::size_t>& listed) {
-  const auto element_bytes = static_cast<std::size_t>(dtype_bytes(s.wire));
+// A collective over n chunks takes counts that are multiples of `multiple` (a listed size is
+// rounded down to one; one too small for a chunk each is left out).
+void set_sizes(CommSection& s, const CommBenchOptions& o, const std::vector<std::size_t>& listed,
+               std::size_t multiple = 1) {
+  const auto element_bytes = static_cast<std::size_t>(dtype_bytes(s.wire)) * multiple;
   std::set<std::size_t> asked(listed.begin(), listed.end());
   if (asked.empty())
     for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 2) {
@@ -98,7 +101,9 @@ void set_sizes(CommSection& s, const CommBenchOptions& o, const std::vector<std:
       if (b > std::numeric_limits<std::size_t>::max() / 2) break;
     }
   for (std::size_t b : asked) {
-    const std::size_t count = b / element_bytes, bytes = count * element_bytes;
+    const std::size_t count = b / element_bytes * multiple, bytes = b / element_bytes * element_bytes;
+    if (count == 0) continue;
+    if (!s.sizes.empty() && s.sizes.back().count == count) continue;  // two listed sizes rounded alike
     const auto scaled = [&](int wanted, std::size_t budget, std::size_t floor) {
       return static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(wanted), std::max(floor, budget / bytes)));
     };
@@ -147,6 +152,56 @@ CommSection all_reduce_section(const CommBenchOptions& o, int n, ReduceOp op) {
     fill(e, op == ReduceOp::sum ? total : largest, p.period);
   };
   s.prepare = [p](int r, std::span<float> buf) { fill(buf, p.weight[static_cast<std::size_t>(r)], p.period); };
+  return s;
+}
+
+// The ring's halves over n ranks, in place (communicator.h): member p owns chunk p of `count`.
+CommSection half_ring_section(const CommBenchOptions& o, int n, const char* op, const std::vector<std::size_t>& listed) {
+  CommSection s;
+  s.op = op;
+  s.type = nccl_type_name(o.wire);
+  s.ranks = n;
+  s.members.resize(static_cast<std::size_t>(n));
+  std::iota(s.members.begin(), s.members.end(), 0);
+  s.wire = o.wire;
+  s.bus_factor = (n - 1.0) / n;
+  set_sizes(s, o, listed, static_cast<std::size_t>(n));
+  return s;
+}
+
+// Every chunk ends as its owner's contribution; each rank starts with its own and NaN elsewhere
+// (a chunk the call does not fill shows).
+CommSection all_gather_section(const CommBenchOptions& o, int n) {
+  CommSection s = half_ring_section(o, n, "all_gather", o.all_gather_sizes);
+  s.redop = "none";
+  const Pattern p = pattern_for(n, o.wire);
+  const auto chunk = [n](std::span<float> buf, int k) {
+    const std::size_t per = buf.size() / static_cast<std::size_t>(n);
+    return buf.subspan(static_cast<std::size_t>(k) * per, per);
+  };
+  s.fill_expected = [p, n, chunk](std::span<float> e) {
+    for (int k = 0; k < n; ++k) fill(chunk(e, k), p.weight[static_cast<std::size_t>(k)], p.period);
+  };
+  s.prepare = [p, chunk](int r, std::span<float> buf) {
+    std::fill(buf.begin(), buf.end(), std::numeric_limits<float>::quiet_NaN());
+    fill(chunk(buf, r), p.weight[static_cast<std::size_t>(r)], p.period);
+  };
+  return s;
+}
+
+// Rank r's chunk ends as the sum of every rank's (the rest of its buffer is unspecified).
+CommSection reduce_scatter_section(const CommBenchOptions& o, int n) {
+  CommSection s = half_ring_section(o, n, "reduce_scatter", o.reduce_scatter_sizes);
+  s.redop = "sum";
+  s.reduce = ReduceOp::sum;
+  const Pattern p = pattern_for(n, o.wire);
+  const float total = std::accumulate(p.weight.begin(), p.weight.end(), 0.0f);  // exact: small integers
+  s.fill_expected = [p, total](std::span<float> e) { fill(e, total, p.period); };
+  s.prepare = [p](int r, std::span<float> buf) { fill(buf, p.weight[static_cast<std::size_t>(r)], p.period); };
+  s.checked = [n](int r, std::size_t count) {
+    const std::size_t per = count / static_cast<std::size_t>(n);
+    return std::pair{static_cast<std::size_t>(r) * per, static_cast<std::size_t>(r + 1) * per};
+  };
   return s;
 }
 
@@ -299,8 +354,12 @@ CommBenchOptions checked_comm_options(const CommBenchOptions& options, std::span
 std::vector<CommSection> comm_sections(const CommBenchOptions& options) {
   std::vector<CommSection> sections;
   if (options.sendrecv) sections.push_back(sendrecv_section(options));
-  for (int n : options.group_sizes)
+  for (int n : options.group_sizes) {
     for (ReduceOp op : options.redops) sections.push_back(all_reduce_section(options, n, op));
+    if (!options.all_gather_sizes.empty()) sections.push_back(all_gather_section(options, n));
+    if (!options.reduce_scatter_sizes.empty()) sections.push_back(reduce_scatter_section(options, n));
+  }
+  std::erase_if(sections, [](const CommSection& s) { return s.sizes.empty(); });
   return sections;
 }
 
@@ -329,7 +388,8 @@ void run_comm_section(const CommSection& s, const CommBenchOptions& options, Com
         sync.arrive_and_wait();
         const double seconds = calls.call(z.count);
         if (it >= z.warmup) times[ru][static_cast<std::size_t>(it - z.warmup)] = seconds;
-        bad += count_wrong(buf, want);
+        const auto [from, to] = s.checked ? s.checked(r, z.count) : std::pair<std::size_t, std::size_t>{0, z.count};
+        bad += count_wrong(buf.subspan(from, to - from), want.subspan(from, to - from));
       }
       wrong[ru] = bad;
       sync.arrive_and_wait();  // every rank's times and #wrong are in
@@ -393,7 +453,7 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
   const CommBenchOptions o = checked_comm_options(options, kWires, "the in-process communicator");
   CommBenchResult result;
   for (const CommSection& s : comm_sections(o)) {
-    const bool all_reduce = s.op == "all_reduce";
+    const bool collective = s.op != "sendrecv";
     // When each rank started the current call: a collective is timed from its last member's start
     // (every rank has written its own before any rank's call can end).
     std::vector<std::atomic<double>> starts(static_cast<std::size_t>(s.ranks));
@@ -418,7 +478,7 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
       // size of other data (at least 4 MiB each, for their own caches), so the call's buffer comes
       // from memory and every line it brings in first writes a dirty one back.
       const std::size_t evict_bytes =
-          all_reduce && pinned ? std::max(std::size_t{4} << 20, 2 * last_level_cache_bytes() / n_ranks) : 0;
+          collective && pinned ? std::max(std::size_t{4} << 20, 2 * last_level_cache_bytes() / n_ranks) : 0;
       std::vector<float> other(evict_bytes / sizeof(float), 1.0f);
       const auto evict = [&] {
         for (std::size_t i = 0; i < other.size(); i += 16) other[i] += 1.0f;  // a cache line per write
@@ -426,9 +486,14 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
       const auto call = [&](std::size_t count) {
         const std::span<float> buf(buffer.data(), count);
         const auto t0 = Clock::now();
-        if (all_reduce) {
+        if (collective) {
           starts[static_cast<std::size_t>(r)].store(seconds_since(t0.time_since_epoch()));
-          comm.all_reduce(buf, s.members, kTag, s.reduce, s.wire, Divide::none);
+          if (s.op == "all_gather")
+            comm.all_gather(buf, s.members, kTag, s.wire);
+          else if (s.op == "reduce_scatter")
+            comm.reduce_scatter(buf, s.members, kTag, s.reduce, s.wire, Divide::none);
+          else
+            comm.all_reduce(buf, s.members, kTag, s.reduce, s.wire, Divide::none);
           const double end = seconds_since(Clock::now().time_since_epoch());
           double last = 0;
           for (const auto& t : starts) last = std::max(last, t.load());
@@ -465,8 +530,11 @@ std::string format_comm_table(const CommBenchResult& r) {
     const bool p2p = first.op == "sendrecv";
     if (p2p)
       out += fmt::format("#\n# sendrecv: ranks 0 <-> 1, ping-pong, time = round trip / 2\n#\n");
-    else
+    else if (first.op == "all_reduce")
       out += fmt::format("#\n# all_reduce: {} ranks, ring, {}, {}\n#\n", first.ranks, first.redop, first.type);
+    else
+      out += fmt::format("#\n# {}: {} ranks, the ring's half, {}, {}; size = the whole buffer\n#\n", first.op,
+                         first.ranks, first.redop, first.type);
     out += fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>11}  {:>11}  {:>11}  {:>6}\n", "size", "count", "type",
                        "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong");
     out += fmt::format("# {:>10}  {:>12}\n", "(B)", "(elements)");
@@ -480,7 +548,7 @@ std::string format_comm_table(const CommBenchResult& r) {
     }
     if (p2p) {
       out += fmt::format("# fit t = latency + bytes / bandwidth: {}\n", format_fit(r.p2p));
-    } else {
+    } else if (first.op == "all_reduce") {
       const auto it = r.allreduce.find(first.ranks);
       out += fmt::format("# fit t = latency + bytes*2(n-1)/n / bus bandwidth (n = {}): {}\n", first.ranks,
                          format_fit(it == r.allreduce.end() ? LinkFit{} : it->second));

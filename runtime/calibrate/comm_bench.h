@@ -26,6 +26,14 @@
 //    float whatever `wire` says (send/recv carry floats), so these rows are type "float".
 //  * all_reduce: the ring of comm/in_process.h over all ranks of a world of n, in place,
 //    rounding to `wire`.
+//  * all_gather, reduce_scatter (nccl-tests' all_gather_perf and reduce_scatter_perf): the
+//    ring's halves in place over the same world; `bytes` is the whole buffer (n chunks, its count
+//    a multiple of n). An all_gather starts with each rank's own chunk and NaN elsewhere and is
+//    checked everywhere; a reduce_scatter is checked on the rank's own chunk (the rest is
+//    unspecified). Tensor parallelism's sequence-parallel collectives and ZeRO's shards are
+//    priced from these rows where a profile holds them; an all-reduce's cost is not theirs on
+//    every transport (the single-GPU world's all-reduce moves about 5 buffers a member, its
+//    all-gather 2).
 //
 // Sizes. `bytes` is what the modelled wire moves: count · (bytes per element of the wire
 // format), as nccl-tests counts them. Buffers stay float in memory whatever the wire format
@@ -34,7 +42,8 @@
 // the bandwidth of an fp32 row of the same size: that is what the in-process backend costs.
 //
 // Bandwidths: algbw = bytes / time; busbw (nccl-tests' PERFORMANCE.md) = algbw · 2(n-1)/n for
-// an all-reduce of n ranks, algbw for sendrecv. GB/s is 1e9 bytes per second.
+// an all-reduce of n ranks, algbw · (n-1)/n for an all-gather or reduce-scatter, algbw for
+// sendrecv. GB/s is 1e9 bytes per second.
 #pragma once
 
 #include <chrono>
@@ -54,15 +63,15 @@
 namespace trainsim::runtime {
 
 struct CollectiveRow {            // one line of the nccl-tests style table
-  std::string op;                 // "all_reduce" or "sendrecv"
+  std::string op;                 // "all_reduce", "all_gather", "reduce_scatter" or "sendrecv"
   int ranks = 0;                  // group size
-  std::size_t bytes = 0;          // buffer size (all_reduce: the whole buffer; sendrecv: the message)
+  std::size_t bytes = 0;          // buffer size (collectives: the whole buffer; sendrecv: the message)
   std::size_t count = 0;          // elements
   std::string type = "float";     // element type as nccl-tests names it (float, half, bfloat16: wire format)
   std::string redop = "sum";      // "sum"/"max" for all_reduce, "none" for sendrecv
   double time_us = 0;             // median over iterations of the slowest rank's time per call
   double algbw_gbps = 0;          // bytes / time   (GB/s = 1e9 B/s)
-  double busbw_gbps = 0;          // all_reduce: algbw * 2(n-1)/n ; sendrecv: algbw
+  double busbw_gbps = 0;          // all_reduce: algbw * 2(n-1)/n; all_gather, reduce_scatter: algbw * (n-1)/n; sendrecv: algbw
   std::int64_t wrong = 0;         // elements that differ from the expected result (#wrong)
   int warmup_iters = 0;           // warm-up calls run for this row (after scaling for size)
   int iters = 0;                  // timed calls the median is taken over (after scaling for size)
@@ -78,6 +87,10 @@ struct CommBenchOptions {
   // one element of the row's format; any order, repeats once) instead of min_bytes doubling to
   // max_bytes. `validate` measures only the rows its plan's prediction reads.
   std::vector<std::size_t> sendrecv_sizes, all_reduce_sizes;
+  // all_gather and reduce_scatter (sum) rows per group size at exactly these sizes (bytes of the
+  // whole buffer, rounded down to a whole number of elements per member); none when empty (no
+  // sweep: `validate` asks for the sizes its plan gathers and scatters).
+  std::vector<std::size_t> all_gather_sizes, reduce_scatter_sizes;
   // Calls per size. Scaled down automatically for big buffers so a full run stays under ~3 s
   // on 2 cores: a size of B bytes runs min(iters, max(2, 64 MiB / B)) timed calls and
   // min(warmup_iters, max(1, 32 MiB / B)) warm-ups (CollectiveRow says how many it ran).
@@ -95,7 +108,7 @@ struct CommBenchOptions {
 };
 
 struct CommBenchResult {
-  std::vector<CollectiveRow> rows;      // sendrecv rows, then all_reduce per group size (options' order), per op; sizes ascending
+  std::vector<CollectiveRow> rows;      // sendrecv rows, then per group size (options' order) all_reduce per op, all_gather, reduce_scatter; sizes ascending
   LinkFit p2p;                          // from the sendrecv rows
   std::map<int, LinkFit> allreduce;     // per group size, from the all_reduce rows
 };
@@ -163,6 +176,9 @@ struct CommSection {
   int max_iters = 0;
   // The result every rank must hold after a call, as host floats.
   std::function<void(std::span<float>)> fill_expected;
+  // The part of rank r's buffer of `count` elements that holds the result: [first, second).
+  // Empty: all of it.
+  std::function<std::pair<std::size_t, std::size_t>(int, std::size_t)> checked;
   // Before each call (not timed): what rank r's buffer holds going in (sendrecv's rank 1: NaN,
   // so that a recv that writes nothing shows).
   std::function<void(int, std::span<float>)> prepare;

@@ -78,9 +78,14 @@ void run_section(const CommSection& s, const CommBenchOptions& o, int device, Co
     std::uint64_t tag = 0;  // every rank counts its calls alike
     const auto call = [&](std::size_t count) {
       double seconds = -1.0;  // sendrecv: only rank 0 sees the round trip
-      if (s.op == "all_reduce") {
+      if (s.op != "sendrecv") {
         timer.start(stream);
-        comm.all_reduce(buffer.data(), count, s.wire, s.members, tag, s.reduce, Divide::none, stream);
+        if (s.op == "all_gather")
+          comm.all_gather(buffer.data(), count, s.wire, s.members, tag, stream);
+        else if (s.op == "reduce_scatter")
+          comm.reduce_scatter(buffer.data(), count, s.wire, s.members, tag, s.reduce, Divide::none, stream);
+        else
+          comm.all_reduce(buffer.data(), count, s.wire, s.members, tag, s.reduce, Divide::none, stream);
         timer.stop(stream);
         seconds = timer.elapsed_seconds();
       } else if (r == 0) {

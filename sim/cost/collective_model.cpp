@@ -140,9 +140,11 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
   if (n <= 1) return 0;
   const auto& cl = plan_.config.cluster;
   if (const auto& profile = cl.calibrated; profile && (!profile->allreduce.empty() || !profile->allreduce_tables.empty())) {
-    // Measured: the fit for this group size (the found-inf flag is a 4-byte all-reduce).
-    const double full = profile->allreduce_seconds(n, bytes);
-    return kind == OpKind::ReduceScatter || kind == OpKind::AllGather ? full / 2 : full;
+    // Measured: each collective from its own table for this group size where the profile has
+    // one (the found-inf flag is a 4-byte all-reduce); a ring's half at half the all-reduce.
+    if (kind == OpKind::ReduceScatter) return profile->reduce_scatter_seconds(n, bytes);
+    if (kind == OpKind::AllGather) return profile->allgather_seconds(n, bytes);
+    return profile->allreduce_seconds(n, bytes);
   }
   const bool hierarchical = plan_.config.communication.allreduce_algorithm == AllReduceAlgorithm::hierarchical;
   return nccl_collective(kind, shape_of(members), bytes, cl, hierarchical).seconds;

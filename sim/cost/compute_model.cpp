@@ -27,9 +27,10 @@ double kernels_seconds(const std::vector<KernelWork>& ws, const HardwareProfile&
 }
 
 // Tensor parallelism's collectives inside one virtual stage's ops, as the runtime runs them
-// (runtime/model/stage_model.cpp), priced from the profile's all-reduce measurements over the tp
-// shards of a group, a reduce-scatter or all-gather at half an all-reduce (as the collective
-// model prices them); on the compute stream, not overlapped. Per layer: the two row-parallel
+// (runtime/model/stage_model.cpp), priced from the profile's measurements over the tp shards of
+// a group: each collective's own table, a reduce-scatter or all-gather at half an all-reduce
+// where it has none (as the collective model prices them); on the compute stream, not
+// overlapped. Per layer: the two row-parallel
 // outputs summed (all-reduce; reduce-scatter under SP) in the forward and the two column-parallel
 // inputs' gradients in the backward, and under SP the two inputs gathered before their products
 // in both; the weight pass under SP gathers the two norms' outputs again (and, split from the
@@ -45,9 +46,8 @@ RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int
   const bool split = plan.config.parallelism.schedule == ScheduleKind::zb_h1;
   const TensorParallelBuffers buffers = tensor_parallel_buffers(plan, storage);
   auto all_reduce = [&](double bytes) { return profile.allreduce_seconds(t, bytes); };
-  const double activation = all_reduce(buffers.activation);
-  const double reduce = sp ? activation / 2 : activation;
-  const double gather = sp ? activation / 2 : 0.0;
+  const double reduce = sp ? profile.reduce_scatter_seconds(t, buffers.activation) : all_reduce(buffers.activation);
+  const double gather = sp ? profile.allgather_seconds(t, buffers.activation) : 0.0;
   const int layers = plan.layers_per_virtual_stage[vs];
   c.forward = layers * 2 * (reduce + gather);
   c.backward_input = layers * 2 * (reduce + gather);

@@ -288,6 +288,26 @@ CommBenchOptions small_comm() {
 }
 
 
+// The single-GPU world's all-gather and reduce-scatter as nccl-tests times them, each checked
+// exactly in fp32 and bf16 (the world's own copies and ordered reduction, not its all-reduce).
+TEST_F(CalibrateCuda, WorldGathersAndScattersAreExact) {
+  for (DType wire : {DType::fp32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(wire));
+    CommBenchOptions o;
+    o.group_sizes = {2, 3};
+    o.sendrecv = false;
+    o.wire = wire;
+    o.all_reduce_sizes = {8};
+    o.iters = 2;
+    o.warmup_iters = 1;
+    const std::vector<std::size_t> listed = {100, 4096, 1u << 20};
+    o.all_gather_sizes = listed;
+    o.reduce_scatter_sizes = listed;
+    const CommBenchResult r = bench_device_world_comm(o);
+    testing::expect_half_ring_rows(r, o, listed, static_cast<int>(dtype_bytes(wire)));
+  }
+}
+
 TEST_F(CalibrateCuda, WorldTableIsExactAndFollowsNcclTestsDefinitions) {
   CommBenchOptions o = small_comm();
   std::vector<CollectiveRow> streamed;

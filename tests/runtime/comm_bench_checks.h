@@ -43,4 +43,32 @@ inline void expect_rows_follow_the_definitions(const CommBenchResult& r, const C
   }
 }
 
+// The all_gather and reduce_scatter rows of a run whose options listed `listed` bytes for both
+// (and no sweep of them): exact (#wrong 0), each size rounded down to a whole number of elements
+// per member, nccl-tests' bus factor (n-1)/n, one section per op per group size of o.
+inline void expect_half_ring_rows(const CommBenchResult& r, const CommBenchOptions& o,
+                                  const std::vector<std::size_t>& listed, int element_bytes) {
+  for (const char* op : {"all_gather", "reduce_scatter"})
+    for (int n : o.group_sizes) {
+      SCOPED_TRACE(std::string(op) + " over " + std::to_string(n));
+      std::vector<CollectiveRow> rows;
+      for (const CollectiveRow& row : r.rows)
+        if (row.op == op && row.ranks == n) rows.push_back(row);
+      std::vector<std::size_t> want;
+      for (std::size_t b : listed) {
+        const std::size_t per_member = b / std::size_t(element_bytes) / std::size_t(n);
+        if (per_member > 0 && (want.empty() || want.back() != per_member * n)) want.push_back(per_member * n);
+      }
+      ASSERT_EQ(rows.size(), want.size());
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        EXPECT_EQ(rows[i].count, want[i]);
+        EXPECT_EQ(rows[i].bytes, want[i] * std::size_t(element_bytes));
+        EXPECT_EQ(rows[i].wrong, 0);
+        EXPECT_EQ(rows[i].redop, std::string(op) == "all_gather" ? "none" : "sum");
+        EXPECT_GT(rows[i].time_us, 0.0);
+        EXPECT_EQ(rows[i].busbw_gbps, rows[i].algbw_gbps * ((n - 1.0) / n));
+      }
+    }
+}
+
 }  // namespace trainsim::runtime::testing

@@ -60,6 +60,35 @@ TEST(CalibrateCommFit, OnePercentNoiseStaysWithinAFewPercent) {
   }
 }
 
+// nccl-tests' all_gather_perf and reduce_scatter_perf over the in-process ring, at listed sizes
+// only (one not a multiple of 3 elements, one too small for a chunk each): every call checked
+// exactly (an all-gather's chunks it does not fill stay NaN; a reduce-scatter's own chunk is the
+// sum), and their tables land in the profile beside the all-reduce's.
+TEST(CalibrateCommBench, AllGatherAndReduceScatterRowsAreExact) {
+  CommBenchOptions o;
+  o.group_sizes = {2, 3};
+  o.sendrecv = false;
+  o.all_reduce_sizes = {8};
+  o.iters = 2;
+  o.warmup_iters = 1;
+  const std::vector<std::size_t> listed = {4, 100, 4096, 1u << 16};
+  o.all_gather_sizes = listed;
+  o.reduce_scatter_sizes = listed;
+  const CommBenchResult r = bench_in_process_comm(o);
+  testing::expect_half_ring_rows(r, o, listed, 4);
+  EXPECT_NE(format_comm_table(r).find("# all_gather: 3 ranks"), std::string::npos);
+  EXPECT_NE(format_comm_table(r).find("# Out of bounds values : 0 OK"), std::string::npos);
+
+  HardwareProfile p;
+  apply_comm_bench(p, r, "");
+  ASSERT_EQ(p.allgather_tables.count(3), 1u);
+  ASSERT_EQ(p.reduce_scatter_tables.count(2), 1u);
+  EXPECT_EQ(p.allgather_tables.at(3).rows.size(), 3u);  // 4 bytes is no float for each of 3
+  const CollectiveRow& last = r.rows.back();
+  EXPECT_EQ(last.op, "reduce_scatter");
+  EXPECT_DOUBLE_EQ(p.reduce_scatter_seconds(last.ranks, double(last.bytes)), last.time_us * 1e-6);
+}
+
 TEST(CalibrateCommFit, WeighsSmallSizesAsMuchAsLargeOnes) {
   // An ordinary least-squares fit is dominated by the largest times and gets the latency of
   // a 1 us link wrong by far more than 1 us when the big sizes carry 1% noise; in relative
