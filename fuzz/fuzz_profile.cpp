@@ -43,7 +43,11 @@ void use(const trainsim::HardwareProfile& p) {
   }
   for (trainsim::DType d : trainsim::kAllDTypes) require(std::isfinite(p.best_matmul_tflops(d)), "best rate finite");
   for (int n = 0; n <= 9; ++n)
-    for (double bytes : {0.0, 1.0, 4096.0, 1e9}) require(a_time(p.allreduce_seconds(n, bytes)), "allreduce_seconds is a time");
+    for (double bytes : {0.0, 1.0, 4096.0, 1e9}) {
+      require(a_time(p.allreduce_seconds(n, bytes)), "allreduce_seconds is a time");
+      require(a_time(p.allgather_seconds(n, bytes)), "allgather_seconds is a time");
+      require(a_time(p.reduce_scatter_seconds(n, bytes)), "reduce_scatter_seconds is a time");
+    }
   for (double bytes : {0.0, 1.0, 4096.0, 1e9}) require(a_time(p.p2p_seconds(bytes)), "p2p_seconds is a time");
   for (int r = 0; r < 3; ++r) require(p.core_factor(r) > 0, "core factors are positive");
 }
