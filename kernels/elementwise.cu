@@ -69,45 +69,47 @@ __global__ void embedding_backward_wpe_kernel(float* dwpe, const T* dout, int B,
   }
 }
 
-// dwte, in three launches. (1) The positions n = 0..N-1 are sorted by their token with a stable
-// radix sort (cub::DeviceRadixSort over all 32 key bits): equal tokens keep increasing n. (2) Each
-// vocabulary row v finds its run [first[v], last[v]) in the sorted keys (rows no token names keep
-// the empty run 0..0; tokens outside [0, V) name no row). (3) Blocks (v, y) add the run's dout
-// rows to dwte[v]'s columns y * kEmbedThreads + threadIdx.x, one column per thread, the sum held in
-// a register and written once; no other thread touches that element. Each element therefore
-// receives its terms in the CPU's (b, t) order: the fp32 result is bit-identical to
-// layers::embedding_backward. Work: N rows of dout read once (the version before read all N
-// tokens for each of the V rows: 1 ms at GPT-2 size on an H200).
+// dwte, in three launches. (1) Each position n = 0..N-1 gets its token as a key, V for a token
+// outside [0, V) (it names no row), so the sort needs only the bits of V (16 for GPT-2's 50304,
+// not 32). (2) The positions are sorted by key with a stable radix sort (cub::DeviceRadixSort):
+// equal tokens keep increasing n. (3) Blocks (i, y), one per sorted position: the block whose
+// position starts a run of one in-vocabulary token (its key differs from the one before) adds the
+// run's dout rows to dwte[v]'s columns y * kEmbedThreads + threadIdx.x, one column per thread,
+// the sum held in a register and written once; every other block returns at once, and no other
+// thread touches that element. Each element therefore receives its terms in the CPU's (b, t)
+// order: the fp32 result is bit-identical to layers::embedding_backward. Work: N rows of dout read
+// once, and N blocks, not V: one per vocabulary row launched 150,000 blocks at GPT-2's shape, most
+// of them for rows no token names (155 us on an H100 where the bytes take ~25 us), and cleared
+// two V-long arrays of run bounds first.
 //
 // A run is as long as its token is frequent, and text is skewed (a space is ~1 in 6 bytes of
 // the bundled Shakespeare): one row then adds thousands of terms in order. The terms' loads do
 // not depend on the sum, so each thread fetches kEmbedLoads of them before adding them in order;
-// the version before re-read and re-wrote dwte[v] in global memory per term, one dependent round
+// an earlier version re-read and re-wrote dwte[v] in global memory per term, one dependent round
 // trip each, and took 2.4 ms of a 4-layer backward at 8192 tokens x hidden 1024 on an H100's 64-SM
 // share (validation/gpu-baselines, pipeline stage 0 against stage 1).
 constexpr int kEmbedThreads = 256;
 constexpr int kEmbedLoads = 16;
 
-__global__ void iota_kernel(std::int32_t* out, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = i;
-}
-
-__global__ void token_runs_kernel(int* first, int* last, const std::int32_t* sorted, int N, int V) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x) {
-    const std::int32_t v = sorted[i];
-    if (v < 0 || v >= V) continue;
-    if (i == 0 || sorted[i - 1] != v) first[v] = i;
-    if (i == N - 1 || sorted[i + 1] != v) last[v] = i + 1;
+__global__ void embedding_keys_kernel(std::int32_t* keys, std::int32_t* positions, const std::int32_t* tokens, int n,
+                                      int V) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const std::int32_t t = tokens[i];
+    keys[i] = t >= 0 && t < V ? t : V;
+    positions[i] = i;
   }
 }
 
 template <class T>
 __global__ void embedding_backward_wte_kernel(float* dwte, const T* dout, const std::int32_t* positions,
-                                              const int* first, const int* last, int C) {
-  const int v = blockIdx.x;
-  const int c = blockIdx.y * kEmbedThreads + threadIdx.x;
-  const int begin = first[v], end = last[v];
-  if (begin >= end || c >= C) return;
+                                              const std::int32_t* sorted, int N, int C, int V) {
+  const int begin = static_cast<int>(blockIdx.x);
+  const std::int32_t v = sorted[begin];
+  if (v >= V || (begin > 0 && sorted[begin - 1] == v)) return;  // no row, or not the run's first position
+  const int c = static_cast<int>(blockIdx.y) * kEmbedThreads + static_cast<int>(threadIdx.x);
+  if (c >= C) return;
+  int end = begin + 1;
+  while (end < N && sorted[end] == v) ++end;  // the same keys for every thread: read once, from cache
   float* dst = dwte + static_cast<std::size_t>(v) * C + c;
   const T* col = dout + c;
   float acc = *dst;
@@ -297,30 +299,31 @@ template <class S>
 void embedding_backward_wte(float* dwte, const S* dout, const std::int32_t* tokens, int N, int C, int V,
                             StreamHandle stream) {
   const char* what = "embedding_backward (wte)";
+  // Keys 0..V: the bits that hold V.
+  int key_bits = 1;
+  while (key_bits < 31 && (std::int64_t{1} << key_bits) <= V) ++key_bits;
   std::size_t sort_bytes = 0;
-  check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, tokens, static_cast<std::int32_t*>(nullptr),
+  check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::int32_t*>(nullptr),
+                                             static_cast<std::int32_t*>(nullptr),
                                              static_cast<const std::int32_t*>(nullptr),
-                                             static_cast<std::int32_t*>(nullptr), N, 0, 32, stream),
+                                             static_cast<std::int32_t*>(nullptr), N, 0, key_bits, stream),
              "embedding_backward: the sort's scratch size");
-  const std::size_t ints = 3 * static_cast<std::size_t>(N) + 2 * static_cast<std::size_t>(V);
+  const std::size_t ints = 4 * static_cast<std::size_t>(N);
   void* scratch = nullptr;
   check_cuda(cudaMallocAsync(&scratch, ints * sizeof(std::int32_t) + sort_bytes, stream),
              "embedding_backward: cudaMallocAsync of its scratch");
-  auto* iota = static_cast<std::int32_t*>(scratch);
-  std::int32_t* keys = iota + N;
-  std::int32_t* positions = keys + N;
-  int* first = positions + N;
-  int* last = first + V;
-  void* sort_scratch = last + V;
-  iota_kernel<<<elementwise_blocks(static_cast<std::size_t>(N)), kElementwiseThreads, 0, stream>>>(iota, N);
-  check_cuda(cub::DeviceRadixSort::SortPairs(sort_scratch, sort_bytes, tokens, keys, iota, positions, N, 0, 32, stream),
+  auto* keys = static_cast<std::int32_t*>(scratch);
+  std::int32_t* order = keys + N;      // 0..N-1, the sort's values
+  std::int32_t* sorted = order + N;    // keys, sorted
+  std::int32_t* positions = sorted + N;  // positions in the sorted keys' order
+  void* sort_scratch = positions + N;
+  embedding_keys_kernel<<<elementwise_blocks(static_cast<std::size_t>(N)), kElementwiseThreads, 0, stream>>>(
+      keys, order, tokens, N, V);
+  check_cuda(cub::DeviceRadixSort::SortPairs(sort_scratch, sort_bytes, keys, sorted, order, positions, N, 0, key_bits,
+                                             stream),
              "embedding_backward: cub::DeviceRadixSort::SortPairs");
-  check_cuda(cudaMemsetAsync(first, 0, 2 * static_cast<std::size_t>(V) * sizeof(int), stream),
-             "embedding_backward: cudaMemsetAsync");
-  token_runs_kernel<<<elementwise_blocks(static_cast<std::size_t>(N)), kElementwiseThreads, 0, stream>>>(first, last,
-                                                                                                         keys, N, V);
-  const dim3 grid(static_cast<unsigned>(V), static_cast<unsigned>((C + kEmbedThreads - 1) / kEmbedThreads));
-  embedding_backward_wte_kernel<S><<<grid, kEmbedThreads, 0, stream>>>(dwte, dout, positions, first, last, C);
+  const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>((C + kEmbedThreads - 1) / kEmbedThreads));
+  embedding_backward_wte_kernel<S><<<grid, kEmbedThreads, 0, stream>>>(dwte, dout, positions, sorted, N, C, V);
   check_launch(what);
   check_cuda(cudaFreeAsync(scratch, stream), "embedding_backward: cudaFreeAsync of its scratch");
 }

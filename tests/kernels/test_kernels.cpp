@@ -315,6 +315,7 @@ TEST_P(GpuByDType, EmbeddingBackwardOfASkewedBatchIsIdenticalToTheCpu) {
   std::mt19937 rng(103);
   auto tokens = random_ids(B * T, V, rng);
   for (int n = 0; n < B * T; n += 2) tokens[n] = 7;  // ~130 of 244 positions
+  tokens[5] = -3, tokens[200] = V + 5;               // outside the vocabulary: no row, their positions still summed
   const auto dout = randn(dt, std::size_t(B) * T * C, rng);
   auto dwte = randn(DType::fp32, std::size_t(V) * C, rng, 0, 0.1), dwpe = randn(DType::fp32, std::size_t(T) * C, rng, 0, 0.1);
   auto d_dout = to_device(dt, dout), d_tok = to_device_raw(tokens);
@@ -322,7 +323,13 @@ TEST_P(GpuByDType, EmbeddingBackwardOfASkewedBatchIsIdenticalToTheCpu) {
   embedding_backward(d_dwte.as<float>(), d_dwpe.as<float>(), d_dout.data(), d_tok.as<std::int32_t>(), B, T, C, V, dt,
                      nullptr);
   synchronize();
-  L::embedding_backward<float>(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+  // The CPU layer indexes any token: the reference sends the two outside ones to a row past the
+  // vocabulary, which the device's result does not have.
+  auto ref_tokens = tokens;
+  ref_tokens[5] = ref_tokens[200] = V;
+  dwte.resize(std::size_t(V + 1) * C, 0.0f);
+  L::embedding_backward<float>(dwte.data(), dwpe.data(), dout.data(), ref_tokens.data(), B, T, C);
+  dwte.resize(std::size_t(V) * C);
   expect_identical("dwte", from_device(DType::fp32, d_dwte, dwte.size()), dwte);
   expect_identical("dwpe", from_device(DType::fp32, d_dwpe, dwpe.size()), dwpe);
 }
