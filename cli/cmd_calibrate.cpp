@@ -56,10 +56,8 @@ Command add_calibrate_command(CLI::App& app) {
             // The ring's halves, where the plan gathers or scatters (ZeRO, sequence parallelism):
             // the same doubling sizes as the all-reduce, so the profile prices them as measured.
             const validation::CommunicationSizes used = validation::communication_sizes(rp.plan);
-            std::vector<std::size_t> series;
-            for (std::size_t b = co.comm.min_bytes; b <= co.comm.max_bytes; b *= 2) series.push_back(b);
-            if (!used.all_gather.empty()) co.comm.all_gather_sizes = series;
-            if (!used.reduce_scatter.empty()) co.comm.reduce_scatter_sizes = series;
+            if (!used.all_gather.empty()) co.comm.all_gather_sizes = runtime::doubling_sizes(co.comm);
+            if (!used.reduce_scatter.empty()) co.comm.reduce_scatter_sizes = runtime::doubling_sizes(co.comm);
             co.progress = [](const std::string& s) { std::cerr << "calibrate: " << s << "\n"; };
             runtime::CommBenchResult comm;
             const std::string name = o->name.empty() ? backend.name + "-" + scenario.config.name : o->name;

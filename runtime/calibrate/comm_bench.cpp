@@ -87,19 +87,15 @@ void fill(std::span<float> buf, float weight, int period) {
   }
 }
 
-// The section's sizes (`listed`, else min_bytes doubling up to max_bytes) and its largest count
-// and iters.
-// A collective over n chunks takes counts that are multiples of `multiple` (a listed size is
+// The section's sizes (`listed`, else doubling_sizes(o)) and its largest count and iters. A
+// collective over n chunks takes counts that are multiples of `multiple` (a listed size is
 // rounded down to one; one too small for a chunk each is left out).
 void set_sizes(CommSection& s, const CommBenchOptions& o, const std::vector<std::size_t>& listed,
                std::size_t multiple = 1) {
   const auto element_bytes = static_cast<std::size_t>(dtype_bytes(s.wire)) * multiple;
   std::set<std::size_t> asked(listed.begin(), listed.end());
   if (asked.empty())
-    for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 2) {
-      asked.insert(b);
-      if (b > std::numeric_limits<std::size_t>::max() / 2) break;
-    }
+    for (std::size_t b : doubling_sizes(o)) asked.insert(b);
   for (std::size_t b : asked) {
     const std::size_t count = b / element_bytes * multiple, bytes = b / element_bytes * element_bytes;
     if (count == 0) continue;
@@ -133,47 +129,54 @@ CommSection sendrecv_section(const CommBenchOptions& o) {
   return s;
 }
 
-CommSection all_reduce_section(const CommBenchOptions& o, int n, ReduceOp op) {
+// A collective over ranks 0..n-1 (every rank a member), its rows' columns and sizes: counts a
+// multiple of `multiple` elements.
+CommSection group_section(const CommBenchOptions& o, int n, const char* op, const char* redop, double bus_factor,
+                          const std::vector<std::size_t>& listed, std::size_t multiple) {
   CommSection s;
-  s.op = "all_reduce";
+  s.op = op;
   s.type = nccl_type_name(o.wire);
-  s.redop = op == ReduceOp::sum ? "sum" : "max";
+  s.redop = redop;
   s.ranks = n;
   s.members.resize(static_cast<std::size_t>(n));
   std::iota(s.members.begin(), s.members.end(), 0);
-  s.reduce = op;
   s.wire = o.wire;
-  s.bus_factor = 2.0 * (n - 1) / n;
-  set_sizes(s, o, o.all_reduce_sizes);
-  const Pattern p = pattern_for(n, o.wire);
+  s.bus_factor = bus_factor;
+  set_sizes(s, o, listed, multiple);
+  return s;
+}
+
+// Rank r contributes weight r's pattern everywhere; the reduction by `op` is the expected result
+// (an all-reduce's whole buffer, a reduce-scatter's own chunk).
+void reduce_patterns(CommSection& s, int n, ReduceOp op) {
+  s.reduce = op;
+  const Pattern p = pattern_for(n, s.wire);
   const float total = std::accumulate(p.weight.begin(), p.weight.end(), 0.0f);  // exact: small integers
   const float largest = *std::max_element(p.weight.begin(), p.weight.end());
   s.fill_expected = [p, op, total, largest](std::span<float> e) {
     fill(e, op == ReduceOp::sum ? total : largest, p.period);
   };
   s.prepare = [p](int r, std::span<float> buf) { fill(buf, p.weight[static_cast<std::size_t>(r)], p.period); };
+}
+
+CommSection all_reduce_section(const CommBenchOptions& o, int n, ReduceOp op) {
+  CommSection s =
+      group_section(o, n, "all_reduce", op == ReduceOp::sum ? "sum" : "max", 2.0 * (n - 1) / n, o.all_reduce_sizes, 1);
+  reduce_patterns(s, n, op);
   return s;
 }
 
-// The ring's halves over n ranks, in place (communicator.h): member p owns chunk p of `count`.
-CommSection half_ring_section(const CommBenchOptions& o, int n, const char* op, const std::vector<std::size_t>& listed) {
-  CommSection s;
-  s.op = op;
-  s.type = nccl_type_name(o.wire);
-  s.ranks = n;
-  s.members.resize(static_cast<std::size_t>(n));
-  std::iota(s.members.begin(), s.members.end(), 0);
-  s.wire = o.wire;
-  s.bus_factor = (n - 1.0) / n;
-  set_sizes(s, o, listed, static_cast<std::size_t>(n));
-  return s;
+// The ring's halves (communicator.h), in place: member p owns chunk p of `count`; nccl-tests'
+// bus factor (n-1)/n.
+CommSection half_ring_section(const CommBenchOptions& o, int n, const char* op, const char* redop,
+                              const std::vector<std::size_t>& listed) {
+  return group_section(o, n, op, redop, (n - 1.0) / n, listed, static_cast<std::size_t>(n));
 }
 
 // Every chunk ends as its owner's contribution; each rank starts with its own and NaN elsewhere
 // (a chunk the call does not fill shows).
 CommSection all_gather_section(const CommBenchOptions& o, int n) {
-  CommSection s = half_ring_section(o, n, "all_gather", o.all_gather_sizes);
-  s.redop = "none";
+  CommSection s = half_ring_section(o, n, "all_gather", "none", o.all_gather_sizes);
   const Pattern p = pattern_for(n, o.wire);
   const auto chunk = [n](std::span<float> buf, int k) {
     const std::size_t per = buf.size() / static_cast<std::size_t>(n);
@@ -191,13 +194,8 @@ CommSection all_gather_section(const CommBenchOptions& o, int n) {
 
 // Rank r's chunk ends as the sum of every rank's (the rest of its buffer is unspecified).
 CommSection reduce_scatter_section(const CommBenchOptions& o, int n) {
-  CommSection s = half_ring_section(o, n, "reduce_scatter", o.reduce_scatter_sizes);
-  s.redop = "sum";
-  s.reduce = ReduceOp::sum;
-  const Pattern p = pattern_for(n, o.wire);
-  const float total = std::accumulate(p.weight.begin(), p.weight.end(), 0.0f);  // exact: small integers
-  s.fill_expected = [p, total](std::span<float> e) { fill(e, total, p.period); };
-  s.prepare = [p](int r, std::span<float> buf) { fill(buf, p.weight[static_cast<std::size_t>(r)], p.period); };
+  CommSection s = half_ring_section(o, n, "reduce_scatter", "sum", o.reduce_scatter_sizes);
+  reduce_patterns(s, n, ReduceOp::sum);
   s.checked = [n](int r, std::size_t count) {
     const std::size_t per = count / static_cast<std::size_t>(n);
     return std::pair{static_cast<std::size_t>(r) * per, static_cast<std::size_t>(r + 1) * per};
@@ -313,6 +311,15 @@ LinkFit fit_latency_bandwidth(const std::vector<std::pair<double, double>>& byte
     b = sxt0 / sxx0;
   }
   return LinkFit{a * 1e6, 1.0 / b / 1e9};
+}
+
+std::vector<std::size_t> doubling_sizes(const CommBenchOptions& o) {
+  std::vector<std::size_t> sizes;
+  for (std::size_t b = o.min_bytes; b <= o.max_bytes; b *= 2) {
+    sizes.push_back(b);
+    if (b > std::numeric_limits<std::size_t>::max() / 2) break;
+  }
+  return sizes;
 }
 
 CommBenchOptions checked_comm_options(const CommBenchOptions& options, std::span<const DType> wires,

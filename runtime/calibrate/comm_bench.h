@@ -138,6 +138,10 @@ std::int64_t count_wrong(std::span<const float> got, std::span<const float> expe
 // nccl-tests' name for the element type on the wire: "float", "tf32", "half", "bfloat16".
 std::string nccl_type_name(DType wire);
 
+// min_bytes, doubling up to max_bytes: the sizes a row series runs without a list (nccl-tests
+// -b -e -f 2).
+std::vector<std::size_t> doubling_sizes(const CommBenchOptions& o);
+
 // ---------------------------------------------------------------------------------------
 // The benchmark over any transport. bench_in_process_comm is these pieces over the in-process
 // world; the CUDA backend's bench_device_world_comm (runtime/cuda/calibrate_cuda.h) is them over
