@@ -1,20 +1,84 @@
 // trainsim simulate FILE: predict one step of the scenario's own configuration.
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <iostream>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "core/plan.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
+#include "sim/cost/compute_model.h"
 #include "sim/simulator.h"
 
 namespace trainsim::cli {
 
+namespace {
+
+std::string shape_text(const KernelWork& w) {
+  const KernelShape& s = w.shape;
+  if (s.is_matmul())
+    return s.batch > 1 ? fmt::format("{}x{}x{} x{}", s.m, s.n, s.k, s.batch) : fmt::format("{}x{}x{}", s.m, s.n, s.k);
+  return fmt::format("{:.1f} MiB", w.bytes / (1024.0 * 1024.0));
+}
+
+// Each distinct virtual stage's kernels, one micro-batch, as the roofline prices them.
+std::string format_kernel_prices(const Plan& plan) {
+  std::string out;
+  if (plan.config.cluster.calibrated)
+    out += "(the cluster has a calibrated profile: the roofline's prices below are not the ones the prediction used)\n";
+  std::vector<std::vector<PricedKernel>> shown;
+  for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+    std::vector<PricedKernel> ks = framework_kernel_prices(plan, vs);
+    const bool seen = std::any_of(shown.begin(), shown.end(), [&](const auto& x) {
+      return std::equal(x.begin(), x.end(), ks.begin(), ks.end(), [](const PricedKernel& a, const PricedKernel& b) {
+        return a.work.kernel == b.work.kernel && a.work.shape == b.work.shape && a.work.bytes == b.work.bytes &&
+               a.work.count == b.work.count && a.seconds == b.seconds;
+      });
+    });
+    if (seen) continue;
+    double passes[3] = {0, 0, 0};
+    for (const PricedKernel& k : ks) passes[static_cast<int>(k.pass)] += k.seconds;
+    const double total = passes[0] + passes[1] + passes[2];
+    out += fmt::format("\nvirtual stage {} ({} layers), one micro-batch: forward {:.3f} ms, backward input {:.3f} ms, "
+                       "weight {:.3f} ms\n",
+                       vs, plan.layers_per_virtual_stage[static_cast<std::size_t>(vs)], passes[0] * 1e3,
+                       passes[1] * 1e3, passes[2] * 1e3);
+    out += fmt::format("  {:<6} {:<40} {:<5} {:>22} {:>5} {:>10} {:>6} {:>12}  {}\n", "pass", "kernel", "type", "shape",
+                       "count", "ms", "share", "rate", "bound");
+    static const char* kPass[] = {"F", "B", "W"};
+    for (const PricedKernel& k : ks) {
+      const KernelWork& w = k.work;
+      std::string rate;
+      const double each = k.seconds / std::max(1, w.count);
+      if (each > 0 && w.shape.is_matmul())
+        rate = fmt::format("{:.1f} TF/s", w.shape.flops() / each / 1e12);
+      else if (each > 0 && w.bytes > 0)
+        rate = fmt::format("{:.0f} GB/s", w.bytes / each / 1e9);
+      out += fmt::format("  {:<6} {:<40} {:<5} {:>22} {:>5} {:>10.3f} {:>5.1f}% {:>12}  {}\n",
+                         kPass[static_cast<int>(k.pass)], w.kernel, dtype_name(w.dtype), shape_text(w), w.count,
+                         k.seconds * 1e3, total > 0 ? 100 * k.seconds / total : 0.0, rate, k.bound);
+    }
+    double by_bound[3] = {0, 0, 0};
+    for (const PricedKernel& k : ks)
+      by_bound[std::string_view(k.bound) == "compute" ? 0 : std::string_view(k.bound) == "memory" ? 1 : 2] += k.seconds;
+    out += fmt::format("  compute-bound {:.1f}%, memory-bound {:.1f}%, collectives {:.1f}% of the chunk's {:.3f} ms\n",
+                       total > 0 ? 100 * by_bound[0] / total : 0.0, total > 0 ? 100 * by_bound[1] / total : 0.0,
+                       total > 0 ? 100 * by_bound[2] / total : 0.0, total * 1e3);
+    shown.push_back(std::move(ks));
+  }
+  return out;
+}
+
+}  // namespace
+
 Command add_simulate_command(CLI::App& app) {
   struct Options {
     std::string file, trace, svg;
-    bool json = false;
+    bool json = false, kernels = false;
     std::vector<std::string> sets;
   };
   auto o = std::make_shared<Options>();
@@ -22,6 +86,8 @@ Command add_simulate_command(CLI::App& app) {
   sub->add_option("FILE", o->file, "Scenario YAML (e.g. scenarios/postmortem-8x40gb.yaml)")->required();
   add_set_option(sub, o->sets);
   sub->add_flag("--json", o->json, "Print the result object (DESIGN.md field names) instead of the summary");
+  sub->add_flag("--kernels", o->kernels,
+                "Also list every kernel of each distinct pipeline chunk with its price, rate and bound (one micro-batch)");
   sub->add_option("--trace", o->trace, "Write a Chrome/Perfetto trace of the predicted step");
   sub->add_option("--svg", o->svg, "Write an SVG picture of the predicted timeline");
   return {sub, [o] {
@@ -32,6 +98,7 @@ Command add_simulate_command(CLI::App& app) {
               std::cout << result_to_json(p.result).dump(2) << "\n";
             else
               std::cout << format_summary(plan, p.result);
+            if (o->kernels) std::cout << format_kernel_prices(plan);
             if (!o->trace.empty())
               write_output(o->trace, [&](std::ostream& out) { write_chrome_trace(plan, p.timeline, out); },
                            "open in https://ui.perfetto.dev");

@@ -22,6 +22,19 @@ TEST(Cli, SimulatePrintsASummary) {
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
 }
 
+TEST(Cli, SimulateListsThePricedKernelsOfEachDistinctChunk) {
+  const CommandResult r = run("simulate --kernels " + kDefault);
+  ASSERT_EQ(r.status, 0) << r.err;
+  // The incident's four pipeline stages: the first (embedding), the last (head) and the middle
+  // two, which launch the same kernels and are listed once.
+  std::size_t chunks = 0;
+  for (std::size_t at = r.out.find("\nvirtual stage "); at != std::string::npos; at = r.out.find("\nvirtual stage ", at + 1))
+    ++chunks;
+  EXPECT_EQ(chunks, 3u) << r.out;
+  for (const char* s : {"embedding.forward", "linear.forward", "cross_entropy.forward", "TF/s", "GB/s", "compute-bound"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s;
+}
+
 TEST(Cli, JsonIsByteIdenticalAcrossRunsAndParses) {
   const CommandResult a = run("simulate --json " + kDefault), b = run("simulate --json " + kDefault);
   ASSERT_EQ(a.status, 0) << a.err;

@@ -692,5 +692,49 @@ TEST(ComputeModel, PrecisionPicksItsPeakRate) {
   EXPECT_NEAR(fp32 / bf16, 312.0 / 19.5, 1e-6);  // the (vanishing) memory-bound term differs by element size
 }
 
+// `trainsim simulate --kernels` lists what the prediction priced: each virtual stage's kernels,
+// summed per pass, are its chunk's forward, input and weight passes, on plans that exercise
+// every kind of kernel (tensor and sequence parallelism's collectives, recompute, FP8's casts,
+// unfused attention with dropout, an interleaved pipeline's first, middle and last chunks).
+TEST(ComputeModel, TheKernelListingSumsToTheChunksPrices) {
+  std::vector<ScenarioConfig> configs;
+  for (Recompute r : {Recompute::none, Recompute::selective, Recompute::full, Recompute::selective_op})
+    configs.push_back(compute_config(r, 2));
+  ScenarioConfig real = compute_config(Recompute::selective, 2);
+  apply_gpu_preset(*find_gpu_preset("h100-80gb"), real.cluster);
+  real.cluster.num_gpus = 8;
+  real.parallelism.sequence_parallel = true;
+  real.precision.compute = DType::fp8;
+  configs.push_back(real);
+  ScenarioConfig unfused = real;
+  unfused.parallelism.sequence_parallel = false;
+  unfused.precision.compute = DType::fp16;
+  unfused.model.attention = AttentionKernel::fused;
+  unfused.model.hidden_dropout = unfused.model.attention_dropout = 0.1;
+  unfused.parallelism.schedule = ScheduleKind::interleaved_1f1b;
+  unfused.parallelism.virtual_pipeline_stages = 2;
+  configs.push_back(unfused);
+  for (const ScenarioConfig& c : configs) {
+    const Plan plan = Plan::from_config(c);
+    const RooflineComputeModel cm(plan);
+    for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+      SCOPED_TRACE(::testing::Message() << recompute_name(c.training.activation_recompute) << " "
+                                      << dtype_name(c.precision.compute) << " chunk " << vs);
+      double pass[3] = {0, 0, 0};
+      bool collectives = false;
+      for (const PricedKernel& k : framework_kernel_prices(plan, vs)) {
+        EXPECT_GE(k.seconds, 0) << k.work.kernel;
+        pass[static_cast<int>(k.pass)] += k.seconds;
+        collectives |= std::string_view(k.bound) == "collective";
+      }
+      const auto& chunk = cm.chunk(vs);
+      EXPECT_NEAR(pass[0], chunk.forward, chunk.forward * 1e-12);
+      EXPECT_NEAR(pass[1], chunk.backward_input, chunk.backward_input * 1e-12);
+      EXPECT_NEAR(pass[2], chunk.backward_weight, chunk.backward_weight * 1e-12);
+      EXPECT_TRUE(collectives);  // tensor parallelism's, named as such
+    }
+  }
+}
+
 }  // namespace
 }  // namespace trainsim

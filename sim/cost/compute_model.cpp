@@ -368,6 +368,29 @@ const KernelInventoryCache::Entry& KernelInventoryCache::of(const Plan& plan) {
   return *entries_.front();
 }
 
+std::vector<PricedKernel> framework_kernel_prices(const Plan& plan, int vstage) {
+  const BuiltChunks built = framework_built_chunks(plan, plan.activation_bytes());
+  const ChunkKernels& k = built.chunks.at(static_cast<std::size_t>(built.chunk_of.at(static_cast<std::size_t>(vstage))));
+  const FrameworkPricer pricer(plan);
+  std::vector<PricedKernel> out;
+  auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass) {
+    for (const KernelWork& w : ws) {
+      const FrameworkPricer::Facts f = pricer.facts(w);
+      const char* bound = "memory";
+      if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
+          f.cls == KernelClass::tp_reducescatter)
+        bound = "collective";
+      else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
+        bound = "compute";
+      out.push_back({w, pass, w.count * pricer.seconds(w, f), bound});
+    }
+  };
+  add(k.forward, PricedKernel::Pass::forward);
+  add(k.backward_input, PricedKernel::Pass::backward_input);
+  add(k.backward_weight, PricedKernel::Pass::backward_weight);
+  return out;
+}
+
 namespace {
 
 std::array<Tick, 5> chunk_ticks(const RooflineComputeModel::ChunkSeconds& c) {

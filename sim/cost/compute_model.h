@@ -20,12 +20,11 @@
 #include <vector>
 
 #include "core/hardware_profile.h"
+#include "core/kernel_inventory.h"
 #include "core/plan.h"
 #include "sim/cost/cost_models.h"
 
 namespace trainsim {
-
-struct ChunkKernels;
 
 // The buffers tensor parallelism's collectives move inside a virtual stage's ops, in bytes as a
 // profile's all-reduce table is read (activations in `storage` bytes an element): what
@@ -68,6 +67,20 @@ class KernelInventoryCache {
   std::vector<std::unique_ptr<Entry>> entries_;  // most recently used first
   ScenarioConfig key_;
 };
+
+// One framework kernel of a virtual stage's op as the roofline path prices it (what
+// `trainsim simulate --kernels` prints): the inventory entry, its pass, its seconds for all
+// `work.count` launches and what bounds it.
+struct PricedKernel {
+  KernelWork work;
+  enum class Pass { forward, backward_input, backward_weight } pass = Pass::forward;
+  double seconds = 0;  // all launches
+  // "compute" (a product or attention at its FLOP rate), "memory" (HBM bytes), "collective".
+  const char* bound = "memory";
+};
+// Every framework kernel of virtual stage `vstage` (sim/cost's roofline prices; a calibrated
+// profile's are not listed): their seconds per pass sum to RooflineComputeModel's chunk(vstage).
+std::vector<PricedKernel> framework_kernel_prices(const Plan& plan, int vstage);
 
 class RooflineComputeModel final : public ComputeModel {
  public:
