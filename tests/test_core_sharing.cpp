@@ -134,6 +134,61 @@ TEST(CoreSharing, ASendKeepsTheCoreOfTheOpBeforeIt) {
   EXPECT_EQ(out.timeline.ops[1][0].waited, 12 * kUs);
 }
 
+TEST(CoreSharing, CollectivesThatTakeCoresRunFirstAndTheTurnsShareWhatIsLeft) {
+  // Both ranks all-reduce (4 us alone) on their communication threads from 0 while their
+  // forwards (10 us) want the cores. Each all-reduce's thread was busy min(1, cores / members) of
+  // its benchmark's time.
+  auto two_ranks = [](int groups) {
+    std::vector<std::vector<std::pair<OpKind, Tick>>> programs(
+        static_cast<std::size_t>(2 * groups), {{OpKind::AllReduce, 4 * kUs}, {OpKind::Forward, 10 * kUs}});
+    Timeline t = alone(programs);
+    for (auto& ops : t.ops) ops[1] = {0, 10 * kUs};  // the forward does not wait for the collective
+    auto s = std::make_shared<Schedule>(*t.schedule);
+    for (int g = 0; g < groups; ++g) {
+      s->collectives.push_back(Collective{.kind = OpKind::AllReduce, .bytes = 1024, .members = {2 * g, 2 * g + 1}});
+      s->ranks[2 * g].ops[0].channel = s->ranks[2 * g + 1].ops[0].channel = g;
+    }
+    t.schedule = s;
+    return t;
+  };
+  const Timeline t = two_ranks(1);
+  CoreSharing sh;
+  sh.cores = 1;
+  // Beside the turns at their own speed: the all-reduce ends at 4 us, the forwards at 10 and 20.
+  SharedStep out = share_cores(t, sh);
+  EXPECT_EQ(out.timeline.ops[0][0].end, 4 * kUs);
+  EXPECT_EQ(out.timeline.ops[0][1].end, 10 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][1].end, 20 * kUs);
+  // Taking cores: the two members' threads, each half a core's (two threads on one core in the
+  // benchmark), take the core until they are done; rank 0's forward then runs its 10 us.
+  sh.collectives_take_cores = true;
+  out = share_cores(t, sh);
+  EXPECT_EQ(out.timeline.ops[0][0].end, 4 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][0].end, 4 * kUs);
+  EXPECT_EQ(out.timeline.ops[0][1].end, 14 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][1].end, 24 * kUs);
+  // Two cores: each member a core's worth; both forwards wait for them.
+  sh.cores = 2;
+  out = share_cores(t, sh);
+  EXPECT_EQ(out.timeline.ops[0][0].end, 4 * kUs);
+  EXPECT_EQ(out.timeline.ops[0][1].end, 14 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][1].end, 14 * kUs);
+  // Turns of two threads each (tensor parallelism 2: each shard's group all-reduces), one turn at
+  // a time on a host of two cores: four communication threads, each a core's worth in its
+  // two-member benchmark on two cores, on two cores: half speed.
+  sh.cores = 1;
+  sh.threads_per_turn = 2;
+  out = share_cores(t, sh);
+  EXPECT_EQ(out.timeline.ops[0][0].end, 8 * kUs);
+  EXPECT_EQ(out.timeline.ops[0][1].end, 18 * kUs);
+  // Two groups on one core: four members' shares of half a core each, twice what there is; the
+  // collectives run at half speed (8 us) and the turns wait for them.
+  sh.threads_per_turn = 1;
+  out = share_cores(two_ranks(2), sh);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(out.timeline.ops[static_cast<std::size_t>(r)][0].end, 8 * kUs) << r;
+  EXPECT_EQ(out.timeline.ops[0][1].end, 18 * kUs);
+}
+
 TEST(CoreSharing, RefusesAnOrderThatIsNotOneTurnPerOp) {
   const Timeline t = alone({{{OpKind::Forward, 10 * kUs}}, {{OpKind::Forward, 10 * kUs}}});
   CoreSharing sh;

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <deque>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <queue>
 #include <set>
@@ -48,15 +50,18 @@ class Replay {
     free_cores_ = sharing_.cores;
     for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) advance(r);
     grant();
+    reschedule();
     while (!events_.empty()) {
       const Tick t = events_.top().at;
       now_ = t;
+      settle();
       while (!events_.empty() && events_.top().at == t) {
         const Event e = events_.top();
         events_.pop();
         handle(e);
       }
       grant();
+      reschedule();
     }
     for (std::size_t r = 0; r < ranks_.size(); ++r)
       if (ranks_[r].next < static_cast<int>(s_.ranks[r].ops.size()) || !ranks_[r].queue.empty())
@@ -70,7 +75,7 @@ class Replay {
 
  private:
   enum class Wait { none, collective, gate, running, recv, barrier };
-  enum class Kind { part_end, send_end, collective_end, barrier_end };
+  enum class Kind { job_start, job_check, barrier_end };
   struct Event {
     Tick at;
     std::int64_t seq;
@@ -78,6 +83,25 @@ class Replay {
     int rank, a;
     bool operator>(const Event& o) const { return std::tie(at, seq) > std::tie(o.at, o.seq); }
   };
+  // Work on a core: a compute op's part or a send (on the core its rank's turn holds), or a
+  // collective on the rank's communication thread. `left` is its time at full speed still to run.
+  enum class JobKind { part, send, collective };
+  struct Job {
+    JobKind kind;
+    int rank, op;
+    double left;
+    // Of a core (a turn's cores) it takes while it runs at full speed: compute and sends 1;
+    // collectives where the sharing says so collective_share, else 0.
+    double share;
+  };
+  // A collective's share of a turn's cores at full speed: its time alone is its benchmark's, whose
+  // n member threads (one per schedule rank of the group, each shard's group alike) ran on the
+  // host's cores, each busy min(1, cores / n) of it.
+  double collective_share(int members) const {
+    if (!sharing_.collectives_take_cores) return 0;
+    const double host = static_cast<double>(sharing_.cores) * std::max(1, sharing_.threads_per_turn);
+    return std::min(1.0, host / std::max(1, members));
+  }
   struct Request {
     Tick at;
     CoreTurn turn;
@@ -159,7 +183,7 @@ class Replay {
       }
       if (is_send(op.kind)) {
         st.wait = Wait::running;
-        at(now_ + duration(r, i), Kind::send_end, r, i);
+        start(Job{JobKind::send, r, i, static_cast<double>(duration(r, i)), 1.0});
         return;
       }
       if (is_recv(op.kind)) {
@@ -195,7 +219,7 @@ class Replay {
     st.comm_busy = true;
     if (op.channel < 0) {  // the local overflow check: this rank alone
       out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)].start = now_;
-      at(now_ + duration(r, i), Kind::collective_end, r, i);
+      start(Job{JobKind::collective, r, i, static_cast<double>(duration(r, i)), collective_share(1)});
       return;
     }
     const auto c = static_cast<std::size_t>(op.channel);
@@ -206,40 +230,111 @@ class Replay {
     for (int m : s_.collectives[c].members) {
       const int mi = ranks_[static_cast<std::size_t>(m)].queue.front();
       out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(mi)].start = start;
-      at(start + duration(m, mi), Kind::collective_end, m, mi);
+      this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)),
+                     collective_share(static_cast<int>(s_.collectives[c].members.size()))});
     }
   }
 
+  // Starts `job` now (its rate from the next reschedule on).
+  void start(const Job& job) {
+    jobs_.push_back(job);
+    jobs_changed_ = true;
+  }
+
+  // The running jobs' rates: {turns and sends, collectives}. A communication thread wakes from a
+  // sleep to run its collective, and the operating system's scheduler lets a thread that slept
+  // take a core before those that kept running (Linux CFS: a woken thread's virtual runtime is
+  // at most a slice behind the lowest), so collectives run first, as many at full speed as there
+  // are cores, and the turns share what is left; a collective that takes no core runs at full
+  // speed beside them.
+  std::pair<double, double> rates() const {
+    int compute = 0;
+    double collectives = 0;  // their shares of cores at full speed
+    for (const Job& j : jobs_)
+      if (j.kind != JobKind::collective)
+        ++compute;
+      else
+        collectives += j.share;
+    const double cores = sharing_.cores;
+    const double collective = collectives > cores ? cores / collectives : 1.0;
+    const double left = std::max(0.0, cores - collective * collectives);
+    return {compute > left ? left / compute : 1.0, collective};
+  }
+  double rate_of(const Job& j, const std::pair<double, double>& r) const {
+    return j.kind != JobKind::collective ? r.first : j.share > 0 ? r.second : 1.0;
+  }
+
+  // Each running job's work done since the last settle, at the rates of that interval.
+  void settle() {
+    const double elapsed = static_cast<double>(now_ - settled_);
+    settled_ = now_;
+    if (elapsed <= 0) return;
+    const auto r = rates();
+    for (Job& j : jobs_) j.left -= elapsed * rate_of(j, r);
+  }
+
+  // After the running jobs changed: when the first of them ends at the new rates.
+  void reschedule() {
+    if (!jobs_changed_) return;
+    jobs_changed_ = false;
+    ++generation_;
+    if (jobs_.empty()) return;
+    const auto r = rates();
+    double first = std::numeric_limits<double>::infinity();
+    for (const Job& j : jobs_)
+      if (const double rate = rate_of(j, r); rate > 0) first = std::min(first, std::max(0.0, j.left) / rate);
+    if (!std::isfinite(first)) return;  // nothing progresses until a collective ends: cannot be (they all run)
+    at(now_ + static_cast<Tick>(std::ceil(first - 1e-9)), Kind::job_check, 0, static_cast<int>(generation_ & 0x7fffffff));
+  }
+
   void handle(const Event& e) {
-    RankState& st = ranks_[static_cast<std::size_t>(e.rank)];
-    switch (e.kind) {
-      case Kind::part_end: {
-        const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
+    if (e.kind == Kind::job_start) {
+      start(pending_[static_cast<std::size_t>(e.a)]);
+      return;
+    }
+    if (e.kind == Kind::job_check) {
+      if (e.a != static_cast<int>(generation_ & 0x7fffffff)) return;  // the jobs changed since
+      std::vector<Job> ended;
+      auto done = [](const Job& j) { return j.left < 0.5; };  // under a picosecond of work left
+      std::copy_if(jobs_.begin(), jobs_.end(), std::back_inserter(ended), done);
+      jobs_.erase(std::remove_if(jobs_.begin(), jobs_.end(), done), jobs_.end());
+      jobs_changed_ = true;
+      for (const Job& j : ended) job_end(j);
+      return;
+    }
+    barrier_end();
+  }
+
+  void job_end(const Job& j) {
+    RankState& st = ranks_[static_cast<std::size_t>(j.rank)];
+    switch (j.kind) {
+      case JobKind::part: {
+        const Op& op = s_.ranks[static_cast<std::size_t>(j.rank)].ops[static_cast<std::size_t>(j.op)];
         const bool last_part = st.part + 1 >= parts_of(op.kind);
         // The turn is kept for the sends of the op's output that follow it.
-        st.holds_core = last_part && sends_next(s_.ranks[static_cast<std::size_t>(e.rank)], e.a);
+        st.holds_core = last_part && sends_next(s_.ranks[static_cast<std::size_t>(j.rank)], j.op);
         if (!st.holds_core) ++free_cores_;
         if (!last_part) {
           // The optimizer's gradient norm is in: its all-reduce over every rank, core released.
           st.wait = Wait::barrier;
           last_at_barrier_ = std::max(last_at_barrier_, now_);
           if (++at_barrier_ == static_cast<int>(ranks_.size()))
-            at(last_at_barrier_ + sharing_.norm_allreduce, Kind::barrier_end, e.rank);
+            at(last_at_barrier_ + sharing_.norm_allreduce, Kind::barrier_end, j.rank);
           return;
         }
-        finish_compute_op(e.rank, e.a, now_);
-        advance(e.rank);
+        finish_compute_op(j.rank, j.op, now_);
+        advance(j.rank);
         return;
       }
-      case Kind::send_end: {
-        const Op& op = s_.ranks[static_cast<std::size_t>(e.rank)].ops[static_cast<std::size_t>(e.a)];
-        if (st.holds_core && !sends_next(s_.ranks[static_cast<std::size_t>(e.rank)], e.a)) {
+      case JobKind::send: {
+        const Op& op = s_.ranks[static_cast<std::size_t>(j.rank)].ops[static_cast<std::size_t>(j.op)];
+        if (st.holds_core && !sends_next(s_.ranks[static_cast<std::size_t>(j.rank)], j.op)) {
           st.holds_core = false;
           ++free_cores_;
         }
         arrival_[static_cast<std::size_t>(op.channel)] = now_;
-        finish_compute_op(e.rank, e.a, now_);
-        advance(e.rank);
+        finish_compute_op(j.rank, j.op, now_);
+        advance(j.rank);
         if (auto it = waiting_recv_.find(op.channel); it != waiting_recv_.end()) {
           const int r = it->second;
           waiting_recv_.erase(it);
@@ -248,24 +343,25 @@ class Replay {
         }
         return;
       }
-      case Kind::collective_end: {
-        out_.ops[static_cast<std::size_t>(e.rank)][static_cast<std::size_t>(e.a)].end = now_;
-        st.done[static_cast<std::size_t>(e.a)] = 1;
+      case JobKind::collective: {
+        out_.ops[static_cast<std::size_t>(j.rank)][static_cast<std::size_t>(j.op)].end = now_;
+        st.done[static_cast<std::size_t>(j.op)] = 1;
         st.queue.pop_front();
         st.comm_busy = false;
         if (st.wait == Wait::collective) st.wait = Wait::none;
-        advance(e.rank);
+        advance(j.rank);
         return;
       }
-      case Kind::barrier_end:
-        at_barrier_ = 0;
-        for (std::size_t r = 0; r < ranks_.size(); ++r) {
-          RankState& b = ranks_[r];
-          b.wait = Wait::none;
-          ++b.part;
-          advance(static_cast<int>(r));
-        }
-        return;
+    }
+  }
+
+  void barrier_end() {
+    at_barrier_ = 0;
+    for (std::size_t r = 0; r < ranks_.size(); ++r) {
+      RankState& b = ranks_[r];
+      b.wait = Wait::none;
+      ++b.part;
+      advance(static_cast<int>(r));
     }
   }
 
@@ -290,7 +386,13 @@ class Replay {
       granted_.push_back(t);
       --free_cores_;
       ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::running;
-      at(now_ + woken + part_duration(t.rank, t.op, t.part), Kind::part_end, t.rank, t.op);
+      const Job job{JobKind::part, t.rank, t.op, static_cast<double>(part_duration(t.rank, t.op, t.part)), 1.0};
+      if (woken > 0) {  // the core idles while the thread wakes
+        pending_.push_back(job);
+        at(now_ + woken, Kind::job_start, t.rank, static_cast<int>(pending_.size()) - 1);
+      } else {
+        start(job);
+      }
     }
   }
 
@@ -312,6 +414,11 @@ class Replay {
   Tick now_ = 0;
   std::int64_t seq_ = 0;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
+  std::vector<Job> jobs_;     // running, in the order they started
+  std::vector<Job> pending_;  // turns whose threads are waking (Kind::job_start's index)
+  bool jobs_changed_ = false;
+  std::int64_t generation_ = 0;  // of the running set: a job_check of an older one is stale
+  Tick settled_ = 0;
 };
 
 }  // namespace

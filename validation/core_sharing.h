@@ -6,13 +6,18 @@
 // free core, then runs whole at the speed of a rank that has a core to itself, and keeps the core
 // for the sends of its output that follow it. A rank waiting for its turn is inside its op (busy),
 // as a time-shared rank would be. The communication threads (collectives) and the copies of
-// receives are not gated; they take what the operating system gives them, which is little next to
-// the compute.
+// receives are not gated; they take what the operating system gives them. A collective's copies
+// and sums are work on a core (collectives_take_cores): a communication thread wakes to run it,
+// and the scheduler lets a woken thread run before those that kept running, so collectives run
+// first, at full speed while their shares of the cores fit, and the turns running beside them
+// share what is left. A receive's copy is not priced (small next to the compute).
 //
 // share_cores replays the schedule that way: each rank's compute thread walks its program in
 // order (compute ops through the gate, sends for their copy time on the core of the op before them,
 // receives until the message is there, collectives handed to the communication thread), each communication thread runs its
-// collectives in order once their producing op ended and every member arrived, and the optimizer
+// collectives in order once their producing op ended and every member arrived (the turns and
+// collectives running at one time share the cores as above: each op's work progresses at its
+// share's rate, the set's rates change as ops start and end), and the optimizer
 // step waits, between its gradient norm and its update, for every rank's share of the norm (the
 // engine's all-reduce over all ranks; the core is free meanwhile). Op durations are those of a
 // prediction in which every rank had a core to itself (`alone`), and a turn whose thread slept until
@@ -40,6 +45,15 @@ struct CoreSharing {
   Tick handoff = 0;
   // Per rank: it skipped its update (an overflow): its optimizer step ends with the norm.
   std::vector<char> skipped_update;
+  // Collectives take a core's time beside the turns: their communication threads are runnable
+  // threads like the turns' (the copies and sums of a collective on the CPU backend), so while
+  // more of them and turns run than there are cores, each runs at cores / (their number) of its
+  // speed (the operating system shares the cores fairly). False: collectives run at their own
+  // speed beside the turns, which keep theirs.
+  bool collectives_take_cores = false;
+  // Threads a turn runs on (a schedule rank's tensor-parallel shards, each on its own core): the
+  // host has cores x threads_per_turn cores.
+  int threads_per_turn = 1;
   // The order compute ops take cores in; empty: first come, first served.
   std::vector<runtime::CoreTurn> turns;
 };

@@ -135,6 +135,10 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
   if (const auto it = p.allreduce.find(plan.num_ranks() * plan.tp); it != p.allreduce.end())
     sh.norm_allreduce = seconds_to_ticks(it->second.latency_us * 1e-6);
   sh.handoff = seconds_to_ticks(p.core_handoff_us * 1e-6);
+  // The CPU backend's collectives copy and sum on their communication threads, which the
+  // operating system runs beside the turns.
+  sh.collectives_take_cores = true;
+  sh.threads_per_turn = plan.tp;
   return sh;
 }
 
