@@ -248,9 +248,10 @@ std::vector<std::string> write_incident_report(const IncidentReport& r, const st
         "at a time, in an order the prediction fixes before the run (a rank waiting for its turn counts as busy, "
         "as a time-shared rank would be); the prediction replays that order with each op at its calibrated time "
         "and each handoff of a core at the time the engine's own gate took on this machine. The communication "
-        "threads take the cores beside the turns as the operating system lets them, which the prediction does "
-        "not price: expect the scaled step time to be off by more than on the validation baselines, which keep "
-        "one rank per core (docs/validation.md).\n";
+        "threads' collectives take the cores first, as the operating system runs a thread that wakes before "
+        "those that kept running, and the turns beside them share what is left. Waits for messages and "
+        "wake-ups beyond the gate's are not priced: expect the scaled step time to be off by more than on the "
+        "validation baselines, which keep one rank per core (docs/validation.md).\n";
   file("report.md", [&](std::ostream& out) { out << md.str(); });
   return written;
 }
