@@ -45,11 +45,11 @@ struct CoreSharing {
   Tick handoff = 0;
   // Per rank: it skipped its update (an overflow): its optimizer step ends with the norm.
   std::vector<char> skipped_update;
-  // Collectives take a core's time beside the turns: their communication threads are runnable
-  // threads like the turns' (the copies and sums of a collective on the CPU backend), so while
-  // more of them and turns run than there are cores, each runs at cores / (their number) of its
-  // speed (the operating system shares the cores fairly). False: collectives run at their own
-  // speed beside the turns, which keep theirs.
+  // Collectives take cores' time beside the turns (their communication threads copy and sum on
+  // the CPU backend): each needs min(1, host cores / its members) of a turn's cores at full speed,
+  // as its benchmark's member threads had; the collectives running at a time get those shares
+  // first (scaled down together when they exceed the cores) and the turns running beside them
+  // share the rest. False: collectives run at their own speed beside the turns, which keep theirs.
   bool collectives_take_cores = false;
   // Threads a turn runs on (a schedule rank's tensor-parallel shards, each on its own core): the
   // host has cores x threads_per_turn cores.
