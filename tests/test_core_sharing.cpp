@@ -214,16 +214,29 @@ TEST(CoreSharing, EveryRankOfAPipelineFinishesWhicheverTheCores) {
   const ScenarioConfig c = testing::small_config(4, 4, ScheduleKind::gpipe, 1, 2);
   const Plan plan = Plan::from_config(c);
   const Prediction p = predict(plan);
-  Tick previous = 0;
-  for (int cores : {8, 4, 2, 1}) {
-    CoreSharing sh;
-    sh.cores = cores;
-    const SharedStep s = share_cores(p.timeline, sh);
-    // Fewer cores: a longer step; and the order it found replays to the same step.
-    EXPECT_GE(s.timeline.end(), previous);
-    previous = s.timeline.end();
-    sh.turns = s.turns;
-    EXPECT_EQ(share_cores(p.timeline, sh).timeline.end(), s.timeline.end());
+  for (bool take : {false, true}) {
+    SCOPED_TRACE(take ? "collectives take cores" : "collectives beside the turns");
+    Tick previous = 0;
+    for (int cores : {8, 4, 2, 1}) {
+      CoreSharing sh;
+      sh.cores = cores;
+      sh.collectives_take_cores = take;
+      const SharedStep s = share_cores(p.timeline, sh);
+      // Fewer cores: a longer step; and the order it found replays to the same step.
+      EXPECT_GE(s.timeline.end(), previous);
+      previous = s.timeline.end();
+      sh.turns = s.turns;
+      EXPECT_EQ(share_cores(p.timeline, sh).timeline.end(), s.timeline.end());
+      // No op runs faster than it does alone (sharing only slows work down).
+      for (std::size_t r = 0; r < p.timeline.ops.size(); ++r)
+        for (std::size_t i = 0; i < p.timeline.ops[r].size(); ++i) {
+          const OpKind kind = p.timeline.schedule->ranks[r].ops[i].kind;
+          if (!is_collective(kind) && !is_send(kind)) continue;
+          const OpTiming& a = p.timeline.ops[r][i];
+          const OpTiming& b = s.timeline.ops[r][i];
+          EXPECT_GE(b.end - b.start, a.end - a.start - 1) << "rank " << r << " op " << i;
+        }
+    }
   }
 }
 
