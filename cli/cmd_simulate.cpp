@@ -29,10 +29,12 @@ std::string shape_text(const KernelWork& w) {
 std::string format_kernel_prices(const Plan& plan) {
   std::string out;
   if (plan.config.cluster.calibrated)
-    out += "(the cluster has a calibrated profile: the roofline's prices below are not the ones the prediction used)\n";
+    out += fmt::format("\nkernels at the calibrated profile {}'s rates (the runtime's kernels; each pass times its in-layer "
+                       "composition)\n",
+                       plan.config.cluster.calibrated->name);
   std::vector<std::vector<PricedKernel>> shown;
   for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
-    std::vector<PricedKernel> ks = framework_kernel_prices(plan, vs);
+    std::vector<PricedKernel> ks = kernel_prices(plan, vs);
     const bool seen = std::any_of(shown.begin(), shown.end(), [&](const auto& x) {
       return std::equal(x.begin(), x.end(), ks.begin(), ks.end(), [](const PricedKernel& a, const PricedKernel& b) {
         return a.work.kernel == b.work.kernel && a.work.shape == b.work.shape && a.work.bytes == b.work.bytes &&
@@ -63,11 +65,19 @@ std::string format_kernel_prices(const Plan& plan) {
                          k.seconds * 1e3, total > 0 ? 100 * k.seconds / total : 0.0, rate, k.bound);
     }
     double by_bound[3] = {0, 0, 0};
-    for (const PricedKernel& k : ks)
-      by_bound[std::string_view(k.bound) == "compute" ? 0 : std::string_view(k.bound) == "memory" ? 1 : 2] += k.seconds;
-    out += fmt::format("  compute-bound {:.1f}%, memory-bound {:.1f}%, collectives {:.1f}% of the chunk's {:.3f} ms\n",
-                       total > 0 ? 100 * by_bound[0] / total : 0.0, total > 0 ? 100 * by_bound[1] / total : 0.0,
-                       total > 0 ? 100 * by_bound[2] / total : 0.0, total * 1e3);
+    double measured = 0;
+    for (const PricedKernel& k : ks) {
+      const std::string_view b = k.bound;
+      if (b == "measured") measured += k.seconds;
+      else by_bound[b == "compute" ? 0 : b == "memory" ? 1 : 2] += k.seconds;
+    }
+    auto pct = [&](double x) { return total > 0 ? 100 * x / total : 0.0; };
+    if (measured > 0)
+      out += fmt::format("  measured {:.1f}%, at the roofline {:.1f}%, collectives {:.1f}% of the chunk's {:.3f} ms\n",
+                         pct(measured), pct(by_bound[0] + by_bound[1]), pct(by_bound[2]), total * 1e3);
+    else
+      out += fmt::format("  compute-bound {:.1f}%, memory-bound {:.1f}%, collectives {:.1f}% of the chunk's {:.3f} ms\n",
+                         pct(by_bound[0]), pct(by_bound[1]), pct(by_bound[2]), total * 1e3);
     shown.push_back(std::move(ks));
   }
   return out;

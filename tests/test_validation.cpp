@@ -254,6 +254,42 @@ TEST(CalibratedCompute, ASplitBackwardIsComposedPassByPass) {
   }
 }
 
+// `trainsim simulate --kernels` on a calibrated cluster lists what price_from_profile summed: the
+// runtime's kernels at the profile's rates (the roofline's for one it lacks), times each pass's
+// composition, and tensor parallelism's collectives from the profile's tables, a row per pass.
+TEST(CalibratedCompute, TheKernelListingSumsToTheCalibratedChunks) {
+  ScenarioConfig c = runtime_sized(2, 1, ScheduleKind::zb_h1, DType::fp32);
+  c.parallelism.tensor_parallel_size = 2;
+  c.parallelism.sequence_parallel = true;
+  c.cluster.num_gpus = c.cluster.gpus_per_node = 4;
+  const Plan bare = Plan::from_config(c);
+  HardwareProfile p = uniform_profile(bare, 0.05, 10);
+  p.kernels.erase(p.kernels.begin());  // one kernel unmeasured: at the roofline
+  p.composition = Composition{1.1, 1.2, 1.5, 1.3};
+  p.allreduce[2] = {10, 2};
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const Plan plan = Plan::from_config(c);
+  const RooflineComputeModel model(plan);
+  int roofline_rows = 0;
+  for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+    double pass[3] = {0, 0, 0};
+    int measured = 0, roofline = 0, collectives = 0;
+    for (const PricedKernel& k : kernel_prices(plan, vs)) {
+      pass[static_cast<int>(k.pass)] += k.seconds;
+      const std::string_view b = k.bound;
+      (b == "measured" ? measured : b == "collective" ? collectives : roofline) += 1;
+    }
+    const auto& chunk = model.chunk(vs);
+    EXPECT_NEAR(pass[0], chunk.forward, chunk.forward * 1e-12) << vs;
+    EXPECT_NEAR(pass[1], chunk.backward_input, chunk.backward_input * 1e-12) << vs;
+    EXPECT_NEAR(pass[2], chunk.backward_weight, chunk.backward_weight * 1e-12) << vs;
+    EXPECT_GT(measured, 0) << vs;
+    EXPECT_EQ(collectives, 3) << vs;  // sequence parallelism gathers in every pass
+    roofline_rows += roofline;
+  }
+  EXPECT_GT(roofline_rows, 0);  // the kernel the profile lacks
+}
+
 // A rank's first forward of each chunk in a step runs cold (after the optimizer step), every later
 // pass warm: the compute model prices micro-batch 0's forward at the composition's first_forward,
 // the other forwards and every backward at the warm factors, and a simulated step holds both.

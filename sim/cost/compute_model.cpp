@@ -15,14 +15,20 @@ namespace {
 
 // Seconds of a list of kernels at the profile's measured rates; a kernel it did not measure
 // at the roofline (FLOPs at peak times efficiency, bytes at memory bandwidth).
+// One launch of `w` at the profile's measured rate, or at the roofline where it has none; `measured`
+// says which.
+double launch_seconds(const KernelWork& w, const HardwareProfile& profile, double flops_per_s, double bytes_per_s,
+                      bool* measured = nullptr) {
+  const double t = profile.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
+  if (measured) *measured = t >= 0;
+  if (t >= 0) return t;
+  return w.shape.is_matmul() ? w.shape.flops() / flops_per_s : w.bytes / bytes_per_s;
+}
+
 double kernels_seconds(const std::vector<KernelWork>& ws, const HardwareProfile& profile, double flops_per_s,
                        double bytes_per_s) {
   double total = 0;
-  for (const KernelWork& w : ws) {
-    double t = profile.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
-    if (t < 0) t = w.shape.is_matmul() ? w.shape.flops() / flops_per_s : w.bytes / bytes_per_s;
-    total += w.count * t;
-  }
+  for (const KernelWork& w : ws) total += w.count * launch_seconds(w, profile, flops_per_s, bytes_per_s);
   return total;
 }
 
@@ -366,6 +372,50 @@ const KernelInventoryCache::Entry& KernelInventoryCache::of(const Plan& plan) {
     std::rotate(entries_.begin(), it, it + 1);
   }
   return *entries_.front();
+}
+
+namespace {
+
+// The calibrated path's kernels of one virtual stage (price_from_profile): the runtime's inventory
+// at the profile's rates, each pass's scaled by the profile's in-layer composition, and tensor
+// parallelism's collectives from the profile's tables as one row per pass.
+std::vector<PricedKernel> calibrated_kernel_prices(const Plan& plan, int vstage, const HardwareProfile& profile) {
+  const ScenarioConfig& cfg = plan.config;
+  const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
+  const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
+  const int storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
+  const ChunkKernels k = chunk_kernels(plan, storage).at(static_cast<std::size_t>(vstage));
+  const Composition& in_layer = profile.composition;
+  const double weight_pass = in_layer.backward_weight > 0 ? in_layer.backward_weight : in_layer.backward;
+  const bool in_factors = profile.core_factors_include_tensor_parallel && !profile.core_factors.empty();
+  const RooflineComputeModel::ChunkSeconds tp =
+      in_factors ? RooflineComputeModel::ChunkSeconds{} : tensor_parallel_seconds(plan, vstage, profile, storage);
+  std::vector<PricedKernel> out;
+  auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass, double composition, double collectives) {
+    for (const KernelWork& w : ws) {
+      bool measured = false;
+      const double each = launch_seconds(w, profile, rate, hbm, &measured);
+      out.push_back({w, pass, composition * w.count * each,
+                     measured ? "measured" : w.shape.is_matmul() ? "compute" : "memory"});
+    }
+    if (collectives > 0) {
+      KernelWork c;
+      c.kernel = "tp.collectives (profile tables)";
+      c.dtype = cfg.precision.compute;
+      out.push_back({c, pass, collectives, "collective"});
+    }
+  };
+  add(k.forward, PricedKernel::Pass::forward, in_layer.forward, tp.forward);
+  add(k.backward_input, PricedKernel::Pass::backward_input, in_layer.backward, tp.backward_input);
+  add(k.backward_weight, PricedKernel::Pass::backward_weight, weight_pass, tp.backward_weight);
+  return out;
+}
+
+}  // namespace
+
+std::vector<PricedKernel> kernel_prices(const Plan& plan, int vstage) {
+  if (const auto& profile = plan.config.cluster.calibrated) return calibrated_kernel_prices(plan, vstage, *profile);
+  return framework_kernel_prices(plan, vstage);
 }
 
 std::vector<PricedKernel> framework_kernel_prices(const Plan& plan, int vstage) {

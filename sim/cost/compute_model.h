@@ -68,18 +68,22 @@ class KernelInventoryCache {
   ScenarioConfig key_;
 };
 
-// One framework kernel of a virtual stage's op as the roofline path prices it (what
-// `trainsim simulate --kernels` prints): the inventory entry, its pass, its seconds for all
-// `work.count` launches and what bounds it.
+// One kernel of a virtual stage's op as the compute model prices it (what `trainsim simulate
+// --kernels` prints): the inventory entry, its pass, its seconds for all `work.count` launches
+// and what prices it.
 struct PricedKernel {
   KernelWork work;
   enum class Pass { forward, backward_input, backward_weight } pass = Pass::forward;
-  double seconds = 0;  // all launches
-  // "compute" (a product or attention at its FLOP rate), "memory" (HBM bytes), "collective".
+  double seconds = 0;  // all launches (a calibrated profile's: times the pass's composition)
+  // "compute" (a product or attention at its FLOP rate), "memory" (HBM bytes), "collective",
+  // "measured" (a calibrated profile's rate for it).
   const char* bound = "memory";
 };
-// Every framework kernel of virtual stage `vstage` (sim/cost's roofline prices; a calibrated
-// profile's are not listed): their seconds per pass sum to RooflineComputeModel's chunk(vstage).
+// Every kernel of virtual stage `vstage` as RooflineComputeModel prices it, so their seconds per
+// pass sum to its chunk(vstage) (the first forward of a step aside): with a calibrated profile the
+// runtime's kernels at its rates and composition, and tensor parallelism's collectives as a row
+// per pass; without one the framework's kernels at the roofline (framework_kernel_prices).
+std::vector<PricedKernel> kernel_prices(const Plan& plan, int vstage);
 std::vector<PricedKernel> framework_kernel_prices(const Plan& plan, int vstage);
 
 class RooflineComputeModel final : public ComputeModel {
