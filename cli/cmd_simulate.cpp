@@ -25,7 +25,8 @@ std::string shape_text(const KernelWork& w) {
   return fmt::format("{:.1f} MiB", w.bytes / (1024.0 * 1024.0));
 }
 
-// Each distinct virtual stage's kernels, one micro-batch, as the roofline prices them.
+// Each distinct virtual stage's kernels, one micro-batch, as the compute model prices them
+// (kernel_prices: the roofline's, or a calibrated profile's).
 std::string format_kernel_prices(const Plan& plan) {
   std::string out;
   if (plan.config.cluster.calibrated)
@@ -68,8 +69,10 @@ std::string format_kernel_prices(const Plan& plan) {
     double measured = 0;
     for (const PricedKernel& k : ks) {
       const std::string_view b = k.bound;
-      if (b == "measured") measured += k.seconds;
-      else by_bound[b == "compute" ? 0 : b == "memory" ? 1 : 2] += k.seconds;
+      if (b == "measured")
+        measured += k.seconds;
+      else
+        by_bound[b == "compute" ? 0 : b == "memory" ? 1 : 2] += k.seconds;
     }
     auto pct = [&](double x) { return total > 0 ? 100 * x / total : 0.0; };
     if (measured > 0)
@@ -95,9 +98,10 @@ Command add_simulate_command(CLI::App& app) {
   auto* sub = app.add_subcommand("simulate", "Predict one step of the scenario's configuration");
   sub->add_option("FILE", o->file, "Scenario YAML (e.g. scenarios/postmortem-8x40gb.yaml)")->required();
   add_set_option(sub, o->sets);
-  sub->add_flag("--json", o->json, "Print the result object (DESIGN.md field names) instead of the summary");
+  auto* json = sub->add_flag("--json", o->json, "Print the result object (DESIGN.md field names) instead of the summary");
   sub->add_flag("--kernels", o->kernels,
-                "Also list every kernel of each distinct pipeline chunk with its price, rate and bound (one micro-batch)");
+                "Also list every kernel of each distinct pipeline chunk with its price, rate and bound (one micro-batch)")
+      ->excludes(json);
   sub->add_option("--trace", o->trace, "Write a Chrome/Perfetto trace of the predicted step");
   sub->add_option("--svg", o->svg, "Write an SVG picture of the predicted timeline");
   return {sub, [o] {

@@ -33,6 +33,11 @@ TEST(Cli, SimulateListsThePricedKernelsOfEachDistinctChunk) {
   EXPECT_EQ(chunks, 3u) << r.out;
   for (const char* s : {"embedding.forward", "linear.forward", "cross_entropy.forward", "TF/s", "GB/s", "compute-bound"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s;
+  // Text after the JSON object would leave neither readable: refused, with nothing printed.
+  const CommandResult both = run("simulate --json --kernels " + kDefault);
+  EXPECT_NE(both.status, 0);
+  EXPECT_EQ(both.out, "");
+  EXPECT_NE(both.err.find("--kernels"), std::string::npos) << both.err;
 }
 
 TEST(Cli, JsonIsByteIdenticalAcrossRunsAndParses) {
