@@ -33,16 +33,17 @@ std::string format_kernel_prices(const Plan& plan) {
     out += fmt::format("\nkernels at the calibrated profile {}'s rates (the runtime's kernels; each pass times its in-layer "
                        "composition)\n",
                        plan.config.cluster.calibrated->name);
-  std::vector<std::vector<PricedKernel>> shown;
-  for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
-    std::vector<PricedKernel> ks = kernel_prices(plan, vs);
-    const bool seen = std::any_of(shown.begin(), shown.end(), [&](const auto& x) {
-      return std::equal(x.begin(), x.end(), ks.begin(), ks.end(), [](const PricedKernel& a, const PricedKernel& b) {
-        return a.work.kernel == b.work.kernel && a.work.shape == b.work.shape && a.work.bytes == b.work.bytes &&
-               a.work.count == b.work.count && a.seconds == b.seconds;
-      });
+  const std::vector<std::vector<PricedKernel>> chunks = kernel_prices(plan);
+  auto same = [](const std::vector<PricedKernel>& x, const std::vector<PricedKernel>& y) {
+    return std::equal(x.begin(), x.end(), y.begin(), y.end(), [](const PricedKernel& a, const PricedKernel& b) {
+      return a.work.kernel == b.work.kernel && a.work.shape == b.work.shape && a.work.bytes == b.work.bytes &&
+             a.work.count == b.work.count && a.seconds == b.seconds;
     });
-    if (seen) continue;
+  };
+  for (int vs = 0; vs < static_cast<int>(chunks.size()); ++vs) {
+    const std::vector<PricedKernel>& ks = chunks[static_cast<std::size_t>(vs)];
+    if (std::any_of(chunks.begin(), chunks.begin() + vs, [&](const auto& earlier) { return same(earlier, ks); }))
+      continue;
     double passes[3] = {0, 0, 0};
     for (const PricedKernel& k : ks) passes[static_cast<int>(k.pass)] += k.seconds;
     const double total = passes[0] + passes[1] + passes[2];
@@ -81,7 +82,6 @@ std::string format_kernel_prices(const Plan& plan) {
     else
       out += fmt::format("  compute-bound {:.1f}%, memory-bound {:.1f}%, collectives {:.1f}% of the chunk's {:.3f} ms\n",
                          pct(by_bound[0]), pct(by_bound[1]), pct(by_bound[2]), total * 1e3);
-    shown.push_back(std::move(ks));
   }
   return out;
 }

@@ -271,10 +271,11 @@ TEST(CalibratedCompute, TheKernelListingSumsToTheCalibratedChunks) {
   const Plan plan = Plan::from_config(c);
   const RooflineComputeModel model(plan);
   int roofline_rows = 0;
+  const std::vector<std::vector<PricedKernel>> priced = kernel_prices(plan);
   for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
     double pass[3] = {0, 0, 0};
     int measured = 0, roofline = 0, collectives = 0;
-    for (const PricedKernel& k : kernel_prices(plan, vs)) {
+    for (const PricedKernel& k : priced[static_cast<std::size_t>(vs)]) {
       pass[static_cast<int>(k.pass)] += k.seconds;
       const std::string_view b = k.bound;
       (b == "measured" ? measured : b == "collective" ? collectives : roofline) += 1;

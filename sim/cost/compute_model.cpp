@@ -13,10 +13,8 @@ namespace trainsim {
 
 namespace {
 
-// Seconds of a list of kernels at the profile's measured rates; a kernel it did not measure
-// at the roofline (FLOPs at peak times efficiency, bytes at memory bandwidth).
-// One launch of `w` at the profile's measured rate, or at the roofline where it has none; `measured`
-// says which.
+// One launch of `w` at the profile's measured rate, or at the roofline where it has none (FLOPs at
+// peak times efficiency, bytes at memory bandwidth); `measured` says which.
 double launch_seconds(const KernelWork& w, const HardwareProfile& profile, double flops_per_s, double bytes_per_s,
                       bool* measured = nullptr) {
   const double t = profile.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
@@ -25,6 +23,7 @@ double launch_seconds(const KernelWork& w, const HardwareProfile& profile, doubl
   return w.shape.is_matmul() ? w.shape.flops() / flops_per_s : w.bytes / bytes_per_s;
 }
 
+// Seconds of a list of kernels, each at launch_seconds.
 double kernels_seconds(const std::vector<KernelWork>& ws, const HardwareProfile& profile, double flops_per_s,
                        double bytes_per_s) {
   double total = 0;
@@ -75,6 +74,34 @@ RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int
   return c;
 }
 
+// What a calibrated profile prices a plan's kernels with (price_from_profile and the listing,
+// calibrated_kernel_prices): the roofline's rates for a kernel it did not measure, the bytes an
+// activation element takes, each pass's in-layer composition, and tensor parallelism's
+// collectives unless the core factors were timed with them.
+struct ProfilePricing {
+  double rate = 0, hbm = 0;
+  int storage = 4;
+  double forward = 1, first_forward = 0, backward_input = 1, backward_weight = 1;
+  bool tp_in_factors = false;
+
+  ProfilePricing(const Plan& plan, const HardwareProfile& profile) {
+    const ScenarioConfig& cfg = plan.config;
+    rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
+    hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
+    storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
+    const Composition& in_layer = profile.composition;
+    forward = in_layer.forward;
+    first_forward = in_layer.first_forward;
+    backward_input = in_layer.backward;
+    backward_weight = in_layer.backward_weight > 0 ? in_layer.backward_weight : in_layer.backward;
+    // Core factors timed with the shards' real collectives already hold them.
+    tp_in_factors = profile.core_factors_include_tensor_parallel && !profile.core_factors.empty();
+  }
+  RooflineComputeModel::ChunkSeconds tensor_parallel(const Plan& plan, int vs, const HardwareProfile& profile) const {
+    return tp_in_factors ? RooflineComputeModel::ChunkSeconds{} : tensor_parallel_seconds(plan, vs, profile, storage);
+  }
+};
+
 }  // namespace
 
 TensorParallelBuffers tensor_parallel_buffers(const Plan& plan, int storage) {
@@ -89,23 +116,18 @@ TensorParallelBuffers tensor_parallel_buffers(const Plan& plan, int storage) {
 
 void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwareProfile& profile) {
   const ScenarioConfig& cfg = plan.config;
-  const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
-  const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
-  const int storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
-  const std::vector<ChunkKernels> kernels = chunk_kernels(plan, storage);
+  const ProfilePricing pricing(plan, profile);
+  const double rate = pricing.rate, hbm = pricing.hbm;
+  const std::vector<ChunkKernels> kernels = chunk_kernels(plan, pricing.storage);
   for (int vs = 0; vs < static_cast<int>(kernels.size()); ++vs) {
     const ChunkKernels& k = kernels[static_cast<std::size_t>(vs)];
-    // Core factors timed with the shards' real collectives already hold them.
-    const bool in_factors = profile.core_factors_include_tensor_parallel && !profile.core_factors.empty();
-    const ChunkSeconds tp = in_factors ? ChunkSeconds{} : tensor_parallel_seconds(plan, vs, profile, storage);
+    const ChunkSeconds tp = pricing.tensor_parallel(plan, vs, profile);
     ChunkSeconds c;
-    const Composition& in_layer = profile.composition;
     const double forward_kernels = kernels_seconds(k.forward, profile, rate, hbm);
-    c.forward = in_layer.forward * forward_kernels + tp.forward;
-    if (in_layer.first_forward > 0) c.first_forward = in_layer.first_forward * forward_kernels + tp.forward;
-    c.backward_input = in_layer.backward * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input;
-    const double weight_pass = in_layer.backward_weight > 0 ? in_layer.backward_weight : in_layer.backward;
-    c.backward_weight = weight_pass * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
+    c.forward = pricing.forward * forward_kernels + tp.forward;
+    if (pricing.first_forward > 0) c.first_forward = pricing.first_forward * forward_kernels + tp.forward;
+    c.backward_input = pricing.backward_input * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input;
+    c.backward_weight = pricing.backward_weight * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
     chunks_.push_back(c);
   }
   const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
@@ -376,69 +398,71 @@ const KernelInventoryCache::Entry& KernelInventoryCache::of(const Plan& plan) {
 
 namespace {
 
-// The calibrated path's kernels of one virtual stage (price_from_profile): the runtime's inventory
-// at the profile's rates, each pass's scaled by the profile's in-layer composition, and tensor
+// The calibrated path's kernels (price_from_profile), one list per virtual stage: the runtime's
+// inventory at the profile's rates, each pass's scaled by its composition, and tensor
 // parallelism's collectives from the profile's tables as one row per pass.
-std::vector<PricedKernel> calibrated_kernel_prices(const Plan& plan, int vstage, const HardwareProfile& profile) {
-  const ScenarioConfig& cfg = plan.config;
-  const double rate = plan.peak_flops(cfg.precision.compute) * cfg.cluster.compute_efficiency;
-  const double hbm = gbps_to_bytes_per_second(cfg.cluster.hbm_bandwidth_gbps);
-  const int storage = profile.emulated_low_precision ? 4 : plan.activation_bytes();
-  const ChunkKernels k = chunk_kernels(plan, storage).at(static_cast<std::size_t>(vstage));
-  const Composition& in_layer = profile.composition;
-  const double weight_pass = in_layer.backward_weight > 0 ? in_layer.backward_weight : in_layer.backward;
-  const bool in_factors = profile.core_factors_include_tensor_parallel && !profile.core_factors.empty();
-  const RooflineComputeModel::ChunkSeconds tp =
-      in_factors ? RooflineComputeModel::ChunkSeconds{} : tensor_parallel_seconds(plan, vstage, profile, storage);
-  std::vector<PricedKernel> out;
-  auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass, double composition, double collectives) {
-    for (const KernelWork& w : ws) {
-      bool measured = false;
-      const double each = launch_seconds(w, profile, rate, hbm, &measured);
-      out.push_back({w, pass, composition * w.count * each,
-                     measured ? "measured" : w.shape.is_matmul() ? "compute" : "memory"});
-    }
-    if (collectives > 0) {
-      KernelWork c;
-      c.kernel = "tp.collectives (profile tables)";
-      c.dtype = cfg.precision.compute;
-      out.push_back({c, pass, collectives, "collective"});
-    }
-  };
-  add(k.forward, PricedKernel::Pass::forward, in_layer.forward, tp.forward);
-  add(k.backward_input, PricedKernel::Pass::backward_input, in_layer.backward, tp.backward_input);
-  add(k.backward_weight, PricedKernel::Pass::backward_weight, weight_pass, tp.backward_weight);
-  return out;
+std::vector<std::vector<PricedKernel>> calibrated_kernel_prices(const Plan& plan, const HardwareProfile& profile) {
+  const ProfilePricing pricing(plan, profile);
+  std::vector<std::vector<PricedKernel>> all;
+  const std::vector<ChunkKernels> kernels = chunk_kernels(plan, pricing.storage);
+  for (int vs = 0; vs < static_cast<int>(kernels.size()); ++vs) {
+    const ChunkKernels& k = kernels[static_cast<std::size_t>(vs)];
+    const RooflineComputeModel::ChunkSeconds tp = pricing.tensor_parallel(plan, vs, profile);
+    std::vector<PricedKernel>& out = all.emplace_back();
+    auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass, double composition, double collectives) {
+      for (const KernelWork& w : ws) {
+        bool measured = false;
+        const double each = launch_seconds(w, profile, pricing.rate, pricing.hbm, &measured);
+        out.push_back({w, pass, composition * w.count * each,
+                       measured ? "measured" : w.shape.is_matmul() ? "compute" : "memory"});
+      }
+      if (collectives > 0) {
+        KernelWork c;
+        c.kernel = "tp.collectives (profile tables)";
+        c.dtype = plan.config.precision.compute;
+        out.push_back({c, pass, collectives, "collective"});
+      }
+    };
+    add(k.forward, PricedKernel::Pass::forward, pricing.forward, tp.forward);
+    add(k.backward_input, PricedKernel::Pass::backward_input, pricing.backward_input, tp.backward_input);
+    add(k.backward_weight, PricedKernel::Pass::backward_weight, pricing.backward_weight, tp.backward_weight);
+  }
+  return all;
+}
+
+// The framework's kernels at the roofline, each built chunk priced once.
+std::vector<std::vector<PricedKernel>> framework_kernel_prices(const Plan& plan) {
+  const BuiltChunks built = framework_built_chunks(plan, plan.activation_bytes());
+  const FrameworkPricer pricer(plan);
+  std::vector<std::vector<PricedKernel>> priced;
+  for (const ChunkKernels& k : built.chunks) {
+    std::vector<PricedKernel>& out = priced.emplace_back();
+    auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass) {
+      for (const KernelWork& w : ws) {
+        const FrameworkPricer::Facts f = pricer.facts(w);
+        const char* bound = "memory";
+        if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
+            f.cls == KernelClass::tp_reducescatter)
+          bound = "collective";
+        else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
+          bound = "compute";
+        out.push_back({w, pass, w.count * pricer.seconds(w, f), bound});
+      }
+    };
+    add(k.forward, PricedKernel::Pass::forward);
+    add(k.backward_input, PricedKernel::Pass::backward_input);
+    add(k.backward_weight, PricedKernel::Pass::backward_weight);
+  }
+  std::vector<std::vector<PricedKernel>> all;
+  for (int c : built.chunk_of) all.push_back(priced[static_cast<std::size_t>(c)]);
+  return all;
 }
 
 }  // namespace
 
-std::vector<PricedKernel> kernel_prices(const Plan& plan, int vstage) {
-  if (const auto& profile = plan.config.cluster.calibrated) return calibrated_kernel_prices(plan, vstage, *profile);
-  return framework_kernel_prices(plan, vstage);
-}
-
-std::vector<PricedKernel> framework_kernel_prices(const Plan& plan, int vstage) {
-  const BuiltChunks built = framework_built_chunks(plan, plan.activation_bytes());
-  const ChunkKernels& k = built.chunks.at(static_cast<std::size_t>(built.chunk_of.at(static_cast<std::size_t>(vstage))));
-  const FrameworkPricer pricer(plan);
-  std::vector<PricedKernel> out;
-  auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass) {
-    for (const KernelWork& w : ws) {
-      const FrameworkPricer::Facts f = pricer.facts(w);
-      const char* bound = "memory";
-      if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
-          f.cls == KernelClass::tp_reducescatter)
-        bound = "collective";
-      else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
-        bound = "compute";
-      out.push_back({w, pass, w.count * pricer.seconds(w, f), bound});
-    }
-  };
-  add(k.forward, PricedKernel::Pass::forward);
-  add(k.backward_input, PricedKernel::Pass::backward_input);
-  add(k.backward_weight, PricedKernel::Pass::backward_weight);
-  return out;
+std::vector<std::vector<PricedKernel>> kernel_prices(const Plan& plan) {
+  if (const auto& profile = plan.config.cluster.calibrated) return calibrated_kernel_prices(plan, *profile);
+  return framework_kernel_prices(plan);
 }
 
 namespace {

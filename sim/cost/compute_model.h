@@ -79,12 +79,11 @@ struct PricedKernel {
   // "measured" (a calibrated profile's rate for it).
   const char* bound = "memory";
 };
-// Every kernel of virtual stage `vstage` as RooflineComputeModel prices it, so their seconds per
-// pass sum to its chunk(vstage) (the first forward of a step aside): with a calibrated profile the
+// Every kernel of each virtual stage ([vs]) as RooflineComputeModel prices it, so their seconds
+// per pass sum to its chunk(vs) (the first forward of a step aside): with a calibrated profile the
 // runtime's kernels at its rates and composition, and tensor parallelism's collectives as a row
-// per pass; without one the framework's kernels at the roofline (framework_kernel_prices).
-std::vector<PricedKernel> kernel_prices(const Plan& plan, int vstage);
-std::vector<PricedKernel> framework_kernel_prices(const Plan& plan, int vstage);
+// per pass; without one the framework's kernels at the roofline.
+std::vector<std::vector<PricedKernel>> kernel_prices(const Plan& plan);
 
 class RooflineComputeModel final : public ComputeModel {
  public:
