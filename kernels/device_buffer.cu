@@ -182,6 +182,75 @@ double EventTimer::elapsed_seconds() const {
 }
 
 // ---------------------------------------------------------------------------------------
+// HostGate
+// ---------------------------------------------------------------------------------------
+struct HostGate::State {
+  unsigned long long opened;
+  int timed_out;
+};
+
+namespace {
+
+__device__ __forceinline__ unsigned long long global_nanoseconds() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Polls the host's counter (volatile: every read goes to host memory) with a short sleep between
+// reads, so the one thread costs the SM next to nothing while it holds its stream.
+__global__ void host_gate_kernel(const unsigned long long* opened, int* timed_out, unsigned long long target,
+                                 unsigned long long patience_ns) {
+  const volatile unsigned long long* count = opened;
+  const unsigned long long start = global_nanoseconds();
+  while (*count < target) {
+    if (global_nanoseconds() - start > patience_ns) {
+      *static_cast<volatile int*>(timed_out) = 1;
+      __threadfence_system();
+      return;
+    }
+    __nanosleep(500);
+  }
+}
+
+}  // namespace
+
+HostGate::HostGate() {
+  void* p = nullptr;
+  check_cuda(cudaHostAlloc(&p, sizeof(State), cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc of a host gate (mapped, portable)");
+  host_ = static_cast<State*>(p);
+  host_->opened = 0;
+  host_->timed_out = 0;
+  void* d = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&d, p, 0);
+  if (err != cudaSuccess) {
+    cudaFreeHost(p);
+    check_cuda(err, "cudaHostGetDevicePointer of a host gate");
+  }
+  device_ = static_cast<State*>(d);
+}
+
+HostGate::~HostGate() { cudaFreeHost(host_); }
+
+void HostGate::wait(StreamHandle stream, std::uint64_t opened, std::uint64_t patience_ns) {
+  host_gate_kernel<<<1, 1, 0, stream>>>(&device_->opened, &device_->timed_out, opened, patience_ns);
+  check_cuda(cudaGetLastError(), "host gate kernel launch");
+}
+
+void HostGate::open() {
+  unsigned long long v = __atomic_load_n(&host_->opened, __ATOMIC_SEQ_CST);
+  while (v != ~0ull && !__atomic_compare_exchange_n(&host_->opened, &v, v + 1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+}
+
+void HostGate::release() { __atomic_store_n(&host_->opened, ~0ull, __ATOMIC_SEQ_CST); }
+
+std::uint64_t HostGate::opened() const { return __atomic_load_n(&host_->opened, __ATOMIC_SEQ_CST); }
+
+bool HostGate::timed_out() const { return __atomic_load_n(&host_->timed_out, __ATOMIC_SEQ_CST) != 0; }
+
+// ---------------------------------------------------------------------------------------
 // Device memory system
 // ---------------------------------------------------------------------------------------
 DeviceMemoryInfo device_memory_info(int device) {

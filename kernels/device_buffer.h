@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "kernels/cuda_handles.h"
@@ -114,6 +115,35 @@ class EventTimer {
  private:
   EventHandle start_ = nullptr;
   EventHandle stop_ = nullptr;
+};
+
+// Holds streams until the host has opened the gate enough times, so that work several host
+// threads enqueue at different moments starts on the device together. wait(stream, n, patience)
+// enqueues a one-thread kernel that polls a counter in pinned, mapped host memory until open()
+// has been called n times in all; open() adds one. A benchmark of several ranks' streams times a
+// collective by its device time alone this way (runtime/cuda/device_comm_bench.cpp): each rank
+// waits for call k's count, enqueues the call between its events, then opens; the call starts
+// when the last rank has enqueued, not when the first one's host thread got there (the other
+// threads' wake-ups and the transport's host-side meeting would otherwise be timed). A wait that
+// outlasts `patience` lets its stream go on and sets timed_out(), so a rank that never opens
+// cannot hang the device. Any thread may call open(); usable from every context of the device
+// (the memory is portable).
+class HostGate {
+ public:
+  HostGate();
+  ~HostGate();
+  HostGate(const HostGate&) = delete;
+  HostGate& operator=(const HostGate&) = delete;
+  void wait(StreamHandle stream, std::uint64_t opened, std::uint64_t patience_ns);
+  void open();
+  void release();  // opens it for good: every wait, enqueued or to come, returns (after a failure)
+  std::uint64_t opened() const;
+  bool timed_out() const;  // some wait gave up (its stream went on without the count)
+
+ private:
+  struct State;
+  State* host_ = nullptr;    // pinned, mapped
+  State* device_ = nullptr;  // the same memory as the device addresses it
 };
 
 // Makes `device`'s default pool (cudaMallocAsync without a pool) keep freed memory instead of

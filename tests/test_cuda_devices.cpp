@@ -3,6 +3,8 @@
 // cuBLAS workspaces are charged to, and its stream-ordered pool.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -116,6 +118,51 @@ TEST(Cuda, APoolsHighWaterMarkIsTheMostHandedOutAtOnce) {
   EXPECT_LT(pool.used_high(), 12 * mib) << "reset between steps";
   pool.free(d, stream.get());
   stream.synchronize();
+}
+
+// The gate holds a stream's later work until opened as often as asked, whichever thread opens
+// it, and a wait nobody answers lets its stream go on, saying so.
+TEST(Cuda, AHostGateHoldsItsStreamsUntilOpenedEnoughAndNeverForever) {
+  std::string why;
+  if (!cuda::device_available(&why)) GTEST_SKIP() << "no CUDA device: " << why;
+  cuda::Stream a, b;
+  cuda::DeviceBuffer src(4), dst_a(4), dst_b(4);
+  const std::uint32_t one = 1, zero = 0;
+  src.upload(&one, 4);
+  dst_a.upload(&zero, 4);
+  dst_b.upload(&zero, 4);
+  cuda::HostGate gate;
+  constexpr std::uint64_t minute = 60'000'000'000;
+  gate.wait(a.get(), 2, minute);
+  cuda::copy_device_to_device(dst_a.data(), src.data(), 4, a.get());
+  gate.wait(b.get(), 2, minute);
+  cuda::copy_device_to_device(dst_b.data(), src.data(), 4, b.get());
+  gate.open();
+  // Held: 50 ms is thousands of times what the copies take once let go.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::uint32_t seen = 7;
+  cuda::copy_to_host(&seen, dst_a.data(), 4);  // a legacy-stream copy: does not wait for a or b
+  EXPECT_EQ(seen, 0u) << "stream a ran before the gate had been opened twice";
+  std::thread([&] { gate.open(); }).join();
+  a.synchronize();
+  b.synchronize();
+  cuda::copy_to_host(&seen, dst_b.data(), 4);
+  EXPECT_EQ(seen, 1u);
+  EXPECT_EQ(gate.opened(), 2u);
+  EXPECT_FALSE(gate.timed_out());
+
+  gate.wait(a.get(), 3, 1'000'000);  // 1 ms, never opened
+  a.synchronize();
+  EXPECT_TRUE(gate.timed_out());
+
+  cuda::HostGate released;
+  released.wait(a.get(), 1'000, minute);
+  released.release();
+  a.synchronize();  // returns: a released gate holds nothing, now or later
+  released.open();
+  released.wait(a.get(), 1'000'000, minute);
+  a.synchronize();
+  EXPECT_FALSE(released.timed_out());
 }
 
 }  // namespace

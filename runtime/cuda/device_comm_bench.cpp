@@ -2,7 +2,7 @@
 // (its options, sections, checks, rows and fits) over the single-GPU world (device_world.h)
 // instead of the in-process one. What is this transport's own: buffers live on the device in
 // the wire format, each rank drives its own stream from its own thread, and a call is timed
-// with CUDA events on that stream.
+// with CUDA events on that stream, held by a gate until every rank has enqueued it.
 #include "runtime/cuda/calibrate_cuda.h"
 
 #include <chrono>
@@ -28,6 +28,8 @@ namespace {
 
 // A host-side wait longer than this fails the call with CommError instead of hanging.
 constexpr std::chrono::milliseconds kTimeout{60'000};
+// How long a call's streams wait for every rank to have enqueued it (HostGate).
+constexpr std::uint64_t kGatePatienceNs = 10'000'000'000;
 constexpr DType kWires[] = {DType::fp32, DType::fp16, DType::bf16};  // what the world moves
 
 // One rank's buffer: `count` elements of `dt` on the device, filled from and read back into
@@ -67,6 +69,7 @@ class RankBuffer {
 void run_section(const CommSection& s, const CommBenchOptions& o, int device, CommBenchResult& out) {
   const SmPartition streams(s.ranks, SmSharing::shared, device);
   DeviceWorld world(s.ranks, kTimeout);
+  k::HostGate gate;
   std::vector<std::unique_ptr<DeviceCommunicator>> comms;
   for (int r = 0; r < s.ranks; ++r) comms.push_back(world.communicator(r));
   const auto rank = [&](int r, const std::function<void(const CommRankCalls&)>& measure) {
@@ -77,6 +80,9 @@ void run_section(const CommSection& s, const CommBenchOptions& o, int device, Co
     k::EventTimer timer;
     std::uint64_t tag = 0;  // every rank counts its calls alike
     const auto call = [&](std::size_t count) {
+      // Call tag + 1 starts on the device once every rank has enqueued it (the gate), so its
+      // events time the transport's device work, as in a step whose host runs ahead of its GPU.
+      gate.wait(stream, (tag + 1) * static_cast<std::uint64_t>(s.ranks), kGatePatienceNs);
       double seconds = -1.0;  // sendrecv: only rank 0 sees the round trip
       if (s.op != "sendrecv") {
         timer.start(stream);
@@ -99,13 +105,22 @@ void run_section(const CommSection& s, const CommBenchOptions& o, int device, Co
         comm.send(0, tag, buffer.data(), count, DType::fp32, stream);  // echo what arrived: checked on both ranks
       }
       ++tag;
+      gate.open();
       buffer.download(count);
+      if (gate.timed_out())
+        throw CommError("rank " + std::to_string(r) + ": " + s.op + " of " + std::to_string(count) +
+                        " elements: the ranks did not all enqueue it within " +
+                        std::to_string(kGatePatienceNs / 1'000'000'000) +
+                        " s (a host thread blocked inside the call?)");
       return seconds;
     };
     measure(CommRankCalls{buffer.host(), [&](std::size_t count) { buffer.upload(count); }, call, nullptr});
   };
   run_comm_section(s, o, out, rank,
-                   [&](int r, const std::string& why) { comms[static_cast<std::size_t>(r)]->abort(why); });
+                   [&](int r, const std::string& why) {
+                     gate.release();  // no stream waits for a rank that has stopped
+                     comms[static_cast<std::size_t>(r)]->abort(why);
+                   });
 }
 
 }  // namespace
