@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "core/hardware_profile.h"
 #include "core/scenario.h"
 #include "validation/baselines.h"
 #include "validation/validate.h"
@@ -20,7 +21,7 @@ namespace trainsim::cli {
 
 Command add_validate_command(CLI::App& app) {
   struct Options {
-    std::string file, profile, trace, svg, baselines;
+    std::string file, profile, save_profile, trace, svg, baselines;
     BackendChoice backend;
     int steps = 0;
     bool json = false, synthetic = false, update = false, by_op = false, progress = false;
@@ -33,6 +34,8 @@ Command add_validate_command(CLI::App& app) {
   add_set_option(sub, o->sets);
   add_backend_options(sub, o->backend);
   sub->add_option("--profile", o->profile, "A profile from `trainsim calibrate` (default: calibrate now)");
+  sub->add_option("--save-profile", o->save_profile,
+                  "Also write the profile the prediction was made with (calibrated now, or --profile's) to this file");
   sub->add_option("--steps", o->steps, "Optimizer steps to run (default: runtime.steps)")->check(CLI::PositiveNumber);
   sub->add_flag("--json", o->json, "Print {\"predicted\", \"measured\", \"error\", \"numerics\"} instead of the table");
   sub->add_flag("--by-op", o->by_op,
@@ -56,6 +59,8 @@ Command add_validate_command(CLI::App& app) {
             };
             if (!o->baselines.empty()) {
               if (!o->file.empty()) throw CLI::ValidationError("FILE", "give either FILE or --baselines, not both");
+              if (!o->save_profile.empty())
+                throw CLI::ValidationError("--save-profile", "names one file: give it with FILE, not --baselines");
               validation::BaselineOptions bo;
               bo.update = o->update;
               bo.progress = [](const std::string& s) { std::cerr << s << "\n"; };
@@ -92,6 +97,8 @@ Command add_validate_command(CLI::App& app) {
                            "open in https://ui.perfetto.dev");
             if (!o->svg.empty())
               write_output(o->svg, [&](std::ostream& out) { validation::write_validation_svg(v, out); });
+            if (!o->save_profile.empty())
+              write_output(o->save_profile, [&](std::ostream& out) { out << profile_to_yaml(v.profile); });
             return v.measured.failure ? kExitRunFailed : 0;
           }};
 }

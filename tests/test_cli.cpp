@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/command_helpers.h"
+#include "core/hardware_profile.h"
 
 #include <filesystem>
 #include <fstream>
@@ -324,9 +325,13 @@ TEST(Cli, ValidatePrintsPredictedMeasuredAndTheirErrors) {
   const fs::path dir = temp_dir();
   const fs::path f = tiny_scenario(dir);
   const CommandResult r = run("validate " + f.string() + " --json --trace " + (dir / "t.json").string() + " --svg " +
-                              (dir / "t.svg").string());
+                              (dir / "t.svg").string() + " --save-profile " + (dir / "p.yaml").string());
   ASSERT_EQ(r.status, 0) << r.err;
   const auto j = nlohmann::json::parse(r.out);
+  // The profile the prediction used, as a file `--profile` and `cluster.profile` read.
+  const trainsim::HardwareProfile saved = trainsim::load_profile((dir / "p.yaml").string());
+  EXPECT_EQ(saved.name, j["profile"].get<std::string>());
+  EXPECT_FALSE(saved.kernels.empty());
   for (const char* k : {"predicted", "measured", "error", "numerics", "machine_drift"}) EXPECT_TRUE(j.contains(k)) << k;
   for (const char* k : {"step_time_s", "bubble_fraction", "allreduce_time_s", "ranks"})
     EXPECT_TRUE(j["error"].contains(k)) << k;
