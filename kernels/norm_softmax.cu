@@ -209,11 +209,12 @@ __global__ void layernorm_backward_input_cached_kernel(T* dx, const T* dout, con
 }
 
 // Column sums over N rows, for dgamma/dbeta (kWithNorm: dout*xhat and dout) or a bias gradient
-// (dout only), in two launches (column_reduce; packed rows: column_chunk_packed_kernel below). (1) A block of 32 x 32 threads per tile of 32 columns and chunk of
-// kColumnRows rows: threadIdx.x is the column (a warp reads 32 adjacent elements of one row),
-// threadIdx.y the row lane, which sums rows y, y+32, ... of the chunk in order; thread y = 0 adds
-// the 32 partials in order and writes the chunk's column total. (2) One thread per column adds
-// the chunks' totals in order onto the fp32 gradient. Chunks give the GPU enough blocks (a
+// (dout only), in two launches (column_reduce; packed rows: column_chunk_packed_kernel below).
+// (1) A block of 32 x 32 threads per tile of 32 columns and chunk of kColumnRows rows:
+// threadIdx.x is the column (a warp reads 32 adjacent elements of one row), threadIdx.y the row
+// lane, which sums rows y, y+32, ... of the chunk in order; thread y = 0 adds the 32 partials in
+// order and writes the chunk's column total. (2) column_total_kernel adds the chunks' totals onto
+// the fp32 gradient in a fixed order. Chunks give the GPU enough blocks (a
 // GPT-2 layer's 768 columns are 24 tiles) and their number depends on N alone; no atomics, so the
 // result is deterministic.
 constexpr int kColumnTile = 32;
@@ -254,10 +255,15 @@ __global__ void __launch_bounds__(kColumnTile* kColumnTile)
 // Packed (C a multiple of kPack, rows aligned): a block of 32 x kPackedRowLanes threads covers
 // 32 packs (256 columns) and a chunk of kPackedColumnRows rows; thread (x, y) sums rows y, y +
 // kPackedRowLanes, ... of the chunk in order for the 8 columns of its pack (16-byte loads, where
-// the one-column kernel's warp reads 32 two-byte values of a row); then one thread per column adds
-// the kPackedRowLanes partials in order.
+// the one-column kernel's warp reads 32 two-byte values of a row), kRowsInFlight rows' loads
+// issued before any is added; then one thread per column adds the kPackedRowLanes partials in
+// order. Chunks of 256 rows keep the chunks' totals few (32 at 8192 rows), so the second launch
+// reads little (on the H100, 128 totals a column read one after another by C threads cost more
+// than the first launch's whole pass over the rows).
 constexpr int kPackedRowLanes = 16;
-constexpr int kPackedColumnRows = 64;
+constexpr int kPackedColumnRows = 256;
+constexpr int kRowsInFlight = 4;
+static_assert(kPackedColumnRows % (kPackedRowLanes * kRowsInFlight) == 0);
 
 template <class T, bool kWithNorm>
 __global__ void __launch_bounds__(32 * kPackedRowLanes)
@@ -269,19 +275,30 @@ __global__ void __launch_bounds__(32 * kPackedRowLanes)
   const int row0 = blockIdx.y * kPackedColumnRows, row1 = min(N, row0 + kPackedColumnRows);
   float g[kPack] = {}, b[kPack] = {};
   if (c0 < C) {
-    for (int n = row0 + threadIdx.y; n < row1; n += kPackedRowLanes) {
-      const std::size_t i = static_cast<std::size_t>(n) * C + c0;
-      float dy[kPack];
-      load_pack(dy, dout + i);
-      if constexpr (kWithNorm) {
-        float xv[kPack];
-        load_pack(xv, x + i);
-        const float m = mean[n], r = rstd[n];
+    for (int base = row0 + threadIdx.y; base < row1; base += kPackedRowLanes * kRowsInFlight) {
+      float dy[kRowsInFlight][kPack] = {}, xv[kRowsInFlight][kPack] = {};
+      float m[kRowsInFlight] = {}, r[kRowsInFlight] = {};
 #pragma unroll
-        for (int k = 0; k < kPack; ++k) g[k] += dy[k] * ((xv[k] - m) * r);
+      for (int j = 0; j < kRowsInFlight; ++j) {
+        const int n = base + j * kPackedRowLanes;
+        if (n >= row1) continue;
+        const std::size_t i = static_cast<std::size_t>(n) * C + c0;
+        load_pack(dy[j], dout + i);
+        if constexpr (kWithNorm) {
+          load_pack(xv[j], x + i);
+          m[j] = mean[n];
+          r[j] = rstd[n];
+        }
       }
 #pragma unroll
-      for (int k = 0; k < kPack; ++k) b[k] += dy[k];
+      for (int j = 0; j < kRowsInFlight; ++j) {
+        if (base + j * kPackedRowLanes >= row1) continue;  // rows in order: a missing row ends the chunk
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          if constexpr (kWithNorm) g[k] += dy[j][k] * ((xv[j][k] - m[j]) * r[j]);
+          b[k] += dy[j][k];
+        }
+      }
     }
   }
 #pragma unroll
@@ -305,17 +322,34 @@ __global__ void __launch_bounds__(32 * kPackedRowLanes)
   chunk_b[o] = tb;
 }
 
-__global__ void column_total_kernel(float* dgamma, float* dbeta, const float* chunk_g, const float* chunk_b, int chunks,
-                                    int C) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+// The chunks' totals added onto the fp32 gradients: a block of 32 columns x kTotalLanes lanes;
+// lane y adds chunks y, y + kTotalLanes, ... in order (their loads issued together), then one
+// thread per column adds the lanes' sums in order. Fixed order throughout: deterministic.
+constexpr int kTotalLanes = 8;
+
+__global__ void __launch_bounds__(32 * kTotalLanes)
+    column_total_kernel(float* dgamma, float* dbeta, const float* chunk_g, const float* chunk_b, int chunks, int C) {
+  __shared__ float lane_g[kTotalLanes][32], lane_b[kTotalLanes][32];
+  const int c = blockIdx.x * 32 + threadIdx.x;
   float tg = 0.0f, tb = 0.0f;
-  for (int k = 0; k < chunks; ++k) {
-    if (dgamma) tg += chunk_g[static_cast<std::size_t>(k) * C + c];
-    tb += chunk_b[static_cast<std::size_t>(k) * C + c];
+  if (c < C) {
+#pragma unroll 4
+    for (int k = threadIdx.y; k < chunks; k += kTotalLanes) {
+      if (dgamma) tg += chunk_g[static_cast<std::size_t>(k) * C + c];
+      tb += chunk_b[static_cast<std::size_t>(k) * C + c];
+    }
   }
-  if (dgamma) dgamma[c] += tg;
-  dbeta[c] += tb;
+  lane_g[threadIdx.y][threadIdx.x] = tg;
+  lane_b[threadIdx.y][threadIdx.x] = tb;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  float sg = 0.0f, sb = 0.0f;
+  for (int y = 0; y < kTotalLanes; ++y) {
+    sg += lane_g[y][threadIdx.x];
+    sb += lane_b[y][threadIdx.x];
+  }
+  if (dgamma) dgamma[c] += sg;
+  dbeta[c] += sb;
 }
 
 // Both launches, the chunks' totals in scratch from the stream-ordered pool.
@@ -341,8 +375,8 @@ void column_reduce(const char* name, float* dgamma, float* dbeta, const T* dout,
                                                                                             mean, rstd, N, C);
   }
   check_launch(name);
-  column_total_kernel<<<static_cast<unsigned>((C + 255) / 256), 256, 0, stream>>>(kWithNorm ? dgamma : nullptr, dbeta,
-                                                                                  chunk_g, chunk_b, chunks, C);
+  column_total_kernel<<<static_cast<unsigned>((C + 31) / 32), dim3(32, kTotalLanes), 0, stream>>>(
+      kWithNorm ? dgamma : nullptr, dbeta, chunk_g, chunk_b, chunks, C);
   check_launch(name);
   check_cuda(cudaFreeAsync(scratch, stream), (std::string(name) + ": cudaFreeAsync of its scratch").c_str());
 }
