@@ -105,8 +105,10 @@ struct HardwareProfile {
   // given back by one thread waits for the next turn's thread, asleep until then, to run on it (a
   // condition variable's wake-up on that core). 0: not measured.
   double core_handoff_us = 0;
-  // A rank's communication thread runs on its compute thread's core (the CPU backend pins both):
-  // while one of its collectives moves data, woken, it takes the core from the compute beside it.
+  // A rank's collectives run on the rank's own compute: the CPU backend pins its communication
+  // thread to its compute thread's core; the single-GPU world copies and reduces with kernels on
+  // the rank's own SMs. While one of them moves data, the compute beside it makes no progress
+  // (sim/core_contention.h).
   bool collectives_take_rank_core = false;
   double core_factor(int rank) const {
     return core_factors.empty() ? 1.0 : core_factors[static_cast<std::size_t>(rank) % core_factors.size()];

@@ -216,6 +216,7 @@ TEST_F(CalibrateCuda, ProfileHoldsThePlansFormatsAndTheWorldsTables) {
   EXPECT_NE(p.device.find(std::to_string(gpu.multiprocessors) + " SMs"), std::string::npos) << p.device;
   EXPECT_DOUBLE_EQ(p.memory_gib, gpu.memory_gib / 2);
   EXPECT_FALSE(p.measured.empty());
+  EXPECT_TRUE(p.collectives_take_rank_core);  // the world's kernels run on the rank's own SMs
 
   for (DType d : {DType::bf16, DType::fp32, DType::fp16}) {
     SCOPED_TRACE(dtype_name(d));
