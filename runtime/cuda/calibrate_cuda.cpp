@@ -419,13 +419,17 @@ class KernelTimer {
 struct StageBench {
   CudaStageModel model;
   DeviceBuffer in, out, grad_out, grad_in;
-  k::EventTimer forward_timer, backward_timer;
+  k::EventTimer forward_timer, backward_timer, weight_timer;
+  // `split`: the backward runs as the zero-bubble schedules run it, input pass then weight pass,
+  // each timed (as the CPU backend's calibration does).
+  bool split = false;
 
-  StageBench(const StageSpec& spec, StreamHandle stream, std::uint32_t seed) : model(spec, stream) {
+  StageBench(const StageSpec& spec, StreamHandle stream, std::uint32_t seed, bool split_backward)
+      : model(spec, stream), split(split_backward) {
     // A tensor-parallel shard is timed alone: its work, without its group's collectives.
     model.set_tensor_parallel_group(&TimingOnlyDeviceGroup::instance());
     model.randomize_for_timing(seed);
-    model.reserve(1, 1, 0, 0);  // no allocation inside a timed forward or backward
+    model.reserve(1, split ? 0 : 1, split ? 1 : 0, 0);  // no allocation inside a timed forward or backward
     const std::size_t act = model.activation_elements();
     const DType dt = model.activation_format();
     const std::size_t bytes = act * static_cast<std::size_t>(dtype_bytes(dt));
@@ -436,19 +440,28 @@ struct StageBench {
     k::fill_normal(in.data(), dt, act, 1.0f, 2 * std::uint64_t{seed}, false, stream);
     k::fill_normal(grad_out.data(), dt, act, 1e-3f, 2 * std::uint64_t{seed} + 1, false, stream);
   }
-  // Device seconds of one forward and one backward of micro-batch 0.
-  std::pair<double, double> time() {
+  // Device seconds of one forward and one backward of micro-batch 0 (a split one's two passes apart).
+  StageSeconds time() {
     const StreamHandle s = model.stream();
     forward_timer.start(s);
     model.forward(0, nullptr, nullptr, in.data(), out.data());
     forward_timer.stop(s);
     backward_timer.start(s);
-    model.backward_begin(0, grad_out.data(), 1.0f);
-    for (int u = 0; u < model.backward_units(); ++u) model.backward_unit(0);
-    model.backward_end(0, grad_in.data());
-    backward_timer.stop(s);
+    if (split) {
+      model.backward_input(0, grad_out.data(), 1.0f, grad_in.data());
+      backward_timer.stop(s);
+      weight_timer.start(s);
+      model.backward_weight(0);
+      weight_timer.stop(s);
+    } else {
+      model.backward_begin(0, grad_out.data(), 1.0f);
+      for (int u = 0; u < model.backward_units(); ++u) model.backward_unit(0);
+      model.backward_end(0, grad_in.data());
+      backward_timer.stop(s);
+    }
     model.zero_gradients();
-    return {forward_timer.elapsed_seconds(), backward_timer.elapsed_seconds()};
+    return {forward_timer.elapsed_seconds(), backward_timer.elapsed_seconds(),
+            split ? weight_timer.elapsed_seconds() : 0.0};
   }
 };
 
@@ -468,6 +481,7 @@ class CudaClock final : public KernelClock {
     // A middle stage (no embedding, no head) of a rank's blocks at the plan's shapes, one per
     // rank.
     const StageSpec spec = middle_stage_spec(plan, KernelCalibrator::compose_layers(plan.plan));
+    const bool split = plan.plan.config.parallelism.schedule == ScheduleKind::zb_h1;
     on_timing_thread([&] {
       const StreamHandle stream = partition_.streams(0).compute;
       timer_ = std::make_unique<KernelTimer>(plan, stream);
@@ -475,12 +489,12 @@ class CudaClock final : public KernelClock {
       for (const KernelWork& w : kernels) calls_.push_back(timer_->launcher(w));
       for (const auto& c : calls_)  // warm-up: cuBLAS heuristics, first launches
         if (c) c();
-      stages_.push_back(std::make_unique<StageBench>(spec, stream, 7));
+      stages_.push_back(std::make_unique<StageBench>(spec, stream, 7, split));
       stages_[0]->time();
     });
     for (int r = 1; r < partition_.ranks(); ++r)
       on_rank_thread(partition_, r, [&] {
-        stages_.push_back(std::make_unique<StageBench>(spec, partition_.streams(r).compute, 7));
+        stages_.push_back(std::make_unique<StageBench>(spec, partition_.streams(r).compute, 7, split));
       });
   }
 
@@ -502,10 +516,7 @@ class CudaClock final : public KernelClock {
     return std::max(events_->elapsed_seconds(), kEventResolutionSeconds);
   }
 
-  StageSeconds time_stage() override {  // the backward whole (a split one is not timed apart here)
-    const auto [f, b] = stages_[0]->time();
-    return {f, b, 0};
-  }
+  StageSeconds time_stage() override { return stages_[0]->time(); }
   int stage_ranks() const override { return static_cast<int>(stages_.size()); }
 
   std::vector<double> time_stages_together() override {
@@ -522,8 +533,7 @@ class CudaClock final : public KernelClock {
           partition_.make_current(r);
           arrived = true;
           start.arrive_and_wait();
-          const auto [f, b] = stages_[ru]->time();
-          seconds[ru] = f + b;
+          seconds[ru] = stages_[ru]->time().total();
         } catch (...) {
           failed[ru] = std::current_exception();
           if (!arrived) start.arrive_and_drop();

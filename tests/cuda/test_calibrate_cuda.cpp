@@ -143,6 +143,24 @@ TEST_F(CalibrateCuda, MeasuresCompositionAndEveryRanksFactor) {
   for (double f : factors) EXPECT_TRUE(std::isfinite(f) && f > 0) << f;
 }
 
+// A zero-bubble plan's backward runs as two passes, and each is timed against its own kernels
+// (the weight pass has a composition of its own), as the CPU backend's calibration does.
+TEST_F(CalibrateCuda, AZeroBubblePlansTwoBackwardPassesAreTimedApart) {
+  ScenarioConfig c = testing::tiny_plan(1, 2, ScheduleKind::zb_h1, 1, 4, 4);
+  c.precision.compute = DType::bf16;
+  const RuntimePlan plan = make_runtime_plan(c);
+  CudaKernelCalibrator calibrator(plan, quick(), {});
+  calibrator.run_until_settled();
+  const Composition zb = calibrator.composition();
+  EXPECT_TRUE(std::isfinite(zb.backward) && zb.backward > 0) << zb.backward;
+  EXPECT_TRUE(std::isfinite(zb.backward_weight) && zb.backward_weight > 0) << zb.backward_weight;
+
+  c.parallelism.schedule = ScheduleKind::one_f_one_b;
+  CudaKernelCalibrator whole(make_runtime_plan(c), quick(), {});
+  whole.run_until_settled();
+  EXPECT_EQ(whole.composition().backward_weight, 0.0);  // one pass: one composition for it
+}
+
 // The run places every tensor-parallel shard as a rank (its own green context): the calibration
 // too, so a shard's kernels are timed on its share of the SMs and each shard has a factor.
 TEST_F(CalibrateCuda, EveryTensorParallelShardIsARankAsTheRunPlacesIt) {
