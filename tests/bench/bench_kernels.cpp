@@ -7,7 +7,9 @@
 //    (kernels/device_buffer.h), and fraction_of_copy against a device-to-device cudaMemcpy of
 //    1 GiB measured in the same run (bytes read + written): the bandwidth a memory-bound kernel
 //    can reach (target >= 0.8 at the GPT-2 shape). Kernels whose data fit in L2 (the runtime
-//    shape) can exceed 1;
+//    shape) can exceed 1. fraction_of_same_size_copy: a copy of the kernel's own bytes, timed the
+//    same way, over the kernel's time: what is left once the start and the last wave every launch
+//    of that size pays are taken out (a 25 MB kernel takes ~8 us of bytes and a few more of those);
 //  * matrix products at the model's shapes in fp32, tf32, fp16 and bf16: tflops, and, with the
 //    bias the layers add, fraction_of_cublas: cuBLAS's plain product of the same shape and type
 //    (no bias) timed in the same run, over ours (linear_forward with its bias epilogue).
@@ -20,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -130,6 +133,22 @@ double copy_bandwidth() {
   return bw;
 }
 
+// Seconds of a device-to-device cudaMemcpy that moves `bytes` (half read, half written), measured
+// once per size: what any launch that moves these bytes pays, its start and its last wave
+// included, where the 1 GiB copy's bandwidth is what long streams reach.
+double same_size_copy_seconds(double bytes) {
+  static std::map<std::size_t, double> measured;
+  const std::size_t half = std::max<std::size_t>(256, static_cast<std::size_t>(bytes / 2) / 256 * 256);
+  auto it = measured.find(half);
+  if (it == measured.end()) {
+    DeviceBuffer a(half), b(half);
+    Stream st;
+    it = measured.emplace(half, median_seconds(st, 21, [&] { copy_device_to_device(b.data(), a.data(), half, st.get()); }))
+             .first;
+  }
+  return it->second;
+}
+
 // Times `launch` on `stream` with CUDA events, one measurement per iteration (after one warm-up
 // launch), and reports bandwidth for `bytes` moved per launch (and flops when given).
 // Returns the mean seconds per launch.
@@ -153,6 +172,7 @@ double run_timed(benchmark::State& state, const Stream& stream, double bytes, do
     state.counters["bytes_per_s"] = bytes * per_s;
     state.counters["fraction_of_hbm"] = bytes * per_s / device().memory.peak_bandwidth_bytes_per_s;
     state.counters["fraction_of_copy"] = bytes * per_s / copy_bandwidth();
+    state.counters["fraction_of_same_size_copy"] = same_size_copy_seconds(bytes) * per_s;
   }
   if (flops > 0) state.counters["tflops"] = flops * per_s * 1e-12;
   return 1.0 / per_s;
