@@ -315,6 +315,7 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
   }
   p.core_factors = factor_list(path, root, "core_factors", "a core factor");
   p.core_alone_factors = factor_list(path, root, "core_alone_factors", "a core alone factor");
+  p.optimizer_core_factors = factor_list(path, root, "optimizer_core_factors", "an optimizer core factor");
   p.core_factors_include_tensor_parallel = get<bool>(path, root, "core_factors_include_tensor_parallel", false);
   p.core_handoff_us = number_or_zero(path, root, "core_handoff_us", kMinMicroseconds, kMaxMicroseconds);
   p.collectives_take_rank_core = get<bool>(path, root, "collectives_take_rank_core", false);
@@ -372,6 +373,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
   if (!p.core_factors.empty()) out << YAML::Key << "core_factors" << YAML::Value << YAML::Flow << p.core_factors;
   if (!p.core_alone_factors.empty())
     out << YAML::Key << "core_alone_factors" << YAML::Value << YAML::Flow << p.core_alone_factors;
+  if (!p.optimizer_core_factors.empty())
+    out << YAML::Key << "optimizer_core_factors" << YAML::Value << YAML::Flow << p.optimizer_core_factors;
   if (p.core_factors_include_tensor_parallel)
     out << YAML::Key << "core_factors_include_tensor_parallel" << YAML::Value << true;
   if (p.core_handoff_us > 0) out << YAML::Key << "core_handoff_us" << YAML::Value << p.core_handoff_us;

@@ -96,6 +96,10 @@ struct HardwareProfile {
   // Per core: its compute time alone, every other core idle, against the calibration core's alone
   // (1 for that one): a core slow by itself, not only beside the others. Empty: all 1.
   std::vector<double> core_alone_factors;
+  // Per core: its optimizer update with every core updating at once against the calibration
+  // core's update alone. Updates are memory-bound, so ranks that share one memory (one GPU's
+  // HBM) slow each other's more than their stages (core_factors). Empty: the core factors.
+  std::vector<double> optimizer_core_factors;
   // The core factors were timed with each tensor-parallel shard's stage running its group's real
   // collectives against the others' (the CPU backend under tensor parallelism): they hold what
   // the shards' waiting for one another costs on this machine as it is, and the compute model
@@ -112,6 +116,11 @@ struct HardwareProfile {
   bool collectives_take_rank_core = false;
   double core_factor(int rank) const {
     return core_factors.empty() ? 1.0 : core_factors[static_cast<std::size_t>(rank) % core_factors.size()];
+  }
+  double optimizer_core_factor(int rank) const {
+    return optimizer_core_factors.empty()
+               ? core_factor(rank)
+               : optimizer_core_factors[static_cast<std::size_t>(rank) % optimizer_core_factors.size()];
   }
   double core_alone_factor(int rank) const {
     return core_alone_factors.empty() ? 1.0 : core_alone_factors[static_cast<std::size_t>(rank) % core_alone_factors.size()];

@@ -163,6 +163,40 @@ TEST(CalibratedCompute, TheZero1OptimizerTakesItsShardFromTheFlatGradients) {
   }
 }
 
+// A rank's optimizer update is priced at its optimizer core factor where the calibration timed the
+// updates side by side (memory-bound work on a shared memory), else at its stage's core factor;
+// everything else keeps the stage's.
+TEST(CalibratedCompute, UpdatesSideBySideTakeTheirOwnFactor) {
+  ScenarioConfig c = runtime_sized(1, 2, ScheduleKind::one_f_one_b, DType::fp32);  // two replicas
+  const Plan bare = Plan::from_config(c);
+  const double gbps = 10;
+  double bytes = 0;  // either replica's update alone: every pass over its parameters at one rate
+  for (const KernelWork& w : runtime_optimizer_kernels(bare, bare.shard_stage_params(0), true)) bytes += w.count * w.bytes;
+  HardwareProfile p = uniform_profile(bare, 0.05, gbps);
+  p.core_factors = {1.2, 1.3};
+  Op step;
+  step.kind = OpKind::OptimizerStep;
+  Op forward;
+  forward.kind = OpKind::Forward;
+  forward.chunk = 0;
+  forward.microbatch = 1;
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const Plan with_stage_factors = Plan::from_config(c);  // the models price from the plan they are given
+  const RooflineComputeModel stage_factors(with_stage_factors);
+  p.optimizer_core_factors = {1.8, 1.9};
+  c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+  const Plan with_update_factors = Plan::from_config(c);
+  const RooflineComputeModel update_factors(with_update_factors);
+  for (int r = 0; r < 2; ++r) {
+    const double alone = ticks_to_seconds(stage_factors.duration(step, r)) / p.core_factors[r];
+    EXPECT_NEAR(alone, bytes / (gbps * 1e9), 1e-9) << r;
+    EXPECT_NEAR(ticks_to_seconds(update_factors.duration(step, r)), alone * p.optimizer_core_factors[r], 1e-9) << r;
+    EXPECT_EQ(update_factors.duration(forward, r), stage_factors.duration(forward, r)) << r;
+  }
+  EXPECT_EQ(update_factors.core_factor(step, 1), 1.9);
+  EXPECT_EQ(update_factors.core_factor(forward, 1), 1.3);
+}
+
 // The CUDA engine (a profile that does not emulate low precision) reads the accumulated gradients
 // once more than the CPU engine: its scan for the numerics report, priced as the norm's read.
 TEST(CalibratedCompute, TheDeviceOptimizerScansItsGradientsOnceMore) {
@@ -690,6 +724,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.core_handoff_us = 21.5;
   p.collectives_take_rank_core = true;
   p.core_alone_factors = {1.0, 1.25};
+  p.optimizer_core_factors = {1.75, 1.8};
   p.allreduce_wire = DType::bf16;
   p.composition = Composition{1.2, 1.1, 1.4, 1.35};
   p.allgather_tables[2].rows = {{1024, 20e-6}, {1 << 20, 90e-6}};
@@ -716,6 +751,7 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.core_handoff_us, 21.5);
   EXPECT_TRUE(q.collectives_take_rank_core);
   EXPECT_EQ(q.core_alone_factors, (std::vector<double>{1.0, 1.25}));
+  EXPECT_EQ(q.optimizer_core_factors, (std::vector<double>{1.75, 1.8}));
   EXPECT_EQ(q.allreduce_wire, DType::bf16);
   EXPECT_EQ(q.composition.backward_weight, 1.4);
   EXPECT_EQ(q.composition.forward, 1.2);

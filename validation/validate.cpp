@@ -57,6 +57,7 @@ std::vector<int> collective_group_sizes(const Plan& plan) {
 HardwareProfile turn_profile(HardwareProfile p, int ranks) {
   p.composition.first_forward = 0;
   p.core_alone_factors.clear();
+  p.optimizer_core_factors.clear();  // timed with a core each: not what turns on shared cores see
   if (!p.core_factors.empty()) {
     double mean = 0;
     for (double f : p.core_factors) mean += f / static_cast<double>(p.core_factors.size());
@@ -358,6 +359,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.profile.kernels = kernels->rates(first, end);
     v.profile.composition = kernels->composition(first, end);
     std::tie(v.profile.core_factors, v.profile.core_alone_factors) = step_core_factors(*kernels, first, end);
+    v.profile.optimizer_core_factors = kernels->optimizer_core_factors(first, end);
     v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;
@@ -535,7 +537,7 @@ std::string format_validation(const Validation& v) {
   out << fmt::format("{} — predicted with the calibrated profile vs measured on the {} backend\n",
                      plan.config.name, backend_title(v.backend));
   out << fmt::format("  profile  {} ({}, measured {}): {} kernels, in-layer composition x{:.2f} forward{}, x{:.2f} "
-                     "backward{}{}\n",
+                     "backward{}{}{}\n",
                      v.profile.name, v.profile.device, v.profile.measured, v.profile.kernels.size(),
                      v.profile.composition.forward,
                      v.profile.composition.first_forward > 0
@@ -550,7 +552,10 @@ std::string format_validation(const Validation& v) {
                          : fmt::format(", cores x{:.2f}{}", fmt::join(v.profile.core_factors, "/x"),
                                        v.profile.core_alone_factors.empty()
                                            ? std::string()
-                                           : fmt::format(" (alone x{:.2f})", fmt::join(v.profile.core_alone_factors, "/x"))));
+                                           : fmt::format(" (alone x{:.2f})", fmt::join(v.profile.core_alone_factors, "/x"))),
+                     v.profile.optimizer_core_factors.empty()
+                         ? std::string()
+                         : fmt::format(", updates x{:.2f}", fmt::join(v.profile.optimizer_core_factors, "/x")));
   out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {}, {} compute\n",
                      plan.dp, plan.pp,
                      plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,

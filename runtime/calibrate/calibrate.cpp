@@ -26,6 +26,7 @@ KernelCalibrator::KernelCalibrator(const RuntimePlan& plan, const CalibrateOptio
     rank_seconds_.resize(static_cast<std::size_t>(ranks));
     // Every rank's stage but rank 0's runs for the first time: a warm-up, not a sample.
     clock_->time_stages_together();
+    clock_->time_updates_together();
   }
 }
 
@@ -57,6 +58,12 @@ void KernelCalibrator::run_passes(int passes) {
       if (alone.size() == seconds.size()) {
         alone_seconds_.resize(alone.size());
         for (std::size_t r = 0; r < alone.size(); ++r) alone_seconds_[r].push_back(alone[r]);
+      }
+      const UpdateSeconds updates = clock_->time_updates_together();
+      if (updates.together.size() == seconds.size() && updates.alone > 0) {
+        update_seconds_.resize(updates.together.size());
+        for (std::size_t r = 0; r < updates.together.size(); ++r) update_seconds_[r].push_back(updates.together[r]);
+        update_alone_seconds_.push_back(updates.alone);
       }
     }
 }
@@ -131,6 +138,19 @@ std::vector<double> KernelCalibrator::core_alone_factors(int first_pass, int end
   return out;
 }
 
+std::vector<double> KernelCalibrator::optimizer_core_factors(int first_pass, int end_pass) const {
+  // Every pass timed the updates, or none is used (the passes must be the stages' passes).
+  if (update_alone_seconds_.empty() || update_alone_seconds_.size() != static_cast<std::size_t>(passes_done())) return {};
+  first_pass = std::clamp(first_pass, 0, passes_done());
+  end_pass = std::clamp(end_pass, first_pass, passes_done());
+  if (first_pass == end_pass) return {};
+  const double alone = median({update_alone_seconds_.begin() + first_pass, update_alone_seconds_.begin() + end_pass});
+  std::vector<double> out;
+  for (const std::vector<double>& rank : update_seconds_)
+    out.push_back(median({rank.begin() + first_pass, rank.begin() + end_pass}) / alone);
+  return out;
+}
+
 std::vector<double> KernelCalibrator::factors_over(const std::vector<std::vector<double>>& per_rank, int first_pass,
                                                    int end_pass) const {
   if (clock_->stage_ranks() <= 1) return {};
@@ -176,6 +196,7 @@ HardwareProfile calibrate_profile(const Backend& backend, const RuntimePlan& pla
     p.composition = kernels->composition();
     p.core_factors = kernels->core_factors();
     p.core_alone_factors = kernels->core_alone_factors(0, kernels->passes_done());
+    p.optimizer_core_factors = kernels->optimizer_core_factors(0, kernels->passes_done());
     p.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
   }
   // The other formats the backend runs, so that a scenario naming this profile may compute in

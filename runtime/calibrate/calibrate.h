@@ -52,6 +52,13 @@ struct StageSeconds {
   double total() const { return forward + backward + backward_weight; }
 };
 
+// Every rank's optimizer update at once (its shard's runtime_optimizer_kernels, core/kernel_inventory.h)
+// and then rank 0's alone, in seconds.
+struct UpdateSeconds {
+  std::vector<double> together;  // per rank
+  double alone = 0;              // rank 0's, every other rank idle
+};
+
 // A backend's side of kernel calibration: how it times one kernel, one stage alone, and one stage
 // per rank at once, on its device (a pinned core; a rank's streams). KernelCalibrator owns the
 // method around it.
@@ -76,6 +83,11 @@ class KernelClock {
   // core idle, seconds (forward + backward) per rank; rank 0's entry is not timed (0: time_stage
   // is its). Empty where a backend does not time them (every core then as fast alone as rank 0's).
   virtual std::vector<double> time_stages_alone() { return {}; }
+  // The optimizer's updates on every rank at once, then rank 0's alone (UpdateSeconds). A step's
+  // updates are memory-bound where its stages are a mix: ranks that share one memory (one GPU's
+  // HBM) slow each other's updates more than their stages. Empty `together` where a backend does
+  // not time them: the update then takes its rank's stage factor.
+  virtual UpdateSeconds time_updates_together() { return {}; }
   // Whether time_stages_together runs tensor-parallel shards with their group's real collectives
   // (HardwareProfile::core_factors_include_tensor_parallel).
   virtual bool stages_run_tensor_parallel() const { return false; }
@@ -128,6 +140,10 @@ class KernelCalibrator {
   // (HardwareProfile::core_alone_factors; rank 0's is 1), from the same passes. Empty where the
   // clock does not time them or core_factors(first_pass, end_pass) is empty.
   std::vector<double> core_alone_factors(int first_pass, int end_pass) const;
+  // Per rank: its optimizer update with every rank updating at once against rank 0's alone, from
+  // passes [first_pass, end_pass) (HardwareProfile::optimizer_core_factors). Empty where the clock
+  // does not time updates or one rank is timed.
+  std::vector<double> optimizer_core_factors(int first_pass, int end_pass) const;
   // core_factors() hold the tensor-parallel shards' collectives (KernelClock::stages_run_tensor_parallel).
   bool core_factors_include_tensor_parallel() const;
   std::size_t num_kernels() const;
@@ -151,6 +167,8 @@ class KernelCalibrator {
   std::vector<StageSeconds> cold_, warm_;
   std::vector<std::vector<double>> rank_seconds_;  // [rank][pass]: forward + backward, all ranks at once
   std::vector<std::vector<double>> alone_seconds_;  // [rank][pass]: each alone on its core (rank 0's unused)
+  std::vector<std::vector<double>> update_seconds_;  // [rank][pass]: the optimizer's update, all ranks at once
+  std::vector<double> update_alone_seconds_;         // [pass]: rank 0's update alone
   std::pair<int, int> clamped(int first_pass, int end_pass) const;  // [first, end) within the passes, not empty
   // Per rank: the median of `per_rank`'s passes [first_pass, end_pass) over rank 0's warm stage
   // alone in the same passes (clamped; empty when none is left or one rank is timed).

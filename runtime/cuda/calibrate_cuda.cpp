@@ -465,6 +465,32 @@ struct StageBench {
   }
 };
 
+// A rank's optimizer update as the engine runs it (runtime_optimizer_kernels of the rank's shard:
+// its stage's parameters, split by ZeRO), on fresh random buffers on the rank's stream, timed with
+// events in the rank's context. Create and time it on the rank's thread.
+struct UpdateBench {
+  KernelTimer timer;
+  std::vector<std::function<void()>> launches;
+  k::EventTimer events;
+  StreamHandle stream;
+
+  UpdateBench(const RuntimePlan& plan, int world_rank, StreamHandle s) : timer(plan, s), stream(s) {
+    const Plan& p = plan.plan;
+    const int stage = World::of(p).coord(world_rank).pp;
+    const int shards = p.config.parallelism.zero_stage >= 1 ? p.dp : 1;
+    for (const KernelWork& w : runtime_optimizer_kernels(p, p.shard_stage_params(stage) / shards, false))
+      if (std::function<void()> call = timer.launcher(w))
+        for (int c = 0; c < w.count; ++c) launches.push_back(call);
+    time();  // first launches: not a sample
+  }
+  double time() {
+    events.start(stream);
+    for (const auto& launch : launches) launch();
+    events.stop(stream);
+    return events.elapsed_seconds();
+  }
+};
+
 }  // namespace
 
 namespace {
@@ -491,10 +517,12 @@ class CudaClock final : public KernelClock {
         if (c) c();
       stages_.push_back(std::make_unique<StageBench>(spec, stream, 7, split));
       stages_[0]->time();
+      if (partition_.ranks() > 1) updates_.push_back(std::make_unique<UpdateBench>(plan, 0, stream));
     });
     for (int r = 1; r < partition_.ranks(); ++r)
       on_rank_thread(partition_, r, [&] {
         stages_.push_back(std::make_unique<StageBench>(spec, partition_.streams(r).compute, 7, split));
+        updates_.push_back(std::make_unique<UpdateBench>(plan, r, partition_.streams(r).compute));
       });
   }
 
@@ -520,8 +548,22 @@ class CudaClock final : public KernelClock {
   int stage_ranks() const override { return static_cast<int>(stages_.size()); }
 
   std::vector<double> time_stages_together() override {
-    const int n = static_cast<int>(stages_.size());
-    std::vector<double> seconds(static_cast<std::size_t>(n));
+    return on_every_rank_at_once([&](int r) { return stages_[static_cast<std::size_t>(r)]->time().total(); });
+  }
+
+  UpdateSeconds time_updates_together() override {
+    UpdateSeconds out;
+    out.together = on_every_rank_at_once([&](int r) { return updates_[static_cast<std::size_t>(r)]->time(); });
+    on_timing_thread([&] { out.alone = updates_[0]->time(); });
+    return out;
+  }
+
+ private:
+  // Every rank's thread, its context current, runs `seconds(rank)` once the last of them is
+  // ready; their results per rank, or the first exception rethrown once all have ended.
+  std::vector<double> on_every_rank_at_once(const std::function<double(int)>& seconds) {
+    const int n = partition_.ranks();
+    std::vector<double> out(static_cast<std::size_t>(n));
     std::barrier start(n);
     std::vector<std::exception_ptr> failed(static_cast<std::size_t>(n));
     std::vector<std::thread> threads;
@@ -533,7 +575,7 @@ class CudaClock final : public KernelClock {
           partition_.make_current(r);
           arrived = true;
           start.arrive_and_wait();
-          seconds[ru] = stages_[ru]->time().total();
+          out[ru] = seconds(r);
         } catch (...) {
           failed[ru] = std::current_exception();
           if (!arrived) start.arrive_and_drop();
@@ -542,16 +584,16 @@ class CudaClock final : public KernelClock {
     for (auto& t : threads) t.join();
     for (const auto& e : failed)
       if (e) std::rethrow_exception(e);
-    return seconds;
+    return out;
   }
 
- private:
   // Destroyed after everything below, whose streams and contexts it owns.
   SmPartition partition_;
   std::unique_ptr<KernelTimer> timer_;     // on rank 0's compute stream
   std::unique_ptr<k::EventTimer> events_;  // in rank 0's context
   std::vector<std::function<void()>> calls_;  // empty: not done on the device (0 seconds)
   std::vector<std::unique_ptr<StageBench>> stages_;  // [rank], each on its rank's compute stream
+  std::vector<std::unique_ptr<UpdateBench>> updates_;  // [rank], likewise
 };
 
 // The plan, checked before any device work: its formats, and a device to time on.

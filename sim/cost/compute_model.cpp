@@ -135,7 +135,8 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     const int s = plan.stage_of(r);
     const double params = plan.shard_stage_params(s);
     const double alone = kernels_seconds(runtime_optimizer_kernels(plan, params / shards, profile.emulated_low_precision), profile, rate, hbm);
-    const double factor = profile.core_factor(plan.first_gpu_of(r));
+    // Updates are memory-bound: where the calibration timed them side by side, their own factor.
+    const double factor = profile.optimizer_core_factor(plan.first_gpu_of(r));
     const double alone_factor = profile.core_alone_factor(plan.first_gpu_of(r));
     optimizer_ticks_.push_back(seconds_to_ticks(factor * alone));
     optimizer_alone_ticks_.push_back(seconds_to_ticks(alone_factor * alone));

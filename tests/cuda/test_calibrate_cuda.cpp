@@ -141,6 +141,10 @@ TEST_F(CalibrateCuda, MeasuresCompositionAndEveryRanksFactor) {
   const std::vector<double> factors = calibrator.core_factors();
   ASSERT_EQ(factors.size(), 2u);
   for (double f : factors) EXPECT_TRUE(std::isfinite(f) && f > 0) << f;
+  // Both ranks' optimizer updates side by side against rank 0's alone, every pass.
+  const std::vector<double> updates = calibrator.optimizer_core_factors(0, calibrator.passes_done());
+  ASSERT_EQ(updates.size(), 2u);
+  for (double f : updates) EXPECT_TRUE(std::isfinite(f) && f > 0) << f;
 }
 
 // A zero-bubble plan's backward runs as two passes, and each is timed against its own kernels
