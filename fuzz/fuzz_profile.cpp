@@ -49,7 +49,10 @@ void use(const trainsim::HardwareProfile& p) {
       require(a_time(p.reduce_scatter_seconds(n, bytes)), "reduce_scatter_seconds is a time");
     }
   for (double bytes : {0.0, 1.0, 4096.0, 1e9}) require(a_time(p.p2p_seconds(bytes)), "p2p_seconds is a time");
-  for (int r = 0; r < 3; ++r) require(p.core_factor(r) > 0, "core factors are positive");
+  for (int r = 0; r < 3; ++r) {
+    require(p.core_factor(r) > 0, "core factors are positive");
+    require(p.optimizer_core_factor(r) > 0, "optimizer core factors are positive");
+  }
 }
 
 }  // namespace
