@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 namespace {
 
@@ -366,6 +367,12 @@ TEST(Cli, CalibrateWritesAProfileThatAScenarioNamesLikeAPreset) {
   const std::string profile = slurp(dir / "cpu.yaml");
   for (const char* d : {"dtype: fp32", "dtype: tf32", "dtype: fp16", "dtype: bf16"})
     EXPECT_NE(profile.find(d), std::string::npos) << d;
+  // Both ranks on cores of their own (a host of two cores or more): their stages and their
+  // optimizer updates timed side by side.
+  if (std::thread::hardware_concurrency() >= 2) {
+    EXPECT_NE(profile.find("\ncore_factors:"), std::string::npos) << profile;
+    EXPECT_NE(profile.find("optimizer_core_factors:"), std::string::npos) << profile;
+  }
   // A scenario beside the profile names it by a relative path, like a GPU preset.
   fs::create_directories(dir / "named");
   fs::copy_file(dir / "cpu.yaml", dir / "named" / "cpu.yaml");

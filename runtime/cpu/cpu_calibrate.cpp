@@ -373,6 +373,20 @@ class CpuClock final : public KernelClock {
       for (const auto& c : calls_) c();  // warm-up: first touches, lazy allocations
       stages_[0].time();
     });
+    // Each core's rank's optimizer update (runtime_optimizer_kernels of its shard: its stage's
+    // parameters, split by ZeRO), from memory as a step meets them. Where ranks share cores they
+    // update in turns: not timed side by side.
+    if (pin_ && !shared_ && ranks > 1) {
+      const World grid = World::of(plan.plan);
+      const int shards = plan.plan.config.parallelism.zero_stage >= 1 ? plan.plan.dp : 1;
+      for (int c = 0; c < ranks; ++c) {
+        update_timers_.push_back(std::make_unique<KernelTimer>(plan, options));
+        std::vector<std::function<void()>>& launches = updates_.emplace_back();
+        const double params = plan.plan.shard_stage_params(grid.coord(c).pp) / shards;
+        for (const KernelWork& w : runtime_optimizer_kernels(plan.plan, params, true))
+          for (int k = 0; k < w.count; ++k) launches.push_back(update_timers_.back()->launcher(w));
+      }
+    }
   }
 
   std::string placement() const override { return pin_ ? "core 0, pinned" : "one thread"; }
@@ -440,12 +454,39 @@ class CpuClock final : public KernelClock {
   }
   bool stages_run_tensor_parallel() const override { return !groups_.empty(); }
 
+  // Every core's update at once, each on its own pinned core, then core 0's alone.
+  UpdateSeconds time_updates_together() override {
+    const int n = static_cast<int>(updates_.size());
+    if (n <= 1) return {};
+    UpdateSeconds out;
+    out.together.assign(static_cast<std::size_t>(n), 0.0);
+    std::barrier start(n);
+    std::vector<std::thread> threads;
+    for (int c = 0; c < n; ++c)
+      threads.emplace_back([&, c] {
+        pin_to(c);
+        start.arrive_and_wait();
+        out.together[static_cast<std::size_t>(c)] = update_seconds(c);
+      });
+    for (auto& t : threads) t.join();
+    on_timing_thread([&] { out.alone = update_seconds(0); });
+    return out;
+  }
+
  private:
+  double update_seconds(int core) {
+    const auto a = Clock::now();
+    for (const auto& launch : updates_[static_cast<std::size_t>(core)]) launch();
+    return std::chrono::duration<double>(Clock::now() - a).count();
+  }
+
   bool pin_;
   bool shared_ = false;  // more ranks than cores
   KernelTimer timer_;
   std::vector<std::function<void()>> calls_;
   std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
+  std::vector<std::unique_ptr<KernelTimer>> update_timers_;  // [core]: the buffers of its update
+  std::vector<std::vector<std::function<void()>>> updates_;    // [core]: its update's launches
   // Tensor parallelism: the shards' groups when they are timed together.
   std::unique_ptr<InProcessWorld> tp_world_;
   std::vector<std::unique_ptr<Communicator>> comms_;

@@ -522,6 +522,11 @@ class ScriptedClock final : public KernelClock {
     const int pass = together_calls_ - 1;
     return {0, pass >= 3 && pass < 6 ? 2.4 : 1.6};
   }
+  // The updates side by side (core 1's slower in the burst too), then core 0's alone: 0.2 s.
+  UpdateSeconds time_updates_together() override {
+    const int pass = together_calls_ - 1;
+    return {{0.3, pass >= 3 && pass < 6 ? 0.6 : 0.4}, 0.2};
+  }
 
  private:
   int stage_calls_ = 0;
@@ -563,6 +568,36 @@ TEST(KernelCalibrator, CoreFactorsOfAStretchOfPasses) {
   EXPECT_EQ(calibrator.core_alone_factors(0, 9), (std::vector<double>{1.0, 1.6 / 1.5}));
   EXPECT_EQ(calibrator.core_alone_factors(3, 6), (std::vector<double>{1.0, 2.4 / 1.5}));
   EXPECT_TRUE(calibrator.core_alone_factors(9, 12).empty());
+}
+
+// The optimizer's factors: each rank's update side by side over rank 0's alone, from the passes
+// asked for (the calibrator's constructor runs the updates once first, a warm-up, not a sample).
+TEST(KernelCalibrator, OptimizerFactorsDivideTheUpdatesSideBySideByOneAlone) {
+  const RuntimePlan plan = make_runtime_plan(testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2));
+  KernelCalibrator calibrator(plan, CalibrateOptions{}, {}, 4, [](const RuntimePlan&, const CalibrateOptions&,
+                                                                  const std::vector<KernelWork>&) {
+    return std::make_unique<ScriptedClock>();
+  });
+  calibrator.run_passes(9);
+  EXPECT_EQ(calibrator.optimizer_core_factors(0, 9), (std::vector<double>{0.3 / 0.2, 0.4 / 0.2}));
+  EXPECT_EQ(calibrator.optimizer_core_factors(3, 6), (std::vector<double>{0.3 / 0.2, 0.6 / 0.2}));
+  EXPECT_TRUE(calibrator.optimizer_core_factors(9, 12).empty());
+  // A clock that does not time updates: none, so a profile keeps the stage factors for them.
+  KernelCalibrator burst(plan, CalibrateOptions{}, {}, 4, [](const RuntimePlan&, const CalibrateOptions&,
+                                                             const std::vector<KernelWork>&) {
+    struct NoUpdates final : public KernelClock {
+      std::string placement() const override { return "scripted"; }
+      void on_timing_thread(const std::function<void()>& body) override { body(); }
+      double time_kernel(std::size_t) override { return 1e-3; }
+      StageSeconds time_stage() override { return {0.5, 1.0}; }
+      int stage_ranks() const override { return 2; }
+      std::vector<double> time_stages_together() override { return {1.6, 1.7}; }
+    };
+    return std::make_unique<NoUpdates>();
+  });
+  burst.run_passes(3);
+  EXPECT_EQ(burst.core_factors().size(), 2u);
+  EXPECT_TRUE(burst.optimizer_core_factors(0, 3).empty());
 }
 
 // The composition is the warm stage's (as a step's later passes run), its first forward the cold
