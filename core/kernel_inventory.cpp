@@ -527,6 +527,11 @@ std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double param
   return out;
 }
 
+std::vector<KernelWork> rank_update_kernels(const Plan& plan, int stage, bool emulated_low_precision) {
+  return runtime_optimizer_kernels(plan, plan.shard_stage_params(stage) / (plan.zero() >= 1 ? plan.dp : 1),
+                                   emulated_low_precision);
+}
+
 std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
   std::vector<KernelWork> all;
   Builder k{DType::fp32, 0, &all};

@@ -88,6 +88,9 @@ std::vector<KernelWork> optimizer_kernels(const Plan& plan, double params);
 // CudaEngine::take_flat_gradients. A gradient element is held in grad_accumulation's bytes, or
 // in 4 where the engine emulates low precision (HardwareProfile::emulated_low_precision).
 std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double params, bool emulated_low_precision);
+// The update of a rank of pipeline stage `stage`: runtime_optimizer_kernels of its share of the
+// stage's parameters (its tensor-parallel shard's, split among the replicas under ZeRO).
+std::vector<KernelWork> rank_update_kernels(const Plan& plan, int stage, bool emulated_low_precision);
 
 // The runtime's copy between a ZeRO collective's buffer and the flat parameters or gradients (a
 // read and a write per element, in fp32 storage): what calibration times for the collective model,

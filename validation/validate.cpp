@@ -136,9 +136,9 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
   if (const auto it = p.allreduce.find(plan.num_ranks() * plan.tp); it != p.allreduce.end())
     sh.norm_allreduce = seconds_to_ticks(it->second.latency_us * 1e-6);
   sh.handoff = seconds_to_ticks(p.core_handoff_us * 1e-6);
-  // The CPU backend's collectives copy and sum on their communication threads, which the
-  // operating system runs beside the turns.
-  sh.collectives_take_cores = true;
+  // A rank's collectives run on its cores (the CPU backend's communication threads copy and sum
+  // there), which the operating system shares with the turns.
+  sh.collectives_take_cores = p.collectives_take_rank_core;
   sh.threads_per_turn = plan.tp;
   return sh;
 }
@@ -150,9 +150,8 @@ std::string loss_text(double x) { return std::isfinite(x) ? fmt::format("{:.3f}"
 // 0.2 where the profile prices none of the step's kernels.
 double optimizer_norm_share(const Plan& plan, const HardwareProfile& p) {
   // The first stage's rank, as the compute model prices it (a share: the same on every stage).
-  const double shard = plan.shard_stage_params(0) / (plan.zero() >= 1 ? plan.dp : 1);
   double first = 0, all = 0;
-  for (const KernelWork& w : runtime_optimizer_kernels(plan, shard, p.emulated_low_precision)) {
+  for (const KernelWork& w : rank_update_kernels(plan, 0, p.emulated_low_precision)) {
     const double t = p.kernel_seconds(w.kernel, w.dtype, w.shape, w.bytes);
     if (t < 0) continue;
     all += w.count * t;

@@ -378,12 +378,10 @@ class CpuClock final : public KernelClock {
     // update in turns: not timed side by side.
     if (pin_ && !shared_ && ranks > 1) {
       const World grid = World::of(plan.plan);
-      const int shards = plan.plan.config.parallelism.zero_stage >= 1 ? plan.plan.dp : 1;
       for (int c = 0; c < ranks; ++c) {
         update_timers_.push_back(std::make_unique<KernelTimer>(plan, options));
         std::vector<std::function<void()>>& launches = updates_.emplace_back();
-        const double params = plan.plan.shard_stage_params(grid.coord(c).pp) / shards;
-        for (const KernelWork& w : runtime_optimizer_kernels(plan.plan, params, true))
+        for (const KernelWork& w : rank_update_kernels(plan.plan, grid.coord(c).pp, true))
           for (int k = 0; k < w.count; ++k) launches.push_back(update_timers_.back()->launcher(w));
       }
     }

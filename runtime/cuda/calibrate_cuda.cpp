@@ -475,10 +475,7 @@ struct UpdateBench {
   StreamHandle stream;
 
   UpdateBench(const RuntimePlan& plan, int world_rank, StreamHandle s) : timer(plan, s), stream(s) {
-    const Plan& p = plan.plan;
-    const int stage = World::of(p).coord(world_rank).pp;
-    const int shards = p.config.parallelism.zero_stage >= 1 ? p.dp : 1;
-    for (const KernelWork& w : runtime_optimizer_kernels(p, p.shard_stage_params(stage) / shards, false))
+    for (const KernelWork& w : rank_update_kernels(plan.plan, World::of(plan.plan).coord(world_rank).pp, false))
       if (std::function<void()> call = timer.launcher(w))
         for (int c = 0; c < w.count; ++c) launches.push_back(call);
     time();  // first launches: not a sample

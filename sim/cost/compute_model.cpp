@@ -115,7 +115,6 @@ TensorParallelBuffers tensor_parallel_buffers(const Plan& plan, int storage) {
 }
 
 void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwareProfile& profile) {
-  const ScenarioConfig& cfg = plan.config;
   const ProfilePricing pricing(plan, profile);
   const double rate = pricing.rate, hbm = pricing.hbm;
   const std::vector<ChunkKernels> kernels = chunk_kernels(plan, pricing.storage);
@@ -130,11 +129,9 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     c.backward_weight = pricing.backward_weight * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
     chunks_.push_back(c);
   }
-  const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
   for (int r = 0; r < plan.num_ranks(); ++r) {
-    const int s = plan.stage_of(r);
-    const double params = plan.shard_stage_params(s);
-    const double alone = kernels_seconds(runtime_optimizer_kernels(plan, params / shards, profile.emulated_low_precision), profile, rate, hbm);
+    const double alone =
+        kernels_seconds(rank_update_kernels(plan, plan.stage_of(r), profile.emulated_low_precision), profile, rate, hbm);
     // Updates are memory-bound: where the calibration timed them side by side, their own factor.
     const double factor = profile.optimizer_core_factor(plan.first_gpu_of(r));
     const double alone_factor = profile.core_alone_factor(plan.first_gpu_of(r));
