@@ -243,7 +243,7 @@ TEST(ChromeTrace, SubMicrosecondOpsStayFractional) {
   add(OpKind::OptimizerStep, -1);
   Timeline tl;
   tl.schedule = s;
-  tl.ops = {{{0, 0}, {0, 300'000}, {300'000, 300'001}, {300'000, 1'234'567'891}, {1'234'567'891, 1'234'567'892}}};
+  tl.ops = {{{0, 0}, {0, 300'000, 100'000}, {300'000, 300'001}, {300'000, 1'234'567'891}, {1'234'567'891, 1'234'567'892}}};
 
   std::ostringstream o;
   write_chrome_trace(plan, tl, o);
@@ -257,6 +257,9 @@ TEST(ChromeTrace, SubMicrosecondOpsStayFractional) {
   EXPECT_DOUBLE_EQ(by_name.at("send act 0").at("dur").get<double>(), 1e-6);  // one picosecond
   EXPECT_DOUBLE_EQ(by_name.at("wait recv grad 0").at("dur").get<double>(), (1'234'567'891 - 300'000) / 1e6);
   EXPECT_DOUBLE_EQ(by_name.at("optimizer").at("ts").get<double>(), 1234.567891);
+  // The forward was held up 0.1 us of its 0.3 (a turn at a shared core): said, and only there.
+  EXPECT_DOUBLE_EQ(by_name.at("F0").at("args").at("waited_us").get<double>(), 0.1);
+  EXPECT_FALSE(by_name.at("optimizer").at("args").contains("waited_us"));
 }
 
 // ---- SVG ------------------------------------------------------------------------------

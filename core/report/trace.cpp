@@ -101,6 +101,8 @@ void emit_timeline(const Plan& plan, const Timeline& timeline, const std::string
       e["ts"] = ticks_to_us(t.start - t0);
       e["dur"] = ticks_to_us(t.end - t.start);
       e["args"] = op_args(plan, prog, op);
+      // Held up rather than working (a turn at a shared core, ZeRO-3's waits between units).
+      if (t.waited > 0) e["args"]["waited_us"] = ticks_to_us(t.waited);
       emit(e);
     }
   }
