@@ -573,6 +573,19 @@ std::string format_validation(const Validation& v) {
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);
+  // What other work (processes, the kernel's threads, the hypervisor) took from the ranks' cores.
+  const auto& steps = v.measured.steps;
+  const auto reported = std::find_if(steps.begin(), steps.end(),
+                                     [&](const runtime::StepRecord& s) { return s.step == v.measured.timeline_step; });
+  if (reported != steps.end() && reported->foreign_seconds >= 0) {
+    double most = 0;
+    for (const auto& s : steps)
+      if (s.step != steps.front().step || steps.size() == 1) most = std::max(most, s.foreign_seconds / s.step_time_s);
+    out << fmt::format("  host     other work held a rank's core {:.1f}% of the reported step (step {}), at most "
+                       "{:.1f}% of one step{}\n",
+                       100 * reported->foreign_seconds / reported->step_time_s, reported->step, 100 * most,
+                       steps.size() > runtime::kLeastDisturbedFrom ? "; the steps it took most from are left out" : "");
+  }
   out << "\n";
   out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", "", "predicted", "measured", "error");
   auto seconds = [](double s) { return format_seconds(s); };

@@ -22,6 +22,7 @@
 #include "core/schedule.h"
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/comm/in_process.h"
+#include "runtime/cpu/core_account.h"
 #include "runtime/cpu/core_gate.h"
 #include "runtime/cpu/cpu_calibrate.h"
 #include "runtime/engine/memory_accounting.h"
@@ -89,6 +90,11 @@ struct Rank {
   double grad_norm = 0;
   bool skipped = false;
   Tick optimizer_end = 0;  // where ranks share cores: its update's end, before its turn's core went on
+  // Pinned ranks: the core's account from the step's start to the compute thread's end, and the CPU
+  // time the communication thread ran this step (it measures its own: it has ended by then).
+  CoreAccount core_account;
+  std::int64_t comm_cpu_ns = 0;
+  std::int64_t foreign_ns = -1;  // RankStep::foreign_seconds, in ns; -1: not measured
   double scale_used = 1;
   std::string first_nonfinite;
   Tick first_nonfinite_at = -1;
@@ -311,10 +317,23 @@ class CpuEngine final : public DeviceEngine {
   class Driver final : public RankDriver {
    public:
     Driver(CpuEngine& e, Rank& rk) : e_(e), rk_(rk) {}
+    void on_thread(RankThread thread, const std::function<void()>& body) override {
+      if (!e_.pinned_) return body();
+      if (thread == RankThread::comm) {
+        const std::int64_t begin = thread_cpu_ns();
+        body();
+        rk_.comm_cpu_ns = thread_cpu_ns() - begin;
+        return;
+      }
+      body();  // the communication thread has ended (joined) when it returns
+      const std::int64_t foreign = rk_.core_account.close(rk_.comm_cpu_ns);
+      rk_.foreign_ns = foreign;
+    }
     void start_compute_thread() override {
       if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);
       if (e_.gate_) e_.gate_->enrol(e_.world_.cell(rk_.rank), rk_.shard);
       e_.start_together();
+      if (e_.pinned_) rk_.core_account.open(rk_.rank);  // the step's start, on the rank's core
     }
     void start_comm_thread() override {
       if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);  // the rank's core, as its compute thread
@@ -461,6 +480,9 @@ class CpuEngine final : public DeviceEngine {
     rk.staged.clear();
     rk.gather_gate.reset();
     rk.staged_bytes = rk.in_flight = 0;
+    rk.core_account = CoreAccount{};
+    rk.comm_cpu_ns = 0;
+    rk.foreign_ns = -1;
     std::fill(rk.written.begin(), rk.written.end(), 0);
     std::fill(rk.staged_to.begin(), rk.staged_to.end(), 0);
     for (auto& c : rk.chunks) {
@@ -522,6 +544,7 @@ class CpuEngine final : public DeviceEngine {
     rs.parts = rk.parts;
     rs.weights_hash = h;
     if (blocks > 0) rs.layer_seconds = block_seconds / blocks;
+    if (rk.foreign_ns >= 0) rs.foreign_seconds = static_cast<double>(rk.foreign_ns) * 1e-9;
     return rs;
   }
 

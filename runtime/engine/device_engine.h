@@ -49,6 +49,11 @@ struct RankStep {
   // Seconds its transformer blocks computed in the step, per block it holds
   // (StageModel::take_block_seconds over its chunks); -1 where the engine does not time them.
   double layer_seconds = -1;
+  // Seconds the host ran other work on the rank's core while the rank computed in the step (other
+  // processes, the kernel's threads, the hypervisor): its compute ops' wall time less what its own
+  // threads ran meanwhile and its waits inside them. -1 where the engine does not measure it (the
+  // CPU engine measures ranks pinned one per core).
+  double foreign_seconds = -1;
   std::string error;             // non-empty: the rank failed, and why; the rest is not meaningful
   // When its error was caught (system clock, ns; 0: not recorded). One failure makes the others
   // fail too (aborted collectives, a stopped core gate): the run names the earliest, the cause.

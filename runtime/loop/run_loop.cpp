@@ -251,6 +251,7 @@ StepRecord step_record(int step, double seconds, const std::vector<RankStep>& ra
       first_bad_what = r.numerics.first_nonfinite;
     }
     rec.ranks.push_back(r.numerics);
+    rec.foreign_seconds = std::max(rec.foreign_seconds, r.foreign_seconds);
   }
   rec.loss = loss_count > 0 ? loss_sum / loss_count : NAN;
   if (!ranks.empty()) {
@@ -289,6 +290,13 @@ int median_step_index(const std::vector<StepRecord>& steps) {
   if (steps.empty()) return -1;
   std::vector<int> idx;
   for (int i = steps.size() > 1 ? 1 : 0; i < static_cast<int>(steps.size()); ++i) idx.push_back(i);
+  // Where the engine measured what the host took from the ranks' cores: the half it took least from.
+  const auto host_share = [&](int i) { return steps[i].foreign_seconds / std::max(1e-12, steps[i].step_time_s); };
+  const bool measured = std::all_of(idx.begin(), idx.end(), [&](int i) { return steps[i].foreign_seconds >= 0; });
+  if (measured && idx.size() >= kLeastDisturbedFrom) {
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return host_share(a) < host_share(b); });
+    idx.resize((idx.size() + 1) / 2);
+  }
   std::sort(idx.begin(), idx.end(), [&](int a, int b) {
     return steps[a].step_time_s < steps[b].step_time_s || (steps[a].step_time_s == steps[b].step_time_s && a < b);
   });

@@ -79,7 +79,14 @@ class LossWatch {
 bool checkpoint_due(const RunOptions& options, int step, int steps);
 
 // The step a report describes: the median by time, leaving out the first (warm-up: first
-// touches of memory) when there are others. Index into `steps`; -1 when empty.
+// touches of memory) when there are others; where the engine measured what the host took from
+// the ranks' cores (StepRecord::foreign_seconds) on every step and there are at least
+// kLeastDisturbedFrom of them, the median of the half it took the smallest share of the step from.
+// A step in which another process, a kernel thread or the hypervisor held a rank's core is the
+// machine's noise, not the plan's (on the 2-vCPU guest of docs/validation.md a kernel thread ran
+// up to 50 ms at a time), and the prediction is of the plan on the machine as calibrated. Index
+// into `steps`; -1 when empty.
+inline constexpr std::size_t kLeastDisturbedFrom = 4;
 int median_step_index(const std::vector<StepRecord>& steps);
 
 }  // namespace trainsim::runtime

@@ -146,6 +146,7 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
     st["replica_drift"] = finite_or_null(s.replica_drift);
     st["skipped_ranks"] = s.skipped_ranks;
     st["step_time_s"] = s.step_time_s;
+    if (s.foreign_seconds >= 0) st["foreign_seconds"] = s.foreign_seconds;
     st["replica_checksums"] = nlohmann::ordered_json::array();
     for (auto h : s.replica_checksums) st["replica_checksums"].push_back(fmt::format("{:016x}", h));
     nlohmann::ordered_json ranks = nlohmann::ordered_json::array();

@@ -7,6 +7,8 @@
 //  * checkpoint + resume and reruns with the same seed are bitwise identical;
 //  * the measured Timeline and memory accounting obey the schedule's rules.
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +21,7 @@
 
 #include "core/metrics.h"
 #include "sim/simulator.h"
+#include "runtime/cpu/core_account.h"
 #include "runtime/cpu/core_gate.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/loop/run_report.h"
@@ -488,6 +491,65 @@ std::vector<CoreTurn> predicted_turns(const RunReport& r) {
   std::vector<CoreTurn> out;
   for (const auto& [at, turn] : turns) out.push_back(turn);
   return out;
+}
+
+// A pinned rank's core account (runtime/cpu/core_account.h): a thread that is not the rank's,
+// spinning on the rank's core, is other work (all of its CPU time in the window, and whatever else
+// the machine ran there: other tests in parallel); the same thread counted as the rank's own is not.
+TEST(CoreAccount, AnotherThreadOnTheCoreIsOtherWorkAndTheRanksOwnIsNot) {
+  if (!cpu_idle_us(0)) GTEST_SKIP() << "this kernel publishes no cpuidle residency";
+  cpu_set_t was;
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof(was), &was), 0);
+  constexpr std::int64_t kWindowNs = 300'000'000, kSlackNs = 2'000'000;
+  pin_to_core(pthread_self(), 0);
+  std::atomic<bool> stop{false};
+  std::thread stranger([&] {
+    pin_to_core(pthread_self(), 0);
+    while (!stop.load(std::memory_order_relaxed)) {
+    }
+  });
+  clockid_t clock{};
+  ASSERT_EQ(pthread_getcpuclockid(stranger.native_handle(), &clock), 0);
+  auto stranger_cpu = [&] {
+    timespec t{};
+    clock_gettime(clock, &t);
+    return static_cast<std::int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+  };
+  CoreAccount account;
+  ASSERT_TRUE(account.open(0));
+  const std::int64_t before = stranger_cpu(), t0 = wall_ns();
+  while (wall_ns() - t0 < kWindowNs) {
+  }
+  const std::int64_t ran = stranger_cpu() - before;
+  const std::int64_t other = account.close(0), own = account.close(ran);
+  stop = true;
+  stranger.join();
+  pthread_setaffinity_np(pthread_self(), sizeof(was), &was);
+  EXPECT_GE(ran, kWindowNs / 10) << "the stranger shared the core";
+  EXPECT_GE(other, ran - kSlackNs) << "all its time is other work";
+  EXPECT_LE(other, wall_ns() - t0);
+  EXPECT_LE(own, other - ran + kSlackNs) << "counted as the rank's, it is not";
+}
+
+// Ranks pinned one per core say, per step, what the host took from their cores; ranks that share
+// cores do not (their threads take one another's).
+TEST(Executor, PinnedRanksSayWhatTheHostTookFromTheirCores) {
+  if (std::thread::hardware_concurrency() < 2 || !cpu_idle_us(0) || !cpu_idle_us(1))
+    GTEST_SKIP() << "needs two cores whose idle time the kernel publishes";
+  RunOptions pinned;
+  pinned.pin_threads = true;
+  const ScenarioConfig c = small_config(1, 2, ScheduleKind::one_f_one_b);
+  pinned.synthetic_data = c.runtime.data_synthetic;
+  const RunReport r = run_cpu(make_runtime_plan(c), pinned);
+  ASSERT_FALSE(r.failure) << r.failure->message;
+  ASSERT_TRUE(r.threads_pinned);
+  for (const StepRecord& s : r.steps) {
+    EXPECT_GE(s.foreign_seconds, 0) << "step " << s.step;
+    EXPECT_LE(s.foreign_seconds, s.step_time_s) << "step " << s.step;
+  }
+  const RunReport shared = run(small_config(2, 4, ScheduleKind::one_f_one_b));
+  ASSERT_FALSE(shared.failure) << shared.failure->message;
+  for (const StepRecord& s : shared.steps) EXPECT_EQ(s.foreign_seconds, -1) << "step " << s.step;
 }
 
 TEST(Executor, RanksThatShareCoresTakeTurnsInTheOrderGiven) {

@@ -313,6 +313,36 @@ TEST(RunLoop, MedianStepLeavesOutTheFirstWhenThereAreOthers) {
   EXPECT_EQ(median_step_index(steps({9, 2, 2, 2})), 2) << "ties: the earlier of the middle";
 }
 
+// Where the engine measured the host's share of every step, the report describes the median of the
+// half of the steps the host took least from: a step another process held a core in is left out
+// even when its time is the median's.
+TEST(RunLoop, MedianStepLeavesOutTheStepsTheHostTookTheMostFrom) {
+  auto steps = [](std::vector<double> seconds, std::vector<double> foreign) {
+    std::vector<StepRecord> out;
+    for (std::size_t i = 0; i < seconds.size(); ++i) {
+      StepRecord s;
+      s.step = static_cast<int>(i) + 1;
+      s.step_time_s = seconds[i];
+      s.foreign_seconds = foreign[i];
+      out.push_back(s);
+    }
+    return out;
+  };
+  // Steps 2..7 by time: 1.0, 1.1, 1.2, 1.3, 1.4, 1.5; the host took 0.2 s of steps 3 and 4 (1.1 and
+  // 1.2) and of step 7, so the half it took least from is steps 2, 5 and 6 (1.0, 1.3, 1.4): 1.3.
+  const auto disturbed = steps({9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5}, {5, 0.001, 0.2, 0.2, 0.002, 0.001, 0.2});
+  EXPECT_EQ(median_step_index(disturbed), 4);
+  // The share of the step, not the seconds: 0.012 s of a 1.5 s step (0.8%) is less of it than
+  // 0.011 s of a 1.3 s one (0.85%) or 0.010 s of a 1.0 s one (1%). The half kept: steps 4, 5 and 3
+  // (1.2, 1.1, 1.5): 1.2. By seconds it would be steps 4, 5 and 2 (1.2, 1.1, 1.0): 1.1.
+  EXPECT_EQ(median_step_index(steps({9, 1.0, 1.5, 1.2, 1.1, 1.3}, {0, 0.010, 0.012, 0.0, 0.0, 0.011})), 3);
+  // Not measured on every step (-1), or too few steps to halve: the median of all, as before.
+  auto unmeasured = disturbed;
+  unmeasured[3].foreign_seconds = -1;
+  EXPECT_EQ(median_step_index(unmeasured), 4) << "of 1.0..1.5: the upper middle, 1.3 (step 5)";
+  EXPECT_EQ(median_step_index(steps({9, 1.0, 1.1, 1.2}, {0, 0.5, 0, 0})), 2) << "three steps: 1.1";
+}
+
 TEST(RunLoop, ABackendThisBuildCannotUseSaysWhyBeforeRunning) {
   Backend b = null_backend();
   b.unavailable = "this trainsim was built without the example device";

@@ -1,0 +1,63 @@
+#include "runtime/cpu/core_account.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+namespace trainsim::runtime {
+
+namespace {
+
+std::int64_t clock_ns(clockid_t c) {
+  timespec t{};
+  clock_gettime(c, &t);
+  return static_cast<std::int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+// The number in a small sysfs file, or nothing.
+std::optional<std::int64_t> read_number(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return std::nullopt;
+  long long x = 0;
+  const bool ok = std::fscanf(f, "%lld", &x) == 1;
+  std::fclose(f);
+  return ok ? std::optional<std::int64_t>(x) : std::nullopt;
+}
+
+}  // namespace
+
+std::int64_t thread_cpu_ns() { return clock_ns(CLOCK_THREAD_CPUTIME_ID); }
+std::int64_t wall_ns() { return clock_ns(CLOCK_MONOTONIC); }
+
+std::optional<std::int64_t> cpu_idle_us(int cpu) {
+  const std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/cpuidle/state";
+  std::int64_t total = 0;
+  int states = 0;
+  for (int k = 0;; ++k, ++states) {
+    const std::optional<std::int64_t> t = read_number(base + std::to_string(k) + "/time");
+    if (!t) break;
+    total += *t;
+  }
+  return states > 0 ? std::optional<std::int64_t>(total) : std::nullopt;
+}
+
+bool CoreAccount::open(int cpu) {
+  const std::optional<std::int64_t> idle = cpu_idle_us(cpu);
+  if (!idle) return false;
+  cpu_ = cpu;
+  idle_us_ = *idle;
+  cpu_ns_ = thread_cpu_ns();
+  wall_ = wall_ns();
+  return true;
+}
+
+std::int64_t CoreAccount::close(std::int64_t other_threads_cpu_ns) const {
+  if (cpu_ < 0) return -1;
+  const std::int64_t wall = wall_ns() - wall_;
+  const std::int64_t own = thread_cpu_ns() - cpu_ns_;
+  const std::optional<std::int64_t> idle = cpu_idle_us(cpu_);
+  if (!idle) return -1;
+  return std::max<std::int64_t>(0, wall - (*idle - idle_us_) * 1000 - own - other_threads_cpu_ns);
+}
+
+}  // namespace trainsim::runtime

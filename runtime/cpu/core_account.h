@@ -1,0 +1,42 @@
+// What a pinned rank's core did during a step: the wall time, less what the rank's own threads ran
+// there and the time the core sat idle, is time the host gave that core to other work (another
+// process, the kernel's own threads, time the hypervisor took from the vCPU). On the 2-vCPU guest
+// of docs/validation.md the kernel's memory compaction and reclaim threads ran up to 50 ms at a
+// time: a step they fall in is the machine's noise, not the plan's (runtime/loop/run_loop.h,
+// median_step_index).
+#pragma once
+
+#include <pthread.h>
+#include <time.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace trainsim::runtime {
+
+// The calling thread's CPU time so far, ns.
+std::int64_t thread_cpu_ns();
+// The monotonic clock, ns.
+std::int64_t wall_ns();
+// Logical CPU `cpu`'s idle time so far, us: the kernel's cpuidle residency over all its states
+// (/sys/devices/system/cpu/cpuN/cpuidle/stateK/time). Exact while the caller runs on `cpu` (an idle
+// stretch is added when it ends); nothing where the kernel publishes no cpuidle states.
+std::optional<std::int64_t> cpu_idle_us(int cpu);
+
+// One core's account over a window, opened and closed by a thread running on that core (pinned).
+class CoreAccount {
+ public:
+  // Opens the window on `cpu`, the caller's core; false (and nothing counted) where the core's idle
+  // time is not published.
+  bool open(int cpu);
+  // Closes it: the window's wall time less the core's idle time, the caller's CPU time and
+  // `other_threads_cpu_ns` (the rest of what the rank ran on the core) in it: ns of other work, at
+  // least 0; -1 when the window was not opened.
+  std::int64_t close(std::int64_t other_threads_cpu_ns) const;
+
+ private:
+  int cpu_ = -1;
+  std::int64_t wall_ = 0, idle_us_ = 0, cpu_ns_ = 0;
+};
+
+}  // namespace trainsim::runtime
