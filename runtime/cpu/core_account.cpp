@@ -51,13 +51,15 @@ bool CoreAccount::open(int cpu) {
   return true;
 }
 
-std::int64_t CoreAccount::close(std::int64_t other_threads_cpu_ns) const {
-  if (cpu_ < 0) return -1;
-  const std::int64_t wall = wall_ns() - wall_;
-  const std::int64_t own = thread_cpu_ns() - cpu_ns_;
-  const std::optional<std::int64_t> idle = cpu_idle_us(cpu_);
-  if (!idle) return -1;
-  return std::max<std::int64_t>(0, wall - (*idle - idle_us_) * 1000 - own - other_threads_cpu_ns);
+std::optional<CoreAccount::Window> CoreAccount::close() const {
+  if (cpu_ < 0) return std::nullopt;
+  const std::optional<std::int64_t> idle = cpu_idle_us(cpu_);  // first: the caller runs here now
+  if (!idle) return std::nullopt;
+  return Window{wall_ns() - wall_, (*idle - idle_us_) * 1000, thread_cpu_ns() - cpu_ns_};
+}
+
+std::int64_t CoreAccount::Window::other_work(std::int64_t other_threads_cpu_ns) const {
+  return std::max<std::int64_t>(0, wall - idle - own - other_threads_cpu_ns);
 }
 
 }  // namespace trainsim::runtime

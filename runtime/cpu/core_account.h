@@ -26,13 +26,19 @@ std::optional<std::int64_t> cpu_idle_us(int cpu);
 // One core's account over a window, opened and closed by a thread running on that core (pinned).
 class CoreAccount {
  public:
+  // What the window held, in ns: its wall time, the core's idle time in it and the CPU time of the
+  // thread that opened and closed it.
+  struct Window {
+    std::int64_t wall = 0, idle = 0, own = 0;
+    // Other work on the core: the wall time less the idle time, the closing thread's CPU time and
+    // `other_threads_cpu_ns` (the rest of what the rank ran on the core); at least 0.
+    std::int64_t other_work(std::int64_t other_threads_cpu_ns) const;
+  };
   // Opens the window on `cpu`, the caller's core; false (and nothing counted) where the core's idle
   // time is not published.
   bool open(int cpu);
-  // Closes it: the window's wall time less the core's idle time, the caller's CPU time and
-  // `other_threads_cpu_ns` (the rest of what the rank ran on the core) in it: ns of other work, at
-  // least 0; -1 when the window was not opened.
-  std::int64_t close(std::int64_t other_threads_cpu_ns) const;
+  // The window so far; nothing when it was not opened (or the idle time could not be read).
+  std::optional<Window> close() const;
 
  private:
   int cpu_ = -1;

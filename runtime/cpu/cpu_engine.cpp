@@ -326,8 +326,7 @@ class CpuEngine final : public DeviceEngine {
         return;
       }
       body();  // the communication thread has ended (joined) when it returns
-      const std::int64_t foreign = rk_.core_account.close(rk_.comm_cpu_ns);
-      rk_.foreign_ns = foreign;
+      if (const auto window = rk_.core_account.close()) rk_.foreign_ns = window->other_work(rk_.comm_cpu_ns);
     }
     void start_compute_thread() override {
       if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);

@@ -10,6 +10,7 @@
 #include "core/report/format.h"
 #include "core/report/report.h"
 #include "core/report/svg_kit.h"
+#include "runtime/loop/run_loop.h"
 
 namespace trainsim::runtime {
 
@@ -78,8 +79,15 @@ std::string format_run_summary(const RunReport& rep) {
   o += "\n";
 
   const double tokens = static_cast<double>(plan.global_batch_size) * d.seq_length;
-  o += fmt::format("  step time        {:>10}  (step {}, the median)   tokens/s {:>10.0f}\n", format_seconds(res.step_time_s),
-                   rep.timeline_step, res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
+  // Where the engine measured what other work took from the ranks' cores on every step, the
+  // reported step is the median of those it took least from (median_step_index).
+  const bool host_measured = !rep.steps.empty() && std::all_of(rep.steps.begin(), rep.steps.end(), [](const StepRecord& s) {
+    return s.foreign_seconds >= 0;
+  });
+  const bool host_chose = host_measured && rep.steps.size() > kLeastDisturbedFrom;
+  o += fmt::format("  step time        {:>10}  (step {}, the median{})   tokens/s {:>10.0f}\n", format_seconds(res.step_time_s),
+                   rep.timeline_step, host_chose ? " of the half the host took least from" : "",
+                   res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
   // The simulator's split (core/metrics.h): idle waiting for pipeline peers plus idle waiting for
   // collectives, so a data-parallel run's exposed all-reduce is not read as a pipeline bubble.
   o += fmt::format("  bubble fraction  {:>9.1f}%   = pipeline bubble {:.1f}% + exposed communication {:.1f}% "
@@ -103,13 +111,15 @@ std::string format_run_summary(const RunReport& rep) {
 
   o += fmt::format("\n  loss {}  {} -> {}\n", sparkline(rep.steps), rep.steps.empty() ? "-" : number(rep.steps.front().loss),
                    rep.steps.empty() ? "-" : number(rep.steps.back().loss));
-  o += fmt::format("  {:>5} {:>9} {:>10} {:>10} {:>8} {:>9} {:>12} {:>9}\n", "step", "loss", "grad norm", "loss scale",
-                   "skipped", "nonfinite", "drift", "time");
+  // host: the share of the step other work held the most-disturbed rank's core.
+  o += fmt::format("  {:>5} {:>9} {:>10} {:>10} {:>8} {:>9} {:>12} {:>9}{}\n", "step", "loss", "grad norm", "loss scale",
+                   "skipped", "nonfinite", "drift", "time", host_measured ? fmt::format(" {:>6}", "host") : "");
   for (const auto& s : rep.steps)
-    o += fmt::format("  {:>5} {:>9} {:>10} {:>10} {:>8} {:>9} {:>12} {:>9}\n", s.step, number(s.loss),
+    o += fmt::format("  {:>5} {:>9} {:>10} {:>10} {:>8} {:>9} {:>12} {:>9}{}\n", s.step, number(s.loss),
                      number(s.grad_norm), number(s.loss_scale),
                      s.skipped_ranks == 0 ? "-" : s.skipped_ranks == plan.num_ranks() ? "all" : fmt::format("{} ranks", s.skipped_ranks),
-                     s.nonfinite_count, number(s.replica_drift), format_seconds(s.step_time_s));
+                     s.nonfinite_count, number(s.replica_drift), format_seconds(s.step_time_s),
+                     host_measured ? fmt::format(" {:5.1f}%", 100 * s.foreign_seconds / std::max(1e-12, s.step_time_s)) : "");
   int skipped = 0;
   bool drift = false;
   for (const auto& s : rep.steps) {

@@ -209,6 +209,23 @@ TEST(RunLoop, TheSummarySaysTheZeroStageAndRecomputeThatRan) {
   EXPECT_NE(plain.find(", recompute none\n"), std::string::npos) << plain;
 }
 
+// Where the engine measured what other work took from the ranks' cores, the summary says so per
+// step and names the reported step's choice; where it did not (the null engine), neither shows.
+TEST(RunLoop, TheSummarySaysWhatTheHostTookWhereItWasMeasured) {
+  RunReport r = run_null(config(2, 2, ScheduleKind::one_f_one_b, 1, 7));
+  ASSERT_FALSE(r.failure) << r.failure->message;
+  const std::string plain = format_run_summary(r);
+  EXPECT_NE(plain.find("the median)"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find(" host"), std::string::npos) << plain;
+  for (StepRecord& s : r.steps) s.foreign_seconds = 0.25 * s.step_time_s;
+  const std::string measured = format_run_summary(r);
+  EXPECT_NE(measured.find("the median of the half the host took least from)"), std::string::npos) << measured;
+  EXPECT_NE(measured.find("   host\n"), std::string::npos) << measured;
+  std::size_t rows = 0;
+  for (auto at = measured.find(" 25.0%\n"); at != std::string::npos; at = measured.find(" 25.0%\n", at + 1)) ++rows;
+  EXPECT_EQ(rows, r.steps.size()) << measured;
+}
+
 TEST(RunLoop, ResumingFromACheckpointIsBitwiseAndCheckpointsComeAtTheirCadence) {
   const fs::path dir = fresh_dir("resume");
   const ScenarioConfig c = config(2, 2, ScheduleKind::one_f_one_b, 1, 7);
