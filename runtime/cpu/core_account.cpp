@@ -62,4 +62,45 @@ std::int64_t CoreAccount::Window::other_work(std::int64_t other_threads_cpu_ns) 
   return std::max<std::int64_t>(0, wall - idle - own - other_threads_cpu_ns);
 }
 
+std::vector<std::int64_t> HostAccount::idle_on_every_core() {
+  cpu_set_t allowed;
+  if (pthread_getaffinity_np(pthread_self(), sizeof(allowed), &allowed) != 0) return {};
+  std::vector<std::int64_t> idle;
+  int visited = 0;
+  for (int c = 0; c < CPU_SETSIZE && visited < CPU_COUNT(&allowed); ++c) {
+    if (!CPU_ISSET(c, &allowed)) continue;
+    ++visited;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(c, &one);
+    // The call moves the calling thread to `c` before it returns.
+    if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) != 0) break;
+    const std::optional<std::int64_t> t = cpu_idle_us(c);
+    if (!t) break;
+    idle.push_back(*t);
+  }
+  pthread_setaffinity_np(pthread_self(), sizeof(allowed), &allowed);
+  if (static_cast<int>(idle.size()) != CPU_COUNT(&allowed)) idle.clear();
+  return idle;
+}
+
+bool HostAccount::open() {
+  idle_us_ = idle_on_every_core();
+  if (idle_us_.empty()) return false;
+  process_cpu_ = clock_ns(CLOCK_PROCESS_CPUTIME_ID);
+  wall_ = wall_ns();
+  return true;
+}
+
+std::optional<std::int64_t> HostAccount::other_work_ns() const {
+  if (idle_us_.empty()) return std::nullopt;
+  const std::int64_t wall = wall_ns() - wall_;
+  const std::int64_t process = clock_ns(CLOCK_PROCESS_CPUTIME_ID) - process_cpu_;
+  const std::vector<std::int64_t> idle = idle_on_every_core();
+  if (idle.size() != idle_us_.size()) return std::nullopt;
+  std::int64_t busy = 0;
+  for (std::size_t c = 0; c < idle.size(); ++c) busy += wall - (idle[c] - idle_us_[c]) * 1000;
+  return std::max<std::int64_t>(0, busy - process);
+}
+
 }  // namespace trainsim::runtime

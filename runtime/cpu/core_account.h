@@ -1,6 +1,7 @@
-// What a pinned rank's core did during a step: the wall time, less what the rank's own threads ran
-// there and the time the core sat idle, is time the host gave that core to other work (another
-// process, the kernel's own threads, time the hypervisor took from the vCPU). On the 2-vCPU guest
+// What a rank's core did during a step: the wall time, less what the rank's own threads ran there
+// and the time the core sat idle, is time the host gave that core to other work (another process,
+// the kernel's own threads, time the hypervisor took from the vCPU). Where ranks share the cores,
+// the same over every core and the whole process (HostAccount). On the 2-vCPU guest
 // of docs/validation.md the kernel's memory compaction and reclaim threads ran up to 50 ms at a
 // time: a step they fall in is the machine's noise, not the plan's (runtime/loop/run_loop.h,
 // median_step_index).
@@ -11,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace trainsim::runtime {
 
@@ -43,6 +45,25 @@ class CoreAccount {
  private:
   int cpu_ = -1;
   std::int64_t wall_ = 0, idle_us_ = 0, cpu_ns_ = 0;
+};
+
+// Every core's account over a window, for a process whose threads are not pinned: other work is
+// the cores' wall time less their idle time less this process's CPU time (all its threads). The
+// calling thread visits each core to read its idle time there (a core's idle time is exact only
+// while something runs on it), then goes back to the cores it was allowed before.
+class HostAccount {
+ public:
+  // Opens the window; false (nothing counted) where the cores' idle time is not published or the
+  // thread cannot visit them.
+  bool open();
+  // Nanoseconds of other work on all the cores since open(), at least 0; nothing when not opened.
+  std::optional<std::int64_t> other_work_ns() const;
+
+ private:
+  // Each core's idle time now, us, read on that core; empty where it cannot be.
+  static std::vector<std::int64_t> idle_on_every_core();
+  std::vector<std::int64_t> idle_us_;
+  std::int64_t wall_ = 0, process_cpu_ = 0;
 };
 
 }  // namespace trainsim::runtime

@@ -222,6 +222,10 @@ class CpuEngine final : public DeviceEngine {
     for (auto& t : sent_at_) t.store(-1);
     started_.store(0);
     go_.store(false);
+    // Ranks that share the cores take one another's: what other work took is the whole host's,
+    // per core on average (pinned ranks each account their own core, Driver::on_thread).
+    HostAccount host;
+    const bool host_open = !pinned_ && host.open();
     std::vector<std::thread> threads;
     threads.reserve(ranks_.size());
     for (auto& rk : ranks_)
@@ -230,6 +234,8 @@ class CpuEngine final : public DeviceEngine {
         r->error = r->walk.run(r->rank, *r->program, driver, fault_.at(step, r->rank));
       });
     for (auto& t : threads) t.join();
+    if (const std::optional<std::int64_t> other = host_open ? host.other_work_ns() : std::nullopt)
+      for (auto& rk : ranks_) rk->foreign_ns = *other / std::max(1, host_cores());
     std::vector<RankStep> out;
     out.reserve(ranks_.size());
     for (auto& rk : ranks_) out.push_back(report(*rk));

@@ -49,10 +49,11 @@ struct RankStep {
   // Seconds its transformer blocks computed in the step, per block it holds
   // (StageModel::take_block_seconds over its chunks); -1 where the engine does not time them.
   double layer_seconds = -1;
-  // Seconds the host ran other work on the rank's core while the rank computed in the step (other
-  // processes, the kernel's threads, the hypervisor): its compute ops' wall time less what its own
-  // threads ran meanwhile and its waits inside them. -1 where the engine does not measure it (the
-  // CPU engine measures ranks pinned one per core).
+  // Seconds the host ran other work (other processes, the kernel's threads, the hypervisor) on the
+  // rank's core in the step: the wall time less the core's idle time and what the rank's own
+  // threads ran there. Where ranks share the cores (threads not pinned), every core's other work
+  // over the whole process's step, per core. -1 where the engine does not measure it (the CUDA
+  // engine; a kernel that publishes no cpuidle residency).
   double foreign_seconds = -1;
   std::string error;             // non-empty: the rank failed, and why; the rest is not meaningful
   // When its error was caught (system clock, ns; 0: not recorded). One failure makes the others
