@@ -1,5 +1,7 @@
 #include "runtime/cpu/core_account.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -42,6 +44,7 @@ std::optional<std::int64_t> cpu_idle_us(int cpu) {
 }
 
 bool CoreAccount::open(int cpu) {
+  if (sched_getcpu() != cpu) return false;  // not pinned there (a pin the system refused)
   const std::optional<std::int64_t> idle = cpu_idle_us(cpu);
   if (!idle) return false;
   cpu_ = cpu;
@@ -52,7 +55,7 @@ bool CoreAccount::open(int cpu) {
 }
 
 std::optional<CoreAccount::Window> CoreAccount::close() const {
-  if (cpu_ < 0) return std::nullopt;
+  if (cpu_ < 0 || sched_getcpu() != cpu_) return std::nullopt;  // read elsewhere, the idle time is not exact
   const std::optional<std::int64_t> idle = cpu_idle_us(cpu_);  // first: the caller runs here now
   if (!idle) return std::nullopt;
   return Window{wall_ns() - wall_, (*idle - idle_us_) * 1000, thread_cpu_ns() - cpu_ns_};
@@ -74,7 +77,7 @@ std::vector<std::int64_t> HostAccount::idle_on_every_core() {
     CPU_ZERO(&one);
     CPU_SET(c, &one);
     // The call moves the calling thread to `c` before it returns.
-    if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) != 0) break;
+    if (pthread_setaffinity_np(pthread_self(), sizeof(one), &one) != 0 || sched_getcpu() != c) break;
     const std::optional<std::int64_t> t = cpu_idle_us(c);
     if (!t) break;
     idle.push_back(*t);

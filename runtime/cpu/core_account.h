@@ -37,9 +37,10 @@ class CoreAccount {
     std::int64_t other_work(std::int64_t other_threads_cpu_ns) const;
   };
   // Opens the window on `cpu`, the caller's core; false (and nothing counted) where the core's idle
-  // time is not published.
+  // time is not published or the caller is not running on it (a pin the system refused).
   bool open(int cpu);
-  // The window so far; nothing when it was not opened (or the idle time could not be read).
+  // The window so far; nothing when it was not opened, the idle time could not be read or the
+  // caller has left the core.
   std::optional<Window> close() const;
 
  private:
