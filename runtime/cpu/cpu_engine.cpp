@@ -94,7 +94,9 @@ struct Rank {
   // time the communication thread ran this step (it measures its own: it has ended by then).
   CoreAccount core_account;
   std::int64_t comm_cpu_ns = 0;
-  std::int64_t foreign_ns = -1;  // RankStep::foreign_seconds, in ns; -1: not measured
+  // RankStep::foreign_seconds, in ns: pinned, its core's other work; sharing the cores, the host's
+  // per core (run_step). -1: not measured.
+  std::int64_t foreign_ns = -1;
   double scale_used = 1;
   std::string first_nonfinite;
   Tick first_nonfinite_at = -1;
