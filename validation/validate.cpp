@@ -579,12 +579,11 @@ std::string format_validation(const Validation& v) {
                                      [&](const runtime::StepRecord& s) { return s.step == v.measured.timeline_step; });
   if (reported != steps.end() && reported->foreign_seconds >= 0) {
     double most = 0;
-    for (const auto& s : steps)
-      if (s.step != steps.front().step || steps.size() == 1) most = std::max(most, s.foreign_seconds / s.step_time_s);
+    for (int i : runtime::timed_step_indices(steps)) most = std::max(most, steps[i].foreign_seconds / steps[i].step_time_s);
     out << fmt::format("  host     other work held a rank's core {:.1f}% of the reported step (step {}), at most "
                        "{:.1f}% of one step{}\n",
                        100 * reported->foreign_seconds / reported->step_time_s, reported->step, 100 * most,
-                       steps.size() > runtime::kLeastDisturbedFrom ? "; the steps it took most from are left out" : "");
+                       runtime::chosen_by_host_share(steps) ? "; the steps it took most from are left out" : "");
   }
   out << "\n";
   out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", "", "predicted", "measured", "error");

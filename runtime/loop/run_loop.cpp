@@ -286,14 +286,24 @@ bool checkpoint_due(const RunOptions& options, int step, int steps) {
          (step % options.checkpoint_every_steps == 0 || step == steps);
 }
 
-int median_step_index(const std::vector<StepRecord>& steps) {
-  if (steps.empty()) return -1;
+std::vector<int> timed_step_indices(const std::vector<StepRecord>& steps) {
   std::vector<int> idx;
   for (int i = steps.size() > 1 ? 1 : 0; i < static_cast<int>(steps.size()); ++i) idx.push_back(i);
+  return idx;
+}
+
+bool chosen_by_host_share(const std::vector<StepRecord>& steps) {
+  const std::vector<int> idx = timed_step_indices(steps);
+  return idx.size() >= kLeastDisturbedFrom &&
+         std::all_of(idx.begin(), idx.end(), [&](int i) { return steps[i].foreign_seconds >= 0; });
+}
+
+int median_step_index(const std::vector<StepRecord>& steps) {
+  if (steps.empty()) return -1;
+  std::vector<int> idx = timed_step_indices(steps);
   // Where the engine measured what the host took from the ranks' cores: the half it took least from.
   const auto host_share = [&](int i) { return steps[i].foreign_seconds / std::max(1e-12, steps[i].step_time_s); };
-  const bool measured = std::all_of(idx.begin(), idx.end(), [&](int i) { return steps[i].foreign_seconds >= 0; });
-  if (measured && idx.size() >= kLeastDisturbedFrom) {
+  if (chosen_by_host_share(steps)) {
     std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return host_share(a) < host_share(b); });
     idx.resize((idx.size() + 1) / 2);
   }

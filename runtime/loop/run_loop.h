@@ -88,5 +88,10 @@ bool checkpoint_due(const RunOptions& options, int step, int steps);
 // into `steps`; -1 when empty.
 inline constexpr std::size_t kLeastDisturbedFrom = 4;
 int median_step_index(const std::vector<StepRecord>& steps);
+// The indices into `steps` of the timed steps: all but the first when there are others.
+std::vector<int> timed_step_indices(const std::vector<StepRecord>& steps);
+// Whether median_step_index chose among the steps the host took least from (every timed step
+// measured, at least kLeastDisturbedFrom of them).
+bool chosen_by_host_share(const std::vector<StepRecord>& steps);
 
 }  // namespace trainsim::runtime

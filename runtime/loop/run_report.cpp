@@ -84,9 +84,8 @@ std::string format_run_summary(const RunReport& rep) {
   const bool host_measured = !rep.steps.empty() && std::all_of(rep.steps.begin(), rep.steps.end(), [](const StepRecord& s) {
     return s.foreign_seconds >= 0;
   });
-  const bool host_chose = host_measured && rep.steps.size() > kLeastDisturbedFrom;
   o += fmt::format("  step time        {:>10}  (step {}, the median{})   tokens/s {:>10.0f}\n", format_seconds(res.step_time_s),
-                   rep.timeline_step, host_chose ? " of the half the host took least from" : "",
+                   rep.timeline_step, chosen_by_host_share(rep.steps) ? " of the half the host took least from" : "",
                    res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
   // The simulator's split (core/metrics.h): idle waiting for pipeline peers plus idle waiting for
   // collectives, so a data-parallel run's exposed all-reduce is not read as a pipeline bubble.
