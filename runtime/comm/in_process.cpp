@@ -78,8 +78,8 @@ inline float max_nan(float a, float b) {
 class InProcessCommunicator final : public Communicator {
  public:
   InProcessCommunicator(std::shared_ptr<WorldState> shared, int rank, std::chrono::microseconds poll,
-                        const std::atomic<bool>* poll_while)
-      : s_(std::move(shared)), rank_(rank), poll_(poll), poll_while_(poll_while) {}
+                        const std::atomic<bool>* poll_while, std::chrono::microseconds poll_in_call)
+      : s_(std::move(shared)), rank_(rank), poll_(poll), poll_in_call_(poll_in_call), poll_while_(poll_while) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return s_->world_size(); }
@@ -148,9 +148,11 @@ class InProcessCommunicator final : public Communicator {
 
   // Waits for the first message under `key` in this rank's mailbox and moves it out. `op`
   // describes the call for errors ("recv from rank 1 tag 7").
+  // `in_call`: a later step of a ring, whose sender is known to be inside the same call (it sent
+  // this call's earlier steps): polled for up to poll_in_call_.
   template <typename Op>
-  std::vector<float> take(Key key, Op&& op) {
-    std::vector<float> msg = s_->take(rank_, key, prefix(), op, poll_, poll_while_);
+  std::vector<float> take(Key key, Op&& op, bool in_call = false) {
+    std::vector<float> msg = s_->take(rank_, key, prefix(), op, in_call ? poll_in_call_ : poll_, poll_while_);
     s_->in_flight.fetch_sub(msg.size() * sizeof(float));
     return msg;
   }
@@ -191,7 +193,10 @@ class InProcessCommunicator final : public Communicator {
 
   std::vector<float> receive(const Ring& r, int step, std::size_t expect) {
     const int prev = r.prev();
-    std::vector<float> msg = take(Key{prev, r.tag, 1u + static_cast<std::uint32_t>(step)}, r.op_text(step, prev));
+    // From step 1 on, the predecessor is inside this call: it sent step 0 (or this member's
+    // successor chain did), and its next message is a chunk's sum away.
+    std::vector<float> msg =
+        take(Key{prev, r.tag, 1u + static_cast<std::uint32_t>(step)}, r.op_text(step, prev), step > 0);
     if (msg.size() != expect)
       throw CommError(prefix() + r.op_text(step, prev)() + ": size mismatch: rank " + std::to_string(prev) +
                       " sent a chunk of " + std::to_string(msg.size()) + " elements, expected " +
@@ -347,7 +352,7 @@ class InProcessCommunicator final : public Communicator {
 
   std::shared_ptr<WorldState> s_;
   int rank_;
-  std::chrono::microseconds poll_;
+  std::chrono::microseconds poll_, poll_in_call_;
   const std::atomic<bool>* poll_while_;
 };
 
@@ -370,14 +375,18 @@ InProcessWorld::~InProcessWorld() = default;
 int InProcessWorld::world_size() const { return shared_->world_size(); }
 
 std::unique_ptr<Communicator> InProcessWorld::communicator(int rank, std::chrono::microseconds poll,
-                                                         const std::atomic<bool>* poll_while) {
+                                                         const std::atomic<bool>* poll_while,
+                                                         std::optional<std::chrono::microseconds> poll_in_call) {
   if (rank < 0 || rank >= shared_->world_size())
     throw std::invalid_argument("InProcessWorld: no rank " + std::to_string(rank) + " in a world of " +
                                 std::to_string(shared_->world_size()));
   if (poll.count() < 0)
     throw std::invalid_argument("InProcessWorld: poll must not be negative, got " + std::to_string(poll.count()) +
                                 " us");
-  return std::make_unique<InProcessCommunicator>(shared_, rank, poll, poll_while);
+  if (poll_in_call && poll_in_call->count() < 0)
+    throw std::invalid_argument("InProcessWorld: poll_in_call must not be negative, got " +
+                                std::to_string(poll_in_call->count()) + " us");
+  return std::make_unique<InProcessCommunicator>(shared_, rank, poll, poll_while, poll_in_call.value_or(poll));
 }
 
 std::size_t InProcessWorld::bytes_in_flight() const { return shared_->in_flight.load(); }

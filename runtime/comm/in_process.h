@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 
 #include "runtime/comm/communicator.h"
 
@@ -42,8 +43,13 @@ class InProcessWorld {
   // cores, where a poller takes the core from the thread it waits for. `poll_while` (optional, must
   // outlive the communicator): polling also stops, or does not start, while it is false (a thread
   // that has a core of its own only at times: the CPU engine's gated tensor-parallel shards).
+  // `poll_in_call` (default: `poll`): how long the later steps of a ring poll, whose sender is
+  // inside the same call already and a chunk's sum away from its message, for a thread that
+  // polls only briefly for a peer that may not have arrived yet (the CPU engine's communication
+  // thread beside its compute thread): sleeping there put a wake-up on every step's path.
   std::unique_ptr<Communicator> communicator(int rank, std::chrono::microseconds poll = {},
-                                             const std::atomic<bool>* poll_while = nullptr);
+                                             const std::atomic<bool>* poll_while = nullptr,
+                                             std::optional<std::chrono::microseconds> poll_in_call = std::nullopt);
   // Bytes held in mailboxes right now and at most so far (messages sent, not yet received),
   // counted as stored: 4 bytes per element whatever the wire format.
   std::size_t bytes_in_flight() const;

@@ -152,6 +152,14 @@ class CpuEngine final : public DeviceEngine {
     }
     std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
     ranks_.resize(static_cast<std::size_t>(world_.size()));
+    // Collectives that run beside the passes on the same core: gradients reduced while the backward
+    // runs, or ZeRO-2/3's per-micro-batch reduce-scatters and gathers, which overlap the passes
+    // whatever overlap_grad_reduce says. Pinned, their thread then runs first on its core where the
+    // system lets it (a woken one otherwise waits for the tick: run_first_on_core).
+    const bool beside_compute =
+        cfg.communication.overlap_grad_reduce || plan_.reduces_every_microbatch() || plan_.gathers_before_forward();
+    comm_first_asked_ = pinned_ && beside_compute;
+    comm_first_ = comm_first_asked_ && may_run_first_on_core();
     for (int r = 0; r < world_.size(); ++r) {
       auto& rk = ranks_[static_cast<std::size_t>(r)];
       rk = std::make_unique<Rank>();
@@ -162,18 +170,18 @@ class CpuEngine final : public DeviceEngine {
       rk->program = &schedule_->ranks[static_cast<std::size_t>(world_.cell(r))];
       // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
       // thread always (its communication thread preempts it when woken), the communication thread
-      // only briefly where its collectives run beside the compute on the same core: gradients
-      // reduced while the backward runs, or ZeRO-2/3's per-micro-batch reduce-scatters and
-      // gathers, which overlap the passes whatever overlap_grad_reduce says.
+      // only briefly for a peer that may not have arrived where its collectives run beside the
+      // compute on the same core, and as long as the compute thread once its peers are in the
+      // call (the ring's later steps, a chunk's sum apart: asleep there, each step's message waited
+      // for a wake-up).
       // Sharing cores, a cell's shards still poll inside their op's tensor-parallel collectives
       // while the gate gives each shard a core (CoreGate::may_poll): they meet a dozen times per
       // layer, and a sleeping shard paid a wake-up at each (8 ranks, tp 2, on 2 cores: the ops took
       // 1.8x what calibration, which polls, measured).
       const auto off = std::chrono::microseconds{0};
       rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
-      const bool beside_compute = cfg.communication.overlap_grad_reduce || plan_.reduces_every_microbatch() ||
-                                  plan_.gathers_before_forward();
-      rk->collectives = comm_world_.communicator(r, !pinned_ ? off : beside_compute ? kCpuOverlapPoll : kCpuCommPoll);
+      rk->collectives = comm_world_.communicator(r, !pinned_ ? off : beside_compute ? kCpuOverlapPoll : kCpuCommPoll,
+                                                 nullptr, pinned_ ? kCpuCommPoll : off);
       if (world_.tensor_parallel() > 1) {
         rk->tp_comm = comm_world_.communicator(r, kCpuCommPoll, gate_ ? gate_->may_poll(world_.cell(r)) : nullptr);
         rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->tp_comm, world_.tensor_parallel_group(r));
@@ -212,7 +220,12 @@ class CpuEngine final : public DeviceEngine {
         world_.tensor_parallel() > 1
             ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
             : "";
-    return {fmt::format("cpu: {} rank threads{}{}", n, shards, pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : ""),
+    const std::string comm = comm_first_         ? "; communication threads run first on their cores (SCHED_FIFO)"
+                             : comm_first_asked_ ? "; communication threads at normal priority (SCHED_FIFO refused: "
+                                                   "a woken one may wait for the scheduler's tick)"
+                                                 : "";
+    return {fmt::format("cpu: {} rank threads{}{}{}", n, shards,
+                        pinned_ ? ", pinned to cores 0.." + std::to_string(n - 1) : "", comm),
             pinned_ ? " as threads pinned to cores" : " as threads (not pinned: more ranks than cores)", pinned_};
   }
 
@@ -344,6 +357,7 @@ class CpuEngine final : public DeviceEngine {
     }
     void start_comm_thread() override {
       if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);  // the rank's core, as its compute thread
+      if (e_.comm_first_) run_first_on_core(pthread_self());
     }
     void run_compute(int i) override {
       // An op starts when the one before it on this thread and what it waits for have ended, and a
@@ -1102,6 +1116,10 @@ class CpuEngine final : public DeviceEngine {
   World world_;
   StepShape shape_;
   bool pinned_;
+  // Pinned ranks whose collectives run beside their compute: whether the communication thread runs
+  // first on its core (run_first_on_core, where a thread asking for it at the start was granted it).
+  bool comm_first_ = false;
+  bool comm_first_asked_ = false;
   std::unique_ptr<CoreGate> gate_;  // ranks share cores
   std::vector<std::atomic<Tick>> sent_at_;  // per message of the step and shard: when its send returned, or -1
   InProcessWorld comm_world_;

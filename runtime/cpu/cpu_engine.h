@@ -25,8 +25,11 @@ namespace trainsim::runtime {
 // an idle core, a scheduler slice on a busy one). A thread woken on the core preempts the poller as
 // it would any running thread. The communication thread of a plan whose collectives run beside
 // the passes (gradients reduced while the backward runs; ZeRO-2/3's per-micro-batch collectives)
-// polls only briefly (kCpuOverlapPoll), for the steps of a ring its peers are already in: longer,
-// it would take the core from its own compute thread (docs/validation.md, "Sixth session"). Ranks that share cores never
+// polls only briefly (kCpuOverlapPoll) for a peer that may not have arrived: longer, it would take
+// the core from its own compute thread (docs/validation.md, "Sixth session"; 1 ms moved the
+// replicas' skew into their compute, "Twenty-fourth session"); once its peers are in the call (a
+// ring's later steps) it polls as long as the compute thread. That thread runs first on its core
+// where the system lets it (run_first_on_core, core_gate.h). Ranks that share cores never
 // poll. The communication benchmark polls as the compute thread does (calibration measures what a
 // step does; its calls all find their peers in the ring).
 inline constexpr std::chrono::microseconds kCpuCommPoll{10'000};

@@ -188,6 +188,42 @@ TEST(InProcessComm, PollWhileFalseSleepsAtOnceAndTheMessageStillArrives) {
   }
 }
 
+// `poll_in_call`: a ring's later steps, whose sender is inside the call already, poll that long;
+// its first step polls `poll`. Three members, the third 200 ms late: member 0 waits at step 0
+// for it (its predecessor), member 1 at step 1 for member 0, which is in the call (it sent step
+// 0) and stuck there. With poll 0 everywhere both sleep; with poll_in_call 1 s member 1 polls its
+// wait (at least a tenth of it, whatever share the scheduler gave it), member 0 still sleeps.
+TEST(InProcessComm, LaterRingStepsPollForPollInCallAndTheFirstForPoll) {
+  for (const auto in_call : {0ms, 1000ms}) {
+    InProcessWorld world(3, 20s);
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int r = 0; r < 3; ++r) comms.push_back(world.communicator(r, 0us, nullptr, in_call));
+    const std::vector<int> members{0, 1, 2};
+    std::vector<std::vector<float>> data(3, std::vector<float>(3 * 1024, 1.0f));
+    std::vector<double> cpu(3, 0);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r)
+      threads.emplace_back([&, r] {
+        if (r == 2) std::this_thread::sleep_for(200ms);
+        const double before = thread_cpu_seconds();
+        comms[static_cast<std::size_t>(r)]->all_reduce(data[static_cast<std::size_t>(r)], members, 9, ReduceOp::sum,
+                                                       DType::fp32, Divide::none);
+        cpu[static_cast<std::size_t>(r)] = thread_cpu_seconds() - before;
+      });
+    for (auto& t : threads) t.join();
+    for (const auto& d : data)
+      for (float v : d) ASSERT_EQ(v, 3.0f);
+    EXPECT_LT(cpu[0], 0.05) << "member 0 polled its first step's wait (poll 0)";
+    if (in_call == 0ms) {
+      EXPECT_LT(cpu[1], 0.05) << "member 1 polled a later step with poll_in_call 0";
+    } else {
+      EXPECT_GT(cpu[1], 0.02) << "member 1 slept a later step's wait with poll_in_call 1 s";
+    }
+  }
+  InProcessWorld world(1);
+  EXPECT_THROW(world.communicator(0, 0us, nullptr, -1us), std::invalid_argument);
+}
+
 TEST(InProcessComm, OutOfOrderTagsAndFifoWithinATag) {
   InProcessWorld world(2, 20s);
   run_ranks(world, [&](int r, Communicator& c) {

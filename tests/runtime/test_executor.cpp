@@ -496,6 +496,27 @@ std::vector<CoreTurn> predicted_turns(const RunReport& r) {
   return out;
 }
 
+// run_first_on_core: granted, the thread runs SCHED_FIFO at the lowest real-time priority;
+// refused (no CAP_SYS_NICE, RLIMIT_RTPRIO 0), it stays as it was. may_run_first_on_core says
+// which, asking from a thread of its own.
+TEST(CoreGate, RunFirstOnCoreIsRealTimeWhereGrantedAndUnchangedWhereNot) {
+  const bool may = may_run_first_on_core();
+  std::thread([may] {
+    const int before = sched_getscheduler(0);
+    const bool granted = run_first_on_core(pthread_self());
+    EXPECT_EQ(granted, may);
+    if (granted) {
+      EXPECT_EQ(sched_getscheduler(0), SCHED_FIFO);
+      sched_param p{};
+      ASSERT_EQ(sched_getparam(0, &p), 0);
+      EXPECT_EQ(p.sched_priority, sched_get_priority_min(SCHED_FIFO));
+    } else {
+      EXPECT_EQ(sched_getscheduler(0), before);
+    }
+  }).join();
+  EXPECT_NE(sched_getscheduler(0), SCHED_FIFO) << "the asking thread's policy leaked to the caller";
+}
+
 // A pinned rank's core account (runtime/cpu/core_account.h): a thread that is not the rank's,
 // spinning on the rank's core, is other work (all of its CPU time in the window, and whatever else
 // the machine ran there: other tests in parallel); the same thread counted as the rank's own is not.
