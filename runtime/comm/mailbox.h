@@ -130,8 +130,10 @@ class Mailboxes {
 
   // Polls `box` for `key` for at most `poll`: the message, or nothing when the time ran out or the
   // world was aborted (take then sleeps, and reports aborts and timeouts). A plain spin: a thread
-  // woken on this core still preempts the poller as it would preempt any running thread, while a
-  // yield would hand the core to whatever else is runnable for a whole scheduler slice.
+  // woken on this core preempts the poller as it would preempt any running thread (at once if it
+  // is real-time, the CPU engine's communication threads; else at the scheduler's next tick where
+  // wake-up preemption is lazy), while a yield would hand the core to whatever else is runnable
+  // for a whole scheduler slice.
   std::optional<Message> poll_for(Inbox& box, MailKey key, std::chrono::microseconds poll,
                                   const std::atomic<bool>* poll_while) {
     using Clock = std::chrono::steady_clock;
