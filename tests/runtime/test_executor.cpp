@@ -623,6 +623,35 @@ TEST(Executor, RanksSayWhatTheHostTookFromTheirCores) {
   }
 }
 
+// The communication threads run first on their cores (run_first_on_core) where their collectives
+// run beside the compute (pinned, overlap_grad_reduce) or the ranks share the cores, and the run
+// says whether the system granted it; pinned ranks whose collectives wait for the passes do not ask.
+TEST(Executor, TheRunSaysWhetherItsCommunicationThreadsRunFirst) {
+  const bool granted = may_run_first_on_core();
+  const std::string first = "communication threads run first on their cores",
+                    refused = "communication threads at normal priority";
+  auto says = [](const RunReport& r, const std::string& what) { return r.execution.find(what) != std::string::npos; };
+  const RunReport shared = run(small_config(2, 4, ScheduleKind::one_f_one_b));
+  ASSERT_FALSE(shared.failure) << shared.failure->message;
+  EXPECT_TRUE(says(shared, granted ? first : refused)) << shared.execution;
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "pinned ranks need two cores";
+  RunOptions pinned;
+  pinned.pin_threads = true;
+  ScenarioConfig c = small_config(2, 1, ScheduleKind::one_f_one_b);
+  pinned.synthetic_data = c.runtime.data_synthetic;
+  for (const bool overlap : {false, true}) {
+    c.communication.overlap_grad_reduce = overlap;
+    const RunReport r = run_cpu(make_runtime_plan(c), pinned);
+    ASSERT_FALSE(r.failure) << r.failure->message;
+    ASSERT_TRUE(r.threads_pinned);
+    if (overlap) {
+      EXPECT_TRUE(says(r, granted ? first : refused)) << r.execution;
+    } else {
+      EXPECT_FALSE(says(r, first) || says(r, refused)) << r.execution;
+    }
+  }
+}
+
 TEST(Executor, RanksThatShareCoresTakeTurnsInTheOrderGiven) {
   // Unpinned, ranks share the cores: first come first served, or in a given order; the training is
   // the same either way, and an order that leaves an op out is refused.
