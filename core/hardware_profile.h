@@ -109,6 +109,14 @@ struct HardwareProfile {
   // given back by one thread waits for the next turn's thread, asleep until then, to run on it (a
   // condition variable's wake-up on that core). 0: not measured.
   double core_handoff_us = 0;
+  // Where a rank's communication thread waits for a collective's peers by polling only so long
+  // (the CPU backend's pinned ranks whose collectives run beside their compute): that poll, and
+  // what a member that waited longer, and so slept, adds to the collective once its last member
+  // is there (its wake-up and what follows it, measured against members that arrive together).
+  // The engine adds comm_wake_us to a collective whose first member arrived more than
+  // comm_poll_us before its last. 0: not measured.
+  double comm_poll_us = 0;
+  double comm_wake_us = 0;
   // A rank's collectives run on the rank's own compute: the CPU backend pins its communication
   // thread to its compute thread's core; the single-GPU world copies and reduces with kernels on
   // the rank's own SMs. While one of them moves data, the compute beside it makes no progress

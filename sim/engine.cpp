@@ -123,10 +123,12 @@ void Simulation::advance(const Models& models, std::int32_t stream, Timeline& ou
       CollectiveState& cs = collectives_[c];
       if (cs.duration < 0) prepare_collective(models, c);
       st.arrived = true;
+      cs.first_arrival = cs.first_arrival < 0 ? ready : std::min(cs.first_arrival, ready);
       cs.last_arrival = std::max(cs.last_arrival, ready);
       if (++cs.arrivals < cs.target) break;
       // The last member is here: the collective runs on every member at once.
-      const Tick start = cs.last_arrival, end = add_ticks(start, cs.duration);
+      const Tick start = cs.last_arrival,
+                 end = add_ticks(start, cs.duration + models.collective_wake(cs.last_arrival - cs.first_arrival));
       auto end_on = [&](std::int32_t member) {
         StreamState* ms = &streams_[static_cast<std::size_t>(member) * kNumStreams];
         StreamState& mc = ms[kCollective];

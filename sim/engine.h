@@ -16,6 +16,8 @@
 //   batched exchange (Megatron-LM's send_forward_recv_backward and the like), so two
 //   neighbours exchanging in both directions meet instead of waiting for each other.
 //   a collective starts when its last member arrives (each member: max(stream free, dep ended))
+//   and lasts its price, plus what the collective model adds for members that waited
+//   (CollectiveModel::wake_after, of the first arrival's lead on the last)
 // The engine therefore evaluates ops in dependency order (a worklist of streams that may
 // advance) rather than popping a time-ordered heap; the timestamps are those of the event
 // order, ties included, and tests/test_engine.cpp checks them against closed forms.
@@ -84,6 +86,7 @@ class Simulation {
   };
   struct CollectiveState {
     Tick duration = -1;        // -1: not priced yet
+    Tick first_arrival = -1;   // -1: no member yet
     Tick last_arrival = 0;
     std::int32_t arrivals = 0;
     std::int32_t target = 0;   // members that must arrive (simulated members)

@@ -79,6 +79,46 @@ TEST(Engine, StreamsDependenciesMessagesAndRendezvous) {
   EXPECT_EQ(tl.end(), 32);
 }
 
+// A collective model that adds `wake` where the first member led the last by more than `poll`
+// (HardwareProfile::comm_wake_us's rule): rank 0 reaches the all-reduce at 10, rank 1 at 25.
+class WakingCollectives final : public CollectiveModel {
+ public:
+  WakingCollectives(Tick t, Tick poll, Tick wake) : t_(t), poll_(poll), wake_(wake) {}
+  Tick duration(const Collective&) const override { return t_; }
+  Tick wake_after(Tick waited) const override { return waited > poll_ ? wake_ : 0; }
+
+ private:
+  Tick t_, poll_, wake_;
+};
+
+TEST(Engine, ACollectiveWhoseFirstMemberWaitedPastThePollAddsTheWakeUp) {
+  auto s = two_rank_schedule();
+  const UniformCompute compute(10, 0, 0);
+  const FixedP2P p2p(5);
+  for (const auto& [poll, end] : {std::pair<Tick, Tick>{15, 32}, {14, 36}}) {
+    const WakingCollectives coll(7, poll, 4);
+    const Timeline tl = simulate_schedule(s, CostModels{&compute, &p2p, &coll});
+    EXPECT_EQ(tl.ops[0][2].start, 25) << "poll " << poll;
+    EXPECT_EQ(tl.ops[0][2].end, end) << "poll " << poll;
+    EXPECT_EQ(tl.ops[1][2].end, end) << "poll " << poll;
+  }
+}
+
+// The calibrated profile's rule, and nothing without one.
+TEST(Engine, NetworkCollectivesAddTheProfilesWakeUpPastItsPoll) {
+  Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::one_f_one_b, 1, 2));
+  EXPECT_FALSE(NetworkCollectiveModel(plan).prices_wake());
+  EXPECT_EQ(NetworkCollectiveModel(plan).wake_after(seconds_to_ticks(1.0)), 0);
+  auto profile = std::make_shared<HardwareProfile>();
+  profile->comm_poll_us = 100;
+  profile->comm_wake_us = 40;
+  plan.config.cluster.calibrated = profile;
+  const NetworkCollectiveModel model(plan);
+  EXPECT_TRUE(model.prices_wake());
+  EXPECT_EQ(model.wake_after(seconds_to_ticks(100e-6)), 0);
+  EXPECT_EQ(model.wake_after(seconds_to_ticks(101e-6)), seconds_to_ticks(40e-6));
+}
+
 // Blocking sends are a rendezvous (Megatron-LM's batched isend/irecv without p2p overlap):
 // rank 0 sends after its forward (10), but rank 1 posts the receive only after its own two
 // forwards (20): the message moves from 20 to 25, and rank 0's stream is held until then.

@@ -722,6 +722,8 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.ranks_per_node = 2;
   p.allreduce[4] = {55, 1.0};
   p.core_handoff_us = 21.5;
+  p.comm_poll_us = 100;
+  p.comm_wake_us = 37.5;
   p.collectives_take_rank_core = true;
   p.core_alone_factors = {1.0, 1.25};
   p.optimizer_core_factors = {1.75, 1.8};
@@ -749,6 +751,8 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.allreduce.at(4).latency_us, 55);
   EXPECT_EQ(q.p2p.bandwidth_gbps, 10);
   EXPECT_EQ(q.core_handoff_us, 21.5);
+  EXPECT_EQ(q.comm_poll_us, 100);
+  EXPECT_EQ(q.comm_wake_us, 37.5);
   EXPECT_TRUE(q.collectives_take_rank_core);
   EXPECT_EQ(q.core_alone_factors, (std::vector<double>{1.0, 1.25}));
   EXPECT_EQ(q.optimizer_core_factors, (std::vector<double>{1.75, 1.8}));

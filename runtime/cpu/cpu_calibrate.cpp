@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -23,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "core/kernel_inventory.h"
+#include "core/median.h"
 #include "runtime/comm/in_process.h"
 #include "runtime/cpu/core_gate.h"
 #include "runtime/cpu/cpu_engine.h"
@@ -537,6 +539,55 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
   return std::max(0.0, elapsed / cycles - std::chrono::duration<double>(work).count());
 }
 
+double comm_wake_seconds(std::size_t bytes, int calls) {
+  if (host_cores() < 2) throw std::invalid_argument("comm_wake_seconds needs two cores");
+  const std::size_t elems = std::max<std::size_t>(bytes / sizeof(float), 2 * 1024);  // a ring, not the direct path
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> compute;  // the ranks' compute threads, always busy
+  for (int c = 0; c < 2; ++c)
+    compute.emplace_back([&stop, c] {
+      pin_to_core(pthread_self(), c);
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  auto median_after_last = [&](std::chrono::microseconds late) {
+    InProcessWorld world(2);
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int r = 0; r < 2; ++r) comms.push_back(world.communicator(r, kCpuOverlapPoll, nullptr, kCpuCommPoll));
+    std::vector<double> after(static_cast<std::size_t>(calls));
+    std::atomic<std::int64_t> last_ns{0};
+    std::barrier sync(2);
+    std::vector<std::thread> members;
+    for (int r = 0; r < 2; ++r)
+      members.emplace_back([&, r] {
+        pin_to_core(pthread_self(), r);
+        run_first_on_core(pthread_self());
+        std::vector<float> buf(elems, 1.0f);
+        const int group[] = {0, 1};
+        const auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
+        for (int i = 0; i < calls; ++i) {
+          sync.arrive_and_wait();
+          if (r == 1) {
+            if (late.count() > 0) std::this_thread::sleep_for(late);
+            last_ns.store(now_ns());
+          }
+          comms[static_cast<std::size_t>(r)]->all_reduce(buf, group, static_cast<std::uint64_t>(i + 1), ReduceOp::sum,
+                                                         DType::fp32, Divide::none);
+          const std::int64_t end = now_ns();
+          sync.arrive_and_wait();  // last_ns is this call's
+          if (r == 0) after[static_cast<std::size_t>(i)] = static_cast<double>(end - last_ns.load()) * 1e-9;
+        }
+      });
+    for (auto& m : members) m.join();
+    return median(std::move(after));
+  };
+  const double together = median_after_last(std::chrono::microseconds{0});
+  const double slept = median_after_last(std::chrono::microseconds{1000});
+  stop = true;
+  for (auto& c : compute) c.join();
+  return std::max(0.0, slept - together);
+}
+
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {
   HardwareProfile p;
   p.name = name;
@@ -551,6 +602,12 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
   p.memory_gib = machine_memory_gib() / cores;
   if (plan.plan.num_ranks() * plan.plan.tp > cores)  // ranks take the cores in turns
     p.core_handoff_us = core_handoff_seconds(plan.plan.num_ranks(), plan.plan.tp) * 1e6;
+  else if (cores >= 2 && plan.plan.num_ranks() > 1 && cpu_collectives_beside_compute(plan.plan)) {
+    // Pinned ranks whose communication thread polls only briefly for a peer (cpu_engine.h).
+    p.comm_poll_us = static_cast<double>(kCpuOverlapPoll.count());
+    const double bucket = plan.plan.config.communication.bucket_size_mib * 1024 * 1024;
+    p.comm_wake_us = comm_wake_seconds(static_cast<std::size_t>(std::clamp(bucket, 64.0 * 1024, 4.0 * 1024 * 1024))) * 1e6;
+  }
   return p;
 }
 

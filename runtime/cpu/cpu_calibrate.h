@@ -24,6 +24,13 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
 // work, `cells` schedule ranks of `shards` threads each taking `turns_per_cell` turns in
 // round-robin order on this machine's cores.
 double core_handoff_seconds(int cells, int shards, int turns_per_cell = 50);
+// HardwareProfile::comm_wake_us in seconds: what a 2-member all-reduce of `bytes` takes longer,
+// from its last member's arrival, when the first arrived a millisecond earlier and slept, than
+// when both arrive together; each member on a core of its own beside a spinning thread, its
+// thread as the engine runs a pinned rank's collectives beside its compute (kCpuOverlapPoll for a
+// peer, polling inside the ring, run_first_on_core where granted). Medians of `calls` each; 0
+// where the difference is not positive. Needs two cores.
+double comm_wake_seconds(std::size_t bytes, int calls = 100);
 // The machine's CPU model and core count, for the profile's `device`.
 std::string cpu_description();
 // calibrate_profile(cpu_backend(), ...).

@@ -152,15 +152,13 @@ class CpuEngine final : public DeviceEngine {
     }
     std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
     ranks_.resize(static_cast<std::size_t>(world_.size()));
-    // Collectives that run beside the passes on the same core: gradients reduced while the backward
-    // runs, or ZeRO-2/3's per-micro-batch reduce-scatters and gathers, which overlap the passes
-    // whatever overlap_grad_reduce says. Their thread then runs first on its core where the system
+    // Collectives that run beside the passes on the same core (cpu_collectives_beside_compute):
+    // their thread then runs first on its core where the system
     // lets it (a woken one otherwise waits for the tick: run_first_on_core), and so do the
     // communication threads of ranks that share the cores, which always wake beside a turn's
     // compute (the incident's data-parallel all-reduces, 1.5-1.8 ms predicted, measured 4-9 ms
     // without it, 1.9-2.0 with it).
-    const bool beside_compute =
-        cfg.communication.overlap_grad_reduce || plan_.reduces_every_microbatch() || plan_.gathers_before_forward();
+    const bool beside_compute = cpu_collectives_beside_compute(plan_);
     comm_first_asked_ = !pinned_ || beside_compute;
     comm_first_ = comm_first_asked_ && may_run_first_on_core();
     for (int r = 0; r < world_.size(); ++r) {
@@ -1141,6 +1139,11 @@ class CpuEngine final : public DeviceEngine {
 }  // namespace
 
 int host_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
+bool cpu_collectives_beside_compute(const Plan& plan) {
+  return plan.config.communication.overlap_grad_reduce || plan.reduces_every_microbatch() ||
+         plan.gathers_before_forward();
+}
 
 bool cpu_pins_ranks(const RunOptions& options, int ranks) { return options.pin_threads && ranks <= host_cores(); }
 

@@ -38,6 +38,11 @@ inline constexpr std::chrono::microseconds kCpuOverlapPoll{100};
 // The cores this host runs threads on (at least 1).
 int host_cores();
 
+// Whether the plan's collectives run beside its passes on a rank's core: gradients reduced while
+// the backward runs, or ZeRO-2/3's per-micro-batch reduce-scatters and gathers, which overlap the
+// passes whatever overlap_grad_reduce says. Pinned, their thread polls kCpuOverlapPoll for a peer.
+bool cpu_collectives_beside_compute(const Plan& plan);
+
 // Whether the CPU engine pins rank r's threads to core r: when asked and the ranks fit the cores.
 bool cpu_pins_ranks(const RunOptions& options, int ranks);
 

@@ -76,6 +76,11 @@ class NetworkCollectiveModel final : public CollectiveModel {
  public:
   explicit NetworkCollectiveModel(const Plan& plan) : plan_(plan) {}
   Tick duration(const Collective& c) const override;
+  // A calibrated profile's comm_wake_us where `waited` exceeds its comm_poll_us, else 0.
+  Tick wake_after(Tick waited) const override;
+  // Whether wake_after can be non-zero (the compiled step program, sim/step_program.h, does not
+  // price it: such plans run on the engine).
+  bool prices_wake() const;
   // Seconds for a collective of `kind` over `members` (schedule ranks; each stands for its
   // tensor-parallel group, whose t GPUs run t such collectives side by side, each on its own
   // GPU's links).

@@ -24,11 +24,14 @@ class P2PModel {
   virtual bool blocks_sender() const { return false; }
 };
 
-// Duration of a collective once every member has arrived.
+// Duration of a collective once every member has arrived; `wake_after(waited)`: what it adds
+// when its first member arrived `waited` before its last (a runtime whose members sleep after
+// polling so long: HardwareProfile::comm_wake_us), 0 for most.
 class CollectiveModel {
  public:
   virtual ~CollectiveModel() = default;
   virtual Tick duration(const Collective& c) const = 0;
+  virtual Tick wake_after(Tick /*waited*/) const { return 0; }
 };
 
 struct CostModels {

@@ -15,6 +15,7 @@ struct VirtualModels {
   Tick compute(const Op& op, int rank) const { return m.compute->duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return m.p2p->duration(from, to, bytes); }
   Tick collective(const Collective& c) const { return m.collective->duration(c); }
+  Tick collective_wake(Tick waited) const { return m.collective->wake_after(waited); }
   bool blocking_sends() const { return m.p2p->blocks_sender(); }
 };
 
@@ -25,6 +26,7 @@ struct DefaultModels {
   Tick compute(const Op& op, int rank) const { return c.RooflineComputeModel::duration(op, rank); }
   Tick p2p(int from, int to, Bytes bytes) const { return p.LinkP2PModel::duration(from, to, bytes); }
   Tick collective(const Collective& col) const { return k.NetworkCollectiveModel::duration(col); }
+  Tick collective_wake(Tick waited) const { return k.NetworkCollectiveModel::wake_after(waited); }
   bool blocking_sends() const { return p.LinkP2PModel::blocks_sender(); }
 };
 
