@@ -20,6 +20,7 @@
 #include "runtime/calibrate/calibrate.h"
 #include "runtime/calibrate/comm_bench.h"
 #include "runtime/cpu/cpu_calibrate.h"
+#include "runtime/cpu/cpu_engine.h"
 #include "tests/runtime/comm_bench_checks.h"
 #include "tests/runtime/runtime_test_config.h"
 
@@ -492,6 +493,40 @@ TEST(CalibrateCommTable, ReportsWrongElementsAndMissingFits) {
   const std::string table = format_comm_table(r);
   EXPECT_NE(table.find("# Out of bounds values : 2 FAILED"), std::string::npos) << table;
   EXPECT_NE(table.find("not fitted"), std::string::npos) << table;
+}
+
+// ---------------------------------------------------------------------------------------
+// The wake-up of a member that slept (cpu_calibrate.h: comm_wake_seconds)
+// ---------------------------------------------------------------------------------------
+
+// Timed from the last member's arrival: what the early member's sleep adds is less than the
+// millisecond it slept (timed from its own arrival, it would be at least that).
+TEST(CommWake, ASleptMemberAddsLessThanItSleptFromTheLastArrival) {
+  if (host_cores() < 2) GTEST_SKIP() << "needs two cores";
+  for (const std::size_t bytes : {std::size_t{64} << 10, std::size_t{1} << 20}) {
+    const double s = comm_wake_seconds(bytes, 30);
+    EXPECT_TRUE(std::isfinite(s) && s >= 0) << bytes << " bytes: " << s << " s";
+    EXPECT_LT(s, 1e-3) << bytes << " bytes";
+  }
+}
+
+// The profile carries the poll and the wake-up where pinned ranks' collectives run beside their
+// compute (overlap_grad_reduce), and neither where they wait for the passes or the ranks share
+// the cores (whose communication threads never poll).
+TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
+  if (host_cores() < 2) GTEST_SKIP() << "needs two cores";
+  ScenarioConfig c = testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2);
+  for (const bool overlap : {false, true}) {
+    c.communication.overlap_grad_reduce = overlap;
+    const HardwareProfile p = describe_cpu_profile(make_runtime_plan(c), "t");
+    EXPECT_EQ(p.comm_poll_us > 0, overlap) << "overlap " << overlap;
+    if (!overlap) EXPECT_EQ(p.comm_wake_us, 0);
+  }
+  ScenarioConfig shared = testing::tiny_plan(2, host_cores(), ScheduleKind::one_f_one_b, 1, 2 * host_cores(), 2 * host_cores());
+  shared.communication.overlap_grad_reduce = true;
+  const HardwareProfile q = describe_cpu_profile(make_runtime_plan(shared), "t");
+  EXPECT_EQ(q.comm_poll_us, 0);
+  EXPECT_EQ(q.comm_wake_us, 0);
 }
 
 }  // namespace
