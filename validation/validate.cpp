@@ -566,6 +566,10 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
                        "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",
                        v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_handoff_us);
+  if (v.profile.comm_wake_us > 0)
+    out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "
+                       "its sleep (calibrated)\n",
+                       v.profile.comm_poll_us, v.profile.comm_wake_us);
   if (!v.core_factors_in_step.empty())
     out << fmt::format("  in step  the ranks' blocks took x{:.2f} of their mean per block in the measured step: the "
                        "cores' factors above include it\n",
