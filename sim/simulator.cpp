@@ -220,8 +220,8 @@ Predictor::Route Predictor::route(const Plan& plan, const Models& m, Result& out
   // A schedule not met lately: the engine, as without the cache. So too ranks that contend for
   // their host's cores, whose ops the engine prices again from each round's overlaps, and
   // collectives that cost more when a member waited (the program does not price that).
-  const bool contend = cores_contend(plan) || m.collective.prices_wake();
-  if (++entry.uses == 1 || contend) {
+  const bool on_engine = cores_contend(plan) || m.collective.prices_wake();
+  if (++entry.uses == 1 || on_engine) {
     if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
     Schedule& s = *schedule_;
     bool symmetric = false;

@@ -13,7 +13,9 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <numbers>
 #include <random>
 #include <span>
@@ -542,8 +544,13 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
 double comm_wake_seconds(std::size_t bytes, int calls) {
   if (host_cores() < 2) throw std::invalid_argument("comm_wake_seconds needs two cores");
   const std::size_t elems = std::max<std::size_t>(bytes / sizeof(float), 2 * 1024);  // a ring, not the direct path
+  const CpuCollectivePolls polls = cpu_collective_polls(true, true);
   std::atomic<bool> stop{false};
-  std::vector<std::thread> compute;  // the ranks' compute threads, always busy
+  std::vector<std::jthread> compute;  // the ranks' compute threads, always busy; joined on every exit
+  struct Stop {
+    std::atomic<bool>& flag;
+    ~Stop() { flag = true; }
+  } stop_compute{stop};  // declared after them: set before they are joined
   for (int c = 0; c < 2; ++c)
     compute.emplace_back([&stop, c] {
       pin_to_core(pthread_self(), c);
@@ -553,38 +560,49 @@ double comm_wake_seconds(std::size_t bytes, int calls) {
   auto median_after_last = [&](std::chrono::microseconds late) {
     InProcessWorld world(2);
     std::vector<std::unique_ptr<Communicator>> comms;
-    for (int r = 0; r < 2; ++r) comms.push_back(world.communicator(r, kCpuOverlapPoll, nullptr, kCpuCommPoll));
+    for (int r = 0; r < 2; ++r) comms.push_back(world.communicator(r, polls.first, nullptr, polls.in_call));
     std::vector<double> after(static_cast<std::size_t>(calls));
     std::atomic<std::int64_t> last_ns{0};
     std::barrier sync(2);
-    std::vector<std::thread> members;
-    for (int r = 0; r < 2; ++r)
-      members.emplace_back([&, r] {
-        pin_to_core(pthread_self(), r);
-        run_first_on_core(pthread_self());
-        std::vector<float> buf(elems, 1.0f);
-        const int group[] = {0, 1};
-        const auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
-        for (int i = 0; i < calls; ++i) {
-          sync.arrive_and_wait();
-          if (r == 1) {
-            if (late.count() > 0) std::this_thread::sleep_for(late);
-            last_ns.store(now_ns());
+    std::exception_ptr failed;
+    std::mutex failed_mu;
+    {
+      std::vector<std::jthread> members;
+      for (int r = 0; r < 2; ++r)
+        members.emplace_back([&, r] {
+          try {
+            pin_to_core(pthread_self(), r);
+            run_first_on_core(pthread_self());
+            std::vector<float> buf(elems, 1.0f);
+            const int group[] = {0, 1};
+            const auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
+            for (int i = 0; i < calls; ++i) {
+              sync.arrive_and_wait();
+              if (r == 1) {
+                if (late.count() > 0) std::this_thread::sleep_for(late);
+                last_ns.store(now_ns());
+              }
+              comms[static_cast<std::size_t>(r)]->all_reduce(buf, group, static_cast<std::uint64_t>(i + 1),
+                                                             ReduceOp::sum, DType::fp32, Divide::none);
+              const std::int64_t end = now_ns();
+              sync.arrive_and_wait();  // last_ns is this call's
+              if (r == 0) after[static_cast<std::size_t>(i)] = static_cast<double>(end - last_ns.load()) * 1e-9;
+            }
+          } catch (...) {
+            {
+              std::lock_guard lock(failed_mu);
+              if (!failed) failed = std::current_exception();
+            }
+            comms[static_cast<std::size_t>(r)]->abort(fmt::format("comm_wake_seconds: member {} failed", r));
+            sync.arrive_and_drop();
           }
-          comms[static_cast<std::size_t>(r)]->all_reduce(buf, group, static_cast<std::uint64_t>(i + 1), ReduceOp::sum,
-                                                         DType::fp32, Divide::none);
-          const std::int64_t end = now_ns();
-          sync.arrive_and_wait();  // last_ns is this call's
-          if (r == 0) after[static_cast<std::size_t>(i)] = static_cast<double>(end - last_ns.load()) * 1e-9;
-        }
-      });
-    for (auto& m : members) m.join();
+        });
+    }
+    if (failed) std::rethrow_exception(failed);
     return median(std::move(after));
   };
   const double together = median_after_last(std::chrono::microseconds{0});
   const double slept = median_after_last(std::chrono::microseconds{1000});
-  stop = true;
-  for (auto& c : compute) c.join();
   return std::max(0.0, slept - together);
 }
 
@@ -604,7 +622,7 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
     p.core_handoff_us = core_handoff_seconds(plan.plan.num_ranks(), plan.plan.tp) * 1e6;
   else if (cores >= 2 && plan.plan.num_ranks() > 1 && cpu_collectives_beside_compute(plan.plan)) {
     // Pinned ranks whose communication thread polls only briefly for a peer (cpu_engine.h).
-    p.comm_poll_us = static_cast<double>(kCpuOverlapPoll.count());
+    p.comm_poll_us = static_cast<double>(cpu_collective_polls(true, true).first.count());
     const double bucket = plan.plan.config.communication.bucket_size_mib * 1024 * 1024;
     p.comm_wake_us = comm_wake_seconds(static_cast<std::size_t>(std::clamp(bucket, 64.0 * 1024, 4.0 * 1024 * 1024))) * 1e6;
   }

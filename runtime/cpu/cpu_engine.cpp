@@ -153,12 +153,12 @@ class CpuEngine final : public DeviceEngine {
     std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
     ranks_.resize(static_cast<std::size_t>(world_.size()));
     // Collectives that run beside the passes on the same core (cpu_collectives_beside_compute):
-    // their thread then runs first on its core where the system
-    // lets it (a woken one otherwise waits for the tick: run_first_on_core), and so do the
-    // communication threads of ranks that share the cores, which always wake beside a turn's
-    // compute (the incident's data-parallel all-reduces, 1.5-1.8 ms predicted, measured 4-9 ms
-    // without it, 1.9-2.0 with it).
+    // their thread then runs first on its core where the system lets it (a woken one otherwise
+    // waits for the tick: run_first_on_core), and so do the communication threads of ranks that
+    // share the cores, which always wake beside a turn's compute (the incident's data-parallel
+    // all-reduces, 1.5-1.8 ms predicted, measured 4-9 ms without it, 1.9-2.0 with it).
     const bool beside_compute = cpu_collectives_beside_compute(plan_);
+    const CpuCollectivePolls polls = cpu_collective_polls(pinned_, beside_compute);
     comm_first_asked_ = !pinned_ || beside_compute;
     comm_first_ = comm_first_asked_ && may_run_first_on_core();
     for (int r = 0; r < world_.size(); ++r) {
@@ -181,8 +181,7 @@ class CpuEngine final : public DeviceEngine {
       // 1.8x what calibration, which polls, measured).
       const auto off = std::chrono::microseconds{0};
       rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
-      rk->collectives = comm_world_.communicator(r, !pinned_ ? off : beside_compute ? kCpuOverlapPoll : kCpuCommPoll,
-                                                 nullptr, pinned_ ? kCpuCommPoll : off);
+      rk->collectives = comm_world_.communicator(r, polls.first, nullptr, polls.in_call);
       if (world_.tensor_parallel() > 1) {
         rk->tp_comm = comm_world_.communicator(r, kCpuCommPoll, gate_ ? gate_->may_poll(world_.cell(r)) : nullptr);
         rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->tp_comm, world_.tensor_parallel_group(r));
@@ -1143,6 +1142,11 @@ int host_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_co
 bool cpu_collectives_beside_compute(const Plan& plan) {
   return plan.config.communication.overlap_grad_reduce || plan.reduces_every_microbatch() ||
          plan.gathers_before_forward();
+}
+
+CpuCollectivePolls cpu_collective_polls(bool pinned, bool beside_compute) {
+  if (!pinned) return {std::chrono::microseconds{0}, std::chrono::microseconds{0}};
+  return {beside_compute ? kCpuOverlapPoll : kCpuCommPoll, kCpuCommPoll};
 }
 
 bool cpu_pins_ranks(const RunOptions& options, int ranks) { return options.pin_threads && ranks <= host_cores(); }

@@ -43,6 +43,14 @@ int host_cores();
 // passes whatever overlap_grad_reduce says. Pinned, their thread polls kCpuOverlapPoll for a peer.
 bool cpu_collectives_beside_compute(const Plan& plan);
 
+// How a rank's communication thread polls (InProcessWorld::communicator's `poll` and
+// `poll_in_call`): pinned, kCpuOverlapPoll for a peer where its collectives run beside its compute
+// (else kCpuCommPoll) and kCpuCommPoll inside a ring; sharing the cores, never.
+struct CpuCollectivePolls {
+  std::chrono::microseconds first, in_call;
+};
+CpuCollectivePolls cpu_collective_polls(bool pinned, bool beside_compute);
+
 // Whether the CPU engine pins rank r's threads to core r: when asked and the ranks fit the cores.
 bool cpu_pins_ranks(const RunOptions& options, int ranks);
 

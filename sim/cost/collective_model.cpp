@@ -163,16 +163,16 @@ Tick NetworkCollectiveModel::duration(const Collective& c) const {
   return seconds_to_ticks(c.parts * per_part + shard_copy_seconds(c));
 }
 
-bool NetworkCollectiveModel::prices_wake() const {
-  const auto& profile = plan_.config.cluster.calibrated;
-  return profile && profile->comm_wake_us > 0;
+NetworkCollectiveModel::NetworkCollectiveModel(const Plan& plan) : plan_(plan) {
+  if (const auto& profile = plan.config.cluster.calibrated; profile && profile->comm_wake_us > 0) {
+    wake_ = seconds_to_ticks(profile->comm_wake_us * 1e-6);
+    poll_ = seconds_to_ticks(profile->comm_poll_us * 1e-6);
+  }
 }
 
-Tick NetworkCollectiveModel::wake_after(Tick waited) const {
-  if (!prices_wake()) return 0;
-  const auto& profile = *plan_.config.cluster.calibrated;
-  return waited > seconds_to_ticks(profile.comm_poll_us * 1e-6) ? seconds_to_ticks(profile.comm_wake_us * 1e-6) : 0;
-}
+bool NetworkCollectiveModel::prices_wake() const { return wake_ > 0; }
+
+Tick NetworkCollectiveModel::wake_after(Tick waited) const { return waited > poll_ ? wake_ : 0; }
 
 double NetworkCollectiveModel::wire_bytes(const Collective& c) const {
   // schedule.cpp: gathers move working weights, the overflow check one fp32 flag, the rest

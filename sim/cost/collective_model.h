@@ -74,7 +74,7 @@ CollectiveCost nccl_collective(OpKind kind, const GroupShape& group, double byte
 
 class NetworkCollectiveModel final : public CollectiveModel {
  public:
-  explicit NetworkCollectiveModel(const Plan& plan) : plan_(plan) {}
+  explicit NetworkCollectiveModel(const Plan& plan);
   Tick duration(const Collective& c) const override;
   // A calibrated profile's comm_wake_us where `waited` exceeds its comm_poll_us, else 0.
   Tick wake_after(Tick waited) const override;
@@ -94,6 +94,7 @@ class NetworkCollectiveModel final : public CollectiveModel {
   // Bytes per element of `c` on the wire.
   double wire_bytes(const Collective& c) const;
   const Plan& plan_;
+  Tick wake_ = 0, poll_ = 0;  // the calibrated profile's comm_wake_us and comm_poll_us (0: none)
 };
 
 }  // namespace trainsim
