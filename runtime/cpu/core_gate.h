@@ -49,6 +49,13 @@ inline bool run_first_on_core(pthread_t thread) {
   return pthread_setschedparam(thread, SCHED_FIFO, &param) == 0;
 }
 
+// Makes `thread` a normal thread again (SCHED_OTHER), as run_first_on_core found it.
+inline void run_as_normal(pthread_t thread) {
+  sched_param param{};
+  param.sched_priority = 0;
+  pthread_setschedparam(thread, SCHED_OTHER, &param);
+}
+
 // Whether run_first_on_core is granted here (asked by a thread that ends at once).
 inline bool may_run_first_on_core() {
   bool granted = false;
@@ -70,10 +77,21 @@ inline bool may_run_first_on_core() {
 // grants it, before they are woken. Left to the scheduler, a woken shard was at times queued for
 // milliseconds on the core where its partner already ran (and polled for it at their first
 // collective) while the other core was busy with other threads.
+//
+// Outside its turns a compute thread only keeps books and waits (for a message, a collective, its
+// next turn), and with `waiting_first` (where run_first_on_core is granted) it runs first on its
+// core meanwhile, as a normal thread again once a turn starts (wait_first, acquire, release, pause,
+// resume). Left a normal thread, the release of a turn woke the next turn's thread on the same core
+// and that thread took it: the releaser, a few microseconds from its next wait, sat behind a whole
+// op until the scheduler's tick (0-4 ms at 250 Hz; 4-5 ms measured on the incident's ranks), and a
+// thread woken by a message waited as long beside the turns running: its next turn in the fixed
+// order came late, with a core idle until then (docs/validation.md, "Twenty-fifth session").
 class CoreGate {
  public:
-  CoreGate(int cores, int cells, int shards, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout)
-      : cores_(cores),
+  CoreGate(int cores, int cells, int shards, std::vector<CoreTurn> turns, std::chrono::milliseconds timeout,
+           bool waiting_first = false)
+      : waiting_first_(waiting_first),
+        cores_(cores),
         shards_(shards),
         take_(std::min(shards, cores)),
         turns_(std::move(turns)),
@@ -114,8 +132,27 @@ class CoreGate {
     threads_[slot(cell, shard)] = pthread_self();
   }
 
+  // On a compute thread, once every rank's thread has started (a real-time thread spinning for the
+  // others to start would keep them from it): from now on it runs first on its core outside its
+  // turns, where the gate was made so.
+  void wait_first() const {
+    if (waiting_first_) run_first_on_core(pthread_self());
+  }
+
   // Waits for cores for cell `turn.rank`'s op `op` (part `part`), or joins its shards already on them.
   void acquire(const CoreTurn& turn) {
+    take_turn(turn);
+    if (waiting_first_) run_as_normal(pthread_self());  // the op's work: a normal thread's
+  }
+
+  // Shard `shard` of cell `turn.rank` is done with the turn.
+  void release(const CoreTurn& turn, int shard) {
+    if (waiting_first_) run_first_on_core(pthread_self());  // before the next turn's thread wakes on this core
+    give_back(turn, shard);
+  }
+
+ private:
+  void take_turn(const CoreTurn& turn) {
     std::unique_lock lock(mu_);
     if (auto g = granted_.find(turn); g != granted_.end()) {
       ++g->second.joined;
@@ -150,8 +187,7 @@ class CoreGate {
     wake_next();
   }
 
-  // Shard `shard` of cell `turn.rank` is done with the turn.
-  void release(const CoreTurn& turn, int shard) {
+  void give_back(const CoreTurn& turn, int shard) {
     std::lock_guard lock(mu_);
     unpin(slot(turn.rank, shard));
     auto g = granted_.find(turn);
@@ -162,6 +198,7 @@ class CoreGate {
     wake_next();
   }
 
+ public:
   // A rank that must wait in the middle of an op (ZeRO-3's next unit, which its data-parallel
   // peers' gathers need their compute to move on for) gives its core back and takes any free one
   // again, outside the turns. Meanwhile the next turn may start on the cores there are: under
@@ -171,6 +208,7 @@ class CoreGate {
   // collectives inside the op: a shard that waited for a core would wait for the partner that
   // spins for it), sharing its cores for the while.
   void pause(int cell, int shard) {
+    if (waiting_first_) run_first_on_core(pthread_self());
     std::lock_guard lock(mu_);
     unpin(slot(cell, shard));
     may_poll_[static_cast<std::size_t>(cell)].store(false);  // until the cell's next turn
@@ -191,6 +229,8 @@ class CoreGate {
     --paused_in_[static_cast<std::size_t>(cell)];
     pin(slot(cell, shard), least_used_core());
     resumed_.notify_all();  // its own paused partners may go on with it
+    lock.unlock();
+    if (waiting_first_) run_as_normal(pthread_self());
   }
 
   void abort() {
@@ -274,6 +314,7 @@ class CoreGate {
     }
   }
 
+  const bool waiting_first_;                        // compute threads run first outside their turns
   std::unique_ptr<std::atomic<bool>[]> may_poll_;   // per cell (may_poll)
   std::vector<std::optional<pthread_t>> threads_;  // per cell and shard: its compute thread this step
   std::vector<int> core_of_;                       // per cell and shard: the core it is pinned to, or -1

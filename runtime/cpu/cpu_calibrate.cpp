@@ -517,7 +517,7 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
   std::vector<CoreTurn> turns;
   for (int k = 0; k < turns_per_cell; ++k)
     for (int c = 0; c < cells; ++c) turns.push_back(CoreTurn{c, k, 0});
-  CoreGate gate(cores, cells, shards, turns, std::chrono::seconds(10));
+  CoreGate gate(cores, cells, shards, turns, std::chrono::seconds(10), may_run_first_on_core());  // as the engine's
   gate.reset();
   std::barrier start(cells * shards + 1);
   std::vector<std::thread> threads;
@@ -526,6 +526,7 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
       threads.emplace_back([&, c, sh] {
         gate.enrol(c, sh);
         start.arrive_and_wait();
+        gate.wait_first();
         for (int k = 0; k < turns_per_cell; ++k) {
           CoreGate::Hold core(&gate, CoreTurn{c, k, 0}, sh);
           const auto until = Clock::now() + work;

@@ -145,22 +145,23 @@ class CpuEngine final : public DeviceEngine {
     const auto& cfg = plan_.config;
     const OptimizerSettings os = optimizer_settings(cfg);
 
-    if (!pinned_) {
-      check_turns(options.core_turns);
-      gate_ = std::make_unique<CoreGate>(host_cores(), world_.num_cells(), world_.tensor_parallel(), options.core_turns,
-                                         options.comm_timeout);
-    }
-    std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
-    ranks_.resize(static_cast<std::size_t>(world_.size()));
     // Collectives that run beside the passes on the same core (cpu_collectives_beside_compute):
     // their thread then runs first on its core where the system lets it (a woken one otherwise
     // waits for the tick: run_first_on_core), and so do the communication threads of ranks that
     // share the cores, which always wake beside a turn's compute (the incident's data-parallel
-    // all-reduces, 1.5-1.8 ms predicted, measured 4-9 ms without it, 1.9-2.0 with it).
+    // all-reduces, 1.5-1.8 ms predicted, measured 4-9 ms without it, 1.9-2.0 with it), and those
+    // ranks' compute threads outside their turns (CoreGate's waiting_first).
     const bool beside_compute = cpu_collectives_beside_compute(plan_);
     const CpuCollectivePolls polls = cpu_collective_polls(pinned_, beside_compute);
     comm_first_asked_ = !pinned_ || beside_compute;
     comm_first_ = comm_first_asked_ && may_run_first_on_core();
+    if (!pinned_) {
+      check_turns(options.core_turns);
+      gate_ = std::make_unique<CoreGate>(host_cores(), world_.num_cells(), world_.tensor_parallel(), options.core_turns,
+                                         options.comm_timeout, comm_first_);
+    }
+    std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
+    ranks_.resize(static_cast<std::size_t>(world_.size()));
     for (int r = 0; r < world_.size(); ++r) {
       auto& rk = ranks_[static_cast<std::size_t>(r)];
       rk = std::make_unique<Rank>();
@@ -220,7 +221,9 @@ class CpuEngine final : public DeviceEngine {
         world_.tensor_parallel() > 1
             ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
             : "";
-    const std::string comm = comm_first_         ? "; communication threads run first on their cores (SCHED_FIFO)"
+    const std::string comm = comm_first_ ? (gate_ ? "; communication threads, and compute threads outside their turns, run "
+                                                    "first on their cores (SCHED_FIFO)"
+                                                  : "; communication threads run first on their cores (SCHED_FIFO)")
                              : comm_first_asked_ ? "; communication threads at normal priority (SCHED_FIFO refused: "
                                                    "a woken one may wait for the scheduler's tick)"
                                                  : "";
@@ -353,6 +356,7 @@ class CpuEngine final : public DeviceEngine {
       if (e_.pinned_) pin_to_core(pthread_self(), rk_.rank);
       if (e_.gate_) e_.gate_->enrol(e_.world_.cell(rk_.rank), rk_.shard);
       e_.start_together();
+      if (e_.gate_) e_.gate_->wait_first();  // after the spin above: every rank's thread has started
       if (e_.pinned_) rk_.core_account.open(rk_.rank);  // the step's start, on the rank's core
     }
     void start_comm_thread() override {

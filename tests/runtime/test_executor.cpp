@@ -517,6 +517,49 @@ TEST(CoreGate, RunFirstOnCoreIsRealTimeWhereGrantedAndUnchangedWhereNot) {
   EXPECT_NE(sched_getscheduler(0), SCHED_FIFO) << "the asking thread's policy leaked to the caller";
 }
 
+// Where ranks share cores, a compute thread outside its turns runs first on its core and inside
+// them is a normal thread (CoreGate's waiting_first): releasing a turn wakes the next turn's thread
+// on the same core, and the releaser, a few microseconds from its next wait, must get there before
+// that thread's whole op. One core, two cells; the next turn spins 100 ms.
+TEST(CoreGate, ThreadsOutsideTheirTurnsRunFirstAndTurnsRunAsNormalThreads) {
+  if (!may_run_first_on_core()) GTEST_SKIP() << "SCHED_FIFO is refused here (no CAP_SYS_NICE / RLIMIT_RTPRIO)";
+  CoreGate gate(1, 2, 1, {CoreTurn{0, 0, 0}, CoreTurn{1, 0, 0}}, std::chrono::milliseconds(10'000), true);
+  gate.reset();
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point released_on{}, next_started{};
+  int outside = -1, inside = -1, after = -1;
+  std::atomic<bool> first_holds{false};
+  std::thread next([&] {
+    gate.enrol(1, 0);
+    gate.wait_first();
+    while (!first_holds) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    CoreGate::Hold turn(&gate, CoreTurn{1, 0, 0}, 0);
+    next_started = Clock::now();
+    const auto until = next_started + std::chrono::milliseconds(100);
+    while (Clock::now() < until) {
+    }
+  });
+  std::thread first([&] {
+    gate.enrol(0, 0);
+    gate.wait_first();
+    outside = sched_getscheduler(0);
+    {
+      CoreGate::Hold turn(&gate, CoreTurn{0, 0, 0}, 0);
+      inside = sched_getscheduler(0);
+      first_holds = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the next turn's thread waits in the gate
+    }
+    released_on = Clock::now();  // the books after a turn, on the core the next turn was woken on
+    after = sched_getscheduler(0);
+  });
+  first.join();
+  next.join();
+  EXPECT_EQ(outside, SCHED_FIFO);
+  EXPECT_EQ(inside, SCHED_OTHER);
+  EXPECT_EQ(after, SCHED_FIFO);
+  EXPECT_LT(released_on, next_started) << "the next turn's op ran before the releaser's books: it took the core from it";
+}
+
 // A pinned rank's core account (runtime/cpu/core_account.h): a thread that is not the rank's,
 // spinning on the rank's core, is other work (all of its CPU time in the window, and whatever else
 // the machine ran there: other tests in parallel); the same thread counted as the rank's own is not.
@@ -624,16 +667,18 @@ TEST(Executor, RanksSayWhatTheHostTookFromTheirCores) {
 }
 
 // The communication threads run first on their cores (run_first_on_core) where their collectives
-// run beside the compute (pinned, overlap_grad_reduce) or the ranks share the cores, and the run
-// says whether the system granted it; pinned ranks whose collectives wait for the passes do not ask.
+// run beside the compute (pinned, overlap_grad_reduce) or the ranks share the cores (and there the
+// compute threads outside their turns too), and the run says whether the system granted it; pinned
+// ranks whose collectives wait for the passes do not ask.
 TEST(Executor, TheRunSaysWhetherItsCommunicationThreadsRunFirst) {
   const bool granted = may_run_first_on_core();
   const std::string first = "communication threads run first on their cores",
+                    shared_first = "communication threads, and compute threads outside their turns, run first on their cores",
                     refused = "communication threads at normal priority";
   auto says = [](const RunReport& r, const std::string& what) { return r.execution.find(what) != std::string::npos; };
   const RunReport shared = run(small_config(2, 4, ScheduleKind::one_f_one_b));
   ASSERT_FALSE(shared.failure) << shared.failure->message;
-  EXPECT_TRUE(says(shared, granted ? first : refused)) << shared.execution;
+  EXPECT_TRUE(says(shared, granted ? shared_first : refused)) << shared.execution;
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "pinned ranks need two cores";
   RunOptions pinned;
   pinned.pin_threads = true;
