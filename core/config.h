@@ -32,9 +32,15 @@ enum class PositionEmbedding { learned_absolute, rope };
 enum class Optimizer { adam, adamw, sgd };
 enum class Normalization { layernorm, rmsnorm };
 // How the attention core (softmax(QK^T) V) runs: one fused kernel that never writes the s x s
-// scores (FlashAttention; Megatron-LM and torchtitan's default), a fused softmax that still
-// writes them, or separate unfused kernels (scores, softmax, dropout, each through memory).
-enum class AttentionKernel { flash, fused, naive };
+// scores (FlashAttention 2; PyTorch SDPA's default, torchtitan's), the same work in cuDNN's fused
+// attention (Transformer Engine's default backend, Megatron-Core and NeMo on Hopper: Hopper's
+// asynchronous tensor cores, 1.6x FlashAttention 2 there), a fused softmax that still writes the
+// scores, or separate unfused kernels (scores, softmax, dropout, each through memory).
+enum class AttentionKernel { flash, cudnn, fused, naive };
+// One kernel that never stores the scores: flash or cudnn (the same work and memory, priced apart).
+inline bool single_kernel_attention(AttentionKernel a) {
+  return a == AttentionKernel::flash || a == AttentionKernel::cudnn;
+}
 // The LayerNorm kernel: a persistent one that keeps each row in registers and moves 16-byte
 // vectors (apex contrib FastLayerNorm, Megatron-LM since November 2021, Transformer Engine),
 // priced like any streaming kernel; or apex's FusedLayerNorm of 2019-2021, which Megatron-LM
@@ -104,8 +110,10 @@ struct ClusterConfig {
   int sm_count = 108;  // streaming multiprocessors: a product's tiles run in waves of this many; 0: no waves
   double hbm_bandwidth_gbps = 2039;
   double memory_efficiency = 0.79;  // fraction of hbm_bandwidth_gbps that streaming kernels reach
-  // Fraction of peak a fused attention kernel (FlashAttention) reaches on the work it does.
+  // Fraction of peak a fused attention kernel (FlashAttention) reaches on the work it does, and
+  // cuDNN's fused attention (model.attention: cudnn).
   double attention_efficiency = 0.5;
+  double cudnn_attention_efficiency = 0.5;
   // Fraction of the clock at which compute_efficiency and attention_efficiency were measured
   // (short benchmarks, boost clock) that the SMs hold through sustained training, where the power
   // limit binds (matrix products, HBM, NVLink and NICs all drawing at once).

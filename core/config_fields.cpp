@@ -231,10 +231,12 @@ std::vector<FieldSpec> make_fields() {
                    "Dropout of the attention probabilities; when above 0 it keeps a 1-byte mask and its output "
                    "(a*s*s*b each)"));
   t.push_back(choice("model.attention", FIELD(model.attention),
-                     {{"flash", AttentionKernel::flash}, {"fused", AttentionKernel::fused},
-                      {"naive", AttentionKernel::naive}},
-                     "Attention core kernel: flash (fused, the s*s scores never stored; Megatron-LM and "
-                     "torchtitan's default), fused (fused softmax, scores stored) or naive (separate kernels)"));
+                     {{"flash", AttentionKernel::flash}, {"cudnn", AttentionKernel::cudnn},
+                      {"fused", AttentionKernel::fused}, {"naive", AttentionKernel::naive}},
+                     "Attention core kernel: flash (FlashAttention 2, the s*s scores never stored; PyTorch SDPA "
+                     "and torchtitan's default), cudnn (cuDNN's fused attention, the same work: Transformer "
+                     "Engine's default, Megatron-Core and NeMo), fused (fused softmax, scores stored) or naive "
+                     "(separate kernels)"));
   t.push_back(boolean("model.fused_elementwise", FIELD(model.fused_elementwise),
                       "Elementwise work fused as Megatron-LM's kernels do; false: PyTorch eager, one kernel per "
                       "operation, norms and rotary embeddings in FP32 (torchtitan without torch.compile)"));
@@ -307,6 +309,8 @@ std::vector<FieldSpec> make_fields() {
                    "Fraction of hbm_bandwidth_gbps that streaming kernels reach (STREAM-like measurements)"));
   t.push_back(real("cluster.attention_efficiency", FIELD(cluster.attention_efficiency), 0.001, 1, "",
                    "Fraction of peak that a fused attention kernel (model.attention: flash) reaches on its work"));
+  t.push_back(real("cluster.cudnn_attention_efficiency", FIELD(cluster.cudnn_attention_efficiency), 0.001, 1, "",
+                   "Fraction of peak that cuDNN's fused attention (model.attention: cudnn) reaches on its work"));
   t.push_back(real("cluster.sustained_clock_fraction", FIELD(cluster.sustained_clock_fraction), 0.01, 1, "",
                    "Fraction of the benchmarks' clock the SMs hold through sustained training under the power "
                    "limit; scales matrix products and attention, not memory"));

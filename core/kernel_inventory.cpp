@@ -224,6 +224,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
   const double scores = static_cast<double>(b) * H * T * T;  // attention's s x s elements on this rank
   const double hidden_mask = m.hidden_dropout ? 1.0 : 0.0;
   const AttentionKernel attn = m.attention;
+  // The single attention kernel, named for its implementation (the compute model prices each).
+  const bool cudnn = attn == AttentionKernel::cudnn;
   const Recompute rc = cfg.training.activation_recompute;
   const double act = static_cast<double>(N) * C * e;  // one tensor-parallel all-reduce's buffer
   // Gradients accumulate into the grad_accumulation buffer from the second micro-batch on:
@@ -296,8 +298,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (t > 1 && !sp) k.memory_bytes("tp.allgather", act / e, act);
     };
     auto attention_core_forward = [&] {
-      if (attn == AttentionKernel::flash) {
-        k.matmul("flash_attention.forward", T, T, hs, 2 * b * H);
+      if (single_kernel_attention(attn)) {
+        k.matmul(cudnn ? "cudnn_attention.forward" : "flash_attention.forward", T, T, hs, 2 * b * H);
         return;
       }
       k.matmul("attention.scores", T, T, hs, b * H);
@@ -328,7 +330,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     // [s, b, h/t] (a copy); in backward the q, k and v gradients, split views of the one QKV
     // product, are concatenated into its gradient (torch.cat). FlashAttention reads and writes the
     // layout in place.
-    const bool layout_copies = attn != AttentionKernel::flash;
+    const bool layout_copies = !single_kernel_attention(attn);
     // Megatron's bias-dropout-add (and the eager adds and dropout) draws the hidden dropout's mask.
     auto bias_dropout_add_forward = [&] {
       if (m.hidden_dropout) k.memory_random("bias_dropout_add.forward", rep, rep * residual_fwd);
@@ -341,7 +343,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (separate_bias) k.memory("bias.add", static_cast<double>(N) * qkv, 2);
       if (!m.learned_positions) k.memory_bytes("rope.forward", q_and_k, q_and_k * rope_bytes);
       attention_core_forward();
-      if (eager && attn == AttentionKernel::flash)  // the heads transposed back into one tensor
+      if (eager && single_kernel_attention(attn))  // the heads transposed back into one tensor
         k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       linear_forward(C, Cout, true);
@@ -378,8 +380,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
       product(m.separate_projections ? 3 : 1);
       if (!m.learned_positions) k.memory_bytes("rope.forward", q_and_k, q_and_k * rope_bytes);
-      if (attn != AttentionKernel::flash) attention_core_forward();
-      if (eager && attn == AttentionKernel::flash) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (!single_kernel_attention(attn)) attention_core_forward();
+      if (eager && single_kernel_attention(attn)) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (product(1)) tp_allreduce(act);
       bias_dropout_add_forward();
@@ -430,8 +432,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (eager) k.memory("residual.backward", rep, 3);  // the two branches' gradients summed
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
       linear_backward_input(Cout, C, true);
-      if (attn == AttentionKernel::flash) {
-        k.matmul("flash_attention.backward", T, T, hs, 5 * b * H);  // five products, S and P recomputed
+      if (single_kernel_attention(attn)) {
+        k.matmul(cudnn ? "cudnn_attention.backward" : "flash_attention.backward", T, T, hs, 5 * b * H);  // five products, S and P recomputed
       } else {
         k.matmul("attention.scores", T, T, hs, b * H);  // dP = dO V^T
         k.matmul("attention.context", T, hs, T, b * H);  // dV = P^T dO
@@ -440,7 +442,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
         if (attn == AttentionKernel::naive) k.memory("attention.mask", scores, 2);
         k.matmul("attention.context", T, hs, T, 2 * b * H);  // dQ = dS K, dK = dS^T Q
       }
-      if (eager && attn == AttentionKernel::flash) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
+      if (eager && single_kernel_attention(attn)) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (layout_copies) k.memory("qkv.concat", static_cast<double>(N) * qkv, 2);
       if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
       if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);

@@ -97,7 +97,7 @@ double ModelShape::hardware_flops_per_sample(Recompute r) const {
       const std::vector<LayerProduct> products = layer_products();
       for (std::size_t i = 0; i < products.size(); ++i)
         if (!op_policy_keeps(i)) again += 2.0 * s * products[i].out * products[i].in;
-      if (attention != AttentionKernel::flash) again += layer_attention_core_flops(1);
+      if (!single_kernel_attention(attention)) again += layer_attention_core_flops(1);
       break;
     }
   }
@@ -109,7 +109,7 @@ double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recomput
 }
 
 double ModelShape::layer_stored_activation_bytes(int b, int e, int t, bool sp, Recompute r) const {
-  return activation_bytes(b, e, t, sp, r, attention == AttentionKernel::flash);
+  return activation_bytes(b, e, t, sp, r, single_kernel_attention(attention));
 }
 
 double ModelShape::activation_bytes(int b, int e, int t, bool sp, Recompute r, bool flash) const {

@@ -21,20 +21,20 @@ DTypeMap<double> rates(double fp32, double tf32, double fp16, double bf16, doubl
 std::vector<GpuPreset> make_gpus() {
   return {
       {"v100-32gb", "NVIDIA V100 SXM2 32GB (Volta): no bf16, no tf32; DGX-1/DGX-2 class", 8, 32.0,
-       rates(15.7, 0, 125, 0, 0), 0.80, 80, 900, 0.90, 0.35, 1.0, {150, 3, 0.80}, {12.5, 6, 0.94}, false,
+       rates(15.7, 0, 125, 0, 0), 0.80, 80, 900, 0.90, 0.35, 0.35, 1.0, {150, 3, 0.80}, {12.5, 6, 0.94}, false,
        80 * 64 * 1.530e-3},
       {"a100-40gb", "NVIDIA A100 SXM4 40GB (Ampere), DGX A100 node", 8, 40.0, rates(19.5, 156, 312, 312, 0), 0.82,
-       108, 1555, 0.79, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false, 108 * 64 * 1.410e-3},
+       108, 1555, 0.79, 0.575, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false, 108 * 64 * 1.410e-3},
       {"a100-80gb", "NVIDIA A100 SXM4 80GB (Ampere), DGX A100 node", 8, 80.0, rates(19.5, 156, 312, 312, 0), 0.82,
-       108, 2039, 0.79, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false, 108 * 64 * 1.410e-3},
+       108, 2039, 0.79, 0.575, 0.575, 1.0, {300, 3, 0.80}, {25, 6, 0.94}, false, 108 * 64 * 1.410e-3},
       {"h100-80gb", "NVIDIA H100 SXM5 80GB (Hopper), DGX H100 node", 8, 79.6, rates(67, 494.7, 989.4, 989.4, 1978.9),
-       0.806, 132, 3350, 0.835, 0.333, 0.795, {450, 3, 0.824}, {50, 5, 0.94}, true, 132 * 64 * 1.980e-3},
+       0.806, 132, 3350, 0.835, 0.333, 0.542, 0.795, {450, 3, 0.824}, {50, 5, 0.94}, true, 132 * 64 * 1.980e-3},
       {"h100-96gb-500w",
        "NVIDIA H100 SXM5 96GB HBM2e capped at 500 W (Meta Grand Teton, torchtitan's benchmarks)", 8, 89.4,
-       rates(67, 494.7, 989.4, 989.4, 1978.9), 0.806, 132, 2400, 0.835, 0.333, 0.795 * 585.23 / 797.51,
+       rates(67, 494.7, 989.4, 989.4, 1978.9), 0.806, 132, 2400, 0.835, 0.333, 0.542, 0.795 * 585.23 / 797.51,
        {450, 3, 0.824}, {50, 5, 0.94}, true, 132 * 64 * 1.980e-3},
       {"h200", "NVIDIA H200 SXM 141GB (Hopper), HGX H200 node", 8, 140.4, rates(67, 494.7, 989.4, 989.4, 1978.9),
-       0.806, 132, 4800, 0.835, 0.333, 0.795, {450, 3, 0.824}, {50, 5, 0.94}, true, 132 * 64 * 1.980e-3},
+       0.806, 132, 4800, 0.835, 0.333, 0.542, 0.795, {450, 3, 0.824}, {50, 5, 0.94}, true, 132 * 64 * 1.980e-3},
   };
 }
 
@@ -142,6 +142,7 @@ void apply_gpu_preset(const GpuPreset& p, ClusterConfig& c) {
   c.hbm_bandwidth_gbps = p.hbm_bandwidth_gbps;
   c.memory_efficiency = p.memory_efficiency;
   c.attention_efficiency = p.attention_efficiency;
+  c.cudnn_attention_efficiency = p.cudnn_attention_efficiency;
   c.sustained_clock_fraction = p.sustained_clock_fraction;
   c.intra_node = p.intra_node;
   c.inter_node = p.inter_node;

@@ -22,6 +22,7 @@ struct GpuPreset {
   double hbm_bandwidth_gbps;
   double memory_efficiency;     // streaming-kernel fraction of HBM bandwidth
   double attention_efficiency;  // FlashAttention's fraction of peak
+  double cudnn_attention_efficiency;  // cuDNN's fused attention's
   double sustained_clock_fraction;  // clock held in training under the power limit / benchmark clock
   LinkConfig intra_node;        // NVLink line rate per GPU and direction, NCCL's efficiency
   LinkConfig inter_node;        // NIC line rate per GPU (NICs per node x NIC rate / GPUs per node)

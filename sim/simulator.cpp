@@ -48,7 +48,8 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   cl.compute_efficiency = 0;
   cl.sm_count = 0;
   cl.hbm_bandwidth_gbps = 0;
-  cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = cl.int32_tops = 0;
+  cl.memory_efficiency = cl.attention_efficiency = cl.cudnn_attention_efficiency = cl.sustained_clock_fraction =
+      cl.int32_tops = 0;
   cl.nvlink_sharp = false;
   cl.intra_node = cl.inter_node = {};
   key.parallelism.sequence_parallel = false;

@@ -379,6 +379,52 @@ ScenarioConfig compute_config(Recompute r, int t = 1) {
 
 double product_seconds(double m, double n, double k, double peak) { return 2 * m * n * k / (peak * k / (k + kDepthOverhead)); }
 
+// cuDNN's fused attention does FlashAttention's work (the same products, no s x s scores stored)
+// at its own measured rate: the same chunk priced with cudnn_attention_efficiency in place of
+// attention_efficiency, its products and its memory unchanged.
+TEST(ComputeModel, CudnnAttentionIsFlashAttentionsWorkAtItsOwnRate) {
+  const double peak = 312e12, s = 512, h = 1024;
+  const double flash_rate = 0.5, cudnn_rate = 0.8;
+  ScenarioConfig c = compute_config(Recompute::none);
+  c.cluster.attention_efficiency = flash_rate;
+  c.cluster.cudnn_attention_efficiency = cudnn_rate;
+  const RooflineComputeModel flash(Plan::from_config(c));
+  c.model.attention = AttentionKernel::cudnn;
+  const RooflineComputeModel cudnn(Plan::from_config(c));
+  // Two layers of a middle stage: 4 b s^2 h forward, 2.5 times that backward, causal.
+  const double work = 2 * 4 * s * s * h * (0.5 + 64 / s) / peak;
+  EXPECT_NEAR(flash.chunk(1).forward - cudnn.chunk(1).forward, work / flash_rate - work / cudnn_rate, work * 1e-6);
+  EXPECT_NEAR(flash.chunk(1).backward_input - cudnn.chunk(1).backward_input,
+              2.5 * (work / flash_rate - work / cudnn_rate), work * 1e-6);
+  EXPECT_DOUBLE_EQ(flash.chunk(1).backward_weight, cudnn.chunk(1).backward_weight);
+  c.cluster.cudnn_attention_efficiency = flash_rate;  // at the same rate, the same chunk
+  const RooflineComputeModel same(Plan::from_config(c));
+  EXPECT_DOUBLE_EQ(same.chunk(1).forward, flash.chunk(1).forward);
+  EXPECT_DOUBLE_EQ(same.chunk(1).backward_input, flash.chunk(1).backward_input);
+  c.model.attention = AttentionKernel::flash;
+  const ModelShape a(Plan::from_config(c).config.model);
+  c.model.attention = AttentionKernel::cudnn;
+  const ModelShape b(Plan::from_config(c).config.model);
+  EXPECT_DOUBLE_EQ(a.layer_stored_activation_bytes(2, 2, 1, false, Recompute::selective),
+                   b.layer_stored_activation_bytes(2, 2, 1, false, Recompute::selective));
+  EXPECT_DOUBLE_EQ(a.hardware_flops_per_sample(Recompute::selective_op), b.hardware_flops_per_sample(Recompute::selective_op));
+}
+
+// The Hopper presets price cuDNN's fused attention 1.63x FlashAttention 2 (the FlashAttention-3
+// paper's H100 measurements of both at head dimension 128, 8k tokens, forward and backward
+// weighted by their work: docs/presets.md); elsewhere the two are priced alike.
+TEST(Presets, CudnnAttentionIsFasterOnHopperOnly) {
+  for (const GpuPreset& g : gpu_presets()) {
+    const bool hopper = g.name.rfind("h100", 0) == 0 || g.name == "h200";
+    if (hopper) {
+      const double fa2 = 1.0 / (1 / 370.0 + 2.5 / 318.0), cudnn = 1.0 / (1 / 600.0 + 2.5 / 518.0);
+      EXPECT_NEAR(g.cudnn_attention_efficiency / g.attention_efficiency, cudnn / fa2, 0.01) << g.name;
+    } else {
+      EXPECT_EQ(g.cudnn_attention_efficiency, g.attention_efficiency) << g.name;
+    }
+  }
+}
+
 TEST(ComputeModel, ForwardIsEachProductAtItsDepthEfficiencyPlusFlashAttention) {
   const double peak = 312e12, N = 512, h = 1024, f = 4096, s = 512;
   const double weights = product_seconds(N, 3 * h, h, peak) + product_seconds(N, h, h, peak) +

@@ -665,9 +665,10 @@ double framework_seconds(const Plan& p, const std::vector<KernelWork>& ws) {
       x = nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
     } else if (w.kernel == "tp.reducescatter") {
       x = nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
-    } else if (w.kernel.rfind("flash_attention", 0) == 0) {
+    } else if (w.kernel.rfind("flash_attention", 0) == 0 || w.kernel.rfind("cudnn_attention", 0) == 0) {
       const double causal = std::min(1.0, 0.5 + 64.0 / static_cast<double>(w.shape.m));
-      x = w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
+      const bool cudnn = w.kernel.rfind("cudnn_attention", 0) == 0;
+      x = w.shape.flops() * causal / (attention_peak * (cudnn ? cl.cudnn_attention_efficiency : cl.attention_efficiency));
     } else if (w.shape.is_matmul()) {
       // A product in another format than the compute's (FP8's output layer in BF16): its rate and bytes.
       const bool own = w.dtype == compute;

@@ -74,6 +74,7 @@ std::string format_summary(const Plan& plan, const Result& res) {
   o += fmt::format("  model    {} parameters{}: {} layers, hidden {}, {} heads, seq {}, vocab {}, {} attention\n",
                    human_count(m.total_params()), label.empty() ? "" : " (" + label + ")", m.L, m.h, m.a, m.s, m.V,
                    m.attention == AttentionKernel::flash   ? "flash"
+                   : m.attention == AttentionKernel::cudnn ? "cudnn"
                    : m.attention == AttentionKernel::fused ? "fused"
                                                            : "naive");
   const int nodes = (c.cluster.num_gpus + c.cluster.gpus_per_node - 1) / c.cluster.gpus_per_node;

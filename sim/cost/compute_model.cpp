@@ -166,7 +166,8 @@ enum class KernelClass : std::uint8_t {
   tp_allreduce,
   tp_allgather,
   tp_reducescatter,
-  flash_attention,
+  flash_attention,  // FlashAttention 2 (attention_efficiency)
+  cudnn_attention,  // cuDNN's fused attention, the same work (cudnn_attention_efficiency)
   accumulate,  // a weight-gradient product accumulating into FP32
   matmul,
   memory,
@@ -179,6 +180,7 @@ KernelClass classify(const KernelWork& w) {
   if (w.kernel == "tp.allgather") return KernelClass::tp_allgather;
   if (w.kernel == "tp.reducescatter") return KernelClass::tp_reducescatter;
   if (w.kernel.rfind("flash_attention", 0) == 0) return KernelClass::flash_attention;
+  if (w.kernel.rfind("cudnn_attention", 0) == 0) return KernelClass::cudnn_attention;
   if (w.kernel == "linear.backward_weight_accumulate") return KernelClass::accumulate;
   if (w.shape.is_matmul()) return KernelClass::matmul;
   if (w.kernel.rfind("layernorm.", 0) == 0)
@@ -242,11 +244,14 @@ struct FrameworkPricer {
       case KernelClass::tp_allreduce: return nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
       case KernelClass::tp_allgather: return nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
       case KernelClass::tp_reducescatter: return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
-      case KernelClass::flash_attention: {
+      case KernelClass::flash_attention:
+      case KernelClass::cudnn_attention: {
         // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles).
         const double T = static_cast<double>(w.shape.m);
         const double causal = std::min(1.0, 0.5 + 64.0 / T);
-        return w.shape.flops() * causal / (attention_peak * cl.attention_efficiency);
+        const double efficiency =
+            f.cls == KernelClass::cudnn_attention ? cl.cudnn_attention_efficiency : cl.attention_efficiency;
+        return w.shape.flops() * causal / (attention_peak * efficiency);
       }
       // A weight-gradient product fused with gradient accumulation reads and writes its FP32
       // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32): gemm_seconds(w.shape, elem, peak,
@@ -303,7 +308,8 @@ void inventory_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   cl.gpu.clear();
   cl.memory_gib = 0;
   for (auto& rate : cl.peak_tflops) rate.second = 0;  // keeps the formats
-  cl.compute_efficiency = cl.memory_efficiency = cl.attention_efficiency = cl.sustained_clock_fraction = 0;
+  cl.compute_efficiency = cl.memory_efficiency = cl.attention_efficiency = cl.cudnn_attention_efficiency =
+      cl.sustained_clock_fraction = 0;
   cl.hbm_bandwidth_gbps = cl.int32_tops = 0;
   cl.intra_node = cl.inter_node = {};
   cl.nvlink_sharp = false;
@@ -442,7 +448,7 @@ std::vector<std::vector<PricedKernel>> framework_kernel_prices(const Plan& plan)
         if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
             f.cls == KernelClass::tp_reducescatter)
           bound = "collective";
-        else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
+        else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::cudnn_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
           bound = "compute";
         out.push_back({w, pass, w.count * pricer.seconds(w, f), bound});
       }
