@@ -517,7 +517,8 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
   std::vector<CoreTurn> turns;
   for (int k = 0; k < turns_per_cell; ++k)
     for (int c = 0; c < cells; ++c) turns.push_back(CoreTurn{c, k, 0});
-  CoreGate gate(cores, cells, shards, turns, std::chrono::seconds(10), may_run_first_on_core());  // as the engine's
+  CoreGate gate(cores, cells, shards, turns, std::chrono::seconds(10),
+                cpu_turns_wait_first(shards, may_run_first_on_core()));  // as the engine's
   gate.reset();
   std::barrier start(cells * shards + 1);
   std::vector<std::thread> threads;

@@ -158,7 +158,7 @@ class CpuEngine final : public DeviceEngine {
     if (!pinned_) {
       check_turns(options.core_turns);
       gate_ = std::make_unique<CoreGate>(host_cores(), world_.num_cells(), world_.tensor_parallel(), options.core_turns,
-                                         options.comm_timeout, comm_first_);
+                                         options.comm_timeout, cpu_turns_wait_first(world_.tensor_parallel(), comm_first_));
     }
     std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
     ranks_.resize(static_cast<std::size_t>(world_.size()));
@@ -221,7 +221,8 @@ class CpuEngine final : public DeviceEngine {
         world_.tensor_parallel() > 1
             ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
             : "";
-    const std::string comm = comm_first_ ? (gate_ ? "; communication threads, and compute threads outside their turns, run "
+    const bool waiting_first = gate_ && cpu_turns_wait_first(world_.tensor_parallel(), comm_first_);
+    const std::string comm = comm_first_ ? (waiting_first ? "; communication threads, and compute threads outside their turns, run "
                                                     "first on their cores (SCHED_FIFO)"
                                                   : "; communication threads run first on their cores (SCHED_FIFO)")
                              : comm_first_asked_ ? "; communication threads at normal priority (SCHED_FIFO refused: "
@@ -1152,6 +1153,8 @@ CpuCollectivePolls cpu_collective_polls(bool pinned, bool beside_compute) {
   if (!pinned) return {std::chrono::microseconds{0}, std::chrono::microseconds{0}};
   return {beside_compute ? kCpuOverlapPoll : kCpuCommPoll, kCpuCommPoll};
 }
+
+bool cpu_turns_wait_first(int tensor_parallel, bool granted) { return granted && tensor_parallel == 1; }
 
 bool cpu_pins_ranks(const RunOptions& options, int ranks) { return options.pin_threads && ranks <= host_cores(); }
 

@@ -679,6 +679,14 @@ TEST(Executor, TheRunSaysWhetherItsCommunicationThreadsRunFirst) {
   const RunReport shared = run(small_config(2, 4, ScheduleKind::one_f_one_b));
   ASSERT_FALSE(shared.failure) << shared.failure->message;
   EXPECT_TRUE(says(shared, granted ? shared_first : refused)) << shared.execution;
+  // Under tensor parallelism a turn's shards poll for each other: its compute threads stay normal.
+  ScenarioConfig tp = small_config(2, 2, ScheduleKind::one_f_one_b);
+  tp.parallelism.tensor_parallel_size = 2;
+  tp.cluster.num_gpus = 4;
+  const RunReport shards = run(tp);
+  ASSERT_FALSE(shards.failure) << shards.failure->message;
+  EXPECT_FALSE(says(shards, shared_first)) << shards.execution;
+  EXPECT_TRUE(says(shards, granted ? first : refused)) << shards.execution;
   if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "pinned ranks need two cores";
   RunOptions pinned;
   pinned.pin_threads = true;
