@@ -138,6 +138,7 @@ class CoreGate {
   void wait_first() const {
     if (waiting_first_) run_first_on_core(pthread_self());
   }
+  bool waiting_first() const { return waiting_first_; }
 
   // Waits for cores for cell `turn.rank`'s op `op` (part `part`), or joins its shards already on them.
   void acquire(const CoreTurn& turn) {
@@ -151,54 +152,6 @@ class CoreGate {
     give_back(turn, shard);
   }
 
- private:
-  void take_turn(const CoreTurn& turn) {
-    std::unique_lock lock(mu_);
-    if (auto g = granted_.find(turn); g != granted_.end()) {
-      ++g->second.joined;
-      resumed_.notify_all();  // a paused partner may go on with it
-      return;
-    }
-    if (turns_.empty() && std::find(waiting_.begin(), waiting_.end(), turn) == waiting_.end()) waiting_.push_back(turn);
-    const bool ready = woken_[static_cast<std::size_t>(turn.rank)].wait_for(lock, timeout_, [&] {
-      return aborted_ || granted_.count(turn) > 0 ||
-             (can_start() &&
-              (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
-    });
-    if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", turn.rank));
-    if (!ready)
-      throw std::runtime_error(fmt::format("rank {}: op {} waited {} ms for its turn at a core", turn.rank, turn.op,
-                                           timeout_.count()));
-    if (auto g = granted_.find(turn); g != granted_.end()) {  // another shard of the cell took it
-      ++g->second.joined;
-      resumed_.notify_all();
-      return;
-    }
-    if (turns_.empty())
-      waiting_.pop_front();
-    else
-      ++next_;
-    const int took = std::min(take_, free_);
-    free_ -= took;
-    granted_[turn] = Granted{1, 0, took};
-    pin_shards(turn.rank, took);
-    may_poll_[static_cast<std::size_t>(turn.rank)].store(took == shards_);
-    woken_[static_cast<std::size_t>(turn.rank)].notify_all();  // the cell's other shards join
-    wake_next();
-  }
-
-  void give_back(const CoreTurn& turn, int shard) {
-    std::lock_guard lock(mu_);
-    unpin(slot(turn.rank, shard));
-    auto g = granted_.find(turn);
-    if (g == granted_.end() || ++g->second.released < shards_) return;
-    free_ += g->second.cores;
-    granted_.erase(g);
-    may_poll_[static_cast<std::size_t>(turn.rank)].store(false);
-    wake_next();
-  }
-
- public:
   // A rank that must wait in the middle of an op (ZeRO-3's next unit, which its data-parallel
   // peers' gathers need their compute to move on for) gives its core back and takes any free one
   // again, outside the turns. Meanwhile the next turn may start on the cores there are: under
@@ -262,6 +215,53 @@ class CoreGate {
   };
 
  private:
+  // acquire's and release's work, under mu_ (the thread's priority changes outside it).
+  void take_turn(const CoreTurn& turn) {
+    std::unique_lock lock(mu_);
+    if (auto g = granted_.find(turn); g != granted_.end()) {
+      ++g->second.joined;
+      resumed_.notify_all();  // a paused partner may go on with it
+      return;
+    }
+    if (turns_.empty() && std::find(waiting_.begin(), waiting_.end(), turn) == waiting_.end()) waiting_.push_back(turn);
+    const bool ready = woken_[static_cast<std::size_t>(turn.rank)].wait_for(lock, timeout_, [&] {
+      return aborted_ || granted_.count(turn) > 0 ||
+             (can_start() &&
+              (turns_.empty() ? waiting_.front() == turn : next_ < turns_.size() && turns_[next_] == turn));
+    });
+    if (aborted_) throw std::runtime_error(fmt::format("rank {}: stopped while waiting for a core", turn.rank));
+    if (!ready)
+      throw std::runtime_error(fmt::format("rank {}: op {} waited {} ms for its turn at a core", turn.rank, turn.op,
+                                           timeout_.count()));
+    if (auto g = granted_.find(turn); g != granted_.end()) {  // another shard of the cell took it
+      ++g->second.joined;
+      resumed_.notify_all();
+      return;
+    }
+    if (turns_.empty())
+      waiting_.pop_front();
+    else
+      ++next_;
+    const int took = std::min(take_, free_);
+    free_ -= took;
+    granted_[turn] = Granted{1, 0, took};
+    pin_shards(turn.rank, took);
+    may_poll_[static_cast<std::size_t>(turn.rank)].store(took == shards_);
+    woken_[static_cast<std::size_t>(turn.rank)].notify_all();  // the cell's other shards join
+    wake_next();
+  }
+
+  void give_back(const CoreTurn& turn, int shard) {
+    std::lock_guard lock(mu_);
+    unpin(slot(turn.rank, shard));
+    auto g = granted_.find(turn);
+    if (g == granted_.end() || ++g->second.released < shards_) return;
+    free_ += g->second.cores;
+    granted_.erase(g);
+    may_poll_[static_cast<std::size_t>(turn.rank)].store(false);
+    wake_next();
+  }
+
   std::size_t slot(int cell, int shard) const { return static_cast<std::size_t>(cell * shards_ + shard); }
   // Under mu_: the core the fewest running shards are pinned to (a free one when there is one).
   int least_used_core() const {

@@ -221,7 +221,7 @@ class CpuEngine final : public DeviceEngine {
         world_.tensor_parallel() > 1
             ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
             : "";
-    const bool waiting_first = gate_ && cpu_turns_wait_first(world_.tensor_parallel(), comm_first_);
+    const bool waiting_first = gate_ && gate_->waiting_first();
     const std::string comm = comm_first_ ? (waiting_first ? "; communication threads, and compute threads outside their turns, run "
                                                     "first on their cores (SCHED_FIFO)"
                                                   : "; communication threads run first on their cores (SCHED_FIFO)")
