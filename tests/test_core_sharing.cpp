@@ -189,6 +189,67 @@ TEST(CoreSharing, CollectivesThatTakeCoresRunFirstAndTheTurnsShareWhatIsLeft) {
   EXPECT_EQ(out.timeline.ops[0][1].end, 18 * kUs);
 }
 
+// Two data-parallel ranks under ZeRO-3 on one core: each gathers its forward's three units (the
+// first, then the rest: two more, each a collective of both ranks, instantaneous here) and runs a
+// 30 us forward, 10 us a unit (the units' parameters alike). A rank holds two units at most, so its
+// third unit's gather waits for its pass to be done with the first; rank 1, whose turn comes
+// second, gets there at 30 us, and rank 0 waits for it in the middle of its forward with its core
+// given back.
+Timeline zero3_two_ranks() {
+  Timeline t = alone({{{OpKind::AllGather, 0}, {OpKind::AllGather, 0}, {OpKind::Forward, 30 * kUs}},
+                      {{OpKind::AllGather, 0}, {OpKind::AllGather, 0}, {OpKind::Forward, 30 * kUs}}});
+  auto s = std::make_shared<Schedule>(*t.schedule);
+  s->collectives.push_back(Collective{.kind = OpKind::AllGather, .bytes = 100, .members = {0, 1}, .parts = 1});
+  s->collectives.push_back(Collective{.kind = OpKind::AllGather, .bytes = 200, .members = {0, 1}, .parts = 2});
+  for (auto& r : s->ranks) {
+    for (int k = 0; k < 2; ++k) {
+      r.ops[static_cast<std::size_t>(k)].channel = k;
+      r.ops[static_cast<std::size_t>(k)].bucket = k;
+      r.ops[static_cast<std::size_t>(k)].microbatch = 0;
+    }
+    r.ops[2].microbatch = 0;
+    r.ops[2].dep = 0;  // the forward waits for its first unit
+  }
+  t.schedule = s;
+  return t;
+}
+
+TEST(CoreSharing, ZeroThreePassesMoveUnitByUnitWithTheirPeers) {
+  CoreSharing sh;
+  sh.cores = 1;
+  const SharedStep out = share_cores(zero3_two_ranks(), sh);
+  const auto& r0 = out.timeline.ops[0];
+  const auto& r1 = out.timeline.ops[1];
+  // Rank 0: units 1 and 2 (0-20 us), paused from 20 us for its third unit, gathered at 30 us when
+  // rank 1 is done with its first; rank 1 holds the core to its forward's end (50 us): 50-60 us.
+  EXPECT_EQ(r0[2].start, 0);
+  EXPECT_EQ(r0[2].end, 60 * kUs);
+  EXPECT_EQ(r0[2].waited, 10 * kUs);  // the unit's wait (20-30 us); its turn came at once
+  EXPECT_EQ(r1[2].end, 50 * kUs);
+  EXPECT_EQ(r1[2].waited, 20 * kUs);  // its turn
+  // The rest's gathers: the third unit's moved once rank 1 had room for it (30 us); rank 0's wait
+  // for it is the pass's pace, as the run counts it, not communication.
+  EXPECT_EQ(r0[1].end, 30 * kUs);
+  EXPECT_EQ(r0[1].waited, 30 * kUs);
+  EXPECT_EQ(r1[1].waited, 30 * kUs);
+  // Holding three units, the pass would not wait: each forward whole in its turn.
+  sh.zero3_units_held = 3;
+  const SharedStep free = share_cores(zero3_two_ranks(), sh);
+  EXPECT_EQ(free.timeline.ops[0][2].end, 30 * kUs);
+  EXPECT_EQ(free.timeline.ops[1][2].end, 60 * kUs);
+  // The first unit kept to the forward's end (tied embeddings): one unit of room for the rest,
+  // so the third unit waits for rank 1 to be done with its second (40 us), and both passes wait
+  // for it there; rank 0, paused first, resumes first.
+  sh.zero3_units_held = 2;
+  sh.zero3_forward_keeps_first_unit = true;
+  const SharedStep kept = share_cores(zero3_two_ranks(), sh);
+  EXPECT_EQ(kept.timeline.ops[0][1].end, 40 * kUs);
+  EXPECT_EQ(kept.timeline.ops[0][2].end, 50 * kUs);
+  EXPECT_EQ(kept.timeline.ops[0][2].waited, 20 * kUs);
+  EXPECT_EQ(kept.timeline.ops[1][2].end, 60 * kUs);
+  EXPECT_EQ(kept.timeline.ops[1][2].waited, 20 * kUs);
+}
+
 TEST(CoreSharing, RefusesAnOrderThatIsNotOneTurnPerOp) {
   const Timeline t = alone({{{OpKind::Forward, 10 * kUs}}, {{OpKind::Forward, 10 * kUs}}});
   CoreSharing sh;

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -39,6 +40,7 @@ class Replay {
       if (alone.ops[r].size() != n) throw std::invalid_argument("share_cores: the timeline does not match its schedule");
       out_.ops[r].assign(n, OpTiming{});
       ranks_[r].done.assign(n, 0);
+      find_unit_passes(static_cast<int>(r));
     }
     arrival_.assign(static_cast<std::size_t>(s_.num_messages), -1);
     members_arrived_.assign(s_.collectives.size(), 0);
@@ -74,7 +76,7 @@ class Replay {
   }
 
  private:
-  enum class Wait { none, collective, gate, running, recv, barrier };
+  enum class Wait { none, collective, gate, running, recv, barrier, unit };
   enum class Kind { job_start, job_check, barrier_end };
   struct Event {
     Tick at;
@@ -93,6 +95,22 @@ class Replay {
     // Of a core (a turn's cores) it takes while it runs at full speed: compute and sends 1;
     // collectives where the sharing says so collective_share, else 0.
     double share;
+    // ZeRO-3 (UnitPass): the unit a gather's collective brings; where in its pass a compute op's
+    // stretch ends.
+    int unit = -1;
+    double to = -1;
+  };
+  // A ZeRO-3 pass gathered unit by unit: its two gather ops (the first unit, the rest), its compute
+  // ops (a backward split at its buckets is several), and where each unit and op begins in the
+  // pass's work (0 to 1).
+  struct UnitPass {
+    int first_op = -1, rest_op = -1;
+    int units = 0;
+    std::vector<double> unit_from;  // units + 1 bounds
+    std::vector<int> ops;
+    std::vector<double> op_from;    // ops + 1 bounds
+    bool keeps_first = false;       // the first unit is used again at the pass's end
+    int gathered = 0;               // units handed over to the pass
   };
   // A collective's share of a turn's cores at full speed: its time alone is its benchmark's, whose
   // n member threads (one per schedule rank of the group, each shard's group alike) ran on the
@@ -117,6 +135,23 @@ class Replay {
     bool comm_arrived = false;
     bool holds_core = false;  // a compute op's turn, kept through the sends after it
     std::vector<char> done;
+    // ZeRO-3: the rank's passes and each op's (-1: none); the units it holds; the communication
+    // thread's unit of the gather op at its front (-1: not begun), the op's wait for its parts'
+    // last members (as the run measures it: runtime/loop/run_loop.cpp) and where its last unit
+    // ended; the compute thread's place in its pass, the unit it is in, and since when it waits
+    // for that unit.
+    std::vector<UnitPass> passes;
+    std::vector<int> pass_of;
+    int held = 0;
+    int gather_unit = -1;
+    Tick gather_waited = 0, unit_end = 0;
+    double pass_at = 0;
+    int unit = 0;
+    Tick paused_at = 0;
+  };
+  struct Resume {
+    Tick at;
+    int rank;
   };
 
   Tick duration(int r, int i) const {
@@ -131,6 +166,63 @@ class Replay {
     return part == 0 ? first : skipped ? 0 : d - first;
   }
   void at(Tick t, Kind k, int rank, int a = 0) { events_.push(Event{t, seq_++, k, rank, a}); }
+
+  // Rank r's ZeRO-3 passes: a gather of a pass's first unit (bucket 0) followed by the gather of
+  // the rest (bucket 1), and the compute ops of the pass, the first of which waits for the first.
+  void find_unit_passes(int r) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    const auto& ops = s_.ranks[static_cast<std::size_t>(r)].ops;
+    const int n = static_cast<int>(ops.size());
+    st.pass_of.assign(ops.size(), -1);
+    for (int i = 0; i + 1 < n; ++i) {
+      const Op& a = ops[static_cast<std::size_t>(i)];
+      const Op& b = ops[static_cast<std::size_t>(i + 1)];
+      if (a.kind != OpKind::AllGather || b.kind != OpKind::AllGather || a.microbatch < 0 || a.bucket != 0 ||
+          b.bucket != 1 || a.channel < 0 || b.channel < 0)
+        continue;
+      const Collective& first = s_.collectives[static_cast<std::size_t>(a.channel)];
+      const Collective& rest = s_.collectives[static_cast<std::size_t>(b.channel)];
+      if (first.parts < 1) continue;  // nothing to gather
+      UnitPass p;
+      p.first_op = i;
+      p.rest_op = i + 1;
+      p.units = 1 + std::max(0, rest.parts);
+      int k = i + 2;
+      while (k < n && !(ops[static_cast<std::size_t>(k)].dep == i && is_compute(ops[static_cast<std::size_t>(k)].kind))) ++k;
+      if (k == n) continue;
+      const Op& lead = ops[static_cast<std::size_t>(k)];
+      for (; k < n; ++k) {
+        const Op& o = ops[static_cast<std::size_t>(k)];
+        if (!is_compute(o.kind)) continue;
+        if (o.kind != lead.kind || o.chunk != lead.chunk || o.microbatch != lead.microbatch) break;
+        p.ops.push_back(k);
+      }
+      // Bounds in the pass's work: the ops' by their shares, the units' by their parameters.
+      auto bounds = [](const std::vector<double>& w) {
+        double total = 0;
+        for (double x : w) total += std::max(0.0, x);
+        std::vector<double> out{0.0};
+        for (double x : w) out.push_back(out.back() + (total > 0 ? std::max(0.0, x) / total : 1.0 / w.size()));
+        out.back() = 1.0;
+        return out;
+      };
+      std::vector<double> work, bytes{static_cast<double>(first.bytes)};
+      for (int o : p.ops) work.push_back(ops[static_cast<std::size_t>(o)].work);
+      for (int u = 1; u < p.units; ++u) bytes.push_back(static_cast<double>(rest.bytes) / rest.parts);
+      p.op_from = bounds(work);
+      p.unit_from = bounds(bytes);
+      p.keeps_first = sharing_.zero3_forward_keeps_first_unit && lead.kind == OpKind::Forward && p.units > 1;
+      const int index = static_cast<int>(st.passes.size());
+      st.pass_of[static_cast<std::size_t>(p.first_op)] = st.pass_of[static_cast<std::size_t>(p.rest_op)] = index;
+      for (int o : p.ops) st.pass_of[static_cast<std::size_t>(o)] = index;
+      st.passes.push_back(std::move(p));
+    }
+  }
+  UnitPass* unit_pass(int r, int i) {  // op i's ZeRO-3 pass, or null
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    const int p = st.pass_of[static_cast<std::size_t>(i)];
+    return p < 0 ? nullptr : &st.passes[static_cast<std::size_t>(p)];
+  }
 
   // Every compute op (and the optimizer's second part) once, in an order the replay can follow.
   void check_turns() const {
@@ -175,6 +267,7 @@ class Replay {
         st.reached = true;
         times[static_cast<std::size_t>(i)].start = now_;
         st.part = 0;
+        if (const UnitPass* p = unit_pass(r, i); p && p->ops.front() == i) st.pass_at = 0, st.unit = 0;
       }
       if (is_compute(op.kind)) {
         requests_.insert(Request{now_, CoreTurn{r, i, st.part}});
@@ -216,6 +309,10 @@ class Replay {
     const int i = st.queue.front();
     const Op& op = ops[static_cast<std::size_t>(i)];
     if (op.dep >= 0 && !st.done[static_cast<std::size_t>(op.dep)]) return;
+    if (unit_pass(r, i)) {
+      gather_next_unit(r, i);
+      return;
+    }
     st.comm_busy = true;
     if (op.channel < 0) {  // the local overflow check: this rank alone
       out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)].start = now_;
@@ -233,6 +330,96 @@ class Replay {
       this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)),
                      collective_share(static_cast<int>(s_.collectives[c].members.size()))});
     }
+  }
+
+  // The communication thread's gather op `i` of a ZeRO-3 pass, unit by unit: each once the rank
+  // holds fewer units than it may, then a collective of the op's members.
+  void gather_next_unit(int r, int i) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    const UnitPass& p = *unit_pass(r, i);
+    const Op& op = s_.ranks[static_cast<std::size_t>(r)].ops[static_cast<std::size_t>(i)];
+    const bool rest = i == p.rest_op;
+    if (st.gather_unit < 0) {
+      out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)].start = now_;
+      st.gather_unit = rest ? 1 : 0;
+      st.gather_waited = 0;
+    }
+    if (st.gather_unit >= (rest ? p.units : 1)) {
+      finish_gather(r, i);
+      return;
+    }
+    if (st.held >= sharing_.zero3_units_held) return;  // a unit's release calls again
+    ++st.held;
+    st.comm_busy = true;
+    const auto key = std::make_pair(op.channel, st.gather_unit);
+    Tick& last = unit_last_arrival_[key];
+    last = std::max(last, now_);
+    const Collective& c = s_.collectives[static_cast<std::size_t>(op.channel)];
+    if (++unit_arrived_[key] < static_cast<int>(c.members.size())) return;
+    // The run counts a member's time before its op's last member began it, and before each part's
+    // last member had room for it, as the pass's pace (OpTiming::waited), not communication.
+    Tick began = 0;
+    for (int m : c.members)
+      began = std::max(began, out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(
+                                  ranks_[static_cast<std::size_t>(m)].queue.front())].start);
+    for (int m : c.members) {
+      RankState& mst = ranks_[static_cast<std::size_t>(m)];
+      const int mi = mst.queue.front();
+      OpTiming& t = out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(mi)];
+      if (mst.gather_unit == (rest ? 1 : 0)) {
+        t.start = std::max(t.start, began);
+        mst.unit_end = t.start;
+      }
+      mst.gather_waited += std::max<Tick>(0, now_ - mst.unit_end);
+      const Tick d = duration(m, mi) / (rest ? std::max(1, c.parts) : 1);
+      Job job{JobKind::collective, m, mi, static_cast<double>(d), collective_share(static_cast<int>(c.members.size()))};
+      job.unit = st.gather_unit;
+      start(job);
+    }
+  }
+  void finish_gather(int r, int i) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    OpTiming& t = out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
+    t.end = now_;
+    t.waited = std::min(st.gather_waited, t.end - t.start);
+    st.done[static_cast<std::size_t>(i)] = 1;
+    st.queue.pop_front();
+    st.gather_unit = -1;
+    st.comm_busy = false;
+    if (st.wait == Wait::collective) st.wait = Wait::none;
+    advance(r);
+  }
+  // A unit the pass is done with leaves the rank (the first, where the pass uses it again at its
+  // end, with the last): room for the next gather.
+  void release_unit(int r, const UnitPass& p, int unit, bool pass_end) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    if (!(p.keeps_first && unit == 0 && !pass_end)) --st.held;
+    if (pass_end && p.keeps_first && unit != 0) --st.held;
+  }
+  // The stretch of op i a unit-paced pass runs next, on a core its rank holds: to the end of its
+  // unit or of the op.
+  Job next_stretch(int r, int i) const {
+    const RankState& st = ranks_[static_cast<std::size_t>(r)];
+    const UnitPass& p = st.passes[static_cast<std::size_t>(st.pass_of[static_cast<std::size_t>(i)])];
+    const std::size_t k = static_cast<std::size_t>(std::find(p.ops.begin(), p.ops.end(), i) - p.ops.begin());
+    const double from = p.op_from[k], to = std::min(p.op_from[k + 1], p.unit_from[static_cast<std::size_t>(st.unit) + 1]);
+    const double whole = p.op_from[k + 1] - from;
+    Job job{JobKind::part, r, i, whole > 0 ? static_cast<double>(duration(r, i)) * (to - st.pass_at) / whole : 0.0, 1.0};
+    job.to = to;
+    return job;
+  }
+  // On a core, at op i of a unit-paced pass: runs its next stretch, or gives the core back until its
+  // unit is there.
+  void go_on_or_pause(int r, int i) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    if (unit_pass(r, i)->gathered > st.unit) {
+      st.wait = Wait::running;
+      start(next_stretch(r, i));
+      return;
+    }
+    ++free_cores_;
+    st.wait = Wait::unit;
+    st.paused_at = now_;
   }
 
   // Starts `job` now (its rate from the next reschedule on).
@@ -310,6 +497,7 @@ class Replay {
     switch (j.kind) {
       case JobKind::part: {
         const Op& op = s_.ranks[static_cast<std::size_t>(j.rank)].ops[static_cast<std::size_t>(j.op)];
+        if (UnitPass* p = unit_pass(j.rank, j.op); p && !stretch_ends_op(j, *p)) return;
         const bool last_part = st.part + 1 >= parts_of(op.kind);
         // The turn is kept for the sends of the op's output that follow it.
         st.holds_core = last_part && sends_next(s_.ranks[static_cast<std::size_t>(j.rank)], j.op);
@@ -344,6 +532,10 @@ class Replay {
         return;
       }
       case JobKind::collective: {
+        if (j.unit >= 0) {
+          unit_gathered(j);
+          return;
+        }
         out_.ops[static_cast<std::size_t>(j.rank)][static_cast<std::size_t>(j.op)].end = now_;
         st.done[static_cast<std::size_t>(j.op)] = 1;
         st.queue.pop_front();
@@ -353,6 +545,48 @@ class Replay {
         return;
       }
     }
+  }
+
+  // A stretch of a unit-paced pass ended: past a unit's end the pass is done with that unit and
+  // goes on to the next. True when the op ended (then as any compute op's end).
+  bool stretch_ends_op(const Job& j, const UnitPass& p) {
+    RankState& st = ranks_[static_cast<std::size_t>(j.rank)];
+    constexpr double kEps = 1e-12;
+    st.pass_at = j.to;
+    const bool op_done = j.op != p.ops.back()
+                             ? st.pass_at >= p.op_from[static_cast<std::size_t>(
+                                                std::find(p.ops.begin(), p.ops.end(), j.op) - p.ops.begin()) + 1] - kEps
+                             : st.pass_at >= 1 - kEps;
+    const bool pass_end = j.op == p.ops.back() && op_done;
+    if (pass_end) {
+      release_unit(j.rank, p, st.unit, true);
+    } else if (st.pass_at >= p.unit_from[static_cast<std::size_t>(st.unit) + 1] - kEps && st.unit + 1 < p.units) {
+      release_unit(j.rank, p, st.unit, false);
+      ++st.unit;
+    }
+    advance_comm(j.rank);  // room for the next unit
+    if (op_done) return true;
+    go_on_or_pause(j.rank, j.op);
+    return false;
+  }
+  // A unit's gather ended on rank j.rank: the pass may go on (taking a core again, ahead of the
+  // turns not begun), and the communication thread to the next unit.
+  void unit_gathered(const Job& j) {
+    RankState& st = ranks_[static_cast<std::size_t>(j.rank)];
+    UnitPass& p = *unit_pass(j.rank, j.op);
+    ++p.gathered;
+    ++st.gather_unit;
+    st.unit_end = now_;
+    st.comm_busy = false;
+    if (st.wait == Wait::unit && unit_pass(j.rank, st.next) == &p && p.gathered > st.unit) {
+      out_.ops[static_cast<std::size_t>(j.rank)][static_cast<std::size_t>(st.next)].waited += now_ - st.paused_at;
+      st.wait = Wait::gate;
+      resumes_.push_back(Resume{now_, j.rank});
+    }
+    if (st.gather_unit >= (j.op == p.rest_op ? p.units : 1))
+      finish_gather(j.rank, j.op);
+    else
+      advance_comm(j.rank);
   }
 
   void barrier_end() {
@@ -367,6 +601,21 @@ class Replay {
 
   // Hands free cores to waiting ops: the next turn of the order, or the earliest request.
   void grant() {
+    while (free_cores_ > 0 && !resumes_.empty()) {
+      const Resume q = resumes_.front();
+      resumes_.pop_front();
+      --free_cores_;
+      const int i = ranks_[static_cast<std::size_t>(q.rank)].next;
+      Job job = next_stretch(q.rank, i);
+      ranks_[static_cast<std::size_t>(q.rank)].wait = Wait::running;
+      const Tick woken = q.at < now_ ? sharing_.handoff : 0;
+      if (woken > 0) {
+        pending_.push_back(job);
+        at(now_ + woken, Kind::job_start, q.rank, static_cast<int>(pending_.size()) - 1);
+      } else {
+        start(job);
+      }
+    }
     while (free_cores_ > 0 && !requests_.empty()) {
       auto it = requests_.begin();
       if (!sharing_.turns.empty()) {
@@ -386,7 +635,16 @@ class Replay {
       granted_.push_back(t);
       --free_cores_;
       ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::running;
-      const Job job{JobKind::part, t.rank, t.op, static_cast<double>(part_duration(t.rank, t.op, t.part)), 1.0};
+      if (unit_pass(t.rank, t.op) && unit_pass(t.rank, t.op)->gathered <= ranks_[static_cast<std::size_t>(t.rank)].unit) {
+        // Its unit is not there: the turn's thread gives the core back at once.
+        ++free_cores_;
+        ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::unit;
+        ranks_[static_cast<std::size_t>(t.rank)].paused_at = now_;
+        continue;
+      }
+      const Job job = unit_pass(t.rank, t.op)
+                          ? next_stretch(t.rank, t.op)
+                          : Job{JobKind::part, t.rank, t.op, static_cast<double>(part_duration(t.rank, t.op, t.part)), 1.0};
       if (woken > 0) {  // the core idles while the thread wakes
         pending_.push_back(job);
         at(now_ + woken, Kind::job_start, t.rank, static_cast<int>(pending_.size()) - 1);
@@ -405,6 +663,9 @@ class Replay {
   std::multimap<int, int> waiting_recv_;   // message -> the rank blocked on it
   std::vector<int> members_arrived_;       // per collective
   std::vector<Tick> last_arrival_;
+  std::map<std::pair<int, int>, int> unit_arrived_;  // ZeRO-3: per (collective, unit)
+  std::map<std::pair<int, int>, Tick> unit_last_arrival_;
+  std::deque<Resume> resumes_;             // ranks whose unit came, waiting for a core
   int at_barrier_ = 0;
   Tick last_at_barrier_ = 0;
   std::set<Request> requests_;  // ordered by time, then rank, op, part

@@ -12,6 +12,17 @@
 // first, at full speed while their shares of the cores fit, and the turns running beside them
 // share what is left. A receive's copy is not priced (small next to the compute).
 //
+// Under ZeRO-3 a pass gathers its weights unit by unit (runtime/engine/zero.h, GatherGate): the
+// communication thread gathers the next unit once the rank holds fewer than `zero3_units_held`
+// (a unit goes when the pass is done with it), and the pass waits for each unit it reaches; a rank
+// that waits in the middle of an op gives its core back and takes a free one again when the unit
+// is there, ahead of the turns not begun. Each unit's gather is a collective of the rank's
+// data-parallel peers, so where ranks take turns at the cores the passes move unit by unit
+// together: a peer whose turn has not come holds up everyone's next unit. The replay runs the
+// passes so: a unit's share of its pass's time is its share of the pass's gathered parameters (the
+// products' work follows their weights; the embedding's lookup, small at the runtime's sizes, is
+// the exception), each unit's gather the rest collective's time over its units.
+//
 // share_cores replays the schedule that way: each rank's compute thread walks its program in
 // order (compute ops through the gate, sends for their copy time on the core of the op before them,
 // receives until the message is there, collectives handed to the communication thread), each communication thread runs its
@@ -56,6 +67,10 @@ struct CoreSharing {
   int threads_per_turn = 1;
   // The order compute ops take cores in; empty: first come, first served.
   std::vector<runtime::CoreTurn> turns;
+  // ZeRO-3: the units a rank holds at most (runtime::kZero3UnitsHeld), and whether a forward keeps
+  // its first unit to its end (one chunk with tied embeddings: the embedding is the LM head).
+  int zero3_units_held = 2;
+  bool zero3_forward_keeps_first_unit = false;
 };
 
 struct SharedStep {

@@ -17,6 +17,7 @@
 #include "core/metrics.h"
 #include "core/report/format.h"
 #include "core/report/report.h"
+#include "runtime/engine/zero.h"
 #include "runtime/loop/run_loop.h"
 #include "runtime/loop/run_report.h"
 #include "sim/cost/compute_model.h"
@@ -140,6 +141,8 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
   // there), which the operating system shares with the turns.
   sh.collectives_take_cores = p.collectives_take_rank_core;
   sh.threads_per_turn = plan.tp;
+  sh.zero3_units_held = runtime::kZero3UnitsHeld;
+  sh.zero3_forward_keeps_first_unit = plan.num_virtual_stages() == 1 && plan.shape().tied;
   return sh;
 }
 

@@ -156,9 +156,10 @@ bool gather_serves_forward(const RankProgram& program, int index);
 // most `capacity` units at once. A unit is named by a key (its chunk and index): a unit still held
 // by one pass is not gathered again for the next until that pass gave it back (and poisoned it).
 // Every wait fails with the rank's error once fail() is called.
+inline constexpr int kZero3UnitsHeld = 2;  // the units a rank's GatherGate holds at once
 class GatherGate {
  public:
-  explicit GatherGate(int capacity = 2) : capacity_(capacity) {}
+  explicit GatherGate(int capacity = kZero3UnitsHeld) : capacity_(capacity) {}
   void reset();
   void fail(const std::string& reason);
   // Called around acquire()'s wait when it has to wait (a CPU rank gives its core back meanwhile).
