@@ -2,7 +2,11 @@
 // hand-made schedules, and the replay of a real plan with a core per rank against the simulator.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <memory>
+#include <random>
+#include <string>
 #include <stdexcept>
 
 #include "core/schedule.h"
@@ -248,6 +252,54 @@ TEST(CoreSharing, ZeroThreePassesMoveUnitByUnitWithTheirPeers) {
   EXPECT_EQ(kept.timeline.ops[0][2].waited, 20 * kUs);
   EXPECT_EQ(kept.timeline.ops[1][2].end, 60 * kUs);
   EXPECT_EQ(kept.timeline.ops[1][2].waited, 20 * kUs);
+}
+
+// ZeRO-3 plans of every shape the runtime runs (DeepSpeed and FSDP, recompute or not, tied or
+// untied embeddings, data parallelism with or without tensor parallelism, one to four micro-batches)
+// on one to four cores: every op ends, the order found replays to the same step, and no pass is done
+// sooner than it runs alone.
+TEST(CoreSharing, ZeroThreePlansFinishWhicheverTheCores) {
+  std::mt19937 rng(20261128);
+  auto pick = [&](std::initializer_list<int> xs) {
+    return *(xs.begin() + std::uniform_int_distribution<int>(0, static_cast<int>(xs.size()) - 1)(rng));
+  };
+  for (int trial = 0; trial < 24; ++trial) {
+    const int d = pick({2, 3, 4, 8}), t = d <= 4 ? pick({1, 2}) : 1, m = pick({1, 2, 4});
+    ScenarioConfig c = testing::small_config(1, m, ScheduleKind::one_f_one_b, 1, d);
+    c.parallelism.tensor_parallel_size = t;
+    c.cluster.num_gpus = d * t;
+    c.parallelism.zero_stage = 3;
+    c.parallelism.framework = pick({0, 1}) ? Framework::fsdp : Framework::deepspeed;
+    c.training.activation_recompute = static_cast<Recompute>(pick({0, 1, 2}));
+    c.model.untie_embeddings_and_output_weights = pick({0, 1});
+    c.communication.overlap_grad_reduce = pick({0, 1});
+    const Plan plan = Plan::from_config(c);
+    const Prediction p = predict(plan);
+    int unit_gathers = 0;  // the rest of a pass's units, in more than one part somewhere
+    for (const Collective& k : p.schedule->collectives) unit_gathers += k.kind == OpKind::AllGather && k.parts > 1;
+    ASSERT_GT(unit_gathers, 0) << "trial " << trial;
+    for (int cores : {4, 2, 1}) {
+      CoreSharing sh;
+      sh.cores = cores;
+      sh.threads_per_turn = t;
+      sh.collectives_take_cores = pick({0, 1});
+      sh.zero3_forward_keeps_first_unit = !c.model.untie_embeddings_and_output_weights;
+      const std::string what = fmt::format("trial {} dp {} tp {} m {} {} cores {}", trial, d, t, m,
+                                           plan.zero_and_recompute(), cores);
+      SharedStep s;
+      ASSERT_NO_THROW(s = share_cores(p.timeline, sh)) << what;
+      sh.turns = s.turns;
+      EXPECT_EQ(share_cores(p.timeline, sh).timeline.end(), s.timeline.end()) << what;
+      for (std::size_t r = 0; r < p.timeline.ops.size(); ++r)
+        for (std::size_t i = 0; i < p.timeline.ops[r].size(); ++i) {
+          const OpTiming& a = p.timeline.ops[r][i];
+          const OpTiming& b = s.timeline.ops[r][i];
+          ASSERT_GE(b.end, b.start) << what;
+          if (is_compute(p.timeline.schedule->ranks[r].ops[i].kind))
+            EXPECT_GE(b.end - b.start, a.end - a.start - 2) << what << " rank " << r << " op " << i;
+        }
+    }
+  }
 }
 
 TEST(CoreSharing, RefusesAnOrderThatIsNotOneTurnPerOp) {
