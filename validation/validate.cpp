@@ -565,10 +565,15 @@ std::string format_validation(const Validation& v) {
                                  : "",
                      schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
                      plan.micro_batch_size, plan.zero_and_recompute(), dtype_name(plan.config.precision.compute));
-  if (v.oversubscribed)
+  if (v.oversubscribed) {
     out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
                        "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",
                        v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_handoff_us);
+    if (v.plan.plan.gathers_before_backward() && v.plan.plan.dp > 1)
+      out << fmt::format("           ZeRO-3: a pass waits for each unit's gather with its {} data-parallel peers, {} "
+                         "units held at most; a rank waiting for one gives its core back\n",
+                         v.plan.plan.dp - 1, runtime::kZero3UnitsHeld);
+  }
   if (v.profile.comm_wake_us > 0)
     out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "
                        "its sleep (calibrated)\n",
