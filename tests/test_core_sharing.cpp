@@ -252,6 +252,13 @@ TEST(CoreSharing, ZeroThreePassesMoveUnitByUnitWithTheirPeers) {
   EXPECT_EQ(kept.timeline.ops[0][2].waited, 20 * kUs);
   EXPECT_EQ(kept.timeline.ops[1][2].end, 60 * kUs);
   EXPECT_EQ(kept.timeline.ops[1][2].waited, 20 * kUs);
+  // A thread that slept on its unit wakes before it runs, a free core or not (1 us here): rank
+  // 1's turn starts at 21 us, both units are there at 41 us on a free core, rank 0 runs from
+  // 42 us, rank 1 (asleep again, its core taken) from 53 us.
+  sh.handoff = kUs;
+  const SharedStep woken = share_cores(zero3_two_ranks(), sh);
+  EXPECT_EQ(woken.timeline.ops[0][2].end, 52 * kUs);
+  EXPECT_EQ(woken.timeline.ops[1][2].end, 63 * kUs);
 }
 
 // ZeRO-3 plans of every shape the runtime runs (DeepSpeed and FSDP, recompute or not, tied or

@@ -608,7 +608,8 @@ class Replay {
       const int i = ranks_[static_cast<std::size_t>(q.rank)].next;
       Job job = next_stretch(q.rank, i);
       ranks_[static_cast<std::size_t>(q.rank)].wait = Wait::running;
-      const Tick woken = q.at < now_ ? sharing_.handoff : 0;
+      // Its thread slept on the unit: the core idles while it wakes, whenever the core came.
+      const Tick woken = sharing_.handoff;
       if (woken > 0) {
         pending_.push_back(job);
         at(now_ + woken, Kind::job_start, q.rank, static_cast<int>(pending_.size()) - 1);
