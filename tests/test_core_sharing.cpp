@@ -199,12 +199,14 @@ TEST(CoreSharing, CollectivesThatTakeCoresRunFirstAndTheTurnsShareWhatIsLeft) {
 // third unit's gather waits for its pass to be done with the first; rank 1, whose turn comes
 // second, gets there at 30 us, and rank 0 waits for it in the middle of its forward with its core
 // given back.
-Timeline zero3_two_ranks() {
-  Timeline t = alone({{{OpKind::AllGather, 0}, {OpKind::AllGather, 0}, {OpKind::Forward, 30 * kUs}},
-                      {{OpKind::AllGather, 0}, {OpKind::AllGather, 0}, {OpKind::Forward, 30 * kUs}}});
+Timeline zero3_two_ranks(int rest_units = 2) {
+  const Tick forward = (1 + rest_units) * 10 * kUs;
+  Timeline t = alone({{{OpKind::AllGather, 0}, {OpKind::AllGather, 0}, {OpKind::Forward, forward}},
+                      {{OpKind::AllGather, 0}, {OpKind::AllGather, 0}, {OpKind::Forward, forward}}});
   auto s = std::make_shared<Schedule>(*t.schedule);
   s->collectives.push_back(Collective{.kind = OpKind::AllGather, .bytes = 100, .members = {0, 1}, .parts = 1});
-  s->collectives.push_back(Collective{.kind = OpKind::AllGather, .bytes = 200, .members = {0, 1}, .parts = 2});
+  s->collectives.push_back(
+      Collective{.kind = OpKind::AllGather, .bytes = 100L * rest_units, .members = {0, 1}, .parts = rest_units});
   for (auto& r : s->ranks) {
     for (int k = 0; k < 2; ++k) {
       r.ops[static_cast<std::size_t>(k)].channel = k;
@@ -259,6 +261,18 @@ TEST(CoreSharing, ZeroThreePassesMoveUnitByUnitWithTheirPeers) {
   const SharedStep woken = share_cores(zero3_two_ranks(), sh);
   EXPECT_EQ(woken.timeline.ops[0][2].end, 52 * kUs);
   EXPECT_EQ(woken.timeline.ops[1][2].end, 63 * kUs);
+}
+
+TEST(CoreSharing, RanksThatAUnitWakesTogetherTakeTheCoreInTurns) {
+  // One unit held at a time: each of four units is a barrier of both ranks on one core. Where both
+  // wait for the same unit, the one served first alternates (rank 1 for the second unit, rank 0 for
+  // the third, rank 1 for the fourth), as the operating system's wake-ups favour neither.
+  CoreSharing sh;
+  sh.cores = 1;
+  sh.zero3_units_held = 1;
+  const SharedStep out = share_cores(zero3_two_ranks(3), sh);
+  EXPECT_EQ(out.timeline.ops[0][2].end, 80 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][2].end, 70 * kUs);
 }
 
 // ZeRO-3 plans of every shape the runtime runs (DeepSpeed and FSDP, recompute or not, tied or

@@ -149,9 +149,13 @@ class Replay {
     int unit = 0;
     Tick paused_at = 0;
   };
+  // A rank whose unit came, waiting for a core: by time, then by a place that moves by one with
+  // every unit (the operating system wakes the threads a gather frees in no fixed order; served in
+  // rank order, the same ranks would always be first).
   struct Resume {
     Tick at;
-    int rank;
+    int place, rank;
+    auto operator<=>(const Resume&) const = default;
   };
 
   Tick duration(int r, int i) const {
@@ -581,7 +585,9 @@ class Replay {
     if (st.wait == Wait::unit && unit_pass(j.rank, st.next) == &p && p.gathered > st.unit) {
       out_.ops[static_cast<std::size_t>(j.rank)][static_cast<std::size_t>(st.next)].waited += now_ - st.paused_at;
       st.wait = Wait::gate;
-      resumes_.push_back(Resume{now_, j.rank});
+      const int n = static_cast<int>(ranks_.size());
+      const int unit = s_.ranks[static_cast<std::size_t>(j.rank)].ops[static_cast<std::size_t>(j.op)].channel + st.gather_unit;
+      resumes_.insert(Resume{now_, ((j.rank - unit) % n + n) % n, j.rank});
     }
     if (st.gather_unit >= (j.op == p.rest_op ? p.units : 1))
       finish_gather(j.rank, j.op);
@@ -602,8 +608,8 @@ class Replay {
   // Hands free cores to waiting ops: the next turn of the order, or the earliest request.
   void grant() {
     while (free_cores_ > 0 && !resumes_.empty()) {
-      const Resume q = resumes_.front();
-      resumes_.pop_front();
+      const Resume q = *resumes_.begin();
+      resumes_.erase(resumes_.begin());
       --free_cores_;
       const int i = ranks_[static_cast<std::size_t>(q.rank)].next;
       Job job = next_stretch(q.rank, i);
@@ -666,7 +672,7 @@ class Replay {
   std::vector<Tick> last_arrival_;
   std::map<std::pair<int, int>, int> unit_arrived_;  // ZeRO-3: per (collective, unit)
   std::map<std::pair<int, int>, Tick> unit_last_arrival_;
-  std::deque<Resume> resumes_;             // ranks whose unit came, waiting for a core
+  std::set<Resume> resumes_;               // ranks whose unit came, waiting for a core
   int at_barrier_ = 0;
   Tick last_at_barrier_ = 0;
   std::set<Request> requests_;  // ordered by time, then rank, op, part
