@@ -30,6 +30,7 @@
 #include "kernels/device_buffer.h"
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
+#include "tests/bench/sm_holder.h"
 
 namespace {
 
@@ -556,5 +557,68 @@ void BM_LinearForward(benchmark::State& state) {
   });
 }
 BENCHMARK(BM_LinearForward)->Apply(GemmArgs)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+
+// ---------------------------------------------------------------------------------------
+// Compute beside a collective: a product while `held` SMs run a stand-in for a collective's
+// channels (tests/bench/sm_holder.h: one block per SM, copying through HBM), against the same
+// product alone. What the simulator would price a product at while its rank's collectives run
+// beside it (docs/validation.md, the torchtitan rows' 8- and 128-GPU gap): NCCL holds an SM per
+// channel for a collective's whole duration.
+// ---------------------------------------------------------------------------------------
+struct Product {
+  const char* name;
+  int m, n, k;
+};
+const Product kBesideProducts[] = {{"8192 x 4096 x 4096 (attention projection, 8k tokens)", 8192, 4096, 4096},
+                                   {"8192 x 14336 x 4096 (SwiGLU up, Llama 3 8B)", 8192, 14336, 4096}};
+const int kHeldSms[] = {0, 8, 16, 24, 32};
+
+void BM_GemmBesideHeldSms(benchmark::State& state) {
+  with_device(state, [&] {
+    const Product& p = kBesideProducts[state.range(0)];
+    const int held = kHeldSms[state.range(1)];
+    const DType dt = DType::bf16;
+    state.SetLabel(std::string(p.name) + " bf16, " + std::to_string(held) + " of " +
+                   std::to_string(device().memory.multiprocessors) + " SMs held");
+    auto a = random_buffer(dt, std::size_t(p.m) * p.k, 1.0f, 60), b = random_buffer(dt, std::size_t(p.n) * p.k, 0.02f, 61);
+    DeviceBuffer c(std::size_t(p.m) * p.n * 2);
+    Stream products, collective;
+    GemmContext ctx(products.get());
+    auto product = [&] {
+      gemm(ctx, false, true, p.m, p.n, p.k, 1.0f, a.data(), p.k, b.data(), p.k, 0.0f, c.data(), p.n, dt, dt);
+    };
+    const double alone = median_seconds(products, 11, product);
+    // The holder copies 64 MiB over and over for well past the products timed beside it: its passes
+    // at its share of the SMs' part of the copy bandwidth, eight times over to be sure it outlasts
+    // them (a block may move more than its share).
+    constexpr int kProducts = 10;
+    const std::size_t bytes = std::size_t(64) << 20;
+    DeviceBuffer src(bytes), dst(bytes);
+    const double share = held > 0 ? static_cast<double>(held) / std::max(1, device().memory.multiprocessors) : 0;
+    const int passes =
+        held > 0 ? std::max(1, static_cast<int>(8.0 * kProducts * alone * share * copy_bandwidth() / (2.0 * bytes)) + 1) : 0;
+    EventTimer timer;
+    double total = 0;
+    for (auto _ : state) {
+      bench::hold_sms_copying(dst.data(), src.data(), bytes, held, passes, collective.get());
+      timer.start(products.get());
+      for (int i = 0; i < kProducts; ++i) product();
+      timer.stop(products.get());
+      const double each = timer.elapsed_seconds() / kProducts;
+      collective.synchronize();
+      state.SetIterationTime(each);
+      total += each;
+    }
+    const double mean = total / static_cast<double>(state.iterations());
+    state.counters["slowdown"] = mean / alone;
+    state.counters["sm_share_held"] = share;
+    state.counters["tflops"] = 2.0 * p.m * p.n * p.k / mean * 1e-12;
+  });
+}
+BENCHMARK(BM_GemmBesideHeldSms)
+    ->ArgsProduct({{0, 1}, {0, 1, 2, 3, 4}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
