@@ -108,6 +108,10 @@ struct ClusterConfig {
   // compute model lowers it further by each product's shape (sim/cost/gemm_model.h).
   double compute_efficiency = 0.8;
   int sm_count = 108;  // streaming multiprocessors: a product's tiles run in waves of this many; 0: no waves
+  // SMs a collective's kernels hold on each GPU while it runs (NCCL: one thread block per channel,
+  // for the collective's whole duration): compute beside it runs on the others
+  // (sim/core_contention.h). 0: collectives do not slow the compute they overlap.
+  int collective_sms = 0;
   double hbm_bandwidth_gbps = 2039;
   double memory_efficiency = 0.79;  // fraction of hbm_bandwidth_gbps that streaming kernels reach
   // Fraction of peak a fused attention kernel (FlashAttention) reaches on the work it does, and

@@ -302,6 +302,10 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(integer("cluster.sm_count", FIELD(cluster.sm_count), 0, 1 << 16, "",
                       "Streaming multiprocessors per GPU: a matrix product's tiles run in waves of this many; 0: "
                       "no wave quantization"));
+  t.push_back(integer("cluster.collective_sms", FIELD(cluster.collective_sms), 0, 1 << 16, "",
+                      "SMs a collective's kernels hold on each GPU while it runs (NCCL: a block per channel); "
+                      "compute that overlaps it runs on the other SMs, priced by its shape; 0: collectives do not "
+                      "slow compute (the default: no measured figure yet, docs/model.md)"));
   t.push_back(real("cluster.hbm_bandwidth_gbps", FIELD(cluster.hbm_bandwidth_gbps), 0.001, 1e6, "GB/s",
                    "GPU memory bandwidth (datasheet), for memory-bound kernels (norms, activations, softmax, "
                    "dropout, loss, optimizer)"));

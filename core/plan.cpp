@@ -216,6 +216,10 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   if (cl.num_gpus > cl.gpus_per_node && cl.num_gpus % cl.gpus_per_node != 0)
     ck.error("cluster.num_gpus", fmt::format("num_gpus({}) is not a whole number of nodes of gpus_per_node({})",
                                              cl.num_gpus, cl.gpus_per_node));
+  if (cl.collective_sms > 0 && cl.collective_sms >= cl.sm_count)
+    ck.error("cluster.collective_sms",
+             fmt::format("collective_sms({}) leaves no SM for compute of sm_count({})", cl.collective_sms, cl.sm_count),
+             {"cluster.sm_count"});
   if (t > 1 && (t > cl.gpus_per_node || cl.gpus_per_node % t != 0))
     plan.warnings.push_back(fmt::format(
         "tensor_parallel_size({}) does not fit evenly in a node of {} GPUs: its per-layer all-reduces would "

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -53,6 +54,23 @@ struct Beside {
 
 }  // namespace
 
+bool collectives_slow_compute(const Plan& plan) {
+  const ClusterConfig& cl = plan.config.cluster;
+  return !cl.calibrated && cl.collective_sms > 0 && cl.collective_sms < cl.sm_count && plan.num_ranks() > 1;
+}
+
+// The plan as its compute sees the GPU while a collective holds collective_sms of its SMs.
+Plan beside_collectives(const Plan& plan) {
+  Plan p = plan;
+  ClusterConfig& cl = p.config.cluster;
+  const double left = static_cast<double>(cl.sm_count - cl.collective_sms) / cl.sm_count;
+  for (DType d : kAllDTypes)
+    if (cl.peak_tflops.at(d) > 0) cl.peak_tflops[d] = cl.peak_tflops.at(d) * left;
+  cl.int32_tops *= left;
+  cl.sm_count -= cl.collective_sms;
+  return p;
+}
+
 bool cores_contend(const Plan& plan) {
   const auto& p = plan.config.cluster.calibrated;
   if (!p || p->core_factors.empty()) return false;
@@ -63,11 +81,15 @@ bool cores_contend(const Plan& plan) {
 int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedule>& schedule,
                            const RooflineComputeModel& compute, const LinkP2PModel& p2p,
                            const NetworkCollectiveModel& collective, Simulation& sim, Timeline& t) {
-  if (!cores_contend(plan)) return 0;
+  const bool contend = cores_contend(plan), slowed = collectives_slow_compute(plan);
+  if (!contend && !slowed) return 0;
   const Schedule& s = *schedule;
   const int ranks = static_cast<int>(s.ranks.size());
   const int tp = plan.tp;
   const double threads = static_cast<double>(ranks) * tp;  // the host's, each on a core (cores_contend)
+  // GPUs: each compute op's speed beside its rank's collectives, over its speed alone.
+  std::optional<RooflineComputeModel> on_the_rest_sms;
+  if (slowed) on_the_rest_sms.emplace(beside_collectives(plan));
 
   // The table the engine prices with, starting from `compute`'s (every op at its factor: t).
   std::vector<std::vector<Tick>> ticks(static_cast<std::size_t>(ranks));
@@ -87,13 +109,17 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
   };
   std::vector<Change> events;
   Beside beside;
-  const bool preempts = plan.config.cluster.calibrated->collectives_take_rank_core;
+  // A rank's own collective, while it runs: takes its core (the CPU profile says so) or slows its
+  // compute (GPUs); the op's speed then, as a share of its speed alone, is `held_rate`.
+  const bool preempts = contend && plan.config.cluster.calibrated->collectives_take_rank_core;
+  const bool held_matters = preempts || slowed;
   for (int round = 1;; ++round) {
     // Each op's duration from the threads computing beside it in `t`.
     double moved = 0;
     for (int r = 0; r < ranks; ++r) {
       events.clear();
-      for (int q = 0; q < ranks; ++q) {
+      // Other ranks' compute counts only where they share the host's cores.
+      for (int q = contend ? 0 : r; q < (contend ? ranks : r + 1); ++q) {
         const auto& ops = s.ranks[static_cast<std::size_t>(q)].ops;
         for (std::size_t i = 0; i < ops.size(); ++i) {
           const OpTiming& x = t.ops[static_cast<std::size_t>(q)][i];
@@ -101,7 +127,7 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
           if (q != r && is_compute(ops[i].kind)) {
             events.push_back({x.start, tp, 0});
             events.push_back({x.end, -tp, 0});
-          } else if (q == r && preempts && is_collective(ops[i].kind) && ops[i].channel >= 0) {
+          } else if (q == r && held_matters && is_collective(ops[i].kind) && ops[i].channel >= 0) {
             events.push_back({x.start, 0, 1});
             events.push_back({x.end, 0, -1});
           }
@@ -129,9 +155,14 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
         const double together = compute.core_factor(ops[i], r), by_itself = compute.alone_factor(ops[i], r);
         const double alone = static_cast<double>(compute.alone_duration(ops[i], r));
         Tick& d = next[static_cast<std::size_t>(r)][i];
-        if ((together == by_itself && !preempts) || alone <= 0) {
+        if ((together == by_itself && !held_matters) || alone <= 0) {
           d = static_cast<Tick>(alone);
           continue;
+        }
+        double held_rate = 0;
+        if (slowed) {
+          const double on_the_rest = static_cast<double>(on_the_rest_sms->duration(ops[i], r));
+          held_rate = on_the_rest > 0 ? std::min(1.0, alone / on_the_rest) : 1.0;
         }
         // Walk the core's steps from the op's start until its alone work is done: none while the
         // rank's own collective holds the core.
@@ -147,11 +178,12 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
           const double until = j + 1 < static_cast<std::ptrdiff_t>(beside.at.size())
                                    ? static_cast<double>(beside.at[k + 1])
                                    : std::numeric_limits<double>::infinity();
-          if (!held && (until - now) / f >= left) {
-            now += left * f;
+          const double rate = held ? held_rate : 1.0 / f;
+          if (rate > 0 && (until - now) * rate >= left) {
+            now += left / rate;
             break;
           }
-          if (!held) left -= (until - now) / f;
+          left -= (until - now) * rate;
           now = until;
           ++j;
         }

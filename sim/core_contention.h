@@ -20,6 +20,13 @@
 //   integral from s to e of dt / f(a(t)) = A,
 // and, where the profile says a rank's collectives take its core (collectives_take_rank_core), no
 // progress while one of them runs.
+//
+// GPUs (no calibrated profile) have the same form with one term: a collective's kernels hold
+// `cluster.collective_sms` of the GPU's SMs while it runs (NCCL: a block per channel, for the
+// collective's whole duration), so a compute op progresses, while one of its rank's collectives
+// runs, at the speed it has on the other SMs: its price with sm_count - collective_sms SMs and the
+// peak rates scaled alike (the products' tiles then run in more waves; memory-bound kernels keep
+// their bandwidth). Off (0) by default: no measured figure yet (docs/model.md).
 // Durations and the timeline depend on each other, so the step is simulated again with the ops'
 // durations from the last timeline until they agree (a fixed point: each round's durations
 // follow from the previous round's overlaps; rounds after the first six are damped).
@@ -42,10 +49,13 @@ class NetworkCollectiveModel;
 // least two threads on some host, and no host with more threads than cores (those share cores
 // by turns: validation/core_sharing.h).
 bool cores_contend(const Plan& plan);
+// Whether a GPU plan's collectives slow the compute they overlap (cluster.collective_sms > 0,
+// no calibrated profile, some collective).
+bool collectives_slow_compute(const Plan& plan);
 
 // `t`, simulated with `compute`'s prices (every op at its core factor), re-simulated until each
-// compute op's duration agrees with the threads computing beside it. Returns the rounds taken
-// (0: nothing to settle).
+// compute op's duration agrees with the threads computing beside it (and, on GPUs, with the
+// collectives of its rank beside it). Returns the rounds taken (0: nothing to settle).
 int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedule>& schedule,
                            const RooflineComputeModel& compute, const LinkP2PModel& p2p,
                            const NetworkCollectiveModel& collective, Simulation& sim, Timeline& t);

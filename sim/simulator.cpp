@@ -219,14 +219,16 @@ struct Predictor::Models {
 Predictor::Route Predictor::route(const Plan& plan, const Models& m, Result& out) {
   CachedSchedule& entry = ws_->lookup();
   // A schedule not met lately: the engine, as without the cache. So too ranks that contend for
-  // their host's cores, whose ops the engine prices again from each round's overlaps, and
-  // collectives that cost more when a member waited (the program does not price that).
-  const bool on_engine = cores_contend(plan) || m.collective.prices_wake();
+  // their host's cores and compute that collectives slow, whose ops the engine prices again from
+  // each round's overlaps (every rank simulated, as predict() settles them), and collectives that
+  // cost more when a member waited (the program does not price that).
+  const bool settles = cores_contend(plan) || collectives_slow_compute(plan);
+  const bool on_engine = settles || m.collective.prices_wake();
   if (++entry.uses == 1 || on_engine) {
     if (!schedule_ || schedule_.use_count() > 2) schedule_ = std::make_shared<Schedule>();
     Schedule& s = *schedule_;
     bool symmetric = false;
-    if (plan.dp > 1) {
+    if (plan.dp > 1 && !settles) {
       build_replica0_into(plan, s);
       symmetric = replicas_symmetric(plan, s, m.collective) &&
                   ws_->sim.run_replica0(schedule_, m.compute, m.p2p, m.collective, last_.timeline);

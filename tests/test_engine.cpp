@@ -13,6 +13,7 @@
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/p2p_model.h"
+#include "core/presets.h"
 #include "core/scenario.h"
 #include "sim/simulator.h"
 #include "tests/sim_equality.h"
@@ -418,6 +419,79 @@ void expect_same_schedule(const Schedule& a, const Schedule& b) {
 // fresh predict() gives: schedule, timeline, memory and result, bit for bit. Placements
 // include replicas whose pipeline boundaries fall on different nodes (dp = 3 on 2- and
 // 4-GPU nodes), where only the full simulation is exact.
+// cluster.collective_sms (sim/core_contention.h): while a collective of its rank runs, a compute
+// op progresses at its speed on the SMs the collective leaves. A data-parallel H100 plan whose
+// gradient reductions hide under the backward (the step bound by compute): with no SMs held it is the plain prediction; with some,
+// every compute op's work adds up (its time beside its rank's collectives at the speed on the
+// SMs left, the rest at full speed), the step is longer, and the sweep's path gives the same step.
+ScenarioConfig overlapped_h100_plan() {
+  ScenarioConfig c = testing::small_config(1, 4, ScheduleKind::one_f_one_b, 1, 4);
+  c.model.num_layers = 8;
+  c.model.hidden_size = 2048;
+  c.model.num_attention_heads = 16;
+  c.model.seq_length = 2048;
+  c.model.vocab_size = 32000;
+  c.cluster.gpu = "h100-80gb";
+  apply_gpu_preset(*find_gpu_preset("h100-80gb"), c.cluster);
+  c.cluster.num_gpus = 4;
+  c.cluster.gpus_per_node = 4;  // on NVLink: the reductions hide under the backward
+  c.precision.compute = DType::bf16;
+  c.communication.overlap_grad_reduce = true;
+  c.communication.bucket_size_mib = 25;
+  return c;
+}
+
+TEST(CollectiveSms, ComputeBesideItsRanksCollectivesRunsOnTheSmsLeft) {
+  ScenarioConfig c = overlapped_h100_plan();
+  const Prediction plain = predict(Plan::from_config(c));
+  c.cluster.collective_sms = 0;
+  EXPECT_EQ(predict(Plan::from_config(c)).result.step_time_s, plain.result.step_time_s);
+
+  c.cluster.collective_sms = 24;
+  const Plan plan = Plan::from_config(c);
+  const Prediction held = predict(plan);
+  EXPECT_GT(held.result.step_time_s, plain.result.step_time_s);
+  // The GPU as compute sees it beside a collective: 24 SMs fewer, its peaks scaled alike.
+  ScenarioConfig rest = c;
+  const double left = (rest.cluster.sm_count - 24.0) / rest.cluster.sm_count;
+  for (DType d : kAllDTypes) rest.cluster.peak_tflops[d] = rest.cluster.peak_tflops.at(d) * left;
+  rest.cluster.int32_tops *= left;
+  rest.cluster.sm_count -= 24;
+  rest.cluster.collective_sms = 0;
+  const RooflineComputeModel full(plan), on_the_rest(Plan::from_config(rest));
+  int overlapped = 0;
+  for (std::size_t r = 0; r < held.timeline.ops.size(); ++r) {
+    const auto& ops = held.schedule->ranks[r].ops;
+    std::vector<OpTiming> collectives;
+    for (std::size_t i = 0; i < ops.size(); ++i)
+      if (is_collective(ops[i].kind) && ops[i].channel >= 0) collectives.push_back(held.timeline.ops[r][i]);
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      if (!is_compute(ops[i].kind)) continue;
+      const OpTiming& t = held.timeline.ops[r][i];
+      double beside = 0;  // collectives of one rank run one at a time: their intervals do not overlap
+      for (const OpTiming& k : collectives)
+        beside += std::max<double>(0, static_cast<double>(std::min(t.end, k.end) - std::max(t.start, k.start)));
+      const double alone = static_cast<double>(full.duration(ops[i], static_cast<int>(r)));
+      const double slow = static_cast<double>(on_the_rest.duration(ops[i], static_cast<int>(r)));
+      ASSERT_GE(slow, alone) << op_label(ops[i]);  // equal for memory-bound work (the optimizer)
+      const double work = (static_cast<double>(t.end - t.start) - beside) + beside * alone / slow;
+      EXPECT_NEAR(work, alone, 1e-4 * alone + 2) << "rank " << r << " " << op_label(ops[i]);
+      overlapped += beside > 0;
+    }
+  }
+  EXPECT_GT(overlapped, 4);  // the backward's reductions overlap it
+  // The sweep's path (a Predictor, every rank simulated) gives the same step.
+  Predictor predictor;
+  for (int k = 0; k < 2; ++k)  // the second call finds the schedule cached
+    EXPECT_EQ(predictor.evaluate(plan).step_time_s, held.result.step_time_s);
+}
+
+TEST(CollectiveSms, RefusesToHoldEverySm) {
+  ScenarioConfig c = overlapped_h100_plan();
+  c.cluster.collective_sms = c.cluster.sm_count;
+  EXPECT_THROW(Plan::from_config(c), ScenarioError);
+}
+
 TEST(Predictor, ReusedAcrossRandomPlansMatchesPredict) {
   std::mt19937 rng(20261121);
   auto pick = [&](std::initializer_list<int> xs) {
