@@ -52,13 +52,6 @@ struct Beside {
   std::vector<int> collectives;
 };
 
-}  // namespace
-
-bool collectives_slow_compute(const Plan& plan) {
-  const ClusterConfig& cl = plan.config.cluster;
-  return !cl.calibrated && cl.collective_sms > 0 && cl.collective_sms < cl.sm_count && plan.num_ranks() > 1;
-}
-
 // The plan as its compute sees the GPU while a collective holds collective_sms of its SMs.
 Plan beside_collectives(const Plan& plan) {
   Plan p = plan;
@@ -69,6 +62,13 @@ Plan beside_collectives(const Plan& plan) {
   cl.int32_tops *= left;
   cl.sm_count -= cl.collective_sms;
   return p;
+}
+
+}  // namespace
+
+bool collectives_slow_compute(const Plan& plan) {
+  const ClusterConfig& cl = plan.config.cluster;
+  return !cl.calibrated && cl.collective_sms > 0 && cl.collective_sms < cl.sm_count && plan.num_ranks() > 1;
 }
 
 bool cores_contend(const Plan& plan) {
@@ -164,8 +164,8 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
           const double on_the_rest = static_cast<double>(on_the_rest_sms->duration(ops[i], r));
           held_rate = on_the_rest > 0 ? std::min(1.0, alone / on_the_rest) : 1.0;
         }
-        // Walk the core's steps from the op's start until its alone work is done: none while the
-        // rank's own collective holds the core.
+        // Walk the core's steps from the op's start until its alone work is done: at held_rate while
+        // the rank's own collective runs (none where it takes the core).
         const Tick start = t.ops[static_cast<std::size_t>(r)][i].start;
         auto j = static_cast<std::ptrdiff_t>(std::upper_bound(beside.at.begin(), beside.at.end(), start) -
                                              beside.at.begin()) - 1;
