@@ -356,8 +356,6 @@ class Replay {
     ++st.held;
     st.comm_busy = true;
     const auto key = std::make_pair(op.channel, st.gather_unit);
-    Tick& last = unit_last_arrival_[key];
-    last = std::max(last, now_);
     const Collective& c = s_.collectives[static_cast<std::size_t>(op.channel)];
     if (++unit_arrived_[key] < static_cast<int>(c.members.size())) return;
     // The run counts a member's time before its op's last member began it, and before each part's
@@ -400,12 +398,16 @@ class Replay {
     if (!(p.keeps_first && unit == 0 && !pass_end)) --st.held;
     if (pass_end && p.keeps_first && unit != 0) --st.held;
   }
+  // Op i's place among its pass's compute ops (its work is op_from[k] to op_from[k + 1]).
+  static std::size_t place_in(const UnitPass& p, int i) {
+    return static_cast<std::size_t>(std::find(p.ops.begin(), p.ops.end(), i) - p.ops.begin());
+  }
   // The stretch of op i a unit-paced pass runs next, on a core its rank holds: to the end of its
   // unit or of the op.
   Job next_stretch(int r, int i) const {
     const RankState& st = ranks_[static_cast<std::size_t>(r)];
     const UnitPass& p = st.passes[static_cast<std::size_t>(st.pass_of[static_cast<std::size_t>(i)])];
-    const std::size_t k = static_cast<std::size_t>(std::find(p.ops.begin(), p.ops.end(), i) - p.ops.begin());
+    const std::size_t k = place_in(p, i);
     const double from = p.op_from[k], to = std::min(p.op_from[k + 1], p.unit_from[static_cast<std::size_t>(st.unit) + 1]);
     const double whole = p.op_from[k + 1] - from;
     Job job{JobKind::part, r, i, whole > 0 ? static_cast<double>(duration(r, i)) * (to - st.pass_at) / whole : 0.0, 1.0};
@@ -421,6 +423,11 @@ class Replay {
       start(next_stretch(r, i));
       return;
     }
+    pause(r);
+  }
+  // Rank r gives its core back until its pass's unit is there.
+  void pause(int r) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
     ++free_cores_;
     st.wait = Wait::unit;
     st.paused_at = now_;
@@ -557,10 +564,7 @@ class Replay {
     RankState& st = ranks_[static_cast<std::size_t>(j.rank)];
     constexpr double kEps = 1e-12;
     st.pass_at = j.to;
-    const bool op_done = j.op != p.ops.back()
-                             ? st.pass_at >= p.op_from[static_cast<std::size_t>(
-                                                std::find(p.ops.begin(), p.ops.end(), j.op) - p.ops.begin()) + 1] - kEps
-                             : st.pass_at >= 1 - kEps;
+    const bool op_done = st.pass_at >= p.op_from[place_in(p, j.op) + 1] - kEps;
     const bool pass_end = j.op == p.ops.back() && op_done;
     if (pass_end) {
       release_unit(j.rank, p, st.unit, true);
@@ -642,15 +646,12 @@ class Replay {
       granted_.push_back(t);
       --free_cores_;
       ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::running;
-      if (unit_pass(t.rank, t.op) && unit_pass(t.rank, t.op)->gathered <= ranks_[static_cast<std::size_t>(t.rank)].unit) {
-        // Its unit is not there: the turn's thread gives the core back at once.
-        ++free_cores_;
-        ranks_[static_cast<std::size_t>(t.rank)].wait = Wait::unit;
-        ranks_[static_cast<std::size_t>(t.rank)].paused_at = now_;
+      const UnitPass* pass = unit_pass(t.rank, t.op);
+      if (pass && pass->gathered <= ranks_[static_cast<std::size_t>(t.rank)].unit) {
+        pause(t.rank);  // its unit is not there: the turn's thread gives the core back at once
         continue;
       }
-      const Job job = unit_pass(t.rank, t.op)
-                          ? next_stretch(t.rank, t.op)
+      const Job job = pass ? next_stretch(t.rank, t.op)
                           : Job{JobKind::part, t.rank, t.op, static_cast<double>(part_duration(t.rank, t.op, t.part)), 1.0};
       if (woken > 0) {  // the core idles while the thread wakes
         pending_.push_back(job);
@@ -671,7 +672,6 @@ class Replay {
   std::vector<int> members_arrived_;       // per collective
   std::vector<Tick> last_arrival_;
   std::map<std::pair<int, int>, int> unit_arrived_;  // ZeRO-3: per (collective, unit)
-  std::map<std::pair<int, int>, Tick> unit_last_arrival_;
   std::set<Resume> resumes_;               // ranks whose unit came, waiting for a core
   int at_barrier_ = 0;
   Tick last_at_barrier_ = 0;
