@@ -138,6 +138,49 @@ TEST(CoreSharing, ASendKeepsTheCoreOfTheOpBeforeIt) {
   EXPECT_EQ(out.timeline.ops[1][0].waited, 12 * kUs);
 }
 
+// Two cores. Rank 0 runs a forward (10 us) and sends its output (2 us) to rank 1, whose first op is
+// the receive, then a forward (5 us): rank 1 sleeps on the message from 0 us. Rank 2 runs a forward
+// of 20 us, then receives a second message rank 0 sends right after the first. Rank 0's turn keeps
+// its core through both sends, rank 2's the other, so rank 1's forward waits for rank 0's sends.
+// Without receiver_copies the sends take 10-12 and 12-14 us and rank 1's forward 14-19 us. With
+// them, rank 1, woken at 12 us, copies its message out (2 us, as long as the send) on a core it
+// takes first, as a woken thread does: 12-14 us, while the two turns share the other core at half
+// speed. Rank 0's second send ends at 15 us (1 us of its 2 done by 14), rank 1's forward runs
+// 15-20 us, and rank 2's forward ends at 21 us, where it finds its message there (copied in its
+// own time, not priced).
+TEST(CoreSharing, AReceiverAsleepOnItsMessageCopiesItOnACoreItTakesFirst) {
+  Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::SendActivation, 2 * kUs}, {OpKind::SendActivation, 2 * kUs}},
+                      {{OpKind::RecvActivation, 0}, {OpKind::Forward, 5 * kUs}},
+                      {{OpKind::Forward, 20 * kUs}, {OpKind::RecvActivation, 0}}});
+  auto s = std::make_shared<Schedule>(*t.schedule);
+  s->num_messages = 2;
+  s->ranks[0].ops[1].channel = s->ranks[1].ops[0].channel = 0;
+  s->ranks[0].ops[1].peer = 1;
+  s->ranks[1].ops[0].peer = 0;
+  s->ranks[0].ops[2].channel = s->ranks[2].ops[1].channel = 1;
+  s->ranks[0].ops[2].peer = 2;
+  s->ranks[2].ops[1].peer = 0;
+  t.schedule = s;
+  CoreSharing sh;
+  sh.cores = 2;
+  const SharedStep plain = share_cores(t, sh);
+  EXPECT_EQ(plain.timeline.ops[0][1].end, 12 * kUs);
+  EXPECT_EQ(plain.timeline.ops[1][0].end, 12 * kUs);
+  EXPECT_EQ(plain.timeline.ops[0][2].end, 14 * kUs);
+  EXPECT_EQ(plain.timeline.ops[1][1].end, 19 * kUs);
+  EXPECT_EQ(plain.timeline.ops[2][1].end, 20 * kUs);
+  sh.receiver_copies = true;
+  const SharedStep copied = share_cores(t, sh);
+  EXPECT_EQ(copied.timeline.ops[0][1].end, 12 * kUs);
+  EXPECT_EQ(copied.timeline.ops[1][0].end, 14 * kUs);
+  EXPECT_EQ(copied.timeline.ops[0][2].end, 15 * kUs);
+  EXPECT_EQ(copied.timeline.ops[1][1].start, 14 * kUs);
+  EXPECT_EQ(copied.timeline.ops[1][1].end, 20 * kUs);
+  EXPECT_EQ(copied.timeline.ops[1][1].waited, 1 * kUs);
+  EXPECT_EQ(copied.timeline.ops[2][0].end, 21 * kUs);
+  EXPECT_EQ(copied.timeline.ops[2][1].end, 21 * kUs);
+}
+
 TEST(CoreSharing, CollectivesThatTakeCoresRunFirstAndTheTurnsShareWhatIsLeft) {
   // Both ranks all-reduce (4 us alone) on their communication threads from 0 while their
   // forwards (10 us) want the cores. Each all-reduce's thread was busy min(1, cores / members) of
@@ -352,13 +395,15 @@ TEST(CoreSharing, EveryRankOfAPipelineFinishesWhicheverTheCores) {
   const ScenarioConfig c = testing::small_config(4, 4, ScheduleKind::gpipe, 1, 2);
   const Plan plan = Plan::from_config(c);
   const Prediction p = predict(plan);
-  for (bool take : {false, true}) {
-    SCOPED_TRACE(take ? "collectives take cores" : "collectives beside the turns");
+  for (const auto& [take, copies] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(fmt::format("collectives {} the cores, receivers' copies {}", take ? "take" : "beside",
+                             copies ? "priced" : "not priced"));
     Tick previous = 0;
     for (int cores : {8, 4, 2, 1}) {
       CoreSharing sh;
       sh.cores = cores;
       sh.collectives_take_cores = take;
+      sh.receiver_copies = copies;
       const SharedStep s = share_cores(p.timeline, sh);
       // Fewer cores: a longer step; and the order it found replays to the same step.
       EXPECT_GE(s.timeline.end(), previous);

@@ -85,9 +85,10 @@ class Replay {
     int rank, a;
     bool operator>(const Event& o) const { return std::tie(at, seq) > std::tie(o.at, o.seq); }
   };
-  // Work on a core: a compute op's part or a send (on the core its rank's turn holds), or a
-  // collective on the rank's communication thread. `left` is its time at full speed still to run.
-  enum class JobKind { part, send, collective };
+  // Work on a core: a compute op's part or a send (on the core its rank's turn holds), a
+  // collective on the rank's communication thread, or the copy of a receiver woken by its message
+  // (CoreSharing::receiver_copies). `left` is its time at full speed still to run.
+  enum class JobKind { part, send, collective, receive };
   struct Job {
     JobKind kind;
     int rank, op;
@@ -99,6 +100,8 @@ class Replay {
     // stretch ends.
     int unit = -1;
     double to = -1;
+    // A receive's copy (JobKind::receive): the message it takes out of the mailbox.
+    int channel = -1;
   };
   // A ZeRO-3 pass gathered unit by unit: its two gather ops (the first unit, the rest), its compute
   // ops (a backward split at its buckets is several), and where each unit and op begins in the
@@ -449,7 +452,7 @@ class Replay {
     int compute = 0;
     double collectives = 0;  // their shares of cores at full speed
     for (const Job& j : jobs_)
-      if (j.kind != JobKind::collective)
+      if (takes_turn_core(j))
         ++compute;
       else
         collectives += j.share;
@@ -459,8 +462,11 @@ class Replay {
     return {compute > left ? left / compute : 1.0, collective};
   }
   double rate_of(const Job& j, const std::pair<double, double>& r) const {
-    return j.kind != JobKind::collective ? r.first : j.share > 0 ? r.second : 1.0;
+    return takes_turn_core(j) ? r.first : j.share > 0 ? r.second : 1.0;
   }
+  // Compute parts and sends run on the cores turns hold; collectives and a woken receiver's copy
+  // on what a thread woken from a sleep takes first.
+  static bool takes_turn_core(const Job& j) { return j.kind == JobKind::part || j.kind == JobKind::send; }
 
   // Each running job's work done since the last settle, at the rates of that interval.
   void settle() {
@@ -531,15 +537,27 @@ class Replay {
           st.holds_core = false;
           ++free_cores_;
         }
-        arrival_[static_cast<std::size_t>(op.channel)] = now_;
         finish_compute_op(j.rank, j.op, now_);
         advance(j.rank);
         if (auto it = waiting_recv_.find(op.channel); it != waiting_recv_.end()) {
           const int r = it->second;
           waiting_recv_.erase(it);
+          if (sharing_.receiver_copies) {  // woken, it copies the message out first
+            start(Job{JobKind::receive, r, -1, static_cast<double>(duration(j.rank, j.op)), 1.0, -1, -1, op.channel});
+            return;
+          }
+          arrival_[static_cast<std::size_t>(op.channel)] = now_;
           ranks_[static_cast<std::size_t>(r)].wait = Wait::none;
           advance(r);
+          return;
         }
+        arrival_[static_cast<std::size_t>(op.channel)] = now_;
+        return;
+      }
+      case JobKind::receive: {
+        arrival_[static_cast<std::size_t>(j.channel)] = now_;
+        st.wait = Wait::none;
+        advance(j.rank);
         return;
       }
       case JobKind::collective: {

@@ -10,7 +10,8 @@
 // and sums are work on a core (collectives_take_cores): a communication thread wakes to run it,
 // and the scheduler lets a woken thread run before those that kept running, so collectives run
 // first, at full speed while their shares of the cores fit, and the turns running beside them
-// share what is left. A receive's copy is not priced (small next to the compute).
+// share what is left. A receive's copy is priced where its receiver slept on the message
+// (receiver_copies), not where the message was there first (small next to the compute).
 //
 // Under ZeRO-3 a pass gathers its weights unit by unit (runtime/engine/zero.h, GatherGate): the
 // communication thread gathers the next unit once the rank holds fewer than `zero3_units_held`
@@ -62,6 +63,14 @@ struct CoreSharing {
   // first (scaled down together when they exceed the cores) and the turns running beside them
   // share the rest. False: collectives run at their own speed beside the turns, which keep theirs.
   bool collectives_take_cores = false;
+  // A receive copies its message out of the mailbox on the receiving thread (the in-process
+  // world's messages are the data). A receiver asleep on the message when it is posted is woken to
+  // copy it, and a woken thread takes a core before those that kept running (as a collective's
+  // does; the CPU engine's compute threads also run first outside their turns): its copy, as long
+  // as the send's own, runs at full speed and the turns share the cores left; the receive ends
+  // with it. A receiver that finds its message there copies it in its own time, not priced
+  // (small next to the compute). False: a receive ends when its message is posted.
+  bool receiver_copies = false;
   // Threads a turn runs on (a schedule rank's tensor-parallel shards, each on its own core): the
   // host has cores x threads_per_turn cores.
   int threads_per_turn = 1;

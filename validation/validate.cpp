@@ -140,6 +140,10 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
   // A rank's collectives run on its cores (the CPU backend's communication threads copy and sum
   // there), which the operating system shares with the turns.
   sh.collectives_take_cores = p.collectives_take_rank_core;
+  // Only the CPU engine shares cores by turns: its in-process world's receives copy the message out
+  // on the receiving thread, which outside its turns runs first on its core where the ranks have
+  // no tensor parallelism (cpu_turns_wait_first); with it, the woken thread waits as any other.
+  sh.receiver_copies = plan.tp == 1;
   sh.threads_per_turn = plan.tp;
   sh.zero3_units_held = runtime::kZero3UnitsHeld;
   sh.zero3_forward_keeps_first_unit = plan.num_virtual_stages() == 1 && plan.shape().tied;
