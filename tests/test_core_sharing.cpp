@@ -4,10 +4,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <random>
 #include <string>
 #include <stdexcept>
+#include <utility>
 
 #include "core/schedule.h"
 #include "sim/simulator.h"
@@ -42,6 +44,18 @@ Timeline alone(const std::vector<std::vector<std::pair<OpKind, Tick>>>& programs
   }
   t.schedule = s;
   return t;
+}
+
+// Makes message `channel` go from `send` ({rank, op}) to `recv` in t's schedule.
+void connect(Timeline& t, int channel, std::pair<int, int> send, std::pair<int, int> recv) {
+  auto s = std::make_shared<Schedule>(*t.schedule);
+  s->num_messages = std::max(s->num_messages, channel + 1);
+  Op& from = s->ranks[static_cast<std::size_t>(send.first)].ops[static_cast<std::size_t>(send.second)];
+  Op& to = s->ranks[static_cast<std::size_t>(recv.first)].ops[static_cast<std::size_t>(recv.second)];
+  from.channel = to.channel = channel;
+  from.peer = recv.first;
+  to.peer = send.first;
+  t.schedule = s;
 }
 
 TEST(CoreSharing, FirstComeFirstServedOnOneCore) {
@@ -122,12 +136,7 @@ TEST(CoreSharing, ASendKeepsTheCoreOfTheOpBeforeIt) {
   // its send, so rank 1's forward runs from 12 us, not from 10.
   Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::SendActivation, 2 * kUs}},
                       {{OpKind::Forward, 10 * kUs}, {OpKind::RecvActivation, 0}}});
-  auto s = std::make_shared<Schedule>(*t.schedule);
-  s->num_messages = 1;
-  s->ranks[0].ops[1].channel = s->ranks[1].ops[1].channel = 0;
-  s->ranks[0].ops[1].peer = 1;
-  s->ranks[1].ops[1].peer = 0;
-  t.schedule = s;
+  connect(t, 0, {0, 1}, {1, 1});
   CoreSharing sh;
   sh.cores = 1;
   const SharedStep out = share_cores(t, sh);
@@ -152,15 +161,8 @@ TEST(CoreSharing, AReceiverAsleepOnItsMessageCopiesItOnACoreItTakesFirst) {
   Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::SendActivation, 2 * kUs}, {OpKind::SendActivation, 2 * kUs}},
                       {{OpKind::RecvActivation, 0}, {OpKind::Forward, 5 * kUs}},
                       {{OpKind::Forward, 20 * kUs}, {OpKind::RecvActivation, 0}}});
-  auto s = std::make_shared<Schedule>(*t.schedule);
-  s->num_messages = 2;
-  s->ranks[0].ops[1].channel = s->ranks[1].ops[0].channel = 0;
-  s->ranks[0].ops[1].peer = 1;
-  s->ranks[1].ops[0].peer = 0;
-  s->ranks[0].ops[2].channel = s->ranks[2].ops[1].channel = 1;
-  s->ranks[0].ops[2].peer = 2;
-  s->ranks[2].ops[1].peer = 0;
-  t.schedule = s;
+  connect(t, 0, {0, 1}, {1, 0});
+  connect(t, 1, {0, 2}, {2, 1});
   CoreSharing sh;
   sh.cores = 2;
   const SharedStep plain = share_cores(t, sh);
