@@ -509,6 +509,13 @@ class Replay {
     barrier_end();
   }
 
+  // Message `channel` is in: rank r, asleep on it, takes it and goes on.
+  void deliver(int channel, int r) {
+    arrival_[static_cast<std::size_t>(channel)] = now_;
+    ranks_[static_cast<std::size_t>(r)].wait = Wait::none;
+    advance(r);
+  }
+
   void job_end(const Job& j) {
     RankState& st = ranks_[static_cast<std::size_t>(j.rank)];
     switch (j.kind) {
@@ -539,27 +546,23 @@ class Replay {
         }
         finish_compute_op(j.rank, j.op, now_);
         advance(j.rank);
-        if (auto it = waiting_recv_.find(op.channel); it != waiting_recv_.end()) {
-          const int r = it->second;
-          waiting_recv_.erase(it);
-          if (sharing_.receiver_copies) {  // woken, it copies the message out first
-            start(Job{JobKind::receive, r, -1, static_cast<double>(duration(j.rank, j.op)), 1.0, -1, -1, op.channel});
-            return;
-          }
+        const auto it = waiting_recv_.find(op.channel);
+        if (it == waiting_recv_.end()) {
           arrival_[static_cast<std::size_t>(op.channel)] = now_;
-          ranks_[static_cast<std::size_t>(r)].wait = Wait::none;
-          advance(r);
           return;
         }
-        arrival_[static_cast<std::size_t>(op.channel)] = now_;
+        const int r = it->second;
+        waiting_recv_.erase(it);
+        if (sharing_.receiver_copies)  // woken, it copies the message out first
+          start(Job{.kind = JobKind::receive, .rank = r, .op = -1,
+                    .left = static_cast<double>(duration(j.rank, j.op)), .share = 1.0, .channel = op.channel});
+        else
+          deliver(op.channel, r);
         return;
       }
-      case JobKind::receive: {
-        arrival_[static_cast<std::size_t>(j.channel)] = now_;
-        st.wait = Wait::none;
-        advance(j.rank);
+      case JobKind::receive:
+        deliver(j.channel, j.rank);
         return;
-      }
       case JobKind::collective: {
         if (j.unit >= 0) {
           unit_gathered(j);
