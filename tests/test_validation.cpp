@@ -601,7 +601,8 @@ TEST(CoreContention, ThePredictorSettlesAsPredictDoes) {
 // (the pack was the backward's); a stage 1-2 gather puts its own section in and unpacks every one,
 // (1 + 1/n) of the chunk, as does stage 3's, one unit per call (each unit copied out of the buffer its
 // gather has just written, at the profile's copy rate); the plain all-reduce copies nothing; a preset
-// (no profile) prices none of it.
+// (no profile) prices none of it. shard_copies splits them at the ring (what the CPU replay runs as
+// a member arrives, and after its last step: validation/core_sharing.h).
 TEST(CalibratedCollectives, ZeroCollectivesCarryTheRuntimesShardCopies) {
   const double gbps = 10;
   for (int zero : {0, 1, 2, 3}) {
@@ -620,6 +621,14 @@ TEST(CalibratedCollectives, ZeroCollectivesCarryTheRuntimesShardCopies) {
     const double rs_copies = zero == 1 ? 1.5 * copy : zero >= 2 ? 0.5 * copy : 0;
     EXPECT_NEAR(model.shard_copy_seconds(rs), rs_copies, 1e-12) << "ZeRO " << zero;
     EXPECT_NEAR(model.shard_copy_seconds(ag), zero >= 1 ? 1.5 * copy : 0, 1e-12) << "ZeRO " << zero;
+    // Split around the ring: the reduce-scatter's pack before (stage 1), its section after; the
+    // gather's own section before, every section after.
+    const auto [rs_before, rs_after] = model.shard_copies(rs);
+    EXPECT_NEAR(rs_before, zero == 1 ? copy : 0, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(rs_after, zero >= 1 ? 0.5 * copy : 0, 1e-12) << "ZeRO " << zero;
+    const auto [ag_before, ag_after] = model.shard_copies(ag);
+    EXPECT_NEAR(ag_before, zero >= 1 ? 0.5 * copy : 0, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(ag_after, zero >= 1 ? copy : 0, 1e-12) << "ZeRO " << zero;
     EXPECT_NEAR(ticks_to_seconds(model.duration(ag)),
                 ag.parts * model.seconds(ag.kind, ag.members, static_cast<double>(ag.bytes) / ag.parts) +
                     (zero >= 1 ? 1.5 * copy : 0),

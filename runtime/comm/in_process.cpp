@@ -30,13 +30,6 @@ namespace {
 using Key = MailKey;
 constexpr std::uint32_t kPointToPoint = 0;
 
-// An all-reduce whose member would receive at most this many elements from the others going
-// direct ((n-1) x N, direct_all_reduce) goes direct, a larger one round the ring; both give the
-// same bits. Measured (bench_runtime BM_SmallAllReduce, threads that sleep while they wait, 2
-// vCPUs): direct is 1.7x faster for 1-64 elements on 2 and 8 members, even at 1024 elements on
-// 2 and at 256 on 8, and 1.8x slower at 1024 on 8 (docs/performance.md).
-constexpr std::size_t kDirectAllReduceElements = 1024;
-
 std::string ms_text(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
 
 // The world's state, shared by its communicators (which keep it alive): the mailboxes and
@@ -260,7 +253,7 @@ class InProcessCommunicator final : public Communicator {
     contribute(data, n, divide, round);
     if (n == 1)
       finish(data, n, divide, round);
-    else if (static_cast<std::size_t>(n - 1) * data.size() <= kDirectAllReduceElements)
+    else if (all_reduce_goes_direct(static_cast<std::size_t>(n), data.size()))
       direct_all_reduce(r, op, divide, round);
     else
       ring_all_reduce(r, op, divide, round);

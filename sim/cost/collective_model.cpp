@@ -182,25 +182,37 @@ double NetworkCollectiveModel::wire_bytes(const Collective& c) const {
   return dtype_bytes(plan_.config.precision.allreduce);
 }
 
+double NetworkCollectiveModel::elements_per_call(const Collective& c) const {
+  return c.parts > 0 ? static_cast<double>(c.bytes) / wire_bytes(c) / c.parts : 0.0;
+}
+
 double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
+  const auto [before, after] = shard_copies(c);
+  return before + after;
+}
+
+std::pair<double, double> NetworkCollectiveModel::shard_copies(const Collective& c) const {
   const auto& profile = plan_.config.cluster.calibrated;
   const int n = static_cast<int>(c.members.size());
   const int zero = plan_.config.parallelism.zero_stage;
-  if (!profile || zero < 1 || n <= 1 || c.parts <= 0) return 0;
+  if (!profile || zero < 1 || n <= 1 || c.parts <= 0) return {0, 0};
   // Elements of the collective's buffer (schedule.cpp: a reduce-scatter's bucket on the wire, a
   // gather's chunk of working weights), and those the runtime copies around the ring, per call
   // (ZeRO-3's units are one call each, each copied on its own).
-  const double elements = static_cast<double>(c.bytes) / wire_bytes(c) / c.parts;
-  double copied = 0;
+  const double elements = elements_per_call(c);
+  double before = 0, after = 0;
   if (c.kind == OpKind::ReduceScatter && c.purpose == CollectivePurpose::gradients) {
     // Stage 1 packs the bucket from the flat gradients and takes its own section; stages 2-3
     // packed it after the backward (the compute op's) and add their section into the shard.
-    copied = zero == 1 ? elements * (1.0 + 1.0 / n) : elements / n;
+    before = zero == 1 ? elements : 0;
+    after = elements / n;
   } else if (c.kind == OpKind::AllGather && c.purpose == CollectivePurpose::parameters) {
     // Its own section in, every section out to the flat weights (stage 3: the unit's).
-    copied = elements * (1.0 + 1.0 / n);
+    before = elements / n;
+    after = elements;
   }
-  if (copied <= 0) return 0;
+  const double copied = before + after;
+  if (copied <= 0) return {0, 0};
   const double storage = profile->emulated_low_precision ? 4.0 : plan_.activation_bytes();
   KernelShape shape;
   shape.elements = static_cast<long>(copied);
@@ -208,7 +220,9 @@ double NetworkCollectiveModel::shard_copy_seconds(const Collective& c) const {
   // kernel "copy"); the others pack from, or unpack into, flat arrays written long before.
   const bool unit = zero == 3 && c.kind == OpKind::AllGather;
   const double s = profile->kernel_seconds(unit ? "copy" : kShardCopyKernel, DType::fp32, shape, 2 * copied * storage);
-  return s > 0 ? c.parts * s : 0;  // a profile without the kernel's rate: not priced
+  if (s <= 0) return {0, 0};  // a profile without the kernel's rate: not priced
+  // A copy's time goes with its elements.
+  return {c.parts * s * before / copied, c.parts * s * after / copied};
 }
 
 }  // namespace trainsim

@@ -89,6 +89,12 @@ class NetworkCollectiveModel final : public CollectiveModel {
   // A calibrated runtime's copies around a ZeRO reduce-scatter or gather (kShardCopyKernel at its
   // measured rate; core/kernel_inventory.h), 0 for other collectives and for presets.
   double shard_copy_seconds(const Collective& c) const;
+  // The same, split: {before the ring's first step, after its last} (a reduce-scatter packs its
+  // bucket before and takes its section after; a gather puts its section in before and every
+  // section out after).
+  std::pair<double, double> shard_copies(const Collective& c) const;
+  // The elements one call of `c` moves per member (its parts are one call each).
+  double elements_per_call(const Collective& c) const;
 
  private:
   // Bytes per element of `c` on the wire.
