@@ -322,8 +322,8 @@ TEST(CoreSharing, RanksThatAUnitWakesTogetherTakeTheCoreInTurns) {
 
 // ZeRO-3 plans of every shape the runtime runs (DeepSpeed and FSDP, recompute or not, tied or
 // untied embeddings, data parallelism with or without tensor parallelism, one to four micro-batches)
-// on one to four cores: every op ends, the order found replays to the same step, and no pass is done
-// sooner than it runs alone.
+// on one to four cores, their collectives whole or as rings of steps: every op ends, the order found
+// replays to the same step, and no pass is done sooner than it runs alone.
 TEST(CoreSharing, ZeroThreePlansFinishWhicheverTheCores) {
   std::mt19937 rng(20261128);
   auto pick = [&](std::initializer_list<int> xs) {
@@ -347,15 +347,22 @@ TEST(CoreSharing, ZeroThreePlansFinishWhicheverTheCores) {
     const Prediction p = predict(plan);
     int unit_gathers = 0;  // the rest of a pass's units, in more than one part somewhere
     for (const Collective& k : p.schedule->collectives) unit_gathers += k.kind == OpKind::AllGather && k.parts > 1;
-    if (pp == 1) ASSERT_GT(unit_gathers, 0) << "trial " << trial;
+    if (pp == 1) {
+      ASSERT_GT(unit_gathers, 0) << "trial " << trial;
+    }
     for (int cores : {4, 2, 1}) {
       CoreSharing sh;
       sh.cores = cores;
       sh.threads_per_turn = t;
       sh.collectives_take_cores = pick({0, 1});
       sh.zero3_forward_keeps_first_unit = !c.model.untie_embeddings_and_output_weights;
-      const std::string what = fmt::format("trial {} pp {} v {} dp {} tp {} m {} {} cores {}", trial, pp, v, d, t, m,
-                                           plan.zero_and_recompute(), cores);
+      // Rings of steps (with copies around them) for the collectives that are not unit gathers.
+      const bool rings = pick({0, 1});
+      if (rings)
+        for (std::size_t k = 0; k < p.schedule->collectives.size(); ++k)
+          sh.rings.push_back(CoreSharing::Ring{.ring = true, .before = pick({0, 1}) * 1e-6, .after = pick({0, 1}) * 1e-6});
+      const std::string what = fmt::format("trial {} pp {} v {} dp {} tp {} m {} {} cores {} rings {}", trial, pp, v, d,
+                                           t, m, plan.zero_and_recompute(), cores, rings);
       SharedStep s;
       ASSERT_NO_THROW(s = share_cores(p.timeline, sh)) << what;
       sh.turns = s.turns;
@@ -365,11 +372,67 @@ TEST(CoreSharing, ZeroThreePlansFinishWhicheverTheCores) {
           const OpTiming& a = p.timeline.ops[r][i];
           const OpTiming& b = s.timeline.ops[r][i];
           ASSERT_GE(b.end, b.start) << what;
-          if (is_compute(p.timeline.schedule->ranks[r].ops[i].kind))
+          if (is_compute(p.timeline.schedule->ranks[r].ops[i].kind)) {
             EXPECT_GE(b.end - b.start, a.end - a.start - 2) << what << " rank " << r << " op " << i;
+          }
         }
     }
   }
+}
+
+// Three ranks reduce-scatter over {0, 1, 2} (6 us alone, two ring steps) on one core, collectives
+// taking cores; ranks 0 and 1 are there at 0, rank 2 after a 10 us forward.
+Timeline ring_of_three(Tick last_forward) {
+  Timeline t = alone({{{OpKind::ReduceScatter, 6 * kUs}},
+                      {{OpKind::ReduceScatter, 6 * kUs}},
+                      {{OpKind::Forward, last_forward}, {OpKind::ReduceScatter, 6 * kUs}}});
+  auto s = std::make_shared<Schedule>(*t.schedule);
+  s->collectives.push_back(Collective{.kind = OpKind::ReduceScatter, .bytes = 1 << 20, .members = {0, 1, 2}});
+  s->ranks[0].ops[0].channel = s->ranks[1].ops[0].channel = s->ranks[2].ops[1].channel = 0;
+  s->ranks[2].ops[1].dep = 0;
+  t.schedule = s;
+  return t;
+}
+
+TEST(CoreSharing, ARingsEarlyMembersRunTheStepsThatDoNotWaitForTheLast) {
+  CoreSharing sh;
+  sh.cores = 1;
+  sh.collectives_take_cores = true;
+  // Whole, the reduce-scatter starts once rank 2 is there (10 us) and its three members, a third
+  // of a core each in their benchmark, take the core for its 6 us.
+  SharedStep whole = share_cores(ring_of_three(10 * kUs), sh);
+  EXPECT_EQ(whole.timeline.ops[2][0].end, 10 * kUs);
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(whole.timeline.ops[r][0].start, 10 * kUs) << r;
+    EXPECT_EQ(whole.timeline.ops[r][0].end, 16 * kUs) << r;
+  }
+  // As a ring of steps, each a core at full speed for 1 us (6 us x 1/3 over 2 steps). Rank 1 (its
+  // predecessor rank 0 sent at 0) runs its first step at once, taking the core from rank 2's
+  // forward (0-1 us), which ends at 11. Then ranks 2 and 0 run their first steps side by side
+  // (11-13) and all three their second (13-16): 5 us from the last arrival instead of 6.
+  sh.rings = {CoreSharing::Ring{.ring = true}};
+  SharedStep ring = share_cores(ring_of_three(10 * kUs), sh);
+  EXPECT_EQ(ring.timeline.ops[2][0].end, 11 * kUs);
+  for (std::size_t r = 0; r < 3; ++r) {
+    const OpTiming& rs = ring.timeline.ops[r][r == 2 ? 1 : 0];
+    EXPECT_EQ(rs.start, 11 * kUs) << r;  // as the run times it: from its last member's arrival
+    EXPECT_EQ(rs.end, 16 * kUs) << r;
+  }
+  // Members that arrive together: the ring takes its time alone, as the whole collective does.
+  for (std::size_t r = 0; r < 3; ++r)
+    EXPECT_EQ(share_cores(ring_of_three(0), sh).timeline.ops[r].back().end, 6 * kUs) << r;
+  // Its copies around the ring (ZeRO's pack and unpack, 1 us each, part of the 6 us) run at a core
+  // each as a member arrives and after its last step. With a core each (3 cores) the ring's other
+  // 4 us are two steps of 2 us: ranks 0 and 1 copy in at 0-1, rank 1 runs its first step at 1-3,
+  // rank 2 copies in at 10-11, ranks 2 and 0 step at 11-13, everyone's second step at 13-15, the
+  // copies out at 15-16.
+  sh.cores = 3;
+  sh.rings = {CoreSharing::Ring{.ring = true, .before = 1e-6, .after = 1e-6}};
+  ring = share_cores(ring_of_three(10 * kUs), sh);
+  EXPECT_EQ(ring.timeline.ops[2][0].end, 10 * kUs);
+  for (std::size_t r = 0; r < 3; ++r) EXPECT_EQ(ring.timeline.ops[r].back().end, 16 * kUs) << r;
+  for (std::size_t r = 0; r < 3; ++r)
+    EXPECT_EQ(share_cores(ring_of_three(0), sh).timeline.ops[r].back().end, 6 * kUs) << r;
 }
 
 TEST(CoreSharing, RefusesAnOrderThatIsNotOneTurnPerOp) {

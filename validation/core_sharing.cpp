@@ -89,6 +89,8 @@ class Replay {
   // collective on the rank's communication thread, or the copy of a receiver woken by its message
   // (CoreSharing::receiver_copies). `left` is its time at full speed still to run.
   enum class JobKind { part, send, collective, receive };
+  // What a ring collective's job is (CoreSharing::rings).
+  enum class RingPart : std::uint8_t { none, before, step, after };
   struct Job {
     JobKind kind;
     int rank, op;
@@ -100,8 +102,17 @@ class Replay {
     // stretch ends.
     int unit = -1;
     double to = -1;
-    // A receive's copy (JobKind::receive): the message it takes out of the mailbox.
+    // A receive's copy (JobKind::receive): the message it takes out of the mailbox. A ring's
+    // part (CoreSharing::rings): its collective.
     int channel = -1;
+    RingPart ring = RingPart::none;
+  };
+  // A collective run as a ring of steps, per member position (ring order: the members' order).
+  struct RingState {
+    int steps = 0;             // per member
+    double step_work = 0;      // a step's time at full speed
+    std::vector<char> sent, running;  // sent: its copy in done, its first chunk sent
+    std::vector<int> done;     // steps done
   };
   // A ZeRO-3 pass gathered unit by unit: its two gather ops (the first unit, the rest), its compute
   // ops (a backward split at its buckets is several), and where each unit and op begins in the
@@ -328,15 +339,116 @@ class Replay {
     }
     const auto c = static_cast<std::size_t>(op.channel);
     last_arrival_[c] = std::max(last_arrival_[c], now_);
+    const bool ring = ring_of(op.channel) != nullptr;
+    if (ring) ring_arrive(op.channel, r, i);
     if (++members_arrived_[c] < static_cast<int>(s_.collectives[c].members.size())) return;
-    // The last member is here: the collective runs on every member at once.
+    // The last member is here: the collective runs on every member at once (a ring: what is left
+    // of it), timed from now as the run times it.
     const Tick start = last_arrival_[c];
+    if (ring) {
+      for (int m : s_.collectives[c].members)
+        out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(ranks_[static_cast<std::size_t>(m)].queue.front())]
+            .start = start;
+      return;
+    }
     for (int m : s_.collectives[c].members) {
       const int mi = ranks_[static_cast<std::size_t>(m)].queue.front();
       out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(mi)].start = start;
       this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)),
                      collective_share(static_cast<int>(s_.collectives[c].members.size()))});
     }
+  }
+
+  const CoreSharing::Ring* ring_of(int channel) const {
+    const auto c = static_cast<std::size_t>(channel);
+    const bool ring = c < sharing_.rings.size() && sharing_.rings[c].ring && s_.collectives[c].members.size() > 1;
+    return ring ? &sharing_.rings[c] : nullptr;
+  }
+  // A job of ring `channel` for member `m` (at its communication thread's op).
+  Job ring_job(int channel, int m, RingPart part, double work) const {
+    Job job{JobKind::collective, m, ranks_[static_cast<std::size_t>(m)].queue.front(), work,
+            sharing_.collectives_take_cores ? 1.0 : 0.0};
+    job.channel = channel;
+    job.ring = part;
+    return job;
+  }
+  // Rank r's communication thread reached ring collective `channel` (its op i): it copies what
+  // goes in, then its steps start as their inputs come.
+  void ring_arrive(int channel, int r, int i) {
+    const Collective& c = s_.collectives[static_cast<std::size_t>(channel)];
+    const CoreSharing::Ring& spec = *ring_of(channel);
+    RingState& ring = rings_[channel];
+    const int n = static_cast<int>(c.members.size());
+    if (ring.sent.empty()) {
+      ring.steps = c.kind == OpKind::AllReduce ? 2 * (n - 1) : n - 1;
+      ring.sent.assign(static_cast<std::size_t>(n), 0);
+      ring.running.assign(static_cast<std::size_t>(n), 0);
+      ring.done.assign(static_cast<std::size_t>(n), 0);
+      // Every member's time alone is the same (one collective, one duration), its copies included.
+      const double copies = static_cast<double>(seconds_to_ticks(spec.before + spec.after));
+      const double ring_time = std::max(0.0, static_cast<double>(duration(r, i)) - copies);
+      const double busy = sharing_.collectives_take_cores ? collective_share(n) : 1.0;
+      ring.step_work = ring_time * busy / ring.steps;
+    }
+    if (spec.before > 0) {
+      start(ring_job(channel, r, RingPart::before, static_cast<double>(seconds_to_ticks(spec.before))));
+      return;
+    }
+    ring.sent[static_cast<std::size_t>(position(c, r))] = 1;
+    ring_steps(channel);
+  }
+  static int position(const Collective& c, int rank) {
+    return static_cast<int>(std::find(c.members.begin(), c.members.end(), rank) - c.members.begin());
+  }
+  // Starts every step of ring `channel` whose inputs are there: a member's next step once its
+  // predecessor has done the step before it (its first: once its predecessor sent its first chunk).
+  void ring_steps(int channel) {
+    const Collective& c = s_.collectives[static_cast<std::size_t>(channel)];
+    RingState& ring = rings_[channel];
+    const int n = static_cast<int>(c.members.size());
+    for (int p = 0; p < n; ++p) {
+      const auto pu = static_cast<std::size_t>(p);
+      const auto pred = static_cast<std::size_t>((p + n - 1) % n);
+      const int k = ring.done[pu];
+      if (!ring.sent[pu] || ring.running[pu] || k >= ring.steps) continue;
+      if (k == 0 ? !ring.sent[pred] : ring.done[pred] < k) continue;
+      ring.running[pu] = 1;
+      start(ring_job(channel, c.members[pu], RingPart::step, ring.step_work));
+    }
+  }
+  // A job of ring j.channel ended on rank j.rank: after its copy in its steps may start; its last
+  // step ends its collective (after its copy out).
+  void ring_job_end(const Job& j) {
+    const Collective& c = s_.collectives[static_cast<std::size_t>(j.channel)];
+    RingState& ring = rings_[j.channel];
+    const auto p = static_cast<std::size_t>(position(c, j.rank));
+    switch (j.ring) {
+      case RingPart::before:
+        ring.sent[p] = 1;
+        break;
+      case RingPart::step:
+        ring.running[p] = 0;
+        if (++ring.done[p] < ring.steps) break;
+        if (const double after = ring_of(j.channel)->after; after > 0)
+          start(ring_job(j.channel, j.rank, RingPart::after, static_cast<double>(seconds_to_ticks(after))));
+        else
+          end_collective(j.rank, j.op);
+        break;
+      case RingPart::after:
+      case RingPart::none:
+        end_collective(j.rank, j.op);
+        return;
+    }
+    ring_steps(j.channel);
+  }
+  void end_collective(int r, int i) {
+    RankState& st = ranks_[static_cast<std::size_t>(r)];
+    out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)].end = now_;
+    st.done[static_cast<std::size_t>(i)] = 1;
+    st.queue.pop_front();
+    st.comm_busy = false;
+    if (st.wait == Wait::collective) st.wait = Wait::none;
+    advance(r);
   }
 
   // The communication thread's gather op `i` of a ZeRO-3 pass, unit by unit: each once the rank
@@ -568,12 +680,11 @@ class Replay {
           unit_gathered(j);
           return;
         }
-        out_.ops[static_cast<std::size_t>(j.rank)][static_cast<std::size_t>(j.op)].end = now_;
-        st.done[static_cast<std::size_t>(j.op)] = 1;
-        st.queue.pop_front();
-        st.comm_busy = false;
-        if (st.wait == Wait::collective) st.wait = Wait::none;
-        advance(j.rank);
+        if (j.ring != RingPart::none) {
+          ring_job_end(j);
+          return;
+        }
+        end_collective(j.rank, j.op);
         return;
       }
     }
@@ -691,6 +802,7 @@ class Replay {
   std::vector<Tick> arrival_;              // per message: when its send ended, -1 before
   std::multimap<int, int> waiting_recv_;   // message -> the rank blocked on it
   std::vector<int> members_arrived_;       // per collective
+  std::map<int, RingState> rings_;         // per ring collective, once a member reached it
   std::vector<Tick> last_arrival_;
   std::map<std::pair<int, int>, int> unit_arrived_;  // ZeRO-3: per (collective, unit)
   std::set<Resume> resumes_;               // ranks whose unit came, waiting for a core

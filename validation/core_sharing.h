@@ -26,10 +26,11 @@
 //
 // share_cores replays the schedule that way: each rank's compute thread walks its program in
 // order (compute ops through the gate, sends for their copy time on the core of the op before them,
-// receives until the message is there, collectives handed to the communication thread), each communication thread runs its
-// collectives in order once their producing op ended and every member arrived (the turns and
-// collectives running at one time share the cores as above: each op's work progresses at its
-// share's rate, the set's rates change as ops start and end), and the optimizer
+// receives until the message is there, collectives handed to the communication thread), each
+// communication thread runs its collectives in order once their producing op ended and every
+// member arrived (a ring's steps as their inputs come: `rings`; the turns and collectives running
+// at one time share the cores as above: each op's work progresses at its share's rate, the set's
+// rates change as ops start and end), and the optimizer
 // step waits, between its gradient norm and its update, for every rank's share of the norm (the
 // engine's all-reduce over all ranks; the core is free meanwhile). Op durations are those of a
 // prediction in which every rank had a core to itself (`alone`), and a turn whose thread slept until
@@ -63,6 +64,25 @@ struct CoreSharing {
   // first (scaled down together when they exceed the cores) and the turns running beside them
   // share the rest. False: collectives run at their own speed beside the turns, which keep theirs.
   bool collectives_take_cores = false;
+  // Per collective (its channel), where it runs as a ring of steps (the in-process world's
+  // reduce-scatters, gathers and all-reduces past its direct path, runtime/comm/in_process.cpp):
+  // a member copies what goes in (`before`: ZeRO-1's bucket packed from the flat gradients, a
+  // gather's own section; seconds at full speed) as it arrives, then runs its steps, step k the sum
+  // of the chunk its predecessor sent, once its own step k-1 and its predecessor's (for step 0:
+  // its predecessor's copy in, after which it sent its first chunk) are done, then copies what
+  // comes out (`after`: a reduce-scatter's section, a gather's sections into the flat weights). A
+  // ring's mailboxes take any number of messages, so members that arrived early run what does not
+  // wait for those still away, on cores the turns then share with them; the rest runs once the last
+  // arrives. With collectives_take_cores each copy and step takes a core at full speed, each of
+  // the K steps of a ring of n members min(1, host cores / n) of the ring's time alone T over K
+  // (the work its benchmark's member threads did, were they busy throughout), so a ring whose
+  // members all arrive together takes T. Absent (`ring` false): the collective runs whole on every
+  // member once the last arrives.
+  struct Ring {
+    bool ring = false;
+    double before = 0, after = 0;  // seconds at full speed
+  };
+  std::vector<Ring> rings;
   // A receive copies its message out of the mailbox on the receiving thread (the in-process
   // world's messages are the data). A receiver asleep on the message when it is posted is woken to
   // copy it, and a woken thread takes a core before those that kept running (as a collective's

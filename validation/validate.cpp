@@ -17,9 +17,11 @@
 #include "core/metrics.h"
 #include "core/report/format.h"
 #include "core/report/report.h"
+#include "runtime/comm/in_process.h"
 #include "runtime/engine/zero.h"
 #include "runtime/loop/run_loop.h"
 #include "runtime/loop/run_report.h"
+#include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "validation/core_sharing.h"
 
@@ -126,8 +128,8 @@ std::vector<char> skipped_updates(const runtime::RunReport& r) {
 
 // How the run shares the cores (validation/core_sharing.h): where the optimizer step's gradient norm
 // is all-reduced, that all-reduce's latency over every rank, who skipped its update.
-CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<runtime::CoreTurn> turns,
-                       std::vector<char> skipped = {}) {
+CoreSharing sharing_of(const Plan& plan, const Schedule& schedule, const HardwareProfile& p,
+                       std::vector<runtime::CoreTurn> turns, std::vector<char> skipped = {}) {
   CoreSharing sh;
   // A schedule rank's turn takes a core per tensor-parallel shard (the engine's CoreGate).
   sh.cores = std::max(1, p.ranks_per_node / plan.tp);
@@ -140,6 +142,15 @@ CoreSharing sharing_of(const Plan& plan, const HardwareProfile& p, std::vector<r
   // A rank's collectives run on its cores (the CPU backend's communication threads copy and sum
   // there), which the operating system shares with the turns.
   sh.collectives_take_cores = p.collectives_take_rank_core;
+  // The in-process world's collectives are rings of steps, but for its small all-reduces (direct).
+  const NetworkCollectiveModel collectives(plan);
+  for (const Collective& c : schedule.collectives) {
+    CoreSharing::Ring ring;
+    ring.ring = c.kind != OpKind::AllReduce ||
+                !runtime::all_reduce_goes_direct(c.members.size(), static_cast<std::size_t>(collectives.elements_per_call(c)));
+    std::tie(ring.before, ring.after) = collectives.shard_copies(c);
+    sh.rings.push_back(ring);
+  }
   // Only the CPU engine shares cores by turns: its in-process world's receives copy the message out
   // on the receiving thread, which outside its turns runs first on its core where the ranks have
   // no tensor parallelism (cpu_turns_wait_first); with it, the woken thread waits as any other.
@@ -304,7 +315,8 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     if (shares_by_turns(before)) {
       const HardwareProfile p = turn_profile(before, v.plan.plan.num_ranks() * v.plan.plan.tp);
       const Plan plan = calibrated_plan(v.plan, p);
-      ro.core_turns = share_cores(predict(plan).timeline, sharing_of(plan, p, {})).turns;
+      const Timeline alone = predict(plan).timeline;
+      ro.core_turns = share_cores(alone, sharing_of(plan, *alone.schedule, p, {})).turns;
     }
     return o.backend.run ? o.backend.run(v.plan, ro) : runtime::run(record, v.plan, ro);
   };
@@ -381,7 +393,8 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     const Plan plan = calibrated_plan(v.plan, v.profile);
     v.predicted = predict(plan);
     v.predicted.timeline =
-        share_cores(v.predicted.timeline, sharing_of(plan, v.profile, ro.core_turns, skipped_updates(v.measured)))
+        share_cores(v.predicted.timeline,
+                    sharing_of(plan, *v.predicted.timeline.schedule, v.profile, ro.core_turns, skipped_updates(v.measured)))
             .timeline;
     v.predicted.result = compute_result(plan, v.predicted.timeline, v.predicted.memory);
     v.oversubscribed = true;
