@@ -345,17 +345,12 @@ class Replay {
     // The last member is here: the collective runs on every member at once (a ring: what is left
     // of it), timed from now as the run times it.
     const Tick start = last_arrival_[c];
-    if (ring) {
-      for (int m : s_.collectives[c].members)
-        out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(ranks_[static_cast<std::size_t>(m)].queue.front())]
-            .start = start;
-      return;
-    }
     for (int m : s_.collectives[c].members) {
       const int mi = ranks_[static_cast<std::size_t>(m)].queue.front();
       out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(mi)].start = start;
-      this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)),
-                     collective_share(static_cast<int>(s_.collectives[c].members.size()))});
+      if (!ring)
+        this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)),
+                        collective_share(static_cast<int>(s_.collectives[c].members.size()))});
     }
   }
 
@@ -497,14 +492,9 @@ class Replay {
   void finish_gather(int r, int i) {
     RankState& st = ranks_[static_cast<std::size_t>(r)];
     OpTiming& t = out_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
-    t.end = now_;
-    t.waited = std::min(st.gather_waited, t.end - t.start);
-    st.done[static_cast<std::size_t>(i)] = 1;
-    st.queue.pop_front();
+    t.waited = std::min(st.gather_waited, now_ - t.start);
     st.gather_unit = -1;
-    st.comm_busy = false;
-    if (st.wait == Wait::collective) st.wait = Wait::none;
-    advance(r);
+    end_collective(r, i);
   }
   // A unit the pass is done with leaves the rank (the first, where the pass uses it again at its
   // end, with the last): room for the next gather.
