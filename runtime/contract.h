@@ -80,6 +80,9 @@ struct StepRecord {
   // (RankStep::foreign_seconds); -1 where the engine does not measure it.
   double foreign_seconds = -1;
   std::vector<RankStepNumerics> ranks;
+  // 0: the run's own step; k: the same step run again in the run's k-th replay, for its timing
+  // only (RunOptions::timed_steps_at_least).
+  int replay = 0;
 };
 
 // Why a run ended early, and where it went wrong.
@@ -125,7 +128,14 @@ struct RunOptions {
   // Where ranks share cores: the order their compute ops take cores in, every step (every compute
   // op of every rank once, and the optimizer's part 1). Empty: first come, first served.
   std::vector<CoreTurn> core_turns;
-  std::function<void(const StepRecord&)> on_step;  // progress, called after every step
+  std::function<void(const StepRecord&)> on_step;  // progress, called after every step (replays' too)
+  // A run whose numerics end it (a NaN loss) before it has timed this many steps replays its steps
+  // from the start until it has: the engine restored to its state before the first step, the same
+  // data, so the same numerics (a replay whose losses differ is dropped). The reported step is then
+  // the median over the run's timed steps and their replays'. validate asks for
+  // kLeastDisturbedFrom: the incident's FP16 run ends at step 2, one timed step, which the host's
+  // noise alone moved by -19% to +2% against its prediction. 0: no replays.
+  std::size_t timed_steps_at_least = 0;
   InjectedFault fault;                // none by default
 };
 
@@ -153,6 +163,10 @@ struct RunReport {
   std::vector<double> allocated_peak_bytes;
   Result result;                      // the result fields, measured
   std::vector<StepRecord> steps;
+  // The steps of the run's replays (RunOptions::timed_steps_at_least), in the order they ran, after
+  // `steps`; the reported step may be one of them (timeline_replay).
+  std::vector<StepRecord> replayed_steps;
+  int timeline_replay = 0;            // which run the reported step came from: 0 the run's own, k its k-th replay
   std::optional<RunFailure> failure;
   std::string data_source;
   std::string backend = "cpu";        // the backend record that ran it (runtime/backend.h): its name

@@ -1047,6 +1047,23 @@ TEST(Validate, CoreFactorsComeFromThePassesAroundTheReportedStep) {
   EXPECT_EQ(window(1, 2), (std::pair{8, 16}));
   EXPECT_EQ(window(8, 2), (std::pair{18, 26}));
   EXPECT_FALSE(window(9, 2).has_value());  // not a step of the run
+
+  // A run of two steps and its three replays (RunOptions::timed_steps_at_least): passes ran after
+  // every step of each, in order, so the window is around the reported one's place in that order.
+  runtime::RunReport replayed;
+  after.clear();
+  for (int k = 0; k < 8; ++k) {
+    runtime::StepRecord r;
+    r.step = k % 2 + 1;
+    r.replay = k / 2;
+    (k < 2 ? replayed.steps : replayed.replayed_steps).push_back(r);
+    after.push_back(10 + 2 * k);
+  }
+  replayed.timeline_step = 2;
+  replayed.timeline_replay = 2;  // the sixth step run (index 5)
+  EXPECT_EQ(validation::passes_around_step(replayed, after, 2, 2), (std::pair{14, 26}));
+  replayed.timeline_replay = 4;  // no such replay
+  EXPECT_FALSE(validation::passes_around_step(replayed, after, 2, 2).has_value());
 }
 
 // The communication benchmark reaches every buffer the plan moves, four times over, and no

@@ -117,12 +117,13 @@ std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runt
 // step's timing is predicted for the branch its numerics took: no update where there was none.
 std::vector<char> skipped_updates(const runtime::RunReport& r) {
   std::vector<char> out;
-  for (const runtime::StepRecord& st : r.steps)
-    if (st.step == r.timeline_step)
-      for (const runtime::RankStepNumerics& n : st.ranks) {
-        if (static_cast<std::size_t>(n.rank) >= out.size()) out.resize(static_cast<std::size_t>(n.rank) + 1, 0);
-        out[static_cast<std::size_t>(n.rank)] = n.skipped;
-      }
+  const int i = runtime::reported_step_index(r);
+  if (i < 0) return out;
+  const std::vector<runtime::StepRecord> steps = runtime::steps_as_run(r);
+  for (const runtime::RankStepNumerics& n : steps[static_cast<std::size_t>(i)].ranks) {
+    if (static_cast<std::size_t>(n.rank) >= out.size()) out.resize(static_cast<std::size_t>(n.rank) + 1, 0);
+    out[static_cast<std::size_t>(n.rank)] = n.skipped;
+  }
   return out;
 }
 
@@ -201,12 +202,10 @@ std::string backend_title(const std::string& backend) {
 std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& run,
                                                       const std::vector<int>& passes_after_step,
                                                       int passes_between_steps, int steps_each_side) {
-  const auto& steps = run.steps;
-  const auto it = std::find_if(steps.begin(), steps.end(),
-                               [&](const runtime::StepRecord& s) { return s.step == run.timeline_step; });
-  const int n = static_cast<int>(std::min(steps.size(), passes_after_step.size()));
-  const int i = static_cast<int>(it - steps.begin());
-  if (it == steps.end() || i >= n) return std::nullopt;
+  // Passes ran after every step the loop ran, replays included, in order.
+  const int n = static_cast<int>(std::min(runtime::steps_as_run(run).size(), passes_after_step.size()));
+  const int i = runtime::reported_step_index(run);
+  if (i < 0 || i >= n) return std::nullopt;
   const auto after = [&](int k) { return passes_after_step[static_cast<std::size_t>(k)]; };
   const int before = i - steps_each_side - 1;  // the step whose passes come just before the window's first
   const int first = before >= 0 ? after(before) : std::max(0, after(0) - passes_between_steps);
@@ -300,6 +299,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   runtime::RunOptions ro;
   ro.placement = o.backend.placement;
   ro.steps = o.steps;
+  ro.timed_steps_at_least = runtime::kLeastDisturbedFrom;
   ro.synthetic_data = o.synthetic_data || scenario.config.runtime.data_synthetic;
   ro.data_path = o.data_path;
 
@@ -602,16 +602,25 @@ std::string format_validation(const Validation& v) {
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);
+  if (!v.measured.replayed_steps.empty())
+    out << fmt::format("  replays  the numerics ended the run at step {} with {} timed step{}: its steps ran {} more time{} "
+                       "from the same state, with the same losses, for their timing (the reported step is the median of "
+                       "{})\n",
+                       v.measured.steps.back().step, runtime::timed_step_indices(v.measured.steps).size(),
+                       runtime::timed_step_indices(v.measured.steps).size() == 1 ? "" : "s",
+                       v.measured.replayed_steps.back().replay, v.measured.replayed_steps.back().replay == 1 ? "" : "s",
+                       runtime::timed_step_indices(runtime::steps_as_run(v.measured)).size());
   // What other work (processes, the kernel's threads, the hypervisor) took from the ranks' cores.
-  const auto& steps = v.measured.steps;
-  const auto reported = std::find_if(steps.begin(), steps.end(),
-                                     [&](const runtime::StepRecord& s) { return s.step == v.measured.timeline_step; });
+  const std::vector<runtime::StepRecord> steps = runtime::steps_as_run(v.measured);
+  const int reported_at = runtime::reported_step_index(v.measured);
+  const auto reported = reported_at >= 0 ? steps.begin() + reported_at : steps.end();
   if (reported != steps.end() && reported->foreign_seconds >= 0) {
     double most = 0;
     for (int i : runtime::timed_step_indices(steps)) most = std::max(most, steps[i].foreign_seconds / steps[i].step_time_s);
-    out << fmt::format("  host     other work held a rank's core {:.1f}% of the reported step (step {}), at most "
+    out << fmt::format("  host     other work held a rank's core {:.1f}% of the reported step (step {}{}), at most "
                        "{:.1f}% of one step{}\n",
-                       100 * reported->foreign_seconds / reported->step_time_s, reported->step, 100 * most,
+                       100 * reported->foreign_seconds / reported->step_time_s, reported->step,
+                       reported->replay ? fmt::format(" of replay {}", reported->replay) : "", 100 * most,
                        runtime::chosen_by_host_share(steps) ? "; the steps it took most from are left out" : "");
   }
   out << "\n";

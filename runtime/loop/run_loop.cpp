@@ -46,18 +46,20 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
   }
   report.first_step = first;
 
-  std::vector<Timeline> timelines;
-  std::vector<std::vector<double>> layer_seconds;  // per step, per rank
-  LossWatch loss_watch;
-  for (int step = first; step <= steps; ++step) {
-    // One optimizer step on every rank.
+  // Where replays may be needed, the state they start from.
+  std::optional<Checkpoint> initial;
+  if (options.timed_steps_at_least > 0) initial = Checkpoint{fingerprint, first - 1, 0, 0, engine->save()};
+
+  std::vector<Timeline> timelines;                 // per step run, replays included
+  std::vector<std::vector<double>> layer_seconds;  // per step run, per rank
+  // One optimizer step on every rank: its record, and its timeline and blocks' seconds kept.
+  // nullopt when a rank failed (a communication timeout, a device error, a bug): that ends the run
+  // with its error. One failure fails the others (their collectives are aborted): the cause is the
+  // earliest (RankStep::failed_at_ns; unstamped ones count as latest, ties go to the lowest rank).
+  auto run_one = [&](int step, std::string* first_nonfinite) -> std::optional<StepRecord> {
     const auto t0 = std::chrono::steady_clock::now();
     const std::vector<RankStep> ranks = engine->run_step(step, static_cast<std::uint64_t>(step - 1) * samples_per_step);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-
-    // A rank that failed (a communication timeout, a device error, a bug) ends the run with its
-    // error. One failure fails the others (their collectives are aborted): the cause is the
-    // earliest (RankStep::failed_at_ns; unstamped ones count as latest, ties go to the lowest rank).
     int failed = -1;
     auto stamp = [&](int r) {
       const std::int64_t t = ranks[static_cast<std::size_t>(r)].failed_at_ns;
@@ -68,15 +70,13 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     if (failed >= 0) {
       report.failure = RunFailure{step, fmt::format("rank {} failed at step {}: {}", failed, step,
                                                     ranks[static_cast<std::size_t>(failed)].error)};
-      break;
+      return std::nullopt;
     }
-
     // What it measured: the step's timeline and numerics, and the replicas' weights.
     timelines.push_back(measured_timeline(report.schedule, cell_steps(world, ranks)));
     layer_seconds.emplace_back();
     for (const RankStep& r : ranks) layer_seconds.back().push_back(r.layer_seconds);
-    std::string first_nonfinite;
-    StepRecord rec = step_record(step, seconds, ranks, &first_nonfinite);
+    StepRecord rec = step_record(step, seconds, ranks, first_nonfinite);
     std::vector<std::uint64_t> hashes;
     for (const RankStep& r : ranks) hashes.push_back(r.weights_hash);
     rec.replica_checksums = replica_checksums(world, hashes, plan.zero() >= 1);
@@ -85,11 +85,21 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
                                        [&](std::uint64_t h) { return h == rec.replica_checksums[0]; });
     // Replicas differ, by how much is only known when all ranks are at hand.
     rec.replica_drift = drift ? *drift : identical ? 0.0 : INFINITY;
-    if (options.on_step) options.on_step(rec);
-    report.steps.push_back(rec);
+    return rec;
+  };
+
+  LossWatch loss_watch;
+  bool numerics_ended = false;
+  for (int step = first; step <= steps; ++step) {
+    std::string first_nonfinite;
+    std::optional<StepRecord> rec = run_one(step, &first_nonfinite);
+    if (!rec) break;
+    if (options.on_step) options.on_step(*rec);
+    report.steps.push_back(*rec);
 
     // Stop a run that went numerically wrong; checkpoint one that did not.
-    report.failure = loss_watch.check(rec, first, first_nonfinite);
+    report.failure = loss_watch.check(*rec, first, first_nonfinite);
+    numerics_ended = report.failure.has_value();
     if (checkpoint_due(options, step, steps) && !report.failure) {
       Checkpoint ck;
       ck.fingerprint = fingerprint;
@@ -102,11 +112,47 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     if (report.failure) break;
   }
 
+  // A run its numerics ended early replays its steps for their timing (RunOptions::timed_steps_at_least).
+  // The same state, data and steps give the same numerics; a replay that does not is dropped, and
+  // no other follows it.
+  const auto same = [](const StepRecord& a, const StepRecord& b) {
+    const bool same_loss = a.loss == b.loss || (std::isnan(a.loss) && std::isnan(b.loss));
+    return same_loss && a.skipped_ranks == b.skipped_ranks && a.nonfinite_count == b.nonfinite_count;
+  };
+  const std::optional<RunFailure> ended_by = report.failure;
+  const std::size_t most_replays = options.timed_steps_at_least;  // a replay times at least one step
+  for (std::size_t replay = 1;
+       initial && numerics_ended && replay <= most_replays &&
+       timed_step_indices(steps_as_run(report)).size() < options.timed_steps_at_least;
+       ++replay) {
+    engine->restore(*initial);
+    std::vector<StepRecord> ran;
+    for (const StepRecord& original : report.steps) {
+      std::optional<StepRecord> rec = run_one(original.step, nullptr);
+      if (!rec) break;
+      rec->replay = static_cast<int>(replay);
+      if (options.on_step) options.on_step(*rec);
+      const bool kept = same(*rec, original);
+      ran.push_back(std::move(*rec));
+      if (!kept) break;
+    }
+    if (ran.size() != report.steps.size() || !same(ran.back(), report.steps.back())) {
+      // Its timelines were kept as it ran: take them back.
+      timelines.resize(timelines.size() - ran.size());
+      layer_seconds.resize(layer_seconds.size() - ran.size());
+      break;
+    }
+    report.replayed_steps.insert(report.replayed_steps.end(), ran.begin(), ran.end());
+  }
+  report.failure = ended_by;  // a replay's rank failure only ends the replays
+
   // The result: the median step's timeline, through the simulator's own metrics.
-  if (const int chosen = median_step_index(report.steps); chosen >= 0) {
+  const std::vector<StepRecord> as_run = steps_as_run(report);
+  if (const int chosen = median_step_index(as_run); chosen >= 0) {
     report.timeline = timelines[static_cast<std::size_t>(chosen)];
     report.layer_seconds = layer_seconds[static_cast<std::size_t>(chosen)];
-    report.timeline_step = report.steps[static_cast<std::size_t>(chosen)].step;
+    report.timeline_step = as_run[static_cast<std::size_t>(chosen)].step;
+    report.timeline_replay = as_run[static_cast<std::size_t>(chosen)].replay;
   } else {
     report.timeline.schedule = report.schedule;
     report.timeline.predicted = false;
@@ -288,8 +334,23 @@ bool checkpoint_due(const RunOptions& options, int step, int steps) {
 
 std::vector<int> timed_step_indices(const std::vector<StepRecord>& steps) {
   std::vector<int> idx;
-  for (int i = steps.size() > 1 ? 1 : 0; i < static_cast<int>(steps.size()); ++i) idx.push_back(i);
+  const bool others = std::any_of(steps.begin(), steps.end(), [&](const StepRecord& s) { return s.step != steps[0].step; });
+  for (int i = 0; i < static_cast<int>(steps.size()); ++i)
+    if (!others || steps[i].step != steps[0].step) idx.push_back(i);
   return idx;
+}
+
+std::vector<StepRecord> steps_as_run(const RunReport& report) {
+  std::vector<StepRecord> all = report.steps;
+  all.insert(all.end(), report.replayed_steps.begin(), report.replayed_steps.end());
+  return all;
+}
+
+int reported_step_index(const RunReport& report) {
+  const std::vector<StepRecord> all = steps_as_run(report);
+  for (std::size_t i = 0; i < all.size(); ++i)
+    if (all[i].step == report.timeline_step && all[i].replay == report.timeline_replay) return static_cast<int>(i);
+  return -1;
 }
 
 bool chosen_by_host_share(const std::vector<StepRecord>& steps) {

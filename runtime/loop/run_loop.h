@@ -14,6 +14,8 @@
 //       record   = step_record(step, ranks) + replica checksums and drift
 //       failure  = a rank's error, or loss_watch.check(record)
 //       if checkpoint_due: save_checkpoint(engine.save())
+//     if the numerics ended it before it timed options.timed_steps_at_least steps:
+//       replay its steps from the state before the first (engine.restore), for their timing
 //     result = compute_result(plan, timeline of the median step, engine.memory_peaks())
 #pragma once
 
@@ -84,14 +86,22 @@ bool checkpoint_due(const RunOptions& options, int step, int steps);
 // kLeastDisturbedFrom of them, the median of the half it took the smallest share of the step from.
 // A step in which another process, a kernel thread or the hypervisor held a rank's core is the
 // machine's noise, not the plan's (on the 2-vCPU guest of docs/validation.md a kernel thread ran
-// up to 50 ms at a time), and the prediction is of the plan on the machine as calibrated. Index
-// into `steps`; -1 when empty.
+// up to 50 ms at a time), and the prediction is of the plan on the machine as calibrated.
+// `steps` in the order they ran, replays included (steps_as_run): each replay's first step is
+// left out as the run's is. Index into `steps`; -1 when empty.
 inline constexpr std::size_t kLeastDisturbedFrom = 4;
 int median_step_index(const std::vector<StepRecord>& steps);
-// The indices into `steps` of the timed steps: all but the first when there are others.
+// The indices into `steps` of the timed steps: all but the run's first step (and its replays')
+// when there are others.
 std::vector<int> timed_step_indices(const std::vector<StepRecord>& steps);
 // Whether median_step_index chose among the steps the host took least from (every timed step
 // measured, at least kLeastDisturbedFrom of them).
 bool chosen_by_host_share(const std::vector<StepRecord>& steps);
+
+// Every step the loop ran, in order: the run's own, then its replays'.
+std::vector<StepRecord> steps_as_run(const RunReport& report);
+// The index into steps_as_run(report) of the step the report describes (timeline_step of
+// timeline_replay), or -1.
+int reported_step_index(const RunReport& report);
 
 }  // namespace trainsim::runtime

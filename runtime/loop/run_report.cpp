@@ -85,7 +85,7 @@ std::string format_run_summary(const RunReport& rep) {
     return s.foreign_seconds >= 0;
   });
   o += fmt::format("  step time        {:>10}  (step {}, the median{})   tokens/s {:>10.0f}\n", format_seconds(res.step_time_s),
-                   rep.timeline_step, chosen_by_host_share(rep.steps) ? " of the half the host took least from" : "",
+                   rep.timeline_step, chosen_by_host_share(steps_as_run(rep)) ? " of the half the host took least from" : "",
                    res.step_time_s > 0 ? tokens / res.step_time_s : 0.0);
   // The simulator's split (core/metrics.h): idle waiting for pipeline peers plus idle waiting for
   // collectives, so a data-parallel run's exposed all-reduce is not read as a pipeline bubble.
@@ -187,6 +187,11 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
               {"measured_step", rep.timeline_step},
               {"threads_pinned", rep.threads_pinned},
               {"first_step", rep.first_step}};
+  if (!rep.replayed_steps.empty()) {
+    // Its steps replayed for their timing (RunOptions::timed_steps_at_least): which one the result is.
+    j["run"]["measured_replay"] = rep.timeline_replay;
+    j["run"]["replays"] = rep.replayed_steps.back().replay;
+  }
   if (!rep.allocated_peak_bytes.empty()) j["run"]["allocated_peak_bytes"] = rep.allocated_peak_bytes;
   // Every rank the engine ran, with its coordinates (runtime/engine/world.h) and the schedule rank
   // whose program it ran (the `ranks` of the result: one per (dp, pp) cell).

@@ -106,6 +106,7 @@ class NullEngine final : public DeviceEngine {
   }
 
   void restore(const Checkpoint& ck) override {
+    if (faults_.restore_forgets) return;
     for (int r = 0; r < world_.size(); ++r) {
       auto& w = weights_[static_cast<std::size_t>(r)];
       const ChunkState c = unpack_rank(checkpoint_of(ck.ranks, r), {w.size()}).at(0);

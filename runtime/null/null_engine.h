@@ -27,6 +27,9 @@ struct NullFaults {
   // Per step (index step - 1): how long it takes. Empty: sleep_predicted decides.
   std::vector<std::chrono::milliseconds> step_sleep{};
   bool sleep_predicted = false;       // sleep for the predicted step time
+  // restore() keeps the state it had: the loop's replays then meet other numerics, as they would
+  // on an engine that does not restore bitwise.
+  bool restore_forgets = false;
 };
 
 std::unique_ptr<DeviceEngine> make_null_engine(const RuntimePlan& plan, const RunOptions& options,

@@ -520,7 +520,9 @@ TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
     c.communication.overlap_grad_reduce = overlap;
     const HardwareProfile p = describe_cpu_profile(make_runtime_plan(c), "t");
     EXPECT_EQ(p.comm_poll_us > 0, overlap) << "overlap " << overlap;
-    if (!overlap) EXPECT_EQ(p.comm_wake_us, 0);
+    if (!overlap) {
+      EXPECT_EQ(p.comm_wake_us, 0);
+    }
   }
   ScenarioConfig shared = testing::tiny_plan(2, host_cores(), ScheduleKind::one_f_one_b, 1, 2 * host_cores(), 2 * host_cores());
   shared.communication.overlap_grad_reduce = true;

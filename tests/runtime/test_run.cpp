@@ -290,6 +290,67 @@ TEST(RunLoop, ANonFiniteLossEndsTheRunSayingWhereItFirstAppeared) {
   fs::remove_all(dir);
 }
 
+// A run its numerics end before it has timed RunOptions::timed_steps_at_least steps replays its
+// steps from the state it started from: the same losses, the same failure, and the reported step
+// chosen among the run's timed steps and its replays'.
+TEST(RunLoop, ARunItsNumericsEndedEarlyReplaysItsStepsForTheirTiming) {
+  const fs::path dir = fresh_dir("replay");
+  NullFaults f;
+  f.nan_step = 2;
+  RunOptions o = checkpoints_every(1, dir);
+  o.timed_steps_at_least = 4;
+  int seen = 0;
+  o.on_step = [&](const StepRecord&) { ++seen; };
+  const RunReport r = run_null(config(1, 2, ScheduleKind::gpipe), o, f);
+  ASSERT_TRUE(r.failure);
+  EXPECT_EQ(r.failure->step, 2);
+  EXPECT_EQ(r.failure->message.rfind("loss became NaN at step 2", 0), 0u) << r.failure->message;
+  ASSERT_EQ(r.steps.size(), 2u) << "the run's own steps: its numerics story";
+  ASSERT_EQ(r.replayed_steps.size(), 6u) << "one timed step a run: three replays of steps 1 and 2";
+  for (std::size_t i = 0; i < r.replayed_steps.size(); ++i) {
+    const StepRecord& s = r.replayed_steps[i];
+    EXPECT_EQ(s.replay, static_cast<int>(i / 2) + 1);
+    EXPECT_EQ(s.step, static_cast<int>(i % 2) + 1);
+    if (s.step == 1) EXPECT_EQ(s.loss, r.steps[0].loss) << "restored bitwise: the same loss";
+    if (s.step == 2) EXPECT_TRUE(std::isnan(s.loss));
+  }
+  EXPECT_EQ(seen, 8) << "on_step sees every step run, replays too";
+  EXPECT_EQ(r.checkpoints.size(), 1u) << "replays write no checkpoints";
+  const std::vector<StepRecord> all = steps_as_run(r);
+  EXPECT_EQ(timed_step_indices(all), (std::vector<int>{1, 3, 5, 7})) << "every run's first step left out";
+  const int reported = reported_step_index(r);
+  ASSERT_GE(reported, 0);
+  EXPECT_EQ(reported, median_step_index(all));
+  EXPECT_EQ(r.timeline_step, 2);
+  EXPECT_EQ(all[static_cast<std::size_t>(reported)].replay, r.timeline_replay);
+  fs::remove_all(dir);
+
+  // Without the option, or when a rank failed (not the numerics), nothing is replayed.
+  EXPECT_TRUE(run_null(config(1, 2, ScheduleKind::gpipe), {}, f).replayed_steps.empty());
+  NullFaults failing;
+  failing.fail_rank = 1;
+  failing.fail_step = 2;
+  RunOptions at_least;
+  at_least.timed_steps_at_least = 4;
+  EXPECT_TRUE(run_null(config(1, 2, ScheduleKind::gpipe), at_least, failing).replayed_steps.empty());
+
+  // A replay whose numerics differ from the run's (an engine that does not restore) is dropped.
+  f.restore_forgets = true;
+  const RunReport differs = run_null(config(1, 2, ScheduleKind::gpipe), at_least, f);
+  ASSERT_TRUE(differs.failure);
+  EXPECT_EQ(differs.failure->step, 2);
+  EXPECT_TRUE(differs.replayed_steps.empty());
+  EXPECT_EQ(differs.timeline_step, 2);
+  EXPECT_EQ(differs.timeline_replay, 0);
+}
+
+// A run of one step replayed: its replays' steps are timed, warm after the run's.
+TEST(RunLoop, TimedStepsOfAOneStepRunAreAllOfItsReplays) {
+  std::vector<StepRecord> all(3);
+  for (std::size_t i = 0; i < all.size(); ++i) all[i].step = 1, all[i].replay = static_cast<int>(i);
+  EXPECT_EQ(timed_step_indices(all), (std::vector<int>{0, 1, 2}));
+}
+
 TEST(RunLoop, ADivergingLossEndsTheRun) {
   NullFaults f;
   f.diverge_step = 4;
