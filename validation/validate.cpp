@@ -55,10 +55,13 @@ std::vector<int> collective_group_sizes(const Plan& plan) {
 }
 
 // Ranks that share cores by turns run one compute op per core at a time: every rank at the cores'
-// mean speed side by side. Each op finds its core as another rank's op left it, cold, which the
-// factors (timed so) hold: no pass is priced cold apart.
+// mean speed side by side. Each op finds its core as another rank's op left it, which the factors
+// (timed so) hold; a chunk's first forward of the step is colder still, after every rank's
+// optimizer step streamed its weights and moments through the caches, and keeps the cold
+// composition's price (Composition::first_forward): the incident's original measured it 0.31 ms a
+// rank (+20%) over the warm price in five runs, every rank over (docs/validation.md, "Twenty-ninth
+// session").
 HardwareProfile turn_profile(HardwareProfile p, int ranks) {
-  p.composition.first_forward = 0;
   p.core_alone_factors.clear();
   p.optimizer_core_factors.clear();  // timed with a core each: not what turns on shared cores see
   if (!p.core_factors.empty()) {
