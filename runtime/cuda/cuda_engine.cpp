@@ -523,6 +523,8 @@ class CudaEngine final : public DeviceEngine {
     std::vector<RankCheckpoint> mine;
     for (auto& rk : ranks_) {
       partition_->make_current(rk->partition_index);
+      // Before the first step (the state a run's replays start from) no step has downloaded them.
+      if (rk->master_copy.size() != rk->chunks.size()) download_masters(*rk);
       std::vector<std::vector<float>> moments;  // per chunk: first, second
       std::vector<ChunkState> chunks;
       for (std::size_t j = 0; j < rk->chunks.size(); ++j) {
@@ -1417,6 +1419,12 @@ class CudaEngine final : public DeviceEngine {
     n.found_nonfinite = rk.found_nonfinite;
     n.loss_scale = rk.scale_used;
     // One download of the master weights per step: the checksum, and the drift between replicas.
+    s.weights_hash = download_masters(rk);
+    return rep;
+  }
+
+  // The rank's master weights (under ZeRO its shard) into CudaRank::master_copy; their checksum.
+  std::uint64_t download_masters(CudaRank& rk) {
     std::uint64_t h = kFnvOffset;
     rk.master_copy.clear();
     for (std::size_t j = 0; j < rk.chunks.size(); ++j) {
@@ -1429,8 +1437,7 @@ class CudaEngine final : public DeviceEngine {
       }
       h = fnv1a(h, rk.master_copy.back());
     }
-    s.weights_hash = h;
-    return rep;
+    return h;
   }
 
   InjectedFault fault_;  // RunOptions::fault

@@ -371,6 +371,30 @@ TEST(Executor, GlobalCheckWithDynamicScalingRecoversAndTrains) {
   EXPECT_LT(r.steps.back().loss, r.steps.front().loss);
 }
 
+// A learning rate that sends the weights to 1e30 in one update: the loss is NaN at step 2 and the
+// run ends there. Asked for four timed steps, the loop replays steps 1-2 three times from the state
+// before step 1 (DeviceEngine::save before any step, restore): the CPU engine gives the run's
+// losses and weights bit for bit, so every replay is kept.
+TEST(Executor, ARunItsNumericsEndReplaysBitwiseFromItsFirstState) {
+  ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
+  c.training.lr = 1e30;
+  c.runtime.steps = 5;
+  RunOptions o;
+  o.timed_steps_at_least = 4;
+  const RunReport r = run(c, o);
+  ASSERT_TRUE(r.failure);
+  ASSERT_EQ(r.failure->step, 2) << r.failure->message;
+  ASSERT_EQ(r.steps.size(), 2u);
+  EXPECT_TRUE(std::isfinite(r.steps[0].loss));
+  EXPECT_FALSE(std::isfinite(r.steps[1].loss));
+  ASSERT_EQ(r.replayed_steps.size(), 6u) << "every replay kept: the same numerics";
+  for (const StepRecord& s : r.replayed_steps) {
+    const StepRecord& original = r.steps[static_cast<std::size_t>(s.step - 1)];
+    if (s.step == 1) EXPECT_EQ(s.loss, original.loss) << "replay " << s.replay;
+    EXPECT_EQ(s.replica_checksums, original.replica_checksums) << "replay " << s.replay << " step " << s.step;
+  }
+}
+
 TEST(Executor, CheckpointResumeIsBitwiseIdentical) {
   const auto dir = std::filesystem::temp_directory_path() / "trainsim_test_resume";
   std::filesystem::remove_all(dir);
