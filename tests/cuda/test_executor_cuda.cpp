@@ -279,7 +279,9 @@ TEST(CudaExecutor, ARunItsNumericsEndReplaysBitwiseFromItsFirstState) {
   ASSERT_EQ(r.replayed_steps.size(), 6u) << "every replay kept: the same numerics";
   for (const StepRecord& s : r.replayed_steps) {
     const StepRecord& original = r.steps[static_cast<std::size_t>(s.step - 1)];
-    if (s.step == 1) EXPECT_EQ(s.loss, original.loss) << "replay " << s.replay;
+    if (s.step == 1) {
+      EXPECT_EQ(s.loss, original.loss) << "replay " << s.replay;
+    }
     EXPECT_EQ(s.replica_checksums, original.replica_checksums) << "replay " << s.replay << " step " << s.step;
   }
 }

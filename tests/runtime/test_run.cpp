@@ -311,8 +311,11 @@ TEST(RunLoop, ARunItsNumericsEndedEarlyReplaysItsStepsForTheirTiming) {
     const StepRecord& s = r.replayed_steps[i];
     EXPECT_EQ(s.replay, static_cast<int>(i / 2) + 1);
     EXPECT_EQ(s.step, static_cast<int>(i % 2) + 1);
-    if (s.step == 1) EXPECT_EQ(s.loss, r.steps[0].loss) << "restored bitwise: the same loss";
-    if (s.step == 2) EXPECT_TRUE(std::isnan(s.loss));
+    if (s.step == 1) {
+      EXPECT_EQ(s.loss, r.steps[0].loss) << "restored bitwise: the same loss";
+    } else {
+      EXPECT_TRUE(std::isnan(s.loss));
+    }
   }
   EXPECT_EQ(seen, 8) << "on_step sees every step run, replays too";
   EXPECT_EQ(r.checkpoints.size(), 1u) << "replays write no checkpoints";
