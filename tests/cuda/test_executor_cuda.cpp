@@ -24,6 +24,7 @@
 #include "runtime/cuda/cuda_engine.h"
 #include "runtime/cpu/cpu_engine.h"
 #include "runtime/runtime_plan.h"
+#include "tests/runtime/replay_expectations.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime::cuda {
@@ -262,28 +263,16 @@ TEST(CudaExecutor, CheckpointResumeIsBitwiseAndCrossesBackends) {
   std::filesystem::remove_all(dir);
 }
 
-// As on the CPU (tests/runtime/test_executor.cpp): a run its numerics end at step 2 is replayed for
-// its timing from the state before step 1, which the engine saves before it has run a step (its
-// masters not yet downloaded by any step), and gives the run's losses and weights bit for bit.
+// As on the CPU (tests/runtime/replay_expectations.h): a run its numerics end at step 2 is replayed
+// from the state before step 1, which the engine saves before it has run a step (its masters not
+// yet downloaded by any step), bit for bit.
 TEST(CudaExecutor, ARunItsNumericsEndReplaysBitwiseFromItsFirstState) {
   TRAINSIM_SKIP_WITHOUT_DEVICE();
-  ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
-  c.training.lr = 1e30;
-  c.runtime.steps = 5;
   RunOptions o = options();
   o.timed_steps_at_least = 4;
-  const RunReport r = run_cuda(make_runtime_plan(c), o, CudaRunOptions{});
-  ASSERT_TRUE(r.failure);
-  ASSERT_EQ(r.failure->step, 2) << r.failure->message;
-  ASSERT_EQ(r.steps.size(), 2u);
-  ASSERT_EQ(r.replayed_steps.size(), 6u) << "every replay kept: the same numerics";
-  for (const StepRecord& s : r.replayed_steps) {
-    const StepRecord& original = r.steps[static_cast<std::size_t>(s.step - 1)];
-    if (s.step == 1) {
-      EXPECT_EQ(s.loss, original.loss) << "replay " << s.replay;
-    }
-    EXPECT_EQ(s.replica_checksums, original.replica_checksums) << "replay " << s.replay << " step " << s.step;
-  }
+  testing::expect_bitwise_replays(
+      run_cuda(make_runtime_plan(testing::nan_at_step_two(small_config(2, 2, ScheduleKind::one_f_one_b))), o,
+               CudaRunOptions{}));
 }
 
 // Failure paths on the device, as on the CPU (tests/runtime/test_executor.cpp): a rank that

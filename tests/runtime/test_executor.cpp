@@ -32,6 +32,7 @@
 #include "runtime/runtime_plan.h"
 #include "sim/cost/memory_model.h"
 #include "runtime/loop/run_loop.h"
+#include "tests/runtime/replay_expectations.h"
 #include "tests/runtime/runtime_test_config.h"
 
 namespace trainsim::runtime {
@@ -371,30 +372,12 @@ TEST(Executor, GlobalCheckWithDynamicScalingRecoversAndTrains) {
   EXPECT_LT(r.steps.back().loss, r.steps.front().loss);
 }
 
-// A learning rate that sends the weights to 1e30 in one update: the loss is NaN at step 2 and the
-// run ends there. Asked for four timed steps, the loop replays steps 1-2 three times from the state
-// before step 1 (DeviceEngine::save before any step, restore): the CPU engine gives the run's
-// losses and weights bit for bit, so every replay is kept.
+// A run its numerics end at step 2, asked for four timed steps, is replayed from the state before
+// step 1, bit for bit (tests/runtime/replay_expectations.h).
 TEST(Executor, ARunItsNumericsEndReplaysBitwiseFromItsFirstState) {
-  ScenarioConfig c = small_config(2, 2, ScheduleKind::one_f_one_b);
-  c.training.lr = 1e30;
-  c.runtime.steps = 5;
   RunOptions o;
   o.timed_steps_at_least = 4;
-  const RunReport r = run(c, o);
-  ASSERT_TRUE(r.failure);
-  ASSERT_EQ(r.failure->step, 2) << r.failure->message;
-  ASSERT_EQ(r.steps.size(), 2u);
-  EXPECT_TRUE(std::isfinite(r.steps[0].loss));
-  EXPECT_FALSE(std::isfinite(r.steps[1].loss));
-  ASSERT_EQ(r.replayed_steps.size(), 6u) << "every replay kept: the same numerics";
-  for (const StepRecord& s : r.replayed_steps) {
-    const StepRecord& original = r.steps[static_cast<std::size_t>(s.step - 1)];
-    if (s.step == 1) {
-      EXPECT_EQ(s.loss, original.loss) << "replay " << s.replay;
-    }
-    EXPECT_EQ(s.replica_checksums, original.replica_checksums) << "replay " << s.replay << " step " << s.step;
-  }
+  testing::expect_bitwise_replays(run(testing::nan_at_step_two(small_config(2, 2, ScheduleKind::one_f_one_b)), o));
 }
 
 TEST(Executor, CheckpointResumeIsBitwiseIdentical) {
