@@ -46,7 +46,8 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
   }
   report.first_step = first;
 
-  // Where replays may be needed, the state they start from.
+  // Where replays may be needed, the state they start from (restore reads its ranks' state only;
+  // each replayed step is given its data position as the run's was).
   std::optional<Checkpoint> initial;
   if (options.timed_steps_at_least > 0) initial = Checkpoint{fingerprint, first - 1, 0, 0, engine->save()};
 
