@@ -120,10 +120,9 @@ std::pair<std::vector<double>, std::vector<double>> step_core_factors(const runt
 // step's timing is predicted for the branch its numerics took: no update where there was none.
 std::vector<char> skipped_updates(const runtime::RunReport& r) {
   std::vector<char> out;
-  const int i = runtime::reported_step_index(r);
-  if (i < 0) return out;
-  const std::vector<runtime::StepRecord> steps = runtime::steps_as_run(r);
-  for (const runtime::RankStepNumerics& n : steps[static_cast<std::size_t>(i)].ranks) {
+  const runtime::StepRecord* reported = runtime::reported_step(r);
+  if (!reported) return out;
+  for (const runtime::RankStepNumerics& n : reported->ranks) {
     if (static_cast<std::size_t>(n.rank) >= out.size()) out.resize(static_cast<std::size_t>(n.rank) + 1, 0);
     out[static_cast<std::size_t>(n.rank)] = n.skipped;
   }
@@ -206,7 +205,7 @@ std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& 
                                                       const std::vector<int>& passes_after_step,
                                                       int passes_between_steps, int steps_each_side) {
   // Passes ran after every step the loop ran, replays included, in order.
-  const int n = static_cast<int>(std::min(runtime::steps_as_run(run).size(), passes_after_step.size()));
+  const int n = static_cast<int>(std::min(run.steps.size() + run.replayed_steps.size(), passes_after_step.size()));
   const int i = runtime::reported_step_index(run);
   if (i < 0 || i >= n) return std::nullopt;
   const auto after = [&](int k) { return passes_after_step[static_cast<std::size_t>(k)]; };
@@ -605,19 +604,19 @@ std::string format_validation(const Validation& v) {
   if (v.drift_measured)
     out << fmt::format("  machine  speed moved by {:+.1f}% during the run (calibration passes between steps vs before)\n",
                        100 * v.machine_drift);
-  if (!v.measured.replayed_steps.empty())
+  const std::vector<runtime::StepRecord> steps = runtime::steps_as_run(v.measured);
+  if (!v.measured.replayed_steps.empty()) {
+    const std::size_t own = runtime::timed_step_indices(v.measured.steps).size();
+    const int replays = v.measured.replayed_steps.back().replay;
     out << fmt::format("  replays  the numerics ended the run at step {} with {} timed step{}: its steps ran {} more time{} "
                        "from the same state, with the same losses, for their timing (the reported step is the median of "
                        "{})\n",
-                       v.measured.steps.back().step, runtime::timed_step_indices(v.measured.steps).size(),
-                       runtime::timed_step_indices(v.measured.steps).size() == 1 ? "" : "s",
-                       v.measured.replayed_steps.back().replay, v.measured.replayed_steps.back().replay == 1 ? "" : "s",
-                       runtime::timed_step_indices(runtime::steps_as_run(v.measured)).size());
+                       v.measured.steps.back().step, own, own == 1 ? "" : "s", replays, replays == 1 ? "" : "s",
+                       runtime::timed_step_indices(steps).size());
+  }
   // What other work (processes, the kernel's threads, the hypervisor) took from the ranks' cores.
-  const std::vector<runtime::StepRecord> steps = runtime::steps_as_run(v.measured);
-  const int reported_at = runtime::reported_step_index(v.measured);
-  const auto reported = reported_at >= 0 ? steps.begin() + reported_at : steps.end();
-  if (reported != steps.end() && reported->foreign_seconds >= 0) {
+  const runtime::StepRecord* reported = runtime::reported_step(v.measured);
+  if (reported && reported->foreign_seconds >= 0) {
     double most = 0;
     for (int i : runtime::timed_step_indices(steps)) most = std::max(most, steps[i].foreign_seconds / steps[i].step_time_s);
     out << fmt::format("  host     other work held a rank's core {:.1f}% of the reported step (step {}{}), at most "

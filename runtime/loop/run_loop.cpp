@@ -128,16 +128,17 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
        ++replay) {
     engine->restore(*initial);
     std::vector<StepRecord> ran;
+    bool kept = true;
     for (const StepRecord& original : report.steps) {
       std::optional<StepRecord> rec = run_one(original.step, nullptr);
+      kept = rec && same(*rec, original);
       if (!rec) break;
       rec->replay = static_cast<int>(replay);
       if (options.on_step) options.on_step(*rec);
-      const bool kept = same(*rec, original);
       ran.push_back(std::move(*rec));
       if (!kept) break;
     }
-    if (ran.size() != report.steps.size() || !same(ran.back(), report.steps.back())) {
+    if (!kept) {
       // Its timelines were kept as it ran: take them back.
       timelines.resize(timelines.size() - ran.size());
       layer_seconds.resize(layer_seconds.size() - ran.size());
@@ -348,10 +349,20 @@ std::vector<StepRecord> steps_as_run(const RunReport& report) {
 }
 
 int reported_step_index(const RunReport& report) {
-  const std::vector<StepRecord> all = steps_as_run(report);
-  for (std::size_t i = 0; i < all.size(); ++i)
-    if (all[i].step == report.timeline_step && all[i].replay == report.timeline_replay) return static_cast<int>(i);
+  int i = 0;
+  for (const std::vector<StepRecord>* run : {&report.steps, &report.replayed_steps})
+    for (const StepRecord& s : *run) {
+      if (s.step == report.timeline_step && s.replay == report.timeline_replay) return i;
+      ++i;
+    }
   return -1;
+}
+
+const StepRecord* reported_step(const RunReport& report) {
+  const int i = reported_step_index(report);
+  if (i < 0) return nullptr;
+  const auto at = static_cast<std::size_t>(i);
+  return at < report.steps.size() ? &report.steps[at] : &report.replayed_steps[at - report.steps.size()];
 }
 
 bool chosen_by_host_share(const std::vector<StepRecord>& steps) {

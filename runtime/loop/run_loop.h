@@ -103,5 +103,7 @@ std::vector<StepRecord> steps_as_run(const RunReport& report);
 // The index into steps_as_run(report) of the step the report describes (timeline_step of
 // timeline_replay), or -1.
 int reported_step_index(const RunReport& report);
+// That step's record, or nullptr.
+const StepRecord* reported_step(const RunReport& report);
 
 }  // namespace trainsim::runtime
