@@ -24,6 +24,7 @@
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
 #include "runtime/cuda/stream_ops.h"
+#include "runtime/model/micro_batch_slots.h"
 #include "runtime/model/stage_layout.h"
 
 namespace trainsim::runtime::cuda {
@@ -59,21 +60,9 @@ struct CudaStageModel::Impl : StageShape {
   using StashT = Stash<DeviceBuffer, DeviceBuffer>;
   using BackwardT = runtime::Backward<DeviceBuffer>;
   using Grads = BlockGrads<DeviceBuffer>;
-  struct BlockParams {
-    int ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
-  };
-  struct Slot {
-    std::unique_ptr<StashT> stash;
-    std::unique_ptr<BackwardT> backward;
-    int units_done = 0;
-    bool complete = false;
-  };
-  enum class UnitKind { head, block, embedding };
-  struct Unit {
-    UnitKind kind;
-    int block = -1;  // local block index
-    std::size_t grads_end = 0;
-  };
+  using Slots = MicroBatchSlots<DeviceBuffer, DeviceBuffer>;
+  using Slot = Slots::Slot;
+  using Unit = BackwardUnit;
 
   StageSpec spec;
   DType dt;            // compute (storage) format
@@ -92,9 +81,7 @@ struct CudaStageModel::Impl : StageShape {
   k::GemmContext gemm;
   DeviceBuffer master, working, grads;
 
-  std::vector<Slot> slots;
-  std::vector<std::unique_ptr<StashT>> free_stashes;
-  std::vector<std::unique_ptr<BackwardT>> free_backwards;
+  Slots slots{"CudaStageModel"};
 
   // Scratch shared by all micro-batches (a forward or a unit is queued whole before another).
   Grads shared_grads;
@@ -175,28 +162,19 @@ struct CudaStageModel::Impl : StageShape {
     copy_host_to_device(to.data(), host_ids.data(), N * sizeof(std::int32_t), stream);
   }
 
-  Slot& slot(int mb) {
-    if (mb < 0) throw std::invalid_argument("micro-batch index " + std::to_string(mb) + " is negative");
-    if (static_cast<std::size_t>(mb) >= slots.size()) slots.resize(static_cast<std::size_t>(mb) + 1);
-    return slots[static_cast<std::size_t>(mb)];
-  }
-  std::unique_ptr<StashT> take_stash();  // a free one, or a new one
   std::unique_ptr<StashT> new_stash() {
     auto make_buf = [this](std::size_t n, Held h) { return make(n, h); };
     auto make_ids = [](std::size_t n) { return DeviceBuffer(n * sizeof(std::int32_t)); };
     return std::make_unique<StashT>(make_stash<DeviceBuffer, DeviceBuffer>(
         shape(), spec.has_embedding, spec.has_head, spec.recompute, split_room, make_buf, make_ids));
   }
-  std::unique_ptr<BackwardT> take_backward(bool split);  // a free one of the kind, or a new one
   std::unique_ptr<BackwardT> new_backward(bool split) {
     return std::make_unique<BackwardT>(
         make_backward<DeviceBuffer>(shape(), spec.has_head, split, [this](std::size_t n, Held h) { return make(n, h); }));
   }
   void release(Slot& s) {
     for (BlockStash<DeviceBuffer>& b : s.stash->blocks) b.kept = false;
-    free_stashes.push_back(std::move(s.stash));
-    free_backwards.push_back(std::move(s.backward));
-    s.complete = true;
+    slots.release(s);
   }
 
   void forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const void* input, void* output);
@@ -207,7 +185,7 @@ struct CudaStageModel::Impl : StageShape {
   void block_forward(int li, StashT& s, bool rebuild_op = false);
   void head_forward(int mb, StashT& s);
   void attention_forward(BlockStash<DeviceBuffer>& st);
-  void begin(int mb, const void* grad_output, float scale, bool split);
+  Slot& begin(int mb, const void* grad_output, float scale, bool split);
   void unit_input(const Unit& u, StashT& s, BackwardT& b);
   void unit_weight(const Unit& u, StashT& s, BackwardT& b);
   void block_backward_input(int li, StashT& s, BackwardT& b);
@@ -244,8 +222,6 @@ struct CudaStageModel::Impl : StageShape {
 
   // Weights read through the engine's gate (set_weight_gate), piece by piece.
   GateCalls gate;
-  bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
-  WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
 };
 
 CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
@@ -275,7 +251,7 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
     if (d.tied_embeddings && !s.has_embedding) wte = head_w;
     lnf_w = index("lnf.weight");
     lnf_b = index("lnf.bias");
-    units.push_back({UnitKind::head, -1, end_of(lnf_b)});
+    units.push_back({.kind = UnitKind::head, .grads_end = end_of(lnf_b)});
   }
   blocks.resize(static_cast<std::size_t>(L));
   for (int li = L - 1; li >= 0; --li) {
@@ -293,12 +269,12 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
     bp.qkv_b = index(pre + "attn.qkv.bias");
     bp.ln1_w = index(pre + "ln1.weight");
     bp.ln1_b = index(pre + "ln1.bias");
-    units.push_back({UnitKind::block, li, end_of(bp.ln1_b)});
+    units.push_back({.kind = UnitKind::block, .block = li, .grads_end = end_of(bp.ln1_b)});
   }
   if (s.has_embedding) {
     wte = index("wte");
     wpe = index("wpe");
-    units.push_back({UnitKind::embedding, -1, end_of(wpe)});
+    units.push_back({.kind = UnitKind::embedding, .grads_end = end_of(wpe)});
   }
   for (const ParamInfo& p : params) {
     total = std::max(total, p.offset + p.size);
@@ -346,14 +322,6 @@ CudaStageModel::Impl::Impl(const StageSpec& s, StreamHandle st)
   fill_zero(grads.data(), grads.bytes(), stream);
 }
 
-std::unique_ptr<CudaStageModel::Impl::StashT> CudaStageModel::Impl::take_stash() {
-  return reuse_or_make(free_stashes, [&] { return new_stash(); });
-}
-
-std::unique_ptr<CudaStageModel::Impl::BackwardT> CudaStageModel::Impl::take_backward(bool split) {
-  return reuse_or_make(free_backwards, split, [&] { return new_backward(split); });
-}
-
 // ---------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------
@@ -372,14 +340,7 @@ void CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std
   check_forward_arguments(spec, "CudaStageModel::forward", tokens, targets, input != nullptr);
   if (tp > 1) tp_group();  // a shard without its group fails before it keeps anything
 
-  Slot& sl = slot(mb);
-  if (sl.stash)
-    throw std::logic_error("CudaStageModel::forward: micro-batch " + std::to_string(mb) +
-                           " already has a forward waiting for its backward");
-  sl.stash = take_stash();
-  sl.units_done = 0;
-  sl.complete = false;
-  StashT& s = *sl.stash;
+  StashT& s = *slots.begin_forward(mb, [&] { return new_stash(); }).stash;
   const std::size_t nlc = Nl * C;
 
   void* x0 = s.x[0].data();
@@ -582,16 +543,10 @@ void CudaStageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_d
 // ---------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------
-void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale, bool split) {
-  Slot& sl = slot(mb);
-  if (!sl.stash)
-    throw std::logic_error("CudaStageModel: backward of micro-batch " + std::to_string(mb) + " without its forward");
-  if (sl.backward)
-    throw std::logic_error("CudaStageModel: backward of micro-batch " + std::to_string(mb) + " has already begun");
+CudaStageModel::Impl::Slot& CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale, bool split) {
   if (!spec.has_head && !grad_output)
     throw std::invalid_argument("CudaStageModel: this stage's backward needs grad_output");
-  sl.backward = take_backward(split);
-  sl.units_done = 0;
+  Slot& sl = slots.begin_backward(mb, split, [&](bool sp) { return new_backward(sp); });
   StashT& s = *sl.stash;
   BackwardT& b = *sl.backward;
   if (spec.has_head)  // a shard's local targets: the whole model's kernel over its Vl columns
@@ -599,6 +554,7 @@ void CudaStageModel::Impl::begin(int mb, const void* grad_output, float scale, b
                               static_cast<int>(N), Vl, scale / static_cast<float>(N), dt, stream);
   else
     copy_device_to_device(b.res(L).data(), grad_output, Nl * C * eb, stream);  // already in the compute format
+  return sl;
 }
 
 void CudaStageModel::Impl::unit_input(const Unit& u, StashT& s, BackwardT& b) {
@@ -897,14 +853,14 @@ void CudaStageModel::reserve(int stashes, int backwards, int split_backwards, in
   if (split_backwards > 0 && (m.spec.recompute == Recompute::full || m.spec.recompute == Recompute::selective_op) &&
       !m.split_room) {
     m.split_room = true;
-    m.free_stashes.clear();  // made again with the room
+    m.slots.free_stashes.clear();  // made again with the room
   }
-  while (static_cast<int>(m.free_stashes.size()) < stashes) m.free_stashes.push_back(m.new_stash());
+  while (static_cast<int>(m.slots.free_stashes.size()) < stashes) m.slots.free_stashes.push_back(m.new_stash());
   for (const bool split : {false, true}) {
     const int want = split ? split_backwards : backwards;
-    int have = static_cast<int>(std::count_if(m.free_backwards.begin(), m.free_backwards.end(),
+    int have = static_cast<int>(std::count_if(m.slots.free_backwards.begin(), m.slots.free_backwards.end(),
                                               [&](const auto& b) { return b->split == split; }));
-    for (; have < want; ++have) m.free_backwards.push_back(m.new_backward(split));
+    for (; have < want; ++have) m.slots.free_backwards.push_back(m.new_backward(split));
   }
   if (m.spec.has_head) m.ensure_loss_slots(static_cast<std::size_t>(std::max(micro_batches, 0)));
 }
@@ -917,13 +873,12 @@ void CudaStageModel::backward_begin(int mb, const void* grad_output, float loss_
 // previous stage), every unit's weight gradients later.
 void CudaStageModel::backward_input(int mb, const void* grad_output, float loss_gradient_scale, void* grad_input) {
   Impl& m = *impl_;
-  m.begin(mb, grad_output, loss_gradient_scale, true);
-  Impl::Slot& sl = m.slot(mb);
+  Impl::Slot& sl = m.begin(mb, grad_output, loss_gradient_scale, true);
   for (const Impl::Unit& u : m.units) {
-    if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
+    if (u.reads_weights()) m.gate.take(u.piece(), u.block);
     m.rebuild(u, *sl.stash, true);
     m.unit_input(u, *sl.stash, *sl.backward);
-    if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
+    if (u.reads_weights()) m.gate.give(u.piece(), u.block);
     m.drop_rebuilt(u, *sl.stash, false);
   }
   sl.backward->inputs_done = true;
@@ -933,10 +888,7 @@ void CudaStageModel::backward_input(int mb, const void* grad_output, float loss_
 
 void CudaStageModel::backward_weight(int mb) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done)
-    throw std::logic_error("CudaStageModel::backward_weight: micro-batch " + std::to_string(mb) +
-                           " has no backward_input");
+  Impl::Slot& sl = m.slots.weight_pass(mb);
   for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done)
     m.unit_weight(m.units[static_cast<std::size_t>(sl.units_done)], *sl.stash, *sl.backward);
   m.release(sl);
@@ -944,11 +896,7 @@ void CudaStageModel::backward_weight(int mb) {
 
 void CudaStageModel::backward_weight_unit(int mb) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done ||
-      sl.units_done >= static_cast<int>(m.units.size()))
-    throw std::logic_error("CudaStageModel::backward_weight_unit: micro-batch " + std::to_string(mb) +
-                           " has no backward_input or no weight unit left");
+  Impl::Slot& sl = m.slots.next_weight_unit(mb, m.units.size());
   m.unit_weight(m.units[static_cast<std::size_t>(sl.units_done)], *sl.stash, *sl.backward);
   ++sl.units_done;
 }
@@ -957,18 +905,12 @@ int CudaStageModel::backward_units() const { return static_cast<int>(impl_->unit
 
 void CudaStageModel::backward_unit(int mb) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward)
-    throw std::logic_error("CudaStageModel::backward_unit: micro-batch " + std::to_string(mb) +
-                           " has no backward_begin");
-  if (sl.units_done >= static_cast<int>(m.units.size()))
-    throw std::logic_error("CudaStageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
-                           std::to_string(m.units.size()) + " units");
+  Impl::Slot& sl = m.slots.next_unit(mb, m.units.size());
   const Impl::Unit& u = m.units[static_cast<std::size_t>(sl.units_done)];
-  if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
+  if (u.reads_weights()) m.gate.take(u.piece(), u.block);
   m.rebuild(u, *sl.stash, false);
   m.unit_input(u, *sl.stash, *sl.backward);
-  if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
+  if (u.reads_weights()) m.gate.give(u.piece(), u.block);
   m.unit_weight(u, *sl.stash, *sl.backward);
   m.drop_rebuilt(u, *sl.stash, true);
   ++sl.units_done;
@@ -976,19 +918,13 @@ void CudaStageModel::backward_unit(int mb) {
 
 std::size_t CudaStageModel::gradients_complete(int mb) const {
   const Impl& m = *impl_;
-  if (mb < 0 || static_cast<std::size_t>(mb) >= m.slots.size()) return 0;
-  const Impl::Slot& sl = m.slots[static_cast<std::size_t>(mb)];
-  if (sl.complete) return m.total;
-  return sl.units_done > 0 ? m.units[static_cast<std::size_t>(sl.units_done) - 1].grads_end : 0;
+  return m.slots.gradients_complete(mb, m.total,
+                                    [&](int i) { return m.units[static_cast<std::size_t>(i)].grads_end; });
 }
 
 void CudaStageModel::backward_end(int mb, void* grad_input) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || sl.units_done != static_cast<int>(m.units.size()))
-    throw std::logic_error("CudaStageModel::backward_end: micro-batch " + std::to_string(mb) + " has done " +
-                           std::to_string(sl.units_done) + " of " + std::to_string(m.units.size()) +
-                           " backward units");
+  Impl::Slot& sl = m.slots.finish_whole(mb, m.units.size());
   if (!m.spec.has_embedding && grad_input)
     copy_device_to_device(grad_input, sl.backward->res(0).data(), m.Nl * m.C * m.eb, m.stream);
   m.release(sl);
@@ -997,7 +933,7 @@ void CudaStageModel::backward_end(int mb, void* grad_input) {
 std::size_t CudaStageModel::activation_bytes() const {
   std::size_t bytes = 0;
   auto count = [&](const DeviceBuffer& b, Held) { bytes += b.bytes(); };
-  for (const Impl::Slot& sl : impl_->slots) {
+  for (const Impl::Slot& sl : impl_->slots.all()) {
     if (sl.stash)
       bytes += stash_bytes(
           *sl.stash, impl_->spec.recompute, [](const DeviceBuffer& b, Held) { return b.bytes(); },

@@ -103,6 +103,24 @@ void swap_op_rebuilt(BlockStash<Buf>& a, BlockStash<Buf>& b) {
                  &BlockStash<Buf>::rstd2})
     swap(a.*t, b.*t);
 }
+// Indices into the stage's parameters (StageModel::params()) of one block's tensors.
+struct BlockParams {
+  int ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
+};
+
+// A stage's backward runs in units, in the order its gradients become final: the head, the blocks
+// from last to first, the embedding (the parameters are laid out in that order). After a unit the
+// gradients [0, grads_end) are final.
+enum class UnitKind { head, block, embedding };
+struct BackwardUnit {
+  UnitKind kind;
+  int block = -1;  // local block index
+  std::size_t grads_end = 0;
+  // Its input pass (and its rebuild) reads the unit's weights; the embedding's reads none.
+  bool reads_weights() const { return kind != UnitKind::embedding; }
+  WeightPiece piece() const { return kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
+};
+
 template <class Buf, class Ids>
 struct Stash {
   Ids tokens, targets;    // (N) int32: first stage, last stage

@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "runtime/model/layers.h"
+#include "runtime/model/micro_batch_slots.h"
 #include "runtime/model/stage_layout.h"
 #include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
@@ -88,23 +89,9 @@ struct StageModel::Impl : StageShape {
   using StashT = Stash<Buffer, Ids>;
   using BackwardT = runtime::Backward<Buffer>;
   using Grads = BlockGrads<Buffer>;
-  // Indices into params of one block's tensors.
-  struct BlockParams {
-    int ln1_w, ln1_b, qkv_w, qkv_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b;
-  };
-  struct Slot {
-    std::unique_ptr<StashT> stash;
-    std::unique_ptr<BackwardT> backward;
-    int units_done = 0;
-    bool complete = false;
-  };
-  enum class UnitKind { head, block, embedding };
-  struct Unit {
-    UnitKind kind;
-    int block = -1;      // local block index
-    int params_end = 0;  // parameters [0, params_end) are complete after this unit
-    std::size_t grads_end = 0;
-  };
+  using Slots = MicroBatchSlots<Buffer, Ids>;
+  using Slot = Slots::Slot;
+  using Unit = BackwardUnit;
 
   StageSpec spec;
   TensorParallelGroup* group = nullptr;
@@ -118,9 +105,7 @@ struct StageModel::Impl : StageShape {
   Buffer master, working, grads;
   bool fast_grads;  // compute and accumulation both fp32: weight gradients go straight into grads
 
-  std::vector<Slot> slots;  // by micro-batch
-  std::vector<std::unique_ptr<StashT>> free_stashes;
-  std::vector<std::unique_ptr<BackwardT>> free_backwards;
+  Slots slots{"StageModel"};
 
   // Scratch shared by all micro-batches (a forward or a unit runs to its end before another).
   Grads shared_grads;
@@ -172,9 +157,6 @@ struct StageModel::Impl : StageShape {
   };
   // The clock of backward unit u's work: running for a block, idle for the head and embedding.
   BlockClock unit_clock(const Unit& u) { return {block_seconds, u.kind == UnitKind::block}; }
-  // A backward unit's input pass (and its rebuild) reads the unit's weights; the embedding's none.
-  bool reads_weights(const Unit& u) const { return u.kind != UnitKind::embedding; }
-  WeightPiece piece(const Unit& u) const { return u.kind == UnitKind::head ? WeightPiece::head : WeightPiece::block; }
 
   explicit Impl(const StageSpec& s);
 
@@ -276,14 +258,9 @@ struct StageModel::Impl : StageShape {
   }
 
   // -- micro-batch bookkeeping --
-  Slot& slot(int mb) {
-    if (mb < 0) throw std::invalid_argument("micro-batch index " + std::to_string(mb) + " is negative");
-    if (static_cast<std::size_t>(mb) >= slots.size()) slots.resize(mb + 1);
-    return slots[mb];
-  }
   static Buffer make(std::size_t n, Held) { return floats(n); }
-  std::unique_ptr<StashT> take_stash();
-  std::unique_ptr<BackwardT> take_backward(bool split);
+  std::unique_ptr<StashT> new_stash();
+  std::unique_ptr<BackwardT> new_backward(bool split);
   void release(Slot& s) {
     // Full recompute and selective_op: what a split backward rebuilt and kept for its weight pass.
     for (BlockStash<Buffer>& b : s.stash->blocks) {
@@ -296,9 +273,7 @@ struct StageModel::Impl : StageShape {
         b = BlockStash<Buffer>{};
       }
     }
-    free_stashes.push_back(std::move(s.stash));
-    free_backwards.push_back(std::move(s.backward));
-    s.complete = true;
+    slots.release(s);
   }
   std::size_t held_bytes(std::size_t elements, Held h) const {
     return elements * (h == Held::compute ? dtype_bytes(spec.compute) : 4);
@@ -311,7 +286,7 @@ struct StageModel::Impl : StageShape {
   // attn.proj reads the kept one) nor mlp.proj's output (only the next block's input, kept).
   void block_forward(int li, StashT& s, int mb, bool rebuild_op = false);
   float head_forward(StashT& s, int mb);
-  void begin(int mb, const float* grad_output, float scale, bool split);
+  Slot& begin(int mb, const float* grad_output, float scale, bool split);
   void unit_input(const Unit& u, StashT& s, BackwardT& b, int mb);
   void unit_weight(const Unit& u, StashT& s, BackwardT& b, int mb);
   void block_backward_input(int li, StashT& s, BackwardT& b, int mb);
@@ -349,7 +324,11 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
   const std::vector<std::size_t> qkv_rows{r * cl, c + r * cl, 2 * c + r * cl};  // this shard's heads' q, k, v
 
   // Parameters in gradient-completion order: head, blocks from last to first, embedding.
-  auto end_unit = [&](UnitKind k, int b) { units.push_back({k, b, static_cast<int>(params.size()), 0}); };
+  std::vector<std::size_t> params_end;  // per unit: its parameters are [0, params_end)
+  auto end_unit = [&](UnitKind k, int b) {
+    units.push_back({.kind = k, .block = b});
+    params_end.push_back(params.size());
+  };
   if (s.has_head) {
     if (!d.tied_embeddings)
       head_w = add_param("lm_head.weight", vocab_rows, Init::normal, true);
@@ -390,8 +369,10 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
     largest = std::max(largest, p.size);
   }
   // A unit's gradients end where its last parameter ends.
-  for (Unit& u : units)
-    u.grads_end = u.params_end > 0 ? params[u.params_end - 1].offset + params[u.params_end - 1].size : 0;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    const std::size_t end = params_end[i];
+    units[i].grads_end = end > 0 ? params[end - 1].offset + params[end - 1].size : 0;
+  }
 
   master = floats(offset);
   grads = floats(offset);
@@ -425,17 +406,13 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
   }
 }
 
-std::unique_ptr<StageModel::Impl::StashT> StageModel::Impl::take_stash() {
-  return reuse_or_make(free_stashes, [&] {
-    return std::make_unique<StashT>(
-        make_stash<Buffer, Ids>(shape(), spec.has_embedding, spec.has_head, spec.recompute, false, make,
-                                [](std::size_t n) { return Ids(n); }));
-  });
+std::unique_ptr<StageModel::Impl::StashT> StageModel::Impl::new_stash() {
+  return std::make_unique<StashT>(make_stash<Buffer, Ids>(shape(), spec.has_embedding, spec.has_head, spec.recompute,
+                                                          false, make, [](std::size_t n) { return Ids(n); }));
 }
 
-std::unique_ptr<StageModel::Impl::BackwardT> StageModel::Impl::take_backward(bool split) {
-  return reuse_or_make(free_backwards, split,
-                       [&] { return std::make_unique<BackwardT>(make_backward<Buffer>(shape(), spec.has_head, split, make)); });
+std::unique_ptr<StageModel::Impl::BackwardT> StageModel::Impl::new_backward(bool split) {
+  return std::make_unique<BackwardT>(make_backward<Buffer>(shape(), spec.has_head, split, make));
 }
 
 void StageModel::Impl::refresh_working() {
@@ -480,14 +457,7 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
   check_forward_arguments(spec, "StageModel::forward", tokens, targets, input != nullptr);
   if (tp > 1) tp_group();  // a shard without its group fails before it keeps anything
 
-  Slot& sl = slot(mb);
-  if (sl.stash)
-    throw std::logic_error("StageModel::forward: micro-batch " + std::to_string(mb) +
-                           " already has a forward waiting for its backward");
-  sl.stash = take_stash();
-  sl.units_done = 0;
-  sl.complete = false;
-  StashT& s = *sl.stash;
+  StashT& s = *slots.begin_forward(mb, [&] { return new_stash(); }).stash;
   const std::size_t nlc = Nl * C;
 
   float* x0 = s.x[0].data();
@@ -697,16 +667,10 @@ void StageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_done)
 // ---------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------
-void StageModel::Impl::begin(int mb, const float* grad_output, float scale, bool split) {
-  Slot& sl = slot(mb);
-  if (!sl.stash)
-    throw std::logic_error("StageModel: backward of micro-batch " + std::to_string(mb) + " without its forward");
-  if (sl.backward)
-    throw std::logic_error("StageModel: backward of micro-batch " + std::to_string(mb) + " has already begun");
+StageModel::Impl::Slot& StageModel::Impl::begin(int mb, const float* grad_output, float scale, bool split) {
   if (!spec.has_head && !grad_output)
     throw std::invalid_argument("StageModel: this stage's backward needs grad_output");
-  sl.backward = take_backward(split);
-  sl.units_done = 0;
+  Slot& sl = slots.begin_backward(mb, split, [&](bool s) { return new_backward(s); });
   StashT& s = *sl.stash;
   BackwardT& b = *sl.backward;
   if (spec.has_head) {
@@ -722,6 +686,7 @@ void StageModel::Impl::begin(int mb, const float* grad_output, float scale, bool
     std::copy(grad_output, grad_output + Nl * C, d);
     finish(d, Nl * C, Tag{"stage output gradient"}, true, mb);
   }
+  return sl;
 }
 
 void StageModel::Impl::unit_input(const Unit& u, StashT& s, BackwardT& b, int mb) {
@@ -972,20 +937,15 @@ int StageModel::backward_units() const { return static_cast<int>(impl_->units.si
 
 void StageModel::backward_unit(int mb) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || sl.backward->split)
-    throw std::logic_error("StageModel::backward_unit: micro-batch " + std::to_string(mb) + " has no backward_begin");
-  if (sl.units_done >= static_cast<int>(m.units.size()))
-    throw std::logic_error("StageModel::backward_unit: micro-batch " + std::to_string(mb) + " has done all " +
-                           std::to_string(m.units.size()) + " units");
+  Impl::Slot& sl = m.slots.next_unit(mb, m.units.size());
   const Impl::Unit& u = m.units[sl.units_done];
-  if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
+  if (u.reads_weights()) m.gate.take(u.piece(), u.block);
   {
     const auto clock = m.unit_clock(u);
     m.rebuild(u, *sl.stash, mb, false);
     m.unit_input(u, *sl.stash, *sl.backward, mb);
   }
-  if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
+  if (u.reads_weights()) m.gate.give(u.piece(), u.block);
   {
     const auto clock = m.unit_clock(u);
     m.unit_weight(u, *sl.stash, *sl.backward, mb);
@@ -996,18 +956,12 @@ void StageModel::backward_unit(int mb) {
 
 std::size_t StageModel::gradients_complete(int mb) const {
   const Impl& m = *impl_;
-  if (mb < 0 || static_cast<std::size_t>(mb) >= m.slots.size()) return 0;
-  const Impl::Slot& sl = m.slots[mb];
-  if (sl.complete) return m.grads.size();
-  return sl.units_done > 0 ? m.units[sl.units_done - 1].grads_end : 0;
+  return m.slots.gradients_complete(mb, m.grads.size(), [&](int i) { return m.units[i].grads_end; });
 }
 
 void StageModel::backward_end(int mb, float* grad_input) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || sl.backward->split || sl.units_done != static_cast<int>(m.units.size()))
-    throw std::logic_error("StageModel::backward_end: micro-batch " + std::to_string(mb) + " has done " +
-                           std::to_string(sl.units_done) + " of " + std::to_string(m.units.size()) + " backward units");
+  Impl::Slot& sl = m.slots.finish_whole(mb, m.units.size());
   if (!m.spec.has_embedding && grad_input) {
     const float* d = sl.backward->res(0).data();
     std::copy(d, d + m.Nl * m.C, grad_input);
@@ -1017,16 +971,15 @@ void StageModel::backward_end(int mb, float* grad_input) {
 
 void StageModel::backward_input(int mb, const float* grad_output, float loss_gradient_scale, float* grad_input) {
   Impl& m = *impl_;
-  m.begin(mb, grad_output, loss_gradient_scale, true);
-  Impl::Slot& sl = m.slot(mb);
+  Impl::Slot& sl = m.begin(mb, grad_output, loss_gradient_scale, true);
   for (const Impl::Unit& u : m.units) {
-    if (m.reads_weights(u)) m.gate.take(m.piece(u), u.block);
+    if (u.reads_weights()) m.gate.take(u.piece(), u.block);
     {
       const auto clock = m.unit_clock(u);
       m.rebuild(u, *sl.stash, mb, true);
       m.unit_input(u, *sl.stash, *sl.backward, mb);
     }
-    if (m.reads_weights(u)) m.gate.give(m.piece(u), u.block);
+    if (u.reads_weights()) m.gate.give(u.piece(), u.block);
     m.drop_rebuilt(u, *sl.stash, false);
   }
   sl.backward->inputs_done = true;
@@ -1038,9 +991,7 @@ void StageModel::backward_input(int mb, const float* grad_output, float loss_gra
 
 void StageModel::backward_weight(int mb) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done)
-    throw std::logic_error("StageModel::backward_weight: micro-batch " + std::to_string(mb) + " has no backward_input");
+  Impl::Slot& sl = m.slots.weight_pass(mb);
   for (; sl.units_done < static_cast<int>(m.units.size()); ++sl.units_done) {
     const Impl::Unit& u = m.units[sl.units_done];
     const auto clock = m.unit_clock(u);
@@ -1051,10 +1002,7 @@ void StageModel::backward_weight(int mb) {
 
 void StageModel::backward_weight_unit(int mb) {
   Impl& m = *impl_;
-  Impl::Slot& sl = m.slot(mb);
-  if (!sl.backward || !sl.backward->split || !sl.backward->inputs_done || sl.units_done >= static_cast<int>(m.units.size()))
-    throw std::logic_error("StageModel::backward_weight_unit: micro-batch " + std::to_string(mb) +
-                           " has no backward_input or no weight unit left");
+  Impl::Slot& sl = m.slots.next_weight_unit(mb, m.units.size());
   const Impl::Unit& u = m.units[sl.units_done];
   {
     const auto clock = m.unit_clock(u);
@@ -1080,7 +1028,7 @@ std::size_t StageModel::activation_bytes() const {
   const Impl& m = *impl_;
   std::size_t bytes = 0;
   auto count = [&](const Buffer& b, Held h) { bytes += m.held_bytes(b.size(), h); };
-  for (const Impl::Slot& sl : m.slots) {
+  for (const Impl::Slot& sl : m.slots.all()) {
     if (sl.stash)
       bytes += stash_bytes(
           *sl.stash, m.spec.recompute, [&](const Buffer& b, Held h) { return m.held_bytes(b.size(), h); },
@@ -1110,9 +1058,10 @@ std::span<const float> StageModel::working_weights() const {
 std::vector<StageModel::NamedTensor> StageModel::stashed_tensors(int mb) const {
   const Impl& m = *impl_;
   std::vector<NamedTensor> out;
-  if (mb < 0 || static_cast<std::size_t>(mb) >= m.slots.size() || !m.slots[mb].stash) return out;
+  const Impl::Slot* sl = m.slots.find(mb);
+  if (!sl || !sl->stash) return out;
   for_each_tensor(
-      *m.slots[mb].stash,
+      *sl->stash,
       [&](const char* what, int li, const Buffer& b, Held h) {
         if (h != Held::compute || b.empty()) return;
         std::string name = what;

@@ -50,6 +50,7 @@
 #include "runtime/model/stage_model.h"
 #include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
+#include "tests/runtime/stage_call_order.h"
 
 namespace trainsim {
 // Parameterised tests name their format instead of printing bytes.
@@ -416,6 +417,21 @@ TEST_F(CudaStage, UnitByUnitBackwardFinishesAPrefixOfTheGradients) {
   gpu.backward_end(0, nullptr);
   EXPECT_EQ(gpu.gradients_complete(0), gpu.num_parameters());
   expect_gradients_match(cpu, gpu, 1e-4);
+}
+
+// A micro-batch's calls out of their order throw and change nothing, as on the CPU
+// (tests/runtime/stage_call_order.h; both models keep their micro-batches with
+// runtime/model/micro_batch_slots.h).
+TEST_F(CudaStage, CallsOutOfOrderThrowAndChangeNothing) {
+  const StageSpec spec = stage(small_dims(2), 0, 2, true, true, DType::fp32);
+  CudaStageModel m(spec), clean(spec);
+  for (CudaStageModel* g : {&m, &clean}) {
+    g->init(kSeed);
+    g->zero_gradients();
+  }
+  const Batch b = make_batch(spec, 410);
+  testing::expect_calls_out_of_order_throw(m, clean, b.tokens.data(), b.targets.data(),
+                                           [](const CudaStageModel& g) { return g.gradients_to_host(); });
 }
 
 // The zero-bubble split computes the same products in the same order as the whole backward,

@@ -22,6 +22,7 @@
 #include "runtime/model/stage_model.h"
 #include "runtime/model/tensor_parallel.h"
 #include "runtime/numerics/lowp.h"
+#include "tests/runtime/stage_call_order.h"
 
 namespace trainsim::runtime {
 namespace {
@@ -718,6 +719,19 @@ TEST(StageModel, GradientsCompleteIsMonotoneAndFinal) {
     m.backward_weight(0);
     EXPECT_EQ(m.gradients_complete(0), m.gradients().size());
   }
+}
+
+// A micro-batch's calls out of their order throw and change nothing (tests/runtime/stage_call_order.h,
+// which the CUDA stage model's test shares).
+TEST(StageModel, CallsOutOfOrderThrowAndChangeNothing) {
+  const StageSpec spec = stage_spec(small_dims(2), 0, 2, 2);
+  StageModel m(spec), clean(spec);
+  m.init(3);
+  clean.init(3);
+  const Batch b = make_batch(spec, 4);
+  testing::expect_calls_out_of_order_throw(m, clean, b.tokens.data(), b.targets.data(), [](StageModel& s) {
+    return std::vector<float>(s.gradients().begin(), s.gradients().end());
+  });
 }
 
 // Micro-batches in flight: stashes by micro-batch, any backward order, memory accounted.
