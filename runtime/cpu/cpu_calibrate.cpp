@@ -21,6 +21,8 @@
 #include <span>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -302,32 +304,52 @@ struct StageBench {
   }
   // Seconds of one forward and one backward of micro-batch 0 (a split one's two passes apart).
   StageSeconds time() {
-    StageModel& st = *model;
-    const auto seconds = [](Clock::time_point from, Clock::time_point to) {
-      return std::chrono::duration<double>(to - from).count();
-    };
+    StageSeconds t{forward(), 0, 0};
+    std::tie(t.backward, t.backward_weight) = backward();
+    return t;
+  }
+  // The two halves of time(), for callers that run other stages between them.
+  double forward() {
     const auto a = Clock::now();
-    st.forward(0, nullptr, nullptr, in.data(), out.data());
-    const auto b = Clock::now();
-    StageSeconds t{seconds(a, b), 0, 0};
+    model->forward(0, nullptr, nullptr, in.data(), out.data());
+    return seconds_since(a);
+  }
+  // The backward (a split one's input and weight passes), then the gradients zeroed (untimed).
+  std::pair<double, double> backward() {
+    StageModel& st = *model;
+    const auto a = Clock::now();
+    std::pair<double, double> t{0, 0};
     if (split) {
       st.backward_input(0, grad_out.data(), 1.0f, grad_in.data());
-      const auto c = Clock::now();
+      t.first = seconds_since(a);
+      const auto b = Clock::now();
       st.backward_weight(0);
-      t.backward = seconds(b, c);
-      t.backward_weight = seconds(c, Clock::now());
+      t.second = seconds_since(b);
     } else {
       st.backward_begin(0, grad_out.data(), 1.0f);
       for (int u = 0; u < st.backward_units(); ++u) st.backward_unit(0);
       st.backward_end(0, grad_in.data());
-      t.backward = seconds(b, Clock::now());
+      t.first = seconds_since(a);
     }
     st.zero_gradients();
     return t;
   }
+
+ private:
+  static double seconds_since(Clock::time_point from) {
+    return std::chrono::duration<double>(Clock::now() - from).count();
+  }
 };
 
 }  // namespace
+
+int rotation_rounds(int cores, int ranks) { return (ranks + cores - 1) / cores; }
+
+int rotation_rank(int round, int core, int cycle, int cores, int ranks, int cell) {
+  const int slot = round * cores + core;
+  if (slot >= ranks) return -1;
+  return (slot + cycle * cell) % ranks;
+}
 
 std::string cpu_description() {
   std::ifstream in("/proc/cpuinfo");
@@ -356,16 +378,28 @@ class CpuClock final : public KernelClock {
     // tensor-parallel plan's ranks are its shards).
     StageSpec spec = middle_stage_spec(plan, KernelCalibrator::compose_layers(plan.plan));
     const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;
+    tp_ = tp;
     const int ranks = pin_ ? std::min(world, cores) : 1;
+    const bool split = plan.plan.config.parallelism.schedule == ScheduleKind::zb_h1;
     for (int c = 0; c < ranks; ++c) {
       spec.tensor_parallel_rank = c % tp;
-      stages_.emplace_back(spec, 7, plan.plan.config.parallelism.schedule == ScheduleKind::zb_h1);
+      stages_.emplace_back(spec, 7, split);
     }
+    // Ranks that share cores: a stage of every other rank thread too, for the rotation they take
+    // the cores in (time_rotation).
+    if (shared_)
+      for (int c = ranks; c < world; ++c) {
+        spec.tensor_parallel_rank = c % tp;
+        others_.emplace_back(spec, 7, split);
+      }
     // Under tensor parallelism with a core per shard, the stages timed together are the world's
     // shards and run their groups' collectives for real (an in-process world of their own): what
     // waiting for one another costs on this machine, now, goes into the core factors (a shard is on
     // every layer's critical path of its group), as the run will pay it.
-    if (tp > 1 && pin_ && world <= cores) {
+    // So too where tensor-parallel cells share the cores and a cell's turn takes as many cores as it
+    // has shards (time_rotation runs a cell's shards side by side in a round); groups_ is then by
+    // rank.
+    if (tp > 1 && pin_ && (world <= cores || (shared_ && cores % tp == 0))) {
       const World grid = World::of(plan.plan);
       tp_world_ = std::make_unique<InProcessWorld>(world);
       for (int c = 0; c < world; ++c) {
@@ -411,6 +445,7 @@ class CpuClock final : public KernelClock {
   int stage_ranks() const override { return static_cast<int>(stages_.size()); }
 
   std::vector<double> time_stages_together() override {
+    if (shared_) return time_rotation();
     const int n = static_cast<int>(stages_.size());
     std::vector<double> seconds(static_cast<std::size_t>(n));
     std::barrier start(n);
@@ -420,16 +455,14 @@ class CpuClock final : public KernelClock {
     for (int c = 0; c < n; ++c)
       threads.emplace_back([&, c] {
         pin_to(c);
-        StageBench& stage = stages_[static_cast<std::size_t>(shared_ ? (c + 1) % n : c)];
-        if (!groups_.empty()) {  // not shared: stage c is shard c
+        StageBench& stage = stages_[static_cast<std::size_t>(c)];
+        if (!groups_.empty()) {  // stage c is shard c
           groups_[static_cast<std::size_t>(c)]->restart(first_tag);
           stage.model->set_tensor_parallel_group(groups_[static_cast<std::size_t>(c)].get());
         }
         // A rank with a core of its own runs its stage warm: each stage once untimed first (core 0's
-        // was just timed alone, and its caches hold it; the others' read 10% slower). Ranks that
-        // share cores find their data where another rank's op left the core: each core runs the
-        // stage another core ran last, cold.
-        if (!shared_) stage.time();
+        // was just timed alone, and its caches hold it; the others' read 10% slower).
+        stage.time();
         start.arrive_and_wait();
         seconds[static_cast<std::size_t>(c)] = stage.time().total();
         stage.model->set_tensor_parallel_group(&TimingOnlyGroup::instance());  // stage 0 is also timed alone
@@ -437,6 +470,59 @@ class CpuClock final : public KernelClock {
     for (auto& t : threads) t.join();
     return seconds;
   }
+  // Ranks that share cores take them in turns, one op at a time: between two of a rank's ops the
+  // other ranks' ops ran on its core and moved its weights and activations out of the caches near
+  // it, while the other cores ran theirs. Every rank's stage runs in such a rotation
+  // (rotation_rank), a round at a time on every core at once: all the ranks' forwards, then all
+  // their backwards, once untimed (the pass's kernels evicted everything; a cycle leaves each rank
+  // as the run's rotation keeps it) and once timed. A core's seconds: the mean of its timed forward
+  // and backward per rank. The calibration used to time each core running the stage the other
+  // core ran last, one stage per core: 2-6% faster than eight rotating on two cores
+  // (docs/validation.md, "Thirtieth session").
+  std::vector<double> time_rotation() {
+    const int n = static_cast<int>(stages_.size());
+    const int ranks = n + static_cast<int>(others_.size());
+    const int rounds = rotation_rounds(n, ranks);
+    auto stage = [&](int r) -> StageBench& {
+      return r < n ? stages_[static_cast<std::size_t>(r)] : others_[static_cast<std::size_t>(r - n)];
+    };
+    // Tensor-parallel cells: a cell's shards in one round, meeting at their group's collectives.
+    const int cell = groups_.empty() ? 1 : tp_;
+    const std::uint64_t first_tag = next_tag_;
+    next_tag_ += 1ull << 32;
+    for (auto& g : groups_) g->restart(first_tag);
+    std::vector<double> seconds(static_cast<std::size_t>(n), 0.0);
+    std::barrier start(n);
+    std::vector<std::thread> threads;
+    for (int c = 0; c < n; ++c)
+      threads.emplace_back([&, c] {
+        pin_to(c);
+        double sum = 0;
+        int timed = 0;
+        for (int cycle = 0; cycle < 2; ++cycle)
+          for (const bool forward : {true, false})
+            for (int k = 0; k < rounds; ++k) {
+              start.arrive_and_wait();
+              const int r = rotation_rank(k, c, cycle, n, ranks, cell);
+              if (r < 0) continue;  // a spare core in the last round
+              StageBench& st = stage(r);
+              if (!groups_.empty()) st.model->set_tensor_parallel_group(groups_[static_cast<std::size_t>(r)].get());
+              const double t = forward ? st.forward() : [&] {
+                const auto [input, weight] = st.backward();
+                return input + weight;
+              }();
+              if (cycle == 1) {
+                sum += t;
+                timed += forward ? 1 : 0;
+              }
+            }
+        seconds[static_cast<std::size_t>(c)] = timed > 0 ? sum / timed : 0;
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < ranks; ++r) stage(r).model->set_tensor_parallel_group(&TimingOnlyGroup::instance());
+    return seconds;
+  }
+
   // Each core's stage alone, the others idle, right after the stages together (which left it warm
   // on its core): whether a core is slow by itself (a busy neighbour on a shared host) or only
   // beside the others (shared caches and memory bandwidth). Not where ranks share cores (they take
@@ -487,6 +573,7 @@ class CpuClock final : public KernelClock {
   KernelTimer timer_;
   std::vector<std::function<void()>> calls_;
   std::vector<StageBench> stages_;  // [core]; stages_[0] also runs alone
+  std::vector<StageBench> others_;  // ranks that share cores: the stages of rank threads beyond the cores
   std::vector<std::unique_ptr<KernelTimer>> update_timers_;  // [core]: the buffers of its update
   std::vector<std::vector<std::function<void()>>> updates_;    // [core]: its update's launches
   // Tensor parallelism: the shards' groups when they are timed together.
@@ -494,6 +581,7 @@ class CpuClock final : public KernelClock {
   std::vector<std::unique_ptr<Communicator>> comms_;
   std::vector<std::unique_ptr<CommunicatorGroup>> groups_;
   std::uint64_t next_tag_ = 1;
+  int tp_ = 1;
 };
 
 }  // namespace

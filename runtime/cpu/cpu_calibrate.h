@@ -31,6 +31,15 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell = 50);
 // peer, polling inside the ring, run_first_on_core where granted). Medians of `calls` each; 0
 // where the difference is not positive. Needs two cores.
 double comm_wake_seconds(std::size_t bytes, int calls = 100);
+// Where ranks share cores, calibration times every rank's stage in the order the run gives them the
+// cores, one op a turn: rotation_rounds(cores, ranks) rounds, in round `round` core `core` runs
+// rotation_rank(...) (-1: none, a spare core of the last round). Every rank once a round-robin
+// cycle, never two cores on one rank at once, and cycle 1 one `cell` on from cycle 0 (a
+// tensor-parallel cell's shards, consecutive ranks, stay in one round as its turn takes their
+// cores together; 1 without tensor parallelism), so that a rank's timed ops find its data where
+// other ranks' ops, and another core, left it.
+int rotation_rounds(int cores, int ranks);
+int rotation_rank(int round, int core, int cycle, int cores, int ranks, int cell = 1);
 // The machine's CPU model and core count, for the profile's `device`.
 std::string cpu_description();
 // calibrate_profile(cpu_backend(), ...).

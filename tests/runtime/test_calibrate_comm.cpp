@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -715,6 +716,67 @@ TEST(CoreHandoff, EveryLayoutCompletesItsTurnsAndPricesAHandoff) {
   for (const auto& [cells, shards] : {std::pair{8, 1}, std::pair{4, 2}, std::pair{2, 4}, std::pair{3, 1}}) {
     const double s = core_handoff_seconds(cells, shards, 20);
     EXPECT_TRUE(std::isfinite(s) && s >= 0) << cells << " cells x " << shards << " shards: " << s << " s";
+  }
+}
+
+// The rotation ranks that share cores are timed in (cpu_calibrate.h): in each cycle every rank
+// runs exactly once, no round puts one rank on two cores, and between a rank's untimed run and its
+// timed one every other rank but one cell's started (its data displaced as in
+// the run, where the other ranks' turns come between two of its ops); without tensor parallelism,
+// where the cores divide the ranks, the timed run is on another core than the untimed one; a
+// tensor-parallel cell's shards (`cell` consecutive ranks) always run in one round, each shard on
+// its own core, as the cell's turn takes their cores together.
+TEST(CoreRotation, EveryRankOnceACycleWithTheOthersBetweenItsRuns) {
+  struct Case {
+    int cores, ranks, cell;
+  };
+  for (const auto& [cores, ranks, cell] : {Case{2, 8, 1}, Case{2, 3, 1}, Case{4, 8, 1}, Case{2, 2, 1}, Case{3, 7, 1},
+                                           Case{2, 8, 2}, Case{4, 8, 2}, Case{4, 12, 2}, Case{4, 8, 4}, Case{2, 6, 2}}) {
+    SCOPED_TRACE(::testing::Message() << ranks << " ranks on " << cores << " cores, cells of " << cell);
+    const int rounds = rotation_rounds(cores, ranks);
+    EXPECT_GE(rounds * cores, ranks);
+    EXPECT_LT((rounds - 1) * cores, ranks);
+    std::vector<std::vector<int>> seq(2);  // [cycle]: ranks in the order they start
+    std::vector<std::vector<int>> core_of(2, std::vector<int>(static_cast<std::size_t>(ranks), -1));
+    for (int cycle = 0; cycle < 2; ++cycle)
+      for (int k = 0; k < rounds; ++k) {
+        std::vector<int> in_round;
+        for (int c = 0; c < cores; ++c) {
+          const int r = rotation_rank(k, c, cycle, cores, ranks, cell);
+          if (r < 0) continue;
+          ASSERT_LT(r, ranks);
+          EXPECT_EQ(std::count(in_round.begin(), in_round.end(), r), 0) << "round " << k;
+          in_round.push_back(r);
+          if (c % cell > 0) {
+            EXPECT_EQ(r, in_round[in_round.size() - 2] + 1) << "a cell's shards side by side, round " << k;
+            EXPECT_EQ(r / cell, (r - 1) / cell) << "round " << k;
+          }
+          seq[static_cast<std::size_t>(cycle)].push_back(r);
+          core_of[static_cast<std::size_t>(cycle)][static_cast<std::size_t>(r)] = c;
+        }
+      }
+    for (const std::vector<int>& cycle : seq) {
+      std::vector<int> sorted = cycle;
+      std::sort(sorted.begin(), sorted.end());
+      std::vector<int> all(static_cast<std::size_t>(ranks));
+      std::iota(all.begin(), all.end(), 0);
+      EXPECT_EQ(sorted, all) << "every rank once a cycle";
+    }
+    // Between rank r's run in cycle 0 and its run in cycle 1, the other ranks but one cell's.
+    std::vector<int> both = seq[0];
+    both.insert(both.end(), seq[1].begin(), seq[1].end());
+    for (int r = 0; r < ranks; ++r) {
+      const auto first = std::find(both.begin(), both.end(), r);
+      const auto second = std::find(first + 1, both.end(), r);
+      ASSERT_NE(second, both.end());
+      std::vector<int> between(first + 1, second);
+      std::sort(between.begin(), between.end());
+      between.erase(std::unique(between.begin(), between.end()), between.end());
+      EXPECT_GE(static_cast<int>(between.size()), ranks - 1 - cell) << "rank " << r;
+      if (ranks % cores == 0 && cores > 1 && cell == 1) {
+        EXPECT_NE(core_of[0][static_cast<std::size_t>(r)], core_of[1][static_cast<std::size_t>(r)]) << "rank " << r;
+      }
+    }
   }
 }
 
