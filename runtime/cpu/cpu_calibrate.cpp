@@ -477,7 +477,7 @@ class CpuClock final : public KernelClock {
   // their backwards, once untimed (the pass's kernels evicted everything; a cycle leaves each rank
   // as the run's rotation keeps it) and once timed. A core's seconds: the mean of its timed forward
   // and backward per rank. The calibration used to time each core running the stage the other
-  // core ran last, one stage per core: 2-6% faster than eight rotating on two cores
+  // core ran last, one stage per core: up to 6% faster than eight rotating on two cores
   // (docs/validation.md, "Thirtieth session").
   std::vector<double> time_rotation() {
     const int n = static_cast<int>(stages_.size());
