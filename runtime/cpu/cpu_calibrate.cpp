@@ -507,10 +507,13 @@ class CpuClock final : public KernelClock {
               if (r < 0) continue;  // a spare core in the last round
               StageBench& st = stage(r);
               if (!groups_.empty()) st.model->set_tensor_parallel_group(groups_[static_cast<std::size_t>(r)].get());
-              const double t = forward ? st.forward() : [&] {
+              double t = 0;
+              if (forward) {
+                t = st.forward();
+              } else {
                 const auto [input, weight] = st.backward();
-                return input + weight;
-              }();
+                t = input + weight;
+              }
               if (cycle == 1) {
                 sum += t;
                 timed += forward ? 1 : 0;
