@@ -76,18 +76,18 @@ __global__ void broadcast_rows_kernel(T* y, const T* b, int OC, std::size_t tota
 // ---------------------------------------------------------------------------------------
 // GemmContext
 // ---------------------------------------------------------------------------------------
-// A linear layer's product with its bias added in the epilogue (cuBLASLt, CUBLASLT_EPILOGUE_BIAS):
-// descriptors and the heuristic's algorithm for one shape, made on first use.
-struct BiasedProduct {
+// A cuBLASLt product of one shape: its descriptors and the heuristic's algorithm, made on first
+// use (a linear layer's product with its bias in the epilogue; an FP8 product with its scales).
+struct LtProduct {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool usable = false;  // the heuristic offered an algorithm
 
-  BiasedProduct() = default;
-  BiasedProduct(const BiasedProduct&) = delete;
-  BiasedProduct& operator=(const BiasedProduct&) = delete;
-  ~BiasedProduct() {
+  LtProduct() = default;
+  LtProduct(const LtProduct&) = delete;
+  LtProduct& operator=(const LtProduct&) = delete;
+  ~LtProduct() {
     if (d) cublas().lt_matrix_layout_destroy(d);
     if (b) cublas().lt_matrix_layout_destroy(b);
     if (a) cublas().lt_matrix_layout_destroy(a);
@@ -98,7 +98,8 @@ struct BiasedProduct {
 struct GemmContext::Impl {
   cublasHandle_t handle = nullptr;
   cublasLtHandle_t lt = nullptr;
-  std::map<std::tuple<int, int, int, int>, std::unique_ptr<BiasedProduct>> biased;  // (N, in, out, format)
+  std::map<std::tuple<int, int, int, int>, std::unique_ptr<LtProduct>> biased;  // (N, in, out, format)
+  std::map<std::tuple<int, int, int, int, bool>, std::unique_ptr<LtProduct>> fp8;  // (M, N, K, output, fast)
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
@@ -106,6 +107,7 @@ struct GemmContext::Impl {
 
   ~Impl() {
     biased.clear();
+    fp8.clear();
     if (lt) cublas().lt_destroy(lt);
     if (handle) cublas().destroy(handle);
     if (workspace) {
@@ -177,6 +179,25 @@ void gemm_strided_batched(GemmContext& ctx, bool trans_a, bool trans_b, int M, i
 
 namespace {
 
+// The heuristic's first algorithm for `p` within the context's workspace (p.usable false when it
+// offers none). Split-K partial sums only in the FP32 compute type (gemm.h's contract), never the
+// output's.
+void choose_algorithm(GemmContext::Impl& impl, LtProduct& p) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  check_cublas(cublas().lt_preference_create(&pref), "cublasLtMatmulPreferenceCreate");
+  const std::size_t ws = impl.workspace_bytes;
+  const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  cublas().lt_preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublas().lt_preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublas().lt_algo_get_heuristic(impl.lt, p.op, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  cublas().lt_preference_destroy(pref);
+  p.usable = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  if (p.usable) p.algo = result.algo;
+}
+
 // y = x w^T + b rounded once to y's format: cuBLASLt adds the bias in the FP32 epilogue. (The
 // bias broadcast into y and added as beta C, below, is rounded twice on some GPUs: an H200's
 // cuBLAS 13 rounded x w^T to y's 16-bit format before adding C, an error of half an ulp of the
@@ -190,7 +211,7 @@ bool linear_forward_biased(GemmContext::Impl& impl, void* y, const void* x, cons
   if (!impl.lt) check_cublas(cublas().lt_create(&impl.lt), "cublasLtCreate");
   auto& slot = impl.biased[{N, in, out, static_cast<int>(dt)}];
   if (!slot) {
-    auto p = std::make_unique<BiasedProduct>();
+    auto p = std::make_unique<LtProduct>();
     const cudaDataType_t t = data_type(st, what);
     check_cublas(cublas().lt_matmul_desc_create(&p->op, compute_type(dt), CUDA_R_32F), "cublasLtMatmulDescCreate");
     const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
@@ -208,20 +229,7 @@ bool linear_forward_biased(GemmContext::Impl& impl, void* y, const void* x, cons
     check_cublas(cublas().lt_matrix_layout_create(&p->a, t, in, out, in), "cublasLtMatrixLayoutCreate(w)");
     check_cublas(cublas().lt_matrix_layout_create(&p->b, t, in, N, in), "cublasLtMatrixLayoutCreate(x)");
     check_cublas(cublas().lt_matrix_layout_create(&p->d, t, out, N, out), "cublasLtMatrixLayoutCreate(y)");
-    cublasLtMatmulPreference_t pref = nullptr;
-    check_cublas(cublas().lt_preference_create(&pref), "cublasLtMatmulPreferenceCreate");
-    const std::size_t ws = impl.workspace_bytes;
-    // Split-K partial sums only in the FP32 compute type (gemm.h's contract), never the output's.
-    const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    cublas().lt_preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublas().lt_preference_set_attribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t status =
-        cublas().lt_algo_get_heuristic(impl.lt, p->op, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
-    cublas().lt_preference_destroy(pref);
-    p->usable = status == CUBLAS_STATUS_SUCCESS && found > 0;
-    if (p->usable) p->algo = result.algo;
+    choose_algorithm(impl, *p);
     slot = std::move(p);
   }
   if (!slot->usable) return false;
@@ -263,6 +271,56 @@ void linear_backward_input(GemmContext& ctx, void* dx, const void* dy, const voi
 void linear_backward_weight(GemmContext& ctx, void* dw, DType dw_dt, const void* dy, const void* x, int N, int in,
                             int out, DType dt, bool accumulate) {
   gemm(ctx, true, false, out, in, N, 1.0f, dy, out, x, in, accumulate ? 1.0f : 0.0f, dw, in, dt, dw_dt);
+}
+
+void gemm_fp8(GemmContext& ctx, int M, int N, int K, const void* A, const void* B, const float* scale_a,
+              const float* scale_b, void* C, DType c, bool fast_accumulation) {
+  const char* what = "gemm_fp8";
+  if (!(c == DType::bf16 || c == DType::fp32))
+    throw std::invalid_argument(std::string(what) + ": the output of an fp8 product is bf16 or fp32, got " +
+                                dtype_label(c));
+  check_shape(what, M, N, K, false, true, K, K, N);
+  if (K % 16 != 0 || N % 8 != 0)
+    throw std::invalid_argument(std::string(what) + ": cuBLASLt's fp8 products need K a multiple of 16 and N of 8, got K " +
+                                std::to_string(K) + ", N " + std::to_string(N));
+  if (!scale_a || !scale_b) throw std::invalid_argument(std::string(what) + ": both scales are required");
+  GemmContext::Impl& impl = ctx.impl();
+  if (!impl.lt) check_cublas(cublas().lt_create(&impl.lt), "cublasLtCreate");
+  auto& slot = impl.fp8[{M, N, K, static_cast<int>(c), fast_accumulation}];
+  if (!slot) {
+    // Column-major, as cuBLASLt reads it: C^T (N x M) = B (K x N)^T x A^T (K x M): the first
+    // operand transposed, the second not (the "TN" layout Hopper's fp8 products require).
+    auto p = std::make_unique<LtProduct>();
+    const cudaDataType_t out = c == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    check_cublas(cublas().lt_matmul_desc_create(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+    const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    const std::int8_t fast = fast_accumulation ? 1 : 0;
+    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
+                 "cublasLtMatmulDescSetAttribute(TRANSA)");
+    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
+                 "cublasLtMatmulDescSetAttribute(TRANSB)");
+    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
+                 "cublasLtMatmulDescSetAttribute(FAST_ACCUM)");
+    check_cublas(cublas().lt_matrix_layout_create(&p->a, CUDA_R_8F_E4M3, K, N, K), "cublasLtMatrixLayoutCreate(B)");
+    check_cublas(cublas().lt_matrix_layout_create(&p->b, CUDA_R_8F_E4M3, K, M, K), "cublasLtMatrixLayoutCreate(A)");
+    check_cublas(cublas().lt_matrix_layout_create(&p->d, out, N, M, N), "cublasLtMatrixLayoutCreate(C)");
+    choose_algorithm(impl, *p);
+    slot = std::move(p);
+  }
+  if (!slot->usable)
+    throw std::runtime_error(std::string(what) + ": cuBLASLt offers no fp8 algorithm for " + std::to_string(M) + " x " +
+                             std::to_string(N) + " x " + std::to_string(K) + " on this device (fp8 needs sm_89 or later)");
+  // The first operand is B, the second A: each scale goes with its matrix.
+  check_cublas(cublas().lt_matmul_desc_set_attribute(slot->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b,
+                                                     sizeof(scale_b)),
+               "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)");
+  check_cublas(cublas().lt_matmul_desc_set_attribute(slot->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a,
+                                                     sizeof(scale_a)),
+               "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
+  const float alpha = 1.0f, beta = 0.0f;
+  check_cublas(cublas().lt_matmul(impl.lt, slot->op, &alpha, B, slot->a, A, slot->b, &beta, C, slot->d, C, slot->d,
+                                  &slot->algo, impl.workspace, impl.workspace_bytes, impl.stream),
+               "cublasLtMatmul (fp8)");
 }
 
 }  // namespace trainsim::cuda

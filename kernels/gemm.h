@@ -11,8 +11,8 @@
 // fp32, not in a 16-bit output type), so a 16-bit output is rounded once, as the CPU emulation
 // (runtime/numerics/lowp.h) assumes. alpha and beta are fp32.
 //
-// Why cublasGemmEx and not cuBLASLt: it is the simplest call that does exactly the above; the
-// cuBLASLt path (bias/GELU epilogues fused into the product) is a later optimisation.
+// Why cublasGemmEx for most: it is the simplest call that does exactly the above. cuBLASLt runs
+// what it cannot: the linear layer's bias in the product's epilogue, and the FP8 product (gemm_fp8).
 #pragma once
 
 #include <cstddef>
@@ -74,5 +74,18 @@ void linear_backward_input(GemmContext& ctx, void* dx, const void* dy, const voi
 // bias gradient is kernels.h's bias_backward.
 void linear_backward_weight(GemmContext& ctx, void* dw, DType dw_dt, const void* dy, const void* x, int N, int in,
                             int out, DType dt, bool accumulate);
+
+// Row-major C (M,N) = scale_a scale_b A (M,K) B (N,K)^T with A and B in FP8 E4M3 (one byte an
+// element, the codes as the OCP format defines them) and per-tensor scales (device pointers to one
+// float each): the product torchao's Float8Linear runs through torch._scaled_mm (tensor-wise
+// scaling), on cuBLASLt. FP32 accumulation; `fast_accumulation` lets Hopper's tensor cores keep
+// partial sums in their own narrower accumulator between promotions (CUBLASLT_MATMUL_DESC_FAST_ACCUM:
+// torchao's choice for the forward product, not for the two backward ones). C is bf16 or fp32,
+// rounded once. Needs sm_89 or later (std::runtime_error naming the shape otherwise), K a
+// multiple of 16 and N of 8 (std::invalid_argument). Used by the benchmarks that measure what an
+// FP8 product reaches against a BF16 one (tests/bench/bench_kernels.cpp, BM_ProductByFormat); the
+// runtime's products do not run in FP8.
+void gemm_fp8(GemmContext& ctx, int M, int N, int K, const void* A, const void* B, const float* scale_a,
+              const float* scale_b, void* C, DType c, bool fast_accumulation);
 
 }  // namespace trainsim::cuda

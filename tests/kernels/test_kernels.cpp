@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kernels/device_buffer.h"
+#include "kernels/device_info.h"
 #include "kernels/gemm.h"
 #include "kernels/kernels.h"
 #include "runtime/model/layers.h"
@@ -1227,6 +1228,72 @@ TEST_P(GpuGemm, LinearForwardAndBackwardMatchLayers) {
 
 INSTANTIATE_TEST_SUITE_P(Precision, GpuGemm, ::testing::Values(DType::fp32, DType::tf32, DType::fp16, DType::bf16),
                          dtype_param_name);
+
+// =======================================================================================
+// FP8 products (gemm_fp8): E4M3 codes decoded on the host (OCP 8-bit floating point: bias 7,
+// three mantissa bits, exponent 0 subnormal, S.1111.111 NaN), scales that are powers of two. A
+// product of two E4M3 values has at most 8 significant bits, so every term is exact in fp32 and
+// the bound is the dot product's: tol = u_out |ref| + 2 (K + 1) u_acc sum|a b| with u_acc = 2^-24
+// for FP32 accumulation. Fast accumulation keeps partial sums in the tensor cores' narrower
+// accumulator between promotions to FP32 (DeepSeek-V3's report: about 14 bits): u_acc 2^-13.
+// Needs an sm_89 or later device (skipped elsewhere).
+// =======================================================================================
+double e4m3_value(std::uint8_t code) {
+  const int sign = code >> 7, exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
+  const double magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0, -6) : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+  return sign ? -magnitude : magnitude;
+}
+
+TEST(E4m3, CodesDecodeToTheOcpValues) {
+  EXPECT_EQ(e4m3_value(0x00), 0.0);
+  EXPECT_EQ(e4m3_value(0x38), 1.0);                  // exponent 7, mantissa 0
+  EXPECT_EQ(e4m3_value(0x7E), 448.0);                // the largest finite: 1.75 x 2^8
+  EXPECT_EQ(e4m3_value(0x01), std::ldexp(1.0, -9));  // the smallest subnormal
+  EXPECT_EQ(e4m3_value(0xB8), -1.0);
+}
+
+TEST_F(Gpu, Fp8ProductMatchesAnExactHostSum) {
+  const std::vector<CudaDevice> devices = query_cuda_devices().devices;
+  if (devices.empty() || devices[0].compute_capability_major * 10 + devices[0].compute_capability_minor < 89)
+    GTEST_SKIP() << "fp8 products need an sm_89 or later device";
+  const int M = 72, N = 48, K = 160;
+  std::mt19937 rng(977);
+  // Codes of magnitude 2^-6 to 15 (exponents 1 to 10), either sign: no NaN, no subnormal.
+  std::uniform_int_distribution<int> exponent(1, 10), mantissa(0, 7), sign(0, 1);
+  auto draw = [&](std::size_t n) {
+    std::vector<std::uint8_t> v(n);
+    for (auto& c : v) c = static_cast<std::uint8_t>(sign(rng) << 7 | exponent(rng) << 3 | mantissa(rng));
+    return v;
+  };
+  const auto a = draw(std::size_t(M) * K), b = draw(std::size_t(N) * K);
+  const float scale_a = 0.5f, scale_b = 4.0f;
+  std::vector<double> ref(std::size_t(M) * N), mag(ref.size());
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double sum = 0, abs_sum = 0;
+      for (int k = 0; k < K; ++k) {
+        const double t = e4m3_value(a[std::size_t(m) * K + k]) * e4m3_value(b[std::size_t(n) * K + k]);
+        sum += t;
+        abs_sum += std::fabs(t);
+      }
+      ref[std::size_t(m) * N + n] = sum * scale_a * scale_b;
+      mag[std::size_t(m) * N + n] = abs_sum * scale_a * scale_b;
+    }
+  const auto d_a = to_device_raw(a), d_b = to_device_raw(b);
+  const auto d_scales = to_device_raw(std::vector<float>{scale_a, scale_b});
+  GemmContext ctx;
+  for (const DType out : {DType::fp32, DType::bf16})
+    for (const bool fast : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(out)) + (fast ? ", fast accumulation" : ""));
+      DeviceBuffer d_c(ref.size() * dtype_bytes(out));
+      gemm_fp8(ctx, M, N, K, d_a.data(), d_b.data(), d_scales.as<float>(), d_scales.as<float>() + 1, d_c.data(), out,
+               fast);
+      synchronize();
+      const double u_out = out == DType::fp32 ? 0.0 : unit_roundoff_of(out), u_acc = fast ? 0x1p-13 : kU32;
+      expect_within("C", from_device(out, d_c, ref.size()), ref,
+                    [&](std::size_t i) { return u_out * std::fabs(ref[i]) + 2 * (K + 1) * u_acc * mag[i]; });
+    }
+}
 
 // =======================================================================================
 // The attention split of kernels.h, end to end in fp32: per-head products through
