@@ -220,10 +220,20 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     ck.error("cluster.collective_sms",
              fmt::format("collective_sms({}) leaves no SM for compute of sm_count({})", cl.collective_sms, cl.sm_count),
              {"cluster.sm_count"});
-  if (t > 1 && (t > cl.gpus_per_node || cl.gpus_per_node % t != 0))
+  // The collective model prices a group as ceil(t / gpus_per_node) nodes of at most gpus_per_node
+  // (sim/cost/compute_model.cpp, FrameworkPricer::tp_group): right for a group over whole nodes,
+  // optimistic for groups that straddle a node boundary.
+  if (t > 1 && t > cl.gpus_per_node)
     plan.warnings.push_back(fmt::format(
-        "tensor_parallel_size({}) does not fit evenly in a node of {} GPUs: its per-layer all-reduces would "
-        "cross the inter-node link; they are costed on the intra-node link here",
+        "tensor_parallel_size({}) spans {} nodes of {} GPUs: its per-layer collectives cross the inter-node "
+        "network (priced as NCCL's rings over the nodes' NICs), far slower than NVLink; Megatron-LM keeps a "
+        "tensor-parallel group inside a node",
+        t, (t + cl.gpus_per_node - 1) / cl.gpus_per_node, cl.gpus_per_node));
+  else if (t > 1 && cl.gpus_per_node % t != 0 && cl.num_gpus > cl.gpus_per_node)
+    plan.warnings.push_back(fmt::format(
+        "tensor_parallel_size({}) does not divide a node of {} GPUs: some tensor-parallel groups straddle two "
+        "nodes, and their per-layer collectives would cross the inter-node network; every group is costed "
+        "inside one node here",
         t, cl.gpus_per_node));
 
   // ---- model -----------------------------------------------------------------------

@@ -505,6 +505,28 @@ TEST(ComputeModel, TensorParallelSplitsProductsAndAddsTwoAllReducesEachWay) {
   EXPECT_NEAR(split.chunk(1).forward, 2 * (forward + 2 * ar) + ag, forward * 1e-6);
 }
 
+// A tensor-parallel group over whole nodes (4 GPUs on nodes of 2) runs its per-layer collectives
+// as NCCL's rings over the nodes' NICs: a middle stage's forward costs its two layers' two
+// all-reduces each, and the pipeline message's all-gather, at that group's price instead of one
+// node's; the plan warns how far the group reaches.
+TEST(ComputeModel, TensorParallelOverWholeNodesRunsItsCollectivesOverTheNics) {
+  ScenarioConfig c = compute_config(Recompute::none, 4);
+  c.cluster.intra_node = {100, 2, 1};
+  c.cluster.inter_node = {10, 5, 1};  // a NIC far slower than the link inside a node
+  const double in_node = RooflineComputeModel(Plan::from_config(c)).chunk(1).forward;
+  c.cluster.gpus_per_node = 2;
+  const Plan spread = Plan::from_config(c);
+  const double act_bytes = 512.0 * 1024 * 2;  // b s h in bf16
+  auto cost = [&](OpKind kind, const GroupShape& g) { return nccl_collective(kind, g, act_bytes, c.cluster).seconds; };
+  const double extra = 2 * 2 * (cost(OpKind::AllReduce, {4, 2, 2}) - cost(OpKind::AllReduce, {4, 1, 4})) +
+                       cost(OpKind::AllGather, {4, 2, 2}) - cost(OpKind::AllGather, {4, 1, 4});
+  EXPECT_GT(extra, 0);
+  EXPECT_NEAR(RooflineComputeModel(spread).chunk(1).forward - in_node, extra, extra * 1e-9);
+  EXPECT_TRUE(std::any_of(spread.warnings.begin(), spread.warnings.end(), [](const std::string& w) {
+    return w.find("tensor_parallel_size(4) spans 2 nodes of 2 GPUs") != std::string::npos;
+  }));
+}
+
 // Memory-bound work at HBM speed: with matrix products free, a layer's forward is the bytes of
 // its fused kernels (Megatron-LM's: LayerNorm 2e, bias-dropout-add 3e (+1 mask byte), GELU 2e
 // over the FFN) over the HBM bandwidth, plus the products' own operands.
