@@ -179,6 +179,17 @@ void gemm_strided_batched(GemmContext& ctx, bool trans_a, bool trans_b, int M, i
 
 namespace {
 
+// p's descriptor for the column-major product D = op(A)^T B (the first operand transposed, the
+// second not: both of this file's cuBLASLt products read their row-major operands so), FP32 scale.
+void create_tn_descriptor(LtProduct& p, cublasComputeType_t compute) {
+  check_cublas(cublas().lt_matmul_desc_create(&p.op, compute, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+  check_cublas(cublas().lt_matmul_desc_set_attribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
+               "cublasLtMatmulDescSetAttribute(TRANSA)");
+  check_cublas(cublas().lt_matmul_desc_set_attribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
+               "cublasLtMatmulDescSetAttribute(TRANSB)");
+}
+
 // The heuristic's first algorithm for `p` within the context's workspace (p.usable false when it
 // offers none). Split-K partial sums only in the FP32 compute type (gemm.h's contract), never the
 // output's.
@@ -213,14 +224,9 @@ bool linear_forward_biased(GemmContext::Impl& impl, void* y, const void* x, cons
   if (!slot) {
     auto p = std::make_unique<LtProduct>();
     const cudaDataType_t t = data_type(st, what);
-    check_cublas(cublas().lt_matmul_desc_create(&p->op, compute_type(dt), CUDA_R_32F), "cublasLtMatmulDescCreate");
-    const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    create_tn_descriptor(*p, compute_type(dt));
     const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     const std::int32_t bias_type = t;
-    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
-                 "cublasLtMatmulDescSetAttribute(TRANSA)");
-    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
-                 "cublasLtMatmulDescSetAttribute(TRANSB)");
     check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)),
                  "cublasLtMatmulDescSetAttribute(EPILOGUE)");
     check_cublas(
@@ -292,13 +298,8 @@ void gemm_fp8(GemmContext& ctx, int M, int N, int K, const void* A, const void* 
     // operand transposed, the second not (the "TN" layout Hopper's fp8 products require).
     auto p = std::make_unique<LtProduct>();
     const cudaDataType_t out = c == DType::bf16 ? CUDA_R_16BF : CUDA_R_32F;
-    check_cublas(cublas().lt_matmul_desc_create(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-    const cublasOperation_t trans = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    create_tn_descriptor(*p, CUBLAS_COMPUTE_32F);
     const std::int8_t fast = fast_accumulation ? 1 : 0;
-    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)),
-                 "cublasLtMatmulDescSetAttribute(TRANSA)");
-    check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &keep, sizeof(keep)),
-                 "cublasLtMatmulDescSetAttribute(TRANSB)");
     check_cublas(cublas().lt_matmul_desc_set_attribute(p->op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)),
                  "cublasLtMatmulDescSetAttribute(FAST_ACCUM)");
     check_cublas(cublas().lt_matrix_layout_create(&p->a, CUDA_R_8F_E4M3, K, N, K), "cublasLtMatrixLayoutCreate(B)");
