@@ -12,7 +12,10 @@
 //    of that size pays are taken out (a 25 MB kernel takes ~8 us of bytes and a few more of those);
 //  * matrix products at the model's shapes in fp32, tf32, fp16 and bf16: tflops, and, with the
 //    bias the layers add, fraction_of_cublas: cuBLAS's plain product of the same shape and type
-//    (no bias) timed in the same run, over ours (linear_forward with its bias epilogue).
+//    (no bias) timed in the same run, over ours (linear_forward with its bias epilogue);
+//  * a product beside SMs held by a stand-in for a collective (BM_GemmBesideHeldSms), and FP8
+//    products against BF16 ones of the same shape (BM_ProductByFormat): for the simulator's
+//    figures (docs/validation.md, fidelity: the torchtitan rows).
 // Without a CUDA device every benchmark reports "no CUDA device" (SkipWithError).
 //
 //   build/tests/bench/bench_kernels --benchmark_min_time=0.2
@@ -620,7 +623,6 @@ BENCHMARK(BM_GemmBesideHeldSms)
     ->ArgsProduct({{0, 1}, {0, 1, 2, 3, 4}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
-
 
 // ---------------------------------------------------------------------------------------
 // What an FP8 product reaches against a BF16 one of the same shape: Llama 3 8B's layer products
