@@ -320,6 +320,8 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
   p.core_handoff_us = number_or_zero(path, root, "core_handoff_us", kMinMicroseconds, kMaxMicroseconds);
   p.comm_poll_us = number_or_zero(path, root, "comm_poll_us", kMinMicroseconds, kMaxMicroseconds);
   p.comm_wake_us = number_or_zero(path, root, "comm_wake_us", kMinMicroseconds, kMaxMicroseconds);
+  p.comm_late_after_us = number_or_zero(path, root, "comm_late_after_us", kMinMicroseconds, kMaxMicroseconds);
+  p.comm_late_us = number_or_zero(path, root, "comm_late_us", kMinMicroseconds, kMaxMicroseconds);
   p.collectives_take_rank_core = get<bool>(path, root, "collectives_take_rank_core", false);
   if (const YAML::Node l = root["p2p"]) {
     expect_map(path, l, "p2p");
@@ -382,6 +384,8 @@ std::string profile_to_yaml(const HardwareProfile& p) {
   if (p.core_handoff_us > 0) out << YAML::Key << "core_handoff_us" << YAML::Value << p.core_handoff_us;
   if (p.comm_poll_us > 0) out << YAML::Key << "comm_poll_us" << YAML::Value << p.comm_poll_us;
   if (p.comm_wake_us > 0) out << YAML::Key << "comm_wake_us" << YAML::Value << p.comm_wake_us;
+  if (p.comm_late_after_us > 0) out << YAML::Key << "comm_late_after_us" << YAML::Value << p.comm_late_after_us;
+  if (p.comm_late_us > 0) out << YAML::Key << "comm_late_us" << YAML::Value << p.comm_late_us;
   if (p.collectives_take_rank_core) out << YAML::Key << "collectives_take_rank_core" << YAML::Value << true;
   out << YAML::Key << "p2p" << YAML::Value << YAML::BeginMap << YAML::Key << "latency_us" << YAML::Value
       << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps;

@@ -117,6 +117,14 @@ struct HardwareProfile {
   // comm_poll_us before its last. 0: not measured.
   double comm_poll_us = 0;
   double comm_wake_us = 0;
+  // Where a rank's communication thread polls for its peers for as long as a step's waits last (the
+  // CPU backend's pinned ranks whose collectives wait for the passes: a pipeline's embedding sum, a
+  // reduction after the backward): what a collective takes longer, from its last member's arrival,
+  // when its first member has polled inside it for comm_late_after_us or more while the last one
+  // computed, against members that arrive together (measured at twice that lead). The engine adds
+  // comm_late_us to such a collective. 0: not measured.
+  double comm_late_after_us = 0;
+  double comm_late_us = 0;
   // A rank's collectives run on the rank's own compute: the CPU backend pins its communication
   // thread to its compute thread's core; the single-GPU world copies and reduces with kernels on
   // the rank's own SMs. While one of them moves data, the compute beside it makes no progress

@@ -120,6 +120,27 @@ TEST(Engine, NetworkCollectivesAddTheProfilesWakeUpPastItsPoll) {
   EXPECT_EQ(model.wake_after(seconds_to_ticks(101e-6)), seconds_to_ticks(40e-6));
 }
 
+// A profile whose ranks poll through the step's waits: a collective whose first member led by
+// comm_late_after_us or more pays comm_late_us; one that slept (past the poll) pays the wake-up
+// instead, not both.
+TEST(Engine, NetworkCollectivesAddTheProfilesLatePastItsLead) {
+  Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::one_f_one_b, 1, 2));
+  auto profile = std::make_shared<HardwareProfile>();
+  profile->comm_late_after_us = 1000;
+  profile->comm_late_us = 3;
+  plan.config.cluster.calibrated = profile;
+  const NetworkCollectiveModel polling(plan);
+  EXPECT_TRUE(polling.prices_wake());
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(999e-6)), 0);
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(1000e-6)), seconds_to_ticks(3e-6));
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(1.0)), seconds_to_ticks(3e-6));
+  profile->comm_poll_us = 100;
+  profile->comm_wake_us = 40;
+  const NetworkCollectiveModel both(plan);
+  EXPECT_EQ(both.wake_after(seconds_to_ticks(50e-6)), 0);
+  EXPECT_EQ(both.wake_after(seconds_to_ticks(2e-3)), seconds_to_ticks(40e-6));
+}
+
 // Blocking sends are a rendezvous (Megatron-LM's batched isend/irecv without p2p overlap):
 // rank 0 sends after its forward (10), but rank 1 posts the receive only after its own two
 // forwards (20): the message moves from 20 to 25, and rank 0's stream is held until then.

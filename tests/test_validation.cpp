@@ -733,6 +733,8 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.core_handoff_us = 21.5;
   p.comm_poll_us = 100;
   p.comm_wake_us = 37.5;
+  p.comm_late_after_us = 1000;
+  p.comm_late_us = 2.5;
   p.collectives_take_rank_core = true;
   p.core_alone_factors = {1.0, 1.25};
   p.optimizer_core_factors = {1.75, 1.8};
@@ -762,6 +764,8 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.core_handoff_us, 21.5);
   EXPECT_EQ(q.comm_poll_us, 100);
   EXPECT_EQ(q.comm_wake_us, 37.5);
+  EXPECT_EQ(q.comm_late_after_us, 1000);
+  EXPECT_EQ(q.comm_late_us, 2.5);
   EXPECT_TRUE(q.collectives_take_rank_core);
   EXPECT_EQ(q.core_alone_factors, (std::vector<double>{1.0, 1.25}));
   EXPECT_EQ(q.optimizer_core_factors, (std::vector<double>{1.75, 1.8}));

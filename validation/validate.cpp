@@ -597,6 +597,10 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "
                        "its sleep (calibrated)\n",
                        v.profile.comm_poll_us, v.profile.comm_wake_us);
+  if (v.profile.comm_late_us > 0)
+    out << fmt::format("  comm     a collective whose first member polled for it {:.0f} us or more pays {:.1f} us more "
+                       "(calibrated)\n",
+                       v.profile.comm_late_after_us, v.profile.comm_late_us);
   if (!v.core_factors_in_step.empty())
     out << fmt::format("  in step  the ranks' blocks took x{:.2f} of their mean per block in the measured step: the "
                        "cores' factors above include it\n",

@@ -634,9 +634,73 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell) {
   return std::max(0.0, elapsed / cycles - std::chrono::duration<double>(work).count());
 }
 
+namespace {
+
+// Median over `calls` 2-member all-reduces of `elems` floats, each member pinned to its core, of the
+// time from the last member's arrival to the call's end, member 1 arriving `late` after member 0:
+// asleep until then, or computing (spinning on its core) when `late_computes`. `run_first`: the
+// members run first on their cores (run_first_on_core), as the engine's communication threads
+// beside compute do.
+double after_last_arrival_seconds(std::size_t elems, const CpuCollectivePolls& polls, std::chrono::microseconds late,
+                                  bool late_computes, bool run_first, int calls) {
+  InProcessWorld world(2);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < 2; ++r) comms.push_back(world.communicator(r, polls.first, nullptr, polls.in_call));
+  std::vector<double> after(static_cast<std::size_t>(calls));
+  std::atomic<std::int64_t> last_ns{0};
+  std::barrier sync(2);
+  std::exception_ptr failed;
+  std::mutex failed_mu;
+  {
+    std::vector<std::jthread> members;
+    for (int r = 0; r < 2; ++r)
+      members.emplace_back([&, r] {
+        try {
+          pin_to_core(pthread_self(), r);
+          if (run_first) run_first_on_core(pthread_self());
+          std::vector<float> buf(elems, 1.0f);
+          const int group[] = {0, 1};
+          const auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
+          for (int i = 0; i < calls; ++i) {
+            sync.arrive_and_wait();
+            if (r == 1) {
+              if (late.count() > 0 && late_computes) {
+                const auto until = Clock::now() + late;
+                while (Clock::now() < until) {
+                }
+              } else if (late.count() > 0) {
+                std::this_thread::sleep_for(late);
+              }
+              last_ns.store(now_ns());
+            }
+            comms[static_cast<std::size_t>(r)]->all_reduce(buf, group, static_cast<std::uint64_t>(i + 1), ReduceOp::sum,
+                                                           DType::fp32, Divide::none);
+            const std::int64_t end = now_ns();
+            sync.arrive_and_wait();  // last_ns is this call's
+            if (r == 0) after[static_cast<std::size_t>(i)] = static_cast<double>(end - last_ns.load()) * 1e-9;
+          }
+        } catch (...) {
+          {
+            std::lock_guard lock(failed_mu);
+            if (!failed) failed = std::current_exception();
+          }
+          comms[static_cast<std::size_t>(r)]->abort("calibrate: a collective's member failed");
+          sync.arrive_and_drop();
+        }
+      });
+  }
+  if (failed) std::rethrow_exception(failed);
+  return median(std::move(after));
+}
+
+std::size_t ring_elements(std::size_t bytes) {
+  return std::max<std::size_t>(bytes / sizeof(float), 2 * 1024);  // a ring, not the direct path
+}
+
+}  // namespace
+
 double comm_wake_seconds(std::size_t bytes, int calls) {
   if (host_cores() < 2) throw std::invalid_argument("comm_wake_seconds needs two cores");
-  const std::size_t elems = std::max<std::size_t>(bytes / sizeof(float), 2 * 1024);  // a ring, not the direct path
   const CpuCollectivePolls polls = cpu_collective_polls(true, true);
   std::atomic<bool> stop{false};
   std::vector<std::jthread> compute;  // the ranks' compute threads, always busy; joined on every exit
@@ -650,53 +714,23 @@ double comm_wake_seconds(std::size_t bytes, int calls) {
       while (!stop.load(std::memory_order_relaxed)) {
       }
     });
-  auto median_after_last = [&](std::chrono::microseconds late) {
-    InProcessWorld world(2);
-    std::vector<std::unique_ptr<Communicator>> comms;
-    for (int r = 0; r < 2; ++r) comms.push_back(world.communicator(r, polls.first, nullptr, polls.in_call));
-    std::vector<double> after(static_cast<std::size_t>(calls));
-    std::atomic<std::int64_t> last_ns{0};
-    std::barrier sync(2);
-    std::exception_ptr failed;
-    std::mutex failed_mu;
-    {
-      std::vector<std::jthread> members;
-      for (int r = 0; r < 2; ++r)
-        members.emplace_back([&, r] {
-          try {
-            pin_to_core(pthread_self(), r);
-            run_first_on_core(pthread_self());
-            std::vector<float> buf(elems, 1.0f);
-            const int group[] = {0, 1};
-            const auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
-            for (int i = 0; i < calls; ++i) {
-              sync.arrive_and_wait();
-              if (r == 1) {
-                if (late.count() > 0) std::this_thread::sleep_for(late);
-                last_ns.store(now_ns());
-              }
-              comms[static_cast<std::size_t>(r)]->all_reduce(buf, group, static_cast<std::uint64_t>(i + 1),
-                                                             ReduceOp::sum, DType::fp32, Divide::none);
-              const std::int64_t end = now_ns();
-              sync.arrive_and_wait();  // last_ns is this call's
-              if (r == 0) after[static_cast<std::size_t>(i)] = static_cast<double>(end - last_ns.load()) * 1e-9;
-            }
-          } catch (...) {
-            {
-              std::lock_guard lock(failed_mu);
-              if (!failed) failed = std::current_exception();
-            }
-            comms[static_cast<std::size_t>(r)]->abort(fmt::format("comm_wake_seconds: member {} failed", r));
-            sync.arrive_and_drop();
-          }
-        });
-    }
-    if (failed) std::rethrow_exception(failed);
-    return median(std::move(after));
-  };
-  const double together = median_after_last(std::chrono::microseconds{0});
-  const double slept = median_after_last(std::chrono::microseconds{1000});
+  const std::size_t elems = ring_elements(bytes);
+  const double together = after_last_arrival_seconds(elems, polls, std::chrono::microseconds{0}, false, true, calls);
+  const double slept = after_last_arrival_seconds(elems, polls, std::chrono::microseconds{1000}, false, true, calls);
   return std::max(0.0, slept - together);
+}
+
+double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls) {
+  if (host_cores() < 2) throw std::invalid_argument("comm_late_seconds needs two cores");
+  const CpuCollectivePolls polls = cpu_collective_polls(true, false);
+  const std::size_t elems = ring_elements(bytes);
+  // Interleaved halves, so that a host whose speed moves between them moves both alike.
+  std::vector<double> together, late;
+  for (int half = 0; half < 4; ++half) {
+    together.push_back(after_last_arrival_seconds(elems, polls, std::chrono::microseconds{0}, true, false, calls / 4));
+    late.push_back(after_last_arrival_seconds(elems, polls, lead, true, false, calls / 4));
+  }
+  return std::max(0.0, median(std::move(late)) - median(std::move(together)));
 }
 
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {
@@ -718,6 +752,14 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
     p.comm_poll_us = static_cast<double>(cpu_collective_polls(true, true).first.count());
     const double bucket = plan.plan.config.communication.bucket_size_mib * 1024 * 1024;
     p.comm_wake_us = comm_wake_seconds(static_cast<std::size_t>(std::clamp(bucket, 64.0 * 1024, 4.0 * 1024 * 1024))) * 1e6;
+  } else if (cores >= 2 && plan.plan.num_ranks() > 1) {
+    // Pinned ranks whose communication threads poll through a step's waits: a collective found by
+    // a member that polled for it (a pipeline's embedding sum waits out the other stage's last
+    // backward) runs slower, by a latency, not a rate (+1.4 us at 16 KiB, +1.4-6.5 at 128 KiB,
+    // +3.3-3.5 at 1 MiB after 2 ms; docs/validation.md, "Thirty-first session"): measured at
+    // 128 KiB after kCommLateLead, charged from half that lead on.
+    p.comm_late_us = comm_late_seconds(std::size_t{128} << 10, kCommLateLead) * 1e6;
+    p.comm_late_after_us = static_cast<double>(kCommLateLead.count()) / 2;
   }
   return p;
 }

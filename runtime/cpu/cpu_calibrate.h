@@ -5,6 +5,8 @@
 // the runtime's own blocks runs alone on core 0 and on every rank's core at once.
 #pragma once
 
+#include <chrono>
+
 #include <memory>
 #include <string>
 
@@ -31,6 +33,14 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell = 50);
 // peer, polling inside the ring, run_first_on_core where granted). Medians of `calls` each; 0
 // where the difference is not positive. Needs two cores.
 double comm_wake_seconds(std::size_t bytes, int calls = 100);
+// HardwareProfile::comm_late_us in seconds: what a 2-member all-reduce of `bytes` takes longer,
+// from its last member's arrival, when the first has polled inside it for `lead` while the last
+// computed, than when both arrive together; each member on a core of its own, polling as the
+// engine's pinned ranks whose collectives wait for the passes do (kCpuCommPoll). The two kinds of
+// call in four interleaved rounds of calls / 4, the difference of their medians; 0 where it is not
+// positive. Needs two cores. The profile takes it at kCommLateLead.
+inline constexpr std::chrono::microseconds kCommLateLead{2000};
+double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls = 100);
 // Where ranks share cores, calibration times every rank's stage in the order the run gives them the
 // cores, one op a turn: rotation_rounds(cores, ranks) rounds, in round `round` core `core` runs
 // rotation_rank(...) (-1: none, a spare core of the last round). Every rank once a round-robin

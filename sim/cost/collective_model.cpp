@@ -168,11 +168,18 @@ NetworkCollectiveModel::NetworkCollectiveModel(const Plan& plan) : plan_(plan) {
     wake_ = seconds_to_ticks(profile->comm_wake_us * 1e-6);
     poll_ = seconds_to_ticks(profile->comm_poll_us * 1e-6);
   }
+  if (const auto& profile = plan.config.cluster.calibrated; profile && profile->comm_late_us > 0) {
+    late_ = seconds_to_ticks(profile->comm_late_us * 1e-6);
+    late_after_ = seconds_to_ticks(profile->comm_late_after_us * 1e-6);
+  }
 }
 
-bool NetworkCollectiveModel::prices_wake() const { return wake_ > 0; }
+bool NetworkCollectiveModel::prices_wake() const { return wake_ > 0 || late_ > 0; }
 
-Tick NetworkCollectiveModel::wake_after(Tick waited) const { return waited > poll_ ? wake_ : 0; }
+Tick NetworkCollectiveModel::wake_after(Tick waited) const {
+  if (wake_ > 0 && waited > poll_) return wake_;
+  return late_ > 0 && waited >= late_after_ ? late_ : 0;
+}
 
 double NetworkCollectiveModel::wire_bytes(const Collective& c) const {
   // schedule.cpp: gathers move working weights, the overflow check one fp32 flag, the rest

@@ -511,9 +511,19 @@ TEST(CommWake, ASleptMemberAddsLessThanItSleptFromTheLastArrival) {
   }
 }
 
+// A member that polled 2 ms inside the call while the other computed adds a few microseconds, a
+// latency: finite, not negative, far below the lead itself.
+TEST(CommLate, AMemberThatPolledLongAddsLessThanItsLead) {
+  if (host_cores() < 2) GTEST_SKIP() << "needs two cores";
+  const double s = comm_late_seconds(std::size_t{128} << 10, kCommLateLead, 40);
+  EXPECT_TRUE(std::isfinite(s) && s >= 0) << s << " s";
+  EXPECT_LT(s, 1e-3);
+}
+
 // The profile carries the poll and the wake-up where pinned ranks' collectives run beside their
 // compute (overlap_grad_reduce), and neither where they wait for the passes or the ranks share
-// the cores (whose communication threads never poll).
+// the cores (whose communication threads never poll). Where they wait for the passes it carries
+// the late latency's lead instead (its figure may measure 0 on a quiet host).
 TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
   if (host_cores() < 2) GTEST_SKIP() << "needs two cores";
   ScenarioConfig c = testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2);
@@ -521,8 +531,12 @@ TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
     c.communication.overlap_grad_reduce = overlap;
     const HardwareProfile p = describe_cpu_profile(make_runtime_plan(c), "t");
     EXPECT_EQ(p.comm_poll_us > 0, overlap) << "overlap " << overlap;
+    EXPECT_EQ(p.comm_late_after_us, overlap ? 0.0 : static_cast<double>(kCommLateLead.count()) / 2)
+        << "overlap " << overlap;
     if (!overlap) {
       EXPECT_EQ(p.comm_wake_us, 0);
+    } else {
+      EXPECT_EQ(p.comm_late_us, 0);
     }
   }
   ScenarioConfig shared = testing::tiny_plan(2, host_cores(), ScheduleKind::one_f_one_b, 1, 2 * host_cores(), 2 * host_cores());
@@ -530,6 +544,8 @@ TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
   const HardwareProfile q = describe_cpu_profile(make_runtime_plan(shared), "t");
   EXPECT_EQ(q.comm_poll_us, 0);
   EXPECT_EQ(q.comm_wake_us, 0);
+  EXPECT_EQ(q.comm_late_us, 0);
+  EXPECT_EQ(q.comm_late_after_us, 0);
 }
 
 }  // namespace
