@@ -105,37 +105,30 @@ TEST(Engine, ACollectiveWhoseFirstMemberWaitedPastThePollAddsTheWakeUp) {
   }
 }
 
-// The calibrated profile's rule, and nothing without one.
-TEST(Engine, NetworkCollectivesAddTheProfilesWakeUpPastItsPoll) {
+// The calibrated profile's rules, and nothing without one: a member that slept (its lead past the
+// poll) pays comm_wake_us; one that polled through a lead of comm_late_after_us or more pays
+// comm_late_us; never both.
+TEST(Engine, NetworkCollectivesAddTheProfilesWakeUpOrLateLatencyByTheLead) {
   Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::one_f_one_b, 1, 2));
   EXPECT_FALSE(NetworkCollectiveModel(plan).prices_wake());
   EXPECT_EQ(NetworkCollectiveModel(plan).wake_after(seconds_to_ticks(1.0)), 0);
   auto profile = std::make_shared<HardwareProfile>();
-  profile->comm_poll_us = 100;
-  profile->comm_wake_us = 40;
   plan.config.cluster.calibrated = profile;
-  const NetworkCollectiveModel model(plan);
-  EXPECT_TRUE(model.prices_wake());
-  EXPECT_EQ(model.wake_after(seconds_to_ticks(100e-6)), 0);
-  EXPECT_EQ(model.wake_after(seconds_to_ticks(101e-6)), seconds_to_ticks(40e-6));
-}
-
-// A profile whose ranks poll through the step's waits: a collective whose first member led by
-// comm_late_after_us or more pays comm_late_us; one that slept (past the poll) pays the wake-up
-// instead, not both.
-TEST(Engine, NetworkCollectivesAddTheProfilesLatePastItsLead) {
-  Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::one_f_one_b, 1, 2));
-  auto profile = std::make_shared<HardwareProfile>();
   profile->comm_late_after_us = 1000;
   profile->comm_late_us = 3;
-  plan.config.cluster.calibrated = profile;
   const NetworkCollectiveModel polling(plan);
   EXPECT_TRUE(polling.prices_wake());
   EXPECT_EQ(polling.wake_after(seconds_to_ticks(999e-6)), 0);
   EXPECT_EQ(polling.wake_after(seconds_to_ticks(1000e-6)), seconds_to_ticks(3e-6));
-  EXPECT_EQ(polling.wake_after(seconds_to_ticks(1.0)), seconds_to_ticks(3e-6));
+  profile->comm_late_us = profile->comm_late_after_us = 0;
   profile->comm_poll_us = 100;
   profile->comm_wake_us = 40;
+  const NetworkCollectiveModel sleeping(plan);
+  EXPECT_TRUE(sleeping.prices_wake());
+  EXPECT_EQ(sleeping.wake_after(seconds_to_ticks(100e-6)), 0);
+  EXPECT_EQ(sleeping.wake_after(seconds_to_ticks(101e-6)), seconds_to_ticks(40e-6));
+  profile->comm_late_after_us = 1000;
+  profile->comm_late_us = 3;
   const NetworkCollectiveModel both(plan);
   EXPECT_EQ(both.wake_after(seconds_to_ticks(50e-6)), 0);
   EXPECT_EQ(both.wake_after(seconds_to_ticks(2e-3)), seconds_to_ticks(40e-6));
