@@ -724,11 +724,12 @@ double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int 
   if (host_cores() < 2) throw std::invalid_argument("comm_late_seconds needs two cores");
   const CpuCollectivePolls polls = cpu_collective_polls(true, false);
   const std::size_t elems = ring_elements(bytes);
-  // Interleaved halves, so that a host whose speed moves between them moves both alike.
+  // Four interleaved rounds of each, so that a host whose speed moves between them moves both alike.
+  const int per_round = std::max(1, calls / 4);
   std::vector<double> together, late;
-  for (int half = 0; half < 4; ++half) {
-    together.push_back(after_last_arrival_seconds(elems, polls, std::chrono::microseconds{0}, true, false, calls / 4));
-    late.push_back(after_last_arrival_seconds(elems, polls, lead, true, false, calls / 4));
+  for (int round = 0; round < 4; ++round) {
+    together.push_back(after_last_arrival_seconds(elems, polls, std::chrono::microseconds{0}, true, false, per_round));
+    late.push_back(after_last_arrival_seconds(elems, polls, lead, true, false, per_round));
   }
   return std::max(0.0, median(std::move(late)) - median(std::move(together)));
 }
