@@ -684,7 +684,7 @@ double after_last_arrival_seconds(std::size_t elems, const CpuCollectivePolls& p
             std::lock_guard lock(failed_mu);
             if (!failed) failed = std::current_exception();
           }
-          comms[static_cast<std::size_t>(r)]->abort("calibrate: a collective's member failed");
+          comms[static_cast<std::size_t>(r)]->abort(fmt::format("calibrate: member {} of a 2-member all-reduce failed", r));
           sync.arrive_and_drop();
         }
       });

@@ -164,13 +164,15 @@ Tick NetworkCollectiveModel::duration(const Collective& c) const {
 }
 
 NetworkCollectiveModel::NetworkCollectiveModel(const Plan& plan) : plan_(plan) {
-  if (const auto& profile = plan.config.cluster.calibrated; profile && profile->comm_wake_us > 0) {
-    wake_ = seconds_to_ticks(profile->comm_wake_us * 1e-6);
-    poll_ = seconds_to_ticks(profile->comm_poll_us * 1e-6);
-  }
-  if (const auto& profile = plan.config.cluster.calibrated; profile && profile->comm_late_us > 0) {
-    late_ = seconds_to_ticks(profile->comm_late_us * 1e-6);
-    late_after_ = seconds_to_ticks(profile->comm_late_after_us * 1e-6);
+  if (const auto& profile = plan.config.cluster.calibrated) {
+    if (profile->comm_wake_us > 0) {
+      wake_ = seconds_to_ticks(profile->comm_wake_us * 1e-6);
+      poll_ = seconds_to_ticks(profile->comm_poll_us * 1e-6);
+    }
+    if (profile->comm_late_us > 0) {
+      late_ = seconds_to_ticks(profile->comm_late_us * 1e-6);
+      late_after_ = seconds_to_ticks(profile->comm_late_after_us * 1e-6);
+    }
   }
 }
 
