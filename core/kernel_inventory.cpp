@@ -561,12 +561,12 @@ std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
   // ZeRO: the runtime packs a collective's buffer from the flat gradients and unpacks gathered
   // weights into them (runtime/engine/zero.h's shard layout), copies a framework with contiguous
   // shards does not make; one size suffices (a copy's time is its bytes'). Stage 3 copies each
-  // unit (a block) out of the buffer its gather has just written: a copy from cache, at a
-  // block's size.
+  // unit (a block) in and out of its gather's buffer (kUnitCopyKernel), at a block's size.
   if (plan.zero() >= 1) {
     Builder copies{DType::fp32, static_cast<double>(storage), &all};
     copies.memory(kShardCopyKernel, largest_chunk, 2);
-    if (plan.zero() == 3) copies.memory("copy", plan.shape().params_per_layer() / plan.tp * (1.0 + 1.0 / plan.dp), 2);
+    if (plan.zero() == 3)
+      copies.memory(kUnitCopyKernel, plan.shape().params_per_layer() / plan.tp * (1.0 + 1.0 / plan.dp), 2);
   }
   for (KernelWork& w : all) w.count = 1;
   return all;

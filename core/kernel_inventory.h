@@ -96,6 +96,11 @@ std::vector<KernelWork> rank_update_kernels(const Plan& plan, int stage, bool em
 // read and a write per element, in fp32 storage): what calibration times for the collective model,
 // which adds it to the runtime's reduce-scatters and gathers when a profile has its rate.
 inline constexpr const char* kShardCopyKernel = "shard_copy";
+// ZeRO-3's copies around one unit's gather (elements: the unit's, times 1 + 1/d): its own section
+// from the flat shard (in memory) into the gather's buffer, then every section out of that buffer
+// (just written, in cache) into the unit's working weights (in memory: other units' weights and
+// the passes' activations went through the cache since the unit was last read).
+inline constexpr const char* kUnitCopyKernel = "unit_copy";
 
 // Every distinct (kernel, dtype, shape) in the plan's inventory, once: what calibration measures.
 std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage);

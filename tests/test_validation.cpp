@@ -599,8 +599,9 @@ TEST(CoreContention, ThePredictorSettlesAsPredictDoes) {
 // shard_copy rate (a read and a write per element): stage 1's reduce-scatter packs the bucket and
 // takes its own section, (1 + 1/n) of the bucket; stage 2's adds its section into the shard, 1/n
 // (the pack was the backward's); a stage 1-2 gather puts its own section in and unpacks every one,
-// (1 + 1/n) of the chunk, as does stage 3's, one unit per call (each unit copied out of the buffer its
-// gather has just written, at the profile's copy rate); the plain all-reduce copies nothing; a preset
+// (1 + 1/n) of the chunk, as does stage 3's, one unit per call, at the profile's unit_copy rate (its
+// own section from the shard into the gather's buffer, every section out to the unit's weights: the
+// profile here times it at half the shard_copy rate); the plain all-reduce copies nothing; a preset
 // (no profile) prices none of it. shard_copies splits them at the ring (what the CPU replay runs as
 // a member arrives, and after its last step: validation/core_sharing.h).
 TEST(CalibratedCollectives, ZeroCollectivesCarryTheRuntimesShardCopies) {
@@ -609,29 +610,38 @@ TEST(CalibratedCollectives, ZeroCollectivesCarryTheRuntimesShardCopies) {
     ScenarioConfig c = runtime_sized(1, 2, ScheduleKind::one_f_one_b, DType::fp32);
     c.parallelism.zero_stage = zero;
     const Plan bare = Plan::from_config(c);
-    c.cluster.calibrated = std::make_shared<HardwareProfile>(uniform_profile(bare, 0.05, gbps));
+    HardwareProfile profile = uniform_profile(bare, 0.05, gbps);
+    const bool units = zero == 3;
+    EXPECT_EQ(std::count_if(profile.kernels.begin(), profile.kernels.end(),
+                            [](const KernelRate& r) { return r.kernel == kUnitCopyKernel; }),
+              units ? 1 : 0)
+        << "ZeRO " << zero << ": calibration times the unit copies where the plan makes them";
+    for (KernelRate& r : profile.kernels)
+      if (r.kernel == kUnitCopyKernel) r.seconds *= 2;
+    c.cluster.calibrated = std::make_shared<HardwareProfile>(profile);
     const Plan plan = Plan::from_config(c);
     const NetworkCollectiveModel model(plan);
     const double bucket = 1 << 20;  // elements
     const Collective rs{zero >= 1 ? OpKind::ReduceScatter : OpKind::AllReduce, CollectivePurpose::gradients,
                         static_cast<Bytes>(bucket * 4), {0, 1}};
     Collective ag{OpKind::AllGather, CollectivePurpose::parameters, static_cast<Bytes>(bucket * 4), {0, 1}};
-    if (zero == 3) ag.parts = 4;  // four units, each its own call and copy
+    if (units) ag.parts = 4;  // four units, each its own call and copy
     const double copy = bucket * 2 * 4 / (gbps * 1e9);  // one pass over the bucket, read and written
+    const double unit_copy = units ? 2 * copy : copy;   // the gather's copies, at its kernel's rate
     const double rs_copies = zero == 1 ? 1.5 * copy : zero >= 2 ? 0.5 * copy : 0;
     EXPECT_NEAR(model.shard_copy_seconds(rs), rs_copies, 1e-12) << "ZeRO " << zero;
-    EXPECT_NEAR(model.shard_copy_seconds(ag), zero >= 1 ? 1.5 * copy : 0, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(model.shard_copy_seconds(ag), zero >= 1 ? 1.5 * unit_copy : 0, 1e-12) << "ZeRO " << zero;
     // Split around the ring: the reduce-scatter's pack before (stage 1), its section after; the
     // gather's own section before, every section after.
     const auto [rs_before, rs_after] = model.shard_copies(rs);
     EXPECT_NEAR(rs_before, zero == 1 ? copy : 0, 1e-12) << "ZeRO " << zero;
     EXPECT_NEAR(rs_after, zero >= 1 ? 0.5 * copy : 0, 1e-12) << "ZeRO " << zero;
     const auto [ag_before, ag_after] = model.shard_copies(ag);
-    EXPECT_NEAR(ag_before, zero >= 1 ? 0.5 * copy : 0, 1e-12) << "ZeRO " << zero;
-    EXPECT_NEAR(ag_after, zero >= 1 ? copy : 0, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(ag_before, zero >= 1 ? 0.5 * unit_copy : 0, 1e-12) << "ZeRO " << zero;
+    EXPECT_NEAR(ag_after, zero >= 1 ? unit_copy : 0, 1e-12) << "ZeRO " << zero;
     EXPECT_NEAR(ticks_to_seconds(model.duration(ag)),
                 ag.parts * model.seconds(ag.kind, ag.members, static_cast<double>(ag.bytes) / ag.parts) +
-                    (zero >= 1 ? 1.5 * copy : 0),
+                    (zero >= 1 ? 1.5 * unit_copy : 0),
                 1e-9)
         << "ZeRO " << zero;
     EXPECT_NEAR(ticks_to_seconds(model.duration(rs)),

@@ -251,6 +251,25 @@ class KernelTimer {
         std::copy(from.begin(), from.end(), to.begin());
       });
     }
+    if (k == kUnitCopyKernel) {
+      // As the runtime copies around one ZeRO-3 unit's gather (cpu_engine.cpp gather_group): its
+      // own section from the flat shard into the gather's buffer, then every section out of that
+      // buffer into the unit's weights. The buffer is the communication thread's one scratch
+      // (in cache); shard and weights come from memory, each launch on the next copy of them.
+      const std::size_t d = static_cast<std::size_t>(std::max(1, plan_.plan.dp));
+      const auto unit = static_cast<std::size_t>(std::llround(static_cast<double>(n) * d / (d + 1)));
+      const std::size_t section = unit / d;
+      using Pair = std::pair<std::span<float>, std::span<float>>;
+      auto next = copies_past_cache<Pair>((section + unit) * sizeof(float), [&] {
+        return Pair{floats(static_cast<long>(section)), floats(static_cast<long>(unit))};
+      });
+      auto buffer = floats(static_cast<long>(unit));
+      return launch([next, buffer] {
+        const auto& [shard, weights] = next();
+        std::copy(shard.begin(), shard.end(), buffer.begin());
+        std::copy(buffer.begin(), buffer.end(), weights.begin());
+      });
+    }
     throw std::logic_error("calibrate: no CPU implementation to time for kernel " + k);
   }
 

@@ -190,8 +190,9 @@ class KernelTimer {
       void* y = output(n, dt);
       return [=] { k::residual_add(y, a, b, n, dt, S); };
     }
-    if (kn == "copy" || kn == kShardCopyKernel) {  // a received activation or gradient into the stage's
-                                                    // own buffer; a ZeRO buffer's section into the flat one
+    // A received activation or gradient into the stage's own buffer; a ZeRO buffer's section into
+    // the flat one; a ZeRO-3 unit in and out of its gather's buffer (as one copy of its elements).
+    if (kn == "copy" || kn == kShardCopyKernel || kn == kUnitCopyKernel) {
       void* a = random(n, dt);
       void* y = output(n, dt);
       const std::size_t bytes = n * eb_;

@@ -225,10 +225,11 @@ std::pair<double, double> NetworkCollectiveModel::shard_copies(const Collective&
   const double storage = profile->emulated_low_precision ? 4.0 : plan_.activation_bytes();
   KernelShape shape;
   shape.elements = static_cast<long>(copied);
-  // Stage 3 copies each unit out of the buffer its gather has just written (in cache, the
-  // kernel "copy"); the others pack from, or unpack into, flat arrays written long before.
+  // Stage 3 copies each unit in and out of its gather's buffer (kUnitCopyKernel); the others
+  // pack from, or unpack into, flat arrays written long before.
   const bool unit = zero == 3 && c.kind == OpKind::AllGather;
-  const double s = profile->kernel_seconds(unit ? "copy" : kShardCopyKernel, DType::fp32, shape, 2 * copied * storage);
+  const double s =
+      profile->kernel_seconds(unit ? kUnitCopyKernel : kShardCopyKernel, DType::fp32, shape, 2 * copied * storage);
   if (s <= 0) return {0, 0};  // a profile without the kernel's rate: not priced
   // A copy's time goes with its elements.
   return {c.parts * s * before / copied, c.parts * s * after / copied};
