@@ -76,6 +76,9 @@ struct StepRecord {
   double replica_drift = 0;   // max |w(replica d) - w(replica 0)| over all weights after the step
   std::vector<std::uint64_t> replica_checksums;  // of each replica's master weights, bitwise
   double step_time_s = 0;
+  // Its timeline's allreduce_time_s (DESIGN.md's result field, the most collective time of one
+  // rank): the reported step's is the result's; the others say how much it moves step to step.
+  double allreduce_time_s = 0;
   // The most seconds the host gave one rank's core to other work while that rank computed
   // (RankStep::foreign_seconds); -1 where the engine does not measure it.
   double foreign_seconds = -1;

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "core/kernel_inventory.h"
+#include "core/median.h"
 #include "core/metrics.h"
 #include "core/report/format.h"
 #include "core/report/report.h"
@@ -628,6 +629,16 @@ std::string format_validation(const Validation& v) {
                        100 * reported->foreign_seconds / reported->step_time_s, reported->step,
                        reported->replay ? fmt::format(" of replay {}", reported->replay) : "", 100 * most,
                        runtime::chosen_by_host_share(steps) ? "; the steps it took most from are left out" : "");
+  }
+  // The all-reduce of every timed step: how far the reported step's figure sits in the run's own spread.
+  if (reported) {
+    std::vector<double> all_reduce;
+    for (int i : runtime::timed_step_indices(steps)) all_reduce.push_back(steps[i].allreduce_time_s);
+    const auto [lo, hi] = std::minmax_element(all_reduce.begin(), all_reduce.end());
+    if (all_reduce.size() > 1 && *hi > 0)
+      out << fmt::format("  steps    all-reduce {} to {} over the {} timed steps, median {} (the reported step's: {})\n",
+                         format_seconds(*lo), format_seconds(*hi), all_reduce.size(), format_seconds(median(all_reduce)),
+                         format_seconds(reported->allreduce_time_s));
   }
   out << "\n";
   out << fmt::format("  {:<24} {:>14} {:>14} {:>10}\n", "", "predicted", "measured", "error");

@@ -78,6 +78,7 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
     layer_seconds.emplace_back();
     for (const RankStep& r : ranks) layer_seconds.back().push_back(r.layer_seconds);
     StepRecord rec = step_record(step, seconds, ranks, first_nonfinite);
+    rec.allreduce_time_s = compute_result(plan, timelines.back(), {}).allreduce_time_s;
     std::vector<std::uint64_t> hashes;
     for (const RankStep& r : ranks) hashes.push_back(r.weights_hash);
     rec.replica_checksums = replica_checksums(world, hashes, plan.zero() >= 1);
