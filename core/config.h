@@ -144,6 +144,9 @@ struct ParallelismConfig {
   int pipeline_parallel_size = 1;
   int tensor_parallel_size = 1;
   bool sequence_parallel = false;
+  // Context parallelism: each sequence split over c GPUs (2c chunks, GPU i holding chunks i and
+  // 2c-1-i so causal attention's work is even), which all-gather K and V for their queries.
+  int context_parallel_size = 1;
   int virtual_pipeline_stages = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   std::vector<int> layers_per_stage;  // empty: balanced

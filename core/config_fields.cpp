@@ -291,7 +291,7 @@ std::vector<FieldSpec> make_fields() {
     t.push_back(std::move(f));
   }
   t.push_back(integer("cluster.num_gpus", FIELD(cluster.num_gpus), 1, 1 << 20, "", "GPUs in the job",
-                      "data x pipeline x tensor parallel sizes where data_parallel_size is written, else 8"));
+                      "data x pipeline x tensor x context parallel sizes where data_parallel_size is written, else 8"));
   t.push_back(integer("cluster.gpus_per_node", FIELD(cluster.gpus_per_node), 1, 1024, "",
                       "GPUs joined by the intra-node link (NVLink); ranks are placed on nodes in order"));
   t.push_back(real("cluster.memory_gib", FIELD(cluster.memory_gib), 0.001, 1e6, "GiB", "Memory per GPU"));
@@ -342,13 +342,17 @@ std::vector<FieldSpec> make_fields() {
 
   // ---- parallelism -------------------------------------------------------------------
   t.push_back(integer("parallelism.data_parallel_size", FIELD(parallelism.data_parallel_size), 1, 1 << 20, "",
-                      "Model replicas d", "num_gpus / (pipeline_parallel_size * tensor_parallel_size)"));
+                      "Model replicas d",
+                      "num_gpus / (pipeline_parallel_size * tensor_parallel_size * context_parallel_size)"));
   t.push_back(integer("parallelism.pipeline_parallel_size", FIELD(parallelism.pipeline_parallel_size), 1, 4096,
                       "", "Pipeline stages p"));
   t.push_back(integer("parallelism.tensor_parallel_size", FIELD(parallelism.tensor_parallel_size), 1, 1024, "",
                       "Tensor-parallel ways t (Megatron column/row split inside each layer)"));
   t.push_back(boolean("parallelism.sequence_parallel", FIELD(parallelism.sequence_parallel),
                       "Megatron sequence parallelism: shard LayerNorm/dropout activations over the t ranks"));
+  t.push_back(integer("parallelism.context_parallel_size", FIELD(parallelism.context_parallel_size), 1, 1024, "",
+                      "Context-parallel ways c: each sequence split over c GPUs, which all-gather K and V for "
+                      "attention (Llama 3's context parallelism; PyTorch's and Megatron-Core's all-gather form)"));
   t.push_back(integer("parallelism.virtual_pipeline_stages", FIELD(parallelism.virtual_pipeline_stages), 1, 1024,
                       "", "Model chunks per pipeline rank v (interleaved-1f1b)"));
   t.push_back(choice("parallelism.schedule", FIELD(parallelism.schedule),

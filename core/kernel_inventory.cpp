@@ -212,7 +212,9 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
 BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
   const ModelShape m = plan.shape();
   const auto& cfg = plan.config;
-  const long b = plan.micro_batch_size, T = m.s, N = b * T, t = plan.tp;
+  // Context parallelism: a GPU holds Tq = s / cp of each sequence's tokens (N rows through every
+  // token-wise kernel) and attends its queries over all T keys, gathered.
+  const long b = plan.micro_batch_size, T = m.s, Tq = plan.local_seq_length(), N = b * Tq, t = plan.tp;
   const long C = m.h, F = m.f / t, V = m.V / t, H = std::max<long>(1, m.a / t), hs = m.h / m.a;
   const long kv = 2L * m.h / m.a * m.kv_heads;  // K and V widths together
   const long qkv = (m.h + kv) / t, Cout = C / t;
@@ -297,9 +299,23 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     auto pipeline_gather = [&] {
       if (t > 1 && !sp) k.memory_bytes("tp.allgather", act / e, act);
     };
+    // Context parallelism (Llama 3's, PyTorch's and Megatron-Core's all-gather form): before a
+    // layer's attention, forward or backward, the cp GPUs all-gather their keys and values (bytes:
+    // the gathered buffer, the s tokens' K and V of this tensor-parallel shard, in the 16-bit
+    // format attention runs in); after its backward they reduce-scatter the keys' and values'
+    // gradients. On the compute stream, exposed (Llama 3 section 3.3.2: small beside attention's
+    // s^2 work under grouped-query attention).
+    const double kv_gathered = static_cast<double>(b) * T * kv / t * e;
+    auto cp_gather = [&] {
+      if (plan.cp > 1) k.memory_bytes("cp.allgather", kv_gathered / e, kv_gathered);
+    };
+    auto cp_reduce = [&] {
+      if (plan.cp > 1) k.memory_bytes("cp.reducescatter", kv_gathered / e, kv_gathered);
+    };
     auto attention_core_forward = [&] {
       if (single_kernel_attention(attn)) {
-        k.matmul(cudnn ? "cudnn_attention.forward" : "flash_attention.forward", T, T, hs, 2 * b * H);
+        cp_gather();
+        k.matmul(cudnn ? "cudnn_attention.forward" : "flash_attention.forward", Tq, T, hs, 2 * b * H);
         return;
       }
       k.matmul("attention.scores", T, T, hs, b * H);
@@ -433,7 +449,9 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
       linear_backward_input(Cout, C, true);
       if (single_kernel_attention(attn)) {
-        k.matmul(cudnn ? "cudnn_attention.backward" : "flash_attention.backward", T, T, hs, 5 * b * H);  // five products, S and P recomputed
+        cp_gather();
+        k.matmul(cudnn ? "cudnn_attention.backward" : "flash_attention.backward", Tq, T, hs, 5 * b * H);  // five products, S and P recomputed
+        cp_reduce();
       } else {
         k.matmul("attention.scores", T, T, hs, b * H);  // dP = dO V^T
         k.matmul("attention.context", T, hs, T, b * H);  // dV = P^T dO
@@ -530,7 +548,7 @@ std::vector<KernelWork> runtime_optimizer_kernels(const Plan& plan, double param
 }
 
 std::vector<KernelWork> rank_update_kernels(const Plan& plan, int stage, bool emulated_low_precision) {
-  return runtime_optimizer_kernels(plan, plan.shard_stage_params(stage) / (plan.zero() >= 1 ? plan.dp : 1),
+  return runtime_optimizer_kernels(plan, plan.shard_stage_params(stage) / (plan.zero() >= 1 ? plan.data_shards() : 1),
                                    emulated_low_precision);
 }
 
@@ -566,7 +584,7 @@ std::vector<KernelWork> distinct_kernels(const Plan& plan, int storage) {
     Builder copies{DType::fp32, static_cast<double>(storage), &all};
     copies.memory(kShardCopyKernel, largest_chunk, 2);
     if (plan.zero() == 3)
-      copies.memory(kUnitCopyKernel, plan.shape().params_per_layer() / plan.tp * (1.0 + 1.0 / plan.dp), 2);
+      copies.memory(kUnitCopyKernel, plan.shape().params_per_layer() / plan.tp * (1.0 + 1.0 / plan.data_shards()), 2);
   }
   for (KernelWork& w : all) w.count = 1;
   return all;

@@ -56,6 +56,18 @@ namespace {
 }
 }  // namespace
 
+int Plan::cp_members_per_node() const {
+  const int per_node = std::max(1, config.cluster.gpus_per_node);
+  return std::clamp(per_node / tp, 1, cp);
+}
+
+ModelShape Plan::token_shape() const {
+  if (cp == 1) return shape();
+  ModelConfig local = config.model;
+  local.seq_length = local_seq_length();
+  return ModelShape(local, framework == Framework::fsdp && !runtime_decoder);
+}
+
 double Plan::shard_params(int vs) const { return shard_params_of(*this, shape(), vs); }
 
 double Plan::shard_stage_params(int stage) const {
@@ -117,7 +129,7 @@ std::string Plan::zero_and_recompute() const {
 
 std::string Plan::framework_setting() const {
   const int z = config.parallelism.zero_stage;
-  if (dp <= 1) return "no data parallelism (data_parallel_size 1): nothing is reduced or sharded across replicas";
+  if (data_shards() <= 1) return "no data parallelism (data_parallel_size 1): nothing is reduced or sharded across replicas";
   const char* grads_each = "gradients reduce-scattered after every micro-batch's backward";
   std::string what;
   switch (framework) {
@@ -199,18 +211,20 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   const ParallelismConfig& par = c.parallelism;
   const PrecisionConfig& pr = c.precision;
   const int d = par.data_parallel_size, p = par.pipeline_parallel_size, t = par.tensor_parallel_size;
-  const int v = par.virtual_pipeline_stages;
+  const int v = par.virtual_pipeline_stages, cp = par.context_parallel_size;
 
   // ---- GPUs ------------------------------------------------------------------------
-  if (static_cast<long long>(d) * p * t != cl.num_gpus)
+  const long long model_parallel = static_cast<long long>(p) * t * cp;
+  if (d * model_parallel != cl.num_gpus)
     ck.error("parallelism.data_parallel_size",
-             fmt::format("data_parallel_size({}) * pipeline_parallel_size({}) * tensor_parallel_size({}) = {} != "
+             fmt::format("data_parallel_size({}) * pipeline_parallel_size({}) * tensor_parallel_size({}){} = {} != "
                          "num_gpus({}){}",
-                         d, p, t, static_cast<long long>(d) * p * t, cl.num_gpus,
-                         // data_parallel_size, when not written, is num_gpus / (p * t): say why it could not be
-                         cl.num_gpus % (static_cast<long long>(p) * t) != 0
-                             ? fmt::format(" (num_gpus is not a multiple of pipeline x tensor = {})",
-                                           static_cast<long long>(p) * t)
+                         d, p, t, cp > 1 ? fmt::format(" * context_parallel_size({})", cp) : std::string(),
+                         d * model_parallel, cl.num_gpus,
+                         // data_parallel_size, when not written, is num_gpus / (p * t * c): say why it could not be
+                         cl.num_gpus % model_parallel != 0
+                             ? fmt::format(" (num_gpus is not a multiple of pipeline x tensor{} = {})",
+                                           cp > 1 ? " x context" : "", model_parallel)
                              : std::string()),
              {"parallelism.pipeline_parallel_size", "parallelism.tensor_parallel_size", "cluster.num_gpus"});
   if (cl.num_gpus > cl.gpus_per_node && cl.num_gpus % cl.gpus_per_node != 0)
@@ -258,6 +272,30 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
              fmt::format("tensor_parallel_size({}) does not divide ffn_hidden_size({})", t, ffn));
   if (par.sequence_parallel && t == 1)
     ck.error("parallelism.sequence_parallel", "sequence_parallel needs tensor_parallel_size > 1 (it is 1)");
+  // Context parallelism cuts each sequence into 2c chunks (the causal mask's work even over the
+  // c GPUs) and runs attention as one kernel over the gathered keys: an unfused core would hold
+  // each GPU's s/c x s scores.
+  if (cp > 1) {
+    if (m.seq_length % (2 * cp) != 0)
+      ck.error("parallelism.context_parallel_size",
+               fmt::format("context_parallel_size({}) splits each sequence into 2 x {} = {} chunks, which do not "
+                           "divide seq_length({})",
+                           cp, cp, 2 * cp, m.seq_length),
+               {"model.seq_length"});
+    if (!single_kernel_attention(m.attention))
+      ck.error("parallelism.context_parallel_size",
+               fmt::format("context_parallel_size({}) needs model.attention flash or cudnn (it is {}): context "
+                           "parallelism runs attention as one kernel over the gathered keys and values",
+                           cp, m.attention == AttentionKernel::fused ? "fused" : "naive"),
+               {"model.attention"});
+    if (static_cast<long long>(t) * cp > cl.gpus_per_node && cl.gpus_per_node % t != 0)
+      ck.error("parallelism.context_parallel_size",
+               fmt::format("tensor_parallel_size({}) does not divide a node of {} GPUs: the context-parallel "
+                           "groups of tensor_parallel_size x context_parallel_size = {} GPUs would straddle nodes "
+                           "unevenly",
+                           t, cl.gpus_per_node, t * cp),
+               {"parallelism.tensor_parallel_size", "cluster.gpus_per_node"});
+  }
 
   // ---- pipeline --------------------------------------------------------------------
   const bool interleaved = par.schedule == ScheduleKind::interleaved_1f1b;
@@ -395,6 +433,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.dp = d;
   plan.pp = p;
   plan.tp = t;
+  plan.cp = cp;
   plan.vpp = v;
   plan.num_microbatches = mb;
   plan.framework = fw;

@@ -18,6 +18,7 @@ struct Plan {
   std::string source;  // scenario file, for reports
 
   int dp = 1, pp = 1, tp = 1, vpp = 1;  // data, pipeline, tensor, virtual stages per rank
+  int cp = 1;                           // context-parallel ways (each sequence split over cp GPUs)
   int num_microbatches = 1;             // per replica per step (m)
   int micro_batch_size = 1;
   int global_batch_size = 1;
@@ -30,7 +31,12 @@ struct Plan {
 
   // The data-parallel traffic of the ZeRO stage as `framework` runs it (docs/model.md), all
   // false without data parallelism:
-  int zero() const { return dp > 1 ? config.parallelism.zero_stage : 0; }
+  int zero() const { return data_shards() > 1 ? config.parallelism.zero_stage : 0; }
+  // The GPUs that hold the same weights (one tensor-parallel shard of one stage) and so reduce
+  // their gradients together and share ZeRO's shards: the replicas' and, within each, the
+  // context-parallel GPUs' (Megatron-Core's data-parallel group with context parallelism,
+  // torchtitan's dp_shard x cp mesh).
+  int data_shards() const { return dp * cp; }
   // Gradients reduced (reduce-scattered) after every micro-batch's backward, not once per step.
   bool reduces_every_microbatch() const;
   // Parameters all-gathered before every micro-batch's forward / again before its backward
@@ -61,14 +67,21 @@ struct Plan {
   // "recompute none" without ZeRO.
   std::string zero_and_recompute() const;
 
-  // Schedule ranks: one per (stage, replica); each stands for a tensor-parallel group of tp
-  // GPUs. Numbered stage-major as Megatron does (rank = stage * dp + replica), so the ranks
-  // of one stage, which all-reduce together, sit next to each other on a node.
+  // Schedule ranks: one per (stage, replica); each stands for a group of tp x cp GPUs (its
+  // tensor-parallel shards, tensor-parallel innermost, for each of its context-parallel parts),
+  // which run alike. Numbered stage-major as Megatron does (rank = stage * dp + replica), so the
+  // ranks of one stage, which all-reduce together, sit next to each other on a node.
   int num_ranks() const { return dp * pp; }
   int rank_of(int stage, int replica) const { return stage * dp + replica; }
   int stage_of(int rank) const { return rank / dp; }
   int replica_of(int rank) const { return rank % dp; }
-  int first_gpu_of(int rank) const { return rank * tp; }
+  int gpus_per_rank() const { return tp * cp; }
+  int first_gpu_of(int rank) const { return rank * gpus_per_rank(); }
+  // Tokens of one sequence on one GPU: seq_length / cp.
+  int local_seq_length() const { return config.model.seq_length / cp; }
+  // The context-parallel group of a rank's GPUs (one per tensor-parallel shard): cp members, tp
+  // GPUs apart, over as few nodes as that allows.
+  int cp_members_per_node() const;
   int node_of(int rank) const { return first_gpu_of(rank) / config.cluster.gpus_per_node; }
   bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
   int num_virtual_stages() const { return pp * vpp; }
@@ -78,6 +91,9 @@ struct Plan {
   // calls q, k, v and gate/up as separate products, Megatron-LM (and DeepSpeed on it) fuses them;
   // the runtime's decoder fuses them whatever the framework.
   ModelShape shape() const { return ModelShape(config.model, framework == Framework::fsdp && !runtime_decoder); }
+  // shape() for what one GPU holds of each sequence, local_seq_length() tokens: every tensor that
+  // runs token by token (activations, messages, logits). shape() with cp = 1.
+  ModelShape token_shape() const;
   // The plan the runtime executes (runtime/runtime_plan.h): its GPT-2 decoder and its own loss
   // run, not the framework's code, while the framework's sharding and traffic stay.
   bool runtime_decoder = false;

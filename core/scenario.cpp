@@ -637,7 +637,8 @@ void derive_unwritten(ScenarioConfig& c, const std::function<bool(std::string_vi
   if (!written("precision.loss_scaling.mode"))
     c.precision.loss_scaling.mode = c.precision.compute == DType::fp16 ? LossScalingMode::dynamic : LossScalingMode::none;
   ParallelismConfig& par = c.parallelism;
-  const long long model_parallel = static_cast<long long>(par.pipeline_parallel_size) * par.tensor_parallel_size;
+  const long long model_parallel =
+      static_cast<long long>(par.pipeline_parallel_size) * par.tensor_parallel_size * par.context_parallel_size;
   if (model_parallel < 1) return;  // out of range: the loader or Plan says so
   if (!written("parallelism.data_parallel_size")) {
     const bool whole = c.cluster.num_gpus >= model_parallel && c.cluster.num_gpus % model_parallel == 0;

@@ -75,9 +75,9 @@ struct Scenario {
 };
 
 // What a file leaves unwritten and follows from what it wrote, as Megatron-LM and torchrun have
-// it. The layout: data_parallel_size = num_gpus / (pipeline x tensor) when the file does not
+// it. The layout: data_parallel_size = num_gpus / (pipeline x tensor x context) when the file does not
 // write it (1 when that does not divide: Plan states the mismatch and why), num_gpus = data x
-// pipeline x tensor when it writes data_parallel_size but not num_gpus. The loss scaling:
+// pipeline x tensor x context when it writes data_parallel_size but not num_gpus. The loss scaling:
 // dynamic under FP16 compute, none otherwise (BF16, FP8 and FP32 keep FP32's exponent range).
 // `written(key)`: whether the file (or a sweep axis) sets the key. Loading applies it; a sweep
 // again to each configuration, after its axes.

@@ -152,8 +152,10 @@ class Builder {
     V_ = plan.num_virtual_stages();
     m_ = plan.num_microbatches;
     const int e_weights = plan.weight_bytes();
-    act_bytes_ = static_cast<Bytes>(std::llround(static_cast<double>(plan.micro_batch_size) * shape_.s * shape_.h *
-                                                 plan.activation_bytes() / plan.tp));
+    // A stage sends its output activations: each GPU its tokens (s / cp) of its shard.
+    act_bytes_ = static_cast<Bytes>(std::llround(static_cast<double>(plan.micro_batch_size) *
+                                                 plan.local_seq_length() * shape_.h * plan.activation_bytes() /
+                                                 plan.tp));
     const double bucket = mib_to_bytes(cfg.communication.bucket_size_mib);
     // Gradient buckets and collective ids, identical for every replica of a stage.
     bucket_bytes_.resize(V_);
@@ -161,7 +163,7 @@ class Builder {
       const double params = plan.shard_params(vs);
       const Bytes grad = static_cast<Bytes>(std::llround(params * dtype_bytes(cfg.precision.allreduce)));
       std::vector<Bytes>& buckets = bucket_bytes_[vs];
-      if (plan.dp > 1 && grad > 0) {
+      if (plan.data_shards() > 1 && grad > 0) {
         const Bytes b = std::max<Bytes>(1, static_cast<Bytes>(bucket));
         buckets.reserve(static_cast<std::size_t>((grad + b - 1) / b));
         for (Bytes off = 0; off < grad; off += b) buckets.push_back(std::min(b, grad - off));

@@ -54,6 +54,11 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
           {"parallelism.pipeline_parallel_size", "parallelism.virtual_pipeline_stages"});
   if (scenario_config.precision.compute == DType::fp8)
     error("precision.compute", "the runtime does not emulate fp8 compute; use fp16, bf16, tf32 or fp32");
+  if (par.context_parallel_size > 1)
+    error("parallelism.context_parallel_size",
+          fmt::format("the runtime does not execute context parallelism yet (context_parallel_size {}): its "
+                      "attention would need the gathered keys and values; `simulate` and `sweep` predict such plans",
+                      par.context_parallel_size));
   if (!scenario_config.runtime.data_synthetic && rt.vocab_size < 256)
     error("runtime.model.vocab_size",
           fmt::format("vocab_size({}) is too small for byte-level text (256 tokens); use 256 or more, or "

@@ -154,7 +154,10 @@ class Compiler {
   }
   std::int32_t collective_price(std::int32_t c) {
     const Collective& col = s_.collectives[c];
-    const auto key = std::make_tuple(static_cast<int>(col.kind), col.parts, col.bytes, col.members);
+    // The purpose too: the collective model prices a data-parallel one over its ranks'
+    // context-parallel GPUs as well (NetworkCollectiveModel::duration).
+    const auto key = std::make_tuple(static_cast<int>(col.kind) * 8 + static_cast<int>(col.purpose), col.parts,
+                                     col.bytes, col.members);
     auto [it, added] = collective_prices_.try_emplace(key, 0);
     if (added) {
       out_->collectives.push_back(c);

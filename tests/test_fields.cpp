@@ -126,17 +126,20 @@ TEST(Fields, EveryFieldRoundTripsThroughYaml) {
       EXPECT_EQ(format_field_value(got), expected == "[3, 4]" ? "[3, 4]" : expected);
     EXPECT_TRUE(sc.has_key(f.path));
     // No other field moved from an empty file's, but for what is derived from the key
-    // (derive_unwritten): data_parallel_size when num_gpus, pipeline or tensor size is written,
-    // num_gpus when data_parallel_size is (the GPU count stays their product), the loss scaling
-    // when the compute format is.
+    // (derive_unwritten): data_parallel_size when num_gpus, pipeline, tensor or context size is
+    // written, num_gpus when data_parallel_size is (the GPU count stays their product), the loss
+    // scaling when the compute format is.
     const std::string derived = f.path == "parallelism.data_parallel_size" ? "cluster.num_gpus"
                                 : f.path == "cluster.num_gpus" || f.path == "parallelism.pipeline_parallel_size" ||
-                                        f.path == "parallelism.tensor_parallel_size"
+                                        f.path == "parallelism.tensor_parallel_size" ||
+                                        f.path == "parallelism.context_parallel_size"
                                     ? "parallelism.data_parallel_size"
                                 : f.path == "precision.compute" ? "precision.loss_scaling.mode"
                                                                 : "";
     const ParallelismConfig& par = sc.config.parallelism;
-    EXPECT_EQ(par.data_parallel_size * par.pipeline_parallel_size * par.tensor_parallel_size, sc.config.cluster.num_gpus);
+    EXPECT_EQ(par.data_parallel_size * par.pipeline_parallel_size * par.tensor_parallel_size *
+                  par.context_parallel_size,
+              sc.config.cluster.num_gpus);
     for (const auto& other : scenario_fields()) {
       if (other.path == f.path || other.path == derived || other.applies_preset) continue;
       EXPECT_EQ(format_field_value(other.get(sc.config)), format_field_value(other.get(empty)))

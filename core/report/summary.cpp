@@ -86,9 +86,10 @@ std::string format_summary(const Plan& plan, const Result& res) {
                      c.cluster.gpu.empty() ? "custom" : c.cluster.gpu, nodes, nodes > 1 ? "s" : "",
                      c.cluster.gpus_per_node, c.cluster.memory_gib);
   o += fmt::format(
-      "  plan     data {} x pipeline {}{} x tensor {}, {} schedule, {} micro-batches of {} per replica (global batch "
+      "  plan     data {} x pipeline {}{} x tensor {}{}, {} schedule, {} micro-batches of {} per replica (global batch "
       "{}), ZeRO {}, recompute {}\n",
-      plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp, schedule_name(c.parallelism.schedule),
+      plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp,
+      plan.cp > 1 ? fmt::format(" x context {}", plan.cp) : "", schedule_name(c.parallelism.schedule),
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
       recompute_name(c.training.activation_recompute));
   o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);
@@ -147,7 +148,12 @@ std::string format_summary(const Plan& plan, const Result& res) {
   }
   if (shown < res.ranks.size())
     o += fmt::format("  ... {} more ranks (use --json for all)\n", res.ranks.size() - shown);
-  if (plan.tp > 1) o += fmt::format("  (each rank is a tensor-parallel group of {} GPUs; figures are per GPU)\n", plan.tp);
+  if (plan.cp > 1)
+    o += fmt::format("  (each rank is {} GPUs: tensor {} x context {}, each with {} of every sequence's tokens; figures "
+                     "are per GPU)\n",
+                     plan.gpus_per_rank(), plan.tp, plan.cp, plan.local_seq_length());
+  else if (plan.tp > 1)
+    o += fmt::format("  (each rank is a tensor-parallel group of {} GPUs; figures are per GPU)\n", plan.tp);
 
   if (!res.warnings.empty()) {
     o += "\nwarnings:\n";

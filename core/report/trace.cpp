@@ -117,6 +117,7 @@ ojson plan_facts(const Plan& plan, const Schedule& s, const char* timeline_kind)
   other["data_parallel_size"] = plan.dp;
   other["pipeline_parallel_size"] = plan.pp;
   other["tensor_parallel_size"] = plan.tp;
+  other["context_parallel_size"] = plan.cp;
   other["virtual_pipeline_stages"] = plan.vpp;
   other["num_microbatches"] = plan.num_microbatches;
   return other;

@@ -116,10 +116,27 @@ CollectiveCost nccl_collective(OpKind kind, const GroupShape& group, double byte
   return best;
 }
 
-GroupShape NetworkCollectiveModel::shape_of(const std::vector<int>& members) const {
+GroupShape NetworkCollectiveModel::shape_of(const std::vector<int>& members, bool whole_ranks) const {
   GroupShape s;
   s.n = static_cast<int>(members.size());
   if (s.n == 0) return s;
+  if (whole_ranks && plan_.cp > 1) {
+    // Each member rank's cp GPUs of one tensor-parallel shard, tp apart: count them by node.
+    const int per_node = std::max(1, plan_.config.cluster.gpus_per_node);
+    s.n *= plan_.cp;
+    s.nodes = 0;
+    s.per_node = 0;
+    int node = -1, run = 0;
+    for (int r : members)
+      for (int j = 0; j < plan_.cp; ++j) {
+        const int at = (plan_.first_gpu_of(r) + j * plan_.tp) / per_node;
+        run = at == node ? run + 1 : 1;
+        if (at != node) ++s.nodes;
+        node = at;
+        s.per_node = std::max(s.per_node, run);
+      }
+    return s;
+  }
   // Members are ascending and ranks fill nodes in order, so nodes change monotonically.
   int run = 1;
   s.nodes = 1;
@@ -135,8 +152,9 @@ GroupShape NetworkCollectiveModel::shape_of(const std::vector<int>& members) con
   return s;
 }
 
-double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& members, double bytes) const {
-  const int n = static_cast<int>(members.size());
+double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& members, double bytes,
+                                       bool whole_ranks) const {
+  const int n = static_cast<int>(members.size()) * (whole_ranks ? plan_.cp : 1);
   if (n <= 1) return 0;
   const auto& cl = plan_.config.cluster;
   if (const auto& profile = cl.calibrated; profile && (!profile->allreduce.empty() || !profile->allreduce_tables.empty())) {
@@ -147,7 +165,7 @@ double NetworkCollectiveModel::seconds(OpKind kind, const std::vector<int>& memb
     return profile->allreduce_seconds(n, bytes);
   }
   const bool hierarchical = plan_.config.communication.allreduce_algorithm == AllReduceAlgorithm::hierarchical;
-  return nccl_collective(kind, shape_of(members), bytes, cl, hierarchical).seconds;
+  return nccl_collective(kind, shape_of(members, whole_ranks), bytes, cl, hierarchical).seconds;
 }
 
 Tick NetworkCollectiveModel::duration(const Collective& c) const {
@@ -159,7 +177,10 @@ Tick NetworkCollectiveModel::duration(const Collective& c) const {
   if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision)
     bytes *= dtype_bytes(profile->allreduce_wire) / wire_bytes(c);
   // One call per part (ZeRO-3's units after the first), each paying its own latency and fill.
-  const double per_part = seconds(c.kind, c.members, bytes / c.parts);
+  // The data-parallel collectives (gradients, gathered parameters) span every context-parallel GPU
+  // of their ranks; the embedding group and the overflow flag pair each GPU with its counterparts.
+  const bool whole_ranks = c.purpose == CollectivePurpose::gradients || c.purpose == CollectivePurpose::parameters;
+  const double per_part = seconds(c.kind, c.members, bytes / c.parts, whole_ranks);
   return seconds_to_ticks(c.parts * per_part + shard_copy_seconds(c));
 }
 

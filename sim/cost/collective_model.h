@@ -85,8 +85,10 @@ class NetworkCollectiveModel final : public CollectiveModel {
   // Seconds for a collective of `kind` over `members` (schedule ranks; each stands for its
   // tensor-parallel group, whose t GPUs run t such collectives side by side, each on its own
   // GPU's links).
-  double seconds(OpKind kind, const std::vector<int>& members, double bytes) const;
-  GroupShape shape_of(const std::vector<int>& members) const;
+  // `whole_ranks`: the collective is over every GPU of each member rank's context-parallel group
+  // too (the data-parallel collectives: Plan::data_shards), not one per shard side by side.
+  double seconds(OpKind kind, const std::vector<int>& members, double bytes, bool whole_ranks = false) const;
+  GroupShape shape_of(const std::vector<int>& members, bool whole_ranks = false) const;
   // A calibrated runtime's copies around a ZeRO reduce-scatter or gather (kShardCopyKernel at its
   // measured rate; core/kernel_inventory.h), 0 for other collectives and for presets.
   double shard_copy_seconds(const Collective& c) const;

@@ -166,6 +166,8 @@ enum class KernelClass : std::uint8_t {
   tp_allreduce,
   tp_allgather,
   tp_reducescatter,
+  cp_allgather,      // context parallelism's keys and values
+  cp_reducescatter,  // and their gradients
   flash_attention,  // FlashAttention 2 (attention_efficiency)
   cudnn_attention,  // cuDNN's fused attention, the same work (cudnn_attention_efficiency)
   accumulate,  // a weight-gradient product accumulating into FP32
@@ -179,6 +181,8 @@ KernelClass classify(const KernelWork& w) {
   if (w.kernel == "tp.allreduce") return KernelClass::tp_allreduce;
   if (w.kernel == "tp.allgather") return KernelClass::tp_allgather;
   if (w.kernel == "tp.reducescatter") return KernelClass::tp_reducescatter;
+  if (w.kernel == "cp.allgather") return KernelClass::cp_allgather;
+  if (w.kernel == "cp.reducescatter") return KernelClass::cp_reducescatter;
   if (w.kernel.rfind("flash_attention", 0) == 0) return KernelClass::flash_attention;
   if (w.kernel.rfind("cudnn_attention", 0) == 0) return KernelClass::cudnn_attention;
   if (w.kernel == "linear.backward_weight_accumulate") return KernelClass::accumulate;
@@ -194,7 +198,7 @@ struct FrameworkPricer {
   const ClusterConfig& cl;
   double peak = 0, attention_peak = 0, elem = 2;
   bool apex_layernorm = false;
-  GroupShape tp_group;
+  GroupShape tp_group, cp_group;
 
   explicit FrameworkPricer(const Plan& p) : plan(p), cl(p.config.cluster) {
     const DType compute = p.config.precision.compute;
@@ -207,6 +211,8 @@ struct FrameworkPricer {
                      p.config.model.normalization == Normalization::layernorm && p.config.model.fused_elementwise;
     const int t = p.tp, per_node = std::max(1, p.config.cluster.gpus_per_node);
     tp_group = GroupShape{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
+    const int cp_per_node = p.cp_members_per_node();
+    cp_group = GroupShape{p.cp, (p.cp + cp_per_node - 1) / cp_per_node, cp_per_node};
   }
 
   // What a product's price takes from its shape alone (the same at any rate): its FLOPs, the
@@ -244,10 +250,15 @@ struct FrameworkPricer {
       case KernelClass::tp_allreduce: return nccl_collective(OpKind::AllReduce, tp_group, w.bytes, cl).seconds;
       case KernelClass::tp_allgather: return nccl_collective(OpKind::AllGather, tp_group, w.bytes, cl).seconds;
       case KernelClass::tp_reducescatter: return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
+      case KernelClass::cp_allgather: return nccl_collective(OpKind::AllGather, cp_group, w.bytes, cl).seconds;
+      case KernelClass::cp_reducescatter: return nccl_collective(OpKind::ReduceScatter, cp_group, w.bytes, cl).seconds;
       case KernelClass::flash_attention:
       case KernelClass::cudnn_attention: {
-        // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles).
-        const double T = static_cast<double>(w.shape.m);
+        // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles) and
+        // computes those on it whole: half the m x n scores and 64 more per key, n the keys (every
+        // query's under context parallelism, whose m = n / cp queries are load-balanced chunks,
+        // each with its own diagonal).
+        const double T = static_cast<double>(w.shape.n);
         const double causal = std::min(1.0, 0.5 + 64.0 / T);
         const double efficiency =
             f.cls == KernelClass::cudnn_attention ? cl.cudnn_attention_efficiency : cl.attention_efficiency;
@@ -446,7 +457,8 @@ std::vector<std::vector<PricedKernel>> framework_kernel_prices(const Plan& plan)
         const FrameworkPricer::Facts f = pricer.facts(w);
         const char* bound = "memory";
         if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
-            f.cls == KernelClass::tp_reducescatter)
+            f.cls == KernelClass::tp_reducescatter || f.cls == KernelClass::cp_allgather ||
+            f.cls == KernelClass::cp_reducescatter)
           bound = "collective";
         else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::cudnn_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
           bound = "compute";
@@ -524,7 +536,7 @@ RooflineComputeModel::RooflineComputeModel(const Plan& plan, KernelInventoryCach
   const double update = master ? (sgd ? 20.0 : 28.0) : (sgd ? 3.0 * w + 2 * 4.0 : 3.0 * w + 4 * 4.0);
   const double bytes_per_param = (master && g != 4 ? g + 4.0 : 0.0) + (scaled ? 8.0 : 0.0) + 4.0 + update +
                                  (master ? 4.0 + w : 0.0) + g;
-  const int shards = cfg.parallelism.zero_stage >= 1 ? plan.dp : 1;
+  const int shards = cfg.parallelism.zero_stage >= 1 ? plan.data_shards() : 1;
   // Priced once per stage (every replica of a stage holds the same parameters).
   std::vector<Tick> of_stage(static_cast<std::size_t>(plan.pp));
   for (int s = 0; s < plan.pp; ++s)

@@ -12,7 +12,7 @@ namespace trainsim {
 ModelStateBytes model_state_bytes(const Plan& plan, double params) {
   const auto& pr = plan.config.precision;
   const int zero = plan.zero();
-  const double n = plan.dp;
+  const double n = plan.data_shards();
   const double w = plan.weight_bytes();
   const double g = dtype_bytes(pr.grad_accumulation);
   const double master = pr.master_weights != pr.compute && !(pr.compute == DType::tf32 && pr.master_weights == DType::fp32)
@@ -26,7 +26,9 @@ ModelStateBytes model_state_bytes(const Plan& plan, double params) {
   return b;
 }
 
-MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
+// shape_ holds one GPU's tokens of each sequence (Plan::token_shape): every activation below is
+// token by token under context parallelism (attention runs as one kernel, flash or cudnn).
+MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shape()) {
   const ModelShape& m = shape_;
   const auto& cfg = plan.config;
   const int b = plan.micro_batch_size, t = plan.tp, e = plan.activation_bytes();
@@ -59,6 +61,14 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.shape()) {
     // works in place in the one FP32 buffer). The layers' rebuilds come after it.
     if (vs == V - 1 && plan.framework == Framework::fsdp && !plan.runtime_decoder)
       transient = std::max(transient, 8.0 * b * m.s * static_cast<double>(m.V) / t);
+    // Context parallelism: a layer's attention backward holds every GPU's keys and values,
+    // gathered, and their gradients before the reduce-scatter (the forward's gather is freed
+    // once the kernel has run; the backward gathers again).
+    if (has_layers && plan.cp > 1) {
+      const double kv_gathered = 2.0 * e * static_cast<double>(b) * plan.config.model.seq_length * m.h / m.a *
+                                 m.kv_heads / t;
+      transient += 2.0 * kv_gathered;
+    }
     tables_.transient.push_back(transient);
     // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the
     // bucket it fills and the one before it, being reduce-scattered (DeepSpeed's reduce buckets,
@@ -162,7 +172,7 @@ MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activatio
   double buffers = 0;
   if (plan_.num_virtual_stages() > 1)
     buffers += 2.0 * plan_.micro_batch_size * shape_.s * shape_.h * plan_.activation_bytes() / plan_.tp;
-  if (plan_.dp > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
+  if (plan_.data_shards() > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
     buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
   if (plan_.zero() == 3)
     buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();

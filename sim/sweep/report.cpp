@@ -34,6 +34,7 @@ std::string abbreviation(const std::string& key) {
       {"parallelism.data_parallel_size", "dp"},        {"parallelism.pipeline_parallel_size", "pp"},
       {"parallelism.tensor_parallel_size", "tp"},      {"parallelism.virtual_pipeline_stages", "vpp"},
       {"parallelism.sequence_parallel", "sp"},         {"parallelism.zero_stage", "zero"},
+      {"parallelism.context_parallel_size", "cp"},
       {"training.micro_batch_size", "mbs"},            {"training.global_batch_size", "gbs"},
       {"training.activation_recompute", "recompute"},  {"communication.overlap_grad_reduce", "overlap"},
       {"communication.bucket_size_mib", "bucket_mib"}, {"communication.allreduce_algorithm", "allreduce_alg"},

@@ -63,8 +63,10 @@ std::vector<std::int64_t> divisors(std::int64_t n) {
 
 std::vector<ParallelLayout> auto_parallel_layouts(const ScenarioConfig& c) {
   std::vector<ParallelLayout> out;
-  const int n = c.cluster.num_gpus;
-  if (n < 1) return out;
+  // The context-parallel size stays as written (or swept): the layouts share the other GPUs.
+  const int cp = std::max(1, c.parallelism.context_parallel_size);
+  if (c.cluster.num_gpus < 1 || c.cluster.num_gpus % cp != 0) return out;
+  const int n = c.cluster.num_gpus / cp;
   const int heads = c.model.num_attention_heads;
   const int groups = c.model.num_query_groups > 0 ? c.model.num_query_groups : heads;
   for (std::int64_t t : divisors(n)) {
@@ -87,7 +89,8 @@ std::vector<std::string> sweep_keys(const Scenario& sc) {
     } else {
       keys.push_back(a.path);
       data_swept = data_swept || a.path == kDp;
-      layout_swept = layout_swept || a.path == kPp || a.path == kTp || a.path == "cluster.num_gpus";
+      layout_swept = layout_swept || a.path == kPp || a.path == kTp || a.path == "cluster.num_gpus" ||
+                     a.path == "parallelism.context_parallel_size";
     }
   }
   // A data-parallel size the file leaves to each configuration (derive_unwritten) moves with the
