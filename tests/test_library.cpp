@@ -470,6 +470,31 @@ TEST(Library, SeventyBillionOnEightGpusFitsOnlyOnH200) {
   }
 }
 
+// #11: a 128K-token sequence does not fit a GPU whole: every feasible configuration splits it
+// (context parallelism) or its heads (tensor parallelism), and the chosen one splits it. The
+// sequence's split is the cheaper one: the best context-parallel configuration without tensor
+// parallelism beats the best tensor-parallel one without context parallelism (8 ways of heads
+// pay two all-gathers and two reduce-scatters of the whole stream a layer; 8 ways of tokens one
+// gather of the keys and values, an eighth of the stream's width under grouped-query attention).
+TEST(Library, LongContextSplitsTheSequence) {
+  const LibraryRun& r = library("long-context-llama3-8b");
+  ASSERT_EQ(r.mode, Mode::plan);
+  EXPECT_EQ(r.base.status, SweepStatus::out_of_memory);
+  const SweepRow* chosen = r.best();
+  ASSERT_NE(chosen, nullptr);
+  EXPECT_GT(chosen->point.config.parallelism.context_parallel_size, 1);
+  EXPECT_GE(gib(chosen->metrics.headroom_bytes()), 2.0);
+  for (std::size_t i : r.sweep.ranking) {
+    const ParallelismConfig& p = r.sweep.rows[i].point.config.parallelism;
+    EXPECT_GE(p.context_parallel_size * p.tensor_parallel_size, 2) << "row " << i << " holds a whole sequence";
+  }
+  const SweepRow* by_tokens = find_row(r.sweep, {{"parallelism.tensor_parallel_size", "1"}}, true);
+  const SweepRow* by_heads = find_row(r.sweep, {{"parallelism.context_parallel_size", "1"}}, true);
+  ASSERT_NE(by_tokens, nullptr);
+  ASSERT_NE(by_heads, nullptr);
+  EXPECT_GT(by_tokens->metrics.tokens_per_s, by_heads->metrics.tokens_per_s);
+}
+
 // #9: pure data parallelism: the speed-up grows with the GPUs but stays below ideal, and the
 // all-reduce's share of the step grows with the GPU count.
 TEST(Library, DataParallelSpeedupIsBelowIdealAndTheAllReduceShareGrows) {
