@@ -251,6 +251,37 @@ TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
   EXPECT_EQ(recompute, (std::set<Recompute>{Recompute::none, Recompute::selective, Recompute::full}));
 }
 
+// Long sequences: the default space also splits each sequence (context parallelism, where the
+// 2c chunks divide it), and a context-parallel split counts as model parallelism for simplicity.
+TEST(Plan, TheDefaultSpaceSplitsLongSequences) {
+  auto cp_axis = [](const ScenarioConfig& c) -> const SweepAxis* {
+    static std::vector<SweepAxis> axes;
+    axes = default_search_space(c);
+    for (const auto& a : axes)
+      if (a.path == "parallelism.context_parallel_size") return &a;
+    return nullptr;
+  };
+  ScenarioConfig c = testing::small_config(1, 2, ScheduleKind::one_f_one_b, 1, 2);
+  c.model.seq_length = kLongContextTokens / 2;
+  EXPECT_EQ(cp_axis(c), nullptr);
+  c.model.seq_length = kLongContextTokens;
+  const SweepAxis* a = cp_axis(c);
+  ASSERT_NE(a, nullptr);
+  std::vector<std::string> ways;
+  for (const auto& v : a->values) ways.push_back(format_field_value(v));
+  EXPECT_EQ(ways, (std::vector<std::string>{"1", "2", "4", "8"}));
+  c.model.seq_length = 3 * 8192;  // 2c chunks of 24,576 tokens: c = 1, 2, 4 and 8 all divide
+  EXPECT_EQ(cp_axis(c)->values.size(), 4u);
+  c.model.seq_length = 16392;  // 8 x 2049: 16 chunks do not divide it
+  EXPECT_EQ(cp_axis(c)->values.size(), 3u);
+
+  ScenarioConfig tokens = c, heads = c;
+  tokens.parallelism.context_parallel_size = 2;
+  heads.parallelism.tensor_parallel_size = 2;
+  EXPECT_EQ(layout_complexity(tokens), layout_complexity(heads));
+  EXPECT_LT(layout_complexity(c), layout_complexity(tokens));
+}
+
 // The default space's selective recompute is the framework's own: Megatron-LM (and DeepSpeed on
 // it) recompute the attention core, PyTorch-native FSDP code (torchtitan) runs its op-level policy.
 TEST(Plan, TheDefaultSpacesSelectiveRecomputeIsTheFrameworks) {

@@ -164,6 +164,12 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
   values("parallelism.schedule", {text("gpipe"), text("1f1b"), text("interleaved-1f1b"), text("zb-h1")});
   values("parallelism.virtual_pipeline_stages", {std::int64_t{1}, std::int64_t{2}});
   values("parallelism.sequence_parallel", {false, true});
+  // Long sequences: the ways to split each one over GPUs (docs/sweep.md says from what length).
+  if (c.model.seq_length >= kLongContextTokens) {
+    std::vector<FieldValue> ways;
+    for (std::int64_t cp = 1; cp <= 8 && c.model.seq_length % (2 * cp) == 0; cp *= 2) ways.push_back(cp);
+    values("parallelism.context_parallel_size", std::move(ways));
+  }
   values("training.activation_recompute", {text("none"), text("selective"), text("selective_op"), text("full")});
   values("parallelism.zero_stage", {std::int64_t{0}, std::int64_t{1}, std::int64_t{2}, std::int64_t{3}});
   values("communication.overlap_grad_reduce", {false, true});
@@ -176,7 +182,7 @@ void normalize_default_candidate(ScenarioConfig& c) {
   if (p.schedule != ScheduleKind::interleaved_1f1b) p.virtual_pipeline_stages = 1;
   else if (p.virtual_pipeline_stages < 2) p.virtual_pipeline_stages = 2;
   if (p.tensor_parallel_size == 1) p.sequence_parallel = false;
-  if (p.data_parallel_size == 1) {
+  if (p.data_parallel_size * p.context_parallel_size == 1) {  // nothing to reduce or shard over
     p.zero_stage = 0;
     c.communication.overlap_grad_reduce = false;
   }
@@ -198,8 +204,8 @@ std::tuple<int, int, int, int, int> layout_complexity(const ScenarioConfig& c) {
                        : p.schedule == ScheduleKind::interleaved_1f1b ? 1
                        : p.schedule == ScheduleKind::zb_h1            ? 2
                                                                       : 0;
-  return {p.pipeline_parallel_size * p.tensor_parallel_size, p.pipeline_parallel_size, schedule,
-          p.virtual_pipeline_stages, p.data_parallel_size > 1 ? p.zero_stage : 0};
+  return {p.pipeline_parallel_size * p.tensor_parallel_size * p.context_parallel_size, p.pipeline_parallel_size,
+          schedule, p.virtual_pipeline_stages, p.data_parallel_size * p.context_parallel_size > 1 ? p.zero_stage : 0};
 }
 
 // ---- explaining the changes ---------------------------------------------------------
@@ -233,7 +239,8 @@ std::string short_key(const std::string& path) {
 int group_of(const std::string& key) {
   static const std::vector<std::pair<int, std::vector<std::string>>> groups = {
       {0, {"parallelism.data_parallel_size", "parallelism.pipeline_parallel_size",
-           "parallelism.tensor_parallel_size", "parallelism.sequence_parallel", "parallelism.layers_per_stage"}},
+           "parallelism.tensor_parallel_size", "parallelism.sequence_parallel", "parallelism.context_parallel_size",
+           "parallelism.layers_per_stage"}},
       {1, {"parallelism.schedule", "parallelism.virtual_pipeline_stages", "training.micro_batch_size",
            "training.global_batch_size"}},
       {2, {"training.activation_recompute", "parallelism.zero_stage"}},

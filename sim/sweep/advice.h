@@ -87,9 +87,9 @@ Infeasibility diagnose_infeasible(const SweepResult& sweep, const ScenarioConfig
 // Gains below it are within what the model cannot tell apart. `trainsim plan --margin` changes it.
 inline constexpr double kPlanMargin = kFidelityTargetMeanError;
 
-// Layout complexity, lower is simpler: GPUs per model replica (pipeline x tensor), then the
-// pipeline depth, the schedule (1F1B and GPipe, then interleaved, then ZB-H1), the virtual
-// stages and the ZeRO stage.
+// Layout complexity, lower is simpler: GPUs per model replica (pipeline x tensor x context),
+// then the pipeline depth, the schedule (1F1B and GPipe, then interleaved, then ZB-H1), the
+// virtual stages and the ZeRO stage.
 std::tuple<int, int, int, int, int> layout_complexity(const ScenarioConfig& config);
 
 struct PlanOptions {
@@ -145,7 +145,11 @@ struct PlanResult {
 // The axes `trainsim plan` searches when the scenario has no `sweep:` section:
 // parallelism: auto, training.micro_batch_size: auto (when global_batch_size is set),
 // schedule x virtual_pipeline_stages {1, 2}, activation_recompute, zero_stage {0, 1, 2, 3},
-// sequence_parallel, communication.overlap_grad_reduce. Hardware and model are not searched.
+// sequence_parallel, communication.overlap_grad_reduce, and for sequences of kLongContextTokens
+// or more context_parallel_size {1, 2, 4, 8}. Hardware and model are not searched.
+// From this length a layer's attention does more work than its products at Llama-class widths
+// (4 s h a layer against 24 h^2 + 6 h f per token: s >= 6h + 1.5 f, about 16K for h = 4096).
+inline constexpr int kLongContextTokens = 16384;
 std::vector<SweepAxis> default_search_space(const ScenarioConfig& config);
 // Folds the default space's meaningless combinations into one (applied to every candidate,
 // so duplicates are dropped): one schedule without a pipeline, virtual stages only with the
