@@ -7,6 +7,7 @@
 #include "tests/command_helpers.h"
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -343,6 +344,29 @@ TEST(Plan, NothingFitsSaysWhatWouldMakeItFit) {
   for (const char* part : {"the smallest need found", "model states alone", "at least", "nearest misses",
                            "what would make it fit", "more GPUs", "offload"})
     EXPECT_NE(text.find(part), std::string::npos) << part;
+  // Model states are what does not fit here: splitting sequences would not help, and is not said.
+  EXPECT_EQ(text.find("context parallelism"), std::string::npos);
+}
+
+// Where activations are what does not fit (a 128K-token sequence on each GPU) and no candidate
+// split the sequence, context parallelism is named, with the activations' share.
+TEST(Plan, NothingFitsForActivationsNamesContextParallelism) {
+  const std::string file =
+      "model: {preset: llama3-8b, seq_length: 131072}\ncluster: {gpu: h100-80gb, num_gpus: 8}\n"
+      "parallelism: {zero_stage: 3, framework: fsdp}\n"
+      "training: {micro_batch_size: 1, global_batch_size: 8, activation_recompute: full}\n";
+  const Scenario sc = load_scenario_text(file + "sweep:\n  parallelism.tensor_parallel_size: [1, 2]\n", "long.yaml");
+  const PlanResult p = make_plan(sc);
+  ASSERT_FALSE(p.chosen.has_value());
+  ASSERT_TRUE(p.infeasible.has_value());
+  const auto& s = p.infeasible->suggestions;
+  EXPECT_TRUE(std::any_of(s.begin(), s.end(), [](const std::string& x) { return x.find("context_parallel_size") != std::string::npos; }));
+  // Once the candidates split the sequence, the advice is not repeated.
+  const Scenario split = load_scenario_text(file + "sweep:\n  parallelism.context_parallel_size: [1, 2]\n", "split.yaml");
+  const PlanResult q = make_plan(split);
+  if (q.infeasible) {
+    for (const auto& x : q.infeasible->suggestions) EXPECT_EQ(x.find("context_parallel_size"), std::string::npos) << x;
+  }
 }
 
 // ---- the planner's judgement ------------------------------------------------------------------

@@ -480,6 +480,21 @@ Infeasibility diagnose_infeasible(const SweepResult& sweep, const ScenarioConfig
   if (!searched_full)
     d.suggestions.push_back("full activation recompute (training.activation_recompute: full): keeps only each "
                             "layer's input");
+  // Where the smallest configuration's memory is mostly activations (long sequences), splitting
+  // each sequence over GPUs divides them; say so when no candidate did.
+  bool searched_cp = false;
+  for (const SweepRow& r : sweep.rows) searched_cp |= r.point.config.parallelism.context_parallel_size > 1;
+  if (!searched_cp && d.smallest && n > 1) {
+    const SweepMetrics& m = sweep.rows[*d.smallest].metrics;
+    double activations = 0;
+    for (const StageMemory& st : m.stages) activations = std::max(activations, st.activation_bytes);
+    if (activations > 0.5 * m.peak_memory_bytes)
+      d.suggestions.push_back(fmt::format(
+          "context parallelism (parallelism.context_parallel_size: 2, 4, ...): activations are {:.1f} of the "
+          "smallest configuration's {:.1f} GiB, and each GPU of a context-parallel group holds 1/c of every "
+          "sequence's tokens (needs flash or cudnn attention)",
+          bytes_to_gib(activations), bytes_to_gib(m.peak_memory_bytes)));
+  }
   d.suggestions.push_back(fmt::format(
       "offload the optimizer states to CPU memory (DeepSpeed ZeRO-Offload, FSDP CPUOffload; not modelled here): "
       "{:g} of the {:g} bytes per parameter leave the GPU, at the price of PCIe traffic every step",
