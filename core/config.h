@@ -55,6 +55,11 @@ enum class RuntimeBackend { cpu, cuda };
 // for stages 0-1 (DDP, --use-distributed-optimizer), DeepSpeed for stages 2-3 (whose ZeRO
 // stages the key names).
 enum class Framework { auto_select, megatron, deepspeed, fsdp };
+// How a context-parallel group exchanges keys and values: gathered whole before attention, exposed
+// (Llama 3; PyTorch's context_parallel, rotate method allgather), or around a ring, each step's
+// chunk sent while the attention of the chunk in hand runs (Megatron-Core with Transformer Engine,
+// cp_comm_type p2p). auto: the ring under framework megatron, the gather otherwise.
+enum class ContextParallelComm { auto_select, all_gather, p2p };
 
 struct ModelConfig {
   std::string preset;  // name from the catalog, or empty
@@ -147,6 +152,7 @@ struct ParallelismConfig {
   // Context parallelism: each sequence split over c GPUs (2c chunks, GPU i holding chunks i and
   // 2c-1-i so causal attention's work is even), which all-gather K and V for their queries.
   int context_parallel_size = 1;
+  ContextParallelComm context_parallel_comm = ContextParallelComm::auto_select;
   int virtual_pipeline_stages = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   std::vector<int> layers_per_stage;  // empty: balanced

@@ -353,6 +353,14 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(integer("parallelism.context_parallel_size", FIELD(parallelism.context_parallel_size), 1, 1024, "",
                       "Context-parallel ways c: each sequence split over c GPUs, which all-gather K and V for "
                       "attention (Llama 3's context parallelism; PyTorch's and Megatron-Core's all-gather form)"));
+  t.push_back(choice("parallelism.context_parallel_comm", FIELD(parallelism.context_parallel_comm),
+                     {{"auto", ContextParallelComm::auto_select},
+                      {"all_gather", ContextParallelComm::all_gather},
+                      {"p2p", ContextParallelComm::p2p}},
+                     "How a context-parallel group exchanges keys and values: all_gather (gathered before each "
+                     "attention, exposed: Llama 3, PyTorch's context_parallel), p2p (a ring, each chunk sent while "
+                     "the attention of the one in hand runs: Megatron-Core with Transformer Engine, cp_comm_type "
+                     "p2p); auto: p2p under framework megatron, all_gather otherwise"));
   t.push_back(integer("parallelism.virtual_pipeline_stages", FIELD(parallelism.virtual_pipeline_stages), 1, 1024,
                       "", "Model chunks per pipeline rank v (interleaved-1f1b)"));
   t.push_back(choice("parallelism.schedule", FIELD(parallelism.schedule),

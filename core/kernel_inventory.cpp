@@ -299,23 +299,36 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     auto pipeline_gather = [&] {
       if (t > 1 && !sp) k.memory_bytes("tp.allgather", act / e, act);
     };
-    // Context parallelism (Llama 3's, PyTorch's and Megatron-Core's all-gather form): before a
-    // layer's attention, forward or backward, the cp GPUs all-gather their keys and values (bytes:
-    // the gathered buffer, the s tokens' K and V of this tensor-parallel shard, in the 16-bit
-    // format attention runs in); after its backward they reduce-scatter the keys' and values'
-    // gradients. On the compute stream, exposed (Llama 3 section 3.3.2: small beside attention's
-    // s^2 work under grouped-query attention).
+    // Context parallelism, all_gather form (Llama 3's, PyTorch's): before a layer's attention,
+    // forward or backward, the cp GPUs all-gather their keys and values (bytes: the gathered
+    // buffer, the s tokens' K and V of this tensor-parallel shard, in the 16-bit format attention
+    // runs in); after its backward they reduce-scatter the keys' and values' gradients. On the
+    // compute stream, exposed (Llama 3 section 3.3.2: small beside attention's s^2 work under
+    // grouped-query attention). p2p form (Transformer Engine's ring): after each attention kernel
+    // a `cp.ring` entry carrying that kernel's shape and the bytes one ring step sends (this GPU's
+    // K and V; in the backward their gradients too); the pricer charges what of the c - 1 sends
+    // the attention of the chunk in hand does not cover.
+    const bool cp_gathers = plan.cp > 1 && plan.cp_comm == ContextParallelComm::all_gather;
+    const bool cp_ring = plan.cp > 1 && plan.cp_comm == ContextParallelComm::p2p;
     const double kv_gathered = static_cast<double>(b) * T * kv / t * e;
     auto cp_gather = [&] {
-      if (plan.cp > 1) k.memory_bytes("cp.allgather", kv_gathered / e, kv_gathered);
+      if (cp_gathers) k.memory_bytes("cp.allgather", kv_gathered / e, kv_gathered);
     };
     auto cp_reduce = [&] {
-      if (plan.cp > 1) k.memory_bytes("cp.reducescatter", kv_gathered / e, kv_gathered);
+      if (cp_gathers) k.memory_bytes("cp.reducescatter", kv_gathered / e, kv_gathered);
+    };
+    // `batch`: the attention kernel's (its shape, which the pricer divides into the ring's steps).
+    auto cp_ring_after = [&](const char* kernel, long batch, double step_bytes) {
+      if (!cp_ring) return;
+      KernelWork w{kernel, k.dtype, {}, step_bytes, 1};
+      w.shape.m = Tq, w.shape.n = T, w.shape.k = hs, w.shape.batch = batch;
+      k.add(std::move(w));
     };
     auto attention_core_forward = [&] {
       if (single_kernel_attention(attn)) {
         cp_gather();
         k.matmul(cudnn ? "cudnn_attention.forward" : "flash_attention.forward", Tq, T, hs, 2 * b * H);
+        cp_ring_after("cp.ring.forward", 2 * b * H, kv_gathered / plan.cp);
         return;
       }
       k.matmul("attention.scores", T, T, hs, b * H);
@@ -452,6 +465,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
         cp_gather();
         k.matmul(cudnn ? "cudnn_attention.backward" : "flash_attention.backward", Tq, T, hs, 5 * b * H);  // five products, S and P recomputed
         cp_reduce();
+        cp_ring_after("cp.ring.backward", 5 * b * H, 2 * kv_gathered / plan.cp);
       } else {
         k.matmul("attention.scores", T, T, hs, b * H);  // dP = dO V^T
         k.matmul("attention.context", T, hs, T, b * H);  // dV = P^T dO

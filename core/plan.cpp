@@ -440,6 +440,9 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.pp = p;
   plan.tp = t;
   plan.cp = cp;
+  plan.cp_comm = par.context_parallel_comm != ContextParallelComm::auto_select ? par.context_parallel_comm
+                 : fw == Framework::megatron                                  ? ContextParallelComm::p2p
+                                                                              : ContextParallelComm::all_gather;
   plan.vpp = v;
   plan.num_microbatches = mb;
   plan.framework = fw;

@@ -19,6 +19,8 @@ struct Plan {
 
   int dp = 1, pp = 1, tp = 1, vpp = 1;  // data, pipeline, tensor, virtual stages per rank
   int cp = 1;                           // context-parallel ways (each sequence split over cp GPUs)
+  // parallelism.context_parallel_comm with `auto` resolved (by the framework, below).
+  ContextParallelComm cp_comm = ContextParallelComm::all_gather;
   int num_microbatches = 1;             // per replica per step (m)
   int micro_batch_size = 1;
   int global_batch_size = 1;

@@ -16,6 +16,7 @@
 #include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/memory_model.h"
+#include "sim/cost/p2p_model.h"
 #include "sim/simulator.h"
 
 namespace trainsim {
@@ -34,6 +35,7 @@ ScenarioConfig llama_config(int dp, int cp, int tp, int seq) {
   c.parallelism.context_parallel_size = cp;
   c.parallelism.tensor_parallel_size = tp;
   c.parallelism.sequence_parallel = tp > 1;
+  c.parallelism.context_parallel_comm = ContextParallelComm::all_gather;  // the ring: its own test
   c.training.micro_batch_size = 1;
   c.training.global_batch_size = 2 * dp;
   c.precision.compute = DType::bf16;
@@ -115,6 +117,55 @@ TEST(ContextParallel, KeysAndValuesCrossTheGroupAsNcclPricesTheirGather) {
   const Plan inside = Plan::from_config(llama_config(1, 2, 1, 16384));
   EXPECT_EQ(inside.cp_members_per_node(), 2);
   EXPECT_LT(priced_by_kernel(inside).at("cp.allgather").seconds / 8, k.at("cp.allgather").seconds);
+}
+
+TEST(ContextParallel, TheRingHidesItsSendsBehindEachStepsAttention) {
+  // Transformer Engine's ring (p2p): no gathers; after each attention kernel what its c - 1 sends
+  // add beyond the attention of the chunk in hand, and in the backward the last gradients' hop.
+  auto ring = [](int tp, int cp, int seq) {
+    ScenarioConfig c = llama_config(1, cp, tp, seq);
+    c.parallelism.context_parallel_comm = ContextParallelComm::p2p;
+    return Plan::from_config(c);
+  };
+  // Megatron-Core's default: the framework megatron resolves auto to the ring, FSDP to the gather.
+  ScenarioConfig m = llama_config(1, 2, 1, 16384);
+  m.parallelism.context_parallel_comm = ContextParallelComm::auto_select;
+  m.parallelism.framework = Framework::megatron;
+  EXPECT_EQ(Plan::from_config(m).cp_comm, ContextParallelComm::p2p);
+  m.parallelism.framework = Framework::fsdp;
+  EXPECT_EQ(Plan::from_config(m).cp_comm, ContextParallelComm::all_gather);
+
+  // Long sequences inside a node: each step's attention covers its send; only the backward's
+  // last hop is left, one send of this GPU's keys' and values' gradients.
+  const Plan inside = ring(1, 4, 65536);
+  const auto k = priced_by_kernel(inside);
+  EXPECT_FALSE(k.contains("cp.allgather"));
+  EXPECT_DOUBLE_EQ(k.at("cp.ring.forward").seconds, 0.0);
+  const ModelShape shape = inside.shape();
+  const double local_kv = 1.0 * (65536 / 4) * (2.0 * shape.h / shape.a * shape.kv_heads) * 2;  // BF16 K and V
+  const ClusterConfig& cl = inside.config.cluster;
+  const double hop = us_to_seconds(cl.intra_node.latency_us) +
+                     local_kv / nccl_p2p_bytes_per_second(local_kv, true, nccl_p2p_channel_range(4, false, cl), false, cl);
+  const int layers = inside.config.model.num_layers;
+  EXPECT_NEAR(k.at("cp.ring.backward").seconds, layers * hop, 1e-12);
+  // Against the gather on the same plan: the ring is never dearer here.
+  ScenarioConfig g = inside.config;
+  g.parallelism.context_parallel_comm = ContextParallelComm::all_gather;
+  const auto gathered = priced_by_kernel(Plan::from_config(g));
+  EXPECT_LT(k.at("cp.ring.backward").seconds,
+            gathered.at("cp.allgather").seconds + gathered.at("cp.reducescatter").seconds);
+
+  // Short sequences across nodes (tensor 8 fills each): the sends outlast the steps' attention and
+  // the forward pays (c - 1) x (send - step).
+  const Plan across = ring(8, 4, 4096);
+  const auto a = priced_by_kernel(across);
+  const double attention = a.at("flash_attention.forward").seconds / layers;
+  const double bytes = 1.0 * (4096 / 4) * (2.0 * shape.h / shape.a * shape.kv_heads) / 8 * 2;
+  const ClusterConfig& ca = across.config.cluster;
+  const double send = us_to_seconds(ca.inter_node.latency_us) +
+                      bytes / nccl_p2p_bytes_per_second(bytes, false, nccl_p2p_channel_range(4, true, ca), true, ca);
+  ASSERT_GT(send, attention / 4);
+  EXPECT_NEAR(a.at("cp.ring.forward").seconds, layers * 3 * (send - attention / 4), 1e-12);
 }
 
 TEST(ContextParallel, GradientsAndShardsSpanTheContextParallelGpus) {

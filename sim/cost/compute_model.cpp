@@ -8,6 +8,7 @@
 #include "core/kernel_inventory.h"
 #include "sim/cost/collective_model.h"
 #include "sim/cost/gemm_model.h"
+#include "sim/cost/p2p_model.h"
 
 namespace trainsim {
 
@@ -168,6 +169,8 @@ enum class KernelClass : std::uint8_t {
   tp_reducescatter,
   cp_allgather,      // context parallelism's keys and values
   cp_reducescatter,  // and their gradients
+  cp_ring_forward,   // Transformer Engine's ring: what its sends add beside an attention kernel
+  cp_ring_backward,
   flash_attention,  // FlashAttention 2 (attention_efficiency)
   cudnn_attention,  // cuDNN's fused attention, the same work (cudnn_attention_efficiency)
   accumulate,  // a weight-gradient product accumulating into FP32
@@ -183,6 +186,8 @@ KernelClass classify(const KernelWork& w) {
   if (w.kernel == "tp.reducescatter") return KernelClass::tp_reducescatter;
   if (w.kernel == "cp.allgather") return KernelClass::cp_allgather;
   if (w.kernel == "cp.reducescatter") return KernelClass::cp_reducescatter;
+  if (w.kernel == "cp.ring.forward") return KernelClass::cp_ring_forward;
+  if (w.kernel == "cp.ring.backward") return KernelClass::cp_ring_backward;
   if (w.kernel.rfind("flash_attention", 0) == 0) return KernelClass::flash_attention;
   if (w.kernel.rfind("cudnn_attention", 0) == 0) return KernelClass::cudnn_attention;
   if (w.kernel == "linear.backward_weight_accumulate") return KernelClass::accumulate;
@@ -199,6 +204,7 @@ struct FrameworkPricer {
   double peak = 0, attention_peak = 0, elem = 2;
   bool apex_layernorm = false;
   GroupShape tp_group, cp_group;
+  P2pChannels cp_channels;  // a send's channels on the context-parallel communicator
 
   explicit FrameworkPricer(const Plan& p) : plan(p), cl(p.config.cluster) {
     const DType compute = p.config.precision.compute;
@@ -213,6 +219,17 @@ struct FrameworkPricer {
     tp_group = GroupShape{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
     const int cp_per_node = p.cp_members_per_node();
     cp_group = GroupShape{p.cp, (p.cp + cp_per_node - 1) / cp_per_node, cp_per_node};
+    cp_channels = nccl_p2p_channel_range(p.cp, cp_group.nodes > 1, cl);
+  }
+
+  // A causal decoder's attention kernel: it skips the tiles above the diagonal (128-row tiles)
+  // and computes those on it whole: half the m x n scores and 64 more per key, n the keys (every
+  // query's under context parallelism, whose m = n / cp queries are load-balanced chunks, each
+  // with its own diagonal).
+  double attention_seconds(const KernelShape& s, bool cudnn) const {
+    const double causal = std::min(1.0, 0.5 + 64.0 / static_cast<double>(s.n));
+    const double efficiency = cudnn ? cl.cudnn_attention_efficiency : cl.attention_efficiency;
+    return s.flops() * causal / (attention_peak * efficiency);
   }
 
   // What a product's price takes from its shape alone (the same at any rate): its FLOPs, the
@@ -253,16 +270,26 @@ struct FrameworkPricer {
       case KernelClass::cp_allgather: return nccl_collective(OpKind::AllGather, cp_group, w.bytes, cl).seconds;
       case KernelClass::cp_reducescatter: return nccl_collective(OpKind::ReduceScatter, cp_group, w.bytes, cl).seconds;
       case KernelClass::flash_attention:
-      case KernelClass::cudnn_attention: {
-        // A causal decoder: the kernel skips the tiles above the diagonal (128-row tiles) and
-        // computes those on it whole: half the m x n scores and 64 more per key, n the keys (every
-        // query's under context parallelism, whose m = n / cp queries are load-balanced chunks,
-        // each with its own diagonal).
-        const double T = static_cast<double>(w.shape.n);
-        const double causal = std::min(1.0, 0.5 + 64.0 / T);
-        const double efficiency =
-            f.cls == KernelClass::cudnn_attention ? cl.cudnn_attention_efficiency : cl.attention_efficiency;
-        return w.shape.flops() * causal / (attention_peak * efficiency);
+      case KernelClass::cudnn_attention: return attention_seconds(w.shape, f.cls == KernelClass::cudnn_attention);
+      // Transformer Engine's ring (AttnFuncWithCPAndKVP2P): c steps, each the attention of this
+      // GPU's queries with one GPU's chunk (1/c of the kernel's work, load-balanced), while the
+      // chunk in hand goes on to the next GPU; the c - 1 sends cost what their step's attention
+      // does not cover. The backward sends keys, values and their gradients each step, and the
+      // last gradients home once more, exposed. The ring's slowest hop sets its step: the NIC's
+      // once the group spans nodes.
+      case KernelClass::cp_ring_forward:
+      case KernelClass::cp_ring_backward: {
+        const int c = plan.cp;
+        const double step = attention_seconds(w.shape, plan.config.model.attention == AttentionKernel::cudnn) / c;
+        auto send = [&](double bytes) {
+          const bool across = cp_group.nodes > 1;
+          const LinkConfig& link = across ? cl.inter_node : cl.intra_node;
+          return us_to_seconds(link.latency_us) +
+                 bytes / nccl_p2p_bytes_per_second(bytes, !across, cp_channels, across, cl);
+        };
+        double exposed = (c - 1) * std::max(0.0, send(w.bytes) - step);
+        if (f.cls == KernelClass::cp_ring_backward) exposed += send(w.bytes / 2);
+        return exposed;
       }
       // A weight-gradient product fused with gradient accumulation reads and writes its FP32
       // main_grad tile (Megatron-LM's wgrad_gemm_accum_fp32): gemm_seconds(w.shape, elem, peak,
@@ -458,7 +485,8 @@ std::vector<std::vector<PricedKernel>> framework_kernel_prices(const Plan& plan)
         const char* bound = "memory";
         if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
             f.cls == KernelClass::tp_reducescatter || f.cls == KernelClass::cp_allgather ||
-            f.cls == KernelClass::cp_reducescatter)
+            f.cls == KernelClass::cp_reducescatter || f.cls == KernelClass::cp_ring_forward ||
+            f.cls == KernelClass::cp_ring_backward)
           bound = "collective";
         else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::cudnn_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
           bound = "compute";
