@@ -5,6 +5,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/commands.h"
@@ -58,9 +59,12 @@ std::string format_kernel_prices(const Plan& plan) {
       const KernelWork& w = k.work;
       std::string rate;
       const double each = k.seconds / std::max(1, w.count);
-      if (each > 0 && w.shape.is_matmul())
+      // A collective's rate is its bytes'; a context-parallel ring entry (the attention kernel's
+      // shape, one step's bytes, only what its sends add beside that kernel) has none to show.
+      const bool collective = std::string_view(k.bound) == "collective";
+      if (each > 0 && w.shape.is_matmul() && !collective)
         rate = fmt::format("{:.1f} TF/s", w.shape.flops() / each / 1e12);
-      else if (each > 0 && w.bytes > 0)
+      else if (each > 0 && w.bytes > 0 && !(collective && w.shape.is_matmul()))
         rate = fmt::format("{:.0f} GB/s", w.bytes / each / 1e9);
       out += fmt::format("  {:<6} {:<40} {:<5} {:>22} {:>5} {:>10.3f} {:>5.1f}% {:>12}  {}\n",
                          kPass[static_cast<int>(k.pass)], w.kernel, dtype_name(w.dtype), shape_text(w), w.count,
