@@ -12,6 +12,15 @@ std::string_view schedule_name(ScheduleKind s) {
   return "?";
 }
 
+std::string parallel_sizes_text(const ParallelismConfig& p) {
+  std::string s = "data " + std::to_string(p.data_parallel_size) + " x pipeline " +
+                  std::to_string(p.pipeline_parallel_size);
+  if (p.virtual_pipeline_stages > 1) s += " (v=" + std::to_string(p.virtual_pipeline_stages) + ")";
+  s += " x tensor " + std::to_string(p.tensor_parallel_size);
+  if (p.context_parallel_size > 1) s += " x context " + std::to_string(p.context_parallel_size);
+  return s;
+}
+
 std::string_view recompute_name(Recompute r) {
   switch (r) {
     case Recompute::none: return "none";

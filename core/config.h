@@ -253,6 +253,9 @@ struct ScenarioConfig {
 
 std::string_view schedule_name(ScheduleKind s);
 std::string_view recompute_name(Recompute r);
+// The parallel sizes as the reports write them: "data 2 x pipeline 4 (v=2) x tensor 2", with
+// " x context c" when context parallelism is on.
+std::string parallel_sizes_text(const ParallelismConfig& p);
 // The backend record runtime.backend names (runtime/backend.h find_backend).
 std::string_view runtime_backend_name(RuntimeBackend b);
 

@@ -86,10 +86,8 @@ std::string format_summary(const Plan& plan, const Result& res) {
                      c.cluster.gpu.empty() ? "custom" : c.cluster.gpu, nodes, nodes > 1 ? "s" : "",
                      c.cluster.gpus_per_node, c.cluster.memory_gib);
   o += fmt::format(
-      "  plan     data {} x pipeline {}{} x tensor {}{}, {} schedule, {} micro-batches of {} per replica (global batch "
-      "{}), ZeRO {}, recompute {}\n",
-      plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp,
-      plan.cp > 1 ? fmt::format(" x context {}", plan.cp) : "", schedule_name(c.parallelism.schedule),
+      "  plan     {}, {} schedule, {} micro-batches of {} per replica (global batch {}), ZeRO {}, recompute {}\n",
+      parallel_sizes_text(c.parallelism), schedule_name(c.parallelism.schedule),
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
       recompute_name(c.training.activation_recompute));
   o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);

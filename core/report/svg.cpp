@@ -343,10 +343,9 @@ void write_timeline_svg(const Plan& plan, const Timeline& timeline, const Result
   o += fmt::format("<text class=\"t\" x=\"12\" y=\"26\">{}: {} schedule, step {}, bubble {:.1f}%</text>\n",
                    escape(name), schedule_name(s.kind), seconds_text(result.step_time_s),
                    100 * result.bubble_fraction);
-  std::string sub = fmt::format("{} | data {} x pipeline {}{} x tensor {}{} | {} micro-batches of {} per replica",
-                                timeline.predicted ? "predicted" : "measured", plan.dp, plan.pp,
-                                plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "", plan.tp,
-                                plan.cp > 1 ? fmt::format(" x context {}", plan.cp) : "", plan.num_microbatches,
+  std::string sub = fmt::format("{} | {} | {} micro-batches of {} per replica",
+                                timeline.predicted ? "predicted" : "measured",
+                                parallel_sizes_text(plan.config.parallelism), plan.num_microbatches,
                                 plan.micro_batch_size);
   if (rows < nranks) sub += fmt::format(" | showing {} of {} ranks: {}", rows, nranks, sample_text(plan, nranks));
   if (!plan.source.empty()) sub += " | " + plan.source;

@@ -769,12 +769,7 @@ namespace {
 
 std::string layout_text(const ScenarioConfig& c, int microbatches) {
   const auto& p = c.parallelism;
-  std::string s = fmt::format("data {} x pipeline {}{} x tensor {}{}, {}, ", p.data_parallel_size,
-                              p.pipeline_parallel_size,
-                              p.virtual_pipeline_stages > 1 ? fmt::format(" (v={})", p.virtual_pipeline_stages) : "",
-                              p.tensor_parallel_size,
-                              p.context_parallel_size > 1 ? fmt::format(" x context {}", p.context_parallel_size) : "",
-                              schedule_name(p.schedule));
+  std::string s = fmt::format("{}, {}, ", parallel_sizes_text(p), schedule_name(p.schedule));
   if (microbatches > 0)
     s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
   else s += fmt::format("micro-batch size {}", c.training.micro_batch_size);
