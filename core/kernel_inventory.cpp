@@ -310,7 +310,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     // the attention of the chunk in hand does not cover.
     const bool cp_gathers = plan.cp > 1 && plan.cp_comm == ContextParallelComm::all_gather;
     const bool cp_ring = plan.cp > 1 && plan.cp_comm == ContextParallelComm::p2p;
-    const double kv_gathered = static_cast<double>(b) * T * kv / t * e;
+    const double kv_gathered = plan.cp_gathered_kv_elements() * e;
     auto cp_gather = [&] {
       if (cp_gathers) k.memory_bytes("cp.allgather", kv_gathered / e, kv_gathered);
     };

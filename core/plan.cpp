@@ -61,6 +61,11 @@ int Plan::cp_members_per_node() const {
   return std::clamp(per_node / tp, 1, cp);
 }
 
+double Plan::cp_gathered_kv_elements() const {
+  const ModelShape m = shape();
+  return static_cast<double>(micro_batch_size) * m.s * (2.0 * m.h / m.a * m.kv_heads) / tp;
+}
+
 ModelShape Plan::token_shape() const {
   if (cp == 1) return shape();
   ModelConfig local = config.model;

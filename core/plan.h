@@ -84,6 +84,9 @@ struct Plan {
   // The context-parallel group of a rank's GPUs (one per tensor-parallel shard): cp members, tp
   // GPUs apart, over as few nodes as that allows.
   int cp_members_per_node() const;
+  // Elements of the keys and values a context-parallel group gathers for one layer of one
+  // micro-batch on one tensor-parallel shard: every token's K and V of its key/value heads.
+  double cp_gathered_kv_elements() const;
   int node_of(int rank) const { return first_gpu_of(rank) / config.cluster.gpus_per_node; }
   bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
   int num_virtual_stages() const { return pp * vpp; }

@@ -156,8 +156,8 @@ class Compiler {
     const Collective& col = s_.collectives[c];
     // The purpose too: the collective model prices a data-parallel one over its ranks'
     // context-parallel GPUs as well (NetworkCollectiveModel::duration).
-    const auto key = std::make_tuple(static_cast<int>(col.kind) * 8 + static_cast<int>(col.purpose), col.parts,
-                                     col.bytes, col.members);
+    const auto key = std::make_tuple(static_cast<int>(col.kind), static_cast<int>(col.purpose), col.parts, col.bytes,
+                                     col.members);
     auto [it, added] = collective_prices_.try_emplace(key, 0);
     if (added) {
       out_->collectives.push_back(c);
@@ -295,7 +295,7 @@ class Compiler {
   std::int64_t completed_ = 0;
   std::map<std::tuple<std::int32_t, int, int, bool, double>, std::int32_t> compute_prices_;
   std::map<std::tuple<std::int32_t, std::int32_t, Bytes>, std::int32_t> send_prices_;
-  std::map<std::tuple<int, int, Bytes, std::vector<int>>, std::int32_t> collective_prices_;
+  std::map<std::tuple<int, int, int, Bytes, std::vector<int>>, std::int32_t> collective_prices_;
 };
 
 }  // namespace

@@ -65,9 +65,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
     // gathered, and their gradients before the reduce-scatter (the forward's gather is freed
     // once the kernel has run; the backward gathers again).
     if (has_layers && plan.cp > 1) {
-      const double kv_gathered = 2.0 * e * static_cast<double>(b) * plan.config.model.seq_length * m.h / m.a *
-                                 m.kv_heads / t;
-      transient += 2.0 * kv_gathered;
+      transient += 2.0 * plan.cp_gathered_kv_elements() * e;
     }
     tables_.transient.push_back(transient);
     // ZeRO-2/3 keep gradients sharded: unsharded, while a backward produces them, only the

@@ -147,8 +147,7 @@ struct PlanResult {
 // schedule x virtual_pipeline_stages {1, 2}, activation_recompute, zero_stage {0, 1, 2, 3},
 // sequence_parallel, communication.overlap_grad_reduce, and for sequences of kLongContextTokens
 // or more context_parallel_size {1, 2, 4, 8}. Hardware and model are not searched.
-// From this length a layer's attention does more work than its products at Llama-class widths
-// (4 s h a layer against 24 h^2 + 6 h f per token: s >= 6h + 1.5 f, about 16K for h = 4096).
+// From this length NeMo's long-context recipes split sequences (`llama3_8b_16k`: TP 4 x CP 2).
 inline constexpr int kLongContextTokens = 16384;
 std::vector<SweepAxis> default_search_space(const ScenarioConfig& config);
 // Folds the default space's meaningless combinations into one (applied to every candidate,
