@@ -353,7 +353,7 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(integer("parallelism.context_parallel_size", FIELD(parallelism.context_parallel_size), 1, 1024, "",
                       "Context-parallel ways c: each sequence split over c GPUs (2c load-balanced chunks), which "
                       "exchange K and V for attention as context_parallel_comm says (Llama 3, PyTorch's "
-                      "context_parallel, Megatron-Core); needs flash or cudnn attention"));
+                      "context_parallel, Megatron-Core); the ring (p2p) needs flash or cudnn attention"));
   t.push_back(choice("parallelism.context_parallel_comm", FIELD(parallelism.context_parallel_comm),
                      {{"auto", ContextParallelComm::auto_select},
                       {"all_gather", ContextParallelComm::all_gather},

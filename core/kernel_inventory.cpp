@@ -223,7 +223,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
   const double g = dtype_bytes(cfg.precision.grad_accumulation);
   const bool sp = cfg.parallelism.sequence_parallel && t > 1;
   const double rep = sp ? static_cast<double>(N) * C / t : static_cast<double>(N) * C;  // replicated tensors
-  const double scores = static_cast<double>(b) * H * T * T;  // attention's s x s elements on this rank
+  const double scores = static_cast<double>(b) * H * Tq * T;  // attention's s/cp x s elements on this rank
   const double hidden_mask = m.hidden_dropout ? 1.0 : 0.0;
   const AttentionKernel attn = m.attention;
   // The single attention kernel, named for its implementation (the compute model prices each).
@@ -325,17 +325,17 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       k.add(std::move(w));
     };
     auto attention_core_forward = [&] {
+      cp_gather();
       if (single_kernel_attention(attn)) {
-        cp_gather();
         k.matmul(cudnn ? "cudnn_attention.forward" : "flash_attention.forward", Tq, T, hs, 2 * b * H);
         cp_ring_after("cp.ring.forward", 2 * b * H, kv_gathered / plan.cp);
         return;
       }
-      k.matmul("attention.scores", T, T, hs, b * H);
+      k.matmul("attention.scores", Tq, T, hs, b * H);
       if (attn == AttentionKernel::naive) k.memory("attention.mask", scores, 2);
       k.memory("softmax.forward", scores, 2);
       if (m.attention_dropout) k.memory_random("dropout.forward", scores, scores * (2 * e + 1));
-      k.matmul("attention.context", T, hs, T, b * H);
+      k.matmul("attention.context", Tq, hs, T, b * H);
     };
     // Bytes per element of the elementwise work, fused (Megatron-LM's kernels) or eager (one
     // PyTorch kernel per operation). Eager RMSNorm: cast up, square, mean, multiply, cast down,
@@ -461,18 +461,26 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (eager) k.memory("residual.backward", rep, 3);  // the two branches' gradients summed
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
       linear_backward_input(Cout, C, true);
+      cp_gather();
       if (single_kernel_attention(attn)) {
-        cp_gather();
         k.matmul(cudnn ? "cudnn_attention.backward" : "flash_attention.backward", Tq, T, hs, 5 * b * H);  // five products, S and P recomputed
         cp_reduce();
         cp_ring_after("cp.ring.backward", 5 * b * H, 2 * kv_gathered / plan.cp);
       } else {
-        k.matmul("attention.scores", T, T, hs, b * H);  // dP = dO V^T
-        k.matmul("attention.context", T, hs, T, b * H);  // dV = P^T dO
+        // Under context parallelism the s/cp queries' products with all s keys: dK and dV come out
+        // for every key (T x hs, over the Tq queries) and are reduce-scattered to their GPUs.
+        k.matmul("attention.scores", Tq, T, hs, b * H);  // dP = dO V^T
+        k.matmul("attention.context", T, hs, Tq, b * H);  // dV = P^T dO
         if (m.attention_dropout) k.memory_bytes("dropout.backward", scores, scores * (2 * e + 1));
         k.memory("softmax.backward", scores, 3);
         if (attn == AttentionKernel::naive) k.memory("attention.mask", scores, 2);
-        k.matmul("attention.context", T, hs, T, 2 * b * H);  // dQ = dS K, dK = dS^T Q
+        if (Tq == T) {
+          k.matmul("attention.context", T, hs, T, 2 * b * H);  // dQ = dS K, dK = dS^T Q
+        } else {
+          k.matmul("attention.context", Tq, hs, T, b * H);  // dQ = dS K
+          k.matmul("attention.context", T, hs, Tq, b * H);  // dK = dS^T Q
+        }
+        cp_reduce();
       }
       if (eager && single_kernel_attention(attn)) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (layout_copies) k.memory("qkv.concat", static_cast<double>(N) * qkv, 2);

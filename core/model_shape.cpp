@@ -10,6 +10,7 @@ ModelShape::ModelShape(const ModelConfig& m, bool separate)
       V(m.vocab_size),
       s(m.seq_length),
       L(m.num_layers),
+      keys(m.seq_length),
       separate_projections(separate),
       swiglu(m.swiglu),
       learned_positions(m.position_embedding_type == PositionEmbedding::learned_absolute),
@@ -54,8 +55,8 @@ double ModelShape::layer_weight_matmul_flops(int b) const {
 }
 
 double ModelShape::layer_attention_core_flops(int b) const {
-  // QK^T: a heads x (s x d) x (d x s) and softmax(QK^T) V: the same size; d = h / a.
-  return 2.0 * 2.0 * static_cast<double>(b) * s * s * h;
+  // QK^T: a heads x (s x d) x (d x keys) and softmax(QK^T) V: the same size; d = h / a.
+  return 2.0 * 2.0 * static_cast<double>(b) * s * keys * h;
 }
 
 double ModelShape::layer_forward_flops(int b) const {
@@ -114,7 +115,7 @@ double ModelShape::layer_stored_activation_bytes(int b, int e, int t, bool sp, R
 
 double ModelShape::activation_bytes(int b, int e, int t, bool sp, Recompute r, bool flash) const {
   const double sbh = static_cast<double>(s) * b * h;
-  const double as2b = static_cast<double>(a) * s * s * b;
+  const double as2b = static_cast<double>(a) * s * keys * b;  // the score matrix: s x keys
   const double kv_frac = static_cast<double>(kv_heads) / a;
   const double ffn_ratio = static_cast<double>(f) / h;
   if (r == Recompute::full) return e * sbh / (sp ? t : 1);  // the layer's input only

@@ -83,6 +83,9 @@ struct ModelShape {
   double layer_activation_bytes(int b, int elem_bytes, int t, bool sequence_parallel, Recompute r) const;
 
   int h, a, kv_heads, f, V, s, L;
+  // The keys each of the s tokens' queries attends over: s, but the whole sequence where a GPU
+  // holds s of its tokens (context parallelism: Plan::token_shape), so an s x keys score matrix.
+  int keys;
 
  private:
   double activation_bytes(int b, int e, int t, bool sp, Recompute r, bool flash) const;

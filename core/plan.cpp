@@ -70,7 +70,9 @@ ModelShape Plan::token_shape() const {
   if (cp == 1) return shape();
   ModelConfig local = config.model;
   local.seq_length = local_seq_length();
-  return ModelShape(local, framework == Framework::fsdp && !runtime_decoder);
+  ModelShape shape(local, framework == Framework::fsdp && !runtime_decoder);
+  shape.keys = config.model.seq_length;  // its queries attend over the whole sequence's keys
+  return shape;
 }
 
 double Plan::shard_params(int vs) const { return shard_params_of(*this, shape(), vs); }
@@ -278,8 +280,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   if (par.sequence_parallel && t == 1)
     ck.error("parallelism.sequence_parallel", "sequence_parallel needs tensor_parallel_size > 1 (it is 1)");
   // Context parallelism cuts each sequence into 2c chunks (the causal mask's work even over the
-  // c GPUs) and runs attention as one kernel over the gathered keys: an unfused core would hold
-  // each GPU's s/c x s scores.
+  // c GPUs); its attention core (below, with the framework) runs over the gathered keys.
   if (cp > 1) {
     if (m.seq_length % (2 * cp) != 0)
       ck.error("parallelism.context_parallel_size",
@@ -287,12 +288,6 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                            "divide seq_length({})",
                            cp, cp, 2 * cp, m.seq_length),
                {"model.seq_length"});
-    if (!single_kernel_attention(m.attention))
-      ck.error("parallelism.context_parallel_size",
-               fmt::format("context_parallel_size({}) needs model.attention flash or cudnn (it is {}): context "
-                           "parallelism runs attention as one kernel over the gathered keys and values",
-                           cp, m.attention == AttentionKernel::fused ? "fused" : "naive"),
-               {"model.attention"});
     if (cl.calibrated)
       ck.error("parallelism.context_parallel_size",
                fmt::format("context_parallel_size({}) with a calibrated profile (cluster.profile): a profile prices "
@@ -437,6 +432,21 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                          fw == Framework::megatron ? "megatron" : "deepspeed"),
              {"parallelism.framework"});
 
+  // The ring (Transformer Engine's p2p, Megatron-Core's default) runs attention one chunk of keys
+  // at a time, a kernel per step: flash or cudnn. Gathered keys (all_gather) suit any core; an
+  // unfused one holds the GPU's s/c x s scores (the runtime's decoder runs so).
+  const ContextParallelComm cp_comm = par.context_parallel_comm != ContextParallelComm::auto_select
+                                          ? par.context_parallel_comm
+                                      : fw == Framework::megatron ? ContextParallelComm::p2p
+                                                                  : ContextParallelComm::all_gather;
+  if (cp > 1 && cp_comm == ContextParallelComm::p2p && !single_kernel_attention(m.attention))
+    ck.error("parallelism.context_parallel_size",
+             fmt::format("context_parallel_size({}) as a ring (context_parallel_comm {}) needs model.attention "
+                         "flash or cudnn (it is {}): the ring runs attention a chunk of keys at a time; use "
+                         "context_parallel_comm: all_gather for an unfused core",
+                         cp, par.context_parallel_comm == ContextParallelComm::p2p ? "p2p" : "auto, under megatron",
+                         m.attention == AttentionKernel::fused ? "fused" : "naive"),
+             {"model.attention", "parallelism.context_parallel_comm"});
   if (!ck.errors.empty()) throw ScenarioError(std::move(ck.errors));
 
   plan.config = c;
@@ -445,9 +455,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.pp = p;
   plan.tp = t;
   plan.cp = cp;
-  plan.cp_comm = par.context_parallel_comm != ContextParallelComm::auto_select ? par.context_parallel_comm
-                 : fw == Framework::megatron                                  ? ContextParallelComm::p2p
-                                                                              : ContextParallelComm::all_gather;
+  plan.cp_comm = cp_comm;
   plan.vpp = v;
   plan.num_microbatches = mb;
   plan.framework = fw;

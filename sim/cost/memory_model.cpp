@@ -27,7 +27,7 @@ ModelStateBytes model_state_bytes(const Plan& plan, double params) {
 }
 
 // shape_ holds one GPU's tokens of each sequence (Plan::token_shape): every activation below is
-// token by token under context parallelism (attention runs as one kernel, flash or cudnn).
+// token by token under context parallelism, an unfused core's scores s/cp x s (ModelShape::keys).
 MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shape()) {
   const ModelShape& m = shape_;
   const auto& cfg = plan.config;
