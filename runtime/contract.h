@@ -145,7 +145,7 @@ struct RunOptions {
 // A rank as the engine ran it: its coordinates in the plan's grid (runtime/engine/world.h) and
 // the schedule rank (stage * dp + replica) whose program it ran, with its accounted memory peak.
 struct ExecutedRank {
-  int rank = 0, dp = 0, pp = 0, tp = 0;
+  int rank = 0, dp = 0, pp = 0, tp = 0, cp = 0;
   int schedule_rank = 0;
   MemoryBreakdown memory;
 };
@@ -159,7 +159,7 @@ struct RunReport {
   // no step was reported.
   std::vector<double> layer_seconds;
   std::vector<MemoryBreakdown> memory;  // per schedule rank, at its peak over the run (its largest shard's)
-  std::vector<ExecutedRank> executed_ranks;  // every rank the engine ran (dp * pp * tp of them)
+  std::vector<ExecutedRank> executed_ranks;  // every rank the engine ran (dp * pp * tp * cp of them)
   // Per rank, the device memory its allocators handed out at its peak step (CUDA backend: the
   // rank's charged cudaMallocs plus its stream-ordered pool's high-water mark); empty on the CPU,
   // where ranks share one heap and `memory` is the only account.

@@ -54,11 +54,14 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
           {"parallelism.pipeline_parallel_size", "parallelism.virtual_pipeline_stages"});
   if (scenario_config.precision.compute == DType::fp8)
     error("precision.compute", "the runtime does not emulate fp8 compute; use fp16, bf16, tf32 or fp32");
-  if (par.context_parallel_size > 1)
-    error("parallelism.context_parallel_size",
-          fmt::format("the runtime does not execute context parallelism yet (context_parallel_size {}): its "
-                      "attention would need the gathered keys and values; `simulate` and `sweep` predict such plans",
-                      par.context_parallel_size));
+  // Context parallelism cuts each sequence into 2 x cp chunks (runtime/model/stage_layout.h).
+  const int cp = par.context_parallel_size;
+  if (cp > 1 && rt.seq_length % (2 * cp) != 0)
+    error("runtime.model.seq_length",
+          fmt::format("seq_length({}) is not divisible by 2 x context_parallel_size({}) = {}: each context-parallel "
+                      "rank holds two of the sequence's 2 x {} equal chunks",
+                      rt.seq_length, cp, 2 * cp, cp),
+          {"parallelism.context_parallel_size"});
   if (!scenario_config.runtime.data_synthetic && rt.vocab_size < 256)
     error("runtime.model.vocab_size",
           fmt::format("vocab_size({}) is too small for byte-level text (256 tokens); use 256 or more, or "
@@ -87,11 +90,15 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
                         "are split over the vocabulary",
                         rt.vocab_size, tp),
             {tp_key});
-    if (par.sequence_parallel && rt.seq_length % tp != 0)
+    if (par.sequence_parallel && (rt.seq_length / std::max(1, par.context_parallel_size)) % tp != 0)
       error("runtime.model.seq_length",
-            fmt::format("seq_length({}) is not divisible by tensor_parallel_size({}) under sequence_parallel: each "
-                        "shard holds 1/{} of the sequence",
-                        rt.seq_length, tp, tp),
+            fmt::format("seq_length({}){} is not divisible by tensor_parallel_size({}) under sequence_parallel: each "
+                        "shard holds 1/{} of the {}",
+                        rt.seq_length,
+                        par.context_parallel_size > 1
+                            ? fmt::format(" / context_parallel_size({})", par.context_parallel_size)
+                            : std::string(),
+                        tp, tp, par.context_parallel_size > 1 ? "context-parallel rank's rows" : "sequence"),
             {tp_key, "parallelism.sequence_parallel"});
   }
   if (!errors.empty()) throw ScenarioError(std::move(errors));
@@ -114,8 +121,14 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
       out.notes.push_back("parallelism.layers_per_stage does not sum to the runtime model's layers; split evenly");
   }
 
+  // The runtime's context parallelism gathers the keys and values before each attention (its
+  // decoder's unfused core has no per-chunk kernel for a ring to hide sends behind).
+  if (cp > 1 && par.context_parallel_comm == ContextParallelComm::p2p)
+    out.notes.push_back("context parallelism runs as all-gathers of the keys and values (context_parallel_comm: "
+                        "all_gather), not a ring");
+  c.parallelism.context_parallel_comm = ContextParallelComm::all_gather;
   c.cluster.num_gpus = c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size *
-                       c.parallelism.tensor_parallel_size;
+                       c.parallelism.tensor_parallel_size * cp;
   c.cluster.gpus_per_node = std::max(1, std::min(c.cluster.gpus_per_node, c.cluster.num_gpus));
   out.plan = scenario ? [&] {
     Scenario s = *scenario;
@@ -134,15 +147,17 @@ RuntimePlan make_runtime_plan(const Scenario& scenario) { return build(scenario.
 RuntimePlan make_runtime_plan(const ScenarioConfig& config) { return build(config, nullptr); }
 
 namespace {
-// The tensor-parallel settings of every stage of the plan.
-void set_tensor_parallel(StageSpec& spec, const Plan& plan, int tensor_parallel_rank) {
+// The tensor- and context-parallel settings of every stage of the plan.
+void set_model_parallel(StageSpec& spec, const Plan& plan, int tensor_parallel_rank, int context_parallel_rank) {
   spec.tensor_parallel_size = plan.tp;
   spec.tensor_parallel_rank = tensor_parallel_rank;
   spec.sequence_parallel = plan.tp > 1 && plan.config.parallelism.sequence_parallel;
+  spec.context_parallel_size = plan.cp;
+  spec.context_parallel_rank = context_parallel_rank;
 }
 }  // namespace
 
-StageSpec stage_spec(const RuntimePlan& rp, int vs, int tensor_parallel_rank) {
+StageSpec stage_spec(const RuntimePlan& rp, int vs, int tensor_parallel_rank, int context_parallel_rank) {
   const Plan& plan = rp.plan;
   const int V = plan.num_virtual_stages();
   int first_layer = 0;
@@ -157,7 +172,7 @@ StageSpec stage_spec(const RuntimePlan& rp, int vs, int tensor_parallel_rank) {
   spec.grad_accumulation = plan.config.precision.grad_accumulation;
   spec.micro_batch_size = plan.micro_batch_size;
   spec.recompute = plan.config.training.activation_recompute;
-  set_tensor_parallel(spec, plan, tensor_parallel_rank);
+  set_model_parallel(spec, plan, tensor_parallel_rank, context_parallel_rank);
   return spec;
 }
 
@@ -170,7 +185,7 @@ StageSpec middle_stage_spec(const RuntimePlan& rp, int layers) {
   spec.grad_accumulation = rp.plan.config.precision.grad_accumulation;
   spec.micro_batch_size = rp.plan.micro_batch_size;
   spec.recompute = rp.plan.config.training.activation_recompute;
-  set_tensor_parallel(spec, rp.plan, 0);
+  set_model_parallel(spec, rp.plan, 0, 0);
   return spec;
 }
 

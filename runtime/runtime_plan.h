@@ -27,8 +27,9 @@ struct RuntimePlan {
 RuntimePlan make_runtime_plan(const Scenario& scenario);
 RuntimePlan make_runtime_plan(const ScenarioConfig& config);
 
-// The executed StageSpec of virtual stage `vstage`, on tensor-parallel shard `tensor_parallel_rank`.
-StageSpec stage_spec(const RuntimePlan& rp, int vstage, int tensor_parallel_rank = 0);
+// The executed StageSpec of virtual stage `vstage`, on tensor-parallel shard `tensor_parallel_rank`
+// of context-parallel rank `context_parallel_rank`.
+StageSpec stage_spec(const RuntimePlan& rp, int vstage, int tensor_parallel_rank = 0, int context_parallel_rank = 0);
 // A middle stage (no embedding, no head) of `layers` blocks at the plan's shapes (shard 0 of a
 // tensor-parallel plan's): what the kernel calibrators time against the sum of their kernels
 // (composition, per-rank factors).

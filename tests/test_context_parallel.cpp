@@ -212,11 +212,13 @@ TEST(ContextParallel, TheLayoutIsCheckedAndExplained) {
   }
   c = llama_config(1, 3, 1, 8192);  // 6 chunks do not divide 8192
   EXPECT_THROW(Plan::from_config(c), ScenarioError);
+  // The ring runs attention a chunk of keys at a time: an unfused core cannot be its step.
   c = llama_config(1, 2, 1, 8192);
   c.model.attention = AttentionKernel::fused;
+  c.parallelism.context_parallel_comm = ContextParallelComm::p2p;
   try {
     Plan::from_config(c);
-    FAIL() << "an unfused attention core under context parallelism";
+    FAIL() << "an unfused attention core as the ring's step";
   } catch (const ScenarioError& e) {
     EXPECT_NE(std::string(e.what()).find("flash or cudnn"), std::string::npos) << e.what();
   }
@@ -235,12 +237,37 @@ TEST(ContextParallel, TheLayoutIsCheckedAndExplained) {
       "parallelism: {tensor_parallel_size: 2, context_parallel_size: 4}\n",
       "cp.yaml");
   EXPECT_EQ(sc.config.parallelism.data_parallel_size, 4);
-  // The runtime says it does not execute it, rather than running something else.
-  try {
-    runtime::make_runtime_plan(sc);
-    FAIL() << "the runtime ran a context-parallel plan";
-  } catch (const ScenarioError& e) {
-    EXPECT_NE(std::string(e.what()).find("does not execute context parallelism"), std::string::npos) << e.what();
+  // The runtime executes it as it runs it (tests/runtime/test_executor.cpp): gathered keys and
+  // values around its unfused core, whatever the scenario's framework would pick.
+  const runtime::RuntimePlan rp = runtime::make_runtime_plan(sc);
+  EXPECT_EQ(rp.plan.cp, 4);
+  EXPECT_EQ(rp.plan.cp_comm, ContextParallelComm::all_gather);
+  EXPECT_EQ(rp.plan.config.cluster.num_gpus, 32);
+}
+
+// An unfused core with gathered keys (the runtime's decoder: it writes its probabilities) holds each
+// GPU's s/c queries' scores over all s keys: a layer keeps what a model of s/c tokens keeps, plus
+// the scores of the s - s/c keys the others hold.
+TEST(ContextParallel, AnUnfusedCoreKeepsItsQueriesScoresOverEveryKey) {
+  for (const AttentionKernel core : {AttentionKernel::naive, AttentionKernel::fused}) {
+    ScenarioConfig c = llama_config(1, 4, 1, 8192);
+    c.model.attention = core;
+    const Plan split = Plan::from_config(c);
+    ScenarioConfig local = llama_config(1, 1, 1, 2048);
+    local.model.attention = core;
+    const ModelShape whole_keys = split.token_shape(), own_keys = Plan::from_config(local).shape();
+    EXPECT_EQ(whole_keys.s, 2048);
+    EXPECT_EQ(whole_keys.keys, 8192);
+    const double e = 2, b = 1, a = whole_keys.a;
+    const double extra = e * a * b * 2048.0 * (8192 - 2048);
+    EXPECT_DOUBLE_EQ(whole_keys.layer_stored_activation_bytes(1, 2, 1, false, Recompute::none),
+                     own_keys.layer_stored_activation_bytes(1, 2, 1, false, Recompute::none) + extra);
+    // Its products run the s/c queries against every key; the keys and values are gathered first.
+    auto priced = priced_by_kernel(split);
+    EXPECT_EQ(priced["cp.allgather"].count, 2 * 4) << "before each layer's forward and backward core";
+    EXPECT_EQ(priced["cp.reducescatter"].count, 4);
+    EXPECT_EQ(priced["attention.scores"].last.shape.m, 2048);
+    EXPECT_EQ(priced["attention.scores"].last.shape.n, 8192);
   }
 }
 

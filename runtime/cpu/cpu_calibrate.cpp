@@ -35,7 +35,7 @@
 #include "runtime/engine/world.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
-#include "runtime/model/tensor_parallel.h"
+#include "runtime/model/model_parallel.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
 #include "runtime/numerics/splitmix64.h"

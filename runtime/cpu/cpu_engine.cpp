@@ -31,7 +31,8 @@
 #include "runtime/engine/weights.h"
 #include "runtime/engine/zero.h"
 #include "runtime/loop/run_loop.h"
-#include "runtime/model/tensor_parallel.h"
+#include "runtime/model/model_parallel.h"
+#include "runtime/model/stage_layout.h"
 #include "runtime/numerics/loss_scaler.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
@@ -50,13 +51,16 @@ std::int64_t count_nonfinite(std::span<const float> xs) {
 
 // One rank: its model chunks, optimizer, scaler, buffers and this step's state.
 struct Rank {
-  int rank = 0, stage = 0, replica = 0, shard = 0;  // shard: its tensor-parallel coordinate
+  int rank = 0, stage = 0, replica = 0;
+  int shard = 0;               // which of its cell's shards (World::shard_of: tp + TP * cp)
+  int tp_rank = 0, cp_rank = 0;  // its tensor- and context-parallel coordinates
   const RankProgram* program = nullptr;             // its cell's (World::cell)
   std::unique_ptr<Communicator> comm;         // its compute thread's: receives, sends, the norm
   std::unique_ptr<Communicator> collectives;  // its communication thread's
-  // Its compute thread's tensor-parallel collectives (tp > 1): the group over `tp_comm`.
+  // Its compute thread's collectives inside the passes (tp or cp > 1): the tensor- and context-
+  // parallel groups over `tp_comm`.
   std::unique_ptr<Communicator> tp_comm;
-  std::unique_ptr<CommunicatorGroup> tensor_parallel;
+  std::unique_ptr<CommunicatorGroup> tensor_parallel, context_parallel;
   std::vector<StageModel> chunks;  // local chunk j holds virtual stage j * pp + stage
   std::vector<OptimizerState> optimizers;
   std::vector<std::vector<std::uint8_t>> decay_masks;
@@ -157,8 +161,8 @@ class CpuEngine final : public DeviceEngine {
     comm_first_ = comm_first_asked_ && may_run_first_on_core();
     if (!pinned_) {
       check_turns(options.core_turns);
-      gate_ = std::make_unique<CoreGate>(host_cores(), world_.num_cells(), world_.tensor_parallel(), options.core_turns,
-                                         options.comm_timeout, cpu_turns_wait_first(world_.tensor_parallel(), comm_first_));
+      gate_ = std::make_unique<CoreGate>(host_cores(), world_.num_cells(), world_.shards_per_cell(), options.core_turns,
+                                         options.comm_timeout, cpu_turns_wait_first(world_.shards_per_cell(), comm_first_));
     }
     std::vector<std::size_t> grad_elems(static_cast<std::size_t>(shape_.virtual_stages), 0);
     ranks_.resize(static_cast<std::size_t>(world_.size()));
@@ -168,7 +172,9 @@ class CpuEngine final : public DeviceEngine {
       rk->rank = r;
       rk->stage = world_.coord(r).pp;
       rk->replica = world_.coord(r).dp;
-      rk->shard = world_.coord(r).tp;
+      rk->shard = world_.shard_of(r);
+      rk->tp_rank = world_.coord(r).tp;
+      rk->cp_rank = world_.coord(r).cp;
       rk->program = &schedule_->ranks[static_cast<std::size_t>(world_.cell(r))];
       // Pinned, a rank's waiting thread polls while its core has nothing else to run: the compute
       // thread always (its communication thread preempts it when woken), the communication thread
@@ -183,15 +189,18 @@ class CpuEngine final : public DeviceEngine {
       const auto off = std::chrono::microseconds{0};
       rk->comm = comm_world_.communicator(r, pinned_ ? kCpuCommPoll : off);
       rk->collectives = comm_world_.communicator(r, polls.first, nullptr, polls.in_call);
-      if (world_.tensor_parallel() > 1) {
+      if (world_.shards_per_cell() > 1)
         rk->tp_comm = comm_world_.communicator(r, kCpuCommPoll, gate_ ? gate_->may_poll(world_.cell(r)) : nullptr);
+      if (world_.tensor_parallel() > 1)
         rk->tensor_parallel = std::make_unique<CommunicatorGroup>(*rk->tp_comm, world_.tensor_parallel_group(r));
-      }
+      if (world_.context_parallel() > 1)
+        rk->context_parallel = std::make_unique<CommunicatorGroup>(*rk->tp_comm, world_.context_parallel_group(r));
       for (int j = 0; j < shape_.vpp; ++j) {
         const int vs = shape_.vstage_of_chunk(rk->stage, j);
-        rk->chunks.emplace_back(stage_spec(rp_, vs, rk->shard));
+        rk->chunks.emplace_back(stage_spec(rp_, vs, rk->tp_rank, rk->cp_rank));
         StageModel& model = rk->chunks.back();
         model.set_tensor_parallel_group(rk->tensor_parallel.get());
+        model.set_context_parallel_group(rk->context_parallel.get());
         model.init(static_cast<std::uint64_t>(cfg.runtime.seed));
         round_master(model);
         rk->optimizers.emplace_back(os, model.master_weights().size());
@@ -209,7 +218,7 @@ class CpuEngine final : public DeviceEngine {
     }
     buckets_ = gradient_buckets(*schedule_, shape_.virtual_stages, grad_elems);
     sent_at_ = std::vector<std::atomic<Tick>>(static_cast<std::size_t>(schedule_->num_messages) *
-                                              static_cast<std::size_t>(world_.tensor_parallel()));
+                                              static_cast<std::size_t>(world_.shards_per_cell()));
     if (plan_.zero() >= 1) setup_zero(os);
   }
 
@@ -218,8 +227,14 @@ class CpuEngine final : public DeviceEngine {
   Execution execution() const override {
     const int n = world_.size();
     const std::string shards =
-        world_.tensor_parallel() > 1
-            ? fmt::format(" ({} schedule ranks x {} tensor-parallel shards)", world_.num_cells(), world_.tensor_parallel())
+        world_.shards_per_cell() > 1
+            ? fmt::format(" ({} schedule ranks x {})", world_.num_cells(),
+                          world_.context_parallel() == 1
+                              ? fmt::format("{} tensor-parallel shards", world_.tensor_parallel())
+                          : world_.tensor_parallel() == 1
+                              ? fmt::format("{} context-parallel ranks", world_.context_parallel())
+                              : fmt::format("{} context-parallel ranks x {} tensor-parallel shards",
+                                            world_.context_parallel(), world_.tensor_parallel()))
             : "";
     const bool waiting_first = gate_ && gate_->waiting_first();
     const std::string comm = comm_first_ ? (waiting_first ? "; communication threads, and compute threads outside their turns, run "
@@ -486,13 +501,24 @@ class CpuEngine final : public DeviceEngine {
     model.refresh_working_weights();
   }
 
+  // What context-parallel rank `cp_rank` reads of a micro-batch: its two chunks of every sequence
+  // (runtime/model/stage_layout.h); the whole micro-batch without context parallelism.
+  MicroBatchTokens context_parallel_batch(MicroBatchTokens mb, int cp_rank) const {
+    if (plan_.cp == 1) return mb;
+    mb.tokens = context_parallel_rows(mb.tokens, mb.batch, mb.seq_length, plan_.cp, cp_rank);
+    mb.targets = context_parallel_rows(mb.targets, mb.batch, mb.seq_length, plan_.cp, cp_rank);
+    mb.seq_length /= plan_.cp;
+    return mb;
+  }
+
   void prepare_step(Rank& rk, int step, std::uint64_t data_position) {
     rk.step = step;
     const int m = shape_.microbatches;
     rk.batches.clear();
     if (shape_.needs_data(rk.stage))
       for (int mb = 0; mb < m; ++mb)
-        rk.batches.push_back(data_.microbatch(data_position, rk.replica, mb, plan_.dp, plan_.micro_batch_size));
+        rk.batches.push_back(context_parallel_batch(
+            data_.microbatch(data_position, rk.replica, mb, plan_.dp, plan_.micro_batch_size), rk.cp_rank));
     for (auto* v : {&rk.act_in, &rk.act_out, &rk.grad_out, &rk.grad_in}) {
       v->resize(shape_.slots());
       for (auto& b : *v) b.clear();
@@ -517,6 +543,7 @@ class CpuEngine final : public DeviceEngine {
     }
     rk.walk.reset(rk.program->ops.size());
     if (rk.tensor_parallel) rk.tensor_parallel->restart(tensor_parallel_tag(step));
+    if (rk.context_parallel) rk.context_parallel->restart(context_parallel_tag(step));
     std::fill(rk.arrival.begin(), rk.arrival.end(), -1);
     rk.local_nonfinite = 0;
     rk.reduced.clear();
@@ -617,7 +644,7 @@ class CpuEngine final : public DeviceEngine {
   int peer(const Rank& rk, const Op& op) const { return world_.shard(op.peer, rk.shard); }
   // Where a message's send time is kept: per message of the cell's program and shard.
   std::size_t sent_index(const Rank& rk, const Op& op) const {
-    return static_cast<std::size_t>(op.channel) * static_cast<std::size_t>(world_.tensor_parallel()) +
+    return static_cast<std::size_t>(op.channel) * static_cast<std::size_t>(world_.shards_per_cell()) +
            static_cast<std::size_t>(rk.shard);
   }
 
@@ -718,7 +745,7 @@ class CpuEngine final : public DeviceEngine {
         if (op.channel < 0) {
           // Local: only what this rank computed itself, before any reduction.
           std::int64_t own = rk.local_nonfinite;
-          if (plan_.dp == 1)
+          if (plan_.data_shards() == 1)
             for (auto& c : rk.chunks) own += count_nonfinite(c.gradients());
           rk.found_nonfinite = own > 0;
           return;
@@ -771,7 +798,7 @@ class CpuEngine final : public DeviceEngine {
     for (int j = 0; j < shape_.vpp; ++j) {
       StageModel& model = rk.chunks[j];
       auto counted = norm_ranges(shape_.vstage_of_chunk(rk.stage, j), shape_.virtual_stages, model.params(),
-                                 model.token_embedding(), rk.shard);
+                                 model.token_embedding(), rk.tp_rank);
       if (rk.zero.empty()) {
         parts.push_back({model.master_weights(), model.gradients(), rk.decay_masks[j], std::move(counted)});
         continue;
@@ -789,7 +816,7 @@ class CpuEngine final : public DeviceEngine {
       for (const auto& [from, to] : p.counted)
         for (std::size_t i = from; i < to; ++i) sumsq += static_cast<double>(p.grads[i]) * p.grads[i];
     }
-    float total = static_cast<float>(rk.zero.empty() ? sumsq / plan_.dp : sumsq);
+    float total = static_cast<float>(rk.zero.empty() ? sumsq / plan_.data_shards() : sumsq);
     core.reset();
     rk.comm->all_reduce(std::span<float>(&total, 1), world_.everyone(), norm_tag(rk.step, *schedule_), ReduceOp::sum,
                         DType::fp32, Divide::none);
@@ -876,7 +903,7 @@ class CpuEngine final : public DeviceEngine {
         StageModel& model = rk->chunks[j];
         const ParamInfo te = V > 1 ? model.token_embedding() : ParamInfo{};
         Rank::ZeroShard z;
-        z.plan = plan_zero_chunk(plan_, model.spec(), model.params(), buckets_.ranges[vs], te, plan_.dp, pos);
+        z.plan = plan_zero_chunk(plan_, model.spec(), model.params(), buckets_.ranges[vs], te, plan_.data_shards(), pos);
         const std::size_t S = z.plan.layout.shard_size();
         z.master.assign(S, 0.0f);
         z.plan.layout.take(pos, model.master_weights(), z.master);
@@ -948,7 +975,7 @@ class CpuEngine final : public DeviceEngine {
       const int j = shape_.local_chunk(op);
       const auto& z = rk.zero[j];
       const ShardGroup& g = z.plan.buckets[static_cast<std::size_t>(op.bucket)];
-      std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp));
+      std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.data_shards()));
       const std::span<float> grads = rk.chunks[j].gradients();
       z.plan.layout.pack(g, grads, buf);
       std::fill(grads.begin() + static_cast<std::ptrdiff_t>(g.lo), grads.begin() + static_cast<std::ptrdiff_t>(g.hi), 0.0f);
@@ -986,7 +1013,7 @@ class CpuEngine final : public DeviceEngine {
       rk.staged.erase(index);
       buf = staged;
     } else {  // once per step, after the chunk's last backward: nothing writes the flat gradients any more
-      buf = scratch(rk, g.section * static_cast<std::size_t>(plan_.dp));
+      buf = scratch(rk, g.section * static_cast<std::size_t>(plan_.data_shards()));
       z.plan.layout.pack(g, rk.chunks[j].gradients(), buf);
     }
     if (g.section == 0) return;
@@ -1024,7 +1051,7 @@ class CpuEngine final : public DeviceEngine {
     const std::vector<int> members = collective_members(c, world_, rk.shard);
     auto& z = rk.zero[shape_.local_chunk(op)];
     const ShardGroup& g = z.plan.tied;
-    std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.dp), 0.0f);
+    std::vector<float> buf(g.section * static_cast<std::size_t>(plan_.data_shards()), 0.0f);
     const auto own = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(position(rk)) * g.section);
     // The reduced gradients: the shard (stages 2-3), or in place in the flat gradients (stage 1).
     const bool in_shard = plan_.reduces_every_microbatch();
@@ -1083,7 +1110,7 @@ class CpuEngine final : public DeviceEngine {
   void gather_group(Rank& rk, int j, const ShardGroup& g, const std::vector<int>& members, std::uint64_t tag,
                     bool keep) {
     if (g.section == 0) return;
-    const std::span<float> buf = scratch(rk, g.section * static_cast<std::size_t>(plan_.dp));
+    const std::span<float> buf = scratch(rk, g.section * static_cast<std::size_t>(plan_.data_shards()));
     const std::span<const float> own = working_shard(rk, j).subspan(g.shard_offset, g.section);
     std::copy(own.begin(), own.end(), buf.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(position(rk)) * g.section));
     rk.collectives->all_gather(buf, members, tag, plan_.config.precision.compute);

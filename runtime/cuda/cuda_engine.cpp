@@ -315,6 +315,11 @@ void check_supported(const Plan& plan) {
   if (!(pr.master_weights == DType::fp32 || pr.master_weights == DType::fp16 || pr.master_weights == DType::bf16))
     throw std::invalid_argument(fmt::format("the CUDA backend keeps master weights in fp32, fp16 or bf16, not {}",
                                             dtype_name(pr.master_weights)));
+  // Its stage model has no gathered-key attention yet (the CPU backend's does: --backend cpu).
+  if (plan.cp > 1)
+    throw std::invalid_argument(fmt::format("the CUDA backend does not execute context parallelism yet "
+                                            "(context_parallel_size {}); the CPU backend does",
+                                            plan.cp));
 }
 
 int current_device() {

@@ -42,6 +42,10 @@ const StageSpec& checked(const StageSpec& s) {
                                               "bf16 (the formats the CUDA kernels store), got compute ") +
                                   std::string(dtype_name(s.compute)) + ", grad_accumulation " +
                                   std::string(dtype_name(s.grad_accumulation)));
+  if (s.context_parallel_size > 1)
+    throw std::invalid_argument("CudaStageModel: context parallelism (context_parallel_size " +
+                                std::to_string(s.context_parallel_size) +
+                                ") is not executed on the GPU yet: its attention has no gathered keys");
   return s;
 }
 

@@ -48,7 +48,7 @@
 namespace trainsim::runtime::cuda {
 
 // The collectives a tensor-parallel shard runs inside its forward and backward, on its stream,
-// over its group: runtime/model/tensor_parallel.h's TensorParallelGroup in device terms (buffers
+// over its group: runtime/model/model_parallel.h's ModelParallelGroup in device terms (buffers
 // of `count` elements of `dt`, in place; reduce_scatter and all_gather as device_communicator.h's,
 // one equal chunk per member, member p's chunk p).
 class DeviceTensorParallelGroup {

@@ -91,9 +91,14 @@ const Collective& collective_of(const Schedule& schedule, const Op& op) {
   return schedule.collectives[static_cast<std::size_t>(op.channel)];
 }
 
-std::vector<int> collective_members(const Collective& collective, const World& world, int tp) {
-  return collective.purpose == CollectivePurpose::overflow ? world.all_shards(collective.members)
-                                                          : world.members(collective.members, tp);
+std::vector<int> collective_members(const Collective& collective, const World& world, int shard) {
+  switch (collective.purpose) {
+    case CollectivePurpose::overflow: return world.all_shards(collective.members);
+    case CollectivePurpose::embedding: return world.counterparts(collective.members, shard);
+    case CollectivePurpose::gradients:
+    case CollectivePurpose::parameters: break;
+  }
+  return world.members(collective.members, shard);
 }
 
 std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, const World& world) {
@@ -102,9 +107,13 @@ std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, const W
     if (std::find(groups.begin(), groups.end(), members) == groups.end()) groups.push_back(members);
   };
   for (const Collective& c : schedule.collectives)
-    for (int tp = 0; tp < world.tensor_parallel(); ++tp) add(collective_members(c, world, tp));
-  if (world.tensor_parallel() > 1)
-    for (int cell = 0; cell < world.num_cells(); ++cell) add(world.tensor_parallel_group(world.shard(cell, 0)));
+    for (int s = 0; s < world.shards_per_cell(); ++s) add(collective_members(c, world, s));
+  for (int cell = 0; cell < world.num_cells(); ++cell)
+    for (int s = 0; s < world.shards_per_cell(); ++s) {
+      const int r = world.shard(cell, s);
+      if (world.tensor_parallel() > 1) add(world.tensor_parallel_group(r));
+      if (world.context_parallel() > 1) add(world.context_parallel_group(r));
+    }
   add(world.everyone());
   return groups;
 }
@@ -156,7 +165,7 @@ std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule, const World
   for (int r = 0; r < static_cast<int>(schedule.ranks.size()); ++r)
     for (const Op& op : schedule.ranks[r].ops)
       if (is_send(op.kind))
-        for (int tp = 0; tp < world.tensor_parallel(); ++tp) links.emplace_back(world.shard(r, tp), world.shard(op.peer, tp));
+        for (int s = 0; s < world.shards_per_cell(); ++s) links.emplace_back(world.shard(r, s), world.shard(op.peer, s));
   std::sort(links.begin(), links.end());
   links.erase(std::unique(links.begin(), links.end()), links.end());
   return links;

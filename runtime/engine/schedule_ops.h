@@ -39,8 +39,11 @@ inline std::uint64_t norm_tag(int step, const Schedule& schedule) {
 }
 // The tensor-parallel collectives inside a step's forwards and backwards (not ops of the schedule:
 // the simulator prices them inside the compute ops) count up from this tag, in the order a shard
-// runs them, the same on every member of a group (runtime/model/tensor_parallel.h).
+// runs them, the same on every member of a group (runtime/model/model_parallel.h).
 inline std::uint64_t tensor_parallel_tag(int step) { return kCollectiveTag | (1ull << 61) | message_tag(step, 0); }
+// The context-parallel collectives inside them (the keys' and values' gathers and their gradients'
+// reduce-scatters) likewise, from their own tag.
+inline std::uint64_t context_parallel_tag(int step) { return kCollectiveTag | (1ull << 60) | message_tag(step, 0); }
 
 // Gradient buckets of every virtual stage as element ranges of its gradient buffer: the
 // schedule sizes them in bytes of the scenario's all-reduce format; the same fractions of the
@@ -131,12 +134,14 @@ inline float loss_gradient_scale(double loss_scale, int microbatches) {
 // a channel past the schedule's collectives.
 const Collective& collective_of(const Schedule& schedule, const Op& op);
 
-// The ranks of `world` a collective of the schedule runs over on shard `tp` of its cells: that
-// shard of each member cell, or, for the global overflow check, every shard of them.
-std::vector<int> collective_members(const Collective& collective, const World& world, int tp);
+// The ranks of `world` a collective of the schedule runs over on shard `shard` of its cells: for
+// gradients and parameters the shards of each member cell that hold its slice of the weights
+// (World::members: every context-parallel rank's), for the tied embedding's sum that shard of each
+// (World::counterparts), for the global overflow check every shard of them.
+std::vector<int> collective_members(const Collective& collective, const World& world, int shard);
 
 // The member sets of every collective the engines run, in a fixed order (the schedule's
-// collectives shard by shard, the tensor-parallel groups, then the global gradient-norm sum over
+// collectives shard by shard, the tensor- and context-parallel groups, then the global gradient-norm sum over
 // all ranks), each once: what a communicator must be able to reduce over (NCCL splits a
 // communicator per set).
 std::vector<std::vector<int>> reduction_groups(const Schedule& schedule, const World& world);
@@ -152,7 +157,7 @@ struct InFlight {
 InFlight in_flight(const RankProgram& program, int chunk);
 
 // Every directed pair (from, to) of ranks of `world` such that `from` sends to `to` in the step
-// (shard tp of a cell sends to shard tp of its peer), ascending, each once: NCCL gives each its
+// (shard s of a cell sends to shard s of its peer), ascending, each once: NCCL gives each its
 // own communicator (nccl_communicator.h says why).
 std::vector<std::pair<int, int>> p2p_links(const Schedule& schedule, const World& world);
 

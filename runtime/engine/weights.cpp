@@ -33,9 +33,9 @@ std::vector<std::uint64_t> replica_checksums(const World& world, const std::vect
     std::uint64_t h = kFnvOffset;
     for (int r : world.replica(0))
       for (int member : world.data_parallel_group(r)) h = (h ^ rank_hashes[static_cast<std::size_t>(member)]) * kFnvPrime;
-    return std::vector<std::uint64_t>(static_cast<std::size_t>(world.data_parallel()), h);
+    return std::vector<std::uint64_t>(static_cast<std::size_t>(world.replicas()), h);
   }
-  for (int d = 0; d < world.data_parallel(); ++d) {
+  for (int d = 0; d < world.replicas(); ++d) {
     std::uint64_t h = kFnvOffset;
     for (int r : world.replica(d)) h = (h ^ rank_hashes[static_cast<std::size_t>(r)]) * kFnvPrime;
     out.push_back(h);

@@ -30,15 +30,16 @@ std::vector<std::uint64_t> replica_checksums(const World& world, const std::vect
 // The largest |a[i] - b[i]| over elements whose bits differ (inf when one is NaN): replica drift.
 double weight_difference(std::span<const float> a, std::span<const float> b);
 
-// The largest difference between every rank's weights and its replica-0 counterpart's, given a
-// rank's chunk weights by (rank, chunk): the drift of a step, when every rank is at hand.
+// The largest difference between every rank's weights and its counterpart's in copy 0 (replica 0,
+// context-parallel rank 0), given a rank's chunk weights by (rank, chunk): the drift of a step,
+// when every rank is at hand.
 template <class ChunkWeights>
 double replica_drift(const World& world, int chunks, ChunkWeights&& weights) {
   double drift = 0;
   for (int r = 0; r < world.size(); ++r) {
     RankCoord c = world.coord(r);
-    if (c.dp == 0) continue;
-    c.dp = 0;
+    if (c.dp == 0 && c.cp == 0) continue;
+    c.dp = c.cp = 0;
     const int first = world.rank(c);
     for (int j = 0; j < chunks; ++j) drift = std::max(drift, weight_difference(weights(first, j), weights(r, j)));
   }

@@ -169,7 +169,7 @@ RunReport run(const Backend& backend, const RuntimePlan& rp, const RunOptions& o
   for (int r = 0; r < world.size() && r < static_cast<int>(peaks.size()); ++r) {
     const RankCoord c = world.coord(r);
     const MemoryBreakdown& m = peaks[static_cast<std::size_t>(r)];
-    report.executed_ranks.push_back({r, c.dp, c.pp, c.tp, world.cell(r), m});
+    report.executed_ranks.push_back({r, c.dp, c.pp, c.tp, c.cp, world.cell(r), m});
     MemoryBreakdown& cell = report.memory[static_cast<std::size_t>(world.cell(r))];
     if (m.total() > cell.total()) cell = m;
   }
@@ -247,7 +247,7 @@ Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::
 }
 
 std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>& ranks) {
-  if (world.tensor_parallel() == 1) return ranks;
+  if (world.shards_per_cell() == 1) return ranks;
   std::vector<RankStep> cells(static_cast<std::size_t>(world.num_cells()));
   std::vector<bool> seen(cells.size(), false);
   for (int r = 0; r < world.size(); ++r) {

@@ -52,10 +52,10 @@ Dataset open_run_data(const RuntimePlan& rp, const RunOptions& options, std::str
 Timeline measured_timeline(std::shared_ptr<const Schedule> schedule, const std::vector<RankStep>& ranks);
 
 // The schedule ranks' steps (timings and arrivals) from the world's, by rank: a schedule rank
-// stands for its tensor-parallel shards, so its op runs from when its last shard starts it to
-// when its last shard ends it (each shard starts an op after its own previous one ended, so the
-// cell's ops stay in order and never overlap), and it reaches a collective when its last shard
-// does. Without tensor parallelism, the ranks' own.
+// stands for its shards (tensor- and context-parallel), so its op runs from when its last shard
+// starts it to when its last shard ends it (each shard starts an op after its own previous one
+// ended, so the cell's ops stay in order and never overlap), and it reaches a collective when its
+// last shard does. With one shard a cell, the ranks' own.
 std::vector<RankStep> cell_steps(const World& world, const std::vector<RankStep>& ranks);
 
 // The step's record from every rank's, by rank: the mean loss, counts, rank 0's norm, scale and

@@ -57,12 +57,13 @@ std::string format_run_summary(const RunReport& rep) {
                    plan.source.empty() ? "" : fmt::format(" ({})", plan.source), rep.backend_title);
   o += fmt::format("  model    executed: {} layers, hidden {}, {} heads, seq {}, vocab {}{}\n", d.num_layers,
                    d.hidden_size, d.num_heads, d.seq_length, d.vocab_size, d.tied_embeddings ? ", tied embeddings" : "");
-  o += fmt::format("  plan     data {} x pipeline {}{}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
+  o += fmt::format("  plan     data {} x pipeline {}{}{}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), "
                    "layers per stage {}, {}\n",
                    plan.dp, plan.pp, plan.vpp > 1 ? fmt::format(" (v={})", plan.vpp) : "",
                    plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
                                              c.parallelism.sequence_parallel ? " (sequence parallel)" : "")
                                : "",
+                   plan.cp > 1 ? fmt::format(" x context {}", plan.cp) : "",
                    schedule_name(c.parallelism.schedule), plan.num_microbatches, plan.micro_batch_size,
                    plan.global_batch_size, fmt::join(plan.layers_per_virtual_stage, "/"), plan.zero_and_recompute());
   const auto& pr = c.precision;
@@ -74,7 +75,7 @@ std::string format_run_summary(const RunReport& rep) {
                    pr.overflow_check == OverflowScope::global ? "global" : "local",
                    ls.mode == LossScalingMode::none ? "none" : ls.mode == LossScalingMode::static_scale ? "static" : "dynamic",
                    ls.mode == LossScalingMode::none ? "" : fmt::format(" from {:g}", ls.initial_scale));
-  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks() * plan.tp, rep.ranks_as, rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
+  o += fmt::format("  run      {} ranks{}, data {}, steps {}..{}\n", plan.num_ranks() * plan.gpus_per_rank(), rep.ranks_as, rep.data_source, rep.first_step, rep.first_step + static_cast<int>(rep.steps.size()) - 1);
   if (!rep.execution.empty()) o += fmt::format("  backend  {}\n", rep.execution);
   o += "\n";
 
@@ -201,6 +202,7 @@ nlohmann::ordered_json run_to_json(const RunReport& rep) {
                         {"dp", e.dp},
                         {"pp", e.pp},
                         {"tp", e.tp},
+                        {"cp", e.cp},
                         {"schedule_rank", e.schedule_rank},
                         {"peak_memory_bytes", e.memory.total()},
                         {"memory_bytes",

@@ -66,27 +66,34 @@ enum class AttnTensor { scores, probs, probs_grad, scores_grad };
 inline constexpr auto no_post = [](auto*, int, AttnTensor) {};
 
 // ---------------------------------------------------------------------------------------
-// Embedding: out (B,T,C) = wte[tokens] (V,C) + wpe[t] (T,C)
+// Embedding: out (B,T,C) = wte[tokens] (V,C) + wpe[t] (T,C). `positions`: row t of each
+// sequence sits at position positions[t] (context parallelism: a rank's rows); null: at t.
 // ---------------------------------------------------------------------------------------
+inline std::size_t position_of(const int* positions, std::size_t t) {
+  return positions ? static_cast<std::size_t>(positions[t]) : t;
+}
+
 template <class S>
-void embedding_forward(S* out, const std::int32_t* tokens, const S* wte, const S* wpe, int B, int T, int C) {
+void embedding_forward(S* out, const std::int32_t* tokens, const S* wte, const S* wpe, int B, int T, int C,
+                       const int* positions = nullptr) {
   for (int b = 0; b < B; ++b)
     for (int t = 0; t < T; ++t) {
       const std::size_t n = static_cast<std::size_t>(b) * T + t;
       RowMap<S>(out + n * C, C) = ConstRowMap<S>(wte + static_cast<std::size_t>(tokens[n]) * C, C) +
-                                  ConstRowMap<S>(wpe + static_cast<std::size_t>(t) * C, C);
+                                  ConstRowMap<S>(wpe + position_of(positions, t) * C, C);
     }
 }
 
-// dwte[tokens] += dout; dwpe[t] += sum over b of dout. Rows are added in (b, t) order.
+// dwte[tokens] += dout; dwpe[position] += sum over b of dout. Rows are added in (b, t) order.
 template <class S>
-void embedding_backward(S* dwte, S* dwpe, const S* dout, const std::int32_t* tokens, int B, int T, int C) {
+void embedding_backward(S* dwte, S* dwpe, const S* dout, const std::int32_t* tokens, int B, int T, int C,
+                        const int* positions = nullptr) {
   for (int b = 0; b < B; ++b)
     for (int t = 0; t < T; ++t) {
       const std::size_t n = static_cast<std::size_t>(b) * T + t;
       ConstRowMap<S> d(dout + n * C, C);
       RowMap<S>(dwte + static_cast<std::size_t>(tokens[n]) * C, C) += d;
-      RowMap<S>(dwpe + static_cast<std::size_t>(t) * C, C) += d;
+      RowMap<S>(dwpe + position_of(positions, t) * C, C) += d;
     }
 }
 
@@ -212,39 +219,132 @@ void gelu_backward(S* dx, const S* x, const S* dy, std::size_t n) {
 // not computed. The terms left out are zeros at the ends of each k range: for finite inputs every
 // value is the one the whole T x T products give, bit for bit while T is at most matmul's k block
 // (a longer sequence moves the block bounds of dk and dv, not the values' accuracy).
+//
+// The general form (context parallelism, stage_layout.h): Tq queries at positions qpos[0..Tq),
+// increasing, over Tk keys at positions 0..Tk-1 (the whole sequence's, gathered); query i sees keys
+// j <= qpos[i]. Queries, keys and values are rows of wider buffers (AttentionRows); probs
+// (B,H,Tq,Tk), scratch Tq*Tk. With qpos null (query i at position i) and Tq = Tk = T it is the
+// function above, the same products over the same ranges.
 // ---------------------------------------------------------------------------------------
 inline constexpr int kAttnRows = 32;
 
+// Rows of one of attention's operands (or its gradient): row r of sequence b at
+// data + (b * rows + r) * stride, its heads side by side from there.
+template <class S>
+struct AttentionRows {
+  S* data;
+  std::ptrdiff_t stride;
+};
+struct AttentionShape {
+  int B, Tq, Tk;
+  const int* qpos = nullptr;  // null: query i at position i
+  int pos(int i) const { return qpos ? qpos[i] : i; }
+  // The first query that sees key `j` (queries are in increasing position).
+  int first_query_seeing(int j) const {
+    if (!qpos) return j;
+    return static_cast<int>(std::lower_bound(qpos, qpos + Tq, j) - qpos);
+  }
+};
+
 template <class S, class Post>
-void attention_forward(S* out, S* probs, S* scratch, const S* qkv, int B, int T, int C, int H, Post&& post) {
-  const int hs = C / H;
+void attention_forward(S* out, S* probs, S* scratch, AttentionRows<const S> q, AttentionRows<const S> k,
+                       AttentionRows<const S> v, AttentionShape shape, int C, int H, Post&& post) {
+  const int hs = C / H, Tq = shape.Tq, Tk = shape.Tk;
   const S scale = S(1) / std::sqrt(S(hs));
-  const std::ptrdiff_t stride = 3 * static_cast<std::ptrdiff_t>(C);
-  for (int b = 0; b < B; ++b) {
-    const S* base = qkv + static_cast<std::size_t>(b) * T * 3 * C;
+  for (int b = 0; b < shape.B; ++b) {
     for (int h = 0; h < H; ++h) {
-      const S* q = base + h * hs;
-      const S* k = base + C + h * hs;
-      const S* v = base + 2 * C + h * hs;
-      S* p = probs + (static_cast<std::size_t>(b) * H + h) * T * T;
-      S* y = out + static_cast<std::size_t>(b) * T * C + h * hs;
-      for (int r0 = 0; r0 < T; r0 += kAttnRows) {
-        const int r1 = std::min(T, r0 + kAttnRows);
-        // scores[r0:r1, 0:r1] = scale * q[r0:r1] k[0:r1]^T
-        gemm<S>(false, true, r1 - r0, r1, hs, scale, q + r0 * stride, stride, k, stride, S(0), scratch + r0 * T, T);
+      const S* qb = q.data + static_cast<std::size_t>(b) * Tq * q.stride + h * hs;
+      const S* kb = k.data + static_cast<std::size_t>(b) * Tk * k.stride + h * hs;
+      const S* vb = v.data + static_cast<std::size_t>(b) * Tk * v.stride + h * hs;
+      S* p = probs + (static_cast<std::size_t>(b) * H + h) * Tq * Tk;
+      S* y = out + static_cast<std::size_t>(b) * Tq * C + h * hs;
+      for (int r0 = 0; r0 < Tq; r0 += kAttnRows) {
+        const int r1 = std::min(Tq, r0 + kAttnRows);
+        const int keys = shape.pos(r1 - 1) + 1;  // the block's last query sees the most
+        // scores[r0:r1, 0:keys] = scale * q[r0:r1] k[0:keys]^T
+        gemm<S>(false, true, r1 - r0, keys, hs, scale, qb + r0 * q.stride, q.stride, kb, k.stride, S(0),
+                scratch + r0 * Tk, Tk);
         for (int i = r0; i < r1; ++i) {
-          S* srow = scratch + static_cast<std::size_t>(i) * T;
-          S* prow = p + static_cast<std::size_t>(i) * T;
-          post(srow, i + 1, AttnTensor::scores);
-          RowMap<S> s(srow, i + 1), pr(prow, i + 1);
+          const int n = shape.pos(i) + 1;
+          S* srow = scratch + static_cast<std::size_t>(i) * Tk;
+          S* prow = p + static_cast<std::size_t>(i) * Tk;
+          post(srow, n, AttnTensor::scores);
+          RowMap<S> s(srow, n), pr(prow, n);
           const S mx = s.maxCoeff();
           pr = (s - mx).exp();
           pr *= S(1) / pr.sum();
-          for (int j = i + 1; j < T; ++j) prow[j] = S(0);
-          post(prow, i + 1, AttnTensor::probs);
+          for (int j = n; j < Tk; ++j) prow[j] = S(0);
+          post(prow, n, AttnTensor::probs);
         }
-        // y[r0:r1] = probs[r0:r1, 0:r1] v[0:r1]
-        gemm<S>(false, false, r1 - r0, hs, r1, S(1), p + r0 * T, T, v, stride, S(0), y + r0 * C, C);
+        // y[r0:r1] = probs[r0:r1, 0:keys] v[0:keys]
+        gemm<S>(false, false, r1 - r0, hs, keys, S(1), p + r0 * Tk, Tk, vb, v.stride, S(0), y + r0 * C, C);
+      }
+    }
+  }
+}
+
+template <class S, class Post>
+void attention_forward(S* out, S* probs, S* scratch, const S* qkv, int B, int T, int C, int H, Post&& post) {
+  const std::ptrdiff_t stride = 3 * static_cast<std::ptrdiff_t>(C);
+  attention_forward<S>(out, probs, scratch, {qkv, stride}, {qkv + C, stride}, {qkv + 2 * C, stride}, {B, T, T}, C, H,
+                       post);
+}
+
+// The gradients dq (the queries' rows) and dk, dv (every key's) of attention_forward's out given
+// dout (B,Tq,C). scratch: Tq*Tk. Keys no query sees get zero gradients.
+template <class S, class Post>
+void attention_backward(AttentionRows<S> dq, AttentionRows<S> dk, AttentionRows<S> dv, S* scratch, const S* dout,
+                        AttentionRows<const S> q, AttentionRows<const S> k, AttentionRows<const S> v, const S* probs,
+                        AttentionShape shape, int C, int H, Post&& post) {
+  const int hs = C / H, Tq = shape.Tq, Tk = shape.Tk;
+  const S scale = S(1) / std::sqrt(S(hs));
+  // scratch holds first d(probs), then, row by row, d(scores); zero past each query's keys.
+  for (int b = 0; b < shape.B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      const S* qb = q.data + static_cast<std::size_t>(b) * Tq * q.stride + h * hs;
+      const S* kb = k.data + static_cast<std::size_t>(b) * Tk * k.stride + h * hs;
+      const S* vb = v.data + static_cast<std::size_t>(b) * Tk * v.stride + h * hs;
+      const S* dy = dout + static_cast<std::size_t>(b) * Tq * C + h * hs;
+      const S* p = probs + (static_cast<std::size_t>(b) * H + h) * Tq * Tk;
+      S* dqb = dq.data + static_cast<std::size_t>(b) * Tq * dq.stride + h * hs;
+      S* dkb = dk.data + static_cast<std::size_t>(b) * Tk * dk.stride + h * hs;
+      S* dvb = dv.data + static_cast<std::size_t>(b) * Tk * dv.stride + h * hs;
+      for (int r0 = 0; r0 < Tq; r0 += kAttnRows) {
+        const int r1 = std::min(Tq, r0 + kAttnRows);
+        const int keys = shape.pos(r1 - 1) + 1;
+        // dprobs[r0:r1, 0:keys] = dy[r0:r1] v[0:keys]^T
+        gemm<S>(false, true, r1 - r0, keys, hs, S(1), dy + r0 * C, C, vb, v.stride, S(0), scratch + r0 * Tk, Tk);
+        for (int i = r0; i < r1; ++i) {
+          const int n = shape.pos(i) + 1;
+          S* drow = scratch + static_cast<std::size_t>(i) * Tk;
+          post(drow, n, AttnTensor::probs_grad);
+          RowMap<S> d(drow, n);
+          ConstRowMap<S> pr(p + static_cast<std::size_t>(i) * Tk, n);
+          const S dot = (pr * d).sum();
+          d = pr * (d - dot) * scale;
+          for (int j = n; j < Tk; ++j) drow[j] = S(0);
+          post(drow, n, AttnTensor::scores_grad);
+        }
+        // dq[r0:r1] = dscores[r0:r1, 0:keys] k[0:keys]
+        gemm<S>(false, false, r1 - r0, hs, keys, S(1), scratch + r0 * Tk, Tk, kb, k.stride, S(0), dqb + r0 * dq.stride,
+                dq.stride);
+      }
+      // Key and value rows [k0, k1) receive from the queries i >= first_query_seeing(k0) only.
+      for (int k0 = 0; k0 < Tk; k0 += kAttnRows) {
+        const int k1 = std::min(Tk, k0 + kAttnRows);
+        const int i0 = shape.first_query_seeing(k0);
+        if (i0 >= Tq) {  // no query of this rank sees them
+          for (int j = k0; j < k1; ++j) {
+            RowMap<S>(dkb + j * dk.stride, hs).setZero();
+            RowMap<S>(dvb + j * dv.stride, hs).setZero();
+          }
+          continue;
+        }
+        // dk[k0:k1] = dscores[i0:Tq, k0:k1]^T q[i0:Tq]; dv[k0:k1] = probs[i0:Tq, k0:k1]^T dy[i0:Tq]
+        gemm<S>(true, false, k1 - k0, hs, Tq - i0, S(1), scratch + i0 * Tk + k0, Tk, qb + i0 * q.stride, q.stride,
+                S(0), dkb + k0 * dk.stride, dk.stride);
+        gemm<S>(true, false, k1 - k0, hs, Tq - i0, S(1), p + i0 * Tk + k0, Tk, dy + i0 * C, C, S(0),
+                dvb + k0 * dv.stride, dv.stride);
       }
     }
   }
@@ -254,50 +354,9 @@ void attention_forward(S* out, S* probs, S* scratch, const S* qkv, int B, int T,
 template <class S, class Post>
 void attention_backward(S* dqkv, S* scratch, const S* dout, const S* qkv, const S* probs, int B, int T, int C, int H,
                         Post&& post) {
-  const int hs = C / H;
-  const S scale = S(1) / std::sqrt(S(hs));
   const std::ptrdiff_t stride = 3 * static_cast<std::ptrdiff_t>(C);
-  // scratch holds first d(probs), then, row by row, d(scores); zero above the diagonal.
-  for (int b = 0; b < B; ++b) {
-    const S* base = qkv + static_cast<std::size_t>(b) * T * 3 * C;
-    S* dbase = dqkv + static_cast<std::size_t>(b) * T * 3 * C;
-    for (int h = 0; h < H; ++h) {
-      const S* q = base + h * hs;
-      const S* k = base + C + h * hs;
-      const S* v = base + 2 * C + h * hs;
-      const S* dy = dout + static_cast<std::size_t>(b) * T * C + h * hs;
-      const S* p = probs + (static_cast<std::size_t>(b) * H + h) * T * T;
-      S* dq = dbase + h * hs;
-      S* dk = dbase + C + h * hs;
-      S* dv = dbase + 2 * C + h * hs;
-      for (int r0 = 0; r0 < T; r0 += kAttnRows) {
-        const int r1 = std::min(T, r0 + kAttnRows);
-        // dprobs[r0:r1, 0:r1] = dy[r0:r1] v[0:r1]^T
-        gemm<S>(false, true, r1 - r0, r1, hs, S(1), dy + r0 * C, C, v, stride, S(0), scratch + r0 * T, T);
-        for (int i = r0; i < r1; ++i) {
-          S* drow = scratch + static_cast<std::size_t>(i) * T;
-          post(drow, i + 1, AttnTensor::probs_grad);
-          RowMap<S> d(drow, i + 1);
-          ConstRowMap<S> pr(p + static_cast<std::size_t>(i) * T, i + 1);
-          const S dot = (pr * d).sum();
-          d = pr * (d - dot) * scale;
-          for (int j = i + 1; j < T; ++j) drow[j] = S(0);
-          post(drow, i + 1, AttnTensor::scores_grad);
-        }
-        // dq[r0:r1] = dscores[r0:r1, 0:r1] k[0:r1]
-        gemm<S>(false, false, r1 - r0, hs, r1, S(1), scratch + r0 * T, T, k, stride, S(0), dq + r0 * stride, stride);
-      }
-      // Key and value rows [r0, r1) receive from queries i >= r0 only.
-      for (int r0 = 0; r0 < T; r0 += kAttnRows) {
-        const int r1 = std::min(T, r0 + kAttnRows);
-        // dk[r0:r1] = dscores[r0:T, r0:r1]^T q[r0:T]; dv[r0:r1] = probs[r0:T, r0:r1]^T dy[r0:T]
-        gemm<S>(true, false, r1 - r0, hs, T - r0, S(1), scratch + r0 * T + r0, T, q + r0 * stride, stride, S(0),
-                dk + r0 * stride, stride);
-        gemm<S>(true, false, r1 - r0, hs, T - r0, S(1), p + r0 * T + r0, T, dy + r0 * C, C, S(0), dv + r0 * stride,
-                stride);
-      }
-    }
-  }
+  attention_backward<S>({dqkv, stride}, {dqkv + C, stride}, {dqkv + 2 * C, stride}, scratch, dout, {qkv, stride},
+                        {qkv + C, stride}, {qkv + 2 * C, stride}, probs, {B, T, T}, C, H, post);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -349,23 +408,25 @@ void embedding_shard_forward(S* out, const std::int32_t* tokens, const S* wte_sh
 }
 
 // out (rows,C) += wpe[position]: row i of out is row row0 + i of the (B,T) micro-batch, at
-// position (row0 + i) % T.
+// position (row0 + i) % T (or positions[that], as embedding_forward).
 template <class S>
-void add_position_embedding(S* out, const S* wpe, std::size_t row0, std::size_t rows, int T, int C) {
+void add_position_embedding(S* out, const S* wpe, std::size_t row0, std::size_t rows, int T, int C,
+                            const int* positions = nullptr) {
   for (std::size_t i = 0; i < rows; ++i)
-    RowMap<S>(out + i * C, C) += ConstRowMap<S>(wpe + ((row0 + i) % static_cast<std::size_t>(T)) * C, C);
+    RowMap<S>(out + i * C, C) +=
+        ConstRowMap<S>(wpe + position_of(positions, (row0 + i) % static_cast<std::size_t>(T)) * C, C);
 }
 
 // dwte_shard[token - vocab0] += dout for the tokens this shard holds; dwpe[t] += dout (all rows,
 // dwpe may be null). Rows are added in (b, t) order, as embedding_backward adds them.
 template <class S>
 void embedding_shard_backward(S* dwte_shard, S* dwpe, const S* dout, const std::int32_t* tokens, int vocab0, int Vl,
-                              int N, int T, int C) {
+                              int N, int T, int C, const int* positions = nullptr) {
   for (int n = 0; n < N; ++n) {
     ConstRowMap<S> d(dout + static_cast<std::size_t>(n) * C, C);
     const int v = tokens[n] - vocab0;
     if (v >= 0 && v < Vl) RowMap<S>(dwte_shard + static_cast<std::size_t>(v) * C, C) += d;
-    if (dwpe) RowMap<S>(dwpe + static_cast<std::size_t>(n % T) * C, C) += d;
+    if (dwpe) RowMap<S>(dwpe + position_of(positions, static_cast<std::size_t>(n % T)) * C, C) += d;
   }
 }
 

@@ -10,6 +10,13 @@
 // over the shards as well: shard r holds rows [r*N/tp, (r+1)*N/tp) of the micro-batch's N = B*T
 // rows (with micro_batch_size 1, a slice of the sequence), where the layer norms, residual adds
 // and position embeddings run; the products see all N rows (gathered).
+//
+// Context parallelism (Llama 3, Dubey et al. 2024, section 3.3.2; PyTorch's context_parallel with
+// load balancing; Megatron-Core): each sequence of T tokens is cut into 2 cp chunks of T / (2 cp)
+// and rank r holds chunks r and 2 cp - 1 - r, so that every rank's share of the causal attention is
+// the same. A stage's micro-batch is then B sequences of Tq = T / cp rows each, at the positions
+// context_parallel_positions() gives (increasing); its attention gathers every rank's keys and
+// values into the sequence's order.
 #pragma once
 
 #include <cstddef>
@@ -25,13 +32,43 @@
 
 namespace trainsim::runtime {
 
+// The positions in a T-token sequence of context-parallel rank `rank`'s T / cp rows, in order:
+// chunks `rank` and 2 cp - 1 - rank of 2 cp equal chunks (cp = 1: 0 .. T-1). T must divide by 2 cp.
+inline std::vector<int> context_parallel_positions(int T, int cp, int rank) {
+  std::vector<int> pos;
+  if (cp == 1) {
+    for (int t = 0; t < T; ++t) pos.push_back(t);
+    return pos;
+  }
+  const int chunk = T / (2 * cp);
+  for (const int c : {rank, 2 * cp - 1 - rank})
+    for (int t = 0; t < chunk; ++t) pos.push_back(c * chunk + t);
+  return pos;
+}
+
+// A rank's rows of `whole`'s B sequences of T values (token ids or targets), sequence by sequence
+// at context_parallel_positions(T, cp, rank): what its stages read.
+template <class T>
+std::vector<T> context_parallel_rows(const std::vector<T>& whole, int B, int seq, int cp, int rank) {
+  if (cp == 1) return whole;
+  const std::vector<int> pos = context_parallel_positions(seq, cp, rank);
+  std::vector<T> out;
+  out.reserve(static_cast<std::size_t>(B) * pos.size());
+  for (int b = 0; b < B; ++b)
+    for (int p : pos) out.push_back(whole[static_cast<std::size_t>(b) * seq + p]);
+  return out;
+}
+
 struct StageShape {
   int B = 1, T = 1, C = 1, H = 1, F = 1, V = 1, L = 0;  // the whole model's sizes; L: this stage's blocks
   int tp = 1, tp_rank = 0;
   bool sp = false;
+  int cp = 1, cp_rank = 0;
+  int Tq = 1;                          // a sequence's rows this stage holds: T / cp
+  std::vector<int> positions;          // their positions in the sequence (context_parallel_positions)
   int Cl = 1, Hl = 1, Fl = 1, Vl = 1;  // this shard's: C/tp (its heads' width), H/tp, F/tp, V/tp
   int vocab0 = 0;                      // its first vocabulary row: tp_rank * Vl
-  std::size_t N = 1;                   // rows of a micro-batch: B * T
+  std::size_t N = 1;                   // rows of a micro-batch: B * Tq
   std::size_t Nl = 1;                  // rows of the residual stream it holds: N/tp under SP, else N
   std::size_t row0 = 0;                // the first of them
 
@@ -48,6 +85,8 @@ struct StageShape {
     tp = s.tensor_parallel_size;
     tp_rank = s.tensor_parallel_rank;
     sp = s.sequence_parallel && tp > 1;
+    cp = s.context_parallel_size;
+    cp_rank = s.context_parallel_rank;
     auto fail = [](const std::string& m) { throw std::invalid_argument("StageSpec: " + m); };
     auto num = [](long v) { return std::to_string(v); };
     if (B < 1 || T < 1 || C < 1 || H < 1 || V < 1 || F < 1 || d.num_layers < 0)
@@ -62,15 +101,21 @@ struct StageShape {
     if (H % tp != 0) fail("num_heads(" + num(H) + ") is not divisible by tensor_parallel_size(" + num(tp) + ")");
     if (F % tp != 0) fail("ffn(" + num(F) + ") is not divisible by tensor_parallel_size(" + num(tp) + ")");
     if (V % tp != 0) fail("vocab_size(" + num(V) + ") is not divisible by tensor_parallel_size(" + num(tp) + ")");
-    if (sp && T % tp != 0)
-      fail("seq_length(" + num(T) + ") is not divisible by tensor_parallel_size(" + num(tp) +
-           ") under sequence parallelism");
+    if (cp < 1 || cp_rank < 0 || cp_rank >= cp)
+      fail("context-parallel rank " + num(cp_rank) + " of " + num(cp) + " ranks");
+    if (T % (2 * cp) != 0 && cp > 1)
+      fail("seq_length(" + num(T) + ") is not divisible by 2 x context_parallel_size(" + num(cp) + ")");
+    Tq = T / cp;
+    if (sp && Tq % tp != 0)
+      fail("seq_length(" + num(T) + ")" + (cp > 1 ? " / context_parallel_size(" + num(cp) + ")" : std::string()) +
+           " is not divisible by tensor_parallel_size(" + num(tp) + ") under sequence parallelism");
     Cl = C / tp;
     Hl = H / tp;
     Fl = F / tp;
     Vl = V / tp;
     vocab0 = tp_rank * Vl;
-    N = static_cast<std::size_t>(B) * T;
+    positions = context_parallel_positions(T, cp, cp_rank);
+    N = static_cast<std::size_t>(B) * Tq;
     Nl = sp ? N / tp : N;
     row0 = sp ? Nl * tp_rank : 0;
   }
@@ -84,7 +129,7 @@ enum class Held { compute, f32, i32 };
 // What a block's forward keeps for its backward.
 template <class Buf>
 struct BlockStash {
-  Buf ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (Nl,C) (N,3Cl) (B,Hl,T,T) (N,Cl) (Nl,C) (Nl,C) (N,Fl) (N,Fl)
+  Buf ln1, qkv, probs, att, x1, ln2, fc, gelu;  // (Nl,C) (N,3Cl) (B,Hl,Tq,T) (N,Cl) (Nl,C) (Nl,C) (N,Fl) (N,Fl)
   Buf mean1, rstd1, mean2, rstd2;               // (Nl) fp32
   // Full recompute (selective_op: what it does not keep) under a split backward: the input pass
   // rebuilds the block here and the weight pass, later, reads part of it; `kept` from the one to
@@ -159,7 +204,7 @@ BlockStash<Buf> make_block_stash(const StageShape& s, BlockParts parts, Make&& m
     b.att = make(n * s.Cl, Held::compute);
     b.fc = make(n * s.Fl, Held::compute);
   }
-  if (parts.probs) b.probs = make(static_cast<std::size_t>(s.B) * s.Hl * s.T * s.T, Held::compute);
+  if (parts.probs) b.probs = make(static_cast<std::size_t>(s.B) * s.Hl * s.Tq * s.T, Held::compute);
   if (parts.rest) {
     b.ln1 = make(nlc, Held::compute);
     b.x1 = make(nlc, Held::compute);

@@ -20,7 +20,7 @@
 #include "runtime/model/layers.h"
 #include "runtime/model/micro_batch_slots.h"
 #include "runtime/model/stage_layout.h"
-#include "runtime/model/tensor_parallel.h"
+#include "runtime/model/model_parallel.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/splitmix64.h"
 
@@ -94,7 +94,8 @@ struct StageModel::Impl : StageShape {
   using Unit = BackwardUnit;
 
   StageSpec spec;
-  TensorParallelGroup* group = nullptr;
+  ModelParallelGroup* group = nullptr;     // tensor-parallel
+  ModelParallelGroup* cp_group = nullptr;  // context-parallel
   DType wire;  // what the activations' collectives carry
 
   std::vector<ParamInfo> params;
@@ -114,6 +115,11 @@ struct StageModel::Impl : StageShape {
   // residual gradient (sequence parallel), the cross-entropy's row statistics, and the norms'
   // partial gradients a sequence-parallel shard sums over its group.
   Buffer gathered, dy_full, dx1_full, ce, norm_partials;
+  // Context parallelism: every rank's keys and values (B,T,2Cl) in the sequence's order, their
+  // gradients, the ranks' chunks as the group's collectives move them (cp x N x 2Cl), and each
+  // rank's positions (context_parallel_positions).
+  Buffer kv_all, dkv_all, kv_chunks;
+  std::vector<std::vector<int>> rank_positions;
   struct PendingNorm {
     int pw, pb;
   };
@@ -201,12 +207,77 @@ struct StageModel::Impl : StageShape {
   }
 
   // -- the tensor-parallel group's collectives --
-  TensorParallelGroup& tp_group() {
+  ModelParallelGroup& tp_group() {
     if (!group)
       throw std::logic_error("StageModel: tensor-parallel shard " + std::to_string(tp_rank) + " of " +
                              std::to_string(tp) + " has no group (set_tensor_parallel_group)");
     return *group;
   }
+  // -- the context-parallel group's collectives --
+  ModelParallelGroup& context_group() {
+    if (!cp_group)
+      throw std::logic_error("StageModel: context-parallel rank " + std::to_string(cp_rank) + " of " +
+                             std::to_string(cp) + " has no group (set_context_parallel_group)");
+    return *cp_group;
+  }
+  // Every rank's keys and values (columns [Cl, 3Cl) of its N qkv rows) into kv_all, each row at its
+  // position: this rank's into its chunk, the group's all-gather, then into the sequence's order.
+  void gather_keys_values(const float* qkv) {
+    const std::size_t w = 2 * static_cast<std::size_t>(Cl), qw = 3 * static_cast<std::size_t>(Cl), chunk = N * w;
+    float* mine = kv_chunks.data() + static_cast<std::size_t>(cp_rank) * chunk;
+    for (std::size_t n = 0; n < N; ++n) std::copy_n(qkv + n * qw + Cl, w, mine + n * w);
+    context_group().all_gather({kv_chunks.data(), cp * chunk}, wire);
+    for_each_rank_row([&](std::size_t chunk_row, std::size_t seq_row) {
+      std::copy_n(kv_chunks.data() + chunk_row * w, w, kv_all.data() + seq_row * w);
+    });
+  }
+  // The keys' and values' gradients of every position (dkv_all) to the ranks that hold them,
+  // summed over the group: this rank's into columns [Cl, 3Cl) of its dqkv rows.
+  void reduce_scatter_keys_values(float* dqkv) {
+    const std::size_t w = 2 * static_cast<std::size_t>(Cl), qw = 3 * static_cast<std::size_t>(Cl), chunk = N * w;
+    for_each_rank_row([&](std::size_t chunk_row, std::size_t seq_row) {
+      std::copy_n(dkv_all.data() + seq_row * w, w, kv_chunks.data() + chunk_row * w);
+    });
+    context_group().reduce_scatter({kv_chunks.data(), cp * chunk}, wire);
+    const float* mine = kv_chunks.data() + static_cast<std::size_t>(cp_rank) * chunk;
+    for (std::size_t n = 0; n < N; ++n) std::copy_n(mine + n * w, w, dqkv + n * qw + Cl);
+  }
+  // f(row in kv_chunks, row in the (B,T) sequence order) for every rank's every row.
+  template <class F>
+  void for_each_rank_row(F&& f) const {
+    for (int r = 0; r < cp; ++r)
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < Tq; ++t)
+          f(static_cast<std::size_t>(r) * N + static_cast<std::size_t>(b) * Tq + t,
+            static_cast<std::size_t>(b) * T + rank_positions[r][t]);
+  }
+  // The attention core on this rank's queries (qkv's N rows): over their own sequence's keys, or
+  // under context parallelism over every rank's, gathered.
+  template <class Post>
+  void attention_core(float* att, float* probs, const float* qkv, Post&& post) {
+    if (cp == 1) {
+      layers::attention_forward(att, probs, attn_scratch.data(), qkv, B, T, Cl, Hl, post);
+      return;
+    }
+    gather_keys_values(qkv);
+    const std::ptrdiff_t qw = 3 * Cl, w = 2 * Cl;
+    layers::attention_forward<float>(att, probs, attn_scratch.data(), {qkv, qw}, {kv_all.data(), w},
+                                     {kv_all.data() + Cl, w}, {B, Tq, T, positions.data()}, Cl, Hl, post);
+  }
+  template <class Post>
+  void attention_core_backward(float* dqkv, const float* datt_in, const float* qkv, const float* probs, Post&& post) {
+    if (cp == 1) {
+      layers::attention_backward(dqkv, attn_scratch.data(), datt_in, qkv, probs, B, T, Cl, Hl, post);
+      return;
+    }
+    gather_keys_values(qkv);  // again: the forward's gather is not kept
+    const std::ptrdiff_t qw = 3 * Cl, w = 2 * Cl;
+    layers::attention_backward<float>({dqkv, qw}, {dkv_all.data(), w}, {dkv_all.data() + Cl, w}, attn_scratch.data(),
+                                      datt_in, {qkv, qw}, {kv_all.data(), w}, {kv_all.data() + Cl, w}, probs,
+                                      {B, Tq, T, positions.data()}, Cl, Hl, post);
+    reduce_scatter_keys_values(dqkv);
+  }
+
   // Partial products (all N rows of `width`) summed over the group: all rows (all-reduce), or under
   // sequence parallelism the shard's rows (reduce-scatter). Returns the shard's Nl rows, in place.
   float* reduce_rows(float* partial, int width) {
@@ -382,7 +453,14 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
   tmp = floats(N * c);
   dgelu = floats(N * fl);
   datt = floats(N * cl);
-  attn_scratch = floats(static_cast<std::size_t>(T) * T);
+  attn_scratch = floats(static_cast<std::size_t>(Tq) * T);
+  if (cp > 1) {
+    const std::size_t kv = static_cast<std::size_t>(B) * T * 2 * cl;
+    kv_all = floats(kv);
+    dkv_all = floats(kv);
+    kv_chunks = floats(kv);
+    for (int i = 0; i < cp; ++i) rank_positions.push_back(context_parallel_positions(T, cp, i));
+  }
   if (!fast_grads) {
     wscratch = floats(largest);
     bscratch = floats(std::max(largest, static_cast<std::size_t>(T) * c));
@@ -395,7 +473,7 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
     dx1_full = floats(N * c);
     norm_partials = floats(4 * c);
   }
-  if (s.recompute == Recompute::selective) redo.probs = floats(static_cast<std::size_t>(B) * Hl * T * T);
+  if (s.recompute == Recompute::selective) redo.probs = floats(static_cast<std::size_t>(B) * Hl * Tq * T);
   if (s.recompute == Recompute::full) {
     redo.block = make_block_stash<Buffer>(shape(), {}, make);
     redo.out = floats(Nl * c);
@@ -433,7 +511,8 @@ void StageModel::Impl::refresh_working() {
 
 void check_forward_arguments(const StageSpec& spec, const char* who, const std::int32_t* tokens,
                              const std::int32_t* targets, bool has_input) {
-  const std::size_t n = static_cast<std::size_t>(spec.micro_batch_size) * spec.dims.seq_length;
+  const std::size_t n = static_cast<std::size_t>(spec.micro_batch_size) * spec.dims.seq_length /
+                        static_cast<std::size_t>(std::max(1, spec.context_parallel_size));
   const int V = spec.dims.vocab_size;
   auto check_ids = [&](const std::int32_t* ids, const char* what) {
     if (!ids) throw std::invalid_argument(std::string(who) + ": this stage needs " + what);
@@ -455,7 +534,8 @@ void check_forward_arguments(const StageSpec& spec, const char* who, const std::
 float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input,
                                 float* output) {
   check_forward_arguments(spec, "StageModel::forward", tokens, targets, input != nullptr);
-  if (tp > 1) tp_group();  // a shard without its group fails before it keeps anything
+  if (tp > 1) tp_group();  // a shard without its groups fails before it keeps anything
+  if (cp > 1) context_group();
 
   StashT& s = *slots.begin_forward(mb, [&] { return new_stash(); }).stash;
   const std::size_t nlc = Nl * C;
@@ -465,14 +545,14 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
     std::copy(tokens, tokens + N, s.tokens.begin());
     gate.take(WeightPiece::embedding);
     if (tp == 1) {
-      layers::embedding_forward(x0, tokens, w(wte), w(wpe), B, T, C);
+      layers::embedding_forward(x0, tokens, w(wte), w(wpe), B, Tq, C, positions.data());
     } else {
       // Vocabulary-parallel: each shard looks up the tokens it holds, the group sums the rows
       // (one shard's row and zeros: exact in any format), then the position embedding.
       layers::embedding_shard_forward(tmp.data(), tokens, w(wte), vocab0, Vl, static_cast<int>(N), C);
       const float* rows = reduce_rows(tmp.data(), C);
       std::copy(rows, rows + nlc, x0);
-      layers::add_position_embedding(x0, w(wpe), row0, Nl, T, C);
+      layers::add_position_embedding(x0, w(wpe), row0, Nl, Tq, C, positions.data());
     }
     gate.give(WeightPiece::embedding);
     finish(x0, nlc, Tag{"embedding output"}, false, mb);
@@ -549,10 +629,9 @@ void StageModel::Impl::block_forward(int li, StashT& s, int mb, bool rebuild_op)
   // Rebuilding, the attention output goes to datt (N,Cl), scratch until the block's input pass:
   // attn.proj reads the kept one.
   float* att = rebuild_op ? datt.data() : b.att.data();
-  layers::attention_forward(att, b.probs.data(), attn_scratch.data(), b.qkv.data(), B, T, Cl, Hl,
-                            [&](float* row, int n, AttnTensor t) {
-                              finish(row, n, Tag{attn_name(t), layer}, false, mb);
-                            });
+  attention_core(att, b.probs.data(), b.qkv.data(), [&](float* row, int n, AttnTensor t) {
+    finish(row, n, Tag{attn_name(t), layer}, false, mb);
+  });
   finish(att, b.att.size(), Tag{"attn output", layer}, false, mb);
   const float* y = row_parallel(b.att.data(), p.attn_proj_w, p.attn_proj_b, Cl, Tag{"attn.proj output", layer}, mb);
   Row(b.x1.data(), nlc) = ConstRow(x0, nlc) + ConstRow(y, nlc);
@@ -618,10 +697,9 @@ void StageModel::Impl::rebuild(const Unit& u, StashT& s, int mb, bool split) {
   if (spec.recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
     const int layer = spec.first_layer + li;
     redo.active = true;
-    layers::attention_forward(tmp.data(), redo.probs.data(), attn_scratch.data(), st.qkv.data(), B, T, Cl, Hl,
-                              [&](float* row, int n, AttnTensor t) {
-                                finish(row, n, Tag{attn_name(t), layer}, false, mb);
-                              });
+    attention_core(tmp.data(), redo.probs.data(), st.qkv.data(), [&](float* row, int n, AttnTensor t) {
+      finish(row, n, Tag{attn_name(t), layer}, false, mb);
+    });
     redo.active = false;
     std::swap(st.probs, redo.probs);
     return;
@@ -747,8 +825,8 @@ void StageModel::Impl::block_backward_input(int li, StashT& s, BackwardT& b, int
   done(g.dx1.data(), nlc, "attn residual gradient");
   layers::linear_backward_input(datt.data(), gather_rows(g.dx1.data(), dx1_full, C), w(p.attn_proj_w), N, Cl, C);
   done(datt.data(), datt.size(), "attn output gradient");
-  layers::attention_backward(g.dqkv.data(), attn_scratch.data(), datt.data(), st.qkv.data(), st.probs.data(), B, T,
-                             Cl, Hl, [&](float* row, int n, AttnTensor t) { done(row, n, attn_name(t)); });
+  attention_core_backward(g.dqkv.data(), datt.data(), st.qkv.data(), st.probs.data(),
+                          [&](float* row, int n, AttnTensor t) { done(row, n, attn_name(t)); });
   done(g.dqkv.data(), g.dqkv.size(), "attn.qkv output gradient");
   column_parallel_input_grad(g.dln1.data(), g.dqkv.data(), w(p.qkv_w), 3 * Cl, Tag{"ln1 output gradient", layer},
                              mb);
@@ -851,9 +929,9 @@ void StageModel::Impl::wgrad_embedding(const float* dx, const std::int32_t* toke
   const int n = static_cast<int>(N);
   auto scatter = [&](float* dwte, float* dwpe) {
     if (tp == 1)
-      layers::embedding_backward(dwte, dwpe, dx, tokens, B, T, C);
+      layers::embedding_backward(dwte, dwpe, dx, tokens, B, Tq, C, positions.data());
     else
-      layers::embedding_shard_backward(dwte, dwpe, dx, tokens, vocab0, Vl, n, T, C);
+      layers::embedding_shard_backward(dwte, dwpe, dx, tokens, vocab0, Vl, n, Tq, C, positions.data());
   };
   if (fast_grads) {
     scatter(g(wte), g(wpe));
@@ -878,7 +956,8 @@ StageModel& StageModel::operator=(StageModel&&) noexcept = default;
 
 const StageSpec& StageModel::spec() const { return impl_->spec; }
 
-void StageModel::set_tensor_parallel_group(TensorParallelGroup* group) { impl_->group = group; }
+void StageModel::set_tensor_parallel_group(ModelParallelGroup* group) { impl_->group = group; }
+void StageModel::set_context_parallel_group(ModelParallelGroup* group) { impl_->cp_group = group; }
 
 void StageModel::init(std::uint64_t seed) {
   Impl& m = *impl_;

@@ -19,6 +19,10 @@
 // 1/tp of the heads, the MLP and the vocabulary, running its group's collectives inside forward and
 // backward (set_tensor_parallel_group); the shards of a stage together compute what the stage does,
 // to FP32 rounding of summation order, and keep their replicated parameters bit-identical.
+// Context parallelism: a stage may hold 1/cp of each sequence's tokens (two load-balanced chunks,
+// their own positions), gathering the others' keys and values for its queries' attention
+// (set_context_parallel_group); its loss is the mean over its tokens, and the cp ranks' gradients,
+// summed (the engine's data-parallel reduction over dp x cp), are the whole sequences'.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +36,7 @@
 
 namespace trainsim::runtime {
 
-class TensorParallelGroup;  // runtime/model/tensor_parallel.h
+class ModelParallelGroup;  // runtime/model/model_parallel.h
 
 struct ModelDims {
   int num_layers = 8;
@@ -64,6 +68,11 @@ struct StageSpec {
   // sequence_parallel: its residual stream holds 1/tensor_parallel_size of the rows.
   int tensor_parallel_size = 1, tensor_parallel_rank = 0;
   bool sequence_parallel = false;
+  // Context parallelism (stage_layout.h): this stage holds context-parallel rank
+  // `context_parallel_rank`'s two of each sequence's 2 x `context_parallel_size` chunks; its
+  // attention gathers every rank's keys and values over the group set_context_parallel_group()
+  // names.
+  int context_parallel_size = 1, context_parallel_rank = 0;
 };
 
 // What numerics the stage saw since the last reset (per step): the largest magnitudes, how
@@ -145,7 +154,11 @@ class StageModel {
 
   // The group a tensor-parallel shard (spec().tensor_parallel_size > 1) runs its collectives
   // over; it must outlive the model. A shard without one throws std::logic_error on forward.
-  void set_tensor_parallel_group(TensorParallelGroup* group);
+  void set_tensor_parallel_group(ModelParallelGroup* group);
+  // The group a context-parallel stage (spec().context_parallel_size > 1) gathers keys and values
+  // over, its members in context-parallel order; it must outlive the model. Without one such a
+  // stage throws std::logic_error on forward.
+  void set_context_parallel_group(ModelParallelGroup* group);
 
   // Deterministic: each tensor's values depend only on (seed, its global name), so every cut
   // of the model starts from the weights of the whole one (the last stage's copy of a tied
@@ -172,13 +185,15 @@ class StageModel {
   // first and last stage before the optimizer step.
   ParamInfo token_embedding() const;
 
-  // Activations passed between stages: micro_batch_size * seq_length * hidden_size floats (1/tp
-  // of them under sequence parallelism: the shard's rows).
+  // Activations passed between stages: micro_batch_size * seq_length / context_parallel_size *
+  // hidden_size floats (1/tp of them under sequence parallelism: the shard's rows).
   std::size_t activation_elements() const;
 
   // Forward of micro-batch `mb` (keeps what backward needs until backward_end/backward_weight).
   // The first stage reads `tokens`, the others `input`; the last stage reads `targets` and
   // returns the micro-batch's mean cross-entropy (FP32); others write `output` and return 0.
+  // Tokens and targets are the stage's rows: micro_batch_size sequences of seq_length /
+  // context_parallel_size tokens each (context_parallel_rows() says which).
   float forward(int mb, const std::int32_t* tokens, const std::int32_t* targets, const float* input, float* output);
 
   // Backward in units so an engine can end a step's last backward at gradient-bucket

@@ -48,7 +48,7 @@
 #include "runtime/cuda/device_world.h"
 #include "runtime/cuda/stage_model_cuda.h"
 #include "runtime/model/stage_model.h"
-#include "runtime/model/tensor_parallel.h"
+#include "runtime/model/model_parallel.h"
 #include "runtime/numerics/lowp.h"
 #include "tests/runtime/stage_call_order.h"
 

@@ -138,6 +138,61 @@ TEST(Executor, TensorParallelMatchesOneRankInFp32) {
     }
 }
 
+// Context parallelism is exact too (runtime/model/stage_layout.h): each rank holds two chunks of
+// every sequence, embeds them at their own positions, attends its queries over every rank's keys
+// and values (gathered), and the keys' gradients are reduce-scattered back; its loss is the mean
+// over its tokens and the gradients are averaged over dp x cp. In FP32 the sums run in another
+// order than one rank's (a weight gradient's rows split over the ranks, a key's gradient summed
+// from each rank's queries), so the losses agree to FP32 rounding. Every schedule and every
+// parallel dimension beside it, ZeRO included.
+TEST(Executor, ContextParallelMatchesOneRankInFp32) {
+  const RunReport reference = run(small_config(1, 1, ScheduleKind::one_f_one_b));
+  ASSERT_FALSE(reference.failure) << reference.failure->message;
+  struct CpLayout {
+    Layout layout;
+    int cp, tp;
+    bool sp;
+    int zero;
+  };
+  const CpLayout layouts[] = {
+      {{1, 1, 1, ScheduleKind::one_f_one_b}, 2, 1, false, 0},
+      {{1, 1, 1, ScheduleKind::one_f_one_b}, 4, 1, false, 0},
+      {{2, 1, 1, ScheduleKind::one_f_one_b}, 2, 1, false, 0},
+      {{1, 2, 1, ScheduleKind::one_f_one_b}, 2, 1, false, 0},
+      {{1, 2, 1, ScheduleKind::gpipe}, 2, 1, false, 0},
+      {{1, 2, 2, ScheduleKind::interleaved_1f1b}, 2, 1, false, 0},
+      {{1, 2, 1, ScheduleKind::zb_h1}, 2, 1, false, 0},
+      {{1, 1, 1, ScheduleKind::one_f_one_b}, 2, 2, false, 0},
+      {{1, 2, 1, ScheduleKind::one_f_one_b}, 2, 2, true, 0},
+      {{2, 1, 1, ScheduleKind::one_f_one_b}, 2, 1, false, 1},
+      {{1, 1, 1, ScheduleKind::one_f_one_b}, 2, 1, false, 3},
+  };
+  for (const CpLayout& l : layouts) {
+    const Layout& g = l.layout;
+    SCOPED_TRACE(::testing::Message() << "dp " << g.dp << " pp " << g.pp << " v " << g.vpp << " cp " << l.cp << " tp "
+                                      << l.tp << (l.sp ? " sequence parallel" : "") << " zero " << l.zero << " "
+                                      << schedule_name(g.schedule));
+    ScenarioConfig c = small_config(g.dp, g.pp, g.schedule, g.vpp);
+    c.parallelism.context_parallel_size = l.cp;
+    c.parallelism.tensor_parallel_size = l.tp;
+    c.parallelism.sequence_parallel = l.sp;
+    c.parallelism.zero_stage = l.zero;
+    const RunReport r = run(c);
+    expect_trains_like(r, reference, 1e-6);
+    const int ranks = g.dp * g.pp * l.cp * l.tp;
+    ASSERT_EQ(r.executed_ranks.size(), static_cast<std::size_t>(ranks));
+    for (const ExecutedRank& e : r.executed_ranks) {
+      EXPECT_EQ(e.rank, e.tp + l.tp * (e.cp + l.cp * (e.dp + g.dp * e.pp)))
+          << "Megatron's order: tensor, context, data, pipeline";
+      EXPECT_EQ(e.schedule_rank, e.pp * g.dp + e.dp);
+    }
+    EXPECT_EQ(r.result.ranks.size(), static_cast<std::size_t>(g.dp * g.pp)) << "a rank per (dp, pp) cell";
+    for (const StepRecord& step : r.steps)
+      EXPECT_EQ(step.replica_checksums.size(), static_cast<std::size_t>(g.dp * l.cp)) << "a copy per (dp, cp)";
+    EXPECT_EQ(run_to_json(r)["run"]["executed_ranks"].back()["cp"].get<int>(), l.cp - 1);
+  }
+}
+
 // Low precision. A shard rounds where one rank does not: each row-parallel product's partial sum
 // to the format, the ring's sum of the tp partials, the bias added after it (three roundings where
 // one rank rounds b + xW^T once), and under SP the norms' gradients are summed from rounded halves.

@@ -20,7 +20,8 @@
 #include "runtime/comm/in_process.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
-#include "runtime/model/tensor_parallel.h"
+#include "runtime/model/stage_layout.h"
+#include "runtime/model/model_parallel.h"
 #include "runtime/numerics/lowp.h"
 #include "tests/runtime/stage_call_order.h"
 
@@ -224,6 +225,59 @@ TEST(Layers, AttentionMatchesNaiveAndGradients) {
   L::attention_backward(dqkv.data(), scratch.data(), R0.data(), qkv.data(), probs.data(), B, T, C, H, L::no_post);
   for (int t = 1; t < T; ++t)
     for (int c = 0; c < 3 * C; ++c) EXPECT_EQ(dqkv[t * 3 * C + c], 0.0) << "position " << t << " leaks into 0";
+}
+
+// Context parallelism's attention (stage_layout.h): a rank's queries, at their positions, over the
+// whole sequence's keys and values give the rows the whole sequence's attention gives at those
+// positions, and the ranks' key and value gradients sum to the whole's. In double, over several
+// query blocks (T > kAttnRows), for 2, 3 and 4 ranks.
+TEST(Layers, ContextParallelAttentionIsTheWholeSequencesRows) {
+  const int B = 2, T = 72, C = 8, H = 2;
+  std::mt19937_64 rng(11);
+  const std::vector<double> qkv = randn(B * T * 3 * C, rng), R = randn(B * T * C, rng);
+  std::vector<double> out(B * T * C), probs(B * H * T * T), scratch(T * T), dqkv(B * T * 3 * C);
+  L::attention_forward(out.data(), probs.data(), scratch.data(), qkv.data(), B, T, C, H, L::no_post);
+  L::attention_backward(dqkv.data(), scratch.data(), R.data(), qkv.data(), probs.data(), B, T, C, H, L::no_post);
+  const std::ptrdiff_t w = 3 * C;
+  for (const int cp : {2, 3, 4}) {
+    std::vector<double> dk_sum(B * T * C, 0.0), dv_sum(B * T * C, 0.0);
+    for (int rank = 0; rank < cp; ++rank) {
+      SCOPED_TRACE(::testing::Message() << "rank " << rank << " of " << cp);
+      const std::vector<int> pos = context_parallel_positions(T, cp, rank);
+      const int Tq = T / cp;
+      ASSERT_EQ(pos.size(), static_cast<std::size_t>(Tq));
+      std::vector<double> mine(B * Tq * 3 * C), dout(B * Tq * C);
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < Tq; ++t) {
+          std::copy_n(qkv.begin() + (b * T + pos[t]) * 3 * C, 3 * C, mine.begin() + (b * Tq + t) * 3 * C);
+          std::copy_n(R.begin() + (b * T + pos[t]) * C, C, dout.begin() + (b * Tq + t) * C);
+        }
+      const L::AttentionShape shape{B, Tq, T, pos.data()};
+      std::vector<double> o(B * Tq * C), p(B * H * Tq * T), s(Tq * T);
+      L::attention_forward<double>(o.data(), p.data(), s.data(), {mine.data(), w}, {qkv.data() + C, w},
+                                   {qkv.data() + 2 * C, w}, shape, C, H, L::no_post);
+      std::vector<double> dq(B * Tq * C), dk(B * T * C), dv(B * T * C);
+      L::attention_backward<double>({dq.data(), C}, {dk.data(), C}, {dv.data(), C}, s.data(), dout.data(),
+                                    {mine.data(), w}, {qkv.data() + C, w}, {qkv.data() + 2 * C, w}, p.data(), shape, C,
+                                    H, L::no_post);
+      for (int b = 0; b < B; ++b)
+        for (int t = 0; t < Tq; ++t)
+          for (int c = 0; c < C; ++c) {
+            const std::size_t whole = static_cast<std::size_t>(b * T + pos[t]);
+            ASSERT_NEAR(o[(b * Tq + t) * C + c], out[whole * C + c], 1e-13) << "position " << pos[t];
+            ASSERT_NEAR(dq[(b * Tq + t) * C + c], dqkv[whole * 3 * C + c], 1e-12) << "position " << pos[t];
+          }
+      for (std::size_t i = 0; i < dk.size(); ++i) {
+        dk_sum[i] += dk[i];
+        dv_sum[i] += dv[i];
+      }
+    }
+    for (int n = 0; n < B * T; ++n)
+      for (int c = 0; c < C; ++c) {
+        ASSERT_NEAR(dk_sum[n * C + c], dqkv[n * 3 * C + C + c], 1e-12) << "row " << n;
+        ASSERT_NEAR(dv_sum[n * C + c], dqkv[n * 3 * C + 2 * C + c], 1e-12) << "row " << n;
+      }
+  }
 }
 
 TEST(Layers, CrossEntropyGradients) {
@@ -808,7 +862,7 @@ struct ShardRun {
 // backward between the second's two passes, as a zero-bubble schedule may run them. Weights: the
 // whole model's `whole` (by its params), cut to the shard. Middle and last stages take `input`
 // (all N rows, the shard keeps its own under sequence parallelism) and `grad_output` likewise.
-ShardRun run_shard(StageSpec spec, int tp, int rank, bool sp, TensorParallelGroup* group, const StageModel& whole,
+ShardRun run_shard(StageSpec spec, int tp, int rank, bool sp, ModelParallelGroup* group, const StageModel& whole,
                    const std::vector<float>& whole_weights, const Batch& batch, const std::vector<float>& input,
                    const std::vector<float>& grad_output) {
   spec.tensor_parallel_size = tp;
