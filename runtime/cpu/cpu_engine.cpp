@@ -393,7 +393,7 @@ class CpuEngine final : public DeviceEngine {
       if (op.kind == OpKind::Backward || op.kind == OpKind::BackwardInput || op.kind == OpKind::BackwardWeight)
         e_.account_memory(rk_, op.kind == OpKind::BackwardWeight
                                    ? 0.0
-                                   : static_cast<double>(rk_.chunks[e_.shape_.local_chunk(op)].recompute_bytes()),
+                                   : static_cast<double>(rk_.chunks[e_.shape_.local_chunk(op)].backward_workspace_bytes()),
                           e_.unsharded_written_by(rk_, op));
       Tick start = e_.now();
       if (previous_end_ >= 0) {

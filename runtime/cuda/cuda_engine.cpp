@@ -628,7 +628,7 @@ class CudaEngine final : public DeviceEngine {
         e_.account_memory(rk_, op.kind == OpKind::BackwardWeight
                                    ? 0.0
                                    : static_cast<double>(rk_.chunks[static_cast<std::size_t>(e_.shape_.local_chunk(op))]
-                                                             .recompute_bytes()),
+                                                             .backward_workspace_bytes()),
                           e_.unsharded_written_by(rk_, op));
       record(rk_.start[static_cast<std::size_t>(i)].e, rk_.streams.compute);
       e_.run_op(rk_, i, op);

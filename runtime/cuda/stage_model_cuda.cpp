@@ -947,7 +947,7 @@ std::size_t CudaStageModel::activation_bytes() const {
   return bytes;
 }
 
-std::size_t CudaStageModel::recompute_bytes() const {
+std::size_t CudaStageModel::backward_workspace_bytes() const {
   const Impl& m = *impl_;
   const auto& b = m.redo.block;
   std::size_t bytes = m.redo.probs.bytes() + m.redo.out.bytes();

@@ -190,7 +190,7 @@ class CudaStageModel {
   // Device bytes of the stashes (and backward buffers) of micro-batches in flight.
   std::size_t activation_bytes() const;
   // Device bytes of the workspace recompute (spec().recompute) rebuilds a block in during a backward.
-  std::size_t recompute_bytes() const;
+  std::size_t backward_workspace_bytes() const;
 
  private:
   struct Impl;

@@ -115,10 +115,10 @@ struct StageModel::Impl : StageShape {
   // residual gradient (sequence parallel), the cross-entropy's row statistics, and the norms'
   // partial gradients a sequence-parallel shard sums over its group.
   Buffer gathered, dy_full, dx1_full, ce, norm_partials;
-  // Context parallelism: every rank's keys and values (B,T,2Cl) in the sequence's order, their
-  // gradients, the ranks' chunks as the group's collectives move them (cp x N x 2Cl), and each
-  // rank's positions (context_parallel_positions).
-  Buffer kv_all, dkv_all, kv_chunks;
+  // Context parallelism: every rank's keys and values (B,T,2Cl) in the sequence's order and their
+  // gradients; each also serves as the other's room for the ranks' chunks as the group's
+  // collectives move them (cp x N x 2Cl, the same size). And each rank's positions.
+  Buffer kv_all, dkv_all;
   std::vector<std::vector<int>> rank_positions;
   struct PendingNorm {
     int pw, pb;
@@ -221,25 +221,29 @@ struct StageModel::Impl : StageShape {
     return *cp_group;
   }
   // Every rank's keys and values (columns [Cl, 3Cl) of its N qkv rows) into kv_all, each row at its
-  // position: this rank's into its chunk, the group's all-gather, then into the sequence's order.
+  // position: this rank's into its chunk, the group's all-gather (in dkv_all, free until the
+  // backward's gradients), then into the sequence's order.
   void gather_keys_values(const float* qkv) {
     const std::size_t w = 2 * static_cast<std::size_t>(Cl), qw = 3 * static_cast<std::size_t>(Cl), chunk = N * w;
-    float* mine = kv_chunks.data() + static_cast<std::size_t>(cp_rank) * chunk;
+    float* chunks = dkv_all.data();
+    float* mine = chunks + static_cast<std::size_t>(cp_rank) * chunk;
     for (std::size_t n = 0; n < N; ++n) std::copy_n(qkv + n * qw + Cl, w, mine + n * w);
-    context_group().all_gather({kv_chunks.data(), cp * chunk}, wire);
+    context_group().all_gather({chunks, cp * chunk}, wire);
     for_each_rank_row([&](std::size_t chunk_row, std::size_t seq_row) {
-      std::copy_n(kv_chunks.data() + chunk_row * w, w, kv_all.data() + seq_row * w);
+      std::copy_n(chunks + chunk_row * w, w, kv_all.data() + seq_row * w);
     });
   }
   // The keys' and values' gradients of every position (dkv_all) to the ranks that hold them,
-  // summed over the group: this rank's into columns [Cl, 3Cl) of its dqkv rows.
+  // summed over the group (in kv_all, read by the attention backward before): this rank's into
+  // columns [Cl, 3Cl) of its dqkv rows.
   void reduce_scatter_keys_values(float* dqkv) {
     const std::size_t w = 2 * static_cast<std::size_t>(Cl), qw = 3 * static_cast<std::size_t>(Cl), chunk = N * w;
+    float* chunks = kv_all.data();
     for_each_rank_row([&](std::size_t chunk_row, std::size_t seq_row) {
-      std::copy_n(dkv_all.data() + seq_row * w, w, kv_chunks.data() + chunk_row * w);
+      std::copy_n(dkv_all.data() + seq_row * w, w, chunks + chunk_row * w);
     });
-    context_group().reduce_scatter({kv_chunks.data(), cp * chunk}, wire);
-    const float* mine = kv_chunks.data() + static_cast<std::size_t>(cp_rank) * chunk;
+    context_group().reduce_scatter({chunks, cp * chunk}, wire);
+    const float* mine = chunks + static_cast<std::size_t>(cp_rank) * chunk;
     for (std::size_t n = 0; n < N; ++n) std::copy_n(mine + n * w, w, dqkv + n * qw + Cl);
   }
   // f(row in kv_chunks, row in the (B,T) sequence order) for every rank's every row.
@@ -458,7 +462,6 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
     const std::size_t kv = static_cast<std::size_t>(B) * T * 2 * cl;
     kv_all = floats(kv);
     dkv_all = floats(kv);
-    kv_chunks = floats(kv);
     for (int i = 0; i < cp; ++i) rank_positions.push_back(context_parallel_positions(T, cp, i));
   }
   if (!fast_grads) {
@@ -1117,9 +1120,10 @@ std::size_t StageModel::activation_bytes() const {
   return bytes;
 }
 
-std::size_t StageModel::recompute_bytes() const {
+std::size_t StageModel::backward_workspace_bytes() const {
   const Impl& m = *impl_;
-  std::size_t bytes = m.held_bytes(m.redo.probs.size() + m.redo.out.size(), Held::compute);
+  std::size_t bytes = m.held_bytes(m.redo.probs.size() + m.redo.out.size() + m.kv_all.size() + m.dkv_all.size(),
+                                   Held::compute);
   for (const Buffer* t : {&m.redo.block.ln1, &m.redo.block.qkv, &m.redo.block.probs, &m.redo.block.att,
                           &m.redo.block.x1, &m.redo.block.ln2, &m.redo.block.fc, &m.redo.block.gelu})
     bytes += m.held_bytes(t->size(), Held::compute);

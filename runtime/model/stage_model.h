@@ -229,9 +229,10 @@ class StageModel {
   std::size_t activation_bytes() const;      // stashes of micro-batches in flight (compute-format
                                              // elements, FP32 statistics; with the gradients a
                                              // split backward keeps for backward_weight)
-  std::size_t recompute_bytes() const;       // what a backward (or backward_input) rebuilds one
-                                             // block's activations in, on top of activation_bytes()
-                                             // while it runs: 0 without recompute
+  // What a backward (or backward_input) holds on top of activation_bytes() while it runs: the
+  // workspace recompute rebuilds one block's activations in, and under context parallelism every
+  // rank's keys and values, gathered, and their gradients; 0 with neither.
+  std::size_t backward_workspace_bytes() const;
 
   // Reset by assigning {} (per step). Activations are the tensors forward stores or passes on,
   // gradients those backward passes on plus each parameter's gradient as produced and as

@@ -499,7 +499,7 @@ TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
       for (CudaStageModel* m : {&kept, &redo}) m->forward(0, nullptr, nullptr, in16.data(), nullptr);
       EXPECT_LT(redo.activation_bytes(), kept.activation_bytes());
       stashed[r] = redo.activation_bytes();
-      workspace[r] = redo.recompute_bytes();
+      workspace[r] = redo.backward_workspace_bytes();
       for (CudaStageModel* m : {&kept, &redo}) {
         void* din = m == &kept ? din_kept.data() : din_redo.data();
         if (split_backward) {

@@ -275,6 +275,37 @@ TEST(Executor, TensorParallelMemoryPerRankFollowsTheModel) {
 
 // Recompute rebuilds bitwise what the forward made (the same code on the same inputs), so every
 // gradient, and the training, is bitwise that of keeping everything; only memory changes.
+// What a context-parallel rank holds: the whole stage's weights, gradients and moments (a copy, as
+// a replica's: the simulator's count exactly); activations of its 1/cp of the tokens, its queries'
+// scores over every key (B a s/cp s), and while a backward runs every rank's keys and values and
+// their gradients (the memory model's transient): within 3% of the model, as tensor parallelism.
+TEST(Executor, ContextParallelMemoryPerRankFollowsTheModel) {
+  for (const ScheduleKind sched : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::zb_h1})
+    for (const Recompute rc : {Recompute::none, Recompute::full}) {
+      SCOPED_TRACE(::testing::Message() << schedule_name(sched) << " pp 2 cp 2, recompute " << recompute_name(rc));
+      ScenarioConfig c = small_config(1, 2, sched);
+      c.training.activation_recompute = rc;
+      const RunReport whole = run(c);
+      ASSERT_FALSE(whole.failure);
+      c.parallelism.context_parallel_size = 2;
+      const RunReport r = run(c);
+      ASSERT_FALSE(r.failure) << r.failure->message;
+      const auto predicted = MemoryModel(r.runtime_plan.plan).peak_per_rank(*r.schedule);
+      for (const ExecutedRank& e : r.executed_ranks) {
+        const MemoryBreakdown& m = e.memory;
+        const MemoryBreakdown& p = predicted[static_cast<std::size_t>(e.schedule_rank)];
+        const MemoryBreakdown& one = whole.memory[static_cast<std::size_t>(e.schedule_rank)];
+        EXPECT_EQ(m.weights, p.weights) << "rank " << e.rank;
+        EXPECT_EQ(m.gradients, p.gradients) << "rank " << e.rank;
+        EXPECT_EQ(m.optimizer, p.optimizer) << "rank " << e.rank;
+        EXPECT_EQ(m.weights, one.weights) << "a whole copy";
+        EXPECT_NEAR(m.activations, p.activations, 0.03 * p.activations) << "rank " << e.rank;
+        EXPECT_NEAR(m.total(), p.total(), 0.03 * m.total()) << "rank " << e.rank;
+        EXPECT_LT(m.activations, 0.75 * one.activations) << "activations split too";
+      }
+    }
+}
+
 TEST(Executor, RecomputeTrainsBitwiseAsKeepingEverything) {
   for (const ScheduleKind schedule : {ScheduleKind::one_f_one_b, ScheduleKind::zb_h1}) {
     ScenarioConfig c = small_config(1, 2, schedule);

@@ -853,7 +853,7 @@ TEST(StageModel, RejectsBadSpecsAndInputs) {
 // ---------------------------------------------------------------------------------------
 struct ShardRun {
   std::vector<float> loss, output, grad_input, gradients, weights;
-  std::size_t stashed = 0, recompute = 0;  // activation_bytes() after both forwards; recompute_bytes()
+  std::size_t stashed = 0, recompute = 0;  // activation_bytes() after both forwards; backward_workspace_bytes()
   StageNumerics numerics;
 };
 
@@ -887,7 +887,7 @@ ShardRun run_shard(StageSpec spec, int tp, int rank, bool sp, ModelParallelGroup
     if (!spec.has_head) out.output.insert(out.output.end(), y.begin(), y.end());
   }
   out.stashed = m.activation_bytes();
-  out.recompute = m.recompute_bytes();
+  out.recompute = m.backward_workspace_bytes();
   const float* gout = spec.has_head ? nullptr : grad_output.data() + first_row;
   std::vector<float> gin0(rows), gin1(rows);
   m.backward_input(1, gout, 4.0f, gin1.data());
