@@ -69,8 +69,11 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
   }
   const ModelShape m = plan.shape();
   const auto& cfg = plan.config;
-  const long b = plan.micro_batch_size, T = m.s, N = b * T, t = plan.tp;
+  // Context parallelism: a rank holds Tq = T / cp of each sequence's rows; its attention runs its
+  // queries over all T keys, gathered (runtime/model/stage_model.cpp).
+  const long b = plan.micro_batch_size, T = m.s, Tq = plan.local_seq_length(), N = b * Tq, t = plan.tp;
   const long C = m.h, F = m.f / t, V = m.V / t, H = std::max<long>(1, m.a / t), hs = m.h / m.a;
+  const double scores = static_cast<double>(b) * H * Tq * T;  // attention's (Tq, T) per head and sample
   // The residual stream's rows on a shard: all of them, or 1/t under sequence parallelism (its
   // norms, residual adds and stored stream); the products see all N rows. A row-parallel product's
   // output is rounded as a partial sum (N rows) and again summed (the shard's rows), with its bias
@@ -79,6 +82,17 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
   const double reduced = t > 1 ? static_cast<double>(N * C + Nl * C) : static_cast<double>(N * C);
   const long qkv = (m.h + 2L * m.h / m.a * m.kv_heads) / t, Cout = C / t;
   const long ffn_in = m.swiglu ? 2 * F : F;  // SwiGLU's gate and up products as one wider product
+  // Context parallelism's gathered keys and values: the rank's into its chunk and every rank's
+  // into the sequence's order around the all-gather; the gradients of every key into the ranks'
+  // chunks and the rank's own out around the reduce-scatter (the collectives themselves are priced
+  // from the profile's tables).
+  const double kv_all = static_cast<double>(b) * T * 2 * (C / t), kv_own = kv_all / plan.cp;
+  auto cp_gather = [&](Builder& k) {
+    if (plan.cp > 1) k.memory("copy", kv_own + kv_all, 2);
+  };
+  auto cp_reduce = [&](Builder& k) {
+    if (plan.cp > 1) k.memory("copy", kv_all + kv_own, 2);
+  };
   // In a low-precision format the runtime rounds every produced tensor (two passes); in FP32
   // it only scans it (one).
   const bool fp32 = cfg.precision.compute == DType::fp32;
@@ -103,7 +117,8 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
     auto layer_forward = [&](bool rebuild_op) {
       k.memory("layernorm.forward", Nl * C, 2);
       if (!rebuild_op) k.matmul("linear.forward", N, qkv, C);
-      k.matmul("attention.forward", T, T, hs, 2 * b * H);
+      cp_gather(k);
+      k.matmul("attention.forward", Tq, T, hs, 2 * b * H);
       k.matmul("linear.forward", N, C, Cout);
       if (t > 1) k.memory("residual", Nl * C, 3);  // the bias, after the sum
       k.memory("residual", Nl * C, 3);
@@ -113,7 +128,7 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       if (rebuild_op) {
         // ln1, x1, ln2 (the stream's rows); att again, gelu; the projection's output; scores and
         // probabilities
-        k.memory("round", 3.0 * Nl * C + N * (Cout + F) + reduced + 2.0 * b * H * T * T, round_passes);
+        k.memory("round", 3.0 * Nl * C + N * (Cout + F) + reduced + 2.0 * scores, round_passes);
         return;
       }
       k.matmul("linear.forward", N, C, F);
@@ -121,7 +136,7 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       k.memory("residual", Nl * C, 3);
       // ln1, x1, ln2, out (the stream's rows); qkv, att, fc, gelu; the two projections' outputs;
       // attention's scores and probabilities
-      k.memory("round", 4.0 * Nl * C + N * (qkv + Cout + ffn_in + F) + 2 * reduced + 2.0 * b * H * T * T, round_passes);
+      k.memory("round", 4.0 * Nl * C + N * (qkv + Cout + ffn_in + F) + 2 * reduced + 2.0 * scores, round_passes);
     };
     const Recompute recompute = cfg.training.activation_recompute;
 
@@ -159,21 +174,23 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       if (recompute == Recompute::full || recompute == Recompute::selective_op)
         layer_forward(recompute == Recompute::selective_op);
       if (recompute == Recompute::selective) {
-        k.matmul("attention.forward", T, T, hs, 2 * b * H);
-        k.memory("round", 2.0 * b * H * T * T, round_passes);
+        cp_gather(k);
+        k.matmul("attention.forward", Tq, T, hs, 2 * b * H);
+        k.memory("round", 2.0 * scores, round_passes);
       }
       k.matmul("linear.backward_input", N, F, C);
       k.memory("gelu.backward", N * F, 3);
       k.matmul("linear.backward_input", N, C, ffn_in);
       k.memory("layernorm.backward_input", Nl * C, 4);
       k.matmul("linear.backward_input", N, Cout, C);
-      k.matmul("attention.backward", T, T, hs, 4 * b * H);
+      cp_gather(k);
+      k.matmul("attention.backward", Tq, T, hs, 4 * b * H);
+      cp_reduce(k);
       k.matmul("linear.backward_input", N, C, qkv);
       k.memory("layernorm.backward_input", Nl * C, 4);
       // dgelu, dfc, datt, dqkv; dln2 and dln1 (as the projections' outputs); dx1, dx0 (the
-      // stream's rows); attention's two gradients of (T, T)
-      k.memory("round", N * (F + ffn_in + Cout + qkv) + 2 * reduced + 2.0 * Nl * C + 2.0 * b * H * T * T,
-               round_passes);
+      // stream's rows); attention's two gradients of (Tq, T)
+      k.memory("round", N * (F + ffn_in + Cout + qkv) + 2 * reduced + 2.0 * Nl * C + 2.0 * scores, round_passes);
     }
 
     k.out = &c.backward_weight;

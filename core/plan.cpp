@@ -288,12 +288,6 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                            "divide seq_length({})",
                            cp, cp, 2 * cp, m.seq_length),
                {"model.seq_length"});
-    if (cl.calibrated)
-      ck.error("parallelism.context_parallel_size",
-               fmt::format("context_parallel_size({}) with a calibrated profile (cluster.profile): a profile prices "
-                           "the runtime's own decoder, which does not execute context parallelism; use a GPU preset",
-                           cp),
-               {"cluster.profile"});
     if (static_cast<long long>(t) * cp > cl.gpus_per_node && cl.gpus_per_node % t != 0)
       ck.error("parallelism.context_parallel_size",
                fmt::format("tensor_parallel_size({}) does not divide a node of {} GPUs: the context-parallel "

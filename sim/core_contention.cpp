@@ -74,7 +74,7 @@ bool collectives_slow_compute(const Plan& plan) {
 bool cores_contend(const Plan& plan) {
   const auto& p = plan.config.cluster.calibrated;
   if (!p || p->core_factors.empty()) return false;
-  const int threads = plan.num_ranks() * plan.tp;
+  const int threads = plan.num_ranks() * plan.gpus_per_rank();
   return threads >= 2 && threads <= p->ranks_per_node;
 }
 
@@ -85,7 +85,7 @@ int settle_core_contention(const Plan& plan, const std::shared_ptr<const Schedul
   if (!contend && !slowed) return 0;
   const Schedule& s = *schedule;
   const int ranks = static_cast<int>(s.ranks.size());
-  const int tp = plan.tp;
+  const int tp = plan.gpus_per_rank();  // a rank's shards (tensor- and context-parallel), a core each
   const double threads = static_cast<double>(ranks) * tp;  // the host's, each on a core (cores_contend)
   // GPUs: each compute op's speed beside its rank's collectives, over its speed alone.
   std::optional<RooflineComputeModel> on_the_rest_sms;

@@ -222,15 +222,6 @@ TEST(ContextParallel, TheLayoutIsCheckedAndExplained) {
   } catch (const ScenarioError& e) {
     EXPECT_NE(std::string(e.what()).find("flash or cudnn"), std::string::npos) << e.what();
   }
-  // A calibrated profile prices the runtime's decoder, which does not split sequences.
-  c = llama_config(1, 2, 1, 8192);
-  c.cluster.calibrated = std::make_shared<HardwareProfile>();
-  try {
-    Plan::from_config(c);
-    FAIL() << "a context-parallel plan priced by the runtime's profile";
-  } catch (const ScenarioError& e) {
-    EXPECT_NE(std::string(e.what()).find("calibrated profile"), std::string::npos) << e.what();
-  }
   // Left unwritten, data_parallel_size is what the other sizes leave of the GPUs.
   const Scenario sc = load_scenario_text(
       "model: {preset: llama3-8b, seq_length: 16384}\ncluster: {gpu: h100-80gb, num_gpus: 32}\n"

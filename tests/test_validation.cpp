@@ -812,6 +812,45 @@ TEST(HardwareProfile, GathersAndScattersArePricedFromTheirOwnTables) {
   EXPECT_DOUBLE_EQ(p.allgather_seconds(4, 1e6), p.allreduce_seconds(4, 1e6) / 2);  // no table for 4
 }
 
+// Context parallelism on the runtime (runtime/model/stage_model.cpp): a rank's products are 1/cp of
+// one rank's, its attention's queries 1/cp of the sequence over all of its keys, so every pass does
+// 1/cp of one rank's FLOPs; the keys' and values' all-gather before each attention forward and
+// backward (and the rebuild a recompute runs), and the reduce-scatter of their gradients after the
+// backward, are priced from the profile's tables for the group, per layer, as listed.
+TEST(HardwareProfile, ContextParallelPassesAreAShareOfOneRanksAndTheirCollectivesTheTables) {
+  ScenarioConfig c = runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::fp32);
+  c.model.attention = AttentionKernel::naive;
+  const Plan one = Plan::from_config(c);
+  c.parallelism.context_parallel_size = 2;
+  c.parallelism.context_parallel_comm = ContextParallelComm::all_gather;
+  c.cluster.num_gpus = c.cluster.gpus_per_node = 2;
+  const Plan split = Plan::from_config(c);
+  const auto whole = chunk_kernels(one, 4), half = chunk_kernels(split, 4);
+  for (auto pass : {&ChunkKernels::forward, &ChunkKernels::backward_input, &ChunkKernels::backward_weight})
+    EXPECT_DOUBLE_EQ(matmul_flops(half[0].*pass), matmul_flops(whole[0].*pass) / 2);
+
+  const double bytes = 2.0 * 64 * 2 * 128 * 4;  // micro-batch 2, 64 tokens, K and V of width 128, FP32
+  for (const Recompute rc : {Recompute::none, Recompute::selective}) {
+    SCOPED_TRACE(recompute_name(rc));
+    c.training.activation_recompute = rc;
+    HardwareProfile p = uniform_profile(Plan::from_config(c), 0.05, 10);
+    p.allgather_tables[2].rows = {{1e3, 8e-6}, {1e6, 60e-6}};
+    p.reduce_scatter_tables[2].rows = {{1e3, 9e-6}, {1e6, 150e-6}};
+    const double gather = p.allgather_seconds(2, bytes), scatter = p.reduce_scatter_seconds(2, bytes);
+    c.cluster.calibrated = std::make_shared<HardwareProfile>(p);
+    std::map<PricedKernel::Pass, double> listed;
+    const std::vector<std::vector<PricedKernel>> prices = kernel_prices(Plan::from_config(c));
+    for (const PricedKernel& k : prices[0])
+      if (k.work.kernel == "cp.collectives (profile tables)") listed[k.pass] += k.seconds;
+    const double layers = 4;
+    EXPECT_DOUBLE_EQ(listed[PricedKernel::Pass::forward], layers * gather);
+    EXPECT_DOUBLE_EQ(listed[PricedKernel::Pass::backward_input],
+                     layers * ((rc == Recompute::none ? 1 : 2) * gather + scatter));
+    EXPECT_EQ(listed.count(PricedKernel::Pass::backward_weight), 0u);
+    c.cluster.calibrated = nullptr;
+  }
+}
+
 TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {
   const Plan plan = Plan::from_config(runtime_sized(1, 1, ScheduleKind::one_f_one_b, DType::fp32));
   const fs::path dir = fs::temp_directory_path() / "trainsim_profile_scenario";

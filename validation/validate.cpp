@@ -45,11 +45,11 @@ Plan calibrated_plan(const runtime::RuntimePlan& rp, const HardwareProfile& prof
   return plan;
 }
 
-// Group sizes the plan's collectives use: the data-parallel groups, the tensor-parallel groups
-// and every rank (the global overflow check and gradient norm).
+// Group sizes the plan's collectives use: the data-parallel groups (dp x cp), the tensor- and
+// context-parallel groups and every rank (the global overflow check and gradient norm).
 std::vector<int> collective_group_sizes(const Plan& plan) {
   std::vector<int> g;
-  for (int n : {plan.dp, plan.num_ranks() * plan.tp, plan.pp > 1 ? 2 : 1, plan.tp})
+  for (int n : {plan.data_shards(), plan.num_ranks() * plan.gpus_per_rank(), plan.pp > 1 ? 2 : 1, plan.tp, plan.cp})
     if (n >= 2 && std::find(g.begin(), g.end(), n) == g.end()) g.push_back(n);
   std::sort(g.begin(), g.end());
   return g;
@@ -135,12 +135,12 @@ std::vector<char> skipped_updates(const runtime::RunReport& r) {
 CoreSharing sharing_of(const Plan& plan, const Schedule& schedule, const HardwareProfile& p,
                        std::vector<runtime::CoreTurn> turns, std::vector<char> skipped = {}) {
   CoreSharing sh;
-  // A schedule rank's turn takes a core per tensor-parallel shard (the engine's CoreGate).
-  sh.cores = std::max(1, p.ranks_per_node / plan.tp);
+  // A schedule rank's turn takes a core per shard, tensor- or context-parallel (the engine's CoreGate).
+  sh.cores = std::max(1, p.ranks_per_node / plan.gpus_per_rank());
   sh.turns = std::move(turns);
   sh.optimizer_first_part = optimizer_norm_share(plan, p);
   sh.skipped_update = std::move(skipped);
-  if (const auto it = p.allreduce.find(plan.num_ranks() * plan.tp); it != p.allreduce.end())
+  if (const auto it = p.allreduce.find(plan.num_ranks() * plan.gpus_per_rank()); it != p.allreduce.end())
     sh.norm_allreduce = seconds_to_ticks(it->second.latency_us * 1e-6);
   sh.handoff = seconds_to_ticks(p.core_handoff_us * 1e-6);
   // A rank's collectives run on its cores (the CPU backend's communication threads copy and sum
@@ -157,9 +157,9 @@ CoreSharing sharing_of(const Plan& plan, const Schedule& schedule, const Hardwar
   }
   // Only the CPU engine shares cores by turns: its in-process world's receives copy the message out
   // on the receiving thread, which outside its turns runs first on its core where the ranks have
-  // no tensor parallelism (cpu_turns_wait_first); with it, the woken thread waits as any other.
-  sh.receiver_copies = plan.tp == 1;
-  sh.threads_per_turn = plan.tp;
+  // one shard a cell (cpu_turns_wait_first); with more, the woken thread waits as any other.
+  sh.receiver_copies = plan.gpus_per_rank() == 1;
+  sh.threads_per_turn = plan.gpus_per_rank();
   sh.zero3_units_held = runtime::kZero3UnitsHeld;
   sh.zero3_forward_keeps_first_unit = plan.num_virtual_stages() == 1 && plan.shape().tied;
   return sh;
@@ -312,11 +312,11 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
   // More ranks than cores, on a backend that shares them by turns: the order of the turns comes from
   // a prediction with the profile measured so far, and the run follows it.
   const auto shares_by_turns = [&](const HardwareProfile& p) {
-    return record.shares_by_turns && !stand_in && v.plan.plan.num_ranks() * v.plan.plan.tp > std::max(1, p.ranks_per_node);
+    return record.shares_by_turns && !stand_in && v.plan.plan.num_ranks() * v.plan.plan.gpus_per_rank() > std::max(1, p.ranks_per_node);
   };
   auto run = [&](const HardwareProfile& before) {
     if (shares_by_turns(before)) {
-      const HardwareProfile p = turn_profile(before, v.plan.plan.num_ranks() * v.plan.plan.tp);
+      const HardwareProfile p = turn_profile(before, v.plan.plan.num_ranks() * v.plan.plan.gpus_per_rank());
       const Plan plan = calibrated_plan(v.plan, p);
       const Timeline alone = predict(plan).timeline;
       ro.core_turns = share_cores(alone, sharing_of(plan, *alone.schedule, p, {})).turns;
@@ -389,7 +389,7 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
 
   say("predicting");
   const int cores = std::max(1, v.profile.ranks_per_node);
-  const int ranks = v.plan.plan.num_ranks() * v.plan.plan.tp;  // every tensor-parallel shard is a thread
+  const int ranks = v.plan.plan.num_ranks() * v.plan.plan.gpus_per_rank();  // every shard is a thread
   if (shares_by_turns(v.profile)) {
     // Op by op, with the profile measured during the run, in the order of turns the run followed.
     v.profile = turn_profile(v.profile, ranks);
@@ -588,7 +588,7 @@ std::string format_validation(const Validation& v) {
   if (v.oversubscribed) {
     out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
                        "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",
-                       v.plan.plan.num_ranks() * v.plan.plan.tp, v.profile.ranks_per_node, v.profile.core_handoff_us);
+                       v.plan.plan.num_ranks() * v.plan.plan.gpus_per_rank(), v.profile.ranks_per_node, v.profile.core_handoff_us);
     if (v.plan.plan.gathers_before_backward() && v.plan.plan.dp > 1)
       out << fmt::format("           ZeRO-3: a pass waits for each unit's gather with its {} data-parallel peers, {} "
                          "units held at most; a rank waiting for one gives its core back\n",

@@ -251,7 +251,8 @@ Composition stage_composition(const ScenarioConfig& config, int layers, int stor
   c.parallelism.schedule = ScheduleKind::one_f_one_b;
   c.parallelism.layers_per_stage = {layers, layers, layers};
   c.model.num_layers = 3 * layers;
-  c.cluster.num_gpus = c.cluster.gpus_per_node = 3 * c.parallelism.tensor_parallel_size;  // a shard's stages
+  c.cluster.num_gpus = c.cluster.gpus_per_node =
+      3 * c.parallelism.tensor_parallel_size * c.parallelism.context_parallel_size;  // a shard's stages
   c.training.global_batch_size = 0;
   const ChunkKernels middle = chunk_kernels(Plan::from_config(c), storage)[1];
   auto priced = [&](const std::vector<KernelWork>& ws) {

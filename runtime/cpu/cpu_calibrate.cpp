@@ -36,6 +36,7 @@
 #include "runtime/model/layers.h"
 #include "runtime/model/stage_model.h"
 #include "runtime/model/model_parallel.h"
+#include "runtime/model/stage_layout.h"
 #include "runtime/numerics/lowp.h"
 #include "runtime/numerics/optimizer.h"
 #include "runtime/numerics/splitmix64.h"
@@ -82,6 +83,7 @@ class KernelTimer {
     const ModelDims& d = plan.dims;
     B_ = plan.plan.micro_batch_size;
     T_ = d.seq_length;
+    positions_ = context_parallel_positions(T_, plan.plan.cp, 0);  // every rank's the same work
     C_ = d.hidden_size;
     V_ = d.vocab_size;
   }
@@ -108,6 +110,7 @@ class KernelTimer {
       // 4 backward; the launch itself covers all heads of the micro-batch.
       const int heads = static_cast<int>(s.batch / (k == "attention.forward" ? 2 : 4) / B_);
       const int C = heads * static_cast<int>(s.k);
+      if (s.m != s.n) return context_parallel_attention(k, static_cast<int>(s.m), static_cast<int>(s.n), C, heads);
       auto qkv = floats(static_cast<std::size_t>(B_) * T_ * 3 * C), out = floats(static_cast<std::size_t>(B_) * T_ * C);
       auto probs = floats(static_cast<std::size_t>(B_) * heads * T_ * T_), scratch = floats(static_cast<std::size_t>(T_) * T_);
       layers::attention_forward(out.data(), probs.data(), scratch.data(), qkv.data(), B_, T_, C, heads, layers::no_post);
@@ -277,6 +280,28 @@ class KernelTimer {
   std::span<float> floats(long n, float scale = 1.0f) {
     return floats_.emplace_back(random_floats(static_cast<std::size_t>(n), rng_, scale));
   }
+  // A context-parallel rank's attention (inventory shape m = Tq queries, n = T keys): its queries'
+  // rows of q, k and v, every rank's keys and values gathered (runtime/model/stage_model.cpp).
+  std::function<void()> context_parallel_attention(const std::string& k, int Tq, int T, int C, int heads) {
+    const std::ptrdiff_t qw = 3 * C, w = 2 * C;
+    auto qkv = floats(static_cast<long>(B_) * Tq * qw), kv = floats(static_cast<long>(B_) * T * w);
+    auto out = floats(static_cast<long>(B_) * Tq * C), probs = floats(static_cast<long>(B_) * heads * Tq * T);
+    auto scratch = floats(static_cast<long>(Tq) * T);
+    const layers::AttentionShape shape{B_, Tq, T, positions_.data()};
+    auto forward = [=] {
+      layers::attention_forward<float>(out.data(), probs.data(), scratch.data(), {qkv.data(), qw}, {kv.data(), w},
+                                       {kv.data() + C, w}, shape, C, heads, layers::no_post);
+    };
+    forward();
+    if (k == "attention.forward") return launch(forward);
+    auto dqkv = floats(static_cast<long>(qkv.size())), dkv = floats(static_cast<long>(kv.size()));
+    auto dout = floats(static_cast<long>(out.size()));
+    return launch([=] {
+      layers::attention_backward<float>({dqkv.data(), qw}, {dkv.data(), w}, {dkv.data() + C, w}, scratch.data(),
+                                        dout.data(), {qkv.data(), qw}, {kv.data(), w}, {kv.data() + C, w},
+                                        probs.data(), shape, C, heads, layers::no_post);
+    });
+  }
   std::span<std::int32_t> ints(std::size_t n) { return ints_.emplace_back(n); }
   template <class F>
   std::function<void()> launch(F&& f) {
@@ -290,6 +315,7 @@ class KernelTimer {
   const CalibrateOptions& o_;
   std::mt19937 rng_;
   int B_, T_, C_, V_;
+  std::vector<int> positions_;  // a context-parallel rank's rows' positions (rank 0's)
   double sink_ = 0;
   float unit_scale_ = 1.0f;  // the unscale kernel's factor, read at each launch (not folded away)
 };
@@ -311,8 +337,10 @@ struct StageBench {
 
   StageBench(const StageSpec& spec, std::uint32_t seed, bool split_backward)
       : model(std::make_unique<StageModel>(spec)), split(split_backward) {
-    // A tensor-parallel shard timed alone: its work, without its group's collectives.
+    // A tensor-parallel shard or context-parallel rank timed alone: its work, without its groups'
+    // collectives (a context-parallel rank's gathers leave its room for every rank's keys as it was).
     model->set_tensor_parallel_group(&TimingOnlyGroup::instance());
+    model->set_context_parallel_group(&TimingOnlyGroup::instance());
     model->init(seed);
     std::mt19937 rng(seed);
     const std::size_t act = model->activation_elements();
@@ -390,25 +418,28 @@ class CpuClock final : public KernelClock {
   CpuClock(const RuntimePlan& plan, const CalibrateOptions& options, const std::vector<KernelWork>& kernels)
       : pin_(options.pin), timer_(plan, options) {
     const int cores = host_cores();
-    shared_ = pin_ && plan.plan.num_ranks() * plan.plan.tp > cores;
+    shared_ = pin_ && plan.plan.num_ranks() * plan.plan.gpus_per_rank() > cores;
     for (const KernelWork& w : kernels) calls_.push_back(timer_.launcher(w));
     // A middle stage of a rank's blocks at the plan's shapes, one per core that runs a rank
     // (ranks that share cores run one compute op per core at a time: as many as the cores; a
-    // tensor-parallel plan's ranks are its shards).
+    // tensor- or context-parallel plan's ranks are its shards).
     StageSpec spec = middle_stage_spec(plan, KernelCalibrator::compose_layers(plan.plan));
-    const int tp = plan.plan.tp, world = plan.plan.num_ranks() * tp;
+    const int tp = plan.plan.tp, world = plan.plan.num_ranks() * plan.plan.gpus_per_rank();
+    const World grid = World::of(plan.plan);
     tp_ = tp;
     const int ranks = pin_ ? std::min(world, cores) : 1;
     const bool split = plan.plan.config.parallelism.schedule == ScheduleKind::zb_h1;
     for (int c = 0; c < ranks; ++c) {
-      spec.tensor_parallel_rank = c % tp;
+      spec.tensor_parallel_rank = grid.coord(c).tp;
+      spec.context_parallel_rank = grid.coord(c).cp;
       stages_.emplace_back(spec, 7, split);
     }
     // Ranks that share cores: a stage of every other rank thread too, for the rotation they take
     // the cores in (time_rotation).
     if (shared_)
       for (int c = ranks; c < world; ++c) {
-        spec.tensor_parallel_rank = c % tp;
+        spec.tensor_parallel_rank = grid.coord(c).tp;
+        spec.context_parallel_rank = grid.coord(c).cp;
         others_.emplace_back(spec, 7, split);
       }
     // Under tensor parallelism with a core per shard, the stages timed together are the world's
@@ -418,8 +449,7 @@ class CpuClock final : public KernelClock {
     // So too where tensor-parallel cells share the cores and a cell's turn takes as many cores as it
     // has shards (time_rotation runs a cell's shards side by side in a round); groups_ is then by
     // rank.
-    if (tp > 1 && pin_ && (world <= cores || (shared_ && cores % tp == 0))) {
-      const World grid = World::of(plan.plan);
+    if (tp > 1 && plan.plan.cp == 1 && pin_ && (world <= cores || (shared_ && cores % tp == 0))) {
       tp_world_ = std::make_unique<InProcessWorld>(world);
       for (int c = 0; c < world; ++c) {
         comms_.push_back(tp_world_->communicator(c, kCpuCommPoll));  // as the engine's pinned ranks wait
@@ -434,7 +464,6 @@ class CpuClock final : public KernelClock {
     // parameters, split by ZeRO), from memory as a step meets them. Where ranks share cores they
     // update in turns: not timed side by side.
     if (pin_ && !shared_ && ranks > 1) {
-      const World grid = World::of(plan.plan);
       for (int c = 0; c < ranks; ++c) {
         update_timers_.push_back(std::make_unique<KernelTimer>(plan, options));
         std::vector<std::function<void()>>& launches = updates_.emplace_back();
@@ -765,8 +794,8 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
   p.ranks_per_node = cores;
   p.collectives_take_rank_core = true;  // the engine pins a rank's communication thread to its core
   p.memory_gib = machine_memory_gib() / cores;
-  if (plan.plan.num_ranks() * plan.plan.tp > cores)  // ranks take the cores in turns
-    p.core_handoff_us = core_handoff_seconds(plan.plan.num_ranks(), plan.plan.tp) * 1e6;
+  if (plan.plan.num_ranks() * plan.plan.gpus_per_rank() > cores)  // ranks take the cores in turns
+    p.core_handoff_us = core_handoff_seconds(plan.plan.num_ranks(), plan.plan.gpus_per_rank()) * 1e6;
   else if (cores >= 2 && plan.plan.num_ranks() > 1 && cpu_collectives_beside_compute(plan.plan)) {
     // Pinned ranks whose communication thread polls only briefly for a peer (cpu_engine.h).
     p.comm_poll_us = static_cast<double>(cpu_collective_polls(true, true).first.count());

@@ -1181,7 +1181,7 @@ CpuCollectivePolls cpu_collective_polls(bool pinned, bool beside_compute) {
   return {beside_compute ? kCpuOverlapPoll : kCpuCommPoll, kCpuCommPoll};
 }
 
-bool cpu_turns_wait_first(int tensor_parallel, bool granted) { return granted && tensor_parallel == 1; }
+bool cpu_turns_wait_first(int shards_per_cell, bool granted) { return granted && shards_per_cell == 1; }
 
 bool cpu_pins_ranks(const RunOptions& options, int ranks) { return options.pin_threads && ranks <= host_cores(); }
 

@@ -53,11 +53,11 @@ CpuCollectivePolls cpu_collective_polls(bool pinned, bool beside_compute);
 
 // Where ranks share cores: whether their compute threads run first on their cores outside their
 // turns (CoreGate's waiting_first), given whether the system grants a thread that
-// (may_run_first_on_core): without tensor parallelism only. A turn's shards poll for each other
-// inside its op, and a thread that runs first where one of them computes holds up both (the
-// incident's redesign, dp 4 x tp 2 on 2 cores, measured worse with it: docs/validation.md,
-// "Twenty-fifth session").
-bool cpu_turns_wait_first(int tensor_parallel, bool granted);
+// (may_run_first_on_core): with one shard a cell only (no tensor or context parallelism). A
+// turn's shards poll for each other inside its op, and a thread that runs first where one of them
+// computes holds up both (the incident's redesign, dp 4 x tp 2 on 2 cores, measured worse with it:
+// docs/validation.md, "Twenty-fifth session").
+bool cpu_turns_wait_first(int shards_per_cell, bool granted);
 
 // Whether the CPU engine pins rank r's threads to core r: when asked and the ranks fit the cores.
 bool cpu_pins_ranks(const RunOptions& options, int ranks);

@@ -75,6 +75,25 @@ RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int
   return c;
 }
 
+// Context parallelism's collectives in the runtime's stage model, from the profile's tables: before
+// each layer's attention forward and backward (and the rebuild any recompute runs of it) an
+// all-gather of every rank's keys and values, after the backward a reduce-scatter of their
+// gradients (runtime/model/stage_model.cpp), on the compute thread. Not in the core factors: the
+// calibration times the stages' context-parallel collectives as nothing.
+RooflineComputeModel::ChunkSeconds context_parallel_seconds(const Plan& plan, int vs, const HardwareProfile& profile,
+                                                            int storage) {
+  RooflineComputeModel::ChunkSeconds c;
+  if (plan.cp <= 1) return c;
+  const double bytes = plan.cp_gathered_kv_elements() * storage;
+  const double gather = profile.allgather_seconds(plan.cp, bytes);
+  const double scatter = profile.reduce_scatter_seconds(plan.cp, bytes);
+  const int layers = plan.layers_per_virtual_stage[vs];
+  c.forward = layers * gather;
+  c.backward_input = layers * (gather + scatter);
+  if (plan.config.training.activation_recompute != Recompute::none) c.backward_input += layers * gather;
+  return c;
+}
+
 // What a calibrated profile prices a plan's kernels with (price_from_profile and the listing,
 // calibrated_kernel_prices): the roofline's rates for a kernel it did not measure, the bytes an
 // activation element takes, each pass's in-layer composition, and tensor parallelism's
@@ -101,6 +120,9 @@ struct ProfilePricing {
   RooflineComputeModel::ChunkSeconds tensor_parallel(const Plan& plan, int vs, const HardwareProfile& profile) const {
     return tp_in_factors ? RooflineComputeModel::ChunkSeconds{} : tensor_parallel_seconds(plan, vs, profile, storage);
   }
+  RooflineComputeModel::ChunkSeconds context_parallel(const Plan& plan, int vs, const HardwareProfile& profile) const {
+    return context_parallel_seconds(plan, vs, profile, storage);
+  }
 };
 
 }  // namespace
@@ -121,12 +143,13 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
   const std::vector<ChunkKernels> kernels = chunk_kernels(plan, pricing.storage);
   for (int vs = 0; vs < static_cast<int>(kernels.size()); ++vs) {
     const ChunkKernels& k = kernels[static_cast<std::size_t>(vs)];
-    const ChunkSeconds tp = pricing.tensor_parallel(plan, vs, profile);
+    const ChunkSeconds tp = pricing.tensor_parallel(plan, vs, profile), cp = pricing.context_parallel(plan, vs, profile);
     ChunkSeconds c;
     const double forward_kernels = kernels_seconds(k.forward, profile, rate, hbm);
-    c.forward = pricing.forward * forward_kernels + tp.forward;
-    if (pricing.first_forward > 0) c.first_forward = pricing.first_forward * forward_kernels + tp.forward;
-    c.backward_input = pricing.backward_input * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input;
+    c.forward = pricing.forward * forward_kernels + tp.forward + cp.forward;
+    if (pricing.first_forward > 0) c.first_forward = pricing.first_forward * forward_kernels + tp.forward + cp.forward;
+    c.backward_input = pricing.backward_input * kernels_seconds(k.backward_input, profile, rate, hbm) + tp.backward_input +
+                       cp.backward_input;
     c.backward_weight = pricing.backward_weight * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
     chunks_.push_back(c);
   }
@@ -140,12 +163,12 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
     optimizer_alone_ticks_.push_back(seconds_to_ticks(alone_factor * alone));
     if (!profile.core_factors.empty()) optimizer_factors_.push_back({factor, alone_factor});
   }
-  // A rank of the schedule runs on its tensor-parallel shards' cores (GPUs first_gpu_of(r) ..
-  // + tp - 1), which wait for each other at every layer: the slowest one's factor.
+  // A rank of the schedule runs on its shards' cores (GPUs first_gpu_of(r) .. + tp x cp - 1),
+  // which wait for each other at every layer: the slowest one's factor.
   if (!profile.core_factors.empty())
     for (int r = 0; r < plan.num_ranks(); ++r) {
       double slowest = 0, slowest_alone = 0;
-      for (int g = plan.first_gpu_of(r); g < plan.first_gpu_of(r) + plan.tp; ++g) {
+      for (int g = plan.first_gpu_of(r); g < plan.first_gpu_of(r) + plan.gpus_per_rank(); ++g) {
         slowest = std::max(slowest, profile.core_factor(g));
         slowest_alone = std::max(slowest_alone, profile.core_alone_factor(g));
       }
@@ -450,24 +473,30 @@ std::vector<std::vector<PricedKernel>> calibrated_kernel_prices(const Plan& plan
   for (int vs = 0; vs < static_cast<int>(kernels.size()); ++vs) {
     const ChunkKernels& k = kernels[static_cast<std::size_t>(vs)];
     const RooflineComputeModel::ChunkSeconds tp = pricing.tensor_parallel(plan, vs, profile);
+    const RooflineComputeModel::ChunkSeconds cp = pricing.context_parallel(plan, vs, profile);
     std::vector<PricedKernel>& out = all.emplace_back();
-    auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass, double composition, double collectives) {
+    auto add = [&](const std::vector<KernelWork>& ws, PricedKernel::Pass pass, double composition, double tp_seconds,
+                   double cp_seconds) {
       for (const KernelWork& w : ws) {
         bool measured = false;
         const double each = launch_seconds(w, profile, pricing.rate, pricing.hbm, &measured);
         out.push_back({w, pass, composition * w.count * each,
                        measured ? "measured" : w.shape.is_matmul() ? "compute" : "memory"});
       }
-      if (collectives > 0) {
-        KernelWork c;
-        c.kernel = "tp.collectives (profile tables)";
-        c.dtype = plan.config.precision.compute;
-        out.push_back({c, pass, collectives, "collective"});
-      }
+      for (const auto& [name, seconds] : {std::pair{"tp.collectives (profile tables)", tp_seconds},
+                                          std::pair{"cp.collectives (profile tables)", cp_seconds}})
+        if (seconds > 0) {
+          KernelWork c;
+          c.kernel = name;
+          c.dtype = plan.config.precision.compute;
+          out.push_back({c, pass, seconds, "collective"});
+        }
     };
-    add(k.forward, PricedKernel::Pass::forward, pricing.forward, tp.forward);
-    add(k.backward_input, PricedKernel::Pass::backward_input, pricing.backward_input, tp.backward_input);
-    add(k.backward_weight, PricedKernel::Pass::backward_weight, pricing.backward_weight, tp.backward_weight);
+    add(k.forward, PricedKernel::Pass::forward, pricing.forward, tp.forward, cp.forward);
+    add(k.backward_input, PricedKernel::Pass::backward_input, pricing.backward_input, tp.backward_input,
+        cp.backward_input);
+    add(k.backward_weight, PricedKernel::Pass::backward_weight, pricing.backward_weight, tp.backward_weight,
+        cp.backward_weight);
   }
   return all;
 }
