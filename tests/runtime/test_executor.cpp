@@ -240,6 +240,24 @@ TEST(Executor, TensorParallelLowPrecisionStaysWithinTheFormatsError) {
   }
 }
 
+// Every rank `r` ran against the memory model's prediction for its schedule rank: weights,
+// gradients and moments exactly, the total within 3%; then also(measured, predicted, one-rank's
+// `whole`) for what a test adds.
+template <class Also>
+void expect_memory_follows_the_model(const RunReport& r, const RunReport& whole, Also&& also) {
+  const auto predicted = MemoryModel(r.runtime_plan.plan).peak_per_rank(*r.schedule);
+  for (const ExecutedRank& e : r.executed_ranks) {
+    SCOPED_TRACE(::testing::Message() << "rank " << e.rank);
+    const MemoryBreakdown& m = e.memory;
+    const MemoryBreakdown& p = predicted[static_cast<std::size_t>(e.schedule_rank)];
+    EXPECT_EQ(m.weights, p.weights);
+    EXPECT_EQ(m.gradients, p.gradients);
+    EXPECT_EQ(m.optimizer, p.optimizer);
+    EXPECT_NEAR(m.total(), p.total(), 0.03 * m.total());
+    also(m, p, whole.memory[static_cast<std::size_t>(e.schedule_rank)]);
+  }
+}
+
 // What a shard holds: 1/tp of the sharded weights (with their gradients and Adam's moments) plus
 // the replicated norms, biases and position embedding — the simulator's count exactly
 // (Plan::shard_params); its activations as the memory model counts them (per layer 4 e·sbh
@@ -256,25 +274,16 @@ TEST(Executor, TensorParallelMemoryPerRankFollowsTheModel) {
       c.parallelism.sequence_parallel = sp;
       const RunReport r = run(c);
       ASSERT_FALSE(r.failure) << r.failure->message;
-      const auto predicted = MemoryModel(r.runtime_plan.plan).peak_per_rank(*r.schedule);
-      for (const ExecutedRank& e : r.executed_ranks) {
-        const MemoryBreakdown& m = e.memory;
-        const MemoryBreakdown& p = predicted[static_cast<std::size_t>(e.schedule_rank)];
-        const MemoryBreakdown& one = whole.memory[static_cast<std::size_t>(e.schedule_rank)];
-        EXPECT_EQ(m.weights, p.weights) << "rank " << e.rank;
-        EXPECT_EQ(m.gradients, p.gradients) << "rank " << e.rank;
-        EXPECT_EQ(m.optimizer, p.optimizer) << "rank " << e.rank;
+      expect_memory_follows_the_model(r, whole, [](const MemoryBreakdown& m, const MemoryBreakdown&,
+                                                   const MemoryBreakdown& one) {
         EXPECT_GT(m.weights, one.weights / 2) << "the replicated parameters on top of half";
         EXPECT_LT(m.weights, 0.53 * one.weights) << "about 1/tp of the stage's weights";
-        EXPECT_NEAR(m.total(), p.total(), 0.03 * m.total()) << "rank " << e.rank;
         EXPECT_LT(m.activations, 0.7 * one.activations) << "activations split too";
-      }
+      });
     }
   }
 }
 
-// Recompute rebuilds bitwise what the forward made (the same code on the same inputs), so every
-// gradient, and the training, is bitwise that of keeping everything; only memory changes.
 // What a context-parallel rank holds: the whole stage's weights, gradients and moments (a copy, as
 // a replica's: the simulator's count exactly); activations of its 1/cp of the tokens, its queries'
 // scores over every key (B a s/cp s), and while a backward runs every rank's keys and values and
@@ -290,22 +299,17 @@ TEST(Executor, ContextParallelMemoryPerRankFollowsTheModel) {
       c.parallelism.context_parallel_size = 2;
       const RunReport r = run(c);
       ASSERT_FALSE(r.failure) << r.failure->message;
-      const auto predicted = MemoryModel(r.runtime_plan.plan).peak_per_rank(*r.schedule);
-      for (const ExecutedRank& e : r.executed_ranks) {
-        const MemoryBreakdown& m = e.memory;
-        const MemoryBreakdown& p = predicted[static_cast<std::size_t>(e.schedule_rank)];
-        const MemoryBreakdown& one = whole.memory[static_cast<std::size_t>(e.schedule_rank)];
-        EXPECT_EQ(m.weights, p.weights) << "rank " << e.rank;
-        EXPECT_EQ(m.gradients, p.gradients) << "rank " << e.rank;
-        EXPECT_EQ(m.optimizer, p.optimizer) << "rank " << e.rank;
+      expect_memory_follows_the_model(r, whole, [](const MemoryBreakdown& m, const MemoryBreakdown& p,
+                                                   const MemoryBreakdown& one) {
         EXPECT_EQ(m.weights, one.weights) << "a whole copy";
-        EXPECT_NEAR(m.activations, p.activations, 0.03 * p.activations) << "rank " << e.rank;
-        EXPECT_NEAR(m.total(), p.total(), 0.03 * m.total()) << "rank " << e.rank;
+        EXPECT_NEAR(m.activations, p.activations, 0.03 * p.activations);
         EXPECT_LT(m.activations, 0.75 * one.activations) << "activations split too";
-      }
+      });
     }
 }
 
+// Recompute rebuilds bitwise what the forward made (the same code on the same inputs), so every
+// gradient, and the training, is bitwise that of keeping everything; only memory changes.
 TEST(Executor, RecomputeTrainsBitwiseAsKeepingEverything) {
   for (const ScheduleKind schedule : {ScheduleKind::one_f_one_b, ScheduleKind::zb_h1}) {
     ScenarioConfig c = small_config(1, 2, schedule);
