@@ -355,6 +355,27 @@ TEST(Cli, ValidatePrintsPredictedMeasuredAndTheirErrors) {
   EXPECT_NE(svg.find("measured |"), std::string::npos);
 }
 
+// A context-parallel plan is calibrated, predicted and run like any other: at one sequence a
+// micro-batch the rank's rows are fewer than a sequence's (the calibrator's embedding once wrote a
+// whole sequence's rows into them: found by `prove` of the long-context library scenario).
+TEST(Cli, ValidateComparesAContextParallelPlan) {
+  const fs::path dir = temp_dir();
+  const fs::path f = dir / "cp.yaml";
+  std::ofstream(f) << "name: cp\ncluster: {num_gpus: 2, gpus_per_node: 2}\n"
+                      "parallelism: {context_parallel_size: 2}\n"
+                      "training: {micro_batch_size: 1, global_batch_size: 4}\n"
+                      "precision: {compute: fp32, grad_accumulation: fp32, allreduce: fp32, loss_scaling: {mode: none}}\n"
+                      "runtime:\n  steps: 3\n"
+                      "  model: {num_layers: 2, hidden_size: 64, num_attention_heads: 2, seq_length: 32, vocab_size: 256}\n"
+                      "  data: {synthetic: true}\n";
+  const CommandResult r = run("validate " + f.string() + " --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(j["numerics"]["stable"].get<bool>());
+  EXPECT_GT(j["predicted"]["step_time_s"].get<double>(), 0);
+  EXPECT_EQ(j["measured"]["ranks"].size(), 1u) << "one schedule rank: its two context-parallel ranks";
+}
+
 TEST(Cli, CalibrateWritesAProfileThatAScenarioNamesLikeAPreset) {
   const fs::path dir = temp_dir();
   const fs::path f = tiny_scenario(dir);

@@ -167,14 +167,22 @@ class KernelTimer {
       return launch([=, this] { round_and_scan(w.dtype, a.data(), n); });
     }
     if (k == "embedding.forward" || k == "embedding.backward") {
-      const int b = std::max(1, rows / T_);
-      auto tokens = ints(static_cast<std::size_t>(b) * T_);
+      // A rank's rows: b sequences of Tq (its share under context parallelism, at its positions).
+      const int Tq = static_cast<int>(positions_.size());
+      const int b = std::max(1, rows / Tq);
+      auto tokens = ints(static_cast<std::size_t>(b) * Tq);
       std::uniform_int_distribution<int> pick(0, V_ - 1);
       for (auto& t : tokens) t = pick(rng_);
-      auto wte = floats(static_cast<std::size_t>(V_) * C_), wpe = floats(static_cast<std::size_t>(T_) * C_), out = floats(n);
+      auto wte = floats(static_cast<std::size_t>(V_) * C_), wpe = floats(static_cast<std::size_t>(T_) * C_);
+      auto out = floats(static_cast<long>(b) * Tq * C_);
+      const int* pos = positions_.data();
       if (k == "embedding.forward")
-        return launch([=, this] { layers::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), b, T_, C_); });
-      return launch([=, this] { layers::embedding_backward(wte.data(), wpe.data(), out.data(), tokens.data(), b, T_, C_); });
+        return launch([=, this] {
+          layers::embedding_forward(out.data(), tokens.data(), wte.data(), wpe.data(), b, Tq, C_, pos);
+        });
+      return launch([=, this] {
+        layers::embedding_backward(wte.data(), wpe.data(), out.data(), tokens.data(), b, Tq, C_, pos);
+      });
     }
     if (k == "cross_entropy.forward" || k == "cross_entropy.backward") {
       const int rows_v = static_cast<int>(n / V_);

@@ -1490,6 +1490,7 @@ const Backend& cuda_backend() {
       .describe = [](const RuntimePlan& plan, const std::string& name,
                      const CalibrateOptions& options) { return describe_cuda_profile(plan, name, options.placement); },
       .kernels = [](const RuntimePlan& plan, const CalibrateOptions& options) -> std::unique_ptr<KernelCalibrator> {
+        check_supported(plan.plan);  // before any kernel is timed at shapes its stage model would refuse
         return std::make_unique<CudaKernelCalibrator>(plan, options, options.placement);
       },
       .calibrates_format = stored_by_kernels,
