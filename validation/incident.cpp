@@ -19,10 +19,13 @@ namespace trainsim::validation {
 
 namespace {
 
-// The runtime's ranks: one per tensor-parallel shard of each schedule rank, "8 (4 x tp 2)".
+// The runtime's ranks: one per shard of each schedule rank, "8 (4 x tp 2)", "16 (2 x cp 8)".
 std::string rank_threads(const Plan& plan) {
-  if (plan.tp == 1) return std::to_string(plan.num_ranks());
-  return fmt::format("{} ({} x tp {})", plan.num_ranks() * plan.tp, plan.num_ranks(), plan.tp);
+  if (plan.gpus_per_rank() == 1) return std::to_string(plan.num_ranks());
+  std::string shards;
+  if (plan.cp > 1) shards += fmt::format(" x cp {}", plan.cp);
+  if (plan.tp > 1) shards += fmt::format(" x tp {}", plan.tp);
+  return fmt::format("{} ({}{})", plan.num_ranks() * plan.gpus_per_rank(), plan.num_ranks(), shards);
 }
 
 struct Spread {
@@ -46,6 +49,7 @@ std::string gib(double bytes) { return fmt::format("{:.1f} GiB", bytes / (1024.0
 std::string layout(const Plan& p) {
   std::string s = fmt::format("dp {} x pp {}", p.dp, p.pp);
   if (p.tp > 1) s += fmt::format(" x tp {}", p.tp);
+  if (p.cp > 1) s += fmt::format(" x cp {}", p.cp);
   if (p.vpp > 1) s += fmt::format(" (v={})", p.vpp);
   return s + fmt::format(", {}, {} x {} micro-batches", schedule_name(p.config.parallelism.schedule),
                          p.num_microbatches, p.micro_batch_size);
@@ -143,7 +147,8 @@ void describe(std::ostream& o, const ConfigurationStory& c, bool markdown) {
   const runtime::RuntimePlan& rp = c.scaled.plan;
   const auto& d = rp.dims;
   if (markdown) {
-    o << fmt::format("- **layout**: {} on {} x {}\n", layout(full), full.num_ranks() * full.tp, c.scenario.config.cluster.gpu);
+    o << fmt::format("- **layout**: {} on {} x {}\n", layout(full), full.num_ranks() * full.gpus_per_rank(),
+                     c.scenario.config.cluster.gpu);
     o << fmt::format("- **precision**: {}\n", precision_line(c.scenario.config.precision));
     o << fmt::format("- **scaled run**: {} ranks as threads on {}; model {} layers, hidden {}, {} heads, seq {}, "
                      "vocab {}\n",
