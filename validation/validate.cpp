@@ -589,10 +589,10 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  cores    {} ranks share {} cores: ops take them in turns, in the order predicted; "
                        "{:.0f} us per handoff of a core (calibrated on the engine's gate)\n",
                        v.plan.plan.num_ranks() * v.plan.plan.gpus_per_rank(), v.profile.ranks_per_node, v.profile.core_handoff_us);
-    if (v.plan.plan.gathers_before_backward() && v.plan.plan.dp > 1)
+    if (v.plan.plan.gathers_before_backward() && v.plan.plan.data_shards() > 1)
       out << fmt::format("           ZeRO-3: a pass waits for each unit's gather with its {} data-parallel peers, {} "
                          "units held at most; a rank waiting for one gives its core back\n",
-                         v.plan.plan.dp - 1, runtime::kZero3UnitsHeld);
+                         v.plan.plan.data_shards() - 1, runtime::kZero3UnitsHeld);
   }
   if (v.profile.comm_wake_us > 0)
     out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "

@@ -267,7 +267,7 @@ class KernelTimer {
       // own section from the flat shard into the gather's buffer, then every section out of that
       // buffer into the unit's weights. The buffer is the communication thread's one scratch
       // (in cache); shard and weights come from memory, each launch on the next copy of them.
-      const std::size_t d = static_cast<std::size_t>(std::max(1, plan_.plan.dp));
+      const std::size_t d = static_cast<std::size_t>(std::max(1, plan_.plan.data_shards()));
       const auto unit = static_cast<std::size_t>(std::llround(static_cast<double>(n) * d / (d + 1)));
       const std::size_t section = unit / d;
       using Pair = std::pair<std::span<float>, std::span<float>>;
