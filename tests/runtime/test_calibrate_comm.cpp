@@ -198,14 +198,21 @@ TEST(CalibrateCommBench, SmallRunIsExactAndFollowsNcclTestsDefinitions) {
     EXPECT_EQ(streamed[i].time_us, r.rows[i].time_us);
   }
 
-  // Fits exist and are physical (values not asserted: timing is noise here).
-  EXPECT_GE(r.p2p.latency_us, 0.0);
-  EXPECT_GT(r.p2p.bandwidth_gbps, 0.0);
+  // Fits exist and are physical (values not asserted: timing is noise here). Not even a positive
+  // bandwidth: three iterations of 8 B .. 1 MiB on a machine another test keeps busy (CTest -j2)
+  // can take no longer at 1 MiB than at 8 B (wake-ups of milliseconds over a copy of ~100 us:
+  // seen in CI and 4 runs of 6 beside two busy loops), and the fit then says the time does not
+  // grow with size by a bandwidth of 0, its contract (CalibrateCommFit.KeepsParametersPhysical).
+  auto physical = [](const LinkFit& f) {
+    EXPECT_GE(f.latency_us, 0.0);
+    EXPECT_GE(f.bandwidth_gbps, 0.0);
+    EXPECT_TRUE(std::isfinite(f.latency_us) && std::isfinite(f.bandwidth_gbps));
+  };
+  physical(r.p2p);
   ASSERT_EQ(r.allreduce.size(), 2u);
   for (int n : {2, 3}) {
     ASSERT_TRUE(r.allreduce.count(n)) << n;
-    EXPECT_GE(r.allreduce.at(n).latency_us, 0.0);
-    EXPECT_GT(r.allreduce.at(n).bandwidth_gbps, 0.0);
+    physical(r.allreduce.at(n));
   }
 }
 
