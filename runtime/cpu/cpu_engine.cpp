@@ -228,7 +228,7 @@ class CpuEngine final : public DeviceEngine {
     const int n = world_.size();
     const std::string shards =
         world_.shards_per_cell() > 1
-            ? fmt::format(" ({} schedule ranks x {})", world_.num_cells(),
+            ? fmt::format(" ({} schedule rank{} x {})", world_.num_cells(), world_.num_cells() == 1 ? "" : "s",
                           world_.context_parallel() == 1
                               ? fmt::format("{} tensor-parallel shards", world_.tensor_parallel())
                           : world_.tensor_parallel() == 1
