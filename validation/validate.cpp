@@ -578,11 +578,12 @@ std::string format_validation(const Validation& v) {
                      v.profile.optimizer_core_factors.empty()
                          ? std::string()
                          : fmt::format(", updates x{:.2f}", fmt::join(v.profile.optimizer_core_factors, "/x")));
-  out << fmt::format("  plan     data {} x pipeline {}{}, {} schedule, {} micro-batches of {}, {}, {} compute\n",
+  out << fmt::format("  plan     data {} x pipeline {}{}{}, {} schedule, {} micro-batches of {}, {}, {} compute\n",
                      plan.dp, plan.pp,
                      plan.tp > 1 ? fmt::format(" x tensor {}{}", plan.tp,
                                                plan.config.parallelism.sequence_parallel ? " (sequence parallel)" : "")
                                  : "",
+                     plan.cp > 1 ? fmt::format(" x context {}", plan.cp) : "",
                      schedule_name(plan.config.parallelism.schedule), plan.num_microbatches,
                      plan.micro_batch_size, plan.zero_and_recompute(), dtype_name(plan.config.precision.compute));
   if (v.oversubscribed) {
@@ -593,6 +594,12 @@ std::string format_validation(const Validation& v) {
       out << fmt::format("           ZeRO-3: a pass waits for each unit's gather with its {} data-parallel peers, {} "
                          "units held at most; a rank waiting for one gives its core back\n",
                          v.plan.plan.data_shards() - 1, runtime::kZero3UnitsHeld);
+    // The core-sharing model gives a turn a core per shard (CoreSharing::threads_per_turn).
+    if (v.plan.plan.gpus_per_rank() > v.profile.ranks_per_node)
+      out << fmt::format("           a schedule rank's {} shards outnumber the {} cores, which the prediction does not "
+                         "model (it gives each shard a core): expect its step off by tens of percent "
+                         "(docs/validation.md, \"Context parallelism on the runtime\")\n",
+                         v.plan.plan.gpus_per_rank(), v.profile.ranks_per_node);
   }
   if (v.profile.comm_wake_us > 0)
     out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "
