@@ -110,20 +110,7 @@ class KernelTimer {
       // 4 backward; the launch itself covers all heads of the micro-batch.
       const int heads = static_cast<int>(s.batch / (k == "attention.forward" ? 2 : 4) / B_);
       const int C = heads * static_cast<int>(s.k);
-      if (s.m != s.n) return context_parallel_attention(k, static_cast<int>(s.m), static_cast<int>(s.n), C, heads);
-      auto qkv = floats(static_cast<std::size_t>(B_) * T_ * 3 * C), out = floats(static_cast<std::size_t>(B_) * T_ * C);
-      auto probs = floats(static_cast<std::size_t>(B_) * heads * T_ * T_), scratch = floats(static_cast<std::size_t>(T_) * T_);
-      layers::attention_forward(out.data(), probs.data(), scratch.data(), qkv.data(), B_, T_, C, heads, layers::no_post);
-      if (k == "attention.forward")
-        return launch([=, this] {
-          layers::attention_forward(out.data(), probs.data(), scratch.data(), qkv.data(), B_, T_, C, heads,
-                                    layers::no_post);
-        });
-      auto dqkv = floats(qkv.size()), dout = floats(out.size());
-      return launch([=, this] {
-        layers::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), probs.data(), B_, T_, C, heads,
-                                   layers::no_post);
-      });
+      return attention_launcher(k, static_cast<int>(s.m), static_cast<int>(s.n), C, heads);
     }
     const std::size_t n = static_cast<std::size_t>(s.elements);
     const int rows = static_cast<int>(n / C_);
@@ -288,21 +275,25 @@ class KernelTimer {
   std::span<float> floats(long n, float scale = 1.0f) {
     return floats_.emplace_back(random_floats(static_cast<std::size_t>(n), rng_, scale));
   }
-  // A context-parallel rank's attention (inventory shape m = Tq queries, n = T keys): its queries'
-  // rows of q, k and v, every rank's keys and values gathered (runtime/model/stage_model.cpp).
-  std::function<void()> context_parallel_attention(const std::string& k, int Tq, int T, int C, int heads) {
-    const std::ptrdiff_t qw = 3 * C, w = 2 * C;
-    auto qkv = floats(static_cast<long>(B_) * Tq * qw), kv = floats(static_cast<long>(B_) * T * w);
-    auto out = floats(static_cast<long>(B_) * Tq * C), probs = floats(static_cast<long>(B_) * heads * Tq * T);
-    auto scratch = floats(static_cast<long>(Tq) * T);
-    const layers::AttentionShape shape{B_, Tq, T, positions_.data()};
+  // The attention core as a rank runs it (inventory shape m = Tq queries, n = T keys; the stage
+  // model's attention_core): its rows of q, k and v, and the keys and values it attends over,
+  // its own (Tq = T) or, under context parallelism, every rank's gathered, its queries at their
+  // positions.
+  std::function<void()> attention_launcher(const std::string& k, int Tq, int T, int C, int heads) {
+    const bool gathered = Tq != T;
+    const std::ptrdiff_t qw = 3 * C, w = gathered ? 2 * C : qw;
+    auto qkv = floats(static_cast<long>(B_) * Tq * qw), out = floats(static_cast<long>(B_) * Tq * C);
+    auto probs = floats(static_cast<long>(B_) * heads * Tq * T), scratch = floats(static_cast<long>(Tq) * T);
+    const auto kv = gathered ? floats(static_cast<long>(B_) * T * w) : qkv.subspan(C);
+    const layers::AttentionShape shape{B_, Tq, T, gathered ? positions_.data() : nullptr};
     auto forward = [=] {
       layers::attention_forward<float>(out.data(), probs.data(), scratch.data(), {qkv.data(), qw}, {kv.data(), w},
                                        {kv.data() + C, w}, shape, C, heads, layers::no_post);
     };
     forward();
     if (k == "attention.forward") return launch(forward);
-    auto dqkv = floats(static_cast<long>(qkv.size())), dkv = floats(static_cast<long>(kv.size()));
+    auto dqkv = floats(static_cast<long>(qkv.size()));
+    const auto dkv = gathered ? floats(static_cast<long>(kv.size())) : dqkv.subspan(C);
     auto dout = floats(static_cast<long>(out.size()));
     return launch([=] {
       layers::attention_backward<float>({dqkv.data(), qw}, {dkv.data(), w}, {dkv.data() + C, w}, scratch.data(),

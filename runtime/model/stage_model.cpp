@@ -246,7 +246,8 @@ struct StageModel::Impl : StageShape {
     const float* mine = chunks + static_cast<std::size_t>(cp_rank) * chunk;
     for (std::size_t n = 0; n < N; ++n) std::copy_n(mine + n * w, w, dqkv + n * qw + Cl);
   }
-  // f(row in kv_chunks, row in the (B,T) sequence order) for every rank's every row.
+  // f(row of the ranks' chunks as the collectives move them, row in the (B,T) sequence order) for
+  // every rank's every row.
   template <class F>
   void for_each_rank_row(F&& f) const {
     for (int r = 0; r < cp; ++r)
