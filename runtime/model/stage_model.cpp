@@ -258,29 +258,25 @@ struct StageModel::Impl : StageShape {
   }
   // The attention core on this rank's queries (qkv's N rows): over their own sequence's keys, or
   // under context parallelism over every rank's, gathered.
+  // Its keys and values: columns [Cl, 3Cl) of its qkv rows, or every rank's gathered (kv_all).
+  layers::AttentionShape attention_shape() const { return {B, Tq, T, cp > 1 ? positions.data() : nullptr}; }
   template <class Post>
   void attention_core(float* att, float* probs, const float* qkv, Post&& post) {
-    if (cp == 1) {
-      layers::attention_forward(att, probs, attn_scratch.data(), qkv, B, T, Cl, Hl, post);
-      return;
-    }
-    gather_keys_values(qkv);
-    const std::ptrdiff_t qw = 3 * Cl, w = 2 * Cl;
-    layers::attention_forward<float>(att, probs, attn_scratch.data(), {qkv, qw}, {kv_all.data(), w},
-                                     {kv_all.data() + Cl, w}, {B, Tq, T, positions.data()}, Cl, Hl, post);
+    const std::ptrdiff_t qw = 3 * Cl, w = cp > 1 ? 2 * Cl : qw;
+    if (cp > 1) gather_keys_values(qkv);
+    const float* kv = cp > 1 ? kv_all.data() : qkv + Cl;
+    layers::attention_forward<float>(att, probs, attn_scratch.data(), {qkv, qw}, {kv, w}, {kv + Cl, w},
+                                     attention_shape(), Cl, Hl, post);
   }
   template <class Post>
   void attention_core_backward(float* dqkv, const float* datt_in, const float* qkv, const float* probs, Post&& post) {
-    if (cp == 1) {
-      layers::attention_backward(dqkv, attn_scratch.data(), datt_in, qkv, probs, B, T, Cl, Hl, post);
-      return;
-    }
-    gather_keys_values(qkv);  // again: the forward's gather is not kept
-    const std::ptrdiff_t qw = 3 * Cl, w = 2 * Cl;
-    layers::attention_backward<float>({dqkv, qw}, {dkv_all.data(), w}, {dkv_all.data() + Cl, w}, attn_scratch.data(),
-                                      datt_in, {qkv, qw}, {kv_all.data(), w}, {kv_all.data() + Cl, w}, probs,
-                                      {B, Tq, T, positions.data()}, Cl, Hl, post);
-    reduce_scatter_keys_values(dqkv);
+    const std::ptrdiff_t qw = 3 * Cl, w = cp > 1 ? 2 * Cl : qw;
+    if (cp > 1) gather_keys_values(qkv);  // again: the forward's gather is not kept
+    const float* kv = cp > 1 ? kv_all.data() : qkv + Cl;
+    float* dkv = cp > 1 ? dkv_all.data() : dqkv + Cl;
+    layers::attention_backward<float>({dqkv, qw}, {dkv, w}, {dkv + Cl, w}, attn_scratch.data(), datt_in, {qkv, qw},
+                                      {kv, w}, {kv + Cl, w}, probs, attention_shape(), Cl, Hl, post);
+    if (cp > 1) reduce_scatter_keys_values(dqkv);
   }
 
   // Partial products (all N rows of `width`) summed over the group: all rows (all-reduce), or under
