@@ -28,6 +28,8 @@ enum class LossScalingMode { none, static_scale, dynamic };
 enum class OverflowScope { global, local };
 enum class AllReduceDivide { before, after };
 enum class AllReduceAlgorithm { ring, hierarchical };
+// How Transformer Engine's userbuffers overlap a row-parallel forward product's reduce-scatter.
+enum class TpOverlapReduceScatter { pipeline, ring_exchange };
 enum class PositionEmbedding { learned_absolute, rope };
 enum class Optimizer { adam, adamw, sgd };
 enum class Normalization { layernorm, rmsnorm };
@@ -215,6 +217,12 @@ struct CommunicationConfig {
   // torchtitan do). false: a stage waits for each send before computing on (Megatron-LM 2021,
   // --no-overlap-p2p-communication).
   bool overlap_p2p_comm = true;
+  // Tensor parallelism's collectives overlapped with the products they feed or follow, as
+  // Transformer Engine's userbuffers run them (Megatron-LM --tp-comm-overlap; needs sequence
+  // parallelism and a group inside one node). Priced on the GPU path only: the runtimes run
+  // their collectives exposed.
+  bool tp_comm_overlap = false;
+  TpOverlapReduceScatter tp_comm_overlap_reduce_scatter = TpOverlapReduceScatter::pipeline;
   friend bool operator==(const CommunicationConfig&, const CommunicationConfig&) = default;
 };
 

@@ -489,6 +489,21 @@ std::vector<FieldSpec> make_fields() {
   t.push_back(boolean("communication.overlap_p2p_comm", FIELD(communication.overlap_p2p_comm),
                       "Pipeline sends run beside compute; false: a stage waits for each send (Megatron-LM 2021, "
                       "--no-overlap-p2p-communication)"));
+  t.push_back(boolean("communication.tp_comm_overlap", FIELD(communication.tp_comm_overlap),
+                      "Tensor-parallel all-gathers and reduce-scatters overlapped with their products as Transformer "
+                      "Engine's userbuffers run them (Megatron-LM --tp-comm-overlap; its default methods: ring "
+                      "exchange beside each gathered product, reduce-scatters pipelined in 4 chunks on 16 SMs, the "
+                      "backward's on 16 SMs beside the weight-gradient products); needs sequence parallelism, a "
+                      "group inside one node, and is priced for the GPU (the runtimes run them exposed)"));
+  t.push_back(choice("communication.tp_comm_overlap_reduce_scatter",
+                     FIELD(communication.tp_comm_overlap_reduce_scatter),
+                     {{"pipeline", TpOverlapReduceScatter::pipeline},
+                      {"ring_exchange", TpOverlapReduceScatter::ring_exchange}},
+                     "How tp_comm_overlap runs the attention output's and MLP output's reduce-scatters: pipeline "
+                     "(Transformer Engine's default: the product in 4 chunks on the SMs 16 leave, each chunk's "
+                     "reduce-scatter beside the next) or ring_exchange (tensor-parallel-size steps, each "
+                     "chunk's partial sums passed on by the copy engines: the FP8 configs of Megatron-Bridge's "
+                     "H100 recipes)"));
 
   // ---- runtime (what `trainsim run` executes) ----------------------------------------
   t.push_back(choice("runtime.backend", FIELD(runtime.backend),

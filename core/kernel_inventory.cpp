@@ -46,6 +46,12 @@ struct Builder {
     w.random_draws = elements;
     add(std::move(w));
   }
+  // A collective overlapped with a product (`tp.overlap.*`): the product's shape and format, the
+  // collective's bytes.
+  void overlapped(const char* kernel, const KernelShape& product, double bytes) {
+    KernelWork w{kernel, dtype, product, bytes, 1};
+    add(std::move(w));
+  }
   void add(KernelWork w) {
     for (KernelWork& k : *out)
       if (k.shape == w.shape && k.bytes == w.bytes && k.random_draws == w.random_draws && k.dtype == w.dtype &&
@@ -300,12 +306,42 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     // the next product reads, cast on the rank's rows before the gather (above): one byte an
     // element, unless what it feeds stays in 16 bits (`feeds_fp8_product`: the output layer, the
     // embedding's gradient).
-    auto tp_allreduce = [&](double bytes, bool feeds_fp8_product = true) {
+    //
+    // Transformer Engine's userbuffers (communication.tp_comm_overlap, under sequence parallelism)
+    // run a TE layer's collectives beside its products, by TE's default methods (initialize_ub):
+    // the all-gathers by ring exchange beside the product that reads the gathered tensor (qkv and
+    // fc1 forward, proj and fc2 input gradients), the row-parallel forward products'
+    // reduce-scatters pipelined with them (proj, fc2; or by ring exchange:
+    // communication.tp_comm_overlap_reduce_scatter), the column-parallel input gradients'
+    // reduce-scatters in bulk beside the weight-gradient products (qkv, fc1). Each becomes a
+    // `tp.overlap.<method>` entry with its product's shape and the collective's bytes; the pricer
+    // charges what the pair takes beyond the product, which is listed on its own. Megatron-LM's
+    // embedding and output layer are not TE layers, so their collectives stay exposed; so do the
+    // bulk ones under ZB-H1, whose weight-gradient products run later.
+    struct Overlap {
+      const char* reduce = nullptr;  // the reduce-scatter's method, or none: exposed
+      KernelShape reduce_with;       // the product it runs beside
+      bool gather = false;           // the all-gather by ring exchange beside gather_with
+      KernelShape gather_with;
+    };
+    const bool ub = cfg.communication.tp_comm_overlap && sp;
+    const bool ub_bulk = ub && cfg.parallelism.schedule != ScheduleKind::zb_h1;
+    const char* ub_reduce = cfg.communication.tp_comm_overlap_reduce_scatter == TpOverlapReduceScatter::ring_exchange
+                                ? "tp.overlap.ring_reducescatter"
+                                : "tp.overlap.pipeline_reducescatter";
+    auto product = [](long rows, long n, long depth) {
+      KernelShape s;
+      s.m = rows, s.n = n, s.k = depth;
+      return s;
+    };
+    auto tp_allreduce = [&](double bytes, bool feeds_fp8_product = true, const Overlap& o = {}) {
       if (t <= 1) return;
       if (sp) {
-        const double elements = bytes / e;
-        k.memory_bytes("tp.reducescatter", elements, bytes);
-        k.memory_bytes("tp.allgather", elements, fp8 && feeds_fp8_product ? elements : bytes);
+        const double elements = bytes / e, gathered = fp8 && feeds_fp8_product ? elements : bytes;
+        if (o.reduce) k.overlapped(o.reduce, o.reduce_with, bytes);
+        else k.memory_bytes("tp.reducescatter", elements, bytes);
+        if (o.gather) k.overlapped("tp.overlap.ring_allgather", o.gather_with, gathered);
+        else k.memory_bytes("tp.allgather", elements, gathered);
       } else {
         k.memory_bytes("tp.allreduce", bytes / e, bytes);
       }
@@ -393,14 +429,18 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
         k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       if (layout_copies) k.memory("attention.transpose", static_cast<double>(N) * Cout, 2);
       linear_forward(C, Cout, true);
-      tp_allreduce(act);
+      tp_allreduce(act, true,
+                   ub ? Overlap{ub_reduce, product(N, C, Cout), true, product(N, ffn_in, C)}
+                      : Overlap{});
       bias_dropout_add_forward();
       k.memory_bytes("layernorm.forward", rep, rep * norm_fwd);
       linear_forward(ffn_in, C, false);
       k.memory_bytes(m.swiglu ? "swiglu.forward" : "gelu.forward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_fwd);
       linear_forward(C, F, true);
-      tp_allreduce(act, !feeds_head);
+      tp_allreduce(act, !feeds_head,
+                   ub ? Overlap{ub_reduce, product(N, C, F), !feeds_head, product(N, qkv, C)}
+                      : Overlap{});
       bias_dropout_add_forward();
     };
 
@@ -443,7 +483,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     if (!first) pipeline_gather();
     if (first) {
       k.memory("embedding.forward", static_cast<double>(N) * C, m.learned_positions ? 3 : 2);
-      tp_allreduce(act, layers > 0 || !last);  // vocabulary-parallel embedding
+      tp_allreduce(act, layers > 0 || !last,  // vocabulary-parallel embedding
+                   Overlap{nullptr, {}, ub && layers > 0, product(N, qkv, C)});
       if (m.hidden_dropout) k.memory_random("dropout.forward", rep, rep * (2 * e + 1));
     }
     for (int l = 0; l < layers; ++l) layer_forward(last && l == layers - 1);
@@ -461,7 +502,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     if (last) {
       k.memory_bytes("cross_entropy.backward", static_cast<double>(N) * V, static_cast<double>(N) * V * (12 + e));
       head_product("linear.backward_input", N, C, V);
-      tp_allreduce(act, layers > 0 || !first);
+      tp_allreduce(act, layers > 0 || !first, Overlap{nullptr, {}, ub && layers > 0, product(N, F, C)});
       k.memory("layernorm.backward_input", rep, 4);
     }
     for (int l = 0; l < layers; ++l) {
@@ -473,7 +514,9 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       k.memory_bytes(m.swiglu ? "swiglu.backward" : "gelu.backward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_bwd);
       linear_backward_input(C, ffn_in, false);
-      tp_allreduce(act);
+      tp_allreduce(act, true,
+                   Overlap{ub_bulk ? "tp.overlap.bulk_reducescatter" : nullptr, product(ffn_in, C, N), ub,
+                           product(N, Cout, C)});
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);  // the two branches' gradients summed
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
@@ -504,7 +547,10 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
       if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);
       linear_backward_input(C, qkv, false);
-      tp_allreduce(act, !(first && l == 0));  // the first layer's input gradient goes to the embedding
+      // The first layer's input gradient goes to the embedding, another's to the layer before's fc2.
+      tp_allreduce(act, !(first && l == 0),
+                   Overlap{ub_bulk ? "tp.overlap.bulk_reducescatter" : nullptr, product(qkv, C, N),
+                           ub && !(first && l == 0), product(N, F, C)});
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);
     }

@@ -241,6 +241,20 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     ck.error("cluster.collective_sms",
              fmt::format("collective_sms({}) leaves no SM for compute of sm_count({})", cl.collective_sms, cl.sm_count),
              {"cluster.sm_count"});
+  // Transformer Engine's userbuffers register one node's buffers with each other (CUDA IPC over
+  // NVLink) and overlap sequence parallelism's collectives: Megatron-LM asserts both.
+  if (c.communication.tp_comm_overlap && t > 1 && !c.parallelism.sequence_parallel)
+    ck.error("communication.tp_comm_overlap",
+             "tp_comm_overlap overlaps sequence parallelism's all-gathers and reduce-scatters with their products: "
+             "set parallelism.sequence_parallel (Megatron-LM asserts it for --tp-comm-overlap)",
+             {"parallelism.sequence_parallel"});
+  if (c.communication.tp_comm_overlap && t > cl.gpus_per_node)
+    ck.error("communication.tp_comm_overlap",
+             fmt::format("tp_comm_overlap needs the tensor-parallel group inside one node (Transformer Engine's "
+                         "userbuffers share its GPUs' memory over NVLink): tensor_parallel_size({}) > "
+                         "gpus_per_node({})",
+                         t, cl.gpus_per_node),
+             {"parallelism.tensor_parallel_size", "cluster.gpus_per_node"});
   // The collective model prices a group as ceil(t / gpus_per_node) nodes of at most gpus_per_node
   // (sim/cost/compute_model.cpp, FrameworkPricer::tp_group): right for a group over whole nodes,
   // optimistic for groups that straddle a node boundary.

@@ -127,6 +127,12 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
     out.notes.push_back("context parallelism runs as all-gathers of the keys and values (context_parallel_comm: "
                         "all_gather), not a ring");
   c.parallelism.context_parallel_comm = ContextParallelComm::all_gather;
+  // Transformer Engine's userbuffers overlap is a GPU library's: the runtimes' tensor-parallel
+  // collectives run on the compute stream, exposed, and are predicted so.
+  if (c.communication.tp_comm_overlap && tp > 1)
+    out.notes.push_back("tensor-parallel collectives run exposed (communication.tp_comm_overlap is Transformer "
+                        "Engine's userbuffers, priced for GPU runs only)");
+  c.communication.tp_comm_overlap = false;
   c.cluster.num_gpus = c.parallelism.data_parallel_size * c.parallelism.pipeline_parallel_size *
                        c.parallelism.tensor_parallel_size * cp;
   c.cluster.gpus_per_node = std::max(1, std::min(c.cluster.gpus_per_node, c.cluster.num_gpus));

@@ -194,6 +194,9 @@ enum class KernelClass : std::uint8_t {
   cp_reducescatter,  // and their gradients
   cp_ring_forward,   // Transformer Engine's ring: what its sends add beside an attention kernel
   cp_ring_backward,
+  tp_overlap_ring,      // Transformer Engine's userbuffers: a collective by ring exchange beside its product
+  tp_overlap_pipeline,  // a reduce-scatter pipelined with its product's chunks
+  tp_overlap_bulk,      // a reduce-scatter beside a weight-gradient product
   flash_attention,  // FlashAttention 2 (attention_efficiency)
   cudnn_attention,  // cuDNN's fused attention, the same work (cudnn_attention_efficiency)
   accumulate,  // a weight-gradient product accumulating into FP32
@@ -211,6 +214,10 @@ KernelClass classify(const KernelWork& w) {
   if (w.kernel == "cp.reducescatter") return KernelClass::cp_reducescatter;
   if (w.kernel == "cp.ring.forward") return KernelClass::cp_ring_forward;
   if (w.kernel == "cp.ring.backward") return KernelClass::cp_ring_backward;
+  if (w.kernel == "tp.overlap.ring_allgather" || w.kernel == "tp.overlap.ring_reducescatter")
+    return KernelClass::tp_overlap_ring;
+  if (w.kernel == "tp.overlap.pipeline_reducescatter") return KernelClass::tp_overlap_pipeline;
+  if (w.kernel == "tp.overlap.bulk_reducescatter") return KernelClass::tp_overlap_bulk;
   if (w.kernel.rfind("flash_attention", 0) == 0) return KernelClass::flash_attention;
   if (w.kernel.rfind("cudnn_attention", 0) == 0) return KernelClass::cudnn_attention;
   if (w.kernel == "linear.backward_weight_accumulate") return KernelClass::accumulate;
@@ -226,6 +233,7 @@ struct FrameworkPricer {
   const ClusterConfig& cl;
   double peak = 0, attention_peak = 0, elem = 2;
   bool apex_layernorm = false;
+  bool fused_accumulation = false;  // weight-gradient products add into FP32 main_grad
   GroupShape tp_group, cp_group;
   P2pChannels cp_channels;  // a send's channels on the context-parallel communicator
 
@@ -238,6 +246,7 @@ struct FrameworkPricer {
     elem = compute == DType::fp8 ? 1.0 : dtype_bytes(compute);
     apex_layernorm = p.config.model.layernorm_kernel == LayerNormKernel::apex &&
                      p.config.model.normalization == Normalization::layernorm && p.config.model.fused_elementwise;
+    fused_accumulation = p.config.training.gradient_accumulation_fusion && p.framework == Framework::megatron;
     const int t = p.tp, per_node = std::max(1, p.config.cluster.gpus_per_node);
     tp_group = GroupShape{t, std::max(1, (t + per_node - 1) / per_node), std::min(t, per_node)};
     const int cp_per_node = p.cp_members_per_node();
@@ -253,6 +262,74 @@ struct FrameworkPricer {
     const double causal = std::min(1.0, 0.5 + 64.0 / static_cast<double>(s.n));
     const double efficiency = cudnn ? cl.cudnn_attention_efficiency : cl.attention_efficiency;
     return s.flops() * causal / (attention_peak * efficiency);
+  }
+
+  // Transformer Engine's userbuffers defaults (transformer_engine/pytorch/module/base.py,
+  // initialize_ub, get_default_config): a pipelined reduce-scatter cuts its product into 4 and
+  // runs each chunk's collective on 16 SMs, as does a bulk one beside its product; both set the
+  // products' SM margin (they run on the other SMs). A ring exchange sends with the copy engines.
+  static constexpr int kUbPipelineSplits = 4;
+  static constexpr int kUbCommSms = 16;
+
+  // A product of shape `s` in format `d` on `sms` of the GPU's SMs (its peak scaled with them);
+  // `accumulate`: a weight-gradient product adding into FP32 main_grad.
+  double product_seconds(const KernelShape& s, DType d, bool accumulate, int sms) const {
+    if (s.flops() <= 0) return 0;
+    const double share = static_cast<double>(sms) / cl.sm_count;
+    const double efficiency = gemm_efficiency_with(gemm_tile_use(s, sms), static_cast<double>(s.k), cl);
+    return gemm_seconds_with(s.flops(), efficiency, gemm_io_bytes(s, elem_of(d), accumulate ? 8.0 : -1),
+                             peak_of(d) * share, cl);
+  }
+  // What an overlapped tensor-parallel collective adds to its product (w: the product's shape and
+  // format, the collective's bytes), the pair's time less the product's alone, never below zero
+  // (a chunked product's tiles can fit the SMs better than the whole's; the pair is not faster
+  // than its product for it).
+  //  ring exchange (t steps): each step multiplies 1/t of the rows while the copy engines pass
+  //    a chunk on to the next GPU over NVLink (an all-gather's input rows, a reduce-scatter's
+  //    partial sums): g + (t - 1) max(g, send);
+  //  pipelined (S chunks on the SMs the collective leaves): each chunk's reduce-scatter runs
+  //    while the next chunk multiplies, the last one's after: g' + (S - 1) max(g', c) + c;
+  //  bulk: the whole collective beside the whole product on the SMs it leaves: max(G', C).
+  // Userbuffers are not NCCL: a GPU reads (or writes) its share from every peer of the node at
+  // once through the NVSwitch, its buffers registered ahead, so a collective costs one hop's
+  // latency and (t - 1)/t of its bytes at the NVLink bus bandwidth, with no ring to fill, and a
+  // ring-exchange step one hop and the rows it passes on.
+  double userbuffers_seconds(double bytes) const {
+    const double b_nvl = gbps_to_bytes_per_second(cl.intra_node.bandwidth_gbps) * cl.intra_node.efficiency;
+    return us_to_seconds(cl.intra_node.latency_us) + bytes / b_nvl;
+  }
+  double tp_overlap_seconds(const KernelWork& w, KernelClass cls) const {
+    const KernelShape& s = w.shape;
+    const bool accumulate = cls == KernelClass::tp_overlap_bulk && fused_accumulation;
+    const double alone = product_seconds(s, w.dtype, accumulate, cl.sm_count);
+    const int t = plan.tp;
+    auto rows = [&](int parts) {
+      KernelShape c = s;
+      c.m = (s.m + parts - 1) / parts;
+      return c;
+    };
+    double pair = alone;
+    switch (cls) {
+      case KernelClass::tp_overlap_ring: {
+        const double g = product_seconds(rows(t), w.dtype, false, cl.sm_count);
+        const double send = userbuffers_seconds(w.bytes / t);
+        pair = g + (t - 1) * std::max(g, send);
+        break;
+      }
+      case KernelClass::tp_overlap_pipeline: {
+        const int S = kUbPipelineSplits;
+        const double g = product_seconds(rows(S), w.dtype, false, cl.sm_count - kUbCommSms);
+        const double c = userbuffers_seconds((t - 1.0) / t * w.bytes / S);
+        pair = g + (S - 1) * std::max(g, c) + c;
+        break;
+      }
+      case KernelClass::tp_overlap_bulk:
+        pair = std::max(product_seconds(s, w.dtype, accumulate, cl.sm_count - kUbCommSms),
+                        userbuffers_seconds((t - 1.0) / t * w.bytes));
+        break;
+      default: break;
+    }
+    return std::max(0.0, pair - alone);
   }
 
   // What a product's price takes from its shape alone (the same at any rate): its FLOPs, the
@@ -271,18 +348,15 @@ struct FrameworkPricer {
     f.plain = !s.is_matmul() || s.n <= 0 || s.k <= 0;
     if (!f.plain) f.tile_use = gemm_tile_use(s, cl.sm_count);
     f.k = static_cast<double>(s.k);
-    f.io = gemm_io_bytes(s, elem_of(w), f.cls == KernelClass::accumulate ? 8.0 : -1);
+    f.io = gemm_io_bytes(s, elem_of(w.dtype), f.cls == KernelClass::accumulate ? 8.0 : -1);
     return f;
   }
   // A product in another format than the plan's compute (FP8's output layer stays in BF16): that
   // format's rate and operand bytes.
-  double peak_of(const KernelWork& w) const {
-    const DType compute = plan.config.precision.compute;
-    return w.dtype == compute ? peak : plan.peak_flops(w.dtype) * cl.sustained_clock_fraction;
+  double peak_of(DType d) const {
+    return d == plan.config.precision.compute ? peak : plan.peak_flops(d) * cl.sustained_clock_fraction;
   }
-  double elem_of(const KernelWork& w) const {
-    return w.dtype == plan.config.precision.compute ? elem : dtype_bytes(w.dtype);
-  }
+  double elem_of(DType d) const { return d == plan.config.precision.compute ? elem : dtype_bytes(d); }
 
   // gemm_seconds, memory_seconds, nccl_collective, ... of the kernel (`f`: facts(w)).
   double seconds(const KernelWork& w, const Facts& f) const {
@@ -292,6 +366,9 @@ struct FrameworkPricer {
       case KernelClass::tp_reducescatter: return nccl_collective(OpKind::ReduceScatter, tp_group, w.bytes, cl).seconds;
       case KernelClass::cp_allgather: return nccl_collective(OpKind::AllGather, cp_group, w.bytes, cl).seconds;
       case KernelClass::cp_reducescatter: return nccl_collective(OpKind::ReduceScatter, cp_group, w.bytes, cl).seconds;
+      case KernelClass::tp_overlap_ring:
+      case KernelClass::tp_overlap_pipeline:
+      case KernelClass::tp_overlap_bulk: return tp_overlap_seconds(w, f.cls);
       case KernelClass::flash_attention:
       case KernelClass::cudnn_attention: return attention_seconds(w.shape, f.cls == KernelClass::cudnn_attention);
       // Transformer Engine's ring (AttnFuncWithCPAndKVP2P): c steps, each the attention of this
@@ -321,7 +398,7 @@ struct FrameworkPricer {
       case KernelClass::matmul: {
         if (f.flops <= 0) return 0;
         const double efficiency = f.plain ? cl.compute_efficiency : gemm_efficiency_with(f.tile_use, f.k, cl);
-        return gemm_seconds_with(f.flops, efficiency, f.io, peak_of(w), cl);
+        return gemm_seconds_with(f.flops, efficiency, f.io, peak_of(w.dtype), cl);
       }
       case KernelClass::memory: {
         const double memory = memory_seconds(w.bytes, cl);
@@ -515,7 +592,8 @@ std::vector<std::vector<PricedKernel>> framework_kernel_prices(const Plan& plan)
         if (f.cls == KernelClass::tp_allreduce || f.cls == KernelClass::tp_allgather ||
             f.cls == KernelClass::tp_reducescatter || f.cls == KernelClass::cp_allgather ||
             f.cls == KernelClass::cp_reducescatter || f.cls == KernelClass::cp_ring_forward ||
-            f.cls == KernelClass::cp_ring_backward)
+            f.cls == KernelClass::cp_ring_backward || f.cls == KernelClass::tp_overlap_ring ||
+            f.cls == KernelClass::tp_overlap_pipeline || f.cls == KernelClass::tp_overlap_bulk)
           bound = "collective";
         else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::cudnn_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
           bound = "compute";

@@ -174,6 +174,15 @@ MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activatio
     buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
   if (plan_.zero() == 3)
     buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();
+  // Transformer Engine's userbuffers (communication.tp_comm_overlap): one registered buffer of the
+  // gathered activation's shape (micro-batch x sequence rows x hidden) per overlapped product of
+  // a layer, twelve (TE's initialize_ub: qkv, proj, fc1 and fc2 forward, input and weight
+  // gradients), the eight all-gathering ones in FP8 under FP8 (fp8_buf), the rest 16-bit.
+  if (cfg.communication.tp_comm_overlap && plan_.tp > 1 && cfg.parallelism.sequence_parallel) {
+    const double elements = static_cast<double>(plan_.micro_batch_size) * plan_.local_seq_length() * shape_.h;
+    const double gathered = cfg.precision.compute == DType::fp8 ? 1.0 : plan_.activation_bytes();
+    buffers += elements * (8 * gathered + 4.0 * plan_.activation_bytes());
+  }
 
   MemoryBreakdown b;
   b.weights = states.weights;

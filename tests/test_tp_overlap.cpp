@@ -1,0 +1,240 @@
+// Tensor-parallel communication overlap (communication.tp_comm_overlap: Transformer Engine's
+// userbuffers) against its closed forms: each of a layer's sequence-parallel collectives becomes
+// one entry beside the product it overlaps, priced as what the pair takes beyond that product,
+// from the products' own prices and the NVLink link; the products themselves do not move; the
+// buffers TE registers are counted; the layouts it cannot run are refused.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+
+#include "core/presets.h"
+#include "core/scenario.h"
+#include "sim/cost/compute_model.h"
+#include "sim/cost/gemm_model.h"
+#include "sim/simulator.h"
+
+namespace trainsim {
+namespace {
+
+// Llama 3 70B's layer on one node of H100s: tensor 4 with sequence parallelism, pipeline 2 so that
+// the middle chunk of an interleaved schedule has neither embedding nor output layer.
+ScenarioConfig llama_config(DType compute, bool overlap) {
+  ScenarioConfig c;
+  c.model = find_model_preset("llama3-70b")->model;
+  c.model.num_layers = 6;
+  c.model.seq_length = 8192;
+  c.model.attention = AttentionKernel::cudnn;
+  apply_gpu_preset(*find_gpu_preset("h100-80gb"), c.cluster);
+  c.cluster.num_gpus = 8;
+  c.parallelism.tensor_parallel_size = 4;
+  c.parallelism.pipeline_parallel_size = 2;
+  c.parallelism.virtual_pipeline_stages = 3;
+  c.parallelism.schedule = ScheduleKind::interleaved_1f1b;
+  c.parallelism.sequence_parallel = true;
+  c.parallelism.framework = Framework::megatron;
+  c.training.micro_batch_size = 1;
+  c.training.global_batch_size = 8;
+  c.precision.compute = compute;
+  c.precision.loss_scaling.mode = LossScalingMode::none;
+  c.communication.tp_comm_overlap = overlap;
+  return c;
+}
+
+struct Priced {
+  double seconds = 0;
+  int count = 0;
+  KernelWork last;
+};
+// Seconds and launches of each kernel of virtual stage `vs`, by name and pass.
+std::map<std::string, Priced> priced(const Plan& plan, int vs) {
+  std::map<std::string, Priced> out;
+  const std::vector<std::vector<PricedKernel>> all = kernel_prices(plan);
+  for (const PricedKernel& k : all[static_cast<std::size_t>(vs)]) {
+    const char* pass = k.pass == PricedKernel::Pass::forward ? "F " : k.pass == PricedKernel::Pass::backward_input ? "B " : "W ";
+    for (const std::string& key : {std::string(pass) + k.work.kernel, k.work.kernel}) {
+      Priced& p = out[key];
+      p.seconds += k.seconds;
+      p.count += k.work.count;
+      p.last = k.work;
+    }
+  }
+  return out;
+}
+
+// The product's seconds on `sms` of the GPU's SMs, its peak scaled with them, as an independent
+// reference through gemm_model.h's public price.
+double product(const Plan& plan, KernelShape s, double elem, int sms, double c_bytes = -1) {
+  ClusterConfig cl = plan.config.cluster;
+  const double share = static_cast<double>(sms) / cl.sm_count;
+  cl.sm_count = sms;
+  const double peak = plan.peak_flops(plan.config.precision.compute) * cl.sustained_clock_fraction * share;
+  return gemm_seconds(s, elem, peak, cl, c_bytes);
+}
+
+KernelShape rows_of(KernelShape s, int parts) {
+  s.m = (s.m + parts - 1) / parts;
+  return s;
+}
+
+TEST(TpCommOverlap, EachCollectiveOfALayerRunsBesideItsProduct) {
+  for (DType compute : {DType::bf16, DType::fp8}) {
+    const Plan exposed = Plan::from_config(llama_config(compute, false));
+    const Plan overlapped = Plan::from_config(llama_config(compute, true));
+    const auto a = priced(exposed, 1), b = priced(overlapped, 1);  // a middle chunk: one layer
+    const int layers = exposed.layers_per_virtual_stage[1];
+    // Exposed: per layer a reduce-scatter after each row-parallel product and an all-gather before
+    // each column-parallel one, forward and backward.
+    EXPECT_EQ(a.at("tp.reducescatter").count, 4 * layers);
+    EXPECT_EQ(a.at("tp.allgather").count, 4 * layers);
+    // Overlapped: none left exposed; forward two pipelined reduce-scatters and two ring-exchanged
+    // all-gathers, backward two ring-exchanged all-gathers and two bulk reduce-scatters.
+    EXPECT_FALSE(b.contains("tp.reducescatter"));
+    EXPECT_FALSE(b.contains("tp.allgather"));
+    EXPECT_EQ(b.at("F tp.overlap.pipeline_reducescatter").count, 2 * layers);
+    EXPECT_EQ(b.at("F tp.overlap.ring_allgather").count, 2 * layers);
+    EXPECT_EQ(b.at("B tp.overlap.ring_allgather").count, 2 * layers);
+    EXPECT_EQ(b.at("B tp.overlap.bulk_reducescatter").count, 2 * layers);
+    // The products and every other kernel are priced as before.
+    for (const auto& [name, p] : a) {
+      if (name.find("tp.") != std::string::npos) continue;
+      ASSERT_TRUE(b.contains(name)) << name;
+      EXPECT_DOUBLE_EQ(b.at(name).seconds, p.seconds) << name;
+    }
+    // The overlapped chunk is faster than the exposed one, and never faster than its kernels
+    // with the collectives free.
+    double with = 0, without = 0, free = 0;
+    const auto exposed_prices = kernel_prices(exposed), overlapped_prices = kernel_prices(overlapped);
+    for (const PricedKernel& k : exposed_prices[1]) {
+      without += k.seconds;
+      if (k.work.kernel.rfind("tp.", 0) != 0) free += k.seconds;
+    }
+    for (const PricedKernel& k : overlapped_prices[1]) with += k.seconds;
+    EXPECT_LT(with, without) << dtype_name(compute);
+    EXPECT_GE(with, free) << dtype_name(compute);
+  }
+}
+
+TEST(TpCommOverlap, PairsArePricedByTheirClosedForms) {
+  const Plan plan = Plan::from_config(llama_config(DType::bf16, true));
+  const ClusterConfig& cl = plan.config.cluster;
+  const int t = plan.tp;
+  const double e = 2, b_nvl = cl.intra_node.bandwidth_gbps * 1e9 * cl.intra_node.efficiency;
+  const double hop = cl.intra_node.latency_us * 1e-6;
+  // A ring exchange runs t steps of N/t rows each, passing N/t rows of the gathered input on.
+  const std::vector<std::vector<PricedKernel>> prices = kernel_prices(plan);
+  const std::vector<PricedKernel>& kernels = prices[1];
+  double ring_total = 0, ring_expected = 0, pipeline_total = 0, pipeline_expected = 0, bulk_total = 0,
+         bulk_expected = 0;
+  for (const PricedKernel& k : kernels) {
+    const KernelShape& s = k.work.shape;
+    const double alone = product(plan, s, e, cl.sm_count);
+    if (k.work.kernel == "tp.overlap.ring_allgather") {
+      const double g = product(plan, rows_of(s, t), e, cl.sm_count), send = hop + k.work.bytes / t / b_nvl;
+      ring_total += k.seconds;
+      ring_expected += k.work.count * std::max(0.0, g + (t - 1) * std::max(g, send) - alone);
+    } else if (k.work.kernel == "tp.overlap.pipeline_reducescatter") {
+      // Four chunks on the 116 SMs the collective's 16 leave; each chunk's reduce-scatter, one hop
+      // and (t-1)/t of its quarter of the bytes, runs beside the next chunk's product.
+      const double g = product(plan, rows_of(s, 4), e, cl.sm_count - 16);
+      const double c = hop + (t - 1.0) / t * k.work.bytes / 4 / b_nvl;
+      pipeline_total += k.seconds;
+      pipeline_expected += k.work.count * std::max(0.0, g + 3 * std::max(g, c) + c - alone);
+    } else if (k.work.kernel == "tp.overlap.bulk_reducescatter") {
+      // Beside the weight-gradient product, which accumulates into FP32 main_grad (Megatron-LM).
+      const double w = product(plan, s, e, cl.sm_count, 8.0), w16 = product(plan, s, e, cl.sm_count - 16, 8.0);
+      const double c = hop + (t - 1.0) / t * k.work.bytes / b_nvl;
+      bulk_total += k.seconds;
+      bulk_expected += k.work.count * std::max(0.0, std::max(w16, c) - w);
+    }
+  }
+  EXPECT_NEAR(ring_total, ring_expected, 1e-12);
+  EXPECT_NEAR(pipeline_total, pipeline_expected, 1e-12);
+  EXPECT_NEAR(bulk_total, bulk_expected, 1e-12);
+  EXPECT_GT(ring_expected, 0);
+  EXPECT_GT(pipeline_expected, 0);
+  EXPECT_GT(bulk_expected, 0);
+
+  // The reduce-scatter by ring exchange (Megatron-Bridge's FP8 recipes) is the all-gather's form
+  // beside the row-parallel product, its partial sums passed on.
+  ScenarioConfig r = llama_config(DType::bf16, true);
+  r.communication.tp_comm_overlap_reduce_scatter = TpOverlapReduceScatter::ring_exchange;
+  const Plan ringed = Plan::from_config(r);
+  double rs_total = 0, rs_expected = 0;
+  const auto ringed_prices = kernel_prices(ringed);
+  for (const PricedKernel& k : ringed_prices[1]) {
+    EXPECT_NE(k.work.kernel, "tp.overlap.pipeline_reducescatter");
+    if (k.work.kernel != "tp.overlap.ring_reducescatter") continue;
+    const KernelShape& s = k.work.shape;
+    const double g = product(ringed, rows_of(s, t), e, cl.sm_count), send = hop + k.work.bytes / t / b_nvl;
+    rs_total += k.seconds;
+    rs_expected += k.work.count * std::max(0.0, g + (t - 1) * std::max(g, send) - product(ringed, s, e, cl.sm_count));
+  }
+  EXPECT_GT(rs_expected, 0);
+  EXPECT_NEAR(rs_total, rs_expected, 1e-12);
+}
+
+TEST(TpCommOverlap, TheEmbeddingsAndOutputLayersCollectivesStayExposed) {
+  // Megatron-LM's embedding and output layer are not Transformer Engine layers: the first chunk
+  // reduce-scatters the embedding's output and the last gathers the output layer's input exposed.
+  const Plan plan = Plan::from_config(llama_config(DType::bf16, true));
+  const auto first = priced(plan, 0), last = priced(plan, plan.num_virtual_stages() - 1);
+  EXPECT_EQ(first.at("F tp.reducescatter").count, 1);
+  EXPECT_FALSE(first.contains("F tp.allgather"));  // the first layer's gather runs beside its qkv product
+  EXPECT_EQ(last.at("F tp.allgather").count, 1);
+  EXPECT_EQ(last.at("B tp.reducescatter").count, 1);
+  // Under ZB-H1 the weight-gradient products run later: the bulk reduce-scatters stay exposed.
+  ScenarioConfig z = llama_config(DType::bf16, true);
+  z.parallelism.virtual_pipeline_stages = 1;
+  z.parallelism.schedule = ScheduleKind::zb_h1;
+  const auto zb = priced(Plan::from_config(z), 0);
+  EXPECT_FALSE(zb.contains("tp.overlap.bulk_reducescatter"));
+  EXPECT_TRUE(zb.contains("B tp.reducescatter"));
+  EXPECT_TRUE(zb.contains("B tp.overlap.ring_allgather"));
+}
+
+TEST(TpCommOverlap, RegisteredBuffersAreCounted) {
+  // Twelve buffers of a micro-batch's gathered rows x hidden: the eight all-gathering ones in FP8
+  // under FP8, the four reduce-scattering ones in BF16.
+  for (DType compute : {DType::bf16, DType::fp8}) {
+    const Prediction a = predict(Plan::from_config(llama_config(compute, false)));
+    const Prediction b = predict(Plan::from_config(llama_config(compute, true)));
+    const double elements = 8192.0 * 8192, gathered = compute == DType::fp8 ? 1 : 2;
+    EXPECT_DOUBLE_EQ(b.result.ranks[0].memory.buffers - a.result.ranks[0].memory.buffers,
+                     elements * (8 * gathered + 4 * 2))
+        << dtype_name(compute);
+    EXPECT_LT(b.result.step_time_s, a.result.step_time_s) << dtype_name(compute);
+  }
+}
+
+TEST(TpCommOverlap, TheLayoutsItCannotRunAreRefused) {
+  ScenarioConfig c = llama_config(DType::bf16, true);
+  c.parallelism.sequence_parallel = false;
+  try {
+    Plan::from_config(c);
+    FAIL() << "overlap without sequence parallelism";
+  } catch (const ScenarioError& e) {
+    EXPECT_NE(std::string(e.what()).find("set parallelism.sequence_parallel"), std::string::npos) << e.what();
+  }
+  c = llama_config(DType::bf16, true);
+  c.cluster.gpus_per_node = 2;
+  try {
+    Plan::from_config(c);
+    FAIL() << "a tensor-parallel group over two nodes";
+  } catch (const ScenarioError& e) {
+    EXPECT_NE(std::string(e.what()).find("inside one node"), std::string::npos) << e.what();
+  }
+  // Off, or with one tensor-parallel GPU, nothing changes.
+  ScenarioConfig one = llama_config(DType::bf16, true);
+  one.parallelism.tensor_parallel_size = 1;
+  one.parallelism.sequence_parallel = false;
+  one.cluster.num_gpus = 2;
+  ScenarioConfig off = one;
+  off.communication.tp_comm_overlap = false;
+  EXPECT_DOUBLE_EQ(predict(Plan::from_config(one)).result.step_time_s,
+                   predict(Plan::from_config(off)).result.step_time_s);
+}
+
+}  // namespace
+}  // namespace trainsim
