@@ -77,6 +77,29 @@ TEST(CoreSharing, FirstComeFirstServedOnOneCore) {
   EXPECT_EQ(share_cores(t, sh).timeline.ops[1][0].end, 10 * kUs);
 }
 
+TEST(CoreSharing, ATurnsThreadsBeyondTheHostsCoresShareThem) {
+  // One schedule rank whose turn runs on 4 threads (its shards) on a host of 2 cores: the operating
+  // system time-shares them, so its ops take twice their time alone; the part of an op its
+  // in-op collectives took (priced from tables measured with those threads sharing the cores
+  // already) keeps its time.
+  const Timeline t = alone({{{OpKind::Forward, 10 * kUs}, {OpKind::Backward, 10 * kUs}}});
+  CoreSharing sh;
+  sh.cores = 1;
+  sh.threads_per_turn = 4;
+  EXPECT_EQ(share_cores(t, sh).timeline.ops[0][1].end, 20 * kUs);  // host_cores unset: a core per thread
+  sh.host_cores = 2;
+  const SharedStep s = share_cores(t, sh);
+  EXPECT_EQ(s.timeline.ops[0][0].end, 20 * kUs);
+  EXPECT_EQ(s.timeline.ops[0][1].end, 40 * kUs);
+  sh.unslowed = {{0.3, 0.0}};
+  const SharedStep u = share_cores(t, sh);
+  EXPECT_EQ(u.timeline.ops[0][0].end, 17 * kUs);  // 7 ms of kernels at half speed, 3 ms of collectives
+  EXPECT_EQ(u.timeline.ops[0][1].end, 37 * kUs);
+  // Enough cores for every thread: nothing changes.
+  sh.host_cores = 4;
+  EXPECT_EQ(share_cores(t, sh).timeline.ops[0][1].end, 20 * kUs);
+}
+
 TEST(CoreSharing, ATurnThatSleptWaitsForItsThreadToWake) {
   // One core, rank 0 two ops, rank 1 one. Rank 0 takes the core at 0 (its turn, the core free: no
   // wake-up), rank 1 slept until 10 us and runs 2 us later; rank 0's second op, asked for at 10 us

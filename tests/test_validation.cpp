@@ -847,6 +847,22 @@ TEST(HardwareProfile, ContextParallelPassesAreAShareOfOneRanksAndTheirCollective
     EXPECT_DOUBLE_EQ(listed[PricedKernel::Pass::backward_input],
                      layers * ((rc == Recompute::none ? 1 : 2) * gather + scatter));
     EXPECT_EQ(listed.count(PricedKernel::Pass::backward_weight), 0u);
+    // The compute model says which share of each pass those tables are (what time-sharing the
+    // cores does not slow: validation/core_sharing.h, CoreSharing::unslowed).
+    const Plan priced = Plan::from_config(c);
+    const RooflineComputeModel model(priced);
+    Op forward;
+    forward.kind = OpKind::Forward;
+    forward.chunk = 0;
+    forward.microbatch = 1;
+    Op backward = forward;
+    backward.kind = OpKind::Backward;
+    EXPECT_DOUBLE_EQ(model.collective_share(forward), listed[PricedKernel::Pass::forward] / model.chunk(0).forward);
+    EXPECT_DOUBLE_EQ(model.collective_share(backward),
+                     listed[PricedKernel::Pass::backward_input] / model.chunk(0).backward());
+    Op step;
+    step.kind = OpKind::OptimizerStep;
+    EXPECT_EQ(model.collective_share(step), 0);
     c.cluster.calibrated = nullptr;
   }
 }

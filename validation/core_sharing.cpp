@@ -131,8 +131,16 @@ class Replay {
   // host's cores, each busy min(1, cores / n) of it.
   double collective_share(int members) const {
     if (!sharing_.collectives_take_cores) return 0;
-    const double host = static_cast<double>(sharing_.cores) * std::max(1, sharing_.threads_per_turn);
-    return std::min(1.0, host / std::max(1, members));
+    return std::min(1.0, host_cores() / std::max(1, members));
+  }
+  double host_cores() const {
+    return sharing_.host_cores > 0 ? sharing_.host_cores
+                                   : static_cast<double>(sharing_.cores) * std::max(1, sharing_.threads_per_turn);
+  }
+  // The cores' capacity in turns at full speed: `cores`, or less where a turn's threads outnumber
+  // the host's cores.
+  double turn_capacity() const {
+    return std::min(static_cast<double>(sharing_.cores), host_cores() / std::max(1, sharing_.threads_per_turn));
   }
   struct Request {
     Tick at;
@@ -172,6 +180,16 @@ class Replay {
     auto operator<=>(const Resume&) const = default;
   };
 
+  // The work of `seconds` of op i of rank r for a turn: where a turn's threads outnumber the host's
+  // cores the turn runs at turn_capacity() alone, and what of the op does not slow (its
+  // collectives, CoreSharing::unslowed) counts that much less, so that alone it takes its own time.
+  double turn_work(int r, int i, double seconds) const {
+    const double c = turn_capacity();
+    if (c >= 1 || static_cast<std::size_t>(r) >= sharing_.unslowed.size()) return seconds;
+    const auto& ops = sharing_.unslowed[static_cast<std::size_t>(r)];
+    const double u = static_cast<std::size_t>(i) < ops.size() ? ops[static_cast<std::size_t>(i)] : 0.0;
+    return seconds * (1 - u * (1 - c));
+  }
   Tick duration(int r, int i) const {
     const OpTiming& t = alone_.ops[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)];
     return std::max<Tick>(0, t.end - t.start);
@@ -515,7 +533,8 @@ class Replay {
     const std::size_t k = place_in(p, i);
     const double from = p.op_from[k], to = std::min(p.op_from[k + 1], p.unit_from[static_cast<std::size_t>(st.unit) + 1]);
     const double whole = p.op_from[k + 1] - from;
-    Job job{JobKind::part, r, i, whole > 0 ? static_cast<double>(duration(r, i)) * (to - st.pass_at) / whole : 0.0, 1.0};
+    Job job{JobKind::part, r, i,
+            whole > 0 ? turn_work(r, i, static_cast<double>(duration(r, i)) * (to - st.pass_at) / whole) : 0.0, 1.0};
     job.to = to;
     return job;
   }
@@ -558,7 +577,7 @@ class Replay {
         ++compute;
       else
         collectives += j.share;
-    const double cores = sharing_.cores;
+    const double cores = turn_capacity();
     const double collective = collectives > cores ? cores / collectives : 1.0;
     const double left = std::max(0.0, cores - collective * collectives);
     return {compute > left ? left / compute : 1.0, collective};
@@ -774,7 +793,8 @@ class Replay {
         continue;
       }
       const Job job = pass ? next_stretch(t.rank, t.op)
-                          : Job{JobKind::part, t.rank, t.op, static_cast<double>(part_duration(t.rank, t.op, t.part)), 1.0};
+                          : Job{JobKind::part, t.rank, t.op,
+                                turn_work(t.rank, t.op, static_cast<double>(part_duration(t.rank, t.op, t.part))), 1.0};
       if (woken > 0) {  // the core idles while the thread wakes
         pending_.push_back(job);
         at(now_ + woken, Kind::job_start, t.rank, static_cast<int>(pending_.size()) - 1);

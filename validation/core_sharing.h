@@ -91,9 +91,17 @@ struct CoreSharing {
   // with it. A receiver that finds its message there copies it in its own time, not priced
   // (small next to the compute). False: a receive ends when its message is posted.
   bool receiver_copies = false;
-  // Threads a turn runs on (a schedule rank's tensor-parallel shards, each on its own core): the
-  // host has cores x threads_per_turn cores.
+  // Threads a turn runs on (a schedule rank's tensor- and context-parallel shards, each on its own
+  // core where the host has enough): `cores` turns at a time, on the host's `host_cores` (0:
+  // cores x threads_per_turn). Where a turn's threads outnumber the host's cores, the operating
+  // system time-shares them: the turns running progress at host_cores / threads_per_turn of a
+  // turn's full speed between them.
   int threads_per_turn = 1;
+  int host_cores = 0;
+  // Per rank and op: the share of its duration that time-sharing does not slow (a calibrated
+  // prediction's in-op collectives, priced from tables measured with their member threads sharing
+  // the host's cores as the turn's do). Empty: none.
+  std::vector<std::vector<double>> unslowed;
   // The order compute ops take cores in; empty: first come, first served.
   std::vector<runtime::CoreTurn> turns;
   // ZeRO-3: the units a rank holds at most (runtime::kZero3UnitsHeld), and whether a forward keeps

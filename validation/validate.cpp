@@ -160,6 +160,14 @@ CoreSharing sharing_of(const Plan& plan, const Schedule& schedule, const Hardwar
   // one shard a cell (cpu_turns_wait_first); with more, the woken thread waits as any other.
   sh.receiver_copies = plan.gpus_per_rank() == 1;
   sh.threads_per_turn = plan.gpus_per_rank();
+  sh.host_cores = std::max(1, p.ranks_per_node);
+  if (plan.gpus_per_rank() > sh.host_cores) {
+    const RooflineComputeModel model(plan);
+    for (const auto& prog : schedule.ranks) {
+      std::vector<double>& ops = sh.unslowed.emplace_back();
+      for (const Op& op : prog.ops) ops.push_back(model.collective_share(op));
+    }
+  }
   sh.zero3_units_held = runtime::kZero3UnitsHeld;
   sh.zero3_forward_keeps_first_unit = plan.num_virtual_stages() == 1 && plan.shape().tied;
   return sh;
@@ -594,12 +602,13 @@ std::string format_validation(const Validation& v) {
       out << fmt::format("           ZeRO-3: a pass waits for each unit's gather with its {} data-parallel peers, {} "
                          "units held at most; a rank waiting for one gives its core back\n",
                          v.plan.plan.data_shards() - 1, runtime::kZero3UnitsHeld);
-    // The core-sharing model gives a turn a core per shard (CoreSharing::threads_per_turn).
+    // The core-sharing model time-shares a turn's cores among its shards (CoreSharing::host_cores).
     if (v.plan.plan.gpus_per_rank() > v.profile.ranks_per_node)
-      out << fmt::format("           a schedule rank's {} shards outnumber the {} cores, which the prediction does not "
-                         "model (it gives each shard a core): expect its step off by tens of percent "
-                         "(docs/validation.md, \"Context parallelism on the runtime\")\n",
-                         v.plan.plan.gpus_per_rank(), v.profile.ranks_per_node);
+      out << fmt::format("           a schedule rank's {} shards outnumber the {} cores: a turn runs its kernels at {}/{} "
+                         "of their speed alone (its collectives at their tables' time); with a few rows a shard "
+                         "its kernels are priced high (docs/validation.md, \"Context parallelism on the runtime\")\n",
+                         v.plan.plan.gpus_per_rank(), v.profile.ranks_per_node, v.profile.ranks_per_node,
+                         v.plan.plan.gpus_per_rank());
   }
   if (v.profile.comm_wake_us > 0)
     out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "

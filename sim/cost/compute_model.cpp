@@ -152,6 +152,9 @@ void RooflineComputeModel::price_from_profile(const Plan& plan, const HardwarePr
                        cp.backward_input;
     c.backward_weight = pricing.backward_weight * kernels_seconds(k.backward_weight, profile, rate, hbm) + tp.backward_weight;
     chunks_.push_back(c);
+    collectives_.push_back({.forward = tp.forward + cp.forward,
+                            .backward_input = tp.backward_input + cp.backward_input,
+                            .backward_weight = tp.backward_weight + cp.backward_weight});
   }
   for (int r = 0; r < plan.num_ranks(); ++r) {
     const double alone =

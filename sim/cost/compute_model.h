@@ -115,6 +115,24 @@ class RooflineComputeModel final : public ComputeModel {
     double backward() const { return backward_input + backward_weight; }
   };
   const ChunkSeconds& chunk(int vstage) const { return chunks_.at(vstage); }
+  // Of a compute op's price, the share its in-op collectives take where a calibrated profile
+  // prices them from its tables (tensor parallelism's unless the core factors hold them, context
+  // parallelism's): measured with their member threads as the host ran them, not a kernel's work
+  // on a core of its own. 0 for other ops and on the roofline path.
+  double collective_share(const Op& op) const {
+    if (op.chunk < 0 || static_cast<std::size_t>(op.chunk) >= collectives_.size()) return 0;
+    const ChunkSeconds& c = collectives_[static_cast<std::size_t>(op.chunk)];
+    const ChunkSeconds& all = chunks_[static_cast<std::size_t>(op.chunk)];
+    auto of = [](double part, double whole) { return whole > 0 ? std::min(1.0, part / whole) : 0.0; };
+    switch (op.kind) {
+      case OpKind::Forward:
+        return of(c.forward, op.microbatch == 0 && all.first_forward > 0 ? all.first_forward : all.forward);
+      case OpKind::Backward: return of(c.backward(), all.backward());
+      case OpKind::BackwardInput: return of(c.backward_input, all.backward_input);
+      case OpKind::BackwardWeight: return of(c.backward_weight, all.backward_weight);
+      default: return 0;
+    }
+  }
 
  private:
   void price_from_profile(const Plan& plan, const HardwareProfile& profile);
@@ -137,6 +155,7 @@ class RooflineComputeModel final : public ComputeModel {
   }
 
   std::vector<ChunkSeconds> chunks_;
+  std::vector<ChunkSeconds> collectives_;  // of chunks_, the table-priced collectives (calibrated only)
   // Pricing an op is a lookup: [chunk][Forward, Backward, BackwardInput, BackwardWeight, the
   // first Forward], and the optimizer step per rank.
   std::vector<std::array<Tick, 5>> chunk_ticks_;
