@@ -299,6 +299,31 @@ TEST(Plan, TheDefaultSpacesSelectiveRecomputeIsTheFrameworks) {
     }
 }
 
+// A scenario that overlaps its tensor-parallel collectives (Transformer Engine's userbuffers) keeps
+// doing so in the default space where a layout can: with sequence parallelism, inside a node.
+TEST(Plan, TheDefaultSpaceKeepsTensorParallelOverlapWhereALayoutRunsIt) {
+  ScenarioConfig c = testing::small_config(1, 1, ScheduleKind::one_f_one_b);
+  c.parallelism.tensor_parallel_size = 2;
+  c.cluster.num_gpus = 2;
+  c.communication.tp_comm_overlap = true;
+  c.parallelism.sequence_parallel = true;
+  ScenarioConfig kept = c;
+  normalize_default_candidate(kept);
+  EXPECT_TRUE(kept.communication.tp_comm_overlap);
+  EXPECT_NO_THROW(Plan::from_config(kept));
+  ScenarioConfig no_sp = c;
+  no_sp.parallelism.sequence_parallel = false;
+  EXPECT_THROW(Plan::from_config(no_sp), ScenarioError);
+  normalize_default_candidate(no_sp);
+  EXPECT_FALSE(no_sp.communication.tp_comm_overlap);
+  EXPECT_NO_THROW(Plan::from_config(no_sp));
+  ScenarioConfig across = c;
+  across.cluster.gpus_per_node = 1;
+  across.cluster.num_gpus = 2;
+  normalize_default_candidate(across);
+  EXPECT_FALSE(across.communication.tp_comm_overlap);
+}
+
 TEST(Plan, NothingFeasibleGivesNoChoice) {
   const Scenario sc = load_scenario_text(postmortem_text() + "sweep:\n  cluster.memory_gib: [4]\n", "tiny.yaml");
   const PlanResult p = make_plan(sc);

@@ -182,6 +182,11 @@ void normalize_default_candidate(ScenarioConfig& c) {
   if (p.schedule != ScheduleKind::interleaved_1f1b) p.virtual_pipeline_stages = 1;
   else if (p.virtual_pipeline_stages < 2) p.virtual_pipeline_stages = 2;
   if (p.tensor_parallel_size == 1) p.sequence_parallel = false;
+  // Transformer Engine's userbuffers overlap sequence parallelism's collectives inside a node: a
+  // layout without them runs its tensor-parallel collectives exposed.
+  if (c.communication.tp_comm_overlap &&
+      (!p.sequence_parallel || p.tensor_parallel_size > std::max(1, c.cluster.gpus_per_node)))
+    c.communication.tp_comm_overlap = false;
   if (p.data_parallel_size * p.context_parallel_size == 1) {  // nothing to reduce or shard over
     p.zero_stage = 0;
     c.communication.overlap_grad_reduce = false;
