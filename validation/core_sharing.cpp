@@ -133,15 +133,14 @@ class Replay {
     if (!sharing_.collectives_take_cores) return 0;
     return std::min(1.0, host_cores() / std::max(1, members));
   }
+  // The cores the turns' threads run on: `cores` turns of threads_per_turn, or the host's fewer.
   double host_cores() const {
-    return sharing_.host_cores > 0 ? sharing_.host_cores
-                                   : static_cast<double>(sharing_.cores) * std::max(1, sharing_.threads_per_turn);
+    const double turns = static_cast<double>(sharing_.cores) * std::max(1, sharing_.threads_per_turn);
+    return sharing_.host_cores > 0 ? std::min<double>(turns, sharing_.host_cores) : turns;
   }
-  // The cores' capacity in turns at full speed: `cores`, or less where a turn's threads outnumber
-  // the host's cores.
-  double turn_capacity() const {
-    return std::min(static_cast<double>(sharing_.cores), host_cores() / std::max(1, sharing_.threads_per_turn));
-  }
+  // The speed of a turn's work with its cores to itself: 1, or less where its threads outnumber
+  // the host's cores and the operating system time-shares them.
+  double turn_speed() const { return std::min(1.0, host_cores() / std::max(1, sharing_.threads_per_turn)); }
   struct Request {
     Tick at;
     CoreTurn turn;
@@ -181,10 +180,10 @@ class Replay {
   };
 
   // The work of `seconds` of op i of rank r for a turn: where a turn's threads outnumber the host's
-  // cores the turn runs at turn_capacity() alone, and what of the op does not slow (its
-  // collectives, CoreSharing::unslowed) counts that much less, so that alone it takes its own time.
+  // cores the turn runs at turn_speed(), and what of the op does not slow (its collectives,
+  // CoreSharing::unslowed) counts that much less, so that alone it takes its own time.
   double turn_work(int r, int i, double seconds) const {
-    const double c = turn_capacity();
+    const double c = turn_speed();
     if (c >= 1 || static_cast<std::size_t>(r) >= sharing_.unslowed.size()) return seconds;
     const auto& ops = sharing_.unslowed[static_cast<std::size_t>(r)];
     const double u = static_cast<std::size_t>(i) < ops.size() ? ops[static_cast<std::size_t>(i)] : 0.0;
@@ -577,10 +576,10 @@ class Replay {
         ++compute;
       else
         collectives += j.share;
-    const double cores = turn_capacity();
+    const double cores = sharing_.cores;
     const double collective = collectives > cores ? cores / collectives : 1.0;
     const double left = std::max(0.0, cores - collective * collectives);
-    return {compute > left ? left / compute : 1.0, collective};
+    return {(compute > left ? left / compute : 1.0) * turn_speed(), collective};
   }
   double rate_of(const Job& j, const std::pair<double, double>& r) const {
     return takes_turn_core(j) ? r.first : j.share > 0 ? r.second : 1.0;

@@ -94,8 +94,8 @@ struct CoreSharing {
   // Threads a turn runs on (a schedule rank's tensor- and context-parallel shards, each on its own
   // core where the host has enough): `cores` turns at a time, on the host's `host_cores` (0:
   // cores x threads_per_turn). Where a turn's threads outnumber the host's cores, the operating
-  // system time-shares them: the turns running progress at host_cores / threads_per_turn of a
-  // turn's full speed between them.
+  // system time-shares them: a turn's work progresses at host_cores / threads_per_turn of its
+  // speed alone (the collectives beside it share the turns' cores as above).
   int threads_per_turn = 1;
   int host_cores = 0;
   // Per rank and op: the share of its duration that time-sharing does not slow (a calibrated
