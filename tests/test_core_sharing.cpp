@@ -259,6 +259,22 @@ TEST(CoreSharing, CollectivesThatTakeCoresRunFirstAndTheTurnsShareWhatIsLeft) {
   out = share_cores(two_ranks(2), sh);
   for (int r = 0; r < 4; ++r) EXPECT_EQ(out.timeline.ops[static_cast<std::size_t>(r)][0].end, 8 * kUs) << r;
   EXPECT_EQ(out.timeline.ops[0][1].end, 18 * kUs);
+  // Context-parallel ranks of four shards each on a host of two cores: the gradients' all-reduce
+  // was priced from its table for all 8 shards, whose threads were each busy 2/8 of its time: its
+  // work is a quarter of it (1 us), each member's job a quarter of a turn's cores. The turn of 4
+  // threads on 2 cores runs its forward at half speed on what the collectives leave: 0.25 of its
+  // speed for 1 us, then 0.5: rank 0's forward ends at 1 + 9.75 / 0.5 = 20.5 us, rank 1's 20 us
+  // after.
+  sh.cores = 1;
+  sh.threads_per_turn = 4;
+  sh.host_cores = 2;
+  sh.rings.assign(1, CoreSharing::Ring{});
+  sh.rings[0].threads = 8;
+  out = share_cores(t, sh);
+  EXPECT_EQ(out.timeline.ops[0][0].end, 1 * kUs);
+  EXPECT_EQ(out.timeline.ops[1][0].end, 1 * kUs);
+  EXPECT_EQ(out.timeline.ops[0][1].end, 20'500'000);
+  EXPECT_EQ(out.timeline.ops[1][1].end, 40'500'000);
 }
 
 // Two data-parallel ranks under ZeRO-3 on one core: each gathers its forward's three units (the

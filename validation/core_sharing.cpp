@@ -133,6 +133,22 @@ class Replay {
     if (!sharing_.collectives_take_cores) return 0;
     return std::min(1.0, host_cores() / std::max(1, members));
   }
+  // Collective `channel`'s threads (CoreSharing::Ring::threads) and what of its price is work
+  // beyond what its members' own share counts: 1 but where each member is several threads (the
+  // context-parallel shards of a rank, all in the collective), whose table time had them sharing
+  // the cores already.
+  int threads_of(int channel) const {
+    const CoreSharing::Ring* spec = static_cast<std::size_t>(channel) < sharing_.rings.size()
+                                        ? &sharing_.rings[static_cast<std::size_t>(channel)]
+                                        : nullptr;
+    const int members = static_cast<int>(s_.collectives[static_cast<std::size_t>(channel)].members.size());
+    return spec && spec->threads > members ? spec->threads : members;
+  }
+  double thread_factor(int channel) const {
+    if (!sharing_.collectives_take_cores) return 1;
+    const int members = static_cast<int>(s_.collectives[static_cast<std::size_t>(channel)].members.size());
+    return collective_share(threads_of(channel)) / collective_share(members);
+  }
   // The cores the turns' threads run on: `cores` turns of threads_per_turn, or the host's fewer.
   double host_cores() const {
     const double turns = static_cast<double>(sharing_.cores) * std::max(1, sharing_.threads_per_turn);
@@ -366,8 +382,8 @@ class Replay {
       const int mi = ranks_[static_cast<std::size_t>(m)].queue.front();
       out_.ops[static_cast<std::size_t>(m)][static_cast<std::size_t>(mi)].start = start;
       if (!ring)
-        this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)),
-                        collective_share(static_cast<int>(s_.collectives[c].members.size()))});
+        this->start(Job{JobKind::collective, m, mi, static_cast<double>(duration(m, mi)) * thread_factor(op.channel),
+                        collective_share(threads_of(op.channel))});
     }
   }
 
@@ -399,7 +415,7 @@ class Replay {
       // Every member's time alone is the same (one collective, one duration), its copies included.
       const double copies = static_cast<double>(seconds_to_ticks(spec.before + spec.after));
       const double ring_time = std::max(0.0, static_cast<double>(duration(r, i)) - copies);
-      const double busy = sharing_.collectives_take_cores ? collective_share(n) : 1.0;
+      const double busy = sharing_.collectives_take_cores ? collective_share(threads_of(channel)) : 1.0;
       ring.step_work = ring_time * busy / ring.steps;
     }
     if (spec.before > 0) {
@@ -501,7 +517,8 @@ class Replay {
       }
       mst.gather_waited += std::max<Tick>(0, now_ - mst.unit_end);
       const Tick d = duration(m, mi) / (rest ? std::max(1, c.parts) : 1);
-      Job job{JobKind::collective, m, mi, static_cast<double>(d), collective_share(static_cast<int>(c.members.size()))};
+      Job job{JobKind::collective, m, mi, static_cast<double>(d) * thread_factor(op.channel),
+              collective_share(threads_of(op.channel))};
       job.unit = st.gather_unit;
       start(job);
     }

@@ -81,6 +81,10 @@ struct CoreSharing {
   struct Ring {
     bool ring = false;
     double before = 0, after = 0;  // seconds at full speed
+    // The member threads its price was measured with: its members, or, for the gradients and
+    // parameters of context-parallel ranks, every shard of each (its table's group size); 0: its
+    // members. Each was busy min(1, host cores / threads) of that time, which is its work.
+    int threads = 0;
   };
   std::vector<Ring> rings;
   // A receive copies its message out of the mailbox on the receiving thread (the in-process
