@@ -283,6 +283,14 @@ struct FrameworkPricer {
     return gemm_seconds_with(s.flops(), efficiency, gemm_io_bytes(s, elem_of(d), accumulate ? 8.0 : -1),
                              peak_of(d) * share, cl);
   }
+  // Userbuffers are not NCCL: a GPU reads (or writes) its share from every peer of the node at
+  // once through the NVSwitch, its buffers registered ahead, so a collective costs one hop's
+  // latency and (t - 1)/t of its bytes at the NVLink bus bandwidth, with no ring to fill, and a
+  // ring-exchange step one hop and the rows it passes on.
+  double userbuffers_seconds(double bytes) const {
+    const double b_nvl = gbps_to_bytes_per_second(cl.intra_node.bandwidth_gbps) * cl.intra_node.efficiency;
+    return us_to_seconds(cl.intra_node.latency_us) + bytes / b_nvl;
+  }
   // What an overlapped tensor-parallel collective adds to its product (w: the product's shape and
   // format, the collective's bytes), the pair's time less the product's alone, never below zero
   // (a chunked product's tiles can fit the SMs better than the whole's; the pair is not faster
@@ -293,14 +301,6 @@ struct FrameworkPricer {
   //  pipelined (S chunks on the SMs the collective leaves): each chunk's reduce-scatter runs
   //    while the next chunk multiplies, the last one's after: g' + (S - 1) max(g', c) + c;
   //  bulk: the whole collective beside the whole product on the SMs it leaves: max(G', C).
-  // Userbuffers are not NCCL: a GPU reads (or writes) its share from every peer of the node at
-  // once through the NVSwitch, its buffers registered ahead, so a collective costs one hop's
-  // latency and (t - 1)/t of its bytes at the NVLink bus bandwidth, with no ring to fill, and a
-  // ring-exchange step one hop and the rows it passes on.
-  double userbuffers_seconds(double bytes) const {
-    const double b_nvl = gbps_to_bytes_per_second(cl.intra_node.bandwidth_gbps) * cl.intra_node.efficiency;
-    return us_to_seconds(cl.intra_node.latency_us) + bytes / b_nvl;
-  }
   double tp_overlap_seconds(const KernelWork& w, KernelClass cls) const {
     const KernelShape& s = w.shape;
     const bool accumulate = cls == KernelClass::tp_overlap_bulk && fused_accumulation;
