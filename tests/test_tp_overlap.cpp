@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/presets.h"
+#include "core/report/report.h"
 #include "core/scenario.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/gemm_model.h"
@@ -205,6 +206,12 @@ TEST(TpCommOverlap, RegisteredBuffersAreCounted) {
                      elements * (8 * gathered + 4 * 2))
         << dtype_name(compute);
     EXPECT_LT(b.result.step_time_s, a.result.step_time_s) << dtype_name(compute);
+    // The summary says so, and how.
+    const std::string on = format_summary(Plan::from_config(llama_config(compute, true)), b.result);
+    const std::string off = format_summary(Plan::from_config(llama_config(compute, false)), a.result);
+    EXPECT_NE(on.find("overlapped with their products"), std::string::npos) << on;
+    EXPECT_NE(on.find("pipelined in 4 chunks"), std::string::npos) << on;
+    EXPECT_EQ(off.find("overlapped with their products"), std::string::npos) << off;
   }
 }
 

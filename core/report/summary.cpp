@@ -91,6 +91,13 @@ std::string format_summary(const Plan& plan, const Result& res) {
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
       recompute_name(c.training.activation_recompute));
   o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);
+  if (c.communication.tp_comm_overlap && plan.tp > 1)
+    o += fmt::format("  tensor   sequence parallel; its collectives overlapped with their products as Transformer Engine's "
+                     "userbuffers run them (all-gathers by ring exchange, forward reduce-scatters {}, backward ones "
+                     "beside the weight-gradient products)\n",
+                     c.communication.tp_comm_overlap_reduce_scatter == TpOverlapReduceScatter::ring_exchange
+                         ? "by ring exchange"
+                         : "pipelined in 4 chunks");
   const auto& pr = c.precision;
   o += fmt::format("  numerics {} compute, {} master weights, {} grad accumulation, {} all-reduce (divide {}), "
                    "overflow check {}\n\n",
