@@ -153,8 +153,7 @@ CoreSharing sharing_of(const Plan& plan, const Schedule& schedule, const Hardwar
     ring.ring = c.kind != OpKind::AllReduce ||
                 !runtime::all_reduce_goes_direct(c.members.size(), static_cast<std::size_t>(collectives.elements_per_call(c)));
     std::tie(ring.before, ring.after) = collectives.shard_copies(c);
-    const bool whole_ranks = c.purpose == CollectivePurpose::gradients || c.purpose == CollectivePurpose::parameters;
-    ring.threads = static_cast<int>(c.members.size()) * (whole_ranks ? plan.cp : 1);
+    ring.threads = collectives.group_size(c);  // the table its price came from: one thread a GPU
     sh.rings.push_back(ring);
   }
   // Only the CPU engine shares cores by turns: its in-process world's receives copy the message out

@@ -177,11 +177,18 @@ Tick NetworkCollectiveModel::duration(const Collective& c) const {
   if (const auto& profile = plan_.config.cluster.calibrated; profile && profile->emulated_low_precision)
     bytes *= dtype_bytes(profile->allreduce_wire) / wire_bytes(c);
   // One call per part (ZeRO-3's units after the first), each paying its own latency and fill.
-  // The data-parallel collectives (gradients, gathered parameters) span every context-parallel GPU
-  // of their ranks; the embedding group and the overflow flag pair each GPU with its counterparts.
-  const bool whole_ranks = c.purpose == CollectivePurpose::gradients || c.purpose == CollectivePurpose::parameters;
-  const double per_part = seconds(c.kind, c.members, bytes / c.parts, whole_ranks);
+  const double per_part = seconds(c.kind, c.members, bytes / c.parts, spans_whole_ranks(c));
   return seconds_to_ticks(c.parts * per_part + shard_copy_seconds(c));
+}
+
+// The data-parallel collectives (gradients, gathered parameters) span every context-parallel GPU
+// of their ranks; the embedding group and the overflow flag pair each GPU with its counterparts.
+bool NetworkCollectiveModel::spans_whole_ranks(const Collective& c) {
+  return c.purpose == CollectivePurpose::gradients || c.purpose == CollectivePurpose::parameters;
+}
+
+int NetworkCollectiveModel::group_size(const Collective& c) const {
+  return static_cast<int>(c.members.size()) * (spans_whole_ranks(c) ? plan_.cp : 1);
 }
 
 NetworkCollectiveModel::NetworkCollectiveModel(const Plan& plan) : plan_(plan) {

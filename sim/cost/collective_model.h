@@ -89,6 +89,10 @@ class NetworkCollectiveModel final : public CollectiveModel {
   // too (the data-parallel collectives: Plan::data_shards), not one per shard side by side.
   double seconds(OpKind kind, const std::vector<int>& members, double bytes, bool whole_ranks = false) const;
   GroupShape shape_of(const std::vector<int>& members, bool whole_ranks = false) const;
+  // Whether `c` is over every GPU of its member ranks' context-parallel groups (the data-parallel
+  // collectives, gradients and gathered parameters), and the GPUs it is then over.
+  static bool spans_whole_ranks(const Collective& c);
+  int group_size(const Collective& c) const;
   // A calibrated runtime's copies around a ZeRO reduce-scatter or gather (kShardCopyKernel at its
   // measured rate; core/kernel_inventory.h), 0 for other collectives and for presets.
   double shard_copy_seconds(const Collective& c) const;
