@@ -1135,6 +1135,32 @@ TEST(Validate, CoreFactorsComeFromThePassesAroundTheReportedStep) {
   EXPECT_FALSE(validation::passes_around_step(replayed, after, 2, 2).has_value());
 }
 
+// The communication rows and the measured all-reduce come from the same window of steps as the
+// core factors' passes: the rows run after steps 2 to 7 around step 5 (after step 2 is before step
+// 3), the measured all-reduce the median over steps 3 to 7, never the untimed first step.
+TEST(Validate, TheAllReduceIsHeldAgainstTheStepsAroundTheReportedOne) {
+  runtime::RunReport run;
+  const double all_reduce[] = {900, 10, 40, 20, 30, 500, 60, 70};  // us, steps 1-8
+  for (int k = 1; k <= 8; ++k) {
+    runtime::StepRecord r;
+    r.step = k;
+    r.allreduce_time_s = all_reduce[k - 1] * 1e-6;
+    run.steps.push_back(r);
+  }
+  run.result.allreduce_time_s = 123e-6;
+  run.timeline_step = 5;
+  EXPECT_EQ(validation::steps_around_step(run, 8, 2), (std::pair{1, 6}));  // indices: steps 2 and 7
+  EXPECT_EQ(validation::steps_around_step(run, 5, 2), (std::pair{1, 4}));  // only 5 recorded
+  EXPECT_DOUBLE_EQ(validation::allreduce_around_step(run, 2), 40e-6);     // median of 40 20 30 500 60
+  EXPECT_DOUBLE_EQ(validation::allreduce_around_step(run, 0), 30e-6);     // the reported step alone
+  run.timeline_step = 1;  // the first step is untimed (a warm-up); its window starts before the run
+  EXPECT_EQ(validation::steps_around_step(run, 8, 2), (std::pair{-1, 2}));
+  EXPECT_DOUBLE_EQ(validation::allreduce_around_step(run, 2), 25e-6);     // steps 2 and 3: 10 and 40
+  run.timeline_step = 9;  // not a step of the run
+  EXPECT_FALSE(validation::steps_around_step(run, 8, 2).has_value());
+  EXPECT_DOUBLE_EQ(validation::allreduce_around_step(run, 2), 123e-6);    // the report's own
+}
+
 // The communication benchmark reaches every buffer the plan moves, four times over, and no
 // further: a pipeline plan's all-reduces are a few bytes and its messages one micro-batch's
 // activations, far below the 4 MiB the baselines allow; a tensor-parallel plan keeps the limit.
@@ -1401,9 +1427,23 @@ TEST(Baselines, WithinToleranceAndTargetsPassesFirstTime) {
   o.validate_plan = [](const Scenario& s) {
     validation::Validation v = with_errors(0.02, 0.01, 0.008);
     if (s.config.name == "a.yaml") v.profile.core_factors = {1.05, 1.64};  // b.yaml: one rank, none
+    // a.yaml's all-reduce 10% over the steps around the reported one (not the reported step's
+    // own, 2x), b.yaml's none.
+    if (s.config.name == "a.yaml") {
+      v.predicted.result.allreduce_time_s = 1.1e-3;
+      v.measured.result.allreduce_time_s = 0.55e-3;
+      v.allreduce_window_s = 1e-3;
+    }
     return v;
   };
   const auto r = validation::check_baselines(f.dir.string(), o);
+  EXPECT_NEAR(r.plans[0].allreduce_error, 0.1, 1e-12);
+  EXPECT_EQ(r.allreduce_plans, 1);
+  EXPECT_EQ(r.allreduce_within, 1);
+  EXPECT_NE(validation::format_baseline_report(r).find("all-reduce   within 20% on 1 of the 1 plans that reduce: target "
+                                                       "every plan met"),
+            std::string::npos)
+      << validation::format_baseline_report(r);
   EXPECT_TRUE(r.passed) << validation::format_baseline_report(r);
   ASSERT_EQ(r.plans.size(), 2u);
   EXPECT_EQ(r.plans[0].attempts, 1);

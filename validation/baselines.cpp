@@ -90,6 +90,7 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
     out.step_time_error = errors[0].error;
     out.bubble_error = errors[1].error;
     out.allreduce_error = errors[2].error;
+    out.reduces = errors[2].predicted > 0 || errors[2].measured > 0;
     out.memory_error = peak_memory_error(v);
     out.machine_drift = v.machine_drift;
     out.core_contention = 0;
@@ -143,6 +144,10 @@ BaselineReport check_baselines(const std::string& folder, const BaselineOptions&
     bubbles.push_back(std::abs(p.bubble_error));
     report.max_bubble_error = std::max(report.max_bubble_error, std::abs(p.bubble_error));
     report.max_memory_error = std::max(report.max_memory_error, std::abs(p.memory_error));
+    if (p.reduces) {
+      ++report.allreduce_plans;
+      report.allreduce_within += std::abs(p.allreduce_error) <= report.target_allreduce ? 1 : 0;
+    }
   }
   report.median_step_error = median(steps);
   report.median_bubble_error = median(bubbles);
@@ -212,6 +217,10 @@ std::string format_baseline_report(const BaselineReport& r) {
                    verdict(r.median_bubble_error, r.target_bubble), verdict(r.max_bubble_error, r.target_bubble));
   o << fmt::format("peak memory  largest |error| {:.2f}%: target {:.0f}% {}\n", 100 * r.max_memory_error,
                    100 * r.target_memory, verdict(r.max_memory_error, r.target_memory));
+  if (r.allreduce_plans > 0)
+    o << fmt::format("all-reduce   within {:.0f}% on {} of the {} plans that reduce: target every plan {}\n",
+                     100 * r.target_allreduce, r.allreduce_within, r.allreduce_plans,
+                     r.allreduce_within == r.allreduce_plans ? "met" : "missed");
   for (const auto& f : r.failures) o << "FAIL: " << f << "\n";
   o << fmt::format("{} in {:.1f} s\n", r.updated ? "ACCEPTED (accepted.yaml rewritten)" : r.passed ? "PASSED" : "FAILED",
                    r.seconds);

@@ -39,6 +39,7 @@ struct BaselineOutcome {
   double accepted_step = 0, accepted_bubble = 0, accepted_memory = 0;
   double tolerance_step = 0, tolerance_bubble = 0, tolerance_memory = 0;
   double machine_drift = 0;
+  bool reduces = false;  // the step has an all-reduce (predicted or measured)
   // The largest core factor of the validation's profile (HardwareProfile::core_factors): how much
   // slower a core ran with every rank computing than one alone. 1.03-1.08 on a quiet 2-core host,
   // 1.6 and more when the host is busy; 0 for one rank.
@@ -52,6 +53,10 @@ struct BaselineReport {
   std::vector<BaselineOutcome> plans;
   double median_step_error = 0, median_bubble_error = 0, max_bubble_error = 0, max_memory_error = 0;
   double target_step = 0.05, target_bubble = 0.03, target_memory = 0.05;
+  // The all-reduce inside a step (issue 16: within 20% on every plan), reported, not failed: a
+  // 30 us embedding sum moves by a third between runs of its own benchmark on a shared host.
+  double target_allreduce = 0.20;
+  int allreduce_plans = 0, allreduce_within = 0;  // plans that reduce; of them within target_allreduce
   std::vector<std::string> failures;  // set-level
   bool passed = true;
   bool updated = false;  // --update: accepted.yaml now holds these errors

@@ -56,6 +56,9 @@ struct ValidateOptions {
   std::string data_path;     // resolved by the caller; empty: the bundled corpus
   runtime::CalibrateOptions calibrate;
   int passes_between_steps = 2;  // kernel calibration passes run between the run's steps
+  // Timed calls of each communication benchmark row run between the run's steps (0: none; the
+  // rows then come from the calibration before the run).
+  int comm_calls_between_steps = 4;
   // Kernel calibration passes before the run: the reference `machine_drift` is measured against
   // (ranks that share cores by turns: as many as calibrate runs, for the order of their turns).
   int passes_before_run = 8;
@@ -91,6 +94,11 @@ struct Validation {
   // the ranks' mean, which the prediction's core factors took (validate.cpp,
   // core_factors_in_step). Empty: not applied.
   std::vector<double> core_factors_in_step;
+  // The measured all-reduce time the prediction is held against: the median of allreduce_time_s
+  // over the timed steps within kStepWindowSteps of the reported one, the steps whose surrounding
+  // calibration priced it (one step's ~30 us embedding sum or 1 MiB buckets move 2-3x from step
+  // to step on a shared host). The reported step's own figure stays in `measured.result`.
+  double allreduce_window_s = 0;
 };
 
 // Calibrates (or loads the profile), predicts, runs, compares. Throws ScenarioError for a
@@ -98,7 +106,8 @@ struct Validation {
 Validation validate(const Scenario& scenario, const ValidateOptions& options);
 
 // The errors, as DESIGN.md names the fields: step_time_s, bubble_fraction, allreduce_time_s
-// (relative or absolute as above), and per rank utilization and peak_memory.
+// (relative or absolute as above; the all-reduce's measured figure Validation::allreduce_window_s),
+// and per rank utilization and peak_memory.
 struct MetricError {
   std::string metric;  // "step_time_s", "bubble_fraction", "rank 1 utilization", ...
   double predicted = 0, measured = 0, error = 0;
@@ -159,6 +168,15 @@ CommunicationSizes communication_sizes(const Plan& plan);
 std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& run,
                                                       const std::vector<int>& passes_after_step,
                                                       int passes_between_steps, int steps_each_side);
+// The same window in steps: [first, last] of the run's steps (replays included, in order) whose
+// following calibration ran around the reported step, of the first `steps_recorded`; first is -1
+// where the window begins before the run. nullopt when the reported step is not among them.
+// The median of allreduce_time_s over the run's timed steps (steps_as_run, replays included)
+// within `steps_each_side` of the reported one: Validation::allreduce_window_s. The reported
+// step's own figure where none is timed.
+double allreduce_around_step(const runtime::RunReport& run, int steps_each_side);
+std::optional<std::pair<int, int>> steps_around_step(const runtime::RunReport& run, int steps_recorded,
+                                                     int steps_each_side);
 
 // Where ranks share cores, the share of the optimizer step's priced time (the calibrated
 // runtime_optimizer_kernels of a rank's shard) that comes before its gradient norm's all-reduce:

@@ -304,6 +304,10 @@ void on_own_thread(const std::function<void()>& body) {
 void apply_comm_bench(HardwareProfile& p, const CommBenchResult& comm, const std::string& where) {
   p.p2p = comm.p2p;
   p.allreduce = comm.allreduce;
+  p.p2p_table.rows.clear();
+  p.allreduce_tables.clear();
+  p.allgather_tables.clear();
+  p.reduce_scatter_tables.clear();
   for (const CollectiveRow& r : comm.rows) {
     if (r.wrong != 0)
       throw std::runtime_error(fmt::format("calibrate: {} of {} bytes over {} ranks{} gave {} wrong elements", r.op,

@@ -217,8 +217,9 @@ Composition stage_composition(const ScenarioConfig& config, int layers, int stor
                               double backward_weight_seconds = 0);
 
 // A communication benchmark's fits into `p` (p2p, allreduce) and its rows into the profile's
-// tables (sendrecv rows into p2p_table, all_reduce rows of op sum into allreduce_tables per
-// group size), as (bytes, seconds). Throws std::runtime_error for the first row with wrong
+// tables, replacing what they held (sendrecv rows into p2p_table, all_reduce rows of op sum into
+// allreduce_tables per group size, all_gather and reduce_scatter rows likewise), as (bytes,
+// seconds). Throws std::runtime_error for the first row with wrong
 // elements: "calibrate: <op> of <bytes> bytes over <ranks> ranks<where> gave <n> wrong elements"
 // (`where` names the transport, e.g. " on the single-GPU world", or is empty).
 void apply_comm_bench(HardwareProfile& p, const CommBenchResult& comm, const std::string& where = "");

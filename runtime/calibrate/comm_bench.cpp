@@ -17,6 +17,7 @@
 #include <set>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -522,6 +523,35 @@ CommBenchResult bench_in_process_comm(const CommBenchOptions& options) {
   }
   fit_comm_rows(result);
   return result;
+}
+
+CommBenchResult median_of_runs(const std::vector<CommBenchResult>& runs) {
+  const auto key = [](const CollectiveRow& r) { return std::tie(r.op, r.ranks, r.bytes, r.type, r.redop); };
+  CommBenchResult out;
+  std::vector<std::vector<double>> times;  // [i]: out.rows[i]'s time in every run that has it
+  for (const CommBenchResult& run : runs)
+    for (const CollectiveRow& row : run.rows) {
+      auto same = std::find_if(out.rows.begin(), out.rows.end(), [&](const CollectiveRow& o) { return key(o) == key(row); });
+      if (same == out.rows.end()) {
+        out.rows.push_back(row);
+        out.rows.back().wrong = 0;
+        out.rows.back().iters = 0;
+        times.emplace_back();
+        same = out.rows.end() - 1;
+      }
+      same->wrong += row.wrong;
+      same->iters += row.iters;
+      times[static_cast<std::size_t>(same - out.rows.begin())].push_back(row.time_us);
+    }
+  for (std::size_t i = 0; i < out.rows.size(); ++i) {
+    CollectiveRow& row = out.rows[i];
+    const double bus_factor = row.algbw_gbps > 0 ? row.busbw_gbps / row.algbw_gbps : 1.0;
+    row.time_us = median(std::move(times[i]));
+    row.algbw_gbps = static_cast<double>(row.bytes) / (row.time_us * 1e-6) / 1e9;
+    row.busbw_gbps = row.algbw_gbps * bus_factor;
+  }
+  fit_comm_rows(out);
+  return out;
 }
 
 std::string format_comm_table(const CommBenchResult& r) {

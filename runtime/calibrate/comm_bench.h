@@ -227,6 +227,12 @@ void run_comm_section(const CommSection& s, const CommBenchOptions& options, Com
 // ranks (bus bytes); a fit of fewer than two sizes stays zero.
 void fit_comm_rows(CommBenchResult& r);
 
+// One table from the same benchmark run several times (between a run's steps, say): each row
+// (matched by op, ranks, bytes, type and redop; in the order the first run that has it lists it)
+// takes the median of its runs' times, its bandwidths follow that time, its #wrong and timed
+// calls are the runs' sums; the fits are redone. Empty for no runs.
+CommBenchResult median_of_runs(const std::vector<CommBenchResult>& runs);
+
 // The table, as nccl-tests prints it: per op and group size a title line, the header
 //   #       size         count      type   redop     time(us)  algbw(GB/s)  busbw(GB/s)  #wrong
 // one line per row (8 whitespace-separated columns), the fitted latency and bandwidth, and

@@ -421,6 +421,51 @@ TEST(CalibrateCommPieces, AProfileTakesTheFitsAndSumTablesAndRefusesWrongRows) {
   }
 }
 
+// A benchmark run several times (between a run's steps) as one table: each row's median time,
+// bandwidths at that time, wrong elements and calls summed, the fits of the medians; rows in the
+// order they first appear; a second profile's rows replace the first's.
+TEST(CalibrateCommPieces, RunsOfTheBenchmarkMakeOneTableOfTheirMedians) {
+  const auto run = [](double small_us, double large_us, std::int64_t wrong) {
+    CommBenchResult r;
+    r.rows = {CollectiveRow{.op = "all_reduce", .ranks = 2, .bytes = 1024, .redop = "sum", .time_us = small_us,
+                            .algbw_gbps = 1024 / small_us * 1e-3, .busbw_gbps = 1024 / small_us * 1e-3,
+                            .wrong = wrong, .iters = 4},
+              CollectiveRow{.op = "all_reduce", .ranks = 2, .bytes = 1 << 20, .redop = "sum", .time_us = large_us,
+                            .algbw_gbps = (1 << 20) / large_us * 1e-3, .busbw_gbps = (1 << 20) / large_us * 1e-3,
+                            .iters = 4}};
+    return r;
+  };
+  CommBenchResult extra = run(5, 100, 0);
+  extra.rows.push_back(CollectiveRow{.op = "sendrecv", .ranks = 2, .bytes = 8, .redop = "none", .time_us = 2, .iters = 4});
+  const CommBenchResult m = median_of_runs({run(4, 300, 0), extra, run(9, 200, 1)});
+  ASSERT_EQ(m.rows.size(), 3u);
+  EXPECT_EQ(m.rows[0].bytes, 1024u);
+  EXPECT_DOUBLE_EQ(m.rows[0].time_us, 5);
+  EXPECT_DOUBLE_EQ(m.rows[1].time_us, 200);
+  EXPECT_EQ(m.rows[2].op, "sendrecv");  // in one run only: its own time
+  EXPECT_DOUBLE_EQ(m.rows[2].time_us, 2);
+  EXPECT_EQ(m.rows[0].wrong, 1);
+  EXPECT_EQ(m.rows[0].iters, 12);
+  EXPECT_NEAR(m.rows[1].algbw_gbps, (1 << 20) / 200e-6 / 1e9, 1e-12);
+  EXPECT_NEAR(m.rows[1].busbw_gbps, m.rows[1].algbw_gbps, 1e-12);  // 2 ranks: 2(n-1)/n = 1
+  // The fit of the two medians: 5 us at 1 KiB and 200 us at 1 MiB, bus bytes = bytes for n = 2.
+  const LinkFit f = fit_latency_bandwidth({{1024.0, 5e-6}, {1048576.0, 200e-6}});
+  EXPECT_DOUBLE_EQ(m.allreduce.at(2).latency_us, f.latency_us);
+  EXPECT_DOUBLE_EQ(m.allreduce.at(2).bandwidth_gbps, f.bandwidth_gbps);
+  EXPECT_TRUE(median_of_runs({}).rows.empty());
+
+  HardwareProfile p;
+  CommBenchResult first = run(4, 300, 0);
+  first.rows.push_back(CollectiveRow{.op = "all_gather", .ranks = 2, .bytes = 64, .redop = "none", .time_us = 3});
+  apply_comm_bench(p, first);
+  CommBenchResult second = run(6, 250, 0);
+  second.rows.resize(1);
+  apply_comm_bench(p, second);
+  ASSERT_EQ(p.allreduce_tables.at(2).rows.size(), 1u);
+  EXPECT_DOUBLE_EQ(p.allreduce_tables.at(2).rows[0].second, 6e-6);
+  EXPECT_TRUE(p.allgather_tables.empty());
+}
+
 TEST(CalibrateCommBench, AFailingCallbackStopsTheRunWithoutHanging) {
   CommBenchOptions o = small_options();
   o.group_sizes = {3};
