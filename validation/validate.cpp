@@ -396,7 +396,11 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     comm_between.iters = o.comm_calls_between_steps;
     comm_between.warmup_iters = 1;
     comm_between.on_row = nullptr;
-    const bool comm_between_steps = co.communication && record.comm_bench && o.comm_calls_between_steps > 0;
+    // Ranks that take the cores in turns keep the rows from before the run: their collectives are
+    // priced from those with the turns' sharing (core_sharing.h), and the rows of groups wider than
+    // the cores would add a third to the run's time.
+    const bool comm_between_steps =
+        co.communication && record.comm_bench && o.comm_calls_between_steps > 0 && !shares_by_turns(v.profile);
     ro.on_step = [&](const runtime::StepRecord&) {
       passes_after_step.push_back(kernels->passes_done());
       kernels->run_passes(o.passes_between_steps);
