@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cmath>
+#include <optional>
 #include <ostream>
 #include <regex>
 #include <set>
@@ -391,7 +393,8 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     // The communication benchmark's rows again after every step, a few calls each: a shared host
     // moves a collective's time by as much as a kernel's (dp2-fp32's all-reduce: a median of 626 us
     // over one run's steps, 831 us over the next run's; docs/validation.md).
-    std::vector<runtime::CommBenchResult> comm_after_step;  // [i]: the rows run after the run's i-th step
+    std::vector<std::optional<runtime::CommBenchResult>> comm_after_step;  // [i]: the rows run after the run's i-th step
+    double comm_rerun_s = 0;
     runtime::CommBenchOptions comm_between = co.comm;
     comm_between.iters = o.comm_calls_between_steps;
     comm_between.warmup_iters = 1;
@@ -404,7 +407,13 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     ro.on_step = [&](const runtime::StepRecord&) {
       passes_after_step.push_back(kernels->passes_done());
       kernels->run_passes(o.passes_between_steps);
-      if (comm_between_steps) comm_after_step.push_back(record.comm_bench(comm_between, co.placement));
+      if (!comm_between_steps || comm_rerun_s >= o.comm_rerun_budget_s) {
+        comm_after_step.emplace_back();
+        return;
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      comm_after_step.push_back(record.comm_bench(comm_between, co.placement));
+      comm_rerun_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
     say("running, with calibration passes between steps");
     HardwareProfile settled = v.profile;
@@ -423,9 +432,10 @@ Validation validate(const Scenario& scenario, const ValidateOptions& o) {
     v.profile.core_factors_include_tensor_parallel = kernels->core_factors_include_tensor_parallel();
     // The collectives' rows likewise: those run after the steps of the same window.
     if (const auto steps = steps_around_step(v.measured, static_cast<int>(comm_after_step.size()), kStepWindowSteps)) {
-      const auto from = comm_after_step.begin() + std::max(0, steps->first);
-      runtime::apply_comm_bench(v.profile, runtime::median_of_runs({from, comm_after_step.begin() + steps->second + 1}),
-                                record.comm_where);
+      std::vector<runtime::CommBenchResult> runs;
+      for (int k = std::max(0, steps->first); k <= steps->second; ++k)
+        if (comm_after_step[static_cast<std::size_t>(k)]) runs.push_back(*comm_after_step[static_cast<std::size_t>(k)]);
+      if (!runs.empty()) runtime::apply_comm_bench(v.profile, runtime::median_of_runs(runs), record.comm_where);
     }
     v.machine_drift = kernels->speed_change(before);
     v.drift_measured = true;

@@ -59,6 +59,11 @@ struct ValidateOptions {
   // Timed calls of each communication benchmark row run between the run's steps (0: none; the
   // rows then come from the calibration before the run).
   int comm_calls_between_steps = 4;
+  // The most seconds those reruns may take in one validation: on a host whose last-level cache is
+  // reported large (300 MiB on an Intel VM of the tenth session) each call's eviction takes tens of
+  // milliseconds; steps after the budget is spent have none, and a window without any keeps the
+  // rows from before the run. About 1.5 s for a baseline plan on a 32 MiB cache.
+  double comm_rerun_budget_s = 4;
   // Kernel calibration passes before the run: the reference `machine_drift` is measured against
   // (ranks that share cores by turns: as many as calibrate runs, for the order of their turns).
   int passes_before_run = 8;
