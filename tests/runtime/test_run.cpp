@@ -77,7 +77,9 @@ TEST(RunLoop, PlaysBackThePredictionAsTheMeasuredResult) {
     EXPECT_EQ(r.result.allreduce_time_s, p.result.allreduce_time_s);
     // Each step's record holds its own timeline's all-reduce: here every step plays the prediction back.
     for (const StepRecord& s : r.steps) EXPECT_EQ(s.allreduce_time_s, p.result.allreduce_time_s) << "step " << s.step;
-    if (rp.plan.dp > 1) EXPECT_GT(p.result.allreduce_time_s, 0.0);
+    if (rp.plan.dp > 1) {
+      EXPECT_GT(p.result.allreduce_time_s, 0.0);
+    }
     ASSERT_EQ(r.result.ranks.size(), p.result.ranks.size());
     for (std::size_t k = 0; k < r.result.ranks.size(); ++k)
       EXPECT_EQ(r.result.ranks[k].peak_memory_bytes, p.result.ranks[k].peak_memory_bytes) << "rank " << k;
