@@ -152,6 +152,14 @@ double ModelShape::activation_bytes(int b, int e, int t, bool sp, Recompute r, b
     split += 4.0 * a * static_cast<double>(s) * b;
   else if (r == Recompute::none)
     split += (attention_dropout ? 2.0 * e + 1.0 : e) * as2b;
+  // PyTorch's sequence parallelism (DTensor, as torchtitan plans it) gathers the norms' outputs
+  // for q, k, v and the MLP's first products, which save the gathered rows: only the norms' inputs
+  // and the dropout masks are the shard's. Megatron-LM's products save the shard's rows and gather
+  // them again for the weight gradient.
+  if (sp && separate_projections) {
+    const double gathered = (e + e) * sbh;
+    return (replicated - gathered) / t + gathered + split / t;
+  }
   return (sp ? replicated / t : replicated) + split / t;
 }
 

@@ -199,6 +199,43 @@ TEST(Activations, LlamaTwoThirteenBillionWithFlashAttention) {
   EXPECT_NEAR(fused.activations_per_microbatch(0) - mm.activations_per_microbatch(0), L * (2 * a * s * s - 4 * a * s), 1.0);
 }
 
+// The same model on 8-way tensor parallelism: without sequence parallelism every shard keeps all
+// s rows of the final norm's input and output (2 * 2 sh bytes), with it the shard's s/8 of each,
+// the LM head gathering its input again for its weight gradient (Megatron-LM's output layer); the
+// FP32 logits are the shard's vocabulary either way.
+TEST(Activations, TheFinalNormsRowsAreTheShardsUnderSequenceParallelism) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, std::string("llama2-13b"));
+  c.cluster.num_gpus = 8;
+  c.cluster.gpus_per_node = 8;
+  c.parallelism.tensor_parallel_size = 8;
+  const double s = 4096, h = 5120, V = 32000, t = 8, L = 40;
+  const ModelShape m = Plan::from_config(c).token_shape();
+  for (const bool sp : {false, true}) {
+    c.parallelism.sequence_parallel = sp;
+    const MemoryModel mm(Plan::from_config(c));
+    const double layers = L * m.layer_stored_activation_bytes(1, 2, 8, sp, Recompute::none);
+    EXPECT_NEAR(mm.activations_per_microbatch(0) - layers, 4 * s * V / t + 2 * 2 * s * h / (sp ? t : 1), 1.0)
+        << "sequence parallel " << sp;
+  }
+  // PyTorch's sequence parallelism (framework fsdp: DTensor, as torchtitan plans it) gathers the
+  // norms' outputs before the products that read them, which save the gathered rows: per layer the
+  // QKV and MLP inputs (2 * 2 sbh) whole, the norms' inputs the shard's; the head's input whole.
+  c.parallelism.framework = Framework::fsdp;
+  c.parallelism.zero_stage = 3;
+  const Plan fsdp = Plan::from_config(c);
+  const ModelShape pytorch = fsdp.token_shape();
+  ASSERT_TRUE(pytorch.separate_projections);
+  const double megatron_layer = m.layer_stored_activation_bytes(1, 2, 8, true, Recompute::none);
+  EXPECT_NEAR(pytorch.layer_stored_activation_bytes(1, 2, 8, true, Recompute::none) - megatron_layer,
+              2 * 2 * s * h * (1 - 1 / t), 1.0);
+  EXPECT_NEAR(pytorch.layer_stored_activation_bytes(1, 2, 8, false, Recompute::none),
+              m.layer_stored_activation_bytes(1, 2, 8, false, Recompute::none), 1.0);  // no SP: the same
+  const MemoryModel mm(fsdp);
+  EXPECT_NEAR(mm.activations_per_microbatch(0) - L * pytorch.layer_stored_activation_bytes(1, 2, 8, true, Recompute::none),
+              4 * s * V / t + 2 * s * h / t + 2 * s * h, 1.0);
+}
+
 // Published dropout: Llama trains without it; GPT-3 and the Megatron models keep Megatron's 0.1.
 TEST(Presets, ModelsCarryTheirPublishedDropout) {
   for (const auto& p : model_presets()) {

@@ -382,11 +382,10 @@ void CudaStageModel::Impl::forward(int mb, const std::int32_t* tokens, const std
 void CudaStageModel::Impl::head_forward(int mb, StashT& s) {
   const int n = static_cast<int>(N);
   const void* xl = s.x[static_cast<std::size_t>(L)].data();
-  void* lnf_rows = row(s.lnf, row0 * C);
-  k::layernorm_forward(lnf_rows, s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b), static_cast<int>(Nl),
-                       C, dt, stream);
-  gather_rows(lnf_rows, s.lnf, C);
-  k::linear_forward(gemm, s.logits.data(), s.lnf.data(), w(head_w), nullptr, n, C, Vl, dt);
+  // The final norm's rows kept as the shard's (as StageModel: the head gathers them into scratch).
+  k::layernorm_forward(s.lnf.data(), s.meanf.as<float>(), s.rstdf.as<float>(), xl, w(lnf_w), w(lnf_b),
+                       static_cast<int>(Nl), C, dt, stream);
+  k::linear_forward(gemm, s.logits.data(), gather_rows(s.lnf.data(), gathered, C), w(head_w), nullptr, n, C, Vl, dt);
   const std::int32_t* targets = s.targets.as<std::int32_t>();
   if (tp == 1) {
     k::cross_entropy_forward(losses.as<float>(), s.lse.as<float>(), s.logits.data(), targets, n, V, dt, stream);
@@ -580,7 +579,7 @@ void CudaStageModel::Impl::unit_input(const Unit& u, StashT& s, BackwardT& b) {
 void CudaStageModel::Impl::unit_weight(const Unit& u, StashT& s, BackwardT& b) {
   switch (u.kind) {
     case UnitKind::head:
-      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, Vl);
+      wgrad_linear(head_w, -1, b.dlogits.data(), gather_rows(s.lnf.data(), gathered, C), C, Vl);
       wgrad_layernorm(lnf_w, lnf_b, b.dlnf.data(), s.x[static_cast<std::size_t>(L)].data(), s.meanf.as<float>(),
                       s.rstdf.as<float>());
       flush_norms();

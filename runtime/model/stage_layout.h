@@ -171,7 +171,7 @@ struct Stash {
   Ids tokens, targets;    // (N) int32: first stage, last stage
   std::vector<Buf> x;     // residual stream (Nl,C): x[0] stage input, x[l+1] block l's output
   std::vector<BlockStash<Buf>> blocks;
-  Buf lnf, logits;        // (N,C) all rows (gathered under SP), (N,Vl): last stage
+  Buf lnf, logits;        // (Nl,C) the shard's rows, (N,Vl): last stage
   Buf meanf, rstdf, lse;  // (Nl) (Nl) (N) fp32
 };
 // Gradients a block's weight pass reads: shared scratch in the unsplit backward, kept per
@@ -234,7 +234,7 @@ Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_hea
   if (has_embedding) st.tokens = make_ids(n);
   if (has_head) {
     st.targets = make_ids(n);
-    st.lnf = make(n * s.C, Held::compute);
+    st.lnf = make(nlc, Held::compute);
     st.logits = make(n * s.Vl, Held::compute);
     st.meanf = make(s.Nl, Held::f32);
     st.rstdf = make(s.Nl, Held::f32);

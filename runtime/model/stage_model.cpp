@@ -582,13 +582,13 @@ float StageModel::Impl::forward(int mb, const std::int32_t* tokens, const std::i
 
 float StageModel::Impl::head_forward(StashT& s, int mb) {
   const float* xl = s.x[L].data();
-  // The final norm over the shard's rows, into their place among all N rows of lnf (gathered
-  // under sequence parallelism: the LM head is column-parallel over the vocabulary).
-  float* lnf_rows = s.lnf.data() + row0 * C;
-  layers::layernorm_forward(lnf_rows, s.meanf.data(), s.rstdf.data(), xl, w(lnf_w), w(lnf_b), Nl, C);
-  finish(lnf_rows, Nl * C, Tag{"lnf output"}, false, mb);
-  gather_rows(lnf_rows, s.lnf, C);
-  layers::linear_forward(s.logits.data(), s.lnf.data(), w(head_w), static_cast<const float*>(nullptr), N, C, Vl);
+  // The final norm over the shard's rows, kept as they are: the LM head, column-parallel over the
+  // vocabulary, reads all N rows, gathered under sequence parallelism into scratch, and its weight
+  // pass gathers them again (Megatron-LM's output layer keeps its input sharded so).
+  layers::layernorm_forward(s.lnf.data(), s.meanf.data(), s.rstdf.data(), xl, w(lnf_w), w(lnf_b), Nl, C);
+  finish(s.lnf.data(), Nl * C, Tag{"lnf output"}, false, mb);
+  layers::linear_forward(s.logits.data(), gather_rows(s.lnf.data(), gathered, C), w(head_w),
+                         static_cast<const float*>(nullptr), N, C, Vl);
   finish(s.logits.data(), s.logits.size(), Tag{"logits"}, false, mb);
   float loss;
   if (tp == 1) {
@@ -788,7 +788,7 @@ void StageModel::Impl::unit_input(const Unit& u, StashT& s, BackwardT& b, int mb
 void StageModel::Impl::unit_weight(const Unit& u, StashT& s, BackwardT& b, int mb) {
   switch (u.kind) {
     case UnitKind::head:
-      wgrad_linear(head_w, -1, b.dlogits.data(), s.lnf.data(), C, Vl, mb);
+      wgrad_linear(head_w, -1, b.dlogits.data(), gather_rows(s.lnf.data(), gathered, C), C, Vl, mb);
       wgrad_layernorm(lnf_w, lnf_b, b.dlnf.data(), s.x[L].data(), s.meanf.data(), s.rstdf.data(), mb);
       flush_norms(mb);
       break;

@@ -46,8 +46,15 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
   for (int vs = 0; vs < V; ++vs) {
     double a = plan.layers_per_virtual_stage[vs] * per_layer;
     // The last stage keeps the FP32 logits for the loss, and the final norm's input (its backward)
-    // and output (the LM head's input, for its weight gradient).
-    if (vs == V - 1) a += 4.0 * b * m.s * static_cast<double>(m.V) / t + 2.0 * e * static_cast<double>(b) * m.s * m.h;
+    // and output (the LM head's input, for its weight gradient). Under sequence parallelism the
+    // norm's input is the shard's rows, and so is its output where the head gathers it again for
+    // the weight gradient (Megatron-LM's output layer, as its layers' products: 7 GiB of Llama 3
+    // 405B's last stage); PyTorch's column-parallel head saves the gathered rows (ModelShape).
+    if (vs == V - 1) {
+      const double rows_e = e * static_cast<double>(b) * m.s * m.h;
+      a += 4.0 * b * m.s * static_cast<double>(m.V) / t + rows_e / (sp ? t : 1) +
+           rows_e / (sp && !m.separate_projections ? t : 1);
+    }
     tables_.act.push_back(a);
     // During a backward, recompute rebuilds one layer at a time: full, the layer's activations;
     // selective and selective_op, what they do not keep (selective: the attention core's s x s
