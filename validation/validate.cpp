@@ -701,9 +701,9 @@ std::string format_validation(const Validation& v) {
     const auto [lo, hi] = std::minmax_element(all_reduce.begin(), all_reduce.end());
     if (all_reduce.size() > 1 && *hi > 0)
       out << fmt::format("  steps    all-reduce {} to {} over the {} timed steps, median {}; the reported step's {}, the "
-                         "median of the {} steps around it {} (measured, below)\n",
+                         "median of the timed steps within {} of it {} (measured, below)\n",
                          format_seconds(*lo), format_seconds(*hi), all_reduce.size(), format_seconds(median(all_reduce)),
-                         format_seconds(reported->allreduce_time_s), 2 * kStepWindowSteps + 1,
+                         format_seconds(reported->allreduce_time_s), kStepWindowSteps,
                          format_seconds(v.allreduce_window_s));
   }
   out << "\n";
