@@ -100,7 +100,10 @@ Command add_simulate_command(CLI::App& app) {
   };
   auto o = std::make_shared<Options>();
   auto* sub = app.add_subcommand("simulate", "Predict one step of the scenario's configuration");
-  sub->add_option("FILE", o->file, "Scenario YAML (e.g. scenarios/postmortem-8x40gb.yaml)")->required();
+  sub->add_option("FILE", o->file,
+                 "Scenario YAML (e.g. scenarios/postmortem-8x40gb.yaml), or a published row (validation/published: its "
+                 "scenario)")
+      ->required();
   add_set_option(sub, o->sets);
   auto* json = sub->add_flag("--json", o->json, "Print the result object (DESIGN.md field names) instead of the summary");
   sub->add_flag("--kernels", o->kernels,

@@ -1,10 +1,12 @@
 // The scenario a command reads: its file, with the keys `--set` overrides (core/scenario.h).
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "core/diagnostics.h"
 #include "core/scenario.h"
+#include "validation/fidelity.h"
 
 namespace trainsim::cli {
 
@@ -25,6 +27,9 @@ Scenario load_scenario_with(const std::string& file, const std::vector<std::stri
     }
   }
   if (!malformed.empty()) throw ScenarioError(std::move(malformed));
+  // A published row (validation/published) runs as the scenario it states.
+  if (const std::optional<std::string> row = validation::published_row_scenario_text(file))
+    return load_scenario_text(*row, file, overrides);
   return load_scenario_file(file, overrides);
 }
 

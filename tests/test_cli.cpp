@@ -118,6 +118,31 @@ TEST(Cli, SetOverridesAKeyAsIfTheFileWroteIt) {
   EXPECT_NE(malformed.err.find("got \"=3\""), std::string::npos) << malformed.err;
 }
 
+// A published row (validation/published) runs as the scenario it states, --set included (a ratio
+// row's variant is its keys set on the row): the same output as the scenario written out by hand.
+TEST(Cli, APublishedRowRunsAsTheScenarioItStates) {
+  const std::string row = std::string(TRAINSIM_SOURCE_DIR) + "/validation/published/zero-bubble-1.5b-m24.yaml";
+  const fs::path d = temp_dir();
+  const fs::path written = d / "zb.yaml";
+  {
+    std::ifstream in(row);
+    std::ofstream out(written);
+    bool inside = false;
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("scenario:", 0) == 0) {
+        inside = true;
+        continue;
+      }
+      if (inside && line.size() > 2) out << line.substr(2) << "\n";  // the section, de-indented
+    }
+  }
+  const CommandResult want = run("simulate --json " + written.string() + " --set parallelism.schedule=zb-h1");
+  ASSERT_EQ(want.status, 0) << want.err;
+  const CommandResult got = run("simulate --json " + row + " --set parallelism.schedule=zb-h1");
+  ASSERT_EQ(got.status, 0) << got.err;
+  EXPECT_EQ(got.out, want.out);
+}
+
 // A scenario nothing fits has no redesign to prove: exit 5 as sweep and plan, saying where the
 // reasons are, and nothing on stdout.
 TEST(Cli, ProveOfAScenarioNothingFitsExitsFiveAndPointsAtPlan) {

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include "core/diagnostics.h"
@@ -95,6 +96,47 @@ TEST(Fidelity, AMalformedRowNamesItsFileLineAndKey) {
   }
   std::ofstream(path) << "published:\n  source: test\n  metric: tokens\n";
   EXPECT_THROW(validation::load_published_file(path), ScenarioError);
+  std::remove(path.c_str());
+}
+
+// Every command reads a row as the scenario it states: the same configuration fidelity runs,
+// diagnostics at the row file's own lines; a scenario file, a folder or a file that is not a
+// row gives nothing, and the scenario loader reads (or reports) it as before.
+TEST(Fidelity, ARowReadsAsTheScenarioItStates) {
+  const std::string row = kFolder + "/torchtitan-llama3.1-8b-fsdp-8-h100.yaml";
+  const std::optional<std::string> text = validation::published_row_scenario_text(row);
+  ASSERT_TRUE(text.has_value());
+  const Scenario from_text = load_scenario_text(*text, row);
+  const validation::PublishedFile f = validation::load_published_file(row);
+  EXPECT_EQ(from_text.config.model.hidden_size, 4096);
+  EXPECT_EQ(from_text.config.cluster.gpu, "h100-96gb-500w");
+  const Result a = Predictor().evaluate(Plan::from_scenario(from_text));
+  const Result b = Predictor().evaluate(Plan::from_scenario(f.scenario));
+  EXPECT_EQ(a.step_time_s, b.step_time_s);
+
+  EXPECT_FALSE(validation::published_row_scenario_text(std::string(TRAINSIM_SOURCE_DIR) +
+                                                       "/scenarios/postmortem-8x40gb.yaml"));
+  EXPECT_FALSE(validation::published_row_scenario_text(kFolder));
+  EXPECT_FALSE(validation::published_row_scenario_text(kFolder + "/accepted.yaml"));
+  EXPECT_FALSE(validation::published_row_scenario_text(kFolder + "/no-such-row.yaml"));
+
+  const std::string path = std::string(TRAINSIM_BINARY_DIR) + "/fidelity_row_as_scenario.yaml";
+  std::ofstream(path) << "published:\n"
+                         "  source: test\n"
+                         "scenario:\n"
+                         "  name: bad\n"
+                         "  model:\n"
+                         "    num_layrs: 4\n";
+  const std::optional<std::string> bad = validation::published_row_scenario_text(path);
+  ASSERT_TRUE(bad.has_value());
+  try {
+    load_scenario_text(*bad, path);
+    FAIL() << "a misspelled scenario key was accepted";
+  } catch (const ScenarioError& e) {
+    ASSERT_FALSE(e.diagnostics().empty());
+    EXPECT_EQ(e.diagnostics()[0].file, path);
+    EXPECT_EQ(e.diagnostics()[0].where.line, 6);
+  }
   std::remove(path.c_str());
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -81,6 +82,15 @@ FieldValue field_value(const std::string& file, const std::string& path, const Y
   return {};
 }
 
+// The file's bytes; nothing when it cannot be opened.
+std::optional<std::string> read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  return buf.str();
+}
+
 // The `scenario:` section as the text of a scenario file: its lines, de-indented, after as many
 // empty lines as precede it, so that line numbers in diagnostics are the file's own.
 std::string scenario_text(const std::string& text, const YAML::Node& node) {
@@ -133,12 +143,25 @@ double megatron_flops_per_step(const ModelShape& m, double batch) {
   return 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
 }
 
+std::optional<std::string> published_row_scenario_text(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return std::nullopt;
+  const std::optional<std::string> text = read_text(path);
+  if (!text) return std::nullopt;
+  YAML::Node root;
+  try {
+    root = YAML::Load(*text);
+  } catch (const YAML::Exception&) {
+    return std::nullopt;
+  }
+  if (!root.IsMap() || !root["published"] || !root["scenario"] || !root["scenario"].IsMap()) return std::nullopt;
+  return scenario_text(*text, root["scenario"]);
+}
+
 PublishedFile load_published_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ScenarioError({Diagnostic{path, {}, "", "cannot open the file"}});
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  const std::string text = buf.str();
+  const std::optional<std::string> read = read_text(path);
+  if (!read) throw ScenarioError({Diagnostic{path, {}, "", "cannot open the file"}});
+  const std::string& text = *read;
   YAML::Node root;
   try {
     root = YAML::Load(text);

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -96,6 +97,12 @@ struct FidelityReport {
 // on a malformed file.
 std::vector<PublishedFile> load_published(const std::string& folder);
 PublishedFile load_published_file(const std::string& path);
+// When the file at `path` is a published row (a YAML map whose top level holds `published:` and
+// `scenario:`), its `scenario:` section as the text of a scenario file, with the row file's own
+// line numbers; nothing for any other file (a scenario, or a file that does not read as YAML,
+// which the scenario loader then reports). Every command that reads a scenario accepts a row so
+// (`trainsim simulate validation/published/ROW.yaml --kernels`): the run the source states.
+std::optional<std::string> published_row_scenario_text(const std::string& path);
 
 FidelityReport run_fidelity(const std::vector<PublishedFile>& files);
 // Sets `key` (a scenario key path) to `value` (YAML) in every row's scenario: what-if runs and the
