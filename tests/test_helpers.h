@@ -40,8 +40,10 @@ inline ScenarioConfig small_config(int p, int m, ScheduleKind kind, int v = 1, i
 // that runs it with p stages (FSDP has no stage 1; DeepSpeed, auto's choice for 2-3, refuses
 // ZeRO-2/3 with a pipeline), FSDP's no-sync, recompute, micro-batches of 1-2, overlapped and
 // small buckets, both all-reduce algorithms, loss scaling and overflow checks, the compute
-// format, optionally a memory so small that some plans do not fit, untied embeddings. `pick`
-// draws one of a list; the draws come in this order, so a seed gives the same plans.
+// format, optionally a memory so small that some plans do not fit, untied embeddings, and last
+// context parallelism of 2 (where the doubled GPU count still fills whole nodes) with the ring or
+// the gathered keys and an attention core each runs with. `pick` draws one of a list; the draws
+// come in this order, so a seed gives the same plans.
 template <class Pick>
 void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, bool small_memory) {
   c.parallelism.tensor_parallel_size = t;
@@ -63,6 +65,16 @@ void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, b
   c.precision.compute = static_cast<DType>(pick({0, 2, 3}));
   if (small_memory) c.cluster.memory_gib = pick({1, 80}) / 1000.0;  // some plans do not fit: per-rank warnings
   c.model.untie_embeddings_and_output_weights = pick({0, 1});
+  const int gpus = c.cluster.num_gpus * 2, node = c.cluster.gpus_per_node;
+  if (pick({0, 0, 1}) && (gpus <= node || gpus % node == 0) && node % t == 0) {
+    c.parallelism.context_parallel_size = 2;
+    c.cluster.num_gpus = gpus;
+    c.parallelism.context_parallel_comm = static_cast<ContextParallelComm>(pick({0, 1, 2}));
+    // The ring runs a flash kernel per step; gathered keys suit any core.
+    c.model.attention = c.parallelism.context_parallel_comm == ContextParallelComm::all_gather
+                            ? static_cast<AttentionKernel>(pick({0, 1, 2, 3}))
+                            : AttentionKernel::flash;
+  }
 }
 
 // Every chunk costs the same: forward f, backward b (split into input bi and weight bw

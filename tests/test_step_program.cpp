@@ -721,7 +721,9 @@ std::optional<ScenarioConfig> random_kernels(RandomPlans& random) {
 
 // The compute model's chunk prices, with and without an inventory cache (one cache across every
 // plan and price, as a sweep worker's), equal the reference pricing of the plan's framework
-// kernels, chunk by chunk, bit for bit.
+// kernels, chunk by chunk, bit for bit. The reference predates context parallelism (its
+// collectives, tests/test_context_parallel.cpp): those plans are held to the cache's prices being
+// the fresh model's.
 TEST(ComputeModel, PricesEqualTheReferenceWithAndWithoutTheInventoryCache) {
   RandomPlans random(20261204);
   KernelInventoryCache cache;
@@ -744,12 +746,14 @@ TEST(ComputeModel, PricesEqualTheReferenceWithAndWithoutTheInventoryCache) {
       ASSERT_EQ(chunks.size(), static_cast<std::size_t>(plan.num_virtual_stages()));
       for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
         const auto& want = chunks[vs];
-        for (const auto* model : {&fresh, &cached}) {
-          const auto& got = model->chunk(vs);
-          ASSERT_EQ(got.forward, reference::framework_seconds(plan, want.forward)) << "chunk " << vs;
-          ASSERT_EQ(got.backward_input, reference::framework_seconds(plan, want.backward_input)) << "chunk " << vs;
-          ASSERT_EQ(got.backward_weight, reference::framework_seconds(plan, want.backward_weight)) << "chunk " << vs;
-        }
+        const auto& got = cached.chunk(vs);
+        ASSERT_EQ(got.forward, fresh.chunk(vs).forward) << "chunk " << vs;
+        ASSERT_EQ(got.backward_input, fresh.chunk(vs).backward_input) << "chunk " << vs;
+        ASSERT_EQ(got.backward_weight, fresh.chunk(vs).backward_weight) << "chunk " << vs;
+        if (plan.cp > 1) continue;
+        ASSERT_EQ(got.forward, reference::framework_seconds(plan, want.forward)) << "chunk " << vs;
+        ASSERT_EQ(got.backward_input, reference::framework_seconds(plan, want.backward_input)) << "chunk " << vs;
+        ASSERT_EQ(got.backward_weight, reference::framework_seconds(plan, want.backward_weight)) << "chunk " << vs;
       }
       Op step;
       step.kind = OpKind::OptimizerStep;
