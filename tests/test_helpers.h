@@ -42,7 +42,8 @@ inline ScenarioConfig small_config(int p, int m, ScheduleKind kind, int v = 1, i
 // small buckets, both all-reduce algorithms, loss scaling and overflow checks, the compute
 // format, optionally a memory so small that some plans do not fit, untied embeddings, and last
 // context parallelism of 2 (where the doubled GPU count still fills whole nodes) with the ring or
-// the gathered keys and an attention core each runs with. `pick` draws one of a list; the draws
+// the gathered keys and an attention core each runs with, and the tensor-parallel overlap of
+// sequence parallelism's collectives (either reduce-scatter form). `pick` draws one of a list; the draws
 // come in this order, so a seed gives the same plans.
 template <class Pick>
 void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, bool small_memory) {
@@ -74,6 +75,10 @@ void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, b
     c.model.attention = c.parallelism.context_parallel_comm == ContextParallelComm::all_gather
                             ? static_cast<AttentionKernel>(pick({0, 1, 2, 3}))
                             : AttentionKernel::flash;
+  }
+  if (c.parallelism.sequence_parallel && t <= node && pick({0, 1})) {
+    c.communication.tp_comm_overlap = true;
+    c.communication.tp_comm_overlap_reduce_scatter = static_cast<TpOverlapReduceScatter>(pick({0, 1}));
   }
 }
 
