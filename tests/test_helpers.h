@@ -43,8 +43,8 @@ inline ScenarioConfig small_config(int p, int m, ScheduleKind kind, int v = 1, i
 // format, optionally a memory so small that some plans do not fit, untied embeddings, and last
 // context parallelism of 2 (where the doubled GPU count still fills whole nodes) with the ring or
 // the gathered keys and an attention core each runs with, and the tensor-parallel overlap of
-// sequence parallelism's collectives (either reduce-scatter form). `pick` draws one of a list; the draws
-// come in this order, so a seed gives the same plans.
+// sequence parallelism's collectives (either reduce-scatter form). `pick` draws one of a list;
+// the draws come in this order, so a seed gives the same plans.
 template <class Pick>
 void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, bool small_memory) {
   c.parallelism.tensor_parallel_size = t;
