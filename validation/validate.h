@@ -176,12 +176,12 @@ std::optional<std::pair<int, int>> passes_around_step(const runtime::RunReport& 
 // The same window in steps: [first, last] of the run's steps (replays included, in order) whose
 // following calibration ran around the reported step, of the first `steps_recorded`; first is -1
 // where the window begins before the run. nullopt when the reported step is not among them.
+std::optional<std::pair<int, int>> steps_around_step(const runtime::RunReport& run, int steps_recorded,
+                                                     int steps_each_side);
 // The median of allreduce_time_s over the run's timed steps (steps_as_run, replays included)
 // within `steps_each_side` of the reported one: Validation::allreduce_window_s. The reported
 // step's own figure where none is timed.
 double allreduce_around_step(const runtime::RunReport& run, int steps_each_side);
-std::optional<std::pair<int, int>> steps_around_step(const runtime::RunReport& run, int steps_recorded,
-                                                     int steps_each_side);
 
 // Where ranks share cores, the share of the optimizer step's priced time (the calibrated
 // runtime_optimizer_kernels of a rank's shard) that comes before its gradient norm's all-reduce:
