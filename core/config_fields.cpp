@@ -374,7 +374,9 @@ std::vector<FieldSpec> make_fields() {
     FieldSpec f;
     f.path = "parallelism.layers_per_stage";
     f.kind = FieldKind::integer_list;
-    f.help = "Layers of each (virtual) stage, p*v entries in pipeline order; default: balanced";
+    f.help =
+        "Layers of each (virtual) stage, p*v entries in pipeline order; default: balanced (even where p*v divides "
+        "the layers, else by forward FLOPs with the output layer on the last chunk, the short chunks first)";
     f.min = 0;
     f.max = 100000;
     f.default_note = "[] (balanced)";

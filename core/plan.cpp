@@ -1,9 +1,12 @@
 #include "core/plan.h"
 
 #include <algorithm>
+#include <functional>
+#include <limits>
 #include <numeric>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/units.h"
 
@@ -333,15 +336,27 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                fmt::format("sums to {} layers but num_layers is {}", sum, m.num_layers));
     else
       plan.layers_per_virtual_stage = par.layers_per_stage;
-  } else if (m.num_layers % vstages != 0) {
+  } else if (std::vector<int> split = default_layers_per_virtual_stage(m, vstages); split.empty()) {
     ck.error("model.num_layers",
-             fmt::format("num_layers({}) is not divisible by pipeline_parallel_size({}) * virtual_pipeline_stages({}) "
-                         "= {}; give parallelism.layers_per_stage to split unevenly",
+             fmt::format("num_layers({}) cannot fill pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} "
+                         "model chunks: split as evenly as they allow, a chunk other than the first and the last "
+                         "would hold no layer; use fewer stages or give parallelism.layers_per_stage",
                          m.num_layers, p, v, vstages),
              // A preset's layer count: the stage counts written are what to change.
              {"parallelism.virtual_pipeline_stages", "parallelism.pipeline_parallel_size"});
   } else {
-    plan.layers_per_virtual_stage.assign(vstages, m.num_layers / vstages);
+    if (m.num_layers % vstages != 0) {
+      const ModelShape shape(m);
+      plan.warnings.push_back(fmt::format(
+          "num_layers({}) does not divide into pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} model "
+          "chunks: split {} (balanced by forward FLOPs, the output layer as {:.2f} of a layer on the last chunk, "
+          "the chunks with a layer fewer first, as Llama 3 split its 126 layers; Megatron-LM's "
+          "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers write such splits); "
+          "parallelism.layers_per_stage sets another",
+          m.num_layers, p, v, vstages, layer_split_text(split),
+          shape.lm_head_forward_flops(1) / shape.layer_forward_flops(1)));
+    }
+    plan.layers_per_virtual_stage = std::move(split);
   }
 
   // ---- batch -----------------------------------------------------------------------
@@ -483,6 +498,52 @@ Plan Plan::from_config(const ScenarioConfig& config) {
   Scenario sc;  // no file: diagnostics name only the key path
   sc.config = config;
   return from_scenario(sc);
+}
+
+std::vector<int> default_layers_per_virtual_stage(const ModelConfig& model, int chunks) {
+  const int layers = model.num_layers;
+  if (chunks < 1 || layers < 1) return {};
+  if (layers % chunks == 0) return std::vector<int>(static_cast<std::size_t>(chunks), layers / chunks);
+  const ModelShape shape(model);
+  const double layer = shape.layer_forward_flops(1);
+  const double head = layer > 0 ? shape.lm_head_forward_flops(1) / layer : 0.0;  // in layers
+  // Given the last chunk's count, the costliest of the others holds ceil(rest / others) layers
+  // (and a split reaching that exists), so the best split is the best count for the last.
+  const int others = chunks - 1;
+  int last = 0;
+  double best = std::numeric_limits<double>::infinity();
+  for (int n = 0; n <= layers; ++n) {
+    if (n + head > best) break;  // the last chunk alone costs more from here on
+    const int rest = layers - n;
+    const double cost = std::max(static_cast<double>((rest + others - 1) / others), n + head);
+    if (cost <= best) {  // ties: the most layers on the last chunk
+      best = cost;
+      last = n;
+    }
+  }
+  const int rest = layers - last, fewer = rest / others, more = rest % others;
+  if (fewer == 0 && others - more > 1) return {};  // a middle chunk would hold no layer
+  std::vector<int> split;
+  split.reserve(static_cast<std::size_t>(chunks));
+  for (int i = 0; i < others; ++i) split.push_back(i < others - more ? fewer : fewer + 1);
+  split.push_back(last);
+  return split;
+}
+
+std::string layer_split_text(const std::vector<int>& layers) {
+  std::vector<std::string> runs;
+  for (std::size_t i = 0; i < layers.size();) {
+    std::size_t j = i;
+    while (j < layers.size() && layers[j] == layers[i]) ++j;
+    runs.push_back(j - i > 1 ? fmt::format("{} x {}", j - i, layers[i]) : std::to_string(layers[i]));
+    i = j;
+  }
+  return fmt::format("{}", fmt::join(runs, " + "));
+}
+
+std::string uneven_layers_text(const std::vector<int>& layers) {
+  if (std::adjacent_find(layers.begin(), layers.end(), std::not_equal_to<>()) == layers.end()) return "";
+  return ", layers " + layer_split_text(layers);
 }
 
 }  // namespace trainsim

@@ -3,14 +3,19 @@
 // the expected line and column are counted from the YAML text written beside them.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "core/config_fields.h"
 #include "core/diagnostics.h"
+#include "core/model_shape.h"
 #include "core/plan.h"
 #include "core/presets.h"
 #include "core/scenario.h"
@@ -604,8 +609,10 @@ TEST(ScenarioInvariants, UnwrittenLayoutAndLossScalingAreDerivedFromTheRest) {
   EXPECT_EQ(both.cluster.num_gpus, 8);
 }
 
-TEST(ScenarioInvariants, LayersNotDivisibleByStages) {
-  auto ds = plan_errors(yaml(R"(
+// Layers that the chunks do not divide are split as DESIGN.md's "default: balanced" says
+// (default_layers_per_virtual_stage), and the plan says how.
+TEST(ScenarioInvariants, LayersNotDivisibleByStagesAreSplitBalancedAndSaidSo) {
+  const Scenario sc = load_scenario_text(yaml(R"(
 cluster:
   gpu: a100-40gb
   num_gpus: 8
@@ -620,33 +627,119 @@ parallelism:
 training:
   micro_batch_size: 1
   global_batch_size: 8
-)"));
-  ASSERT_EQ(ds.size(), 1u) << dump(ds);
-  expect_at(ds[0], 5, 3, "model.num_layers");
-  EXPECT_EQ(ds[0].message,
-            "num_layers(30) is not divisible by pipeline_parallel_size(4) * virtual_pipeline_stages(1) = 4; give "
-            "parallelism.layers_per_stage to split unevenly");
+)"),
+                                         "test.yaml");
+  const Plan plan = Plan::from_scenario(sc);
+  // The output layer (2 h V = 0.77 of a layer's forward FLOPs at s = 2048) on the last stage:
+  // 7 + 0.77 there against 8 on the two middle ones, the first holding the layer short.
+  EXPECT_EQ(plan.layers_per_virtual_stage, (std::vector<int>{7, 8, 8, 7}));
+  const auto said = std::find_if(plan.warnings.begin(), plan.warnings.end(), [](const std::string& w) {
+    return w.find("num_layers(30) does not divide into pipeline_parallel_size(4) * virtual_pipeline_stages(1) = 4 "
+                  "model chunks: split 7 + 2 x 8 + 7 (") != std::string::npos;
+  });
+  EXPECT_NE(said, plan.warnings.end()) << fmt::format("{}", fmt::join(plan.warnings, "\n"));
+  // A split the file writes is kept, and an even one says nothing.
+  ScenarioConfig written = sc.config;
+  written.parallelism.layers_per_stage = {6, 8, 8, 8};
+  EXPECT_EQ(Plan::from_config(written).layers_per_virtual_stage, (std::vector<int>{6, 8, 8, 8}));
+  ScenarioConfig divides = sc.config;
+  divides.model.num_layers = 32;
+  const Plan even = Plan::from_config(divides);
+  EXPECT_EQ(even.layers_per_virtual_stage, (std::vector<int>{8, 8, 8, 8}));
+  for (const auto& w : even.warnings) EXPECT_EQ(w.find("does not divide"), std::string::npos) << w;
 }
 
-// The layer count from a preset: the error points at the stage count the file wrote.
-TEST(ScenarioInvariants, LayersOfAPresetNotDivisiblePointAtTheStages) {
+// Too few layers for the chunks: an error, at the stage counts when the layers come from a preset.
+TEST(ScenarioInvariants, LayersOfAPresetTooFewForTheChunksPointAtTheStages) {
   auto ds = plan_errors(yaml(R"(
 cluster:
   gpu: a100-40gb
-  num_gpus: 6
+  num_gpus: 48
 model:
   preset: gpt3-13b
 parallelism:
-  pipeline_parallel_size: 3
+  pipeline_parallel_size: 48
 training:
   micro_batch_size: 1
-  global_batch_size: 8
+  global_batch_size: 48
 )"));
   ASSERT_EQ(ds.size(), 1u) << dump(ds);
-  expect_at(ds[0], 7, 3, "model.num_layers");  // pipeline_parallel_size: 3 (40 layers)
+  expect_at(ds[0], 7, 3, "model.num_layers");  // pipeline_parallel_size: 48 (40 layers)
   EXPECT_EQ(ds[0].message,
-            "num_layers(40) is not divisible by pipeline_parallel_size(3) * virtual_pipeline_stages(1) = 3; give "
-            "parallelism.layers_per_stage to split unevenly");
+            "num_layers(40) cannot fill pipeline_parallel_size(48) * virtual_pipeline_stages(1) = 48 model chunks: "
+            "split as evenly as they allow, a chunk other than the first and the last would hold no layer; use "
+            "fewer stages or give parallelism.layers_per_stage");
+}
+
+// The balanced split against every split there is (small sizes): the costliest chunk, the output
+// layer counted on the last, is the least any split reaches; then the most layers on the last
+// chunk, and the chunks short of a layer first.
+TEST(ScenarioInvariants, BalancedSplitIsTheBestOfEverySplit) {
+  ModelConfig m;
+  m.hidden_size = 256;
+  m.num_attention_heads = 4;
+  m.seq_length = 512;
+  for (int vocab : {1000, 20000, 60000}) {  // the output layer at 0.07, 1.4 and 4.2 layers
+    m.vocab_size = vocab;
+    const ModelShape shape(m);
+    const double head = shape.lm_head_forward_flops(1) / shape.layer_forward_flops(1);
+    for (int layers = 1; layers <= 12; ++layers)
+      for (int chunks = 1; chunks <= 6; ++chunks) {
+        m.num_layers = layers;
+        SCOPED_TRACE(fmt::format("vocab {} layers {} chunks {}", vocab, layers, chunks));
+        const std::vector<int> got = default_layers_per_virtual_stage(m, chunks);
+        if (layers % chunks == 0) {
+          EXPECT_EQ(got, std::vector<int>(static_cast<std::size_t>(chunks), layers / chunks));
+          continue;
+        }
+        auto cost = [&](const std::vector<int>& split) {
+          double c = 0;
+          for (std::size_t i = 0; i < split.size(); ++i)
+            c = std::max(c, split[i] + (i + 1 == split.size() ? head : 0.0));
+          return c;
+        };
+        // Every composition of `layers` into `chunks` counts, by brute force.
+        double best = std::numeric_limits<double>::infinity();
+        std::vector<int> split(static_cast<std::size_t>(chunks));
+        std::function<void(int, int)> walk = [&](int i, int left) {
+          if (i + 1 == chunks) {
+            split[static_cast<std::size_t>(i)] = left;
+            best = std::min(best, cost(split));
+            return;
+          }
+          for (int n = 0; n <= left; ++n) {
+            split[static_cast<std::size_t>(i)] = n;
+            walk(i + 1, left - n);
+          }
+        };
+        walk(0, layers);
+        // Refused exactly where no split fills every chunk but the first and the last.
+        EXPECT_EQ(got.empty(), layers < chunks - 2);
+        if (got.empty()) continue;
+        ASSERT_EQ(got.size(), static_cast<std::size_t>(chunks));
+        EXPECT_EQ(std::accumulate(got.begin(), got.end(), 0), layers);
+        EXPECT_DOUBLE_EQ(cost(got), best);
+        for (std::size_t i = 1; i + 1 < got.size(); ++i) EXPECT_GE(got[i], 1) << "an empty middle chunk";
+        for (std::size_t i = 1; i + 1 < got.size(); ++i) EXPECT_GE(got[i], got[i - 1]) << "a short chunk after a long one";
+      }
+  }
+}
+
+// Llama 3 405B's own split (Dubey et al. 2024, section 3.3.2: one layer fewer on the first and the
+// last of 16 stages; the Table 4 row's 16 x 8 chunks, the first holding only the embedding and
+// the last only the output layer and loss).
+TEST(ScenarioInvariants, BalancedSplitOfLlama3405BIsLlama3s) {
+  const ModelConfig m =
+      load_scenario_text("model: {preset: llama3-405b}\ncluster: {gpu: h100-80gb, num_gpus: 8}\n", "test.yaml").config.model;
+  ASSERT_EQ(m.num_layers, 126);
+  const std::vector<int> stages = default_layers_per_virtual_stage(m, 16);
+  EXPECT_EQ(layer_split_text(stages), "7 + 14 x 8 + 7");
+  std::vector<int> chunks(128, 1);
+  chunks.front() = chunks.back() = 0;
+  EXPECT_EQ(default_layers_per_virtual_stage(m, 128), chunks);
+  EXPECT_EQ(layer_split_text(chunks), "0 + 126 x 1 + 0");
+  EXPECT_EQ(uneven_layers_text(std::vector<int>(16, 8)), "");
+  EXPECT_EQ(uneven_layers_text(stages), ", layers 7 + 14 x 8 + 7");
 }
 
 TEST(ScenarioInvariants, LayersPerStageThatDoesNotSum) {

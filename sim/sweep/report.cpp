@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/model_shape.h"
+#include "core/plan.h"
 #include "core/report/format.h"
 #include "core/report/svg_kit.h"
 #include "core/units.h"
@@ -769,7 +770,11 @@ namespace {
 
 std::string layout_text(const ScenarioConfig& c, int microbatches) {
   const auto& p = c.parallelism;
-  std::string s = fmt::format("{}, {}, ", parallel_sizes_text(p), schedule_name(p.schedule));
+  // The layers of each chunk as the plan splits them (written, even, or balanced: Plan::from_config).
+  const int chunks = p.pipeline_parallel_size * std::max(1, p.virtual_pipeline_stages);
+  const std::string layers = uneven_layers_text(
+      p.layers_per_stage.empty() ? default_layers_per_virtual_stage(c.model, chunks) : p.layers_per_stage);
+  std::string s = fmt::format("{}{}, {}, ", parallel_sizes_text(p), layers, schedule_name(p.schedule));
   if (microbatches > 0)
     s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
   else s += fmt::format("micro-batch size {}", c.training.micro_batch_size);
