@@ -394,8 +394,7 @@ void result_from_figures(const Plan& plan, const Schedule& s, const StepFigures&
     const std::size_t first = nw;
     double worst = 0;
     for (const auto& rr : res.ranks) worst = std::max(worst, rr.peak_memory_bytes);
-    constexpr double kFrameworkGib = 2.0;  // CUDA context, library workspaces, fragmentation
-    if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kFrameworkGib))
+    if (worst <= res.memory_capacity_bytes && res.memory_capacity_bytes - worst < gib_to_bytes(kUnmodelledMemoryGib))
       fmt::format_to(std::back_inserter(next_warning()),
                      "only {:.1f} GiB of headroom on the fullest GPU: the CUDA context, library workspaces and "
                      "allocator fragmentation (not modelled) typically take 0.5-2 GiB",

@@ -18,6 +18,11 @@
 
 namespace trainsim {
 
+// What a GPU holds beyond the model's accounting at most, typically: the CUDA context, library
+// workspaces and the allocator's fragmentation (0.5-2 GiB). A result leaving less free than
+// this is warned about, and a plan prefers, among near-equal configurations, one that leaves it.
+inline constexpr double kUnmodelledMemoryGib = 2.0;
+
 // `memory` holds each rank's breakdown at its peak (predicted by the memory model, or
 // measured by the runtime's allocation accounting).
 Result compute_result(const Plan& plan, const Timeline& timeline, const std::vector<MemoryBreakdown>& memory);

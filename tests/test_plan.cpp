@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/metrics.h"
 #include "core/model_shape.h"
 #include "core/plan.h"
 #include "core/schedule.h"
@@ -80,6 +81,50 @@ TEST(Plan, ChoosesTheFastestWhenItBeatsTheFileByMoreThanTheMargin) {
   // The incident's own configuration runs (it fits), and the plan is not slower.
   ASSERT_TRUE(p.original.simulated);
   EXPECT_GE(chosen.metrics.tokens_per_s, p.original.metrics.tokens_per_s);
+}
+
+// The fastest leaving less than the CUDA context and allocator take (kUnmodelledMemoryGib, not
+// in the memory model) is passed over for a near-tie that leaves it, the simplest of those; a
+// file that states its own margin (min_memory_headroom_gib) is taken at its word.
+TEST(Plan, AmongNearTiesPrefersOneThatLeavesTheUnmodelledMemoryFree) {
+  Scenario sc = load_scenario_file(kDefault);
+  sc.constraints.min_memory_headroom_gib.reset();  // the incident's file keeps 2 GiB itself
+  PlanOptions wide;
+  wide.margin = 0.06;  // the incident's fastest row has a near-tie with 5.7 GiB less at 5.2%
+  const PlanResult base = make_plan(sc, wide);
+  ASSERT_TRUE(base.fastest);
+  const SweepRow& was = base.sweep.rows[*base.fastest];
+  // The fastest row then has 1 GiB free, and stays the fastest (only rows needing more fail).
+  sc.config.cluster.memory_gib = bytes_to_gib(was.metrics.peak_memory_bytes) + 1.0;
+  const PlanResult tight = make_plan(sc, wide);
+  ASSERT_TRUE(tight.chosen && tight.fastest);
+  const SweepRow& fastest = tight.sweep.rows[*tight.fastest];
+  const SweepRow& chosen = tight.sweep.rows[*tight.chosen];
+  EXPECT_EQ(fastest.point.index, was.point.index);
+  EXPECT_NEAR(bytes_to_gib(fastest.metrics.headroom_bytes()), 1.0, 1e-9);
+  EXPECT_EQ(tight.choice, "headroom") << tight.choice_reason;
+  EXPECT_NE(tight.choice_reason.find("less than the 2 GiB the CUDA context"), std::string::npos) << tight.choice_reason;
+  EXPECT_GE(bytes_to_gib(chosen.metrics.headroom_bytes()), kUnmodelledMemoryGib);
+  EXPECT_GE(chosen.metrics.tokens_per_s * (1 + tight.margin), fastest.metrics.tokens_per_s);
+  for (std::size_t i : tight.sweep.ranking) {  // no near-tie with room is simpler
+    const SweepRow& r = tight.sweep.rows[i];
+    if (r.metrics.tokens_per_s * (1 + tight.margin) < fastest.metrics.tokens_per_s) break;
+    if (bytes_to_gib(r.metrics.headroom_bytes()) >= kUnmodelledMemoryGib) {
+      EXPECT_GE(layout_complexity(r.point.config), layout_complexity(chosen.point.config))
+          << config_fingerprint(r.point.config);
+    }
+  }
+  // At the shipped margin no near-tie has the room: the fastest, its note printed.
+  const PlanResult shipped = make_plan(sc);
+  ASSERT_TRUE(shipped.chosen);
+  EXPECT_EQ(shipped.choice, "fastest") << shipped.choice_reason;
+  EXPECT_NE(format_plan(shipped).find("note: only 1.0 GiB stays free"), std::string::npos);
+  // A file that states its own margin is taken at its word.
+  sc.constraints.min_memory_headroom_gib = 0.5;
+  const PlanResult own = make_plan(sc, wide);
+  ASSERT_TRUE(own.chosen);
+  EXPECT_NE(own.choice, "headroom") << own.choice_reason;
+  EXPECT_EQ(own.sweep.rows[*own.fastest].point.index, was.point.index);
 }
 
 TEST(Plan, FragmentRoundTripsAndSimulatesToTheReportedFigures) {

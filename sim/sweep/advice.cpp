@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/metrics.h"
 #include "core/plan.h"
 #include "core/presets.h"
 #include "core/report/format.h"
@@ -647,15 +648,27 @@ PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
       plan.chosen = plan.incumbent;
       plan.choice = *plan.chosen == *plan.fastest ? "fastest" : "kept";
     } else {
-      // Among the near-ties of the fastest, the simplest layout (the fastest of those).
+      // Among the near-ties of the fastest: one that leaves the GPU's unmodelled share free
+      // (kUnmodelledMemoryGib) where any does, unless the file states its own margin
+      // (constraints: min_memory_headroom_gib); then the simplest layout; then the fastest.
+      const bool own_margin = scenario.constraints.min_memory_headroom_gib.has_value();
+      auto short_of_room = [&](const SweepRow& r) {
+        return !own_margin && bytes_to_gib(r.metrics.headroom_bytes()) < kUnmodelledMemoryGib;
+      };
+      auto order = [&](std::size_t i) {
+        const SweepRow& r = plan.sweep.rows[i];
+        return std::pair(short_of_room(r), layout_complexity(r.point.config));
+      };
       std::size_t pick = *plan.fastest;
       for (std::size_t i : ranked) {
         const SweepRow& r = plan.sweep.rows[i];
         if (r.metrics.tokens_per_s * (1 + plan.margin) < best) break;
-        if (layout_complexity(r.point.config) < layout_complexity(plan.sweep.rows[pick].point.config)) pick = i;
+        if (order(i) < order(pick)) pick = i;
       }
       plan.chosen = pick;
-      plan.choice = pick == *plan.fastest ? "fastest" : "simpler";
+      plan.choice = pick == *plan.fastest                                               ? "fastest"
+                    : short_of_room(fastest) && !short_of_room(plan.sweep.rows[pick]) ? "headroom"
+                                                                                        : "simpler";
     }
     const SweepRow& c = plan.sweep.rows[*plan.chosen];
     const double gap = best / c.metrics.tokens_per_s - 1;
@@ -673,12 +686,20 @@ PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
                                           "margin)",
                                           100 * (1 - inc->metrics.tokens_per_s / best), 100 * plan.margin)
                             : fmt::format("your configuration is not feasible ({})", sweep_status_name(inc->status));
-      plan.choice_reason =
-          plan.choice == "simpler"
-              ? fmt::format("the fastest found ({} tokens/s) is only {:.1f}% faster, inside the {:g}% margin: the "
-                            "simpler layout is chosen; {}",
-                            human_count(best), 100 * gap, 100 * plan.margin, yours)
-              : fmt::format("the best found; {}", yours);
+      if (plan.choice == "simpler")
+        plan.choice_reason = fmt::format(
+            "the fastest found ({} tokens/s) is only {:.1f}% faster, inside the {:g}% margin: the simpler layout is "
+            "chosen; {}",
+            human_count(best), 100 * gap, 100 * plan.margin, yours);
+      else if (plan.choice == "headroom")
+        plan.choice_reason = fmt::format(
+            "the fastest found ({} tokens/s, {:.1f}% faster, inside the {:g}% margin) leaves {:.1f} GiB free on its "
+            "fullest GPU, less than the {:g} GiB the CUDA context, library workspaces and allocator typically take "
+            "(not modelled); this one leaves {:.1f} GiB; {}",
+            human_count(best), 100 * gap, 100 * plan.margin, bytes_to_gib(fastest.metrics.headroom_bytes()),
+            kUnmodelledMemoryGib, bytes_to_gib(c.metrics.headroom_bytes()), yours);
+      else
+        plan.choice_reason = fmt::format("the best found; {}", yours);
     }
     for (std::size_t i : ranked)
       if (i != *plan.chosen && plan.runners_up.size() < options.runners_up) plan.runners_up.push_back(i);

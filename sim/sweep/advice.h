@@ -128,8 +128,9 @@ struct PlanResult {
   std::optional<std::size_t> fastest;     // the fastest feasible row of the file's own setup
   std::optional<std::size_t> incumbent;   // the file's configuration (with the precision fixes) in sweep.rows
   // Why `chosen` was chosen: "fastest", "kept" (the file's configuration is within the
-  // margin of the fastest) or "simpler" (a simpler layout within the margin of the fastest);
-  // the sentence says it with the numbers.
+  // margin of the fastest), "headroom" (the fastest leaves less than kUnmodelledMemoryGib free,
+  // this one, within the margin, does) or "simpler" (a simpler layout within the margin of the
+  // fastest); the sentence says it with the numbers.
   std::string choice;
   std::string choice_reason;
   std::vector<std::string> setup_keys;    // swept setup keys (is_setup_key); empty: no comparison

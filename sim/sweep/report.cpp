@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/model_shape.h"
+#include "core/metrics.h"
 #include "core/plan.h"
 #include "core/report/format.h"
 #include "core/report/svg_kit.h"
@@ -836,12 +837,11 @@ std::string format_plan(const PlanResult& p) {
       o += fmt::format("  fastest     {}\n              {}\n", layout_text(f.point.config, f.num_microbatches),
                        figures_text(f));
     }
-    constexpr double kMarginGib = 2.0;  // what the simulator's headroom warning names
-    if (bytes_to_gib(c.metrics.headroom_bytes()) < kMarginGib && !sc.constraints.min_memory_headroom_gib)
+    if (bytes_to_gib(c.metrics.headroom_bytes()) < kUnmodelledMemoryGib && !sc.constraints.min_memory_headroom_gib)
       o += fmt::format("              note: only {:.1f} GiB stays free on the fullest GPU; the CUDA context and the "
                        "allocator typically take 0.5-2 GiB (set constraints: min_memory_headroom_gib: {:g} to keep a "
                        "margin)\n",
-                       bytes_to_gib(c.metrics.headroom_bytes()), kMarginGib);
+                       bytes_to_gib(c.metrics.headroom_bytes()), kUnmodelledMemoryGib);
     if (p.steps.empty()) {
       o += "\nthe configuration as written is kept unchanged.\n";
     } else {
