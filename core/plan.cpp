@@ -350,8 +350,9 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
       plan.warnings.push_back(fmt::format(
           "num_layers({}) does not divide into pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} model "
           "chunks: split {} (balanced by forward FLOPs, the output layer as {:.2f} of a layer on the last chunk, "
-          "the chunks with a layer fewer first, as Llama 3 split its 126 layers; Megatron-LM's "
-          "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers write such splits); "
+          "the chunks with a layer fewer first, as Llama 3 split its 126 layers; Megatron-Core runs any split "
+          "with --pipeline-model-parallel-layout, one whose first and last stages alone differ with "
+          "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers); "
           "parallelism.layers_per_stage sets another",
           m.num_layers, p, v, vstages, layer_split_text(split),
           shape.lm_head_forward_flops(1) / shape.layer_forward_flops(1)));
