@@ -336,7 +336,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                fmt::format("sums to {} layers but num_layers is {}", sum, m.num_layers));
     else
       plan.layers_per_virtual_stage = par.layers_per_stage;
-  } else if (std::vector<int> split = default_layers_per_virtual_stage(m, vstages); split.empty()) {
+  } else if (std::vector<int> split = default_layers_per_virtual_stage(m, p, v); split.empty()) {
     ck.error("model.num_layers",
              fmt::format("num_layers({}) cannot fill pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} "
                          "model chunks: split as evenly as they allow, a chunk other than the first and the last "
@@ -349,8 +349,9 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
       const ModelShape shape(m);
       plan.warnings.push_back(fmt::format(
           "num_layers({}) does not divide into pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} model "
-          "chunks: split {} (balanced by forward FLOPs, the output layer as {:.2f} of a layer on the last chunk, "
-          "the chunks with a layer fewer first, as Llama 3 split its 126 layers; Megatron-Core runs any split "
+          "chunks: split {} (balanced by forward FLOPs over the ranks, then over each rank's chunks, the output "
+          "layer as {:.2f} of a layer on the last chunk and those a layer short first, as Llama 3 split its 126 "
+          "layers; Megatron-Core runs any split "
           "with --pipeline-model-parallel-layout, one whose first and last stages alone differ with "
           "--decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers); "
           "parallelism.layers_per_stage sets another",
@@ -501,33 +502,79 @@ Plan Plan::from_config(const ScenarioConfig& config) {
   return from_scenario(sc);
 }
 
-std::vector<int> default_layers_per_virtual_stage(const ModelConfig& model, int chunks) {
-  const int layers = model.num_layers;
-  if (chunks < 1 || layers < 1) return {};
+namespace {
+// `layers` over mins.size() parts, part i holding at least mins[i], so that the costliest part is
+// cheapest, a part costing its layers and the last `extra` more; ties with the most layers on the
+// last part, the parts a layer short first. Given the last part's count n, the others hold the
+// rest with their costliest at max(their largest minimum, ceil(rest / others)), which a split
+// reaches; so the best split is the best n. Empty when the minimums exceed the layers.
+std::vector<int> balanced_split(int layers, const std::vector<int>& mins, double extra) {
+  const int parts = static_cast<int>(mins.size()), others = parts - 1;
+  const int others_min = std::accumulate(mins.begin(), mins.end() - 1, 0);
+  const int others_floor = others > 0 ? *std::max_element(mins.begin(), mins.end() - 1) : 0;
+  if (others_min + mins.back() > layers) return {};
+  if (others == 0) return {layers};
+  int last = mins.back(), level = 0;
+  double best = std::numeric_limits<double>::infinity();
+  for (int n = mins.back(); n <= layers - others_min; ++n) {
+    if (n + extra > best) break;  // the last part alone costs more from here on
+    const int most = std::max(others_floor, (layers - n + others - 1) / others);
+    const double cost = std::max(static_cast<double>(most), n + extra);
+    if (cost <= best) {  // ties: the most layers on the last part
+      best = cost;
+      last = n;
+      level = most;
+    }
+  }
+  // The others filled like water from their minimums: each holds max(its minimum, w) for the
+  // highest w the rest allows, and what is left goes a layer each to the latest of those at w
+  // (the short ones come first); none passes `level`.
+  const int rest = layers - last;
+  auto filled = [&](int w) {
+    int sum = 0;
+    for (int i = 0; i < others; ++i) sum += std::max(mins[static_cast<std::size_t>(i)], w);
+    return sum;
+  };
+  int w = 0;
+  while (w < level && filled(w + 1) <= rest) ++w;
+  std::vector<int> split(static_cast<std::size_t>(parts));
+  for (int i = 0; i < others; ++i) split[static_cast<std::size_t>(i)] = std::max(mins[static_cast<std::size_t>(i)], w);
+  split.back() = last;
+  int left = rest - filled(w);
+  for (int i = others - 1; i >= 0 && left > 0; --i)
+    if (split[static_cast<std::size_t>(i)] == w) {
+      ++split[static_cast<std::size_t>(i)];
+      --left;
+    }
+  return split;
+}
+}  // namespace
+
+std::vector<int> default_layers_per_virtual_stage(const ModelConfig& model, int stages, int virtual_stages) {
+  const int layers = model.num_layers, chunks = stages * virtual_stages;
+  if (stages < 1 || virtual_stages < 1 || layers < 1) return {};
   if (layers % chunks == 0) return std::vector<int>(static_cast<std::size_t>(chunks), layers / chunks);
   const ModelShape shape(model);
   const double layer = shape.layer_forward_flops(1);
   const double head = layer > 0 ? shape.lm_head_forward_flops(1) / layer : 0.0;  // in layers
-  // Given the last chunk's count, the costliest of the others holds ceil(rest / others) layers
-  // (and a split reaching that exists), so the best split is the best count for the last.
-  const int others = chunks - 1;
-  int last = 0;
-  double best = std::numeric_limits<double>::infinity();
-  for (int n = 0; n <= layers; ++n) {
-    if (n + head > best) break;  // the last chunk alone costs more from here on
-    const int rest = layers - n;
-    const double cost = std::max(static_cast<double>((rest + others - 1) / others), n + head);
-    if (cost <= best) {  // ties: the most layers on the last chunk
-      best = cost;
-      last = n;
-    }
+  // Every chunk holds a layer but the first (the embedding can stand alone) and the last (the
+  // output layer). A rank runs all its chunks for every micro-batch: the ranks are balanced
+  // first, then each rank's layers over its chunks (chunk j lives on rank j % stages), the output
+  // layer on the last rank's last chunk.
+  auto needs_layer = [&](int j) { return j != 0 && j != chunks - 1 ? 1 : 0; };
+  std::vector<int> rank_mins(static_cast<std::size_t>(stages));
+  for (int j = 0; j < chunks; ++j) rank_mins[static_cast<std::size_t>(j % stages)] += needs_layer(j);
+  const std::vector<int> ranks = balanced_split(layers, rank_mins, head);
+  if (ranks.empty()) return {};
+  std::vector<int> split(static_cast<std::size_t>(chunks));
+  for (int r = 0; r < stages; ++r) {
+    std::vector<int> chunk_mins(static_cast<std::size_t>(virtual_stages));
+    for (int v = 0; v < virtual_stages; ++v) chunk_mins[static_cast<std::size_t>(v)] = needs_layer(v * stages + r);
+    const std::vector<int> own =
+        balanced_split(ranks[static_cast<std::size_t>(r)], chunk_mins, r == stages - 1 ? head : 0.0);
+    for (int v = 0; v < virtual_stages; ++v)
+      split[static_cast<std::size_t>(v * stages + r)] = own[static_cast<std::size_t>(v)];
   }
-  const int rest = layers - last, fewer = rest / others, more = rest % others;
-  if (fewer == 0 && others - more > 1) return {};  // a middle chunk would hold no layer
-  std::vector<int> split;
-  split.reserve(static_cast<std::size_t>(chunks));
-  for (int i = 0; i < others; ++i) split.push_back(i < others - more ? fewer : fewer + 1);
-  split.push_back(last);
   return split;
 }
 

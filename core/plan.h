@@ -128,16 +128,18 @@ struct Plan {
   static Plan from_config(const ScenarioConfig& config);
 };
 
-// The layers of each of `chunks` virtual stages when the file gives no layers_per_stage (DESIGN.md:
-// "default: balanced"). Where the chunks divide the layers, the even split (Megatron-LM's default).
-// Otherwise the split that minimizes the costliest chunk's forward FLOPs, the output layer counted
-// on the last chunk (the embedding's lookup costs nothing) and ties taken with the most layers on
-// the last: for Llama 3 405B's 126 layers over 16 stages 7 + 14 x 8 + 7, which is Llama 3's own
-// (one layer fewer on the first and the last stage, Dubey et al. 2024 section 3.3.2), and over
-// 16 x 8 chunks 0 + 126 x 1 + 0. The chunks short of a layer are the first ones: a 1F1B
-// pipeline's earlier stages hold more micro-batches' activations. Empty when that would leave
-// a chunk other than the first and last with no layer.
-std::vector<int> default_layers_per_virtual_stage(const ModelConfig& model, int chunks);
+// The layers of each of the stages x virtual_stages model chunks (pipeline order: chunk j on
+// rank j % stages) when the file gives no layers_per_stage (DESIGN.md: "default: balanced").
+// Where the chunks divide the layers, the even split (Megatron-LM's default). Otherwise balanced
+// by forward FLOPs, the output layer counted on the last chunk and the embedding's lookup as
+// nothing: first the ranks (each runs all its chunks for every micro-batch), so that the
+// costliest is cheapest, ties with the most layers on the last, the ranks a layer short first
+// (a 1F1B pipeline's earlier stages hold more micro-batches' activations); then each rank's
+// layers over its chunks the same way; every chunk but the first and the last holding a layer.
+// Llama 3 405B's 126 layers over 16 stages: 7 + 14 x 8 + 7, Llama 3's own (one layer fewer on
+// the first and the last stage, Dubey et al. 2024, section 3.3.2); over 16 x 8 chunks 0 + 126 x
+// 1 + 0. Empty when the layers are fewer than the chunks less two.
+std::vector<int> default_layers_per_virtual_stage(const ModelConfig& model, int stages, int virtual_stages);
 // "7 + 14 x 8 + 7": a split with runs of equal counts folded.
 std::string layer_split_text(const std::vector<int>& layers);
 // ", layers 7 + 14 x 8 + 7" for a split whose chunks differ, "" for an even one: what a line

@@ -671,58 +671,122 @@ training:
             "fewer stages or give parallelism.layers_per_stage");
 }
 
-// The balanced split against every split there is (small sizes): the costliest chunk, the output
-// layer counted on the last, is the least any split reaches; then the most layers on the last
-// chunk, and the chunks short of a layer first.
-TEST(ScenarioInvariants, BalancedSplitIsTheBestOfEverySplit) {
+// The least cost of the costliest part over every split of `layers` with part i holding at least
+// mins[i], the last costing `extra` more (brute force): what a balanced split must reach.
+double least_max_cost(int layers, const std::vector<int>& mins, double extra) {
+  const int parts = static_cast<int>(mins.size());
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<int> split(static_cast<std::size_t>(parts));
+  std::function<void(int, int)> walk = [&](int i, int left) {
+    if (i + 1 == parts) {
+      if (left < mins.back()) return;
+      split.back() = left;
+      double c = 0;
+      for (int k = 0; k < parts; ++k) c = std::max(c, split[static_cast<std::size_t>(k)] + (k + 1 == parts ? extra : 0.0));
+      best = std::min(best, c);
+      return;
+    }
+    for (int n = mins[static_cast<std::size_t>(i)]; n <= left; ++n) {
+      split[static_cast<std::size_t>(i)] = n;
+      walk(i + 1, left - n);
+    }
+  };
+  walk(0, layers);
+  return best;
+}
+
+// How many of each rank's chunks must hold a layer: all but the pipeline's first and last.
+std::vector<int> middle_chunks_per_rank(int stages, int v) {
+  std::vector<int> mins(static_cast<std::size_t>(stages));
+  for (int j = 1; j + 1 < stages * v; ++j) ++mins[static_cast<std::size_t>(j % stages)];
+  return mins;
+}
+
+// The output layer's cost in layers of a small model with `vocab` tokens.
+ModelConfig small_model(int vocab, double* head) {
   ModelConfig m;
   m.hidden_size = 256;
   m.num_attention_heads = 4;
   m.seq_length = 512;
-  for (int vocab : {1000, 20000, 60000}) {  // the output layer at 0.07, 1.4 and 4.2 layers
-    m.vocab_size = vocab;
-    const ModelShape shape(m);
-    const double head = shape.lm_head_forward_flops(1) / shape.layer_forward_flops(1);
+  m.vocab_size = vocab;
+  const ModelShape shape(m);
+  *head = shape.lm_head_forward_flops(1) / shape.layer_forward_flops(1);
+  return m;
+}
+
+// One chunk per stage: the balanced split against every split there is (small sizes). The
+// costliest chunk, the output layer counted on the last, is the least any split reaches that
+// leaves no middle chunk empty; then the most layers on the last chunk, the short chunks first.
+TEST(ScenarioInvariants, BalancedSplitIsTheBestOfEverySplit) {
+  for (int vocab : {100, 1000, 5000}) {  // the output layer at 0.02, 0.2 and 1.2 layers
+    double head = 0;
+    ModelConfig m = small_model(vocab, &head);
     for (int layers = 1; layers <= 12; ++layers)
       for (int chunks = 1; chunks <= 6; ++chunks) {
         m.num_layers = layers;
-        SCOPED_TRACE(fmt::format("vocab {} layers {} chunks {}", vocab, layers, chunks));
-        const std::vector<int> got = default_layers_per_virtual_stage(m, chunks);
+        SCOPED_TRACE(fmt::format("head {:.2f} layers {} chunks {}", head, layers, chunks));
+        const std::vector<int> got = default_layers_per_virtual_stage(m, chunks, 1);
         if (layers % chunks == 0) {
           EXPECT_EQ(got, std::vector<int>(static_cast<std::size_t>(chunks), layers / chunks));
           continue;
         }
-        auto cost = [&](const std::vector<int>& split) {
-          double c = 0;
-          for (std::size_t i = 0; i < split.size(); ++i)
-            c = std::max(c, split[i] + (i + 1 == split.size() ? head : 0.0));
-          return c;
-        };
-        // Every composition of `layers` into `chunks` counts, by brute force.
-        double best = std::numeric_limits<double>::infinity();
-        std::vector<int> split(static_cast<std::size_t>(chunks));
-        std::function<void(int, int)> walk = [&](int i, int left) {
-          if (i + 1 == chunks) {
-            split[static_cast<std::size_t>(i)] = left;
-            best = std::min(best, cost(split));
-            return;
-          }
-          for (int n = 0; n <= left; ++n) {
-            split[static_cast<std::size_t>(i)] = n;
-            walk(i + 1, left - n);
-          }
-        };
-        walk(0, layers);
         // Refused exactly where no split fills every chunk but the first and the last.
         EXPECT_EQ(got.empty(), layers < chunks - 2);
         if (got.empty()) continue;
         ASSERT_EQ(got.size(), static_cast<std::size_t>(chunks));
         EXPECT_EQ(std::accumulate(got.begin(), got.end(), 0), layers);
-        EXPECT_DOUBLE_EQ(cost(got), best);
+        double cost = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) cost = std::max(cost, got[i] + (i + 1 == got.size() ? head : 0.0));
+        EXPECT_DOUBLE_EQ(cost, least_max_cost(layers, middle_chunks_per_rank(chunks, 1), head));
         for (std::size_t i = 1; i + 1 < got.size(); ++i) EXPECT_GE(got[i], 1) << "an empty middle chunk";
-        for (std::size_t i = 1; i + 1 < got.size(); ++i) EXPECT_GE(got[i], got[i - 1]) << "a short chunk after a long one";
+        for (std::size_t i = 2; i + 1 < got.size(); ++i) EXPECT_GE(got[i], got[i - 1]) << "a short chunk after a long one";
       }
   }
+}
+
+// Interleaved: the ranks balanced as above (each runs all its chunks for every micro-batch), then
+// each rank's layers over its chunks, the output layer on the last rank's last one; only the
+// pipeline's first and last chunk may be empty. An output layer worth several layers (a small
+// hidden size with a large vocabulary) is where those minimums bind.
+TEST(ScenarioInvariants, BalancedInterleavedSplitBalancesTheRanksThenTheirChunks) {
+  int split = 0;
+  for (int vocab : {100, 5000, 20000}) {  // 0.02, 1.2 and 4.9 layers
+    double head = 0;
+    ModelConfig m = small_model(vocab, &head);
+    for (int layers = 1; layers <= 14; ++layers)
+      for (int stages = 2; stages <= 4; ++stages)
+        for (int v = 2; v <= 3; ++v) {
+          m.num_layers = layers;
+          SCOPED_TRACE(fmt::format("head {:.2f} layers {} stages {} v {}", head, layers, stages, v));
+          const std::vector<int> got = default_layers_per_virtual_stage(m, stages, v);
+          if (layers % (stages * v) == 0) continue;
+          EXPECT_EQ(got.empty(), layers < stages * v - 2);
+          if (got.empty()) continue;
+          ++split;
+          ASSERT_EQ(got.size(), static_cast<std::size_t>(stages * v));
+          EXPECT_EQ(std::accumulate(got.begin(), got.end(), 0), layers);
+          std::vector<int> rank_layers(static_cast<std::size_t>(stages));
+          for (std::size_t j = 0; j < got.size(); ++j) rank_layers[j % stages] += got[j];
+          double rank_cost = 0;
+          for (int r = 0; r < stages; ++r)
+            rank_cost = std::max(rank_cost, rank_layers[static_cast<std::size_t>(r)] + (r + 1 == stages ? head : 0.0));
+          EXPECT_DOUBLE_EQ(rank_cost, least_max_cost(layers, middle_chunks_per_rank(stages, v), head));
+          for (int r = 0; r < stages; ++r) {
+            const double extra = r + 1 == stages ? head : 0.0;
+            std::vector<int> mins(static_cast<std::size_t>(v));
+            double chunk_cost = 0;
+            for (int k = 0; k < v; ++k) {
+              const int j = k * stages + r;
+              mins[static_cast<std::size_t>(k)] = j != 0 && j + 1 != stages * v ? 1 : 0;
+              chunk_cost = std::max(chunk_cost, got[static_cast<std::size_t>(j)] + (k + 1 == v ? extra : 0.0));
+            }
+            EXPECT_DOUBLE_EQ(chunk_cost, least_max_cost(rank_layers[static_cast<std::size_t>(r)], mins, extra))
+                << "rank " << r;
+          }
+          for (std::size_t j = 1; j + 1 < got.size(); ++j) EXPECT_GE(got[j], 1) << "an empty middle chunk";
+        }
+  }
+  EXPECT_GT(split, 120);  // 141: the loops above are not vacuous
 }
 
 // Llama 3 405B's own split (Dubey et al. 2024, section 3.3.2: one layer fewer on the first and the
@@ -732,11 +796,11 @@ TEST(ScenarioInvariants, BalancedSplitOfLlama3405BIsLlama3s) {
   const ModelConfig m =
       load_scenario_text("model: {preset: llama3-405b}\ncluster: {gpu: h100-80gb, num_gpus: 8}\n", "test.yaml").config.model;
   ASSERT_EQ(m.num_layers, 126);
-  const std::vector<int> stages = default_layers_per_virtual_stage(m, 16);
+  const std::vector<int> stages = default_layers_per_virtual_stage(m, 16, 1);
   EXPECT_EQ(layer_split_text(stages), "7 + 14 x 8 + 7");
   std::vector<int> chunks(128, 1);
   chunks.front() = chunks.back() = 0;
-  EXPECT_EQ(default_layers_per_virtual_stage(m, 128), chunks);
+  EXPECT_EQ(default_layers_per_virtual_stage(m, 16, 8), chunks);
   EXPECT_EQ(layer_split_text(chunks), "0 + 126 x 1 + 0");
   EXPECT_EQ(uneven_layers_text(std::vector<int>(16, 8)), "");
   EXPECT_EQ(uneven_layers_text(stages), ", layers 7 + 14 x 8 + 7");

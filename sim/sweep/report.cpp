@@ -772,9 +772,10 @@ namespace {
 std::string layout_text(const ScenarioConfig& c, int microbatches) {
   const auto& p = c.parallelism;
   // The layers of each chunk as the plan splits them (written, even, or balanced: Plan::from_config).
-  const int chunks = p.pipeline_parallel_size * std::max(1, p.virtual_pipeline_stages);
   const std::string layers = uneven_layers_text(
-      p.layers_per_stage.empty() ? default_layers_per_virtual_stage(c.model, chunks) : p.layers_per_stage);
+      p.layers_per_stage.empty()
+          ? default_layers_per_virtual_stage(c.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages))
+          : p.layers_per_stage);
   std::string s = fmt::format("{}{}, {}, ", parallel_sizes_text(p), layers, schedule_name(p.schedule));
   if (microbatches > 0)
     s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
