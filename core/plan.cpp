@@ -339,8 +339,8 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   } else if (std::vector<int> split = default_layers_per_virtual_stage(m, p, v); split.empty()) {
     ck.error("model.num_layers",
              fmt::format("num_layers({}) cannot fill pipeline_parallel_size({}) * virtual_pipeline_stages({}) = {} "
-                         "model chunks: split as evenly as they allow, a chunk other than the first and the last "
-                         "would hold no layer; use fewer stages or give parallelism.layers_per_stage",
+                         "model chunks: every chunk but the first and the last needs a layer; use fewer stages or "
+                         "give parallelism.layers_per_stage",
                          m.num_layers, p, v, vstages),
              // A preset's layer count: the stage counts written are what to change.
              {"parallelism.virtual_pipeline_stages", "parallelism.pipeline_parallel_size"});

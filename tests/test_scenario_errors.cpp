@@ -667,8 +667,8 @@ training:
   expect_at(ds[0], 7, 3, "model.num_layers");  // pipeline_parallel_size: 48 (40 layers)
   EXPECT_EQ(ds[0].message,
             "num_layers(40) cannot fill pipeline_parallel_size(48) * virtual_pipeline_stages(1) = 48 model chunks: "
-            "split as evenly as they allow, a chunk other than the first and the last would hold no layer; use "
-            "fewer stages or give parallelism.layers_per_stage");
+            "every chunk but the first and the last needs a layer; use fewer stages or give "
+            "parallelism.layers_per_stage");
 }
 
 // The least cost of the costliest part over every split of `layers` with part i holding at least
