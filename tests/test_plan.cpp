@@ -147,6 +147,35 @@ TEST(Plan, FragmentRoundTripsAndSimulatesToTheReportedFigures) {
   }
 }
 
+// A pipeline whose stages do not divide the layers: the plan's line and its scenario state the
+// split it derived, and the scenario simulates to the chosen row's figures.
+TEST(Plan, AnUnevenSplitIsShownAndWrittenOut) {
+  const Scenario sc = load_scenario_text(R"(
+name: uneven
+model: {num_layers: 30, hidden_size: 2048, num_attention_heads: 16, seq_length: 2048, vocab_size: 50304}
+cluster: {gpu: a100-80gb, num_gpus: 8}
+parallelism: {data_parallel_size: 2, pipeline_parallel_size: 4, schedule: 1f1b}
+training: {micro_batch_size: 1, global_batch_size: 32}
+precision: {compute: bf16, master_weights: fp32, grad_accumulation: fp32, allreduce: fp32}
+sweep:
+  parallelism.zero_stage: [0, 1]
+)",
+                                         "uneven.yaml");
+  const PlanResult p = make_plan(sc);
+  ASSERT_TRUE(p.chosen);
+  const SweepRow& chosen = p.sweep.rows[*p.chosen];
+  EXPECT_TRUE(chosen.point.config.parallelism.layers_per_stage.empty());
+  const std::vector<int> split = Plan::from_config(chosen.point.config).layers_per_virtual_stage;
+  ASSERT_EQ(split.size(), 4u);
+  EXPECT_FALSE(uneven_layers_text(split).empty());
+  EXPECT_NE(format_plan(p).find("pipeline 4 x tensor 1" + uneven_layers_text(split) + ", 1f1b"), std::string::npos)
+      << format_plan(p);
+  const Scenario loaded = load_scenario_text(scenario_fragment_yaml(p.fragment, "test"), "fragment.yaml");
+  EXPECT_EQ(loaded.config.parallelism.layers_per_stage, split);
+  const Prediction pred = predict(Plan::from_scenario(loaded));
+  EXPECT_NEAR(pred.result.step_time_s, chosen.metrics.step_time_s, 1e-12);
+}
+
 TEST(Plan, JsonReportsTheChosenFiguresAndTheFragment) {
   const PlanResult& p = default_plan();
   const auto j = nlohmann::json::parse(plan_to_json(p).dump());

@@ -390,7 +390,16 @@ std::vector<PlanStep> explain(const ScenarioConfig& original, const SweepRow& or
 
 // ---- the fragment ---------------------------------------------------------------------
 
-nlohmann::ordered_json scenario_fragment(const Scenario& original, const ScenarioConfig& chosen) {
+nlohmann::ordered_json scenario_fragment(const Scenario& original, const ScenarioConfig& config) {
+  // An uneven split the plan derived (default_layers_per_virtual_stage) is written out: the file
+  // says what runs, in the form a framework's own setting takes.
+  ScenarioConfig chosen = config;
+  auto& par = chosen.parallelism;
+  if (par.layers_per_stage.empty()) {
+    std::vector<int> split = default_layers_per_virtual_stage(chosen.model, par.pipeline_parallel_size,
+                                                              std::max(1, par.virtual_pipeline_stages));
+    if (!uneven_layers_text(split).empty()) par.layers_per_stage = std::move(split);
+  }
   std::set<std::string> keys(original.explicit_keys.begin(), original.explicit_keys.end());
   for (const auto& k : changed_keys(original.config, chosen)) keys.insert(k);
   nlohmann::ordered_json j = nlohmann::ordered_json::object();

@@ -161,7 +161,8 @@ void normalize_default_candidate(ScenarioConfig& config);
 PlanResult make_plan(const Scenario& scenario, const PlanOptions& options = {});
 
 // See PlanResult::fragment. Sections in the field table's order; `sweep:` and
-// `constraints:` are left out, so `trainsim simulate` runs exactly `chosen`.
+// `constraints:` are left out, so `trainsim simulate` runs exactly `chosen`; an uneven layer
+// split the plan derived is written out as parallelism.layers_per_stage.
 nlohmann::ordered_json scenario_fragment(const Scenario& original, const ScenarioConfig& chosen);
 // The same fragment as block YAML, with a comment header.
 std::string scenario_fragment_yaml(const nlohmann::ordered_json& fragment, const std::string& comment);
