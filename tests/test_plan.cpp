@@ -349,6 +349,10 @@ TEST(Plan, TheDefaultSpaceSplitsLongSequences) {
   EXPECT_EQ(cp_axis(c)->values.size(), 4u);
   c.model.seq_length = 16392;  // 8 x 2049: 16 chunks do not divide it
   EXPECT_EQ(cp_axis(c)->values.size(), 3u);
+  c.model.seq_length = 131072;  // Llama 3's 128K row: 16 ways, 8,192 tokens a GPU, as Meta split it
+  ways.clear();
+  for (const auto& v : cp_axis(c)->values) ways.push_back(format_field_value(v));
+  EXPECT_EQ(ways, (std::vector<std::string>{"1", "2", "4", "8", "16"}));
 
   ScenarioConfig tokens = c, heads = c;
   tokens.parallelism.context_parallel_size = 2;

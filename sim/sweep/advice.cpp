@@ -168,7 +168,8 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
   // Long sequences: the ways to split each one over GPUs (docs/sweep.md says from what length).
   if (c.model.seq_length >= kLongContextTokens) {
     std::vector<FieldValue> ways;
-    for (std::int64_t cp = 1; cp <= 8 && c.model.seq_length % (2 * cp) == 0; cp *= 2) ways.push_back(cp);
+    const std::int64_t most = std::max<std::int64_t>(8, c.model.seq_length / kContextTokensPerGpu);
+    for (std::int64_t cp = 1; cp <= most && c.model.seq_length % (2 * cp) == 0; cp *= 2) ways.push_back(cp);
     values("parallelism.context_parallel_size", std::move(ways));
   }
   values("training.activation_recompute", {text("none"), text("selective"), text("selective_op"), text("full")});

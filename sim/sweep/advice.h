@@ -147,9 +147,12 @@ struct PlanResult {
 // parallelism: auto, training.micro_batch_size: auto (when global_batch_size is set),
 // schedule x virtual_pipeline_stages {1, 2}, activation_recompute, zero_stage {0, 1, 2, 3},
 // sequence_parallel, communication.overlap_grad_reduce, and for sequences of kLongContextTokens
-// or more context_parallel_size {1, 2, 4, 8}. Hardware and model are not searched.
+// or more context_parallel_size {1, 2, 4, 8}, and beyond 8 the powers of two that leave each GPU
+// kContextTokensPerGpu tokens or more. Hardware and model are not searched.
 // From this length NeMo's long-context recipes split sequences (`llama3_8b_16k`: TP 4 x CP 2).
 inline constexpr int kLongContextTokens = 16384;
+// Llama 3 split its 131,072-token sequences over 16 GPUs, 8,192 a GPU (Dubey et al. 2024, Table 4).
+inline constexpr int kContextTokensPerGpu = 8192;
 std::vector<SweepAxis> default_search_space(const ScenarioConfig& config);
 // Folds the default space's meaningless combinations into one (applied to every candidate,
 // so duplicates are dropped): one schedule without a pipeline, virtual stages only with the
