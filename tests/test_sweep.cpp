@@ -483,6 +483,19 @@ TEST(SweepRun, IdenticalOutputWhateverTheThreadCount) {
   }
 }
 
+// A pipeline that splits its layers unevenly gets a layers column, the even ones say so; a sweep
+// of even splits has none.
+TEST(SweepRun, TheTableShowsAnUnevenLayerSplit) {
+  const SweepResult r = run_sweep(postmortem_with("sweep:\n  model.num_layers: [30, 32]\n"), SweepOptions{});
+  const std::string table = format_sweep_table(r, "t");
+  ASSERT_EQ(r.ranking.size(), 2u) << table;
+  EXPECT_NE(table.find(" layers "), std::string::npos) << table;
+  EXPECT_NE(table.find(" 7 + 2 x 8 + 7 "), std::string::npos) << table;
+  EXPECT_NE(table.find(" even "), std::string::npos) << table;
+  const SweepResult even = run_sweep(postmortem_with("sweep:\n  model.num_layers: [28, 32]\n"), SweepOptions{});
+  EXPECT_EQ(format_sweep_table(even, "t").find(" layers "), std::string::npos);
+}
+
 // A sweep worker evaluates its rows a few at a time (evaluate_rows, simulated ones
 // batched in the Predictor): the same rows, every field the reports write, as
 // evaluate_configuration one by one, with invalid, out-of-memory and constrained rows among them.

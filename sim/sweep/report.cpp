@@ -20,6 +20,19 @@
 namespace trainsim {
 
 namespace {
+// The layers of each chunk as the plan splits them (written, even, or balanced:
+// Plan::from_config), "7 + 14 x 8 + 7" where they differ, "" where the split is even.
+std::string layers_text(const ScenarioConfig& c) {
+  const auto& p = c.parallelism;
+  const std::vector<int> split =
+      p.layers_per_stage.empty()
+          ? default_layers_per_virtual_stage(c.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages))
+          : p.layers_per_stage;
+  return uneven_layers_text(split).empty() ? "" : layer_split_text(split);
+}
+}  // namespace
+
+namespace {
 
 double r6(double x) { return round6(x); }
 double gib(double bytes) { return round6(bytes_to_gib(bytes)); }
@@ -201,11 +214,17 @@ std::string format_sweep_table(const SweepResult& s, const std::string& title, s
   head.insert(head.end(), metric_head.begin(), metric_head.end());
   std::vector<std::vector<std::string>> cells;
   const std::size_t shown = std::min(top, s.ranking.size());
+  // A layers column where a shown row's pipeline splits its layers unevenly ("7 + 14 x 8 + 7").
+  std::vector<std::string> splits(shown);
+  for (std::size_t r = 0; r < shown; ++r) splits[r] = layers_text(s.rows[s.ranking[r]].point.config);
+  const bool uneven = std::any_of(splits.begin(), splits.end(), [](const std::string& t) { return !t.empty(); });
+  if (uneven) head.insert(head.begin() + 1 + static_cast<std::ptrdiff_t>(s.keys.size()), "layers");
   for (std::size_t r = 0; r < shown; ++r) {
     const SweepRow& row = s.rows[s.ranking[r]];
     std::vector<std::string> c{fmt::format("{}{}{}", r + 1, on_front(s, s.ranking[r]) ? "*" : "",
                                            precision_issues(row.point.config).empty() ? "" : "!")};
     for (const auto& [k, v] : row.point.values) c.push_back(format_field_value(v));
+    if (uneven) c.push_back(splits[r].empty() ? "even" : splits[r]);
     const SweepMetrics& m = row.metrics;
     c.push_back(std::to_string(row.num_microbatches));
     c.push_back(human_count(m.tokens_per_s));
@@ -771,12 +790,9 @@ namespace {
 
 std::string layout_text(const ScenarioConfig& c, int microbatches) {
   const auto& p = c.parallelism;
-  // The layers of each chunk as the plan splits them (written, even, or balanced: Plan::from_config).
-  const std::string layers = uneven_layers_text(
-      p.layers_per_stage.empty()
-          ? default_layers_per_virtual_stage(c.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages))
-          : p.layers_per_stage);
-  std::string s = fmt::format("{}{}, {}, ", parallel_sizes_text(p), layers, schedule_name(p.schedule));
+  const std::string layers = layers_text(c);
+  std::string s = fmt::format("{}{}, {}, ", parallel_sizes_text(p), layers.empty() ? "" : ", layers " + layers,
+                              schedule_name(p.schedule));
   if (microbatches > 0)
     s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
   else s += fmt::format("micro-batch size {}", c.training.micro_batch_size);
