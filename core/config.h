@@ -156,6 +156,9 @@ struct ParallelismConfig {
   int context_parallel_size = 1;
   ContextParallelComm context_parallel_comm = ContextParallelComm::auto_select;
   int virtual_pipeline_stages = 1;
+  // Interleaved 1F1B: micro-batches a model chunk runs before the next (Megatron-Core's
+  // --microbatch-group-size-per-virtual-pipeline-stage); 0: pipeline_parallel_size.
+  int microbatch_group_size = 0;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   std::vector<int> layers_per_stage;  // empty: balanced
   int zero_stage = 0;

@@ -364,6 +364,11 @@ std::vector<FieldSpec> make_fields() {
                      "p2p); auto: p2p under framework megatron, all_gather otherwise"));
   t.push_back(integer("parallelism.virtual_pipeline_stages", FIELD(parallelism.virtual_pipeline_stages), 1, 1024,
                       "", "Model chunks per pipeline rank v (interleaved-1f1b)"));
+  t.push_back(integer("parallelism.microbatch_group_size", FIELD(parallelism.microbatch_group_size), 0, 1 << 20, "",
+                      "interleaved-1f1b: micro-batches each model chunk runs before the next, from p to the "
+                      "micro-batches per replica (Megatron-Core's --microbatch-group-size-per-virtual-pipeline-"
+                      "stage); 0: pipeline_parallel_size",
+                      "0 (pipeline_parallel_size)"));
   t.push_back(choice("parallelism.schedule", FIELD(parallelism.schedule),
                      {{"gpipe", ScheduleKind::gpipe},
                       {"1f1b", ScheduleKind::one_f_one_b},

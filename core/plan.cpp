@@ -376,11 +376,27 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
              fmt::format("global_batch_size({}) is not divisible by micro_batch_size({}) * data_parallel_size({}) = {}",
                          gb, b, d, per_step));
   const int mb = static_cast<int>(gb / per_step);
-  if (interleaved && mb % p != 0)
+  // Megatron-Core's rule for its groups of n micro-batches (forward_backward_pipelining_with_
+  // interleaving): p <= n <= m, and a last group of fewer than n at least p (else the pipeline
+  // waits on its own dependencies). With n = p that is m a multiple of p.
+  const int group = par.microbatch_group_size > 0 ? par.microbatch_group_size : p;
+  plan.microbatch_group = group;
+  if (interleaved && par.microbatch_group_size <= 0 && mb % p != 0)
     ck.error("training.global_batch_size",
              fmt::format("interleaved-1f1b needs micro-batches per replica ({}) to be a multiple of "
-                         "pipeline_parallel_size({})",
+                         "pipeline_parallel_size({}), or parallelism.microbatch_group_size set so that they divide "
+                         "into its groups",
                          mb, p));
+  else if (interleaved && (group < p || group > mb))
+    ck.error("parallelism.microbatch_group_size",
+             fmt::format("microbatch_group_size({}) must lie between pipeline_parallel_size({}) and the micro-batches "
+                         "per replica ({})",
+                         group, p, mb));
+  else if (interleaved && mb % group != 0 && mb % group < p)
+    ck.error("parallelism.microbatch_group_size",
+             fmt::format("micro-batches per replica ({}) leave a last group of {} after groups of "
+                         "microbatch_group_size({}): fewer than pipeline_parallel_size({}), which stalls the pipeline",
+                         mb, mb % group, group, p));
   if (p > 1 && mb < p)
     plan.warnings.push_back(fmt::format(
         "only {} micro-batches for {} pipeline stages: at least {:.0f}% of every step is pipeline bubble "

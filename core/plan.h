@@ -27,6 +27,9 @@ struct Plan {
   // Layers of each virtual stage (model chunk), pp * vpp entries in pipeline order. Virtual
   // stage c lives on pipeline rank c % pp as its chunk c / pp (Megatron's interleaving).
   std::vector<int> layers_per_virtual_stage;
+  // Interleaved 1F1B: micro-batches each model chunk runs before the next (Megatron-Core's
+  // microbatch_group_size_per_vp_stage, n): parallelism.microbatch_group_size, p unless set.
+  int microbatch_group = 1;
   std::vector<std::string> warnings;
   // parallelism.framework with `auto` resolved: whose data-parallel sharding is simulated.
   Framework framework = Framework::megatron;

@@ -89,26 +89,36 @@ void one_f_one_b_order(int s, int p, int m, std::vector<Task>& t) {
   for (int i = m - warmup; i < m; ++i) t.push_back({OpKind::Backward, 0, i});
 }
 
-// Interleaved 1F1B (Narayanan et al. 2021): forwards visit chunks in groups of p micro-batches;
-// backwards visit chunks in reverse; stage s warms up with (v-1) p + 2 (p-s-1) forwards.
-// Megatron-LM runs every forward first when m == p (`all_warmup_microbatches` in
-// schedules.py); PyTorch's ScheduleInterleaved1F1B (torch.distributed.pipelining, what
-// torchtitan runs) keeps the rule there too (`get_rank_warmup_ops`).
-void interleaved_order(int s, int p, int m, int v, bool all_warmup_when_m_is_p, std::vector<Task>& t) {
+// Interleaved 1F1B (Narayanan et al. 2021): forwards visit chunks in groups of n micro-batches
+// (Megatron-Core's microbatch_group_size_per_vp_stage, p unless set; `get_schedule_table`: the
+// last group holds what is left), every chunk of a group before the next group; backwards visit
+// the same order with the chunks reversed. Stage s warms up with (v-1) n + 2 (p-s-1) forwards.
+// Megatron-LM runs every forward first when m == p (`all_warmup_microbatches` in schedules.py
+// until Megatron-Core's tunable schedule of November 2024); PyTorch's ScheduleInterleaved1F1B
+// (torch.distributed.pipelining, what torchtitan runs) keeps the rule there too
+// (`get_rank_warmup_ops`).
+void interleaved_order(int s, int p, int m, int v, int n, bool all_warmup_when_m_is_p, std::vector<Task>& t) {
   const int total = m * v;
-  int warmup = (m == p && all_warmup_when_m_is_p) ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * p);
-  auto chunk_of = [&](int k, bool forward) {
-    int c = (k % (p * v)) / p;
-    return forward ? c : v - 1 - c;
+  int warmup = (m == p && all_warmup_when_m_is_p) ? total : std::min(total, (p - s - 1) * 2 + (v - 1) * n);
+  // The k-th task's (chunk, micro-batch) in forward order: (m-1)/n groups of n micro-batches,
+  // then the last group, whatever remains (1 to n), each group's micro-batches chunk by chunk.
+  const int full = (m - 1) / n;
+  auto at = [&](int k) {
+    const int group = std::min(k / (n * v), full);
+    const int first = group * n, size = group < full ? n : m - first;
+    const int within = k - first * v;
+    return std::pair(within / size, first + within % size);
   };
-  auto microbatch_of = [&](int k) { return (k / (p * v)) * p + k % p; };
-  for (int k = 0; k < warmup; ++k) t.push_back({OpKind::Forward, chunk_of(k, true), microbatch_of(k)});
+  auto push = [&](OpKind kind, int k) {
+    const auto [chunk, mb] = at(k);
+    t.push_back({kind, kind == OpKind::Forward ? chunk : v - 1 - chunk, mb});
+  };
+  for (int k = 0; k < warmup; ++k) push(OpKind::Forward, k);
   for (int k = 0; k < total - warmup; ++k) {
-    const int f = k + warmup;
-    t.push_back({OpKind::Forward, chunk_of(f, true), microbatch_of(f)});
-    t.push_back({OpKind::Backward, chunk_of(k, false), microbatch_of(k)});
+    push(OpKind::Forward, k + warmup);
+    push(OpKind::Backward, k);
   }
-  for (int k = total - warmup; k < total; ++k) t.push_back({OpKind::Backward, chunk_of(k, false), microbatch_of(k)});
+  for (int k = total - warmup; k < total; ++k) push(OpKind::Backward, k);
 }
 
 // ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B (input gradient) and W
@@ -134,12 +144,12 @@ void zb_h1_order(int s, int p, int m, std::vector<Task>& t) {
 
 // Into `t` (cleared first; its storage reused rank after rank). `framework` says whose
 // interleaved schedule runs (FSDP: PyTorch's pipelining; otherwise Megatron-LM's).
-void pipeline_order(ScheduleKind kind, Framework framework, int s, int p, int m, int v, std::vector<Task>& t) {
+void pipeline_order(ScheduleKind kind, Framework framework, int s, int p, int m, int v, int n, std::vector<Task>& t) {
   t.clear();
   switch (kind) {
     case ScheduleKind::gpipe: return gpipe_order(m, t);
     case ScheduleKind::one_f_one_b: return one_f_one_b_order(s, p, m, t);
-    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v, framework != Framework::fsdp, t);
+    case ScheduleKind::interleaved_1f1b: return interleaved_order(s, p, m, v, n, framework != Framework::fsdp, t);
     case ScheduleKind::zb_h1: return zb_h1_order(s, p, m, t);
   }
 }
@@ -329,7 +339,7 @@ class Builder {
     auto& ops = prog.ops;
     ops.clear();
     std::vector<Task>& tasks = tasks_;
-    pipeline_order(plan_.config.parallelism.schedule, plan_.framework, s, p, m_, v, tasks);
+    pipeline_order(plan_.config.parallelism.schedule, plan_.framework, s, p, m_, v, plan_.microbatch_group, tasks);
     const bool overlap = plan_.config.communication.overlap_grad_reduce;
 
     // The task that completes each chunk's gradients: its last B (or W when split).

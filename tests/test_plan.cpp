@@ -361,6 +361,24 @@ TEST(Plan, TheDefaultSpaceSplitsLongSequences) {
   EXPECT_LT(layout_complexity(c), layout_complexity(tokens));
 }
 
+// Interleaving with micro-batches that are not a multiple of the stages runs in Megatron-Core's
+// smallest valid groups; a multiple of the stages keeps the default.
+TEST(Plan, TheDefaultSpaceInterleavesAnyMicroBatchesInValidGroups) {
+  ScenarioConfig c = testing::small_config(4, 6, ScheduleKind::interleaved_1f1b, 2);
+  normalize_default_candidate(c);
+  EXPECT_EQ(c.parallelism.microbatch_group_size, 6);  // 4 and 5 leave a last group of 2 and 1
+  EXPECT_NO_THROW(Plan::from_config(c));
+  c = testing::small_config(4, 10, ScheduleKind::interleaved_1f1b, 2);
+  normalize_default_candidate(c);
+  EXPECT_EQ(c.parallelism.microbatch_group_size, 5);  // 10 = 2 x 5
+  c = testing::small_config(4, 8, ScheduleKind::interleaved_1f1b, 2);
+  normalize_default_candidate(c);
+  EXPECT_EQ(c.parallelism.microbatch_group_size, 0);
+  c = testing::small_config(4, 3, ScheduleKind::interleaved_1f1b, 2);  // fewer than the stages: none runs
+  normalize_default_candidate(c);
+  EXPECT_EQ(c.parallelism.microbatch_group_size, 0);
+}
+
 // The default space's selective recompute is the framework's own: Megatron-LM (and DeepSpeed on
 // it) recompute the attention core, PyTorch-native FSDP code (torchtitan) runs its op-level policy.
 TEST(Plan, TheDefaultSpacesSelectiveRecomputeIsTheFrameworks) {

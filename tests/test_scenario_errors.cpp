@@ -19,6 +19,7 @@
 #include "core/plan.h"
 #include "core/presets.h"
 #include "core/scenario.h"
+#include "tests/test_helpers.h"
 
 namespace trainsim {
 namespace {
@@ -1084,7 +1085,43 @@ training:
   expect_at(ds[0], 16, 3, "training.global_batch_size");
   // 12 / (1 * 2) = 6 micro-batches per replica
   EXPECT_EQ(ds[0].message,
-            "interleaved-1f1b needs micro-batches per replica (6) to be a multiple of pipeline_parallel_size(4)");
+            "interleaved-1f1b needs micro-batches per replica (6) to be a multiple of pipeline_parallel_size(4), or "
+            "parallelism.microbatch_group_size set so that they divide into its groups");
+}
+
+// Megatron-Core's groups of n micro-batches a chunk: p <= n <= m, a short last group at least p.
+TEST(ScenarioInvariants, InterleavedMicroBatchGroupsFollowMegatronCoresRule) {
+  ScenarioConfig c = testing::small_config(4, 6, ScheduleKind::interleaved_1f1b, 2);
+  auto errors = [&](int n) {
+    c.parallelism.microbatch_group_size = n;
+    try {
+      Plan::from_config(c);
+    } catch (const ScenarioError& e) {
+      return e.diagnostics();
+    }
+    return std::vector<Diagnostic>{};
+  };
+  EXPECT_TRUE(errors(6).empty());  // one group of all six: 6 % 6 == 0
+  EXPECT_EQ(Plan::from_config(c).microbatch_group, 6);
+  for (int n : {3, 7}) {
+    const auto ds = errors(n);
+    ASSERT_EQ(ds.size(), 1u) << n;
+    EXPECT_EQ(ds[0].key_path, "parallelism.microbatch_group_size");
+    EXPECT_EQ(ds[0].message, fmt::format("microbatch_group_size({}) must lie between pipeline_parallel_size(4) and "
+                                         "the micro-batches per replica (6)",
+                                         n));
+  }
+  for (int n : {4, 5}) {  // a last group of 2 or 1 after a group of 4 or 5
+    const auto ds = errors(n);
+    ASSERT_EQ(ds.size(), 1u) << n;
+    EXPECT_EQ(ds[0].message, fmt::format("micro-batches per replica (6) leave a last group of {} after groups of "
+                                         "microbatch_group_size({}): fewer than pipeline_parallel_size(4), which "
+                                         "stalls the pipeline",
+                                         6 % n, n));
+  }
+  c.parallelism.schedule = ScheduleKind::one_f_one_b;  // the key means nothing elsewhere
+  c.parallelism.virtual_pipeline_stages = 1;
+  EXPECT_TRUE(errors(3).empty()) << dump(errors(3));
 }
 
 TEST(ScenarioInvariants, InterleavedWithEnoughMicroBatchesIsAccepted) {

@@ -174,6 +174,58 @@ TEST(Interleaved, WithMicroBatchesAsStagesMegatronWarmsUpEverythingPyTorchDoesNo
   }
 }
 
+// Groups of n micro-batches a chunk (parallelism.microbatch_group_size): each rank's forwards
+// and backwards in Megatron-Core's order (`get_schedule_table`, written out here from its
+// definition: for each group start g = 0, n, 2n, ..., the last group g + n >= m taking what
+// remains; within a group every chunk in turn over its micro-batches; backwards the same with
+// the chunks reversed) and its warm-up, (v-1) n + 2 (p-s-1) forwards; n = p is the schedule
+// without the key.
+TEST(Interleaved, GroupsOfMicroBatchesRunInMegatronsTableOrder) {
+  struct G {
+    int p, v, m, n;
+  };
+  for (const G g : {G{2, 2, 8, 3}, G{2, 3, 8, 8}, G{4, 2, 8, 4}, G{4, 2, 6, 6}, G{4, 2, 12, 4}, G{4, 3, 10, 6},
+                    G{2, 2, 7, 5}}) {
+    SCOPED_TRACE(fmt::format("p {} v {} m {} n {}", g.p, g.v, g.m, g.n));
+    ScenarioConfig c = small_config(g.p, g.m, ScheduleKind::interleaved_1f1b, g.v);
+    c.parallelism.microbatch_group_size = g.n;
+    const Plan plan = Plan::from_config(c);
+    std::vector<std::pair<int, int>> table;  // (chunk, micro-batch) in forward order
+    for (int first = 0; first < g.m; first += g.n) {
+      const int end = first + g.n >= g.m ? g.m : first + g.n;
+      for (int chunk = 0; chunk < g.v; ++chunk)
+        for (int mb = first; mb < end; ++mb) table.emplace_back(chunk, mb);
+      if (end == g.m) break;
+    }
+    ASSERT_EQ(table.size(), static_cast<std::size_t>(g.m * g.v));
+    const Schedule sched = build_schedule(plan);
+    for (const RankProgram& prog : sched.ranks) {
+      const int s = plan.stage_of(prog.rank);
+      std::vector<std::pair<int, int>> forwards, backwards;
+      int before_first_backward = -1;  // the warm-up, then the steady state's first forward
+      for (const Op& op : prog.ops) {
+        if (op.kind == OpKind::Forward) forwards.emplace_back(op.chunk / g.p, op.microbatch);
+        if (op.kind == OpKind::Backward) {
+          if (before_first_backward < 0) before_first_backward = static_cast<int>(forwards.size());
+          backwards.emplace_back(g.v - 1 - op.chunk / g.p, op.microbatch);
+        }
+      }
+      EXPECT_EQ(forwards, table) << "stage " << s;
+      EXPECT_EQ(backwards, table) << "stage " << s;
+      const int total = g.m * g.v;
+      const bool all_first = g.m == g.p;  // Megatron-LM's rule then (the framework here)
+      EXPECT_EQ(before_first_backward, all_first ? total : std::min(total, (g.v - 1) * g.n + 2 * (g.p - s - 1) + 1))
+          << "stage " << s;
+    }
+    if (g.n == g.p && g.m % g.p == 0) {  // the key at its default builds the same programs
+      c.parallelism.microbatch_group_size = 0;
+      const Schedule plain = build_schedule(Plan::from_config(c));
+      ASSERT_EQ(plain.ranks.size(), sched.ranks.size());
+      for (std::size_t r = 0; r < sched.ranks.size(); ++r) EXPECT_EQ(plain.ranks[r].ops.size(), sched.ranks[r].ops.size());
+    }
+  }
+}
+
 // Every schedule, with and without data parallelism, ZeRO and overlap, is structurally
 // sound: each receive has its send, each collective its members, deps point backwards;
 // and every rank runs each (chunk, micro-batch) forward and backward exactly once.

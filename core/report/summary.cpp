@@ -86,9 +86,12 @@ std::string format_summary(const Plan& plan, const Result& res) {
                      c.cluster.gpu.empty() ? "custom" : c.cluster.gpu, nodes, nodes > 1 ? "s" : "",
                      c.cluster.gpus_per_node, c.cluster.memory_gib);
   o += fmt::format(
-      "  plan     {}{}, {} schedule, {} micro-batches of {} per replica (global batch {}), ZeRO {}, recompute {}\n",
+      "  plan     {}{}, {} schedule{}, {} micro-batches of {} per replica (global batch {}), ZeRO {}, recompute {}\n",
       parallel_sizes_text(c.parallelism), uneven_layers_text(plan.layers_per_virtual_stage),
       schedule_name(c.parallelism.schedule),
+      plan.vpp > 1 && plan.microbatch_group != plan.pp
+          ? fmt::format(" in groups of {} micro-batches", plan.microbatch_group)
+          : std::string(),
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
       recompute_name(c.training.activation_recompute));
   o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);

@@ -791,8 +791,11 @@ namespace {
 std::string layout_text(const ScenarioConfig& c, int microbatches) {
   const auto& p = c.parallelism;
   const std::string layers = layers_text(c);
-  std::string s = fmt::format("{}{}, {}, ", parallel_sizes_text(p), layers.empty() ? "" : ", layers " + layers,
-                              schedule_name(p.schedule));
+  const bool groups = p.schedule == ScheduleKind::interleaved_1f1b && p.microbatch_group_size > 0 &&
+                     p.microbatch_group_size != p.pipeline_parallel_size;
+  std::string s = fmt::format("{}{}, {}{}, ", parallel_sizes_text(p), layers.empty() ? "" : ", layers " + layers,
+                              schedule_name(p.schedule),
+                              groups ? fmt::format(" in groups of {} micro-batches", p.microbatch_group_size) : "");
   if (microbatches > 0)
     s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
   else s += fmt::format("micro-batch size {}", c.training.micro_batch_size);

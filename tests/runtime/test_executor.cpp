@@ -96,6 +96,28 @@ TEST(Executor, HybridParallelismMatchesOneRankInFp32) {
   }
 }
 
+// Interleaving in groups of n micro-batches a chunk (Megatron-Core's
+// microbatch_group_size_per_vp_stage), micro-batches that are not a multiple of the stages
+// among them, trains the one-rank model to FP32 rounding as the default groups do.
+TEST(Executor, InterleavedGroupsOfMicroBatchesMatchOneRankInFp32) {
+  struct G {
+    int dp, pp, n, global_batch;
+  };
+  for (const G g : {G{1, 2, 3, 8}, G{1, 2, 8, 8}, G{2, 2, 4, 8}, G{1, 4, 8, 8}, G{1, 4, 6, 6}}) {
+    SCOPED_TRACE(::testing::Message() << "dp " << g.dp << " pp " << g.pp << " n " << g.n << " batch " << g.global_batch);
+    ScenarioConfig one = small_config(1, 1, ScheduleKind::one_f_one_b);
+    one.training.global_batch_size = g.global_batch;
+    const RunReport reference = run(one);
+    ASSERT_FALSE(reference.failure) << reference.failure->message;
+    ScenarioConfig c = small_config(g.dp, g.pp, ScheduleKind::interleaved_1f1b, 2);
+    c.training.global_batch_size = g.global_batch;
+    c.parallelism.microbatch_group_size = g.n;
+    const RunReport r = run(c);
+    EXPECT_EQ(r.runtime_plan.plan.microbatch_group, g.n);
+    expect_trains_like(r, reference, 2e-5);
+  }
+}
+
 // Tensor parallelism (and sequence parallelism) is exact too: every dp x pp x tp layout up to 2
 // each, under every schedule, trains the one-rank model to FP32 rounding. The shards' sums run in
 // another order than one rank's (the row-parallel products' partial sums, the cross-entropy's
