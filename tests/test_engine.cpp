@@ -347,7 +347,7 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     std::uniform_int_distribution<std::size_t> u(0, xs.size() - 1);
     return *(xs.begin() + u(rng));
   };
-  int simulated = 0, with_context_parallelism = 0, with_tp_overlap = 0;
+  int simulated = 0, with_context_parallelism = 0, with_tp_overlap = 0, with_groups = 0;
   for (int trial = 0; trial < 300; ++trial) {
     const auto kind = static_cast<ScheduleKind>(pick({0, 1, 2, 3}));
     const int p = pick({1, 2, 4, 8}), d = pick({1, 2, 3}), t = pick({1, 2}), v = kind == ScheduleKind::interleaved_1f1b ? pick({2, 3}) : 1;
@@ -390,10 +390,12 @@ TEST(Engine, RandomValidPlansSimulateSoundly) {
     ++simulated;
     with_context_parallelism += c.parallelism.context_parallel_size > 1;
     with_tp_overlap += c.communication.tp_comm_overlap;
+    with_groups += c.parallelism.microbatch_group_size > 0;
   }
   EXPECT_GT(simulated, 200);
   EXPECT_GT(with_context_parallelism, 30);  // the draw reaches context parallelism too
   EXPECT_GT(with_tp_overlap, 10);           // and the tensor-parallel overlap
+  EXPECT_GT(with_groups, 10);               // and interleaving in groups of micro-batches
 }
 
 }  // namespace
