@@ -450,6 +450,11 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   const int zs = par.zero_stage;
   Framework fw = par.framework;
   if (fw == Framework::auto_select) fw = zs >= 2 ? Framework::deepspeed : Framework::megatron;
+  if (fw == Framework::fsdp && interleaved && par.microbatch_group_size > 0 && par.microbatch_group_size != p)
+    ck.error("parallelism.microbatch_group_size",
+             fmt::format("microbatch_group_size({}) is Megatron-Core's; PyTorch's interleaved schedule (framework "
+                         "fsdp) runs groups of pipeline_parallel_size({})",
+                         par.microbatch_group_size, p));
   const bool named = par.framework != Framework::auto_select;
   if (fw == Framework::deepspeed && zs >= 2 && p > 1)
     ck.error("parallelism.zero_stage",

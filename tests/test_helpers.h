@@ -80,8 +80,10 @@ void draw_settings(ScenarioConfig& c, int p, int d, int t, int m, Pick&& pick, b
     c.communication.tp_comm_overlap = true;
     c.communication.tp_comm_overlap_reduce_scatter = static_cast<TpOverlapReduceScatter>(pick({0, 1}));
   }
-  // Interleaving over one group of all m micro-batches a chunk (always a valid group size > p).
-  if (c.parallelism.schedule == ScheduleKind::interleaved_1f1b && m > p && pick({0, 1}))
+  // Interleaving over one group of all m micro-batches a chunk (always a valid group size > p;
+  // Megatron-Core's, not PyTorch's).
+  if (c.parallelism.schedule == ScheduleKind::interleaved_1f1b && c.parallelism.framework != Framework::fsdp &&
+      m > p && pick({0, 1}))
     c.parallelism.microbatch_group_size = m;
 }
 

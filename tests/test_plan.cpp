@@ -377,6 +377,10 @@ TEST(Plan, TheDefaultSpaceInterleavesAnyMicroBatchesInValidGroups) {
   c = testing::small_config(4, 3, ScheduleKind::interleaved_1f1b, 2);  // fewer than the stages: none runs
   normalize_default_candidate(c);
   EXPECT_EQ(c.parallelism.microbatch_group_size, 0);
+  c = testing::small_config(4, 6, ScheduleKind::interleaved_1f1b, 2);  // PyTorch's schedule has no groups
+  c.parallelism.framework = Framework::fsdp;
+  normalize_default_candidate(c);
+  EXPECT_EQ(c.parallelism.microbatch_group_size, 0);
 }
 
 // The default space's selective recompute is the framework's own: Megatron-LM (and DeepSpeed on

@@ -1119,6 +1119,14 @@ TEST(ScenarioInvariants, InterleavedMicroBatchGroupsFollowMegatronCoresRule) {
                                          "stalls the pipeline",
                                          6 % n, n));
   }
+  c.parallelism.framework = Framework::fsdp;  // PyTorch's schedule has no such groups
+  {
+    const auto ds = errors(6);
+    ASSERT_EQ(ds.size(), 1u);
+    EXPECT_EQ(ds[0].message, "microbatch_group_size(6) is Megatron-Core's; PyTorch's interleaved schedule (framework "
+                             "fsdp) runs groups of pipeline_parallel_size(4)");
+  }
+  c.parallelism.framework = Framework::auto_select;
   c.parallelism.schedule = ScheduleKind::one_f_one_b;  // the key means nothing elsewhere
   c.parallelism.virtual_pipeline_stages = 1;
   EXPECT_TRUE(errors(3).empty()) << dump(errors(3));

@@ -183,21 +183,6 @@ void normalize_default_candidate(ScenarioConfig& c) {
   if (p.pipeline_parallel_size == 1) p.schedule = ScheduleKind::one_f_one_b;  // all schedules are one without stages
   if (p.schedule != ScheduleKind::interleaved_1f1b) p.virtual_pipeline_stages = 1;
   else if (p.virtual_pipeline_stages < 2) p.virtual_pipeline_stages = 2;
-  // Interleaving with micro-batches that are not a multiple of the stages: Megatron-Core's
-  // smallest group of micro-batches a chunk that runs them (Plan::from_config states the rule).
-  if (p.schedule == ScheduleKind::interleaved_1f1b && p.microbatch_group_size == 0) {
-    const long long per = static_cast<long long>(c.training.micro_batch_size) * p.data_parallel_size;
-    const long long gb = c.training.global_batch_size;
-    const int stages = p.pipeline_parallel_size;
-    if (per > 0 && gb > 0 && gb % per == 0 && stages > 0 && (gb / per) % stages != 0) {
-      const int m = static_cast<int>(gb / per);
-      for (int n = stages; n <= m; ++n)
-        if (m % n == 0 || m % n >= stages) {
-          p.microbatch_group_size = n;
-          break;
-        }
-    }
-  }
   if (p.tensor_parallel_size == 1) p.sequence_parallel = false;
   // Transformer Engine's userbuffers overlap sequence parallelism's collectives inside a node: a
   // layout without them runs its tensor-parallel collectives exposed.
@@ -213,6 +198,22 @@ void normalize_default_candidate(ScenarioConfig& c) {
                            : p.framework;
   if (fw == Framework::deepspeed && p.zero_stage >= 2 && p.pipeline_parallel_size > 1) p.zero_stage = 1;
   if (fw == Framework::fsdp && p.zero_stage == 1) p.zero_stage = 2;
+  // Interleaving with micro-batches that are not a multiple of the stages: Megatron-Core's
+  // smallest group of micro-batches a chunk that runs them (Plan::from_config states the rule;
+  // PyTorch's interleaved schedule, framework fsdp, has no such groups).
+  if (p.schedule == ScheduleKind::interleaved_1f1b && p.microbatch_group_size == 0 && fw != Framework::fsdp) {
+    const long long per = static_cast<long long>(c.training.micro_batch_size) * p.data_parallel_size;
+    const long long gb = c.training.global_batch_size;
+    const int stages = p.pipeline_parallel_size;
+    if (per > 0 && gb > 0 && gb % per == 0 && stages > 0 && (gb / per) % stages != 0) {
+      const int m = static_cast<int>(gb / per);
+      for (int n = stages; n <= m; ++n)
+        if (m % n == 0 || m % n >= stages) {
+          p.microbatch_group_size = n;
+          break;
+        }
+    }
+  }
   // The selective recompute the framework has: Megatron-LM's (and DeepSpeed on it) recomputes the
   // attention core; PyTorch-native FSDP code (torchtitan) its op-level policy.
   Recompute& rc = c.training.activation_recompute;
