@@ -494,6 +494,11 @@ TEST(SweepRun, TheTableShowsAnUnevenLayerSplit) {
   EXPECT_NE(table.find(" even "), std::string::npos) << table;
   const SweepResult even = run_sweep(postmortem_with("sweep:\n  model.num_layers: [28, 32]\n"), SweepOptions{});
   EXPECT_EQ(format_sweep_table(even, "t").find(" layers "), std::string::npos);
+  // The JSON rows hold every chunk's layers, derived or even.
+  const auto rows = sweep_to_json(r, postmortem_with("")).at("rows");
+  std::set<std::vector<int>> splits;
+  for (const auto& row : rows) splits.insert(row.at("layers_per_stage").get<std::vector<int>>());
+  EXPECT_EQ(splits, (std::set<std::vector<int>>{{7, 8, 8, 7}, {8, 8, 8, 8}}));
 }
 
 // A sweep worker evaluates its rows a few at a time (evaluate_rows, simulated ones

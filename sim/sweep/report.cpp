@@ -22,12 +22,14 @@ namespace trainsim {
 namespace {
 // The layers of each chunk as the plan splits them (written, even, or balanced:
 // Plan::from_config), "7 + 14 x 8 + 7" where they differ, "" where the split is even.
-std::string layers_text(const ScenarioConfig& c) {
+std::vector<int> layers_of(const ScenarioConfig& c) {
   const auto& p = c.parallelism;
-  const std::vector<int> split =
-      p.layers_per_stage.empty()
-          ? default_layers_per_virtual_stage(c.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages))
-          : p.layers_per_stage;
+  return p.layers_per_stage.empty()
+             ? default_layers_per_virtual_stage(c.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages))
+             : p.layers_per_stage;
+}
+std::string layers_text(const ScenarioConfig& c) {
+  const std::vector<int> split = layers_of(c);
   return uneven_layers_text(split).empty() ? "" : layer_split_text(split);
 }
 }  // namespace
@@ -317,6 +319,9 @@ nlohmann::ordered_json sweep_row_to_json(const SweepRow& row, std::optional<std:
   nlohmann::ordered_json cfg = nlohmann::ordered_json::object();
   for (const auto& [k, v] : row.point.values) cfg[k] = value_json(v);
   j["config"] = std::move(cfg);
+  // Each chunk's layers as the row runs them (written, even or balanced); null where none splits.
+  const std::vector<int> layers = layers_of(row.point.config);
+  j["layers_per_stage"] = layers.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(layers);
   j["status"] = std::string(sweep_status_name(row.status));
   j["reason"] = row.reason;
   const SweepMetrics& m = row.metrics;
