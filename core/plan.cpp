@@ -610,9 +610,18 @@ std::string layer_split_text(const std::vector<int>& layers) {
   return fmt::format("{}", fmt::join(runs, " + "));
 }
 
+std::vector<int> layers_per_virtual_stage_of(const ScenarioConfig& config) {
+  const auto& p = config.parallelism;
+  if (!p.layers_per_stage.empty()) return p.layers_per_stage;
+  return default_layers_per_virtual_stage(config.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages));
+}
+
+bool is_even_split(const std::vector<int>& layers) {
+  return std::adjacent_find(layers.begin(), layers.end(), std::not_equal_to<>()) == layers.end();
+}
+
 std::string uneven_layers_text(const std::vector<int>& layers) {
-  if (std::adjacent_find(layers.begin(), layers.end(), std::not_equal_to<>()) == layers.end()) return "";
-  return ", layers " + layer_split_text(layers);
+  return is_even_split(layers) ? "" : ", layers " + layer_split_text(layers);
 }
 
 }  // namespace trainsim

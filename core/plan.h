@@ -143,6 +143,11 @@ struct Plan {
 // the first and the last stage, Dubey et al. 2024, section 3.3.2); over 16 x 8 chunks 0 + 126 x
 // 1 + 0. Empty when the layers are fewer than the chunks less two.
 std::vector<int> default_layers_per_virtual_stage(const ModelConfig& model, int stages, int virtual_stages);
+// The split a configuration runs: its layers_per_stage where written, else the default above
+// (empty where that refuses). What a report of a configuration without its Plan shows.
+std::vector<int> layers_per_virtual_stage_of(const ScenarioConfig& config);
+// Whether every chunk holds the first one's count (an empty split too).
+bool is_even_split(const std::vector<int>& layers);
 // "7 + 14 x 8 + 7": a split with runs of equal counts folded.
 std::string layer_split_text(const std::vector<int>& layers);
 // ", layers 7 + 14 x 8 + 7" for a split whose chunks differ, "" for an even one: what a line

@@ -411,12 +411,8 @@ nlohmann::ordered_json scenario_fragment(const Scenario& original, const Scenari
   // An uneven split the plan derived (default_layers_per_virtual_stage) is written out: the file
   // says what runs, in the form a framework's own setting takes.
   ScenarioConfig chosen = config;
-  auto& par = chosen.parallelism;
-  if (par.layers_per_stage.empty()) {
-    std::vector<int> split = default_layers_per_virtual_stage(chosen.model, par.pipeline_parallel_size,
-                                                              std::max(1, par.virtual_pipeline_stages));
-    if (!uneven_layers_text(split).empty()) par.layers_per_stage = std::move(split);
-  }
+  if (std::vector<int> split = layers_per_virtual_stage_of(chosen); !is_even_split(split))
+    chosen.parallelism.layers_per_stage = std::move(split);
   std::set<std::string> keys(original.explicit_keys.begin(), original.explicit_keys.end());
   for (const auto& k : changed_keys(original.config, chosen)) keys.insert(k);
   nlohmann::ordered_json j = nlohmann::ordered_json::object();

@@ -20,21 +20,13 @@
 namespace trainsim {
 
 namespace {
-// The layers of each chunk as the plan splits them (written, even, or balanced:
-// Plan::from_config), "7 + 14 x 8 + 7" where they differ, "" where the split is even.
-std::vector<int> layers_of(const ScenarioConfig& c) {
-  const auto& p = c.parallelism;
-  return p.layers_per_stage.empty()
-             ? default_layers_per_virtual_stage(c.model, p.pipeline_parallel_size, std::max(1, p.virtual_pipeline_stages))
-             : p.layers_per_stage;
-}
-std::string layers_text(const ScenarioConfig& c) {
-  const std::vector<int> split = layers_of(c);
-  return uneven_layers_text(split).empty() ? "" : layer_split_text(split);
-}
-}  // namespace
 
-namespace {
+// The layers of each chunk as the configuration runs them (layers_per_virtual_stage_of),
+// "7 + 14 x 8 + 7" where they differ, "" where the split is even.
+std::string layers_text(const ScenarioConfig& c) {
+  const std::vector<int> split = layers_per_virtual_stage_of(c);
+  return is_even_split(split) ? "" : layer_split_text(split);
+}
 
 double r6(double x) { return round6(x); }
 double gib(double bytes) { return round6(bytes_to_gib(bytes)); }
@@ -320,7 +312,7 @@ nlohmann::ordered_json sweep_row_to_json(const SweepRow& row, std::optional<std:
   for (const auto& [k, v] : row.point.values) cfg[k] = value_json(v);
   j["config"] = std::move(cfg);
   // Each chunk's layers as the row runs them (written, even or balanced); null where none splits.
-  const std::vector<int> layers = layers_of(row.point.config);
+  const std::vector<int> layers = layers_per_virtual_stage_of(row.point.config);
   j["layers_per_stage"] = layers.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(layers);
   j["status"] = std::string(sweep_status_name(row.status));
   j["reason"] = row.reason;
@@ -795,10 +787,9 @@ namespace {
 
 std::string layout_text(const ScenarioConfig& c, int microbatches) {
   const auto& p = c.parallelism;
-  const std::string layers = layers_text(c);
   const bool groups = p.schedule == ScheduleKind::interleaved_1f1b && p.microbatch_group_size > 0 &&
                      p.microbatch_group_size != p.pipeline_parallel_size;
-  std::string s = fmt::format("{}{}, {}{}, ", parallel_sizes_text(p), layers.empty() ? "" : ", layers " + layers,
+  std::string s = fmt::format("{}{}, {}{}, ", parallel_sizes_text(p), uneven_layers_text(layers_per_virtual_stage_of(c)),
                               schedule_name(p.schedule),
                               groups ? fmt::format(" in groups of {} micro-batches", p.microbatch_group_size) : "");
   if (microbatches > 0)
