@@ -1,6 +1,7 @@
 #include "runtime/runtime_plan.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -46,11 +47,16 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
           fmt::format("hidden_size({}) is not divisible by num_attention_heads({})", rt.hidden_size,
                       rt.num_attention_heads),
           {"runtime.model.num_attention_heads"});
-  if (rt.num_layers < vstages)
+  // The plan's own rule decides whether the runtime model's layers fill the chunks (every chunk
+  // but the first and the last holds one).
+  if (default_layers_per_virtual_stage(m, par.pipeline_parallel_size, std::max(1, par.virtual_pipeline_stages))
+          .empty())
     error("runtime.model.num_layers",
           fmt::format("the runtime model has {} layers but the plan has pipeline_parallel_size({}) * "
-                      "virtual_pipeline_stages({}) = {} stages to fill; give runtime.model.num_layers >= {}",
-                      rt.num_layers, par.pipeline_parallel_size, par.virtual_pipeline_stages, vstages, vstages),
+                      "virtual_pipeline_stages({}) = {} model chunks, each but the first and the last needing a "
+                      "layer; give runtime.model.num_layers >= {}",
+                      rt.num_layers, par.pipeline_parallel_size, par.virtual_pipeline_stages, vstages,
+                      std::max(1, vstages - 2)),
           {"parallelism.pipeline_parallel_size", "parallelism.virtual_pipeline_stages"});
   if (scenario_config.precision.compute == DType::fp8)
     error("precision.compute", "the runtime does not emulate fp8 compute; use fp16, bf16, tf32 or fp32");
@@ -103,22 +109,17 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
   }
   if (!errors.empty()) throw ScenarioError(std::move(errors));
 
-  // Layers per virtual stage: the scenario's split when it fits the runtime model, else as
-  // even as possible (earlier stages take the remainder).
-  if (par.layers_per_stage.empty() || [&] {
-        int sum = 0;
-        for (int l : par.layers_per_stage) sum += l;
-        return sum != rt.num_layers;
-      }()) {
+  // Layers per virtual stage: the scenario's split when it fits the runtime model, else the plan's
+  // default for the runtime model (core/plan.h: even where the chunks divide the layers, else
+  // balanced by forward FLOPs), so the full-size and the scaled plans are split by one rule; the
+  // plan says so when the split is uneven.
+  if (!par.layers_per_stage.empty() &&
+      std::accumulate(par.layers_per_stage.begin(), par.layers_per_stage.end(), 0) != rt.num_layers) {
     c.parallelism.layers_per_stage.clear();
-    if (rt.num_layers % vstages != 0) {
-      for (int i = 0; i < vstages; ++i)
-        c.parallelism.layers_per_stage.push_back(rt.num_layers / vstages + (i < rt.num_layers % vstages ? 1 : 0));
-      out.notes.push_back(fmt::format("{} runtime layers over {} stages: split {}", rt.num_layers, vstages,
-                                      fmt::join(c.parallelism.layers_per_stage, "/")));
-    }
-    if (!par.layers_per_stage.empty())
-      out.notes.push_back("parallelism.layers_per_stage does not sum to the runtime model's layers; split evenly");
+    out.notes.push_back(fmt::format(
+        "parallelism.layers_per_stage does not sum to the runtime model's {} layers; they are split by the "
+        "default rule",
+        rt.num_layers));
   }
 
   // The runtime's context parallelism gathers the keys and values before each attention (its

@@ -21,7 +21,7 @@ struct RuntimePlan {
 };
 
 // Throws ScenarioError (located in the file when `scenario` has locations) when the runtime
-// cannot execute the scenario: fewer runtime layers than virtual stages, heads not dividing
+// cannot execute the scenario: too few runtime layers to fill the model chunks, heads not dividing
 // the width, heads, width or vocabulary not dividing among tensor-parallel shards, a sequence not
 // dividing under sequence parallelism, fp8 compute, ...
 RuntimePlan make_runtime_plan(const Scenario& scenario);

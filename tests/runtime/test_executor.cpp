@@ -118,6 +118,37 @@ TEST(Executor, InterleavedGroupsOfMicroBatchesMatchOneRankInFp32) {
   }
 }
 
+// A runtime model whose layers the chunks do not divide is split by the plan's own rule
+// (default_layers_per_virtual_stage: balanced by forward FLOPs, the first or the last chunk left
+// empty where that balances the ranks), as the full-size model is, and trains the one-rank model
+// to FP32 rounding.
+TEST(Executor, UnevenSplitsOfTheRuntimeModelMatchOneRankInFp32) {
+  struct U {
+    int pp, vpp, layers, global_batch;
+    ScheduleKind schedule;
+  };
+  bool an_empty_chunk = false;
+  for (const U u : {U{3, 1, 8, 6, ScheduleKind::one_f_one_b}, U{3, 3, 8, 6, ScheduleKind::interleaved_1f1b},
+                    U{4, 3, 10, 8, ScheduleKind::interleaved_1f1b}, U{2, 1, 3, 8, ScheduleKind::zb_h1}}) {
+    SCOPED_TRACE(::testing::Message() << "pp " << u.pp << " v " << u.vpp << " layers " << u.layers);
+    ScenarioConfig one = small_config(1, 1, ScheduleKind::one_f_one_b);
+    one.runtime.num_layers = u.layers;
+    one.training.global_batch_size = u.global_batch;
+    const RunReport reference = run(one);
+    ASSERT_FALSE(reference.failure) << reference.failure->message;
+    ScenarioConfig c = small_config(1, u.pp, u.schedule, u.vpp);
+    c.runtime.num_layers = u.layers;
+    c.training.global_batch_size = u.global_batch;
+    const RunReport r = run(c);
+    const std::vector<int>& split = r.runtime_plan.plan.layers_per_virtual_stage;
+    EXPECT_EQ(split, default_layers_per_virtual_stage(r.runtime_plan.plan.config.model, u.pp, u.vpp));
+    EXPECT_FALSE(is_even_split(split));
+    an_empty_chunk = an_empty_chunk || split.front() == 0 || split.back() == 0;
+    expect_trains_like(r, reference, 2e-5);
+  }
+  EXPECT_TRUE(an_empty_chunk) << "no case ran a chunk without layers";
+}
+
 // Tensor parallelism (and sequence parallelism) is exact too: every dp x pp x tp layout up to 2
 // each, under every schedule, trains the one-rank model to FP32 rounding. The shards' sums run in
 // another order than one rank's (the row-parallel products' partial sums, the cross-entropy's
