@@ -499,6 +499,13 @@ TEST(SweepRun, TheTableShowsAnUnevenLayerSplit) {
   std::set<std::vector<int>> splits;
   for (const auto& row : rows) splits.insert(row.at("layers_per_stage").get<std::vector<int>>());
   EXPECT_EQ(splits, (std::set<std::vector<int>>{{7, 8, 8, 7}, {8, 8, 8, 8}}));
+  // So do the CSV's, in its last column.
+  std::ostringstream csv;
+  write_sweep_csv(r, csv);
+  std::istringstream lines(csv.str());
+  std::set<std::string> cells;
+  for (std::string line; std::getline(lines, line);) cells.insert(line.substr(line.rfind(',') + 1));
+  EXPECT_EQ(cells, (std::set<std::string>{"layers_per_stage", "7/8/8/7", "8/8/8/8"}));
 }
 
 // A sweep worker evaluates its rows a few at a time (evaluate_rows, simulated ones

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/model_shape.h"
 #include "core/metrics.h"
@@ -382,7 +383,7 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
   for (const char* h : {"status", "reason", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
                         "pipeline_bubble_fraction", "exposed_comm_fraction", "allreduce_time_s",
                         "exposed_comm_time_s", "peak_memory_gib", "peak_memory_rank", "memory_capacity_gib",
-                        "headroom_gib", "num_microbatches", "global_batch_size", "pareto"})
+                        "headroom_gib", "num_microbatches", "global_batch_size", "pareto", "layers_per_stage"})
     head.emplace_back(h);
   // Every line into one buffer, written at the end; rank and Pareto membership by index.
   std::vector<std::size_t> rank(s.rows.size(), 0);
@@ -456,7 +457,10 @@ void write_sweep_csv(const SweepResult& s, std::ostream& out) {
     if (row.num_microbatches > 0) fmt::format_to(std::back_inserter(text), "{}", row.num_microbatches);
     text += ',';
     if (row.global_batch_size > 0) fmt::format_to(std::back_inserter(text), "{}", row.global_batch_size);
-    text += front[idx] ? ",true\n" : ",false\n";
+    text += front[idx] ? ",true," : ",false,";
+    // Each chunk's layers as the row runs them (written, even or balanced), "/"-joined; empty
+    // where none splits.
+    fmt::format_to(std::back_inserter(text), "{}\n", fmt::join(layers_per_virtual_stage_of(row.point.config), "/"));
   }
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
 }
