@@ -507,6 +507,34 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.framework = fw;
   plan.micro_batch_size = b;
   plan.global_batch_size = static_cast<int>(gb);
+
+  // Every gradient bucket is a collective of the schedule with an op on each member's program,
+  // once a step or (ZeRO-2/3 reducing after each backward) once a micro-batch. A bucket thousands
+  // of times smaller than the gradients makes tens of millions of ops, gigabytes to hold and
+  // minutes to walk: refused with the smallest bucket that stays under the bound.
+  if (plan.data_shards() > 1) {
+    const double bucket = std::max(1.0, mib_to_bytes(c.communication.bucket_size_mib));
+    const double reductions = plan.reduces_every_microbatch() ? mb : 1, members = plan.data_shards();
+    double buckets = 0, gradient_bytes = 0;
+    for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+      const double g = std::round(plan.shard_params(vs) * dtype_bytes(pr.allreduce));
+      buckets += std::ceil(g / bucket);
+      gradient_bytes += g;
+    }
+    const double ops = buckets * reductions * members;
+    if (ops > kMaxGradientBucketOps) {
+      const double room = kMaxGradientBucketOps / (reductions * members) - plan.num_virtual_stages();
+      const double least_mib = std::ceil(gradient_bytes / std::max(1.0, room) / kMiB);
+      ck.error("communication.bucket_size_mib",
+               fmt::format("bucket_size_mib({:g}) cuts {:.1f} GB of gradients into {:.0f} buckets{} over {:g} "
+                           "data-parallel members: {:.3g} ops, more than the {:.3g} trainsim simulates (each bucket is "
+                           "an op of every member's program); use bucket_size_mib >= {:g} (PyTorch DDP's default is 25)",
+                           c.communication.bucket_size_mib, gradient_bytes / 1e9, buckets,
+                           reductions > 1 ? fmt::format(", reduced after each of {:g} micro-batches,", reductions) : "",
+                           members, ops, kMaxGradientBucketOps, least_mib));
+      throw ScenarioError(std::move(ck.errors));
+    }
+  }
 }
 
 }  // namespace

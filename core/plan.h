@@ -131,6 +131,11 @@ struct Plan {
   static Plan from_config(const ScenarioConfig& config);
 };
 
+// The most gradient-bucket ops (buckets x reductions x data-parallel members) a plan may hold:
+// about 2 GB of schedule and timeline and a few seconds to simulate. Llama 3 70B under FSDP on 64
+// GPUs with 32 micro-batches and 25 MiB buckets holds 22M; a 22B model in 10 KiB buckets 275M.
+inline constexpr double kMaxGradientBucketOps = 33554432;  // 2^25
+
 // The layers of each of the stages x virtual_stages model chunks (pipeline order: chunk j on
 // rank j % stages) when the file gives no layers_per_stage (DESIGN.md: "default: balanced").
 // Where the chunks divide the layers, the even split (Megatron-LM's default). Otherwise balanced

@@ -897,6 +897,44 @@ training:
             "global_batch_size(10) is not divisible by micro_batch_size(2) * data_parallel_size(2) = 4");
 }
 
+// A gradient bucket thousands of times smaller than the gradients makes hundreds of millions of
+// ops (every bucket an op of every data-parallel member's program: gigabytes of schedule, minutes
+// to walk): refused at the key with the count and the smallest bucket that stays under the bound,
+// which is accepted.
+TEST(ScenarioInvariants, BucketsTooSmallForTheGradientsAreRefusedWithOneThatFits) {
+  const auto text = [](const std::string& bucket_mib) {
+    return yaml(R"(
+model:
+  preset: megatron-22b
+cluster:
+  gpu: h100-80gb
+  num_gpus: 64
+parallelism:
+  data_parallel_size: 32
+  pipeline_parallel_size: 2
+training:
+  micro_batch_size: 1
+  global_batch_size: 128
+communication:
+  bucket_size_mib: )") + bucket_mib + "\n";
+  };
+  const auto ds = plan_errors(text("0.01"));
+  ASSERT_EQ(ds.size(), 1u) << dump(ds);
+  expect_at(ds[0], 13, 3, "communication.bucket_size_mib");
+  const std::string& message = ds[0].message;
+  const std::string use = "use bucket_size_mib >= ";
+  const auto at = message.find(use);
+  ASSERT_NE(at, std::string::npos) << message;
+  const std::string suggested = message.substr(at + use.size(), message.find(' ', at + use.size()) - at - use.size());
+  const Plan accepted = plan_of(text(suggested));
+  // The count it states, from the accepted plan's shards: each chunk's FP32 gradients in 0.01 MiB.
+  double buckets = 0;
+  for (int vs = 0; vs < accepted.num_virtual_stages(); ++vs)
+    buckets += std::ceil(std::round(accepted.shard_params(vs) * 4) / (0.01 * 1048576));
+  EXPECT_GT(buckets * 32, kMaxGradientBucketOps);
+  EXPECT_CONTAINS(message, fmt::format("into {:.0f} buckets over 32 data-parallel members", buckets));
+}
+
 // With global_batch_size left at 0 the default global batch is micro_batch_size *
 // data_parallel_size; sizes the field table accepts (2^20 * 2^20) must be refused with their
 // numbers, not wrap around in 32 bits.
