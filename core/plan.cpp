@@ -120,6 +120,43 @@ Plan::GatherUnits Plan::zero3_gather_units(int vs, bool forward) const {
 
 bool Plan::gathers_after_step() const { return zero() == 1 || (zero() == 2 && framework != Framework::fsdp); }
 bool Plan::shards_gradients() const { return zero() >= 2 && reduces_every_microbatch(); }
+bool Plan::reduces_by_unit() const { return framework == Framework::fsdp && reduces_every_microbatch(); }
+
+Bytes Plan::gradient_bytes(int vs) const {
+  return static_cast<Bytes>(std::llround(shard_params(vs) * dtype_bytes(config.precision.allreduce)));
+}
+
+std::vector<Bytes> Plan::gradient_buckets(int vs) const {
+  const Bytes grad = gradient_bytes(vs);
+  std::vector<Bytes> out;
+  if (data_shards() <= 1 || grad <= 0) return out;
+  if (!reduces_by_unit()) {
+    const Bytes b = std::max<Bytes>(1, static_cast<Bytes>(mib_to_bytes(config.communication.bucket_size_mib)));
+    out.reserve(static_cast<std::size_t>((grad + b - 1) / b));
+    for (Bytes off = 0; off < grad; off += b) out.push_back(std::min(b, grad - off));
+    return out;
+  }
+  // The units' parameters in backward order, as shares of the shard's bytes (the last takes what
+  // rounding leaves).
+  const ModelShape m = shape();
+  const int V = num_virtual_stages();
+  const bool embedding = vs == 0, head = vs == V - 1, merged = embedding && head && m.tied;
+  std::vector<double> units;
+  if (head && !merged) units.push_back(m.final_norm_params() + (!m.tied || V > 1 ? m.output_params() : 0.0));
+  units.insert(units.end(), static_cast<std::size_t>(layers_per_virtual_stage.at(vs)), m.params_per_layer());
+  if (embedding) units.push_back(m.embedding_params() + (merged ? m.final_norm_params() : 0.0));
+  const double whole = virtual_stage_params_of(*this, m, vs);
+  double done = 0;
+  Bytes given = 0;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    done += units[i];
+    const Bytes upto =
+        i + 1 == units.size() ? grad : std::min(grad, static_cast<Bytes>(std::llround(grad * done / whole)));
+    if (upto > given) out.push_back(upto - given);
+    given = std::max(given, upto);
+  }
+  return out;
+}
 
 std::string Plan::framework_name() const {
   switch (framework) {
@@ -512,12 +549,12 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   // once a step or (ZeRO-2/3 reducing after each backward) once a micro-batch. A bucket thousands
   // of times smaller than the gradients makes tens of millions of ops, gigabytes to hold and
   // minutes to walk: refused with the smallest bucket that stays under the bound.
-  if (plan.data_shards() > 1) {
+  if (plan.data_shards() > 1 && !plan.reduces_by_unit()) {  // (units: a few per layer)
     const double bucket = std::max(1.0, mib_to_bytes(c.communication.bucket_size_mib));
     const double reductions = plan.reduces_every_microbatch() ? mb : 1, members = plan.data_shards();
     double buckets = 0, gradient_bytes = 0;
-    for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
-      const double g = std::round(plan.shard_params(vs) * dtype_bytes(pr.allreduce));
+    for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {  // gradient_buckets(vs).size(), not materialised
+      const auto g = static_cast<double>(plan.gradient_bytes(vs));
       buckets += std::ceil(g / bucket);
       gradient_bytes += g;
     }

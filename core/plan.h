@@ -10,6 +10,7 @@
 #include "core/config.h"
 #include "core/model_shape.h"
 #include "core/scenario.h"
+#include "core/units.h"
 
 namespace trainsim {
 
@@ -63,6 +64,17 @@ struct Plan {
   GatherUnits zero3_gather_units(int vs, bool forward) const;
   // Gradients kept sharded in memory (stage >= 2 unless FSDP accumulates them unsharded).
   bool shards_gradients() const;
+  // FSDP reducing after every micro-batch reduce-scatters each unit's gradients in one call as
+  // its backward ends (FSDP2's foreach_reduce per fully_shard group, FSDP1 per flat parameter):
+  // communication.bucket_size_mib does not apply. Every other reduction runs buckets of it.
+  bool reduces_by_unit() const;
+  // The gradient collectives of virtual stage `vs` (bytes of this GPU's shard in the all-reduce
+  // format), in the order its backward completes them: bucket_size_mib buckets, or (reduces_by_unit)
+  // the units of zero3_gather_units: the head (final norm and output layer), each layer, the
+  // embedding. Empty without data parallelism.
+  std::vector<Bytes> gradient_buckets(int vs) const;
+  // What every collective of gradient_buckets(vs) sums to.
+  Bytes gradient_bytes(int vs) const;
   // The framework and its setting in its own words, e.g. "deepspeed" and
   // "zero_optimization.stage: 3 (parameters gathered for every micro-batch's forward and
   // backward, gradients reduce-scattered after every micro-batch)".

@@ -166,20 +166,12 @@ class Builder {
     act_bytes_ = static_cast<Bytes>(std::llround(static_cast<double>(plan.micro_batch_size) *
                                                  plan.local_seq_length() * shape_.h * plan.activation_bytes() /
                                                  plan.tp));
-    const double bucket = mib_to_bytes(cfg.communication.bucket_size_mib);
     // Gradient buckets and collective ids, identical for every replica of a stage.
     bucket_bytes_.resize(V_);
     for (int vs = 0; vs < V_; ++vs) {
-      const double params = plan.shard_params(vs);
-      const Bytes grad = static_cast<Bytes>(std::llround(params * dtype_bytes(cfg.precision.allreduce)));
-      std::vector<Bytes>& buckets = bucket_bytes_[vs];
-      if (plan.data_shards() > 1 && grad > 0) {
-        const Bytes b = std::max<Bytes>(1, static_cast<Bytes>(bucket));
-        buckets.reserve(static_cast<std::size_t>((grad + b - 1) / b));
-        for (Bytes off = 0; off < grad; off += b) buckets.push_back(std::min(b, grad - off));
-      }
-      chunk_grad_bytes_.push_back(grad);
-      chunk_weight_bytes_.push_back(static_cast<Bytes>(std::llround(params * e_weights)));
+      bucket_bytes_[vs] = plan.gradient_buckets(vs);
+      chunk_grad_bytes_.push_back(plan.gradient_bytes(vs));
+      chunk_weight_bytes_.push_back(static_cast<Bytes>(std::llround(plan.shard_params(vs) * e_weights)));
     }
     const int stage_count = plan.pp;
     // Gradient buckets: once per step, or (ZeRO-2/3 as DeepSpeed and FSDP run them) after every

@@ -2,6 +2,8 @@
 // communication (the conditions under which the formulas hold exactly).
 #include <gtest/gtest.h>
 
+#include <numeric>
+
 #include <fmt/format.h>
 
 #include "core/config_fields.h"
@@ -411,6 +413,47 @@ TEST(DataParallelTraffic, EachFrameworkMovesWhatItDoes) {
   const double P = probe.virtual_stage_params(0), g = dtype_bytes(probe.config.precision.grad_accumulation);
   EXPECT_NEAR(model_state_bytes(Plan::from_config(config(3, Framework::fsdp)), P).gradients, P * g / d, 1e-6);
   EXPECT_NEAR(model_state_bytes(Plan::from_config(config(3, Framework::fsdp, true)), P).gradients, P * g, 1e-6);
+}
+
+// FSDP reduce-scatters each unit's gradients in one call as its backward ends (no bucket size):
+// per micro-batch the head, each layer and the embedding (one unit with a tied head on a single
+// stage), the layers' equal to a layer's parameters, all of them the chunk's gradients; the
+// schedule and the gradients in flight the same whatever bucket_size_mib says, where DeepSpeed's
+// buckets follow it.
+TEST(DataParallelTraffic, FsdpReducesEachUnitWhateverTheBucketSize) {
+  const int m = 4, d = 4;
+  auto plan_of = [&](Framework fw, double bucket_mib, bool untied) {
+    ScenarioConfig c = small_config(1, m, ScheduleKind::one_f_one_b, 1, d);
+    c.model.num_layers = 3;
+    c.model.untie_embeddings_and_output_weights = untied;
+    c.parallelism.zero_stage = 3;
+    c.parallelism.framework = fw;
+    c.communication.bucket_size_mib = bucket_mib;
+    c.communication.overlap_grad_reduce = true;
+    return Plan::from_config(c);
+  };
+  auto reductions = [](const Plan& plan) {
+    std::vector<Bytes> bytes;
+    for (const Op& op : build_schedule(plan).ranks[0].ops)
+      if (op.kind == OpKind::ReduceScatter && op.bucket >= 0) bytes.push_back(op.bytes);
+    return bytes;
+  };
+  for (bool untied : {false, true}) {
+    SCOPED_TRACE(untied ? "untied" : "tied");
+    const Plan small = plan_of(Framework::fsdp, 0.01, untied), large = plan_of(Framework::fsdp, 100, untied);
+    const std::vector<Bytes> units = reductions(small);
+    EXPECT_EQ(units, reductions(large));
+    const std::size_t per_microbatch = 3 + (untied ? 2 : 1);
+    ASSERT_EQ(units.size(), m * per_microbatch);
+    const auto layer = static_cast<double>(small.shape().params_per_layer() * 4);  // FP32 gradients
+    for (std::size_t k = untied ? 1 : 0; k < (untied ? 4u : 3u); ++k) EXPECT_NEAR(units[k], layer, 1.0) << k;
+    EXPECT_EQ(std::accumulate(units.begin(), units.begin() + static_cast<std::ptrdiff_t>(per_microbatch), Bytes{0}),
+              small.gradient_bytes(0));
+    EXPECT_EQ(MemoryModel(small).peak_per_rank(build_schedule(small))[0].activations,
+              MemoryModel(large).peak_per_rank(build_schedule(large))[0].activations);
+  }
+  EXPECT_GT(reductions(plan_of(Framework::deepspeed, 0.01, false)).size(),
+            reductions(plan_of(Framework::deepspeed, 100, false)).size());
 }
 
 // DeepSpeed refuses ZeRO-2/3 with pipeline parallelism (its PipelineEngine asserts it); a

@@ -81,12 +81,23 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
     // in completion order, the last one the remainder: inside one op two consecutive buckets hold
     // min(g, 2B) (g itself when one bucket holds them all); activation_peak adds the case of two
     // ops back to back (the first bucket of one while the last of the other is reduced).
+    // FSDP's units (Plan::reduces_by_unit) differ in size: two consecutive ones at the most.
     const double grads = plan.virtual_stage_params(vs, m) / t * dtype_bytes(cfg.precision.allreduce);
     const double bucket = std::max(1.0, mib_to_bytes(cfg.communication.bucket_size_mib));
     const bool sharded = plan.shards_gradients() && grads > 0;
-    tables_.unsharded.push_back(sharded ? std::min(grads, 2.0 * bucket) : 0.0);
-    tables_.first_bucket.push_back(sharded ? std::min(grads, bucket) : 0.0);
-    tables_.last_bucket.push_back(sharded ? grads - bucket * std::ceil(grads / bucket - 1.0) : 0.0);
+    if (sharded && plan.reduces_by_unit()) {
+      const std::vector<Bytes> units = plan.gradient_buckets(vs);
+      double pair = units.empty() ? 0.0 : static_cast<double>(units.front());
+      for (std::size_t i = 1; i < units.size(); ++i)
+        pair = std::max(pair, static_cast<double>(units[i - 1] + units[i]));
+      tables_.unsharded.push_back(pair);
+      tables_.first_bucket.push_back(units.empty() ? 0.0 : static_cast<double>(units.front()));
+      tables_.last_bucket.push_back(units.empty() ? 0.0 : static_cast<double>(units.back()));
+    } else {
+      tables_.unsharded.push_back(sharded ? std::min(grads, 2.0 * bucket) : 0.0);
+      tables_.first_bucket.push_back(sharded ? std::min(grads, bucket) : 0.0);
+      tables_.last_bucket.push_back(sharded ? grads - bucket * std::ceil(grads / bucket - 1.0) : 0.0);
+    }
     // Per layer: the gradients at the outputs of QKV, the attention projection, the MLP's
     // first and second products and both norms (dW = dY^T X needs dY); per stage the
     // gradient at its input, and on the last the logits' and the final norm's. Under tensor
@@ -177,8 +188,16 @@ MemoryBreakdown MemoryModel::breakdown(const RankProgram& prog, double activatio
   double buffers = 0;
   if (plan_.num_virtual_stages() > 1)
     buffers += 2.0 * plan_.micro_batch_size * shape_.s * shape_.h * plan_.activation_bytes() / plan_.tp;
-  if (plan_.data_shards() > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation)
-    buffers += 2.0 * mib_to_bytes(cfg.communication.bucket_size_mib);
+  if (plan_.data_shards() > 1 && cfg.precision.allreduce != cfg.precision.grad_accumulation) {
+    double largest = mib_to_bytes(cfg.communication.bucket_size_mib);
+    if (plan_.reduces_by_unit()) {  // a unit at a time
+      largest = 0;
+      for (int j = 0; j < plan_.vpp; ++j)
+        for (const Bytes u : plan_.gradient_buckets(j * plan_.pp + prog.stage))
+          largest = std::max(largest, static_cast<double>(u));
+    }
+    buffers += 2.0 * largest;
+  }
   if (plan_.zero() == 3)
     buffers += 2.0 * shape_.params_per_layer() / plan_.tp * plan_.weight_bytes();
   // Transformer Engine's userbuffers (communication.tp_comm_overlap): one registered buffer of the
