@@ -486,7 +486,8 @@ std::vector<FieldSpec> make_fields() {
 
   // ---- communication -----------------------------------------------------------------
   t.push_back(real("communication.bucket_size_mib", FIELD(communication.bucket_size_mib), 0.001, 1e6, "MiB",
-                   "Gradient bytes per data-parallel collective"));
+                   "Gradient bytes per data-parallel collective (DDP, Megatron-LM and DeepSpeed buckets; FSDP "
+                   "reducing after every micro-batch reduce-scatters each unit, whatever this says)"));
   t.push_back(boolean("communication.overlap_grad_reduce", FIELD(communication.overlap_grad_reduce),
                       "Start each bucket's reduction during the last micro-batch's backward"));
   t.push_back(choice("communication.allreduce_algorithm", FIELD(communication.allreduce_algorithm),
