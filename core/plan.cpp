@@ -94,13 +94,30 @@ bool Plan::reduces_every_microbatch() const {
 }
 bool Plan::gathers_before_forward() const { return zero() == 3 || (zero() == 2 && framework == Framework::fsdp); }
 bool Plan::gathers_before_backward() const { return zero() == 3; }
+namespace {
+// The units of virtual stage vs besides its layers, which ZeRO-3 gathers and FSDP reduces one by
+// one: the embedding on the first chunk, the head (final norm and output layer) on the last, one
+// unit of the two (embedding and final norm) with tied embeddings on a one-chunk pipeline.
+struct EdgeUnits {
+  bool embedding, head, merged;
+  double head_params, merged_params;
+};
+EdgeUnits edge_units(const Plan& plan, const ModelShape& m, int vs) {
+  const int V = plan.num_virtual_stages();
+  EdgeUnits u{};
+  u.embedding = vs == 0;
+  u.head = vs == V - 1;
+  u.merged = u.embedding && u.head && m.tied;
+  u.head_params = m.final_norm_params() + (!m.tied || V > 1 ? m.output_params() : 0.0);
+  u.merged_params = m.embedding_params() + m.final_norm_params();
+  return u;
+}
+}  // namespace
+
 Plan::GatherUnits Plan::zero3_gather_units(int vs, bool forward) const {
   const ModelShape m = shape();
-  const int V = num_virtual_stages();
   const int layers = layers_per_virtual_stage.at(vs);
-  const bool embedding = vs == 0, head = vs == V - 1, merged = embedding && head && m.tied;
-  const double head_params = m.final_norm_params() + (!m.tied || V > 1 ? m.output_params() : 0.0);
-  const double merged_params = m.embedding_params() + m.final_norm_params();
+  const auto [embedding, head, merged, head_params, merged_params] = edge_units(*this, m, vs);
   GatherUnits g;
   double first = 0;
   if (forward) {
@@ -139,12 +156,11 @@ std::vector<Bytes> Plan::gradient_buckets(int vs) const {
   // The units' parameters in backward order, as shares of the shard's bytes (the last takes what
   // rounding leaves).
   const ModelShape m = shape();
-  const int V = num_virtual_stages();
-  const bool embedding = vs == 0, head = vs == V - 1, merged = embedding && head && m.tied;
+  const EdgeUnits edge = edge_units(*this, m, vs);
   std::vector<double> units;
-  if (head && !merged) units.push_back(m.final_norm_params() + (!m.tied || V > 1 ? m.output_params() : 0.0));
+  if (edge.head && !edge.merged) units.push_back(edge.head_params);
   units.insert(units.end(), static_cast<std::size_t>(layers_per_virtual_stage.at(vs)), m.params_per_layer());
-  if (embedding) units.push_back(m.embedding_params() + (merged ? m.final_norm_params() : 0.0));
+  if (edge.embedding) units.push_back(edge.merged ? edge.merged_params : m.embedding_params());
   const double whole = virtual_stage_params_of(*this, m, vs);
   double done = 0;
   Bytes given = 0;
