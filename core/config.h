@@ -213,7 +213,8 @@ struct PrecisionConfig {
 };
 
 struct CommunicationConfig {
-  double bucket_size_mib = 25;
+  // Gradient bytes per data-parallel collective; 0: the framework's own (Plan::framework_bucket_bytes).
+  double bucket_size_mib = 0;
   bool overlap_grad_reduce = false;
   AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
   // Pipeline sends run beside compute (asynchronous point-to-point, as current Megatron-LM and

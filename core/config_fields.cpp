@@ -47,7 +47,8 @@ FieldSpec integer(std::string path, Ref<T> ref, double min, double max, std::str
   return f;
 }
 
-FieldSpec real(std::string path, Ref<double> ref, double min, double max, std::string unit, std::string help) {
+FieldSpec real(std::string path, Ref<double> ref, double min, double max, std::string unit, std::string help,
+               std::string default_note = "") {
   FieldSpec f;
   f.path = std::move(path);
   f.kind = FieldKind::real;
@@ -55,6 +56,7 @@ FieldSpec real(std::string path, Ref<double> ref, double min, double max, std::s
   f.help = std::move(help);
   f.min = min;
   f.max = max;
+  f.default_note = std::move(default_note);
   f.set = [ref](ScenarioConfig& c, const FieldValue& v) { ref(c) = std::get<double>(v); };
   f.get = [ref](const ScenarioConfig& c) { return FieldValue{deref(ref, c)}; };
   return f;
@@ -485,9 +487,11 @@ std::vector<FieldSpec> make_fields() {
                       "steps", "Overflowing steps tolerated before the scale backs off"));
 
   // ---- communication -----------------------------------------------------------------
-  t.push_back(real("communication.bucket_size_mib", FIELD(communication.bucket_size_mib), 0.001, 1e6, "MiB",
+  t.push_back(real("communication.bucket_size_mib", FIELD(communication.bucket_size_mib), 0, 1e6, "MiB",
                    "Gradient bytes per data-parallel collective (DDP, Megatron-LM and DeepSpeed buckets; FSDP "
-                   "reducing after every micro-batch reduce-scatters each unit, whatever this says)"));
+                   "reducing after every micro-batch reduce-scatters each unit, whatever this says)",
+                   "0 (the framework's own: megatron max(40M, 1M x data_parallel_size) parameters, one bucket a "
+                   "chunk without overlap_grad_reduce; deepspeed 5e8 elements; fsdp's DDP 25 MiB)"));
   t.push_back(boolean("communication.overlap_grad_reduce", FIELD(communication.overlap_grad_reduce),
                       "Start each bucket's reduction during the last micro-batch's backward"));
   t.push_back(choice("communication.allreduce_algorithm", FIELD(communication.allreduce_algorithm),

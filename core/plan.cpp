@@ -174,6 +174,25 @@ std::vector<Bytes> Plan::gradient_buckets(int vs) const {
   return out;
 }
 
+double Plan::framework_bucket_bytes() const {
+  const double wire = dtype_bytes(config.precision.allreduce);
+  switch (framework) {
+    case Framework::megatron: {
+      // megatron/core/distributed/distributed_data_parallel.py: "make buckets larger [with the
+      // data-parallel size] to ensure that chunks used in NCCL ring-reduce implementations are
+      // large enough to remain bandwidth-bound"; bucket_size None (one bucket) without overlap.
+      if (config.communication.overlap_grad_reduce) return std::max(40e6, 1e6 * dp) * wire;
+      double largest = 0;
+      for (int vs = 0; vs < num_virtual_stages(); ++vs) largest = std::max(largest, static_cast<double>(gradient_bytes(vs)));
+      return largest > 0 ? largest : 40e6 * wire;
+    }
+    case Framework::deepspeed: return 5e8 * wire;  // zero_optimization.reduce_bucket_size
+    case Framework::fsdp:
+    case Framework::auto_select: break;
+  }
+  return 25.0 * kMiB;  // torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
+}
+
 std::string Plan::framework_name() const {
   switch (framework) {
     case Framework::megatron: return "megatron";
@@ -560,13 +579,15 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.framework = fw;
   plan.micro_batch_size = b;
   plan.global_batch_size = static_cast<int>(gb);
+  if (plan.config.communication.bucket_size_mib <= 0)
+    plan.config.communication.bucket_size_mib = plan.framework_bucket_bytes() / kMiB;
 
   // Every gradient bucket is a collective of the schedule with an op on each member's program,
   // once a step or (ZeRO-2/3 reducing after each backward) once a micro-batch. A bucket thousands
   // of times smaller than the gradients makes tens of millions of ops, gigabytes to hold and
   // minutes to walk: refused with the smallest bucket that stays under the bound.
   if (plan.data_shards() > 1 && !plan.reduces_by_unit()) {  // (units: a few per layer)
-    const double bucket = std::max(1.0, mib_to_bytes(c.communication.bucket_size_mib));
+    const double bucket = std::max(1.0, mib_to_bytes(plan.config.communication.bucket_size_mib));
     const double reductions = plan.reduces_every_microbatch() ? mb : 1, members = plan.data_shards();
     double buckets = 0, gradient_bytes = 0;
     for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {  // gradient_buckets(vs).size(), not materialised
@@ -582,7 +603,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                fmt::format("bucket_size_mib({:g}) cuts {:.1f} GB of gradients into {:.0f} buckets{} over {:g} "
                            "data-parallel members: {:.3g} ops, more than the {:.3g} trainsim simulates (each bucket is "
                            "an op of every member's program); use bucket_size_mib >= {:g} (PyTorch DDP's default is 25)",
-                           c.communication.bucket_size_mib, gradient_bytes / 1e9, buckets,
+                           plan.config.communication.bucket_size_mib, gradient_bytes / 1e9, buckets,
                            reductions > 1 ? fmt::format(", reduced after each of {:g} micro-batches,", reductions) : "",
                            members, ops, kMaxGradientBucketOps, least_mib));
       throw ScenarioError(std::move(ck.errors));

@@ -75,6 +75,12 @@ struct Plan {
   std::vector<Bytes> gradient_buckets(int vs) const;
   // What every collective of gradient_buckets(vs) sums to.
   Bytes gradient_bytes(int vs) const;
+  // The bucket a framework cuts gradients into unless communication.bucket_size_mib names one
+  // (the plan's config holds it resolved): Megatron-Core's DistributedDataParallel
+  // max(40M, 1M x data-parallel size) parameters, or one bucket a chunk without
+  // overlap_grad_reduce; DeepSpeed's reduce_bucket_size, 5e8 elements; PyTorch DDP's 25 MiB
+  // (framework fsdp, whose ZeRO-2/3 reduce by unit instead).
+  double framework_bucket_bytes() const;
   // The framework and its setting in its own words, e.g. "deepspeed" and
   // "zero_optimization.stage: 3 (parameters gathered for every micro-batch's forward and
   // backward, gradients reduce-scattered after every micro-batch)".

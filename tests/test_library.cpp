@@ -341,11 +341,13 @@ TEST(Library, ScalingRegressionIsTheExposedInterNodeReduction) {
   const SweepRow* fixed = row("16", "4", "true", "hierarchical");
   ASSERT_TRUE(one && two && fixed);
   const double speedup = two->metrics.tokens_per_s / one->metrics.tokens_per_s;
+  // (1.53x since Megatron-Core's distributed optimizer reduces each chunk in one call without
+  // overlap_grad_reduce, where 25 MiB buckets paid the ring's latency over again: 1.4x.)
   EXPECT_GT(speedup, 1.0);
-  EXPECT_LT(speedup, 1.5);
+  EXPECT_LT(speedup, 1.6);
   EXPECT_LT(one->metrics.exposed_comm_time_s, 0.02 * one->metrics.step_time_s);
-  EXPECT_GT(two->metrics.exposed_comm_time_s, 0.25 * two->metrics.step_time_s);
-  EXPECT_GT(two->metrics.bubble_fraction, 0.25) << "the GPUs idle while the reduction crosses nodes";
+  EXPECT_GT(two->metrics.exposed_comm_time_s, 0.2 * two->metrics.step_time_s);
+  EXPECT_GT(two->metrics.bubble_fraction, 0.2) << "the GPUs idle while the reduction crosses nodes";
   // That idle time is exposed communication, not a pipeline bubble (there is no pipeline).
   EXPECT_EQ(two->metrics.pipeline_bubble_fraction, 0.0);
   EXPECT_EQ(two->metrics.exposed_comm_fraction, two->metrics.bubble_fraction);

@@ -2,6 +2,7 @@
 // communication (the conditions under which the formulas hold exactly).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -526,6 +527,77 @@ TEST(DataParallelTraffic, ZeroThreePassesStartOnTheirFirstUnit) {
   EXPECT_EQ(passes, 2 * 2);  // two micro-batches, forward and backward
 }
 
+// Unless bucket_size_mib names one, gradients go in the framework's own buckets: Megatron-Core's
+// DistributedDataParallel max(40M, 1M x dp) parameters (one bucket a chunk without
+// overlap_grad_reduce), DeepSpeed's reduce_bucket_size of 5e8 elements, PyTorch DDP's 25 MiB.
+TEST(DataParallelTraffic, GradientBucketsAreTheFrameworksOwnUnlessNamed) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, std::string("gpt3-6.7b"));
+  c.cluster.gpus_per_node = 8;
+  c.parallelism.pipeline_parallel_size = 2;
+  c.parallelism.virtual_pipeline_stages = 2;
+  c.parallelism.schedule = ScheduleKind::interleaved_1f1b;
+  c.parallelism.zero_stage = 1;
+  c.precision.allreduce = DType::bf16;
+  c.communication.overlap_grad_reduce = true;
+  c.training.micro_batch_size = 1;
+  auto plan_at = [&](int dp) {
+    c.cluster.num_gpus = 2 * dp;
+    c.parallelism.data_parallel_size = dp;
+    c.training.global_batch_size = 2 * dp;
+    return Plan::from_config(c);
+  };
+  auto expect_buckets_of = [](const Plan& plan, double bucket_bytes) {
+    for (int vs = 0; vs < plan.num_virtual_stages(); ++vs) {
+      const std::vector<Bytes> buckets = plan.gradient_buckets(vs);
+      ASSERT_FALSE(buckets.empty());
+      Bytes sum = 0;
+      for (std::size_t i = 0; i < buckets.size(); ++i) {
+        sum += buckets[i];
+        if (i + 1 < buckets.size()) EXPECT_NEAR(static_cast<double>(buckets[i]), bucket_bytes, 1.0);
+        EXPECT_LE(static_cast<double>(buckets[i]), bucket_bytes + 1.0);
+      }
+      EXPECT_EQ(sum, plan.gradient_bytes(vs));
+      EXPECT_EQ(buckets.size(), static_cast<std::size_t>(std::ceil(plan.gradient_bytes(vs) / bucket_bytes - 1e-9)));
+    }
+  };
+  // Megatron-Core: 40M parameters (2 bytes each in BF16) up to 40 replicas, 1M a replica beyond.
+  expect_buckets_of(plan_at(8), 40e6 * 2);
+  expect_buckets_of(plan_at(64), 64e6 * 2);
+  const Plan at64 = plan_at(64);
+  EXPECT_GT(at64.gradient_buckets(0).size(), 1u);
+  // Without overlap_grad_reduce Megatron-Core reduces each chunk's whole buffer in one call.
+  c.communication.overlap_grad_reduce = false;
+  const Plan whole = plan_at(64);
+  for (int vs = 0; vs < whole.num_virtual_stages(); ++vs) {
+    ASSERT_EQ(whole.gradient_buckets(vs).size(), 1u);
+    EXPECT_EQ(whole.gradient_buckets(vs)[0], whole.gradient_bytes(vs));
+  }
+  c.communication.overlap_grad_reduce = true;
+  // A named size is kept, whatever the framework.
+  c.communication.bucket_size_mib = 25;
+  expect_buckets_of(plan_at(64), 25.0 * kMiB);
+  // DeepSpeed (ZeRO-1, one stage): 5e8 elements.
+  c.communication.bucket_size_mib = 0;
+  c.parallelism.pipeline_parallel_size = 1;
+  c.parallelism.virtual_pipeline_stages = 1;
+  c.parallelism.schedule = ScheduleKind::one_f_one_b;
+  c.parallelism.framework = Framework::deepspeed;
+  auto one_stage_at = [&](int dp) {
+    c.cluster.num_gpus = dp;
+    c.parallelism.data_parallel_size = dp;
+    c.training.global_batch_size = dp;
+    return Plan::from_config(c);
+  };
+  const Plan ds = one_stage_at(8);
+  EXPECT_DOUBLE_EQ(ds.config.communication.bucket_size_mib * kMiB, 5e8 * 2);
+  expect_buckets_of(ds, 5e8 * 2);
+  // PyTorch DDP (framework fsdp without sharding): 25 MiB.
+  c.parallelism.framework = Framework::fsdp;
+  c.parallelism.zero_stage = 0;
+  expect_buckets_of(one_stage_at(8), 25.0 * kMiB);
+}
+
 // The case: Llama 2 13B as DP 4 x TP 4 with ZeRO-3 on 16 V100s and 16 micro-batches.
 // DeepSpeed reduce-scatters the gradients after each of the 16 micro-batches: 16 times the
 // once-per-step traffic, which now shows in the step.
@@ -541,6 +613,7 @@ TEST(DataParallelTraffic, ZeroThreeOnSixteenMicroBatchesReducesSixteenTimes) {
   c.training.activation_recompute = Recompute::selective;
   c.precision.compute = DType::fp16;
   c.communication.overlap_grad_reduce = true;
+  c.communication.bucket_size_mib = 25;  // one bucket size for both frameworks: the count is the point
   const Plan deepspeed = Plan::from_config(c);
   ASSERT_EQ(deepspeed.num_microbatches, 16);
   c.parallelism.framework = Framework::fsdp;
