@@ -473,6 +473,42 @@ TEST(Figures, PerGpuThroughputAndTheWholeRun) {
   EXPECT_NEAR(plain.hardware_tflops_per_gpu, plain.model_tflops_per_gpu, 1e-12);
 }
 
+// The summary says what size the gradient buckets are and whose default that is: a default
+// that moves the step is shown (Megatron-Core's max(40M, 1M x dp) parameters: 48 replicas in
+// BF16 cut 96e6-byte buckets).
+TEST(Figures, TheSummaryNamesTheGradientBucketsAndWhoseSizeTheyAre) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, std::string("gpt3-1.3b"));
+  c.cluster.num_gpus = 48;
+  c.parallelism.data_parallel_size = 48;
+  c.parallelism.zero_stage = 1;
+  c.precision.allreduce = DType::bf16;
+  c.training.global_batch_size = 48;
+  c.communication.overlap_grad_reduce = true;
+  auto summary = [&] {
+    const Plan plan = Plan::from_config(c);
+    return format_summary(plan, predict(plan).result);
+  };
+  const Plan plan = Plan::from_config(c);
+  const std::size_t n = plan.gradient_buckets(0).size();
+  EXPECT_EQ(n, static_cast<std::size_t>(std::ceil(static_cast<double>(plan.gradient_bytes(0)) / 96e6)));
+  EXPECT_NE(summary().find(fmt::format("buckets of {:.1f} MiB (Megatron-Core's max(40M, 1M x 48 replicas) parameters): "
+                                       "{} a step on stage 0",
+                                       96e6 / kMiB, n)),
+            std::string::npos)
+      << summary();
+  c.communication.overlap_grad_reduce = false;
+  EXPECT_NE(summary().find("one call a chunk (Megatron-Core without overlap_grad_reduce)"), std::string::npos)
+      << summary();
+  c.communication.bucket_size_mib = 25;
+  EXPECT_NE(summary().find("buckets of 25.0 MiB (bucket_size_mib)"), std::string::npos) << summary();
+  // One replica: nothing is reduced, no line.
+  c.cluster.num_gpus = 1;
+  c.parallelism.data_parallel_size = 1;
+  c.training.global_batch_size = 1;
+  EXPECT_EQ(summary().find("  buckets  "), std::string::npos);
+}
+
 // Pure data parallelism has no pipeline bubble: its idle time is exposed communication, and
 // the summary says so (the plan once said "bubble 0% -> 19%" for a data-parallel change).
 TEST(Figures, IdleTimeSplitsIntoPipelineBubbleAndExposedCommunication) {

@@ -60,6 +60,32 @@ std::string wrapped(const std::string& text, std::size_t width, const std::strin
   return out;
 }
 
+// The gradient buckets a data-parallel step reduces, and whose size they are (a hidden default
+// moves the step: it is shown).
+std::string gradient_buckets_text(const Plan& plan) {
+  if (plan.data_shards() <= 1 || plan.reduces_by_unit()) return {};
+  std::size_t count = 0;
+  for (int j = 0; j < plan.vpp; ++j) count += plan.gradient_buckets(j * plan.pp).size();
+  const double size = mib_to_bytes(plan.config.communication.bucket_size_mib);
+  std::string whose = "bucket_size_mib";
+  if (std::abs(size - plan.framework_bucket_bytes()) < 1.0) switch (plan.framework) {
+      case Framework::megatron:
+        whose = plan.config.communication.overlap_grad_reduce
+                    ? fmt::format("Megatron-Core's max(40M, 1M x {} replicas) parameters", plan.dp)
+                    : "Megatron-Core without overlap_grad_reduce";
+        break;
+      case Framework::deepspeed: whose = "DeepSpeed's reduce_bucket_size, 5e8 elements"; break;
+      default: whose = "PyTorch DDP's bucket_cap_mb"; break;
+    }
+  const std::string when = plan.reduces_every_microbatch()
+                               ? fmt::format(" after each of {} micro-batches", plan.num_microbatches)
+                               : std::string();
+  if (count == static_cast<std::size_t>(plan.vpp))
+    return fmt::format("gradients reduced in one call a chunk ({}), {:.1f} MiB on stage 0{}", whose,
+                       static_cast<double>(plan.gradient_bytes(0)) / kMiB, when);
+  return fmt::format("gradients reduced in buckets of {:.1f} MiB ({}): {} a step on stage 0{}", size / kMiB, whose,
+                     count, when);
+}
 
 }  // namespace
 
@@ -95,6 +121,8 @@ std::string format_summary(const Plan& plan, const Result& res) {
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
       recompute_name(c.training.activation_recompute));
   o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);
+  if (const std::string buckets = gradient_buckets_text(plan); !buckets.empty())
+    o += fmt::format("  buckets  {}\n", buckets);
   if (c.communication.tp_comm_overlap && plan.tp > 1)
     o += fmt::format("  tensor   sequence parallel; its collectives overlapped with their products as Transformer Engine's "
                      "userbuffers run them (all-gathers by ring exchange, forward reduce-scatters {}, backward ones "
