@@ -135,12 +135,17 @@ std::vector<int> ZeroChunk::gathers(bool forward) const {
 }
 
 void keep_embedding_whole(BucketRanges& buckets, std::size_t lo, std::size_t hi) {
-  // Bounds rise bucket by bucket; those strictly inside the embedding move to its end.
+  // Bounds rise bucket by bucket; those strictly inside the embedding move to its end: the bucket
+  // that reaches into it first takes it whole, and every later bucket starts at its end at the
+  // earliest (those wholly inside it become empty), so no bound is left inside.
   for (std::size_t k = 0; k + 1 < buckets.size(); ++k)
     if (buckets[k].second > lo && buckets[k].second < hi) {
       buckets[k].second = hi;
-      buckets[k + 1].first = hi;
-      buckets[k + 1].second = std::max(buckets[k + 1].second, hi);
+      for (std::size_t j = k + 1; j < buckets.size(); ++j) {
+        buckets[j].first = std::max(buckets[j].first, hi);
+        buckets[j].second = std::max(buckets[j].second, hi);
+      }
+      return;
     }
 }
 

@@ -96,6 +96,36 @@ TEST(ShardLayout, TiedEmbeddingIsOwnedAlikeOnBothStages) {
     EXPECT_EQ(own0[0].flat - first.offset, own1[0].flat - last.offset) << "member " << p << " owns the same rows";
     EXPECT_EQ(own0[0].count, own1[0].count);
   }
+  // Buckets far smaller than the embedding put several bounds inside it, some of them starts of
+  // buckets wholly inside: every one moves out (a bucket that kept its start inside cut the
+  // embedding on one stage and not the other, and their sum's buffers disagreed in size).
+  const std::size_t n0 = stage[0].gradients().size(), n1 = stage[1].gradients().size();
+  const std::size_t step = std::max<std::size_t>(1, first.size / 5);
+  auto cut = [&](std::size_t n) {
+    BucketRanges b;
+    for (std::size_t at = 0; at < n; at += step) b.emplace_back(at, std::min(n, at + step));
+    return b;
+  };
+  BucketRanges b0 = cut(n0), b1 = cut(n1);
+  keep_embedding_whole(b0, first.offset, first.offset + first.size);
+  keep_embedding_whole(b1, last.offset, last.offset + last.size);
+  for (const auto& [b, e, n] : {std::tuple{&b0, first, n0}, std::tuple{&b1, last, n1}}) {
+    std::size_t at = 0;
+    for (const auto& [lo, hi] : *b) {
+      EXPECT_EQ(lo, at) << "the buckets tile the chunk in order";
+      EXPECT_LE(lo, hi);
+      EXPECT_FALSE(lo > e.offset && lo < e.offset + e.size) << "no bound inside the embedding";
+      at = hi;
+    }
+    EXPECT_EQ(at, n);
+  }
+  for (int p = 0; p < 2; ++p) {
+    const ZeroChunk z0 = plan_zero_chunk(rp.plan, stage_spec(rp, 0), stage[0].params(), b0, first, 2, p);
+    const ZeroChunk z1 = plan_zero_chunk(rp.plan, stage_spec(rp, 1), stage[1].params(), b1, last, 2, p);
+    EXPECT_EQ(z0.tied.section, z1.tied.section);
+    EXPECT_EQ(z0.layout.shard_pieces(z0.tied, p).size(), 1u);
+    EXPECT_EQ(z1.layout.shard_pieces(z1.tied, p).size(), 1u);
+  }
 }
 
 // The simulator prices ZeRO-3's gathers by Plan::zero3_gather_units (how many units a pass
