@@ -216,6 +216,10 @@ struct CommunicationConfig {
   // Gradient bytes per data-parallel collective; 0: the framework's own (Plan::framework_bucket_bytes).
   double bucket_size_mib = 0;
   bool overlap_grad_reduce = false;
+  // Megatron-LM --overlap-param-gather (its distributed optimizer: zero_stage 1): the updated
+  // parameters are all-gathered before each chunk's first forward of the next step, unit by unit
+  // beside it, instead of after the optimizer step.
+  bool overlap_param_gather = false;
   AllReduceAlgorithm allreduce_algorithm = AllReduceAlgorithm::ring;
   // Pipeline sends run beside compute (asynchronous point-to-point, as current Megatron-LM and
   // torchtitan do). false: a stage waits for each send before computing on (Megatron-LM 2021,

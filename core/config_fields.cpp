@@ -494,6 +494,10 @@ std::vector<FieldSpec> make_fields() {
                    "chunk without overlap_grad_reduce; deepspeed 5e8 elements; fsdp's DDP 25 MiB)"));
   t.push_back(boolean("communication.overlap_grad_reduce", FIELD(communication.overlap_grad_reduce),
                       "Start each bucket's reduction during the last micro-batch's backward"));
+  t.push_back(boolean("communication.overlap_param_gather", FIELD(communication.overlap_param_gather),
+                      "Megatron-LM --overlap-param-gather (zero_stage 1, framework megatron): gather the updated "
+                      "parameters before each chunk's first forward of the next step, unit by unit beside it, not "
+                      "after the optimizer step"));
   t.push_back(choice("communication.allreduce_algorithm", FIELD(communication.allreduce_algorithm),
                      {{"ring", AllReduceAlgorithm::ring}, {"hierarchical", AllReduceAlgorithm::hierarchical}},
                      "NCCL's own choice (ring per NIC rail, tree across nodes, NVLS inside an NVSwitch node), or "

@@ -135,7 +135,12 @@ Plan::GatherUnits Plan::zero3_gather_units(int vs, bool forward) const {
   return g;
 }
 
-bool Plan::gathers_after_step() const { return zero() == 1 || (zero() == 2 && framework != Framework::fsdp); }
+bool Plan::gathers_after_step() const {
+  return (zero() == 1 || (zero() == 2 && framework != Framework::fsdp)) && !gathers_before_first_forward();
+}
+bool Plan::gathers_before_first_forward() const {
+  return zero() == 1 && framework == Framework::megatron && config.communication.overlap_param_gather;
+}
 bool Plan::shards_gradients() const { return zero() >= 2 && reduces_every_microbatch(); }
 bool Plan::reduces_by_unit() const { return framework == Framework::fsdp && reduces_every_microbatch(); }
 
@@ -218,8 +223,11 @@ std::string Plan::framework_setting() const {
     case Framework::megatron:
       if (z == 0) what = "DistributedDataParallel (gradients all-reduced once per step)";
       else if (z == 1)
-        what = "--use-distributed-optimizer (gradients reduce-scattered once per step, updated parameters "
-               "all-gathered after the optimizer step)";
+        what = gathers_before_first_forward()
+                   ? "--use-distributed-optimizer --overlap-param-gather (gradients reduce-scattered once per step, "
+                     "updated parameters all-gathered before each chunk's first forward of the next, beside it)"
+                   : "--use-distributed-optimizer (gradients reduce-scattered once per step, updated parameters "
+                     "all-gathered after the optimizer step)";
       else
         what = fmt::format("--use-megatron-fsdp --data-parallel-sharding-strategy {} ({}{})",
                            z == 2 ? "optim_grads" : "optim_grads_params",
@@ -544,6 +552,13 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
              "framework fsdp has no optimizer-only sharding (ShardingStrategy has NO_SHARD, SHARD_GRAD_OP, FULL_SHARD): "
              "use zero_stage 0 (DDP), 2 (reshard_after_forward=False) or 3 (reshard_after_forward=True)",
              {"parallelism.framework"});
+  if (c.communication.overlap_param_gather && (zs != 1 || fw != Framework::megatron))
+    ck.error("communication.overlap_param_gather",
+             fmt::format("overlap_param_gather is Megatron-LM's --overlap-param-gather, which needs its distributed "
+                         "optimizer: zero_stage 1 under framework megatron (it is zero_stage {}, framework {}){}",
+                         zs, fw == Framework::megatron ? "megatron" : fw == Framework::deepspeed ? "deepspeed" : "fsdp",
+                         zs >= 2 ? "; ZeRO-2/3 and FSDP place their gathers themselves" : ""),
+             {"parallelism.zero_stage", "parallelism.framework"});
   if (par.fsdp_no_sync && fw != Framework::fsdp)
     ck.error("parallelism.fsdp_no_sync",
              fmt::format("fsdp_no_sync needs parallelism.framework: fsdp (it is {})",

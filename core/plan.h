@@ -50,6 +50,12 @@ struct Plan {
   bool gathers_before_forward() const;
   bool gathers_before_backward() const;
   bool gathers_after_step() const;
+  // Megatron-LM's --overlap-param-gather: the parameters a step updated are gathered before each
+  // chunk's first forward of the next, unit by unit as ZeRO-3 gathers a forward's (the first
+  // unit waited for, the rest beside the pass; Plan::zero3_gather_units), and kept.
+  bool gathers_before_first_forward() const;
+  // Weights gathered unit by unit while a pass runs: stage 3's passes, or the first forwards above.
+  bool gathers_units() const { return gathers_before_backward() || gathers_before_first_forward(); }
   // ZeRO-3 gathers a pass's weights unit by unit, as DeepSpeed and FSDP do (each block, the
   // embedding, the head; with tied embeddings on a one-stage pipeline, embedding and head are
   // one unit): how many units the forward (or backward) pass of virtual stage `vs` gathers, and

@@ -226,17 +226,28 @@ class Builder {
                             vs % stage_count);
               continue;
             }
-            const Plan::GatherUnits u = plan.zero3_gather_units(vs, dir == 0 && plan.gathers_before_forward());
-            const auto whole = static_cast<double>(chunk_weight_bytes_[vs]);
-            const auto first = static_cast<Bytes>(std::llround(whole * u.first_share));
-            const Bytes rest = std::max<Bytes>(0, static_cast<Bytes>(std::llround(whole * u.gathered_share)) - first);
-            stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, first), vs % stage_count);
-            sched_.collectives[num_collectives_ - 1].parts = first > 0 ? 1 : 0;  // nothing to gather: no call
-            stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, rest), vs % stage_count);
-            sched_.collectives[num_collectives_ - 1].parts = rest > 0 ? std::max(1, u.count - 1) : 0;
+            add_unit_gathers(plan, vs, plan.zero3_gather_units(vs, dir == 0 && plan.gathers_before_forward()));
           }
     }
+    // --overlap-param-gather: each chunk's parameters once a step, before its first forward, in
+    // the same two parts (the forward's first unit, the rest while the forward runs).
+    if (plan.gathers_before_first_forward()) {
+      first_forward_base_ = num_collectives_;
+      for (int vs = 0; vs < V_; ++vs) add_unit_gathers(plan, vs, plan.zero3_gather_units(vs, true));
+    }
     sched_.collectives.resize(num_collectives_);
+  }
+
+  // A pass's gather of chunk vs's weights as two collectives: the first unit's (the pass waits for
+  // it), then the rest, one call per unit.
+  void add_unit_gathers(const Plan& plan, int vs, const Plan::GatherUnits& u) {
+    const auto whole = static_cast<double>(chunk_weight_bytes_[vs]);
+    const auto first = static_cast<Bytes>(std::llround(whole * u.first_share));
+    const Bytes rest = std::max<Bytes>(0, static_cast<Bytes>(std::llround(whole * u.gathered_share)) - first);
+    stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, first), vs % plan.pp);
+    sched_.collectives[num_collectives_ - 1].parts = first > 0 ? 1 : 0;  // nothing to gather: no call
+    stage_members(add_collective(OpKind::AllGather, CollectivePurpose::parameters, rest), vs % plan.pp);
+    sched_.collectives[num_collectives_ - 1].parts = rest > 0 ? std::max(1, u.count - 1) : 0;
   }
 
   // copy_replicas: build replica 0's programs and derive the others from them (they differ
@@ -347,6 +358,10 @@ class Builder {
     compute_ops.clear();
     chunks_done.clear();
     int last_collective = -1;
+    // --overlap-param-gather: a chunk's first forward reads its units as they arrive and ends no
+    // sooner than the last: the rank's next compute op waits for the rest of the gather (a next
+    // op with a gather of its own waits behind it on the communication stream already).
+    int first_forward_gather = -1, rest_to_wait = -1;
     // Megatron-LM's interleaved schedule without p2p overlap runs each steady-state forward and
     // backward back to back and only then exchanges with both neighbours at once
     // (send_forward_backward_recv_forward_backward: both sends, and the receives for the next
@@ -391,8 +406,10 @@ class Builder {
       }
     };
     // The task's gather (ZeRO-3) and compute ops; returns the op that ends it.
-    auto compute_for = [&](int i, int gather) {
+    auto compute_for = [&](int i, int own_gather) {
       const Task& task = tasks[i];
+      const int gather = own_gather >= 0 ? own_gather : rest_to_wait;
+      rest_to_wait = own_gather >= 0 && own_gather == first_forward_gather ? own_gather + 1 : -1;
       const int vs = task.local_chunk * p + s;
       const int mb = task.microbatch;
       // The task that completes gradients to reduce (the chunk's last gradient-producing task,
@@ -432,14 +449,20 @@ class Builder {
       const int vs = task.local_chunk * p + s;
       const bool fwd = task.kind == OpKind::Forward;
       const bool needs_weights = task.kind != OpKind::BackwardWeight;
-      if (!needs_weights || !(fwd ? plan_.gathers_before_forward() : plan_.gathers_before_backward())) return -1;
+      const bool first_forward = fwd && task.microbatch == 0 && plan_.gathers_before_first_forward();
+      if (!needs_weights ||
+          !(first_forward || (fwd ? plan_.gathers_before_forward() : plan_.gathers_before_backward())))
+        return -1;
       Op ag{OpKind::AllGather, static_cast<std::int16_t>(vs), task.microbatch};
-      ag.channel = zero3_base_ + ((vs * m_ + task.microbatch) * gather_dirs_ + (fwd ? 0 : 1)) * gather_parts_;
+      ag.channel = first_forward
+                       ? first_forward_base_ + 2 * vs
+                       : zero3_base_ + ((vs * m_ + task.microbatch) * gather_dirs_ + (fwd ? 0 : 1)) * gather_parts_;
       ag.bytes = sched_.collectives[ag.channel].bytes;
       ag.bucket = 0;  // the first unit (ZeRO-3), or the whole chunk
       ag.dep = compute_ops.size() >= 2 ? compute_ops[compute_ops.size() - 2] : -1;  // prefetch one ahead
       const int first = push(ops, ag);
-      if (gather_parts_ == 2) {  // the rest, right after it on the communication stream
+      if (first_forward) first_forward_gather = first;
+      if (first_forward || gather_parts_ == 2) {  // the rest, right after it on the communication stream
         Op rest = ag;
         rest.channel = ag.channel + 1;
         rest.bytes = sched_.collectives[rest.channel].bytes;
@@ -533,7 +556,7 @@ class Builder {
   std::vector<Bytes> chunk_grad_bytes_, chunk_weight_bytes_;
   std::vector<std::vector<Bytes>> bucket_bytes_;
   std::vector<int> bucket_base_;
-  int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1, embedding_base_ = -1;
+  int param_gather_base_ = -1, overflow_id_ = -1, zero3_base_ = -1, embedding_base_ = -1, first_forward_base_ = -1;
   bool per_microbatch_ = false;  // gradients reduced after every micro-batch
   int gather_parts_ = 1;         // collectives per gather: 2 under ZeRO-3 (first unit, the rest)
   int gather_dirs_ = 0;          // per-micro-batch parameter gathers: 1 (forward) or 2 (and backward)

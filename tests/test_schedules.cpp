@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -484,6 +485,24 @@ TEST(DataParallelTraffic, WhatTheFrameworkRefusesIsRefusedWithTheReason) {
   c.parallelism.framework = Framework::deepspeed;
   c.parallelism.fsdp_no_sync = true;
   EXPECT_THROW(Plan::from_config(c), ScenarioError) << "no_sync is FSDP's";
+  // --overlap-param-gather is the distributed optimizer's (Megatron, ZeRO-1): named at its key.
+  c.parallelism.fsdp_no_sync = false;
+  c.communication.overlap_param_gather = true;
+  for (const auto& [zero, fw] : {std::pair{0, Framework::megatron}, std::pair{1, Framework::deepspeed},
+                                 std::pair{2, Framework::megatron}, std::pair{3, Framework::fsdp}}) {
+    c.parallelism.zero_stage = zero;
+    c.parallelism.framework = fw;
+    try {
+      Plan::from_config(c);
+      ADD_FAILURE() << "overlap_param_gather at zero " << zero << " was accepted";
+    } catch (const ScenarioError& e) {
+      ASSERT_FALSE(e.diagnostics().empty());
+      EXPECT_EQ(e.diagnostics()[0].key_path, "communication.overlap_param_gather") << e.what();
+    }
+  }
+  c.parallelism.zero_stage = 1;
+  c.parallelism.framework = Framework::megatron;
+  EXPECT_TRUE(Plan::from_config(c).gathers_before_first_forward());
 }
 
 // ZeRO-3 gathers a pass's weights unit by unit (DeepSpeed, FSDP): a gather of the first unit,
@@ -596,6 +615,92 @@ TEST(DataParallelTraffic, GradientBucketsAreTheFrameworksOwnUnlessNamed) {
   c.parallelism.framework = Framework::fsdp;
   c.parallelism.zero_stage = 0;
   expect_buckets_of(one_stage_at(8), 25.0 * kMiB);
+}
+
+// Megatron-LM's --overlap-param-gather: the distributed optimizer's all-gather of the updated
+// parameters leaves the end of the step for the start of the next, before each chunk's first
+// forward, as the forward's first unit (waited for) and the rest (beside it); the same bytes.
+// The rank's next compute op waits for the rest (the forward reads every unit). With the rest
+// shorter than the forward, the step is shorter by exactly the whole gather less its first unit.
+TEST(DataParallelTraffic, OverlappedParameterGatherMovesBeforeEachChunksFirstForward) {
+  ScenarioConfig c = small_config(2, 8, ScheduleKind::interleaved_1f1b, 2, 2);
+  c.parallelism.zero_stage = 1;
+  c.communication.overlap_grad_reduce = true;
+  const Plan after = Plan::from_config(c);
+  c.communication.overlap_param_gather = true;
+  const Plan before = Plan::from_config(c);
+  ASSERT_TRUE(before.gathers_before_first_forward());
+  ASSERT_FALSE(before.gathers_after_step());
+  const Schedule sa = build_schedule(after), sb = build_schedule(before);
+  for (int r = 0; r < before.num_ranks(); ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    EXPECT_NEAR(traffic_of(sb, r).all_gather, traffic_of(sa, r).all_gather, 2.0 * before.vpp);
+    const auto& ops = sb.ranks[r].ops;
+    bool stepped = false;
+    std::set<int> chunks_gathered;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const Op& op = ops[i];
+      if (op.kind == OpKind::OptimizerStep) stepped = true;
+      if (op.kind != OpKind::AllGather) continue;
+      EXPECT_FALSE(stepped) << "no gather after the optimizer step";
+      EXPECT_EQ(op.microbatch, 0);
+      if (op.bucket == 1) continue;
+      EXPECT_TRUE(chunks_gathered.insert(op.chunk).second) << "one gather a chunk";
+      ASSERT_LT(i + 1, ops.size());
+      EXPECT_EQ(ops[i + 1].kind, OpKind::AllGather);
+      EXPECT_EQ(ops[i + 1].bucket, 1) << "the rest right after the first unit";
+      // The chunk's first forward waits for the first unit; the next compute op for the rest,
+      // or for a gather of its own queued behind it.
+      std::size_t f = i + 2;
+      while (f < ops.size() && !(ops[f].kind == OpKind::Forward && ops[f].chunk == op.chunk)) ++f;
+      ASSERT_LT(f, ops.size());
+      EXPECT_EQ(ops[f].microbatch, 0);
+      EXPECT_EQ(ops[f].dep, static_cast<int>(i));
+      std::size_t next = f + 1;
+      while (next < ops.size() && !is_compute(ops[next].kind)) ++next;
+      ASSERT_LT(next, ops.size());
+      const int d = ops[next].dep;
+      ASSERT_GE(d, 0);
+      EXPECT_TRUE(d == static_cast<int>(i) + 1 || (ops[static_cast<std::size_t>(d)].kind == OpKind::AllGather &&
+                                                    d > static_cast<int>(i) + 1))
+          << "op " << next << " depends on " << d;
+    }
+    EXPECT_EQ(chunks_gathered.size(), static_cast<std::size_t>(before.vpp));
+  }
+
+  // One stage, two replicas on one node: the rest of the gather fits under the forward.
+  ScenarioConfig one;
+  find_field("model.preset")->set(one, std::string("gpt3-1.3b"));
+  find_field("cluster.gpu")->set(one, std::string("a100-80gb"));
+  one.cluster.num_gpus = 2;
+  one.parallelism.data_parallel_size = 2;
+  one.parallelism.zero_stage = 1;
+  one.training.micro_batch_size = 4;
+  one.training.global_batch_size = 32;
+  auto predicted = [&](bool overlapped) {
+    one.communication.overlap_param_gather = overlapped;
+    return predict(Plan::from_config(one));
+  };
+  const Prediction no = predicted(false), yes = predicted(true);
+  auto gathers = [](const Prediction& p) {
+    std::vector<double> out;
+    const auto& ops = p.schedule->ranks[0].ops;
+    for (std::size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].kind == OpKind::AllGather)
+        out.push_back(ticks_to_seconds(p.timeline.ops[0][i].end - p.timeline.ops[0][i].start));
+    return out;
+  };
+  const std::vector<double> whole = gathers(no), parts = gathers(yes);
+  ASSERT_EQ(whole.size(), 1u);
+  ASSERT_EQ(parts.size(), 2u);
+  double forward = 0;
+  const auto& ops = yes.schedule->ranks[0].ops;
+  for (std::size_t i = 0; i < ops.size(); ++i)
+    if (ops[i].kind == OpKind::Forward && ops[i].microbatch == 0)
+      forward = ticks_to_seconds(yes.timeline.ops[0][i].end - yes.timeline.ops[0][i].start);
+  ASSERT_LT(parts[1], forward) << "the case this checks: the rest hides under the first forward";
+  EXPECT_NEAR(no.result.step_time_s - yes.result.step_time_s, whole[0] - parts[0], 1e-9);
+  EXPECT_GT(whole[0], parts[0]);
 }
 
 // The case: Llama 2 13B as DP 4 x TP 4 with ZeRO-3 on 16 V100s and 16 micro-batches.

@@ -334,7 +334,7 @@ class CpuEngine final : public DeviceEngine {
         std::copy(chunks[j].second_moment.begin(), chunks[j].second_moment.end(), o.second_moment().begin());
         o.set_steps_taken(chunks[j].optimizer_steps);
         refresh_working_shard(*rk, static_cast<int>(j));
-        if (!plan_.gathers_after_step()) continue;
+        if (!plan_.gathers_after_step() && !plan_.gathers_before_first_forward()) continue;
         StageModel& model = rk->chunks[j];
         const std::vector<int> group = world_.data_parallel_group(rk->rank);
         for (int p = 0; p < static_cast<int>(group.size()); ++p)
@@ -672,7 +672,7 @@ class CpuEngine final : public DeviceEngine {
         const bool last = shape_.last(vs);
         float* out = last ? nullptr : alloc(rk, rk.act_out[s]).data();
         const float* in = shape_.first(vs) ? nullptr : rk.act_in[s].data();
-        if (gathers_units_) rk.zero[shape_.local_chunk(op)].gate->begin(true);
+        if (gathers_units_) begin_pass(rk.zero[shape_.local_chunk(op)], op, true);
         const float loss = model.forward(op.microbatch, shape_.first(vs) ? batch->tokens.data() : nullptr,
                                          last ? batch->targets.data() : nullptr, in, out);
         if (!shape_.first(vs)) release(rk, rk.act_in[s]);
@@ -686,7 +686,7 @@ class CpuEngine final : public DeviceEngine {
         StageModel& model = rk.chunks[shape_.local_chunk(op)];
         const bool last = shape_.last(vs);
         const float* grad_output = last ? nullptr : rk.grad_out[s].data();
-        if (gathers_units_ && op.bucket <= 0) rk.zero[shape_.local_chunk(op)].gate->begin(false);
+        if (gathers_units_ && op.bucket <= 0) begin_pass(rk.zero[shape_.local_chunk(op)], op, false);
         if (!backward_segment(model, op, buckets_.ranges[vs], rk.units_done[s], grad_output, gradient_scale(rk)))
           return;
         float* gin = shape_.first(vs) ? nullptr : alloc(rk, rk.grad_in[s]).data();
@@ -698,7 +698,7 @@ class CpuEngine final : public DeviceEngine {
         StageModel& model = rk.chunks[shape_.local_chunk(op)];
         const bool last = shape_.last(vs);
         float* gin = shape_.first(vs) ? nullptr : alloc(rk, rk.grad_in[s]).data();
-        if (gathers_units_) rk.zero[shape_.local_chunk(op)].gate->begin(false);
+        if (gathers_units_) begin_pass(rk.zero[shape_.local_chunk(op)], op, false);
         model.backward_input(op.microbatch, last ? nullptr : rk.grad_out[s].data(), gradient_scale(rk), gin);
         if (!last) release(rk, rk.grad_out[s]);
         return;
@@ -872,9 +872,19 @@ class CpuEngine final : public DeviceEngine {
     return static_cast<int>(std::find(group.begin(), group.end(), rk.rank) - group.begin());
   }
 
+  // A pass's weights: gathered unit by unit as it reads them (stage 3; a chunk's first forward of
+  // the step under --overlap-param-gather), or all in place (the other passes of the latter).
+  void begin_pass(Rank::ZeroShard& z, const Op& op, bool forward) {
+    if (first_forwards_only_ && !(forward && op.microbatch == 0))
+      z.gate->pass_through();
+    else
+      z.gate->begin(forward);
+  }
+
   void setup_zero(const OptimizerSettings& os) {
     const int V = shape_.virtual_stages;
-    gathers_units_ = plan_.gathers_before_backward();
+    gathers_units_ = plan_.gathers_units();
+    first_forwards_only_ = plan_.gathers_before_first_forward();
     stages_buckets_ = plan_.reduces_every_microbatch();
     // A tied embedding split over the pipeline is one segment on both its stages (zero.h).
     std::vector<char> kept(static_cast<std::size_t>(V), 0);
@@ -925,11 +935,13 @@ class CpuEngine final : public DeviceEngine {
           r.chunks[j].set_weight_gate(z.gate.get());
           if (gate_) r.gather_gate.on_wait([this, &r] { gate_->pause(world_.cell(r.rank), r.shard); },
                                                [this, &r] { gate_->resume(r.rank, world_.cell(r.rank), r.shard); });
-          for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(r, j, u);
+          if (!first_forwards_only_)  // (stage 1 keeps its weights whole between steps)
+            for (int u = 0; u < static_cast<int>(z.plan.units.size()); ++u) poison(r, j, u);
         }
     }
     // Stage 3 holds two units at a time (GatherGate): their room is kept.
-    gathered_bytes_ = 2.0 * static_cast<double>(largest_unit) * dtype_bytes(plan_.config.precision.compute);
+    if (plan_.gathers_before_backward())
+      gathered_bytes_ = 2.0 * static_cast<double>(largest_unit) * dtype_bytes(plan_.config.precision.compute);
   }
 
   // The compute-format shard a gather sends: the master shard rounded (fp32: the master itself).
@@ -1093,6 +1105,8 @@ class CpuEngine final : public DeviceEngine {
                                     [&](int u, int part) {
                                       for (const ShardGroup& g : z.plan.units[static_cast<std::size_t>(u)].groups)
                                         gather_group(rk, j, g, members, collective_tag(rk.step, op.channel, part++), true);
+                                      // Kept, not handed back by the pass: no room held for it.
+                                      if (first_forwards_only_) rk.gather_gate.release(unit_key(j, u));
                                     },
                                     &units);
       auto& parts = rk.parts[static_cast<std::size_t>(index)];
@@ -1163,6 +1177,7 @@ class CpuEngine final : public DeviceEngine {
   std::atomic<bool> go_{false};
   std::chrono::milliseconds comm_timeout_;
   bool gathers_units_ = false;  // ZeRO-3: weights gathered unit by unit before every pass
+  bool first_forwards_only_ = false;  // --overlap-param-gather: only before each chunk's first forward
   bool stages_buckets_ = false;  // ZeRO-2/3: every micro-batch's buckets go to their reduce-scatters
   double gathered_bytes_ = 0;   // the two units a stage-3 rank holds at most
 };
@@ -1173,7 +1188,7 @@ int host_cores() { return static_cast<int>(std::max(1u, std::thread::hardware_co
 
 bool cpu_collectives_beside_compute(const Plan& plan) {
   return plan.config.communication.overlap_grad_reduce || plan.reduces_every_microbatch() ||
-         plan.gathers_before_forward();
+         plan.gathers_before_forward() || plan.gathers_before_first_forward();
 }
 
 CpuCollectivePolls cpu_collective_polls(bool pinned, bool beside_compute) {

@@ -183,7 +183,7 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
   for (const auto& [lo, hi] : buckets) z.buckets.push_back(z.layout.group(lo, hi));
   if (tied_split) z.tied = z.layout.group(tied_embedding.offset, tied_embedding.offset + tied_embedding.size);
 
-  if (!plan.gathers_before_backward()) return z;  // stage 3 only: gathers unit by unit
+  if (!plan.gathers_units()) return z;  // stage 3, or --overlap-param-gather's first forwards
   // A one-stage pipeline with tied embeddings reads the embedding at both ends of the forward
   // and at the start of the backward (the LM head): embedding and head are one unit.
   const bool merged = spec.has_embedding && spec.has_head && spec.dims.tied_embeddings;
@@ -202,9 +202,14 @@ ZeroChunk plan_zero_chunk(const Plan& plan, const StageSpec& spec, const std::ve
   std::vector<int> blk;
   for (const auto& r : block_range) blk.push_back(add_unit({r}));
 
-  if (emb >= 0) z.forward_uses.push_back({WeightPiece::embedding, -1, emb, true, !merged});
-  for (int li = 0; li < spec.num_layers; ++li) z.forward_uses.push_back({WeightPiece::block, li, blk[li], true, true});
-  if (hd >= 0) z.forward_uses.push_back({WeightPiece::head, -1, hd, !merged, true});
+  // --overlap-param-gather keeps what it gathers (the weights stay whole until the next step's
+  // first forward), and its backwards gather nothing.
+  const bool keeps = !plan.gathers_before_backward();
+  if (emb >= 0) z.forward_uses.push_back({WeightPiece::embedding, -1, emb, true, !merged && !keeps});
+  for (int li = 0; li < spec.num_layers; ++li)
+    z.forward_uses.push_back({WeightPiece::block, li, blk[li], true, !keeps});
+  if (hd >= 0) z.forward_uses.push_back({WeightPiece::head, -1, hd, !merged, !keeps});
+  if (keeps) return z;
   if (hd >= 0) z.backward_uses.push_back({WeightPiece::head, -1, hd, true, true});
   for (int li = spec.num_layers - 1; li >= 0; --li)
     z.backward_uses.push_back({WeightPiece::block, li, blk[li], true, true});
@@ -299,6 +304,15 @@ void ChunkWeightGate::begin(bool forward) {
   uses_ = forward ? &zero_.forward_uses : &zero_.backward_uses;
   next_ = 0;
   holding_ = false;
+  passive_ = false;
+}
+
+void ChunkWeightGate::pass_through() {
+  if (uses_ && next_ < uses_->size())
+    throw std::logic_error(fmt::format("ZeRO: a pass began with {} of the previous pass's {} weight uses left",
+                                       uses_->size() - next_, uses_->size()));
+  uses_ = nullptr;
+  passive_ = true;
 }
 
 const UnitUse& ChunkWeightGate::expect(WeightPiece piece, int block, bool acquiring) {
@@ -312,6 +326,7 @@ const UnitUse& ChunkWeightGate::expect(WeightPiece piece, int block, bool acquir
 }
 
 void ChunkWeightGate::acquire(WeightPiece piece, int block) {
+  if (passive_) return;
   const UnitUse& u = expect(piece, block, true);
   if (u.gathered) {
     gate_.acquire();
@@ -321,6 +336,7 @@ void ChunkWeightGate::acquire(WeightPiece piece, int block) {
 }
 
 void ChunkWeightGate::release(WeightPiece piece, int block) {
+  if (passive_) return;
   const UnitUse& u = expect(piece, block, false);
   if (u.frees) {
     on_free_(u.unit);

@@ -234,6 +234,9 @@ class ChunkWeightGate final : public WeightGate {
       : zero_(zero), gate_(gate), key_base_(key_base), on_free_(std::move(on_free)), on_acquire_(std::move(on_acquire)) {}
   // Before a forward (forward = true), or the first segment of a backward or backward_input.
   void begin(bool forward);
+  // Before a pass that gathers nothing (under --overlap-param-gather every pass but a chunk's
+  // first forward of the step): the weights are all in place, the model's calls pass through.
+  void pass_through();
   void acquire(WeightPiece piece, int block) override;
   void release(WeightPiece piece, int block) override;
 
@@ -246,6 +249,7 @@ class ChunkWeightGate final : public WeightGate {
   const std::vector<UnitUse>* uses_ = nullptr;
   std::size_t next_ = 0;
   bool holding_ = false;
+  bool passive_ = false;
 };
 
 }  // namespace trainsim::runtime

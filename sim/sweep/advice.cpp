@@ -198,6 +198,9 @@ void normalize_default_candidate(ScenarioConfig& c) {
                            : p.framework;
   if (fw == Framework::deepspeed && p.zero_stage >= 2 && p.pipeline_parallel_size > 1) p.zero_stage = 1;
   if (fw == Framework::fsdp && p.zero_stage == 1) p.zero_stage = 2;
+  // --overlap-param-gather is the distributed optimizer's: a candidate without it gathers as its
+  // framework does.
+  if (p.zero_stage != 1 || fw != Framework::megatron) c.communication.overlap_param_gather = false;
   // Interleaving with micro-batches that are not a multiple of the stages: Megatron-Core's
   // smallest group of micro-batches a chunk that runs them (Plan::from_config states the rule;
   // PyTorch's interleaved schedule, framework fsdp, has no such groups).
