@@ -247,6 +247,7 @@ Composition stage_composition(const ScenarioConfig& config, int layers, int stor
   c.parallelism.zero_stage = 0;  // nothing to shard without replicas (and no framework refuses the pipeline)
   c.parallelism.framework = Framework::auto_select;
   c.parallelism.fsdp_no_sync = false;
+  c.communication.overlap_param_gather = false;  // (the distributed optimizer's, with replicas only)
   c.parallelism.virtual_pipeline_stages = 1;
   c.parallelism.schedule = ScheduleKind::one_f_one_b;
   c.parallelism.layers_per_stage = {layers, layers, layers};
