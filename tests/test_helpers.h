@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/config_fields.h"
 #include "core/plan.h"
 #include "core/schedule.h"
 #include "sim/cost/collective_model.h"
@@ -32,6 +33,21 @@ inline ScenarioConfig small_config(int p, int m, ScheduleKind kind, int v = 1, i
   c.training.micro_batch_size = 1;
   c.training.global_batch_size = m * d;
   c.precision.loss_scaling.mode = LossScalingMode::none;
+  return c;
+}
+
+// A preset model (`model.preset`) on `gpus` GPUs of a preset (`cluster.gpu`), every one a
+// data-parallel replica under ZeRO `zero`, one micro-batch of `micro` sequences each.
+inline ScenarioConfig preset_replicas(const std::string& model, const std::string& gpu, int gpus, int zero,
+                                      int micro = 1) {
+  ScenarioConfig c;
+  find_field("model.preset")->set(c, model);
+  find_field("cluster.gpu")->set(c, gpu);
+  c.cluster.num_gpus = gpus;
+  c.parallelism.data_parallel_size = gpus;
+  c.parallelism.zero_stage = zero;
+  c.training.micro_batch_size = micro;
+  c.training.global_batch_size = micro * gpus;
   return c;
 }
 

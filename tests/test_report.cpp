@@ -19,6 +19,7 @@
 
 #include "core/plan.h"
 #include "core/config_fields.h"
+#include "tests/test_helpers.h"
 #include "core/report/format.h"
 #include "core/report/report.h"
 #include "sim/simulator.h"
@@ -477,13 +478,8 @@ TEST(Figures, PerGpuThroughputAndTheWholeRun) {
 // that moves the step is shown (Megatron-Core's max(40M, 1M x dp) parameters: 48 replicas in
 // BF16 cut 96e6-byte buckets).
 TEST(Figures, TheSummaryNamesTheGradientBucketsAndWhoseSizeTheyAre) {
-  ScenarioConfig c;
-  find_field("model.preset")->set(c, std::string("gpt3-1.3b"));
-  c.cluster.num_gpus = 48;
-  c.parallelism.data_parallel_size = 48;
-  c.parallelism.zero_stage = 1;
+  ScenarioConfig c = testing::preset_replicas("gpt3-1.3b", "a100-80gb", 48, 1);
   c.precision.allreduce = DType::bf16;
-  c.training.global_batch_size = 48;
   c.communication.overlap_grad_reduce = true;
   auto summary = [&] {
     const Plan plan = Plan::from_config(c);

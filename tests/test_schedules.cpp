@@ -669,13 +669,7 @@ TEST(DataParallelTraffic, OverlappedParameterGatherMovesBeforeEachChunksFirstFor
   }
 
   // One stage, two replicas on one node: the rest of the gather fits under the forward.
-  ScenarioConfig one;
-  find_field("model.preset")->set(one, std::string("gpt3-1.3b"));
-  find_field("cluster.gpu")->set(one, std::string("a100-80gb"));
-  one.cluster.num_gpus = 2;
-  one.parallelism.data_parallel_size = 2;
-  one.parallelism.zero_stage = 1;
-  one.training.micro_batch_size = 4;
+  ScenarioConfig one = testing::preset_replicas("gpt3-1.3b", "a100-80gb", 2, 1, 4);
   one.training.global_batch_size = 32;
   auto predicted = [&](bool overlapped) {
     one.communication.overlap_param_gather = overlapped;
