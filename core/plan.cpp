@@ -187,9 +187,10 @@ double Plan::framework_bucket_bytes() const {
       // data-parallel size] to ensure that chunks used in NCCL ring-reduce implementations are
       // large enough to remain bandwidth-bound"; bucket_size None (one bucket) without overlap.
       if (config.communication.overlap_grad_reduce) return std::max(40e6, 1e6 * dp) * wire;
+      const ModelShape m = shape();
       double largest = 0;
-      for (int vs = 0; vs < num_virtual_stages(); ++vs) largest = std::max(largest, static_cast<double>(gradient_bytes(vs)));
-      return largest > 0 ? largest : 40e6 * wire;
+      for (int vs = 0; vs < num_virtual_stages(); ++vs) largest = std::max(largest, shard_params_of(*this, m, vs));
+      return largest > 0 ? std::ceil(largest * wire) : 40e6 * wire;
     }
     case Framework::deepspeed: return 5e8 * wire;  // zero_optimization.reduce_bucket_size
     case Framework::fsdp:
@@ -594,7 +595,7 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.framework = fw;
   plan.micro_batch_size = b;
   plan.global_batch_size = static_cast<int>(gb);
-  if (plan.config.communication.bucket_size_mib <= 0)
+  if (plan.config.communication.bucket_size_mib <= 0 && plan.data_shards() > 1)  // (else nothing is reduced)
     plan.config.communication.bucket_size_mib = plan.framework_bucket_bytes() / kMiB;
 
   // Every gradient bucket is a collective of the schedule with an op on each member's program,
