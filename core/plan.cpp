@@ -199,8 +199,9 @@ double Plan::framework_bucket_bytes() const {
   return 25.0 * kMiB;  // torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
 }
 
-std::string Plan::framework_name() const {
-  switch (framework) {
+namespace {
+const char* framework_key(Framework f) {  // as parallelism.framework writes it
+  switch (f) {
     case Framework::megatron: return "megatron";
     case Framework::deepspeed: return "deepspeed";
     case Framework::fsdp: return "fsdp";
@@ -208,6 +209,9 @@ std::string Plan::framework_name() const {
   }
   return "auto";
 }
+}  // namespace
+
+std::string Plan::framework_name() const { return framework_key(framework); }
 
 std::string Plan::zero_and_recompute() const {
   const std::string_view recompute = recompute_name(config.training.activation_recompute);
@@ -557,13 +561,13 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     ck.error("communication.overlap_param_gather",
              fmt::format("overlap_param_gather is Megatron-LM's --overlap-param-gather, which needs its distributed "
                          "optimizer: zero_stage 1 under framework megatron (it is zero_stage {}, framework {}){}",
-                         zs, fw == Framework::megatron ? "megatron" : fw == Framework::deepspeed ? "deepspeed" : "fsdp",
+                         zs, framework_key(fw),
                          zs >= 2 ? "; ZeRO-2/3 and FSDP place their gathers themselves" : ""),
              {"parallelism.zero_stage", "parallelism.framework"});
   if (par.fsdp_no_sync && fw != Framework::fsdp)
     ck.error("parallelism.fsdp_no_sync",
              fmt::format("fsdp_no_sync needs parallelism.framework: fsdp (it is {})",
-                         fw == Framework::megatron ? "megatron" : "deepspeed"),
+                         framework_key(fw)),
              {"parallelism.framework"});
 
   // The ring (Transformer Engine's p2p, Megatron-Core's default) runs attention one chunk of keys
