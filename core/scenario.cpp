@@ -453,10 +453,12 @@ class Loader {
       if (f && is_plain_scalar(values) && values.Scalar() == "auto") {
         if (path == "training.micro_batch_size")
           sc_.sweep.push_back(SweepAxis{path, {}, at, SweepAxisKind::auto_micro_batch_size});
+        else if (path == "parallelism.virtual_pipeline_stages")
+          sc_.sweep.push_back(SweepAxis{path, {}, at, SweepAxisKind::auto_virtual_stages});
         else
           error("sweep." + path, value_location(values, at),
-                "auto is generated only for `parallelism` and `training.micro_batch_size`; list this key's values, "
-                "e.g. [a, b, c]");
+                "auto is generated only for `parallelism`, `training.micro_batch_size` and "
+                "`parallelism.virtual_pipeline_stages`; list this key's values, e.g. [a, b, c]");
         continue;
       }
       if (!f) {

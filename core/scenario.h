@@ -17,11 +17,14 @@
 
 namespace trainsim {
 
-// An axis of `sweep:`. Most list values of one key; two are generated per configuration:
+// An axis of `sweep:`. Most list values of one key; three are generated per configuration:
 //   parallelism: auto                 every (data, pipeline, tensor) factorisation of num_gpus
 //                                     the model allows (sim/sweep/sweep.h says which)
 //   training.micro_batch_size: auto   every divisor of global_batch_size / data_parallel_size
-enum class SweepAxisKind { values, auto_parallelism, auto_micro_batch_size };
+//   parallelism.virtual_pipeline_stages: auto
+//                                     under interleaved-1f1b, every way to cut a stage's layers
+//                                     into chunks (interleaving_depths, sim/sweep/sweep.h)
+enum class SweepAxisKind { values, auto_parallelism, auto_micro_batch_size, auto_virtual_stages };
 
 struct SweepAxis {
   std::string path;  // a row of the field table ("parallelism" for `parallelism: auto`)

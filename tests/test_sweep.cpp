@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -198,6 +199,55 @@ sweep:
   }
 }
 
+// `virtual_pipeline_stages: auto` under interleaving: exactly the v >= 2 that cut each stage's
+// layers into equal chunks (brute force over every v up to the layers); one row (the file's v)
+// for the other schedules. 30 layers: 1, 2, 3, 5 and 6 stages divide them, 4 does not.
+TEST(SweepExpand, AutoVirtualStagesCutEveryStageIntoEqualChunks) {
+  const Scenario sc = postmortem_with(R"(
+sweep:
+  parallelism.pipeline_parallel_size: [2, 3, 5, 6]
+  parallelism.schedule: [1f1b, interleaved-1f1b]
+  parallelism.virtual_pipeline_stages: auto
+)");
+  ASSERT_EQ(sc.sweep.back().kind, SweepAxisKind::auto_virtual_stages);
+  Scenario thirty = sc;
+  thirty.config.model.num_layers = 30;
+  thirty.config.cluster.num_gpus = 30;  // every stage count divides it
+  std::map<std::pair<int, ScheduleKind>, std::set<int>> got;
+  for (const auto& pt : expand_sweep(thirty)) {
+    const auto& p = pt.config.parallelism;
+    got[{p.pipeline_parallel_size, p.schedule}].insert(p.virtual_pipeline_stages);
+    ASSERT_EQ(pt.values.back().first, "parallelism.virtual_pipeline_stages");
+  }
+  for (int stages : {2, 3, 5, 6}) {
+    std::set<int> want;
+    for (int v = 2; v <= 30; ++v)
+      if (30 % (stages * v) == 0) want.insert(v);
+    EXPECT_EQ((got[{stages, ScheduleKind::interleaved_1f1b}]), want) << stages << " stages";
+    EXPECT_EQ((got[{stages, ScheduleKind::one_f_one_b}]), std::set<int>{1}) << stages << " stages";
+  }
+}
+
+// The values behind it: Megatron-Bridge's Llama 3 70B recipe interleaves 80 layers on 8 stages
+// 5 deep, which {1, 2, 4, 8} never tried; layers the stages do not share equally are cut as the
+// stages' rounded-up share (126 on 16: Llama 3 405B's split, 8 layers on the middle stages).
+TEST(SweepExpand, InterleavingDepthsAreTheDivisorsOfAStagesLayers) {
+  ScenarioConfig c = load_scenario_text(postmortem_text(), "p.yaml").config;
+  c.parallelism.schedule = ScheduleKind::interleaved_1f1b;
+  c.model.num_layers = 80;
+  c.parallelism.pipeline_parallel_size = 8;
+  EXPECT_EQ(interleaving_depths(c), (std::vector<std::int64_t>{2, 5, 10}));
+  c.model.num_layers = 126;
+  c.parallelism.pipeline_parallel_size = 16;
+  EXPECT_EQ(interleaving_depths(c), (std::vector<std::int64_t>{2, 4, 8}));
+  c.parallelism.pipeline_parallel_size = 126;  // a layer a stage: nothing to interleave, the file's own
+  c.parallelism.virtual_pipeline_stages = 3;
+  EXPECT_EQ(interleaving_depths(c), (std::vector<std::int64_t>{3}));
+  c.parallelism.pipeline_parallel_size = 16;
+  c.parallelism.schedule = ScheduleKind::zb_h1;
+  EXPECT_EQ(interleaving_depths(c), (std::vector<std::int64_t>{3}));
+}
+
 TEST(SweepExpand, ASweptGpuKeepsTheFilesOverrides) {
   const Scenario sc = load_scenario_text(R"(
 model: {preset: gpt3-1.3b}
@@ -240,6 +290,8 @@ constraints:
   EXPECT_EQ(sc.sweep[0].kind, SweepAxisKind::auto_parallelism);
   EXPECT_EQ(sc.sweep[1].kind, SweepAxisKind::auto_micro_batch_size);
   EXPECT_EQ(sc.sweep[2].kind, SweepAxisKind::values);
+  EXPECT_EQ(postmortem_with("sweep:\n  parallelism.virtual_pipeline_stages: auto\n").sweep.at(0).kind,
+            SweepAxisKind::auto_virtual_stages);
   EXPECT_DOUBLE_EQ(sc.constraints.max_memory_fraction, 0.9);
   EXPECT_EQ(sc.constraints.min_global_batch_size, 8);
   EXPECT_EQ(sc.constraints.max_pipeline_parallel_size, 4);

@@ -163,7 +163,7 @@ std::vector<SweepAxis> default_search_space(const ScenarioConfig& c) {
   if (c.training.global_batch_size > 0)
     axes.push_back(SweepAxis{"training.micro_batch_size", {}, {}, SweepAxisKind::auto_micro_batch_size});
   values("parallelism.schedule", {text("gpipe"), text("1f1b"), text("interleaved-1f1b"), text("zb-h1")});
-  values("parallelism.virtual_pipeline_stages", {std::int64_t{1}, std::int64_t{2}, std::int64_t{4}, std::int64_t{8}});
+  axes.push_back(SweepAxis{"parallelism.virtual_pipeline_stages", {}, {}, SweepAxisKind::auto_virtual_stages});
   values("parallelism.sequence_parallel", {false, true});
   // Long sequences: the ways to split each one over GPUs (docs/sweep.md says from what length).
   if (c.model.seq_length >= kLongContextTokens) {

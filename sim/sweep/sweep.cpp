@@ -79,6 +79,17 @@ std::vector<ParallelLayout> auto_parallel_layouts(const ScenarioConfig& c) {
   return out;
 }
 
+std::vector<std::int64_t> interleaving_depths(const ScenarioConfig& c) {
+  const auto& p = c.parallelism;
+  const std::int64_t stages = p.pipeline_parallel_size, layers = c.model.num_layers;
+  if (p.schedule != ScheduleKind::interleaved_1f1b || stages < 2 || layers < 1) return {p.virtual_pipeline_stages};
+  std::vector<std::int64_t> out;
+  for (std::int64_t v : divisors((layers + stages - 1) / stages))
+    if (v >= 2) out.push_back(v);
+  if (out.empty()) out.push_back(p.virtual_pipeline_stages);  // a layer a stage: Plan says why not
+  return out;
+}
+
 std::vector<std::string> sweep_keys(const Scenario& sc) {
   std::vector<std::string> keys;
   bool layout_swept = false, data_swept = false;
@@ -104,12 +115,14 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
   // Presets first, then the file's own keys again, then the other axes: the loader's order,
   // so a swept GPU keeps the overrides the file wrote (num_gpus, memory_gib, ...).
   std::vector<const SweepAxis*> preset_axes, value_axes;
-  bool auto_parallel = false, auto_micro = false;
+  bool auto_parallel = false, auto_micro = false, auto_virtual = false;
   for (const auto& a : sc.sweep) {
     if (a.kind == SweepAxisKind::auto_parallelism)
       auto_parallel = true;
     else if (a.kind == SweepAxisKind::auto_micro_batch_size)
       auto_micro = true;
+    else if (a.kind == SweepAxisKind::auto_virtual_stages)
+      auto_virtual = true;
     else if (field(a.path).applies_preset)
       preset_axes.push_back(&a);
     else
@@ -199,6 +212,16 @@ std::vector<SweepConfiguration> expand_sweep(const Scenario& sc,
         next.push_back(std::move(q));
       }
     }
+    cur = std::move(next);
+  }
+  if (auto_virtual) {  // after the pipeline's size is known
+    std::vector<SweepConfiguration> next;
+    for (const auto& p : cur)
+      for (std::int64_t v : interleaving_depths(p.config)) {
+        SweepConfiguration q = p;
+        q.config.parallelism.virtual_pipeline_stages = static_cast<int>(v);
+        next.push_back(std::move(q));
+      }
     cur = std::move(next);
   }
   if (auto_micro) {

@@ -67,6 +67,13 @@ struct ParallelLayout {
 // Every layout `parallelism: auto` generates for this model and cluster, ordered by
 // (tp, pp) ascending. Empty when num_gpus < 1.
 std::vector<ParallelLayout> auto_parallel_layouts(const ScenarioConfig& config);
+// The virtual stages `parallelism.virtual_pipeline_stages: auto` generates for a configuration:
+// under interleaved-1f1b with a pipeline, every v >= 2 that cuts a stage's layers into equal
+// chunks (the divisors of num_layers / pipeline_parallel_size, as Megatron-LM requires: 80 layers
+// on 8 stages give 2, 5 and 10), or, where the stages cannot hold equal layers, of that count
+// rounded up (the uneven split default_layers_per_virtual_stage makes: 126 layers on 16 stages
+// give 2, 4 and 8). Otherwise the configuration's own value alone.
+std::vector<std::int64_t> interleaving_depths(const ScenarioConfig& config);
 // The positive divisors of n in ascending order (empty for n < 1).
 std::vector<std::int64_t> divisors(std::int64_t n);
 
