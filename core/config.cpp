@@ -1,5 +1,9 @@
 #include "core/config.h"
 
+#include <algorithm>
+
+#include <fmt/format.h>
+
 namespace trainsim {
 
 std::string_view schedule_name(ScheduleKind s) {
@@ -29,6 +33,18 @@ std::string_view recompute_name(Recompute r) {
     case Recompute::selective_op: return "selective_op";
   }
   return "?";
+}
+
+int recomputed_layers(const TrainingConfig& t, int chunk_layers) {
+  if (t.activation_recompute != Recompute::full) return 0;
+  return t.recompute_num_layers > 0 ? std::min(t.recompute_num_layers, chunk_layers) : chunk_layers;
+}
+
+std::string recompute_text(const TrainingConfig& t) {
+  std::string s(recompute_name(t.activation_recompute));
+  if (t.activation_recompute == Recompute::full && t.recompute_num_layers > 0)
+    s += fmt::format(" (first {} layer{} a chunk)", t.recompute_num_layers, t.recompute_num_layers == 1 ? "" : "s");
+  return s;
 }
 
 std::string_view runtime_backend_name(RuntimeBackend b) { return b == RuntimeBackend::cuda ? "cuda" : "cpu"; }

@@ -173,6 +173,10 @@ struct TrainingConfig {
   int micro_batch_size = 1;
   int global_batch_size = 0;  // 0: micro_batch_size * data_parallel_size (one micro-batch per step)
   Recompute activation_recompute = Recompute::none;
+  // Under full recompute, the layers of each model chunk that rebuild, the chunk's first ones
+  // (Megatron-LM's --recompute-method block --recompute-num-layers N); the others keep every
+  // activation. 0: every layer. recomputed_layers() applies it.
+  int recompute_num_layers = 0;
   Optimizer optimizer = Optimizer::adam;
   // Megatron-LM's --gradient-accumulation-fusion (on by default since 2022): each weight-gradient
   // product accumulates straight into the main_grad buffer (cuBLAS with beta = 1) instead of a
@@ -269,6 +273,11 @@ struct ScenarioConfig {
 
 std::string_view schedule_name(ScheduleKind s);
 std::string_view recompute_name(Recompute r);
+// The layers of a model chunk of `chunk_layers` that full recompute rebuilds (the chunk's first
+// recompute_num_layers, or all of them); 0 unless activation_recompute is full.
+int recomputed_layers(const TrainingConfig& t, int chunk_layers);
+// The recompute as the reports write it: "full", or "full (first 5 layers a chunk)".
+std::string recompute_text(const TrainingConfig& t);
 // The parallel sizes as the reports write them: "data 2 x pipeline 4 (v=2) x tensor 2", with
 // " x context c" when context parallelism is on.
 std::string parallel_sizes_text(const ParallelismConfig& p);

@@ -434,6 +434,11 @@ std::vector<FieldSpec> make_fields() {
                      "(Megatron-LM), full each layer from its input, selective_op keeps the attention core's "
                      "output and every other matrix product's and recomputes the rest of the layer "
                      "(torchtitan's op-level policy)"));
+  t.push_back(integer("training.recompute_num_layers", FIELD(training.recompute_num_layers), 0, 1 << 20, "",
+                      "Under activation_recompute: full, the layers of each model chunk that are recomputed, the "
+                      "chunk's first ones; the others keep every activation (Megatron-LM's --recompute-method "
+                      "block --recompute-num-layers N: memory traded for time layer by layer)",
+                      "0 (every layer)"));
   t.push_back(choice("training.optimizer", FIELD(training.optimizer),
                      {{"adam", Optimizer::adam}, {"adamw", Optimizer::adamw}, {"sgd", Optimizer::sgd}},
                      "Optimizer (Adam keeps two FP32 moments per parameter, SGD one momentum)"));

@@ -177,7 +177,8 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       // Recompute first rebuilds what the forward did not keep: the layer (full), all of it but
       // the kept products (selective_op), or the attention core's scores and probabilities
       // (selective).
-      if (recompute == Recompute::full || recompute == Recompute::selective_op)
+      if ((recompute == Recompute::full && l < recomputed_layers(cfg.training, layers)) ||
+          recompute == Recompute::selective_op)
         layer_forward(recompute == Recompute::selective_op);
       if (recompute == Recompute::selective) {
         cp_gather(k);
@@ -506,7 +507,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       k.memory("layernorm.backward_input", rep, 4);
     }
     for (int l = 0; l < layers; ++l) {
-      if (rc == Recompute::full) layer_forward();
+      if (rc == Recompute::full && l < recomputed_layers(cfg.training, layers)) layer_forward();
       if (rc == Recompute::selective) attention_core_forward();
       if (rc == Recompute::selective_op) op_rebuild();
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));

@@ -353,7 +353,12 @@ void result_from_figures(const Plan& plan, const Schedule& s, const StepFigures&
   const double per_gpu_step = res.step_time_s > 0 && gpus > 0 ? 1.0 / (res.step_time_s * gpus) : 0;
   res.tokens_per_s_per_gpu = gpus > 0 ? res.tokens_per_s / gpus : 0;
   res.model_tflops_per_gpu = shape.model_flops_per_sample() * plan.global_batch_size * per_gpu_step / 1e12;
-  res.hardware_tflops_per_gpu = shape.hardware_flops_per_sample(cfg.training.activation_recompute) *
+  int rebuilt = 0;
+  for (const int layers : plan.layers_per_virtual_stage) rebuilt += recomputed_layers(cfg.training, layers);
+  res.hardware_tflops_per_gpu = shape.hardware_flops_per_sample(cfg.training.activation_recompute,
+                                                                cfg.training.activation_recompute == Recompute::full
+                                                                    ? rebuilt
+                                                                    : -1) *
                                 plan.global_batch_size * per_gpu_step / 1e12;
   res.time_to_train_s = res.gpu_hours = res.cost = -1;
   if (res.step_time_s > 0 && (cfg.training.total_tokens > 0 || cfg.training.train_steps > 0)) {

@@ -88,7 +88,7 @@ std::vector<LayerProduct> ModelShape::layer_products() const {
   return p;
 }
 
-double ModelShape::hardware_flops_per_sample(Recompute r) const {
+double ModelShape::hardware_flops_per_sample(Recompute r, int rebuilt_layers) const {
   double again = 0;
   switch (r) {
     case Recompute::none: break;
@@ -102,7 +102,7 @@ double ModelShape::hardware_flops_per_sample(Recompute r) const {
       break;
     }
   }
-  return model_flops_per_sample() + L * again;
+  return model_flops_per_sample() + (rebuilt_layers >= 0 ? rebuilt_layers : L) * again;
 }
 
 double ModelShape::layer_activation_bytes(int b, int e, int t, bool sp, Recompute r) const {

@@ -65,7 +65,9 @@ struct ModelShape {
   // recomputation inside its backward is not counted.
   // selective_op adds the products it does not keep, and the attention core where the kernel
   // keeps its s x s probabilities (they are rebuilt).
-  double hardware_flops_per_sample(Recompute r) const;
+  // `rebuilt_layers` of the model's layers rebuild (full recompute of a chunk's first layers
+  // alone, recompute_num_layers); -1: all of them.
+  double hardware_flops_per_sample(Recompute r, int rebuilt_layers = -1) const;
 
   // The layer's matrix products in the order its code calls them (separate_projections says how
   // many), and which outputs torchtitan's op-level policy keeps: the 1st, 3rd, 5th, ...

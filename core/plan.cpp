@@ -214,7 +214,7 @@ const char* framework_key(Framework f) {  // as parallelism.framework writes it
 std::string Plan::framework_name() const { return framework_key(framework); }
 
 std::string Plan::zero_and_recompute() const {
-  const std::string_view recompute = recompute_name(config.training.activation_recompute);
+  const std::string recompute = recompute_text(config.training);
   return zero() > 0 ? fmt::format("ZeRO {} ({}), recompute {}", zero(), framework_name(), recompute)
                     : fmt::format("recompute {}", recompute);
 }
@@ -445,6 +445,13 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
     }
     plan.layers_per_virtual_stage = std::move(split);
   }
+
+  if (c.training.recompute_num_layers > 0 && c.training.activation_recompute != Recompute::full)
+    ck.error("training.recompute_num_layers",
+             fmt::format("recompute_num_layers({}) chooses the layers full recompute rebuilds; activation_recompute "
+                         "is {}: set it to full, or recompute_num_layers to 0",
+                         c.training.recompute_num_layers, recompute_name(c.training.activation_recompute)),
+             {"training.activation_recompute"});
 
   // ---- batch -----------------------------------------------------------------------
   const int b = c.training.micro_batch_size;

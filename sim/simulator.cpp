@@ -55,6 +55,7 @@ void schedule_key_into(const ScenarioConfig& c, ScenarioConfig& key) {
   key.parallelism.sequence_parallel = false;
   TrainingConfig& t = key.training;
   t.activation_recompute = {};
+  t.recompute_num_layers = 0;
   t.optimizer = {};
   t.lr = t.weight_decay = t.adam_beta1 = t.adam_beta2 = t.adam_eps = t.clip_grad = 0;
   PrecisionConfig& pr = key.precision;

@@ -258,6 +258,60 @@ TEST(Activations, FullRecomputeAddsOneLayerDuringBackward) {
   EXPECT_DOUBLE_EQ(peak[0].activations, 4 * mm.activations_per_microbatch(0) + one_layer);
 }
 
+// Megatron-LM's block recompute (training.recompute_num_layers N): the first N layers of each
+// chunk are fully recomputed, the others keep everything. Against the two ends, layer by layer:
+// the stash grows by (L - N) x (a kept layer - its input), the backward's rebuild workspace stays
+// one layer, and the step costs N / L of full recompute's extra time (one stage, one replica:
+// nothing but the passes moves) and its hardware FLOPs N / L of the extra.
+TEST(Activations, RecomputingAChunksFirstLayersIsFullRecomputeOnThemAlone) {
+  ScenarioConfig c = testing::preset_replicas("gpt3-1.3b", "a100-80gb", 1, 0);
+  c.training.global_batch_size = 4;
+  const int L = c.model.num_layers;
+  auto with = [&](Recompute r, int n) {
+    ScenarioConfig x = c;
+    x.training.activation_recompute = r;
+    x.training.recompute_num_layers = n;
+    return predict(Plan::from_config(x)).result;
+  };
+  const Result none = with(Recompute::none, 0), full = with(Recompute::full, 0);
+  const Plan plan = Plan::from_config(c);
+  const ModelShape shape = plan.shape();
+  const int b = plan.micro_batch_size, e = plan.activation_bytes();
+  const double kept = shape.layer_stored_activation_bytes(b, e, 1, false, Recompute::none);
+  const double input = shape.layer_stored_activation_bytes(b, e, 1, false, Recompute::full);
+  for (const int n : {1, L / 3, L - 1}) {
+    SCOPED_TRACE(::testing::Message() << n << " of " << L << " layers");
+    const Result r = with(Recompute::full, n);
+    EXPECT_NEAR(r.ranks[0].memory.activations - full.ranks[0].memory.activations, (L - n) * (kept - input), 1.0);
+    EXPECT_NEAR(r.step_time_s - none.step_time_s, static_cast<double>(n) / L * (full.step_time_s - none.step_time_s),
+                1e-6 * full.step_time_s);
+    const double extra = full.hardware_tflops_per_gpu * full.step_time_s - none.hardware_tflops_per_gpu * none.step_time_s;
+    EXPECT_NEAR(r.hardware_tflops_per_gpu * r.step_time_s - none.hardware_tflops_per_gpu * none.step_time_s,
+                static_cast<double>(n) / L * extra, 1e-9 * extra);
+  }
+  EXPECT_EQ(with(Recompute::full, L).step_time_s, full.step_time_s);  // every layer: full recompute
+  EXPECT_EQ(with(Recompute::full, 10 * L).ranks[0].memory.activations, full.ranks[0].memory.activations);
+}
+
+// It chooses among the layers full recompute rebuilds: with another recompute it is an error at
+// its key, and the plan line says how many layers a chunk rebuild.
+TEST(Activations, RecomputeNumLayersNeedsFullRecompute) {
+  ScenarioConfig c = testing::small_config(2, 4, ScheduleKind::one_f_one_b);
+  c.training.recompute_num_layers = 1;
+  c.training.activation_recompute = Recompute::selective;
+  try {
+    Plan::from_config(c);
+    ADD_FAILURE() << "accepted";
+  } catch (const ScenarioError& e) {
+    ASSERT_FALSE(e.diagnostics().empty());
+    EXPECT_EQ(e.diagnostics()[0].key_path, "training.recompute_num_layers");
+    EXPECT_NE(e.diagnostics()[0].message.find("activation_recompute is selective"), std::string::npos)
+        << e.diagnostics()[0].message;
+  }
+  c.training.activation_recompute = Recompute::full;
+  EXPECT_EQ(Plan::from_config(c).zero_and_recompute(), "recompute full (first 1 layer a chunk)");
+}
+
 TEST(Fit, OverflowIsReportedWithTheRankAndTheExcess) {
   ScenarioConfig c = testing::small_config(2, 4, ScheduleKind::gpipe);
   c.cluster.memory_gib = 0.001;

@@ -119,7 +119,7 @@ std::string format_summary(const Plan& plan, const Result& res) {
           ? fmt::format(" in groups of {} micro-batches", plan.microbatch_group)
           : std::string(),
       plan.num_microbatches, plan.micro_batch_size, plan.global_batch_size, c.parallelism.zero_stage,
-      recompute_name(c.training.activation_recompute));
+      recompute_text(c.training));
   o += fmt::format("  data par {}: {}\n", res.framework, res.framework_setting);
   if (const std::string buckets = gradient_buckets_text(plan); !buckets.empty())
     o += fmt::format("  buckets  {}\n", buckets);

@@ -170,7 +170,8 @@ struct CudaStageModel::Impl : StageShape {
     auto make_buf = [this](std::size_t n, Held h) { return make(n, h); };
     auto make_ids = [](std::size_t n) { return DeviceBuffer(n * sizeof(std::int32_t)); };
     return std::make_unique<StashT>(make_stash<DeviceBuffer, DeviceBuffer>(
-        shape(), spec.has_embedding, spec.has_head, spec.recompute, split_room, make_buf, make_ids));
+        shape(), spec.has_embedding, spec.has_head, [this](int li) { return spec.recompute_of(li); }, split_room,
+        make_buf, make_ids));
   }
   std::unique_ptr<BackwardT> new_backward(bool split) {
     return std::make_unique<BackwardT>(
@@ -459,7 +460,8 @@ void CudaStageModel::Impl::attention_forward(BlockStash<DeviceBuffer>& st) {
 // ---------------------------------------------------------------------------------------
 void CudaStageModel::Impl::forward_block(int li, StashT& s) {
   BlockStash<DeviceBuffer>& b = s.blocks[static_cast<std::size_t>(li)];
-  switch (spec.recompute) {
+  const Recompute recompute = spec.recompute_of(li);
+  switch (recompute) {
     case Recompute::none:
       block_forward(li, s);
       return;
@@ -471,7 +473,7 @@ void CudaStageModel::Impl::forward_block(int li, StashT& s) {
     case Recompute::full:            // the whole block goes to the workspace,
     case Recompute::selective_op: {  // or all but qkv, att and fc; the output stays only as the next input
       auto to_workspace = [&] {
-        if (spec.recompute == Recompute::full)
+        if (recompute == Recompute::full)
           std::swap(b, redo.block);
         else
           swap_op_rebuilt(b, redo.block);
@@ -496,16 +498,18 @@ void CudaStageModel::Impl::rerun_block(int li, StashT& s) {
 }
 
 void CudaStageModel::Impl::rebuild(const Unit& u, StashT& s, bool split) {
-  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  if (u.kind != UnitKind::block) return;
+  const Recompute recompute = spec.recompute_of(u.block);
+  if (recompute == Recompute::none) return;
   BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(u.block)];
-  if (spec.recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
+  if (recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
     std::swap(st.probs, redo.probs);
     std::swap(st.att, datt);  // the kept attention output is left as it is (datt: (N,Cl), free until the input pass)
     attention_forward(st);
     std::swap(st.att, datt);
     return;
   }
-  if (spec.recompute == Recompute::selective_op) {  // from the kept input, qkv, att and fc
+  if (recompute == Recompute::selective_op) {  // from the kept input, qkv, att and fc
     if (!split) {
       swap_op_rebuilt(st, redo.block);
     } else {  // in the stash's room what the weight pass, later, reads; the softmax output in the workspace
@@ -529,11 +533,13 @@ void CudaStageModel::Impl::rebuild(const Unit& u, StashT& s, bool split) {
 }
 
 void CudaStageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_done) {
-  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  if (u.kind != UnitKind::block) return;
+  const Recompute recompute = spec.recompute_of(u.block);
+  if (recompute == Recompute::none) return;
   BlockStash<DeviceBuffer>& st = s.blocks[static_cast<std::size_t>(u.block)];
-  if (spec.recompute == Recompute::selective) {
+  if (recompute == Recompute::selective) {
     std::swap(st.probs, redo.probs);
-  } else if (spec.recompute == Recompute::selective_op) {
+  } else if (recompute == Recompute::selective_op) {
     if (weights_done)
       swap_op_rebuilt(st, redo.block);
     else  // the rest kept for the weight pass
@@ -939,7 +945,8 @@ std::size_t CudaStageModel::activation_bytes() const {
   for (const Impl::Slot& sl : impl_->slots.all()) {
     if (sl.stash)
       bytes += stash_bytes(
-          *sl.stash, impl_->spec.recompute, [](const DeviceBuffer& b, Held) { return b.bytes(); },
+          *sl.stash, [this](int li) { return impl_->spec.recompute_of(li); },
+          [](const DeviceBuffer& b, Held) { return b.bytes(); },
           [](const DeviceBuffer& ids) { return ids.bytes(); });
     if (sl.backward) for_each_tensor(*sl.backward, count);
   }

@@ -226,8 +226,10 @@ BlockStash<Buf> make_block_stash(const StageShape& s, BlockParts parts, Make&& m
 // `block_room`: under full recompute and selective_op, allocate the tensors they rebuild anyway
 // (selective_op's but the softmax output, which its rebuild leaves in the workspace), as room a
 // split backward rebuilds a block in for its weight pass (a device that must not allocate mid-step).
-template <class Buf, class Ids, class Make, class MakeIds>
-Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_head, Recompute recompute,
+// `recompute_of(block)` says each block's (StageSpec::recompute_of: full recompute of a stage's first
+// blocks alone keeps everything of the others).
+template <class Buf, class Ids, class RecomputeOf, class Make, class MakeIds>
+Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_head, RecomputeOf&& recompute_of,
                            bool block_room, Make&& make, MakeIds&& make_ids) {
   Stash<Buf, Ids> st;
   const std::size_t nlc = s.Nl * s.C, n = s.N;
@@ -240,19 +242,24 @@ Stash<Buf, Ids> make_stash(const StageShape& s, bool has_embedding, bool has_hea
     st.rstdf = make(s.Nl, Held::f32);
     st.lse = make(n, Held::f32);
   }
-  const bool inputs_only = recompute == Recompute::full || recompute == Recompute::selective_op;
+  auto inputs_only = [&](int block) {
+    const Recompute r = recompute_of(block);
+    return r == Recompute::full || r == Recompute::selective_op;
+  };
   for (int i = 0; i <= s.L; ++i)
-    st.x.push_back(inputs_only && i == s.L && !has_head && s.L > 0 ? Buf() : make(nlc, Held::compute));
+    st.x.push_back(s.L > 0 && i == s.L && !has_head && inputs_only(s.L - 1) ? Buf() : make(nlc, Held::compute));
   st.blocks.resize(static_cast<std::size_t>(s.L));
-  BlockParts parts;
-  switch (recompute) {
-    case Recompute::none: break;
-    case Recompute::selective: parts.probs = false; break;
-    case Recompute::full: parts = {block_room, block_room, block_room}; break;
-    case Recompute::selective_op: parts = {true, false, block_room}; break;
+  for (int i = 0; i < s.L; ++i) {
+    BlockParts parts;
+    switch (recompute_of(i)) {
+      case Recompute::none: break;
+      case Recompute::selective: parts.probs = false; break;
+      case Recompute::full: parts = {block_room, block_room, block_room}; break;
+      case Recompute::selective_op: parts = {true, false, block_room}; break;
+    }
+    if (parts.products || parts.probs || parts.rest)
+      st.blocks[static_cast<std::size_t>(i)] = make_block_stash<Buf>(s, parts, make);
   }
-  if (!parts.products && !parts.probs && !parts.rest) return st;
-  for (BlockStash<Buf>& b : st.blocks) b = make_block_stash<Buf>(s, parts, make);
   return st;
 }
 
@@ -331,12 +338,14 @@ void for_each_tensor(const Stash<Buf, Ids>& st, Visit&& visit, VisitIds&& visit_
 // weight pass reads (the products' and norms' inputs and statistics; not qkv, probs, fc); under
 // selective_op a block's qkv, att and fc, and while `kept` the rest of that (ln1, x1, ln2, gelu
 // and the statistics). (A device's room for them, block_room, is not counted until used.)
-template <class Buf, class Ids, class Bytes, class IdBytes>
-std::size_t stash_bytes(const Stash<Buf, Ids>& st, Recompute recompute, Bytes&& bytes, IdBytes&& id_bytes) {
+template <class Buf, class Ids, class RecomputeOf, class Bytes, class IdBytes>
+std::size_t stash_bytes(const Stash<Buf, Ids>& st, RecomputeOf&& recompute_of, Bytes&& bytes, IdBytes&& id_bytes) {
   std::size_t total = id_bytes(st.tokens) + id_bytes(st.targets);
   for (const Buf& x : st.x) total += bytes(x, Held::compute);
-  const bool rebuilt = recompute == Recompute::full || recompute == Recompute::selective_op;
-  for (const BlockStash<Buf>& b : st.blocks) {
+  for (std::size_t i = 0; i < st.blocks.size(); ++i) {
+    const BlockStash<Buf>& b = st.blocks[i];
+    const Recompute recompute = recompute_of(static_cast<int>(i));
+    const bool rebuilt = recompute == Recompute::full || recompute == Recompute::selective_op;
     if (recompute != Recompute::full)
       for (const Buf* t : {&b.qkv, &b.att, &b.fc}) total += bytes(*t, Held::compute);
     if (!rebuilt) total += bytes(b.probs, Held::compute);  // none under selective

@@ -485,8 +485,9 @@ StageModel::Impl::Impl(const StageSpec& s) : StageShape(s), spec(s) {
 }
 
 std::unique_ptr<StageModel::Impl::StashT> StageModel::Impl::new_stash() {
-  return std::make_unique<StashT>(make_stash<Buffer, Ids>(shape(), spec.has_embedding, spec.has_head, spec.recompute,
-                                                          false, make, [](std::size_t n) { return Ids(n); }));
+  return std::make_unique<StashT>(make_stash<Buffer, Ids>(
+      shape(), spec.has_embedding, spec.has_head, [this](int li) { return spec.recompute_of(li); }, false, make,
+      [](std::size_t n) { return Ids(n); }));
 }
 
 std::unique_ptr<StageModel::Impl::BackwardT> StageModel::Impl::new_backward(bool split) {
@@ -654,7 +655,8 @@ void StageModel::Impl::block_forward(int li, StashT& s, int mb, bool rebuild_op)
 // Activation recompute: what the stash keeps, and rebuilding the rest in a block's backward
 // ---------------------------------------------------------------------------------------
 void StageModel::Impl::forward_block(int li, StashT& s, int mb) {
-  switch (spec.recompute) {
+  const Recompute recompute = spec.recompute_of(li);
+  switch (recompute) {
     case Recompute::none:
       block_forward(li, s, mb);
       return;
@@ -666,7 +668,7 @@ void StageModel::Impl::forward_block(int li, StashT& s, int mb) {
     case Recompute::full:            // the whole block goes to the workspace,
     case Recompute::selective_op: {  // or all but qkv, att and fc; the output stays only as the next input
       auto to_workspace = [&] {
-        if (spec.recompute == Recompute::full)
+        if (recompute == Recompute::full)
           std::swap(s.blocks[li], redo.block);
         else
           swap_op_rebuilt(s.blocks[li], redo.block);
@@ -691,10 +693,12 @@ void StageModel::Impl::rerun_block(int li, StashT& s, int mb) {
 }
 
 void StageModel::Impl::rebuild(const Unit& u, StashT& s, int mb, bool split) {
-  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  if (u.kind != UnitKind::block) return;
   const int li = u.block;
+  const Recompute recompute = spec.recompute_of(li);
+  if (recompute == Recompute::none) return;
   BlockStash<Buffer>& st = s.blocks[li];
-  if (spec.recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
+  if (recompute == Recompute::selective) {  // the softmax output again, from the kept QKV
     const int layer = spec.first_layer + li;
     redo.active = true;
     attention_core(tmp.data(), redo.probs.data(), st.qkv.data(), [&](float* row, int n, AttnTensor t) {
@@ -704,7 +708,7 @@ void StageModel::Impl::rebuild(const Unit& u, StashT& s, int mb, bool split) {
     std::swap(st.probs, redo.probs);
     return;
   }
-  if (spec.recompute == Recompute::selective_op) {  // from the kept input, qkv, att and fc
+  if (recompute == Recompute::selective_op) {  // from the kept input, qkv, att and fc
     if (!split) {
       swap_op_rebuilt(st, redo.block);
     } else {  // in the stash what the weight pass, later, reads; the softmax output in the workspace
@@ -728,13 +732,15 @@ void StageModel::Impl::rebuild(const Unit& u, StashT& s, int mb, bool split) {
 }
 
 void StageModel::Impl::drop_rebuilt(const Unit& u, StashT& s, bool weights_done) {
-  if (u.kind != UnitKind::block || spec.recompute == Recompute::none) return;
+  if (u.kind != UnitKind::block) return;
+  const Recompute recompute = spec.recompute_of(u.block);
+  if (recompute == Recompute::none) return;
   BlockStash<Buffer>& st = s.blocks[u.block];
-  if (spec.recompute == Recompute::selective)
+  if (recompute == Recompute::selective)
     std::swap(st.probs, redo.probs);
-  else if (spec.recompute == Recompute::selective_op && weights_done)
+  else if (recompute == Recompute::selective_op && weights_done)
     swap_op_rebuilt(st, redo.block);
-  else if (spec.recompute == Recompute::selective_op)  // the weight pass reads all but the softmax output
+  else if (recompute == Recompute::selective_op)  // the weight pass reads all but the softmax output
     std::swap(st.probs, redo.block.probs);
   else if (weights_done)
     std::swap(st, redo.block);
@@ -1110,7 +1116,8 @@ std::size_t StageModel::activation_bytes() const {
   for (const Impl::Slot& sl : m.slots.all()) {
     if (sl.stash)
       bytes += stash_bytes(
-          *sl.stash, m.spec.recompute, [&](const Buffer& b, Held h) { return m.held_bytes(b.size(), h); },
+          *sl.stash, [&](int li) { return m.spec.recompute_of(li); },
+          [&](const Buffer& b, Held h) { return m.held_bytes(b.size(), h); },
           [](const Impl::Ids& ids) { return ids.size() * sizeof(std::int32_t); });
     if (sl.backward) for_each_tensor(*sl.backward, count);
   }

@@ -63,6 +63,11 @@ struct StageSpec {
   // input, kept); `full` keeps only each block's input and reruns the block's forward in its
   // backward. Rebuilt tensors are bitwise those of the forward.
   Recompute recompute = Recompute::none;
+  // Under full recompute, the blocks that rebuild: the stage's first `recompute_blocks`
+  // (training.recompute_num_layers, Megatron-LM's block method); the others keep everything.
+  int recompute_blocks = 1 << 30;
+  // Block li's recompute: `recompute`, or none past the rebuilt ones.
+  Recompute recompute_of(int li) const { return li < recompute_blocks ? recompute : Recompute::none; }
   // Tensor parallelism (stage_layout.h): this stage is shard `tensor_parallel_rank` of
   // `tensor_parallel_size`; its collectives go to the group set_tensor_parallel_group() names.
   // sequence_parallel: its residual stream holds 1/tensor_parallel_size of the rows.

@@ -60,7 +60,7 @@ RooflineComputeModel::ChunkSeconds tensor_parallel_seconds(const Plan& plan, int
   // A rebuild runs its products' collectives again: full recompute the whole layer's, selective_op
   // the attention projection's sum (its qkv and fc products, whose inputs are gathered, are kept).
   const Recompute rc = plan.config.training.activation_recompute;
-  if (rc == Recompute::full) c.backward_input += layers * 2 * (reduce + gather);
+  if (rc == Recompute::full) c.backward_input += recomputed_layers(plan.config.training, layers) * 2 * (reduce + gather);
   if (rc == Recompute::selective_op) c.backward_input += layers * reduce;
   if (sp) c.backward_weight = layers * ((split ? 4 : 2) * gather + all_reduce(buffers.norm_gradients));
   if (vs == 0) {
@@ -90,7 +90,9 @@ RooflineComputeModel::ChunkSeconds context_parallel_seconds(const Plan& plan, in
   const int layers = plan.layers_per_virtual_stage[vs];
   c.forward = layers * gather;
   c.backward_input = layers * (gather + scatter);
-  if (plan.config.training.activation_recompute != Recompute::none) c.backward_input += layers * gather;
+  const Recompute rc = plan.config.training.activation_recompute;
+  if (rc != Recompute::none)
+    c.backward_input += (rc == Recompute::full ? recomputed_layers(plan.config.training, layers) : layers) * gather;
   return c;
 }
 

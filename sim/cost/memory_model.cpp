@@ -44,7 +44,11 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
   tables_.first_bucket.reserve(V);
   tables_.last_bucket.reserve(V);
   for (int vs = 0; vs < V; ++vs) {
-    double a = plan.layers_per_virtual_stage[vs] * per_layer;
+    // Under full recompute of a chunk's first layers alone (recompute_num_layers) the others keep
+    // every activation.
+    const int layers = plan.layers_per_virtual_stage[vs];
+    const int rebuilt = rc == Recompute::full ? recomputed_layers(cfg.training, layers) : layers;
+    double a = rebuilt * per_layer + (layers - rebuilt) * full_layer;
     // The last stage keeps the FP32 logits for the loss, and the final norm's input (its backward)
     // and output (the LM head's input, for its weight gradient). Under sequence parallelism the
     // norm's input is the shard's rows, and so is its output where the head gathers it again for
@@ -59,8 +63,8 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
     // During a backward, recompute rebuilds one layer at a time: full, the layer's activations;
     // selective and selective_op, what they do not keep (selective: the attention core's s x s
     // tensors, none with flash).
-    const bool has_layers = plan.layers_per_virtual_stage[vs] > 0;
-    double transient = !has_layers || rc == Recompute::none ? 0.0 : rc == Recompute::full ? full_layer : full_layer - per_layer;
+    const bool has_layers = layers > 0;
+    double transient = rebuilt == 0 || rc == Recompute::none ? 0.0 : rc == Recompute::full ? full_layer : full_layer - per_layer;
     // PyTorch's cross-entropy on the FP32 logits (the FSDP frameworks' loss: torchtitan,
     // `F.cross_entropy(pred.float(), labels)`) keeps its log-softmax (the 4 bytes above); its
     // backward holds that, the gradient flowing into it and the one it produces, FP32 each, at
@@ -111,8 +115,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
     // Full recompute keeps only the layer's input: the input pass, which rebuilt the layer, keeps
     // for the weight pass the products' inputs (QKV's and the MLP's first product's, the stream's
     // rows; the projection's and the MLP's second product's, split t ways) and the second norm's input.
-    if (rc == Recompute::full)
-      w += plan.layers_per_virtual_stage[vs] * rows * (3.0 * m.h / stream_split + (m.h + m.f) / t);
+    if (rc == Recompute::full) w += rebuilt * rows * (3.0 * m.h / stream_split + (m.h + m.f) / t);
     // selective_op keeps the projection's input (the attention core's output); the rebuilt first
     // norm's output, the residual and the second norm's output, and the MLP's activation stay.
     if (rc == Recompute::selective_op)

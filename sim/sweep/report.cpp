@@ -799,7 +799,7 @@ std::string layout_text(const ScenarioConfig& c, int microbatches) {
   if (microbatches > 0)
     s += fmt::format("{} micro-batch{} of {}", microbatches, microbatches == 1 ? "" : "es", c.training.micro_batch_size);
   else s += fmt::format("micro-batch size {}", c.training.micro_batch_size);
-  s += fmt::format(", recompute {}, ZeRO {}, overlap {}; {} compute", recompute_name(c.training.activation_recompute),
+  s += fmt::format(", recompute {}, ZeRO {}, overlap {}; {} compute", recompute_text(c.training),
                    p.zero_stage, c.communication.overlap_grad_reduce ? "on" : "off", dtype_name(c.precision.compute));
   return s;
 }

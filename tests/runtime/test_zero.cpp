@@ -312,6 +312,42 @@ TEST(ZeroAndRecompute, EveryLayoutTrainsAsOneRankInFp32) {
               100 * worst_memory_error);
 }
 
+// Full recompute of the first half of each chunk's layers alone (training.recompute_num_layers):
+// the rebuilt blocks are bitwise the forward's, so the training is bitwise that of keeping
+// everything; its activations lie strictly between none and full (half the blocks' stashes saved
+// against one block's rebuild workspace), and each rank's peak is what the memory model predicts
+// for the same plan. Pipelines of every schedule, interleaved chunks of 2 layers, and
+// tensor-parallel shards with sequence parallelism.
+TEST(ZeroAndRecompute, RecomputingAChunksFirstLayersTrainsBitwiseAndHoldsWhatTheModelPredicts) {
+  for (const Layout& l : {Layout{1, 2, 1, ScheduleKind::one_f_one_b}, Layout{1, 2, 2, ScheduleKind::interleaved_1f1b},
+                          Layout{1, 2, 1, ScheduleKind::zb_h1}, Layout{2, 1, 1, ScheduleKind::one_f_one_b, 2, true}}) {
+    const int half = 8 / (l.pp * l.vpp) / 2;  // tiny_training's 8 layers
+    const Sharding none{0, Framework::auto_select, false};
+    SCOPED_TRACE(describe(l, none, Recompute::full));
+    auto with = [&](Recompute r, int layers) {
+      ScenarioConfig c = matrix_config(l, none, r);
+      c.precision.compute = DType::bf16;  // rounding inside the rebuilt layer too
+      c.training.recompute_num_layers = layers;
+      const RunReport rep = run(c);
+      EXPECT_FALSE(rep.failure) << rep.failure->message;
+      return rep;
+    };
+    const RunReport kept = with(Recompute::none, 0), all = with(Recompute::full, 0), first = with(Recompute::full, half);
+    if (kept.failure || all.failure || first.failure) continue;
+    EXPECT_TRUE(first.runtime_plan.notes.empty()) << first.runtime_plan.notes.front();
+    ASSERT_EQ(first.steps.size(), kept.steps.size());
+    for (std::size_t i = 0; i < first.steps.size(); ++i) {
+      EXPECT_EQ(first.steps[i].loss, kept.steps[i].loss) << "step " << i + 1;
+      EXPECT_EQ(first.steps[i].grad_norm, kept.steps[i].grad_norm) << "step " << i + 1;
+    }
+    for (std::size_t r = 0; r < first.memory.size(); ++r) {
+      EXPECT_LT(first.memory[r].activations, kept.memory[r].activations) << "rank " << r;
+      EXPECT_GT(first.memory[r].activations, all.memory[r].activations) << "rank " << r;
+    }
+    expect_memory_as_predicted(first, 0.05);
+  }
+}
+
 // What each setting shards, rank by rank, against ZeRO-0 of the same layout (dp 2, pp 2): the
 // optimizer state halves under ZeRO-1, the gradients too under ZeRO-2, the weights too under
 // ZeRO-3 (up to each segment's padding to a multiple of dp); recompute changes only activations,
