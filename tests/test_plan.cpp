@@ -326,6 +326,36 @@ TEST(Plan, WithoutASweepTheDefaultSpaceIsSearched) {
   EXPECT_EQ(recompute, (std::set<Recompute>{Recompute::none, Recompute::selective, Recompute::full}));
 }
 
+// A model whose activations do not fit without recompute, on one GPU: every layer recomputed
+// fits, and the plan recomputes only as many of the chunk's first layers as memory needs
+// (training.recompute_num_layers): one layer fewer does not fit, and it beats recomputing all.
+TEST(Plan, ItRecomputesOnlyTheLayersMemoryNeeds) {
+  const Scenario sc = load_scenario_text(R"(name: one-gpu
+model: {preset: gpt3-1.3b}
+cluster: {gpu: a100-80gb, num_gpus: 1, memory_gib: 25}
+training: {micro_batch_size: 8, global_batch_size: 8, activation_recompute: full}
+precision: {compute: bf16, master_weights: fp32, grad_accumulation: fp32, allreduce: fp32, loss_scaling: {mode: none}}
+)",
+                                         "one-gpu.yaml");
+  const PlanResult plan = make_plan(sc);
+  ASSERT_TRUE(plan.chosen.has_value());
+  const SweepRow& chosen = plan.sweep.rows[*plan.chosen];
+  const int n = chosen.point.config.training.recompute_num_layers;
+  EXPECT_EQ(chosen.point.config.training.activation_recompute, Recompute::full);
+  EXPECT_GT(n, 0);
+  EXPECT_LT(n, sc.config.model.num_layers);
+  Predictor predictor;
+  SweepConfiguration fewer = chosen.point;
+  fewer.config.training.recompute_num_layers = n - 1;
+  EXPECT_EQ(evaluate_configuration(predictor, fewer, sc.constraints).status, SweepStatus::out_of_memory);
+  for (const SweepRow& r : plan.sweep.rows)
+    if (r.feasible() && r.point.config.training.activation_recompute == Recompute::full &&
+        r.point.config.training.recompute_num_layers == 0)
+      EXPECT_GT(chosen.metrics.tokens_per_s, r.metrics.tokens_per_s) << r.reason;
+  // The change is explained with the key, and the fragment writes it.
+  EXPECT_EQ(plan.fragment["training"]["recompute_num_layers"], n);
+}
+
 // Long sequences: the default space also splits each sequence (context parallelism, where the
 // 2c chunks divide it), and a context-parallel split counts as model parallelism for simplicity.
 TEST(Plan, TheDefaultSpaceSplitsLongSequences) {

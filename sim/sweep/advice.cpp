@@ -222,6 +222,7 @@ void normalize_default_candidate(ScenarioConfig& c) {
   Recompute& rc = c.training.activation_recompute;
   if (fw == Framework::fsdp && rc == Recompute::selective) rc = Recompute::selective_op;
   if (fw != Framework::fsdp && rc == Recompute::selective_op) rc = Recompute::selective;
+  if (rc != Recompute::full) c.training.recompute_num_layers = 0;  // the layers full recompute rebuilds
 }
 
 std::tuple<int, int, int, int, int> layout_complexity(const ScenarioConfig& c) {
@@ -269,7 +270,7 @@ int group_of(const std::string& key) {
            "parallelism.layers_per_stage"}},
       {1, {"parallelism.schedule", "parallelism.virtual_pipeline_stages", "training.micro_batch_size",
            "training.global_batch_size"}},
-      {2, {"training.activation_recompute", "parallelism.zero_stage"}},
+      {2, {"training.activation_recompute", "training.recompute_num_layers", "parallelism.zero_stage"}},
   };
   for (const auto& [g, keys] : groups)
     if (std::find(keys.begin(), keys.end(), key) != keys.end()) return g;
@@ -583,6 +584,46 @@ std::vector<PlanNote> fp8_notes(const ScenarioConfig& chosen, const SweepRow& ch
   return out;
 }
 
+// Full recompute of every layer is what a memory-bound candidate of the grid gets; recomputing a
+// chunk's first layers alone (training.recompute_num_layers, Megatron-LM's block method) trades
+// less time for the memory it needs. For the kRecomputeRefinements fastest feasible candidates
+// with full recompute, the fewest of each chunk's first layers that still leave the candidate
+// feasible (fits and meets the constraints), found by bisection below the layers it rebuilds
+// (memory only falls as layers are recomputed), added as rows.
+void refine_block_recompute(SweepResult& sweep, const SweepConstraints& constraints) {
+  std::vector<std::size_t> full;
+  for (std::size_t i : sweep.ranking) {
+    const ScenarioConfig& c = sweep.rows[i].point.config;
+    if (c.training.activation_recompute == Recompute::full) full.push_back(i);
+    if (full.size() == kRecomputeRefinements) break;
+  }
+  Predictor predictor;
+  const std::size_t before = sweep.rows.size();
+  for (std::size_t i : full) {
+    const SweepRow& row = sweep.rows[i];
+    const std::vector<int> split = layers_per_virtual_stage_of(row.point.config);
+    const int most = split.empty() ? 0 : *std::max_element(split.begin(), split.end());
+    std::optional<SweepRow> best;
+    int lo = 1, hi = recomputed_layers(row.point.config.training, most);  // the row itself, feasible
+    while (lo < hi) {
+      const int mid = lo + (hi - lo) / 2;
+      SweepConfiguration point = row.point;
+      point.config.training.recompute_num_layers = mid;
+      SweepRow probe = evaluate_configuration(predictor, std::move(point), constraints);
+      if (probe.feasible()) {
+        hi = mid;
+        best = std::move(probe);
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (!best) continue;
+    best->point.index = sweep.rows.size();
+    sweep.rows.push_back(std::move(*best));
+  }
+  if (sweep.rows.size() > before) rank_rows(sweep);
+}
+
 }  // namespace
 
 PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
@@ -613,6 +654,7 @@ PlanResult make_plan(const Scenario& scenario, const PlanOptions& options) {
       if (fix) apply_precision_fixes(c);
     };
   plan.sweep = run_sweep(search, so);
+  if (plan.default_space) refine_block_recompute(plan.sweep, scenario.constraints);
   // The original's row reports the same keys as the candidates.
   plan.original.point.values.clear();
   for (const auto& k : plan.sweep.keys) plan.original.point.values.emplace_back(k, find_field(k)->get(scenario.config));

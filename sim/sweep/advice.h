@@ -145,7 +145,7 @@ struct PlanResult {
 
 // The axes `trainsim plan` searches when the scenario has no `sweep:` section:
 // parallelism: auto, training.micro_batch_size: auto (when global_batch_size is set),
-// schedule x virtual_pipeline_stages {1, 2}, activation_recompute, zero_stage {0, 1, 2, 3},
+// schedule x virtual_pipeline_stages: auto, activation_recompute, zero_stage {0, 1, 2, 3},
 // sequence_parallel, communication.overlap_grad_reduce, and for sequences of kLongContextTokens
 // or more context_parallel_size {1, 2, 4, 8}, and beyond 8 the powers of two that leave each GPU
 // kContextTokensPerGpu tokens or more. Hardware and model are not searched.
@@ -154,6 +154,10 @@ inline constexpr int kLongContextTokens = 16384;
 // Llama 3 split its 131,072-token sequences over 16 GPUs, 8,192 a GPU (Dubey et al. 2024, Table 4).
 inline constexpr int kContextTokensPerGpu = 8192;
 std::vector<SweepAxis> default_search_space(const ScenarioConfig& config);
+// How many of the fastest feasible full-recompute candidates make_plan tries with fewer layers
+// recomputed (training.recompute_num_layers: the fewest of each chunk's first layers that still
+// fit, found by bisection; memory falls as layers are recomputed).
+inline constexpr std::size_t kRecomputeRefinements = 8;
 // Folds the default space's meaningless combinations into one (applied to every candidate,
 // so duplicates are dropped): one schedule without a pipeline, virtual stages only with the
 // interleaved schedule, sequence parallelism only with tensor parallelism, ZeRO and overlap

@@ -674,6 +674,7 @@ SweepResult run_configurations(std::vector<SweepConfiguration> points, const Swe
 void rank_rows(SweepResult& res) {
   const std::size_t n = res.rows.size();
   res.counts = {};
+  res.stats.evaluations = res.stats.rejected = 0;
   res.ranking.clear();
   for (std::size_t i = 0; i < n; ++i) {
     const SweepRow& r = res.rows[i];
