@@ -530,6 +530,55 @@ TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
       << "ln1, x1, ln2, gelu, the softmax output and the stage's output; the norms' statistics";
 }
 
+// Full recompute of the stage's first block alone (StageSpec::recompute_blocks, from
+// training.recompute_num_layers): the same bits as keeping everything, whole and split, and a stash
+// strictly between every block recomputed and none.
+TEST_F(CudaStage, RecomputingTheFirstBlockAloneGivesTheSameBits) {
+  for (const bool split_backward : {false, true}) {
+    SCOPED_TRACE(split_backward ? "split" : "whole");
+    StageSpec spec = stage(small_dims(4), 1, 2, false, false, DType::bf16);
+    CudaStageModel kept(spec);
+    spec.recompute = Recompute::full;
+    CudaStageModel all(spec);
+    spec.recompute_blocks = 1;
+    CudaStageModel first(spec);
+    std::vector<CudaStageModel*> models{&kept, &all, &first};
+    for (CudaStageModel* m : models) {
+      m->reserve(1, 1, 1, 0);
+      m->init(kSeed);
+      m->zero_gradients();
+    }
+    const std::size_t n = kept.activation_elements();
+    const k::DeviceBuffer input = to_device(randn(n, 710, 1.0)), dout = to_device(randn(n, 711, 1e-2));
+    k::DeviceBuffer in16(n * 2), dout16(n * 2);
+    k::cast(in16.data(), DType::bf16, input.data(), DType::fp32, n, nullptr);
+    k::cast(dout16.data(), DType::bf16, dout.data(), DType::fp32, n, nullptr);
+    for (CudaStageModel* m : models) m->forward(0, nullptr, nullptr, in16.data(), nullptr);
+    EXPECT_LT(all.activation_bytes(), first.activation_bytes());
+    EXPECT_LT(first.activation_bytes(), kept.activation_bytes());
+    std::vector<k::DeviceBuffer> din;
+    for (CudaStageModel* m : models) {
+      din.emplace_back(n * 2);
+      if (split_backward) {
+        m->backward_input(0, dout16.data(), 1.0f, din.back().data());
+        m->backward_weight(0);
+      } else {
+        m->backward_begin(0, dout16.data(), 1.0f);
+        for (int u = 0; u < m->backward_units(); ++u) m->backward_unit(0);
+        m->backward_end(0, din.back().data());
+      }
+    }
+    EXPECT_EQ(kept.gradients_to_host(), first.gradients_to_host());
+    k::synchronize();
+    auto bits = [&](const k::DeviceBuffer& b) {
+      std::vector<std::uint16_t> v(n);
+      b.download(v.data(), n * sizeof(std::uint16_t));
+      return v;
+    };
+    EXPECT_EQ(bits(din[0]), bits(din[2])) << "input gradient";
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Without a device: specs are refused before the device is touched
 // ---------------------------------------------------------------------------------------
