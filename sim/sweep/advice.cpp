@@ -588,8 +588,8 @@ std::vector<PlanNote> fp8_notes(const ScenarioConfig& chosen, const SweepRow& ch
 // chunk's first layers alone (training.recompute_num_layers, Megatron-LM's block method) trades
 // less time for the memory it needs. For the kRecomputeRefinements fastest feasible candidates
 // with full recompute, the fewest of each chunk's first layers that still leave the candidate
-// feasible (fits and meets the constraints), found by bisection below the layers it rebuilds
-// (memory only falls as layers are recomputed), added as rows.
+// feasible (fits and meets the constraints) with room, found by bisection below the layers it
+// rebuilds (memory only falls as layers are recomputed), added as rows.
 void refine_block_recompute(SweepResult& sweep, const SweepConstraints& constraints) {
   std::vector<std::size_t> full;
   for (std::size_t i : sweep.ranking) {
@@ -597,26 +597,40 @@ void refine_block_recompute(SweepResult& sweep, const SweepConstraints& constrai
     if (c.training.activation_recompute == Recompute::full) full.push_back(i);
     if (full.size() == kRecomputeRefinements) break;
   }
+  // As the choice among near-ties does: the GPU's unmodelled share left free (kUnmodelledMemoryGib)
+  // unless the file states its own margin (which feasibility holds); a candidate already short of
+  // it is not made shorter.
+  const bool own_margin = constraints.min_memory_headroom_gib.has_value();
+  auto roomy = [&](const SweepRow& r) {
+    return r.feasible() && (own_margin || bytes_to_gib(r.metrics.headroom_bytes()) >= kUnmodelledMemoryGib);
+  };
   Predictor predictor;
   const std::size_t before = sweep.rows.size();
   for (std::size_t i : full) {
     const SweepRow& row = sweep.rows[i];
     const std::vector<int> split = layers_per_virtual_stage_of(row.point.config);
-    const int most = split.empty() ? 0 : *std::max_element(split.begin(), split.end());
-    std::optional<SweepRow> best;
-    int lo = 1, hi = recomputed_layers(row.point.config.training, most);  // the row itself, feasible
-    while (lo < hi) {
-      const int mid = lo + (hi - lo) / 2;
-      SweepConfiguration point = row.point;
-      point.config.training.recompute_num_layers = mid;
-      SweepRow probe = evaluate_configuration(predictor, std::move(point), constraints);
-      if (probe.feasible()) {
-        hi = mid;
-        best = std::move(probe);
-      } else {
-        lo = mid + 1;
+    const int most = recomputed_layers(row.point.config.training,
+                                       split.empty() ? 0 : *std::max_element(split.begin(), split.end()));
+    // The fewest layers in [1, most) meeting `ok` (memory only falls as layers are recomputed).
+    auto fewest = [&](auto&& ok) {
+      std::optional<SweepRow> best;
+      int lo = 1, hi = most;  // `most`: the row itself
+      while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        SweepConfiguration point = row.point;
+        point.config.training.recompute_num_layers = mid;
+        SweepRow probe = evaluate_configuration(predictor, std::move(point), constraints);
+        if (ok(probe)) {
+          hi = mid;
+          best = std::move(probe);
+        } else {
+          lo = mid + 1;
+        }
       }
-    }
+      return best;
+    };
+    if (!roomy(row)) continue;
+    std::optional<SweepRow> best = fewest(roomy);
     if (!best) continue;
     best->point.index = sweep.rows.size();
     sweep.rows.push_back(std::move(*best));
