@@ -497,6 +497,35 @@ TEST(Library, LongContextSplitsTheSequence) {
   EXPECT_GT(by_tokens->metrics.tokens_per_s, by_heads->metrics.tokens_per_s);
 }
 
+// #12: activations that do not fit: recomputing each chunk's first layers alone trades memory for
+// time layer by layer (every 4 layers fewer: more memory, more tokens/s), and the fewest that
+// leave 2 GiB free beat recomputing all 32.
+TEST(Library, PartialRecomputeBuysBackPartOfFullRecomputesCost) {
+  const LibraryRun& r = library("partial-recompute-llama3-8b-8xh100");
+  ASSERT_EQ(r.mode, Mode::sweep);
+  EXPECT_EQ(r.base.status, SweepStatus::out_of_memory);
+  std::map<int, const SweepRow*> by_layers;  // layers recomputed (0: all 32)
+  for (const SweepRow& row : r.sweep.rows) {
+    const int n = row.point.config.training.recompute_num_layers;
+    by_layers[n == 0 ? 32 : n] = &row;
+  }
+  ASSERT_EQ(by_layers.size(), 8u);
+  for (auto it = std::next(by_layers.begin()); it != by_layers.end(); ++it) {
+    const SweepRow &fewer = *std::prev(it)->second, &more = *it->second;
+    EXPECT_GT(fewer.metrics.peak_memory_bytes, more.metrics.peak_memory_bytes) << it->first << " layers";
+    EXPECT_GT(fewer.metrics.tokens_per_s, more.metrics.tokens_per_s) << it->first << " layers";
+  }
+  const SweepRow* best = r.best();
+  ASSERT_NE(best, nullptr);
+  const int n = best->point.config.training.recompute_num_layers;
+  EXPECT_GT(n, 0);
+  EXPECT_LT(n, 32);
+  EXPECT_GE(gib(best->metrics.headroom_bytes()), 2.0);
+  ASSERT_TRUE(by_layers[32]->feasible());
+  EXPECT_GT(best->metrics.tokens_per_s, 1.05 * by_layers[32]->metrics.tokens_per_s);
+  EXPECT_FALSE(by_layers[n - 4]->feasible()) << "four layers fewer leave less than 2 GiB";
+}
+
 // #9: pure data parallelism: the speed-up grows with the GPUs but stays below ideal, and the
 // all-reduce's share of the step grows with the GPU count.
 TEST(Library, DataParallelSpeedupIsBelowIdealAndTheAllReduceShareGrows) {
