@@ -635,7 +635,15 @@ void refine_block_recompute(SweepResult& sweep, const SweepConstraints& constrai
     best->point.index = sweep.rows.size();
     sweep.rows.push_back(std::move(*best));
   }
-  if (sweep.rows.size() > before) rank_rows(sweep);
+  if (sweep.rows.size() == before) return;
+  // A column of its own, so that a refined row and its candidate differ in the tables.
+  constexpr const char* kKey = "training.recompute_num_layers";
+  if (std::find(sweep.keys.begin(), sweep.keys.end(), kKey) == sweep.keys.end()) {
+    const FieldSpec* f = find_field(kKey);
+    sweep.keys.push_back(kKey);
+    for (SweepRow& r : sweep.rows) r.point.values.emplace_back(kKey, f->get(r.point.config));
+  }
+  rank_rows(sweep);
 }
 
 }  // namespace

@@ -47,6 +47,7 @@ std::string abbreviation(const std::string& key) {
       {"parallelism.context_parallel_size", "cp"},
       {"training.micro_batch_size", "mbs"},            {"training.global_batch_size", "gbs"},
       {"training.activation_recompute", "recompute"},  {"communication.overlap_grad_reduce", "overlap"},
+      {"training.recompute_num_layers", "recompute_layers"},
       {"communication.bucket_size_mib", "bucket_mib"}, {"communication.allreduce_algorithm", "allreduce_alg"},
   };
   auto it = known.find(key);
