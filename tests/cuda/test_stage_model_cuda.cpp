@@ -472,6 +472,26 @@ TEST_F(CudaStage, SplitBackwardGivesTheWholeBackwardsBits) {
   EXPECT_THROW(split.backward_weight(0), std::logic_error) << "its weight pass is done";
 }
 
+// The first n 16-bit elements of a device buffer, as bits.
+std::vector<std::uint16_t> bits16(const k::DeviceBuffer& b, std::size_t n) {
+  std::vector<std::uint16_t> v(n);
+  b.download(v.data(), n * sizeof(std::uint16_t));
+  return v;
+}
+
+// Micro-batch 0's backward into `din`: split (the input pass, then the weight pass) or whole (unit
+// by unit).
+void backward_of_first(CudaStageModel& m, const void* dout, void* din, bool split) {
+  if (split) {
+    m.backward_input(0, dout, 1.0f, din);
+    m.backward_weight(0);
+  } else {
+    m.backward_begin(0, dout, 1.0f);
+    for (int u = 0; u < m.backward_units(); ++u) m.backward_unit(0);
+    m.backward_end(0, din);
+  }
+}
+
 // Recompute (selective, selective_op, full) rebuilds in the backward what the forward made, with
 // the same kernels: gradients bitwise those of keeping everything, whole and split; the stash is
 // smaller: selective keeps no softmax outputs, selective_op only each block's input, qkv, att and
@@ -500,25 +520,11 @@ TEST_F(CudaStage, RecomputeGivesTheSameBitsWithLessStashed) {
       EXPECT_LT(redo.activation_bytes(), kept.activation_bytes());
       stashed[r] = redo.activation_bytes();
       workspace[r] = redo.backward_workspace_bytes();
-      for (CudaStageModel* m : {&kept, &redo}) {
-        void* din = m == &kept ? din_kept.data() : din_redo.data();
-        if (split_backward) {
-          m->backward_input(0, dout16.data(), 1.0f, din);
-          m->backward_weight(0);
-        } else {
-          m->backward_begin(0, dout16.data(), 1.0f);
-          for (int u = 0; u < m->backward_units(); ++u) m->backward_unit(0);
-          m->backward_end(0, din);
-        }
-      }
+      for (CudaStageModel* m : {&kept, &redo})
+        backward_of_first(*m, dout16.data(), m == &kept ? din_kept.data() : din_redo.data(), split_backward);
       EXPECT_EQ(kept.gradients_to_host(), redo.gradients_to_host());
       k::synchronize();
-      auto bits = [&](const k::DeviceBuffer& b) {
-        std::vector<std::uint16_t> v(n);
-        b.download(v.data(), n * sizeof(std::uint16_t));
-        return v;
-      };
-      EXPECT_EQ(bits(din_kept), bits(din_redo)) << "input gradient";
+      EXPECT_EQ(bits16(din_kept, n), bits16(din_redo, n)) << "input gradient";
     }
   EXPECT_LT(stashed[Recompute::full], stashed[Recompute::selective_op]);
   EXPECT_LT(stashed[Recompute::selective_op], stashed[Recompute::selective]);
@@ -559,23 +565,11 @@ TEST_F(CudaStage, RecomputingTheFirstBlockAloneGivesTheSameBits) {
     std::vector<k::DeviceBuffer> din;
     for (CudaStageModel* m : models) {
       din.emplace_back(n * 2);
-      if (split_backward) {
-        m->backward_input(0, dout16.data(), 1.0f, din.back().data());
-        m->backward_weight(0);
-      } else {
-        m->backward_begin(0, dout16.data(), 1.0f);
-        for (int u = 0; u < m->backward_units(); ++u) m->backward_unit(0);
-        m->backward_end(0, din.back().data());
-      }
+      backward_of_first(*m, dout16.data(), din.back().data(), split_backward);
     }
     EXPECT_EQ(kept.gradients_to_host(), first.gradients_to_host());
     k::synchronize();
-    auto bits = [&](const k::DeviceBuffer& b) {
-      std::vector<std::uint16_t> v(n);
-      b.download(v.data(), n * sizeof(std::uint16_t));
-      return v;
-    };
-    EXPECT_EQ(bits(din[0]), bits(din[2])) << "input gradient";
+    EXPECT_EQ(bits16(din[0], n), bits16(din[2], n)) << "input gradient";
   }
 }
 
