@@ -36,8 +36,9 @@ std::string_view recompute_name(Recompute r) {
 }
 
 int recomputed_layers(const TrainingConfig& t, int chunk_layers) {
-  if (t.activation_recompute != Recompute::full) return 0;
-  return t.recompute_num_layers > 0 ? std::min(t.recompute_num_layers, chunk_layers) : chunk_layers;
+  if (t.activation_recompute == Recompute::none) return 0;
+  if (t.activation_recompute != Recompute::full || t.recompute_num_layers <= 0) return chunk_layers;
+  return std::min(t.recompute_num_layers, chunk_layers);
 }
 
 std::string recompute_text(const TrainingConfig& t) {

@@ -273,8 +273,9 @@ struct ScenarioConfig {
 
 std::string_view schedule_name(ScheduleKind s);
 std::string_view recompute_name(Recompute r);
-// The layers of a model chunk of `chunk_layers` that full recompute rebuilds (the chunk's first
-// recompute_num_layers, or all of them); 0 unless activation_recompute is full.
+// The layers of a model chunk of `chunk_layers` whose backward rebuilds something: none without
+// recompute, every one under selective and selective_op (each rebuilds part of every layer), the
+// chunk's first recompute_num_layers (or all of them) under full.
 int recomputed_layers(const TrainingConfig& t, int chunk_layers);
 // The recompute as the reports write it: "full", or "full (first 5 layers a chunk)".
 std::string recompute_text(const TrainingConfig& t);

@@ -173,12 +173,12 @@ std::vector<ChunkKernels> chunk_kernels(const Plan& plan, int storage, Inventory
       k.memory("copy", Nl * C, 2);  // the received gradient
       k.memory("round", Nl * C, round_passes);
     }
+    const int rebuilt = recomputed_layers(cfg.training, layers);
     for (int l = 0; l < layers; ++l) {
       // Recompute first rebuilds what the forward did not keep: the layer (full), all of it but
       // the kept products (selective_op), or the attention core's scores and probabilities
       // (selective).
-      if ((recompute == Recompute::full && l < recomputed_layers(cfg.training, layers)) ||
-          recompute == Recompute::selective_op)
+      if ((recompute == Recompute::full && l < rebuilt) || recompute == Recompute::selective_op)
         layer_forward(recompute == Recompute::selective_op);
       if (recompute == Recompute::selective) {
         cp_gather(k);
@@ -506,8 +506,9 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       tp_allreduce(act, layers > 0 || !first, Overlap{nullptr, {}, ub && layers > 0, product(N, F, C)});
       k.memory("layernorm.backward_input", rep, 4);
     }
+    const int rebuilt = recomputed_layers(cfg.training, layers);
     for (int l = 0; l < layers; ++l) {
-      if (rc == Recompute::full && l < recomputed_layers(cfg.training, layers)) layer_forward();
+      if (rc == Recompute::full && l < rebuilt) layer_forward();
       if (rc == Recompute::selective) attention_core_forward();
       if (rc == Recompute::selective_op) op_rebuild();
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));

@@ -355,10 +355,7 @@ void result_from_figures(const Plan& plan, const Schedule& s, const StepFigures&
   res.model_tflops_per_gpu = shape.model_flops_per_sample() * plan.global_batch_size * per_gpu_step / 1e12;
   int rebuilt = 0;
   for (const int layers : plan.layers_per_virtual_stage) rebuilt += recomputed_layers(cfg.training, layers);
-  res.hardware_tflops_per_gpu = shape.hardware_flops_per_sample(cfg.training.activation_recompute,
-                                                                cfg.training.activation_recompute == Recompute::full
-                                                                    ? rebuilt
-                                                                    : -1) *
+  res.hardware_tflops_per_gpu = shape.hardware_flops_per_sample(cfg.training.activation_recompute, rebuilt) *
                                 plan.global_batch_size * per_gpu_step / 1e12;
   res.time_to_train_s = res.gpu_hours = res.cost = -1;
   if (res.step_time_s > 0 && (cfg.training.total_tokens > 0 || cfg.training.train_steps > 0)) {

@@ -148,10 +148,11 @@ RuntimePlan build(const ScenarioConfig& scenario_config, const Scenario* scenari
   // recompute_num_layers counts layers of a chunk; the runtime model's chunks are the scaled ones.
   if (const int n = c.training.recompute_num_layers; n > 0 && c.training.activation_recompute == Recompute::full) {
     const auto& split = out.plan.layers_per_virtual_stage;
-    if (!split.empty() && n >= *std::max_element(split.begin(), split.end()))
+    const int most = split.empty() ? 0 : *std::max_element(split.begin(), split.end());
+    if (!split.empty() && n >= most)
       out.notes.push_back(fmt::format("recompute_num_layers({}) covers every layer of the runtime model's chunks "
                                       "(at most {}): every layer is recomputed",
-                                      n, *std::max_element(split.begin(), split.end())));
+                                      n, most));
   }
   return out;
 }
@@ -187,7 +188,7 @@ StageSpec stage_spec(const RuntimePlan& rp, int vs, int tensor_parallel_rank, in
   spec.grad_accumulation = plan.config.precision.grad_accumulation;
   spec.micro_batch_size = plan.micro_batch_size;
   spec.recompute = plan.config.training.activation_recompute;
-  if (spec.recompute == Recompute::full) spec.recompute_blocks = recomputed_layers(plan.config.training, spec.num_layers);
+  spec.recompute_blocks = recomputed_layers(plan.config.training, spec.num_layers);
   set_model_parallel(spec, plan, tensor_parallel_rank, context_parallel_rank);
   return spec;
 }
@@ -201,7 +202,7 @@ StageSpec middle_stage_spec(const RuntimePlan& rp, int layers) {
   spec.grad_accumulation = rp.plan.config.precision.grad_accumulation;
   spec.micro_batch_size = rp.plan.micro_batch_size;
   spec.recompute = rp.plan.config.training.activation_recompute;
-  if (spec.recompute == Recompute::full) spec.recompute_blocks = recomputed_layers(rp.plan.config.training, layers);
+  spec.recompute_blocks = recomputed_layers(rp.plan.config.training, layers);
   set_model_parallel(spec, rp.plan, 0, 0);
   return spec;
 }

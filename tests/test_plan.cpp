@@ -353,8 +353,9 @@ precision: {compute: bf16, master_weights: fp32, grad_accumulation: fp32, allred
   EXPECT_TRUE(!less.feasible() || bytes_to_gib(less.metrics.headroom_bytes()) < kUnmodelledMemoryGib);
   for (const SweepRow& r : plan.sweep.rows)
     if (r.feasible() && r.point.config.training.activation_recompute == Recompute::full &&
-        r.point.config.training.recompute_num_layers == 0)
+        r.point.config.training.recompute_num_layers == 0) {
       EXPECT_GT(chosen.metrics.tokens_per_s, r.metrics.tokens_per_s) << r.reason;
+    }
   // The change is explained with the key, and the fragment writes it.
   EXPECT_EQ(plan.fragment["training"]["recompute_num_layers"], n);
 }

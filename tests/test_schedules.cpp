@@ -573,7 +573,9 @@ TEST(DataParallelTraffic, GradientBucketsAreTheFrameworksOwnUnlessNamed) {
       Bytes sum = 0;
       for (std::size_t i = 0; i < buckets.size(); ++i) {
         sum += buckets[i];
-        if (i + 1 < buckets.size()) EXPECT_NEAR(static_cast<double>(buckets[i]), bucket_bytes, 1.0);
+        if (i + 1 < buckets.size()) {
+          EXPECT_NEAR(static_cast<double>(buckets[i]), bucket_bytes, 1.0);
+        }
         EXPECT_LE(static_cast<double>(buckets[i]), bucket_bytes + 1.0);
       }
       EXPECT_EQ(sum, plan.gradient_bytes(vs));

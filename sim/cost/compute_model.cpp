@@ -90,9 +90,7 @@ RooflineComputeModel::ChunkSeconds context_parallel_seconds(const Plan& plan, in
   const int layers = plan.layers_per_virtual_stage[vs];
   c.forward = layers * gather;
   c.backward_input = layers * (gather + scatter);
-  const Recompute rc = plan.config.training.activation_recompute;
-  if (rc != Recompute::none)
-    c.backward_input += (rc == Recompute::full ? recomputed_layers(plan.config.training, layers) : layers) * gather;
+  c.backward_input += recomputed_layers(plan.config.training, layers) * gather;  // each rebuild's attention gathers again
   return c;
 }
 

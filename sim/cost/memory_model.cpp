@@ -47,7 +47,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
     // Under full recompute of a chunk's first layers alone (recompute_num_layers) the others keep
     // every activation.
     const int layers = plan.layers_per_virtual_stage[vs];
-    const int rebuilt = rc == Recompute::full ? recomputed_layers(cfg.training, layers) : layers;
+    const int rebuilt = recomputed_layers(cfg.training, layers);
     double a = rebuilt * per_layer + (layers - rebuilt) * full_layer;
     // The last stage keeps the FP32 logits for the loss, and the final norm's input (its backward)
     // and output (the LM head's input, for its weight gradient). Under sequence parallelism the
@@ -64,7 +64,7 @@ MemoryModel::MemoryModel(const Plan& plan) : plan_(plan), shape_(plan.token_shap
     // selective and selective_op, what they do not keep (selective: the attention core's s x s
     // tensors, none with flash).
     const bool has_layers = layers > 0;
-    double transient = rebuilt == 0 || rc == Recompute::none ? 0.0 : rc == Recompute::full ? full_layer : full_layer - per_layer;
+    double transient = rebuilt == 0 ? 0.0 : rc == Recompute::full ? full_layer : full_layer - per_layer;
     // PyTorch's cross-entropy on the FP32 logits (the FSDP frameworks' loss: torchtitan,
     // `F.cross_entropy(pred.float(), labels)`) keeps its log-softmax (the 4 bytes above); its
     // backward holds that, the gradient flowing into it and the one it produces, FP32 each, at
