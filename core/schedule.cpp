@@ -71,6 +71,9 @@ struct Task {
   OpKind kind;
   int local_chunk;
   int microbatch;
+  // A forward of the interleaved schedule's steady state, which Megatron-LM runs back to back
+  // with the backward after it before exchanging with both neighbours (see Builder::build_rank).
+  bool steady = false;
 };
 
 void gpipe_order(int m, std::vector<Task>& t) {
@@ -109,13 +112,13 @@ void interleaved_order(int s, int p, int m, int v, int n, bool all_warmup_when_m
     const int within = k - first * v;
     return std::pair(within / size, first + within % size);
   };
-  auto push = [&](OpKind kind, int k) {
+  auto push = [&](OpKind kind, int k, bool steady = false) {
     const auto [chunk, mb] = at(k);
-    t.push_back({kind, kind == OpKind::Forward ? chunk : v - 1 - chunk, mb});
+    t.push_back({kind, kind == OpKind::Forward ? chunk : v - 1 - chunk, mb, steady});
   };
   for (int k = 0; k < warmup; ++k) push(OpKind::Forward, k);
   for (int k = 0; k < total - warmup; ++k) {
-    push(OpKind::Forward, k + warmup);
+    push(OpKind::Forward, k + warmup, true);
     push(OpKind::Backward, k);
   }
   for (int k = total - warmup; k < total; ++k) push(OpKind::Backward, k);
@@ -366,7 +369,10 @@ class Builder {
     // backward back to back and only then exchanges with both neighbours at once
     // (send_forward_backward_recv_forward_backward: both sends, and the receives for the next
     // pair). Its ops are placed so: the pair's receives before its forward, its sends after its
-    // backward. Everywhere else a task's receive comes right before it and its send right after.
+    // backward. Everywhere else a task's receive comes right before it and its send right after:
+    // a stage whose warm-up is every forward (all of them when m == p) has no steady state, and
+    // receives its first backward's gradient after its last forward (recv_backward before the
+    // cool-down), not before it, which the next stage's gradient needs.
     const bool paired = plan_.config.parallelism.schedule == ScheduleKind::interleaved_1f1b &&
                         !plan_.config.communication.overlap_p2p_comm;
     auto recv_for = [&](const Task& task) {
@@ -473,7 +479,7 @@ class Builder {
       return first;
     };
     for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
-      const bool pair = paired && i + 1 < static_cast<int>(tasks.size()) && tasks[i].kind == OpKind::Forward &&
+      const bool pair = paired && tasks[i].steady && i + 1 < static_cast<int>(tasks.size()) &&
                         tasks[i + 1].kind == OpKind::Backward;
       if (!pair) {
         const int gather = gather_for(tasks[i]);
