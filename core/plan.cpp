@@ -547,6 +547,27 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
              fmt::format("microbatch_group_size({}) is Megatron-Core's; PyTorch's interleaved schedule (framework "
                          "fsdp) runs groups of pipeline_parallel_size({})",
                          par.microbatch_group_size, p));
+  // Megatron-LM's interleaved schedule without p2p overlap exchanges with both neighbours in one
+  // batch per step (send_forward_backward_recv_forward_backward).
+  if (interleaved && !c.communication.overlap_p2p_comm) {
+    if (fw == Framework::megatron && p <= 2)
+      ck.error("communication.overlap_p2p_comm",
+               fmt::format("Megatron-LM refuses interleaved-1f1b without p2p overlap on pipeline_parallel_size({}) "
+                           "<= 2: \"pipeline-model-parallel size should be greater than 2 to avoid having multiple "
+                           "p2p sends and recvs between same 2 ranks per communication batch\" (arguments.py); "
+                           "set overlap_p2p_comm: true",
+                           p));
+    // Megatron-Core posts each receive in the iteration its neighbour sends (its first stage
+    // "ahead of the last by p - 1") and queues the tensor; trainsim places a blocking receive
+    // before the task that reads it, which matches that only for groups of p.
+    if (group != p)
+      ck.error("parallelism.microbatch_group_size",
+               fmt::format("microbatch_group_size({}) other than pipeline_parallel_size({}) with blocking pipeline "
+                           "exchanges (overlap_p2p_comm: false) is not modelled: Megatron-Core receives each tensor in "
+                           "the iteration its neighbour sends it and queues it; set overlap_p2p_comm: true or "
+                           "microbatch_group_size: {}",
+                           group, p, p));
+  }
   const bool named = par.framework != Framework::auto_select;
   if (fw == Framework::deepspeed && zs >= 2 && p > 1)
     ck.error("parallelism.zero_stage",
