@@ -1182,30 +1182,26 @@ TEST(ScenarioInvariants, InterleavedWithoutP2POverlapFollowsMegatronsRules) {
     }
     return std::vector<Diagnostic>{};
   };
-  ScenarioConfig two = testing::small_config(2, 4, ScheduleKind::interleaved_1f1b, 2);
-  two.communication.overlap_p2p_comm = false;
-  auto ds = errors(two);
-  ASSERT_EQ(ds.size(), 1u) << dump(ds);
-  EXPECT_EQ(ds[0].key_path, "communication.overlap_p2p_comm");
-  EXPECT_EQ(ds[0].message,
-            "Megatron-LM refuses interleaved-1f1b without p2p overlap on pipeline_parallel_size(2) <= 2: "
-            "\"pipeline-model-parallel size should be greater than 2 to avoid having multiple p2p sends and recvs "
-            "between same 2 ranks per communication batch\" (arguments.py); set overlap_p2p_comm: true");
-  two.communication.overlap_p2p_comm = true;
-  EXPECT_TRUE(errors(two).empty()) << dump(errors(two));
-
+  // Refused blocking with exactly one error at `key`, `message`; accepted with overlap.
+  auto refused_blocking = [&](ScenarioConfig c, const std::string& key, const std::string& message) {
+    c.communication.overlap_p2p_comm = false;
+    const auto ds = errors(c);
+    ASSERT_EQ(ds.size(), 1u) << dump(ds);
+    EXPECT_EQ(ds[0].key_path, key);
+    EXPECT_EQ(ds[0].message, message);
+    c.communication.overlap_p2p_comm = true;
+    EXPECT_TRUE(errors(c).empty()) << dump(errors(c));
+  };
+  refused_blocking(testing::small_config(2, 4, ScheduleKind::interleaved_1f1b, 2), "communication.overlap_p2p_comm",
+                   "Megatron-LM refuses interleaved-1f1b without p2p overlap on pipeline_parallel_size(2) <= 2: "
+                   "\"pipeline-model-parallel size should be greater than 2 to avoid having multiple p2p sends and "
+                   "recvs between same 2 ranks per communication batch\" (arguments.py); set overlap_p2p_comm: true");
   ScenarioConfig grouped = testing::small_config(4, 6, ScheduleKind::interleaved_1f1b, 2);
   grouped.parallelism.microbatch_group_size = 6;
-  grouped.communication.overlap_p2p_comm = false;
-  ds = errors(grouped);
-  ASSERT_EQ(ds.size(), 1u) << dump(ds);
-  EXPECT_EQ(ds[0].key_path, "parallelism.microbatch_group_size");
-  EXPECT_EQ(ds[0].message,
-            "microbatch_group_size(6) other than pipeline_parallel_size(4) with blocking pipeline exchanges "
-            "(overlap_p2p_comm: false) is not modelled: Megatron-Core receives each tensor in the iteration its "
-            "neighbour sends it and queues it; set overlap_p2p_comm: true or microbatch_group_size: 4");
-  grouped.communication.overlap_p2p_comm = true;
-  EXPECT_TRUE(errors(grouped).empty()) << dump(errors(grouped));
+  refused_blocking(grouped, "parallelism.microbatch_group_size",
+                   "microbatch_group_size(6) other than pipeline_parallel_size(4) with blocking pipeline exchanges "
+                   "(overlap_p2p_comm: false) is not modelled: Megatron-Core receives each tensor in the iteration "
+                   "its neighbour sends it and queues it; set overlap_p2p_comm: true or microbatch_group_size: 4");
   ScenarioConfig plain = testing::small_config(4, 8, ScheduleKind::interleaved_1f1b, 2);
   plain.communication.overlap_p2p_comm = false;  // groups of p: the exchange trainsim models
   EXPECT_TRUE(errors(plain).empty()) << dump(errors(plain));

@@ -89,12 +89,17 @@ TEST(Interleaved, BubbleTimeIsOneFOneBOverV) {
 // leaves after the backward paired with it. With blocking, free transfers the bubble keeps
 // the closed form; every pair's sends follow both of its compute ops. (Megatron-LM refuses it on
 // two stages: ScenarioInvariants.InterleavedWithoutP2POverlapFollowsMegatronsRules.)
+// The interleaved plan of p stages, v chunks and m micro-batches with blocking exchanges.
+Plan blocking_interleaved(int p, int v, int m) {
+  ScenarioConfig c = small_config(p, m, ScheduleKind::interleaved_1f1b, v);
+  c.communication.overlap_p2p_comm = false;
+  return Plan::from_config(c);
+}
+
 TEST(Interleaved, WithoutP2POverlapEachPairExchangesOnce) {
   for (auto [p, v, m] : {std::tuple{3, 2, 6}, {4, 2, 8}, {4, 2, 16}, {4, 4, 8}, {8, 2, 32}, {8, 4, 64}}) {
     SCOPED_TRACE(fmt::format("p={} v={} m={}", p, v, m));
-    ScenarioConfig c = small_config(p, m, ScheduleKind::interleaved_1f1b, v);
-    c.communication.overlap_p2p_comm = false;
-    const Plan plan = Plan::from_config(c);
+    const Plan plan = blocking_interleaved(p, v, m);
     const Schedule sched = build_schedule(plan);
     ASSERT_EQ(check_schedule(sched), "");
     for (const RankProgram& prog : sched.ranks) {
@@ -125,9 +130,7 @@ TEST(Interleaved, WithoutP2POverlapAndMicroBatchesAsStagesWarmsUpThenDrains) {
   for (auto [p, v] : {std::pair{3, 2}, {4, 2}, {4, 4}, {8, 2}}) {
     const int m = p;
     SCOPED_TRACE(fmt::format("p={} v={} m={}", p, v, m));
-    ScenarioConfig c = small_config(p, m, ScheduleKind::interleaved_1f1b, v);
-    c.communication.overlap_p2p_comm = false;
-    const Plan plan = Plan::from_config(c);
+    const Plan plan = blocking_interleaved(p, v, m);
     const Schedule sched = build_schedule(plan);
     ASSERT_EQ(check_schedule(sched), "");
     for (const RankProgram& prog : sched.ranks) {
@@ -146,9 +149,8 @@ TEST(Interleaved, WithoutP2POverlapAndMicroBatchesAsStagesWarmsUpThenDrains) {
     const FreeP2P free;
     const FreeCollectives coll;
     const Timeline tl = run_uniform(plan, F / v, B / v, 0, blocking, coll);
-    ScenarioConfig overlapped = c;
-    overlapped.communication.overlap_p2p_comm = true;
-    const Timeline ref = run_uniform(Plan::from_config(overlapped), F / v, B / v, 0, free, coll);
+    const Plan overlapped = Plan::from_config(small_config(p, m, ScheduleKind::interleaved_1f1b, v));
+    const Timeline ref = run_uniform(overlapped, F / v, B / v, 0, free, coll);
     EXPECT_EQ(tl.end() - tl.begin(), ref.end() - ref.begin());
   }
 }
