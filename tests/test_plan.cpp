@@ -395,6 +395,28 @@ TEST(Plan, TheDefaultSpaceSplitsLongSequences) {
   EXPECT_LT(layout_complexity(c), layout_complexity(tokens));
 }
 
+// A file's split of the layers (Llama 3's: the embedding and the output layer in chunks of their
+// own) is its own layout's: a candidate with as many chunks keeps it, one with another number
+// splits by trainsim's default; kept, every other pipeline shape of the default space was refused
+// (Llama 3 405B's plan: 16,000 of its 19,128 candidates).
+TEST(Plan, TheDefaultSpaceKeepsTheFilesLayerSplitOnlyWhereItFits) {
+  ScenarioConfig c = testing::small_config(4, 8, ScheduleKind::interleaved_1f1b, 2);  // 16 layers, 8 chunks
+  c.parallelism.layers_per_stage = {1, 2, 2, 3, 3, 2, 2, 1};
+  ScenarioConfig same = c;
+  normalize_default_candidate(same);
+  EXPECT_EQ(same.parallelism.layers_per_stage, c.parallelism.layers_per_stage);
+  ScenarioConfig deeper = c;
+  deeper.parallelism.virtual_pipeline_stages = 4;
+  EXPECT_THROW(Plan::from_config(deeper), ScenarioError);
+  normalize_default_candidate(deeper);
+  EXPECT_TRUE(deeper.parallelism.layers_per_stage.empty());
+  EXPECT_EQ(Plan::from_config(deeper).layers_per_virtual_stage, std::vector<int>(16, 1));
+  ScenarioConfig plain = c;
+  plain.parallelism.schedule = ScheduleKind::one_f_one_b;  // one chunk a stage: 4 entries wanted
+  normalize_default_candidate(plain);
+  EXPECT_TRUE(plain.parallelism.layers_per_stage.empty());
+}
+
 // Interleaving with micro-batches that are not a multiple of the stages runs in Megatron-Core's
 // smallest valid groups; a multiple of the stages keeps the default.
 TEST(Plan, TheDefaultSpaceInterleavesAnyMicroBatchesInValidGroups) {

@@ -184,6 +184,12 @@ void normalize_default_candidate(ScenarioConfig& c) {
   if (p.schedule != ScheduleKind::interleaved_1f1b) p.virtual_pipeline_stages = 1;
   else if (p.virtual_pipeline_stages < 2) p.virtual_pipeline_stages = 2;
   if (p.tensor_parallel_size == 1) p.sequence_parallel = false;
+  // The file's own split of the layers fits its own chunks: a candidate with another number of
+  // chunks splits them as trainsim's default does (balanced by FLOPs, the output layer counted).
+  if (!p.layers_per_stage.empty() &&
+      static_cast<long long>(p.layers_per_stage.size()) !=
+          static_cast<long long>(p.pipeline_parallel_size) * p.virtual_pipeline_stages)
+    p.layers_per_stage.clear();
   // Transformer Engine's userbuffers overlap sequence parallelism's collectives inside a node: a
   // layout without them runs its tensor-parallel collectives exposed.
   if (c.communication.tp_comm_overlap &&
@@ -289,10 +295,16 @@ std::vector<std::string> changed_keys(const ScenarioConfig& a, const ScenarioCon
 std::string describe_change(const std::vector<std::string>& keys, const ScenarioConfig& from, const ScenarioConfig& to,
                             const SweepRow& before, const SweepRow& after) {
   std::vector<std::string> parts;
+  // A split of the layers as the layers each chunk holds ("3 + 6 x 4 + 3"), trainsim's own where
+  // the configuration names none.
+  auto value = [](const FieldSpec& f, const ScenarioConfig& c) {
+    if (f.path != "parallelism.layers_per_stage" || !c.parallelism.layers_per_stage.empty())
+      return format_field_value(f.get(c));
+    return fmt::format("trainsim's split ({})", layer_split_text(layers_per_virtual_stage_of(c)));
+  };
   for (const auto& k : keys) {
     const FieldSpec* f = find_field(k);
-    parts.push_back(fmt::format("{} {} -> {}", short_key(k), format_field_value(f->get(from)),
-                                format_field_value(f->get(to))));
+    parts.push_back(fmt::format("{} {} -> {}", short_key(k), value(*f, from), value(*f, to)));
   }
   if (before.num_microbatches > 0 && after.num_microbatches > 0 && before.num_microbatches != after.num_microbatches)
     parts.push_back(
