@@ -176,6 +176,29 @@ sweep:
   EXPECT_NEAR(pred.result.step_time_s, chosen.metrics.step_time_s, 1e-12);
 }
 
+// A file's own split of the layers, dropped for a chosen layout with another number of chunks
+// that trainsim splits evenly, is not written back: the scenario states what runs.
+TEST(Plan, TheFragmentLeavesOutADroppedLayerSplit) {
+  const Scenario sc = load_scenario_text(R"(
+name: split
+model: {num_layers: 8, hidden_size: 256, num_attention_heads: 4, seq_length: 256, vocab_size: 1024}
+cluster: {gpu: a100-80gb, num_gpus: 2}
+parallelism: {data_parallel_size: 1, pipeline_parallel_size: 2, schedule: 1f1b, layers_per_stage: [3, 5]}
+training: {micro_batch_size: 1, global_batch_size: 8}
+)",
+                                         "split.yaml");
+  ScenarioConfig other = sc.config;
+  other.parallelism.data_parallel_size = 2;
+  other.parallelism.pipeline_parallel_size = 1;
+  normalize_default_candidate(other);
+  ASSERT_TRUE(other.parallelism.layers_per_stage.empty());
+  const nlohmann::ordered_json fragment = scenario_fragment(sc, other);
+  EXPECT_FALSE(fragment["parallelism"].contains("layers_per_stage")) << fragment.dump();
+  EXPECT_EQ(fragment["parallelism"]["pipeline_parallel_size"], 1);
+  // The file's own layout keeps its split.
+  EXPECT_EQ(scenario_fragment(sc, sc.config)["parallelism"]["layers_per_stage"], nlohmann::ordered_json({3, 5}));
+}
+
 TEST(Plan, JsonReportsTheChosenFiguresAndTheFragment) {
   const PlanResult& p = default_plan();
   const auto j = nlohmann::json::parse(plan_to_json(p).dump());

@@ -434,6 +434,8 @@ nlohmann::ordered_json scenario_fragment(const Scenario& original, const Scenari
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   for (const auto& f : scenario_fields()) {
     if (!keys.count(f.path) || !f.get) continue;
+    // The file's split dropped for a layout with other chunks: trainsim's even split, unwritten.
+    if (f.path == "parallelism.layers_per_stage" && chosen.parallelism.layers_per_stage.empty()) continue;
     const FieldValue v = f.get(chosen);
     nlohmann::ordered_json value;
     std::visit([&](const auto& x) { value = x; }, v);
