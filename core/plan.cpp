@@ -559,8 +559,9 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
                            p));
     // Megatron-Core posts each receive in the iteration its neighbour sends (its first stage
     // "ahead of the last by p - 1") and queues the tensor; trainsim places a blocking receive
-    // before the task that reads it, which matches that only for groups of p.
-    if (group != p)
+    // before the task that reads it, which matches that only for groups of p. (PyTorch's
+    // schedule, framework fsdp, has no such groups: refused above.)
+    if (group != p && fw != Framework::fsdp)
       ck.error("parallelism.microbatch_group_size",
                fmt::format("microbatch_group_size({}) other than pipeline_parallel_size({}) with blocking pipeline "
                            "exchanges (overlap_p2p_comm: false) is not modelled: Megatron-Core receives each tensor in "

@@ -479,8 +479,7 @@ class Builder {
       return first;
     };
     for (int i = 0; i < static_cast<int>(tasks.size()); ++i) {
-      const bool pair = paired && tasks[i].steady && i + 1 < static_cast<int>(tasks.size()) &&
-                        tasks[i + 1].kind == OpKind::Backward;
+      const bool pair = paired && tasks[i].steady;  // interleaved_order puts its backward next
       if (!pair) {
         const int gather = gather_for(tasks[i]);
         recv_for(tasks[i]);

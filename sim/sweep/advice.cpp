@@ -295,8 +295,8 @@ std::vector<std::string> changed_keys(const ScenarioConfig& a, const ScenarioCon
 std::string describe_change(const std::vector<std::string>& keys, const ScenarioConfig& from, const ScenarioConfig& to,
                             const SweepRow& before, const SweepRow& after) {
   std::vector<std::string> parts;
-  // A split of the layers as the layers each chunk holds ("3 + 6 x 4 + 3"), trainsim's own where
-  // the configuration names none.
+  // A configuration that names no split of the layers runs trainsim's own: shown as the layers
+  // each chunk holds ("3 + 6 x 4 + 3"), not as an empty list.
   auto value = [](const FieldSpec& f, const ScenarioConfig& c) {
     if (f.path != "parallelism.layers_per_stage" || !c.parallelism.layers_per_stage.empty())
       return format_field_value(f.get(c));
