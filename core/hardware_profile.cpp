@@ -38,6 +38,22 @@ double SizeTable::seconds(double bytes) const {
   return std::exp(std::log(lo->second) + f * (std::log(hi->second) - std::log(lo->second)));
 }
 
+double HardwareProfile::comm_late_extra_us(double lead_us) const {
+  LatePoint below{};
+  for (const LatePoint& p : comm_late) {
+    if (lead_us <= p.lead_us)
+      return below.us + (p.us - below.us) * (lead_us - below.lead_us) / std::max(p.lead_us - below.lead_us, 1e-12);
+    below = p;
+  }
+  return below.us;
+}
+
+double HardwareProfile::comm_late_charge_us(double lead_us) const {
+  const double extra = comm_late_extra_us(lead_us);
+  if (comm_late_bytes <= 0 || extra <= 0) return extra;
+  return std::max(0.0, comm_late_base_us + extra - allreduce_seconds(2, comm_late_bytes) * 1e6);
+}
+
 double HardwareProfile::p2p_seconds(double bytes) const {
   return p2p_table.rows.empty() ? p2p.seconds(bytes) : p2p_table.seconds(bytes);
 }
@@ -268,6 +284,33 @@ std::vector<double> factor_list(const std::string& path, const YAML::Node& root,
   return out;
 }
 
+// comm_late: [[lead_us, us], ...], leads increasing. A profile written before the curve (one
+// figure, comm_late_us, charged from comm_late_after_us on) reads as its one point.
+std::vector<HardwareProfile::LatePoint> late_points(const std::string& path, const YAML::Node& root) {
+  std::vector<HardwareProfile::LatePoint> out;
+  if (!root["comm_late"]) {
+    const double after = number_or_zero(path, root, "comm_late_after_us", kMinMicroseconds, kMaxMicroseconds);
+    const double us = number_or_zero(path, root, "comm_late_us", kMinMicroseconds, kMaxMicroseconds);
+    if (us > 0) out.push_back({after, us});
+    return out;
+  }
+  const YAML::Node l = root["comm_late"];
+  expect_list(path, l, "comm_late");
+  for (const YAML::Node& x : l) {
+    std::vector<double> pair;
+    try {
+      pair = x.as<std::vector<double>>();
+    } catch (const YAML::Exception&) {
+    }
+    if (pair.size() != 2) bad(path, x, "comm_late holds [lead_us, us] pairs");
+    if (!(pair[0] >= 0 && pair[0] <= kMaxMicroseconds && pair[1] >= 0 && pair[1] <= kMaxMicroseconds))
+      bad(path, x, fmt::format("comm_late's lead and time must be between 0 and {:g} us", kMaxMicroseconds));
+    if (!out.empty() && !(pair[0] > out.back().lead_us)) bad(path, x, "comm_late's leads must increase");
+    out.push_back({pair[0], pair[1]});
+  }
+  return out;
+}
+
 }  // namespace
 
 HardwareProfile load_profile_text(const std::string& yaml_text, const std::string& path) {
@@ -320,8 +363,9 @@ HardwareProfile load_profile_text(const std::string& yaml_text, const std::strin
   p.core_handoff_us = number_or_zero(path, root, "core_handoff_us", kMinMicroseconds, kMaxMicroseconds);
   p.comm_poll_us = number_or_zero(path, root, "comm_poll_us", kMinMicroseconds, kMaxMicroseconds);
   p.comm_wake_us = number_or_zero(path, root, "comm_wake_us", kMinMicroseconds, kMaxMicroseconds);
-  p.comm_late_after_us = number_or_zero(path, root, "comm_late_after_us", kMinMicroseconds, kMaxMicroseconds);
-  p.comm_late_us = number_or_zero(path, root, "comm_late_us", kMinMicroseconds, kMaxMicroseconds);
+  p.comm_late = late_points(path, root);
+  p.comm_late_bytes = number_or_zero(path, root, "comm_late_bytes", 1, kMaxBytes);
+  p.comm_late_base_us = number_or_zero(path, root, "comm_late_base_us", kMinMicroseconds, kMaxMicroseconds);
   p.collectives_take_rank_core = get<bool>(path, root, "collectives_take_rank_core", false);
   if (const YAML::Node l = root["p2p"]) {
     expect_map(path, l, "p2p");
@@ -384,8 +428,13 @@ std::string profile_to_yaml(const HardwareProfile& p) {
   if (p.core_handoff_us > 0) out << YAML::Key << "core_handoff_us" << YAML::Value << p.core_handoff_us;
   if (p.comm_poll_us > 0) out << YAML::Key << "comm_poll_us" << YAML::Value << p.comm_poll_us;
   if (p.comm_wake_us > 0) out << YAML::Key << "comm_wake_us" << YAML::Value << p.comm_wake_us;
-  if (p.comm_late_after_us > 0) out << YAML::Key << "comm_late_after_us" << YAML::Value << p.comm_late_after_us;
-  if (p.comm_late_us > 0) out << YAML::Key << "comm_late_us" << YAML::Value << p.comm_late_us;
+  if (!p.comm_late.empty()) {
+    out << YAML::Key << "comm_late" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+    for (const HardwareProfile::LatePoint& l : p.comm_late) out << YAML::Flow << std::vector<double>{l.lead_us, l.us};
+    out << YAML::EndSeq;
+  }
+  if (p.comm_late_bytes > 0) out << YAML::Key << "comm_late_bytes" << YAML::Value << p.comm_late_bytes;
+  if (p.comm_late_base_us > 0) out << YAML::Key << "comm_late_base_us" << YAML::Value << p.comm_late_base_us;
   if (p.collectives_take_rank_core) out << YAML::Key << "collectives_take_rank_core" << YAML::Value << true;
   out << YAML::Key << "p2p" << YAML::Value << YAML::BeginMap << YAML::Key << "latency_us" << YAML::Value
       << p.p2p.latency_us << YAML::Key << "bandwidth_gbps" << YAML::Value << p.p2p.bandwidth_gbps;

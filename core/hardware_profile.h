@@ -117,14 +117,31 @@ struct HardwareProfile {
   // comm_poll_us before its last. 0: not measured.
   double comm_poll_us = 0;
   double comm_wake_us = 0;
-  // Where a rank's communication thread polls for its peers for as long as a step's waits last (the
-  // CPU backend's pinned ranks whose collectives wait for the passes: a pipeline's embedding sum, a
+  // Where a rank's communication thread polls for its peers through a step's waits (the CPU
+  // backend's pinned ranks whose collectives wait for the passes: a pipeline's embedding sum, a
   // reduction after the backward): what a collective takes longer, from its last member's arrival,
-  // when its first member has polled inside it for comm_late_after_us or more while the last one
-  // computed, against members that arrive together (measured at twice that lead). The engine adds
-  // comm_late_us to such a collective. 0: not measured.
-  double comm_late_after_us = 0;
-  double comm_late_us = 0;
+  // when its first member arrived `lead_us` before the last (polling, and past the poll asleep),
+  // against members that arrive together; measured at a few leads, in increasing order. The
+  // engine adds comm_late_extra_us(lead) to such a collective. Empty: not measured.
+  struct LatePoint {
+    double lead_us = 0, us = 0;
+    bool operator==(const LatePoint&) const = default;
+  };
+  std::vector<LatePoint> comm_late;
+  // The call comm_late was measured with: its size, and its time when both members arrive
+  // together (caches warm from the call before; the communication benchmark's rows are of calls
+  // after an eviction, so a late call's own time, not the benchmark's plus the difference, is
+  // what a step meets). 0: not given (a profile from before).
+  double comm_late_bytes = 0;
+  double comm_late_base_us = 0;
+  // comm_late at `lead_us`: linear between its points and from (0, 0) to the first, the last
+  // point's beyond it; 0 where comm_late is empty.
+  double comm_late_extra_us(double lead_us) const;
+  // What a collective whose first member led by `lead_us` takes longer than the benchmark's
+  // price: the late call as measured (comm_late_base_us + comm_late_extra_us) less this profile's
+  // 2-member all-reduce of comm_late_bytes, at least 0; comm_late_extra_us where the call is not
+  // given.
+  double comm_late_charge_us(double lead_us) const;
   // A rank's collectives run on the rank's own compute: the CPU backend pins its communication
   // thread to its compute thread's core; the single-GPU world copies and reduces with kernels on
   // the rank's own SMs. While one of them moves data, the compute beside it makes no progress

@@ -106,32 +106,52 @@ TEST(Engine, ACollectiveWhoseFirstMemberWaitedPastThePollAddsTheWakeUp) {
 }
 
 // The calibrated profile's rules, and nothing without one: a member that slept (its lead past the
-// poll) pays comm_wake_us; one that polled through a lead of comm_late_after_us or more pays
-// comm_late_us; never both.
+// poll) pays comm_wake_us; otherwise the comm_late curve at its lead, linear from (0, 0) through
+// the measured points and flat past the last; never both.
 TEST(Engine, NetworkCollectivesAddTheProfilesWakeUpOrLateLatencyByTheLead) {
   Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::one_f_one_b, 1, 2));
   EXPECT_FALSE(NetworkCollectiveModel(plan).prices_wake());
   EXPECT_EQ(NetworkCollectiveModel(plan).wake_after(seconds_to_ticks(1.0)), 0);
   auto profile = std::make_shared<HardwareProfile>();
   plan.config.cluster.calibrated = profile;
-  profile->comm_late_after_us = 1000;
-  profile->comm_late_us = 3;
+  profile->comm_late = {{1000, 3}, {4000, 9}, {11000, 100}};
   const NetworkCollectiveModel polling(plan);
   EXPECT_TRUE(polling.prices_wake());
-  EXPECT_EQ(polling.wake_after(seconds_to_ticks(999e-6)), 0);
+  EXPECT_EQ(polling.wake_after(0), 0);
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(500e-6)), seconds_to_ticks(1.5e-6));
   EXPECT_EQ(polling.wake_after(seconds_to_ticks(1000e-6)), seconds_to_ticks(3e-6));
-  profile->comm_late_us = profile->comm_late_after_us = 0;
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(2500e-6)), seconds_to_ticks(6e-6));
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(7500e-6)), seconds_to_ticks(54.5e-6));
+  EXPECT_EQ(polling.wake_after(seconds_to_ticks(1.0)), seconds_to_ticks(100e-6));
+  profile->comm_late.clear();
   profile->comm_poll_us = 100;
   profile->comm_wake_us = 40;
   const NetworkCollectiveModel sleeping(plan);
   EXPECT_TRUE(sleeping.prices_wake());
   EXPECT_EQ(sleeping.wake_after(seconds_to_ticks(100e-6)), 0);
   EXPECT_EQ(sleeping.wake_after(seconds_to_ticks(101e-6)), seconds_to_ticks(40e-6));
-  profile->comm_late_after_us = 1000;
-  profile->comm_late_us = 3;
+  profile->comm_late = {{1000, 3}};
   const NetworkCollectiveModel both(plan);
-  EXPECT_EQ(both.wake_after(seconds_to_ticks(50e-6)), 0);
+  EXPECT_EQ(both.wake_after(seconds_to_ticks(50e-6)), seconds_to_ticks(0.15e-6));
   EXPECT_EQ(both.wake_after(seconds_to_ticks(2e-3)), seconds_to_ticks(40e-6));
+}
+
+// Where the profile says which call the curve was measured with, the late call's own time (its
+// time together plus the curve) replaces the benchmark's price of that call: charged is their
+// difference, never below 0.
+TEST(Engine, TheLateCallsOwnTimeReplacesTheBenchmarksPrice) {
+  Plan plan = Plan::from_config(testing::small_config(2, 1, ScheduleKind::one_f_one_b, 1, 2));
+  auto profile = std::make_shared<HardwareProfile>();
+  plan.config.cluster.calibrated = profile;
+  profile->comm_late = {{1000, 3}, {4000, 9}, {11000, 100}};
+  profile->comm_late_bytes = 131072;
+  profile->comm_late_base_us = 20;
+  profile->allreduce_tables[2].rows = {{65536, 30e-6}, {131072, 40e-6}, {262144, 60e-6}};
+  const NetworkCollectiveModel m(plan);
+  EXPECT_EQ(m.wake_after(seconds_to_ticks(1e-3)), 0);                           // 20 + 3 < 40
+  EXPECT_EQ(m.wake_after(seconds_to_ticks(11e-3)), seconds_to_ticks(80e-6));    // 20 + 100 - 40
+  EXPECT_EQ(m.wake_after(seconds_to_ticks(7.5e-3)), seconds_to_ticks(34.5e-6)); // 20 + 54.5 - 40
+  EXPECT_NEAR(profile->comm_late_charge_us(11000), 80, 1e-9);
 }
 
 // Blocking sends are a rendezvous (Megatron-LM's batched isend/irecv without p2p overlap):

@@ -743,8 +743,9 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   p.core_handoff_us = 21.5;
   p.comm_poll_us = 100;
   p.comm_wake_us = 37.5;
-  p.comm_late_after_us = 1000;
-  p.comm_late_us = 2.5;
+  p.comm_late = {{1000, 2.5}, {11000, 90}};
+  p.comm_late_bytes = 131072;
+  p.comm_late_base_us = 17.5;
   p.collectives_take_rank_core = true;
   p.core_alone_factors = {1.0, 1.25};
   p.optimizer_core_factors = {1.75, 1.8};
@@ -774,8 +775,9 @@ TEST(HardwareProfile, YamlRoundTripKeepsEveryField) {
   EXPECT_EQ(q.core_handoff_us, 21.5);
   EXPECT_EQ(q.comm_poll_us, 100);
   EXPECT_EQ(q.comm_wake_us, 37.5);
-  EXPECT_EQ(q.comm_late_after_us, 1000);
-  EXPECT_EQ(q.comm_late_us, 2.5);
+  EXPECT_EQ(q.comm_late, p.comm_late);
+  EXPECT_EQ(q.comm_late_bytes, 131072);
+  EXPECT_EQ(q.comm_late_base_us, 17.5);
   EXPECT_TRUE(q.collectives_take_rank_core);
   EXPECT_EQ(q.core_alone_factors, (std::vector<double>{1.0, 1.25}));
   EXPECT_EQ(q.optimizer_core_factors, (std::vector<double>{1.75, 1.8}));
@@ -883,6 +885,17 @@ TEST(HardwareProfile, ScenarioNamesItLikeAPresetRelativeToItsFolder) {
   fs::remove_all(dir);
 }
 
+// A profile written before the late curve (one figure, charged from comm_late_after_us on) reads
+// as that one point: the same figure from its lead on, less below it.
+TEST(HardwareProfile, AnOldLateFigureReadsAsOnePointOfTheCurve) {
+  const HardwareProfile p = load_profile_text("kernels: []\ncomm_late_after_us: 1000\ncomm_late_us: 2.5\n", "p.yaml");
+  ASSERT_EQ(p.comm_late.size(), 1u);
+  EXPECT_EQ(p.comm_late[0], (HardwareProfile::LatePoint{1000, 2.5}));
+  EXPECT_EQ(p.comm_late_extra_us(5000), 2.5);
+  EXPECT_EQ(p.comm_late_extra_us(500), 1.25);
+  EXPECT_TRUE(load_profile_text("kernels: []\n", "p.yaml").comm_late.empty());
+}
+
 // What a malformed profile gets: a std::runtime_error that names the file and line. yaml-cpp's
 // own exceptions (no file) escaped before when a section had the wrong shape (found by
 // fuzz/fuzz_profile: fuzz/corpus/profile/regression-invalid-node-without-file).
@@ -912,6 +925,11 @@ TEST(HardwareProfile, SectionsOfTheWrongShapeAreRefusedWithTheFileAndLine) {
       {"kernels: []\np2p: {table: [[1, x]]}\n", "p.yaml:2: a table row is [bytes, us], two numbers"},
       {"kernels: [{kernel: k, m: [1]}]\n", "p.yaml:1: m is not a valid value"},
       {"kernels: [{kernel: k, dtype: {a: 1}}]\n", "p.yaml:1: dtype is not a valid value"},
+      {"kernels: []\ncomm_late: 3\n", "p.yaml:2: comm_late must be a list"},
+      {"kernels: []\ncomm_late: [[1000, 2, 3]]\n", "p.yaml:2: comm_late holds [lead_us, us] pairs"},
+      {"kernels: []\ncomm_late: [[1000, x]]\n", "p.yaml:2: comm_late holds [lead_us, us] pairs"},
+      {"kernels: []\ncomm_late: [[1000, -1]]\n", "p.yaml:2: comm_late's lead and time must be between 0 and 1e+12 us"},
+      {"kernels: []\ncomm_late: [[2000, 5], [1000, 3]]\n", "p.yaml:2: comm_late's leads must increase"},
   };
   for (const auto& [text, message] : cases) {
     SCOPED_TRACE(text);

@@ -662,10 +662,12 @@ std::string format_validation(const Validation& v) {
     out << fmt::format("  comm     a collective whose first member waited over {:.0f} us (its poll) pays {:.0f} us more for "
                        "its sleep (calibrated)\n",
                        v.profile.comm_poll_us, v.profile.comm_wake_us);
-  if (v.profile.comm_late_us > 0)
-    out << fmt::format("  comm     a collective whose first member polled for it {:.0f} us or more pays {:.1f} us more "
-                       "(calibrated)\n",
-                       v.profile.comm_late_after_us, v.profile.comm_late_us);
+  if (!v.profile.comm_late.empty()) {
+    std::vector<std::string> points;
+    for (const HardwareProfile::LatePoint& l : v.profile.comm_late) points.push_back(fmt::format("{:.1f} ms {:.1f} us", l.lead_us * 1e-3, l.us));
+    out << fmt::format("  comm     a collective whose first member arrived earlier pays more, by its lead: {} (calibrated)\n",
+                       fmt::join(points, ", "));
+  }
   if (!v.core_factors_in_step.empty())
     out << fmt::format("  in step  the ranks' blocks took x{:.2f} of their mean per block in the measured step: the "
                        "cores' factors above include it\n",

@@ -767,18 +767,36 @@ double comm_wake_seconds(std::size_t bytes, int calls) {
   return std::max(0.0, slept - together);
 }
 
-double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls) {
-  if (host_cores() < 2) throw std::invalid_argument("comm_late_seconds needs two cores");
+CommLateCurve comm_late_curve(std::size_t bytes, std::span<const std::chrono::microseconds> leads, int calls) {
+  if (host_cores() < 2) throw std::invalid_argument("comm_late_curve needs two cores");
   const CpuCollectivePolls polls = cpu_collective_polls(true, false);
   const std::size_t elems = ring_elements(bytes);
-  // Four interleaved rounds of each, so that a host whose speed moves between them moves both alike.
+  // Four interleaved rounds of each kind of call, so that a host whose speed moves between them
+  // moves every lead alike.
   const int per_round = std::max(1, calls / 4);
-  std::vector<double> together, late;
+  std::vector<double> together;
+  std::vector<std::vector<double>> late(leads.size());
   for (int round = 0; round < 4; ++round) {
     together.push_back(after_last_arrival_seconds(elems, polls, std::chrono::microseconds{0}, true, false, per_round));
-    late.push_back(after_last_arrival_seconds(elems, polls, lead, true, false, per_round));
+    for (std::size_t i = 0; i < leads.size(); ++i)
+      late[i].push_back(after_last_arrival_seconds(elems, polls, leads[i], true, false, per_round));
   }
-  return std::max(0.0, median(std::move(late)) - median(std::move(together)));
+  CommLateCurve curve;
+  const double base = median(std::move(together));
+  curve.together_us = base * 1e6;
+  for (std::size_t i = 0; i < leads.size(); ++i)
+    curve.points.push_back({static_cast<double>(leads[i].count()), std::max(0.0, median(std::move(late[i])) - base) * 1e6});
+  return curve;
+}
+
+double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls) {
+  return comm_late_curve(bytes, std::span(&lead, 1), calls).points.front().us * 1e-6;
+}
+
+std::vector<std::chrono::microseconds> comm_late_leads() {
+  const std::chrono::microseconds poll = cpu_collective_polls(true, false).first;
+  return {std::chrono::microseconds{1000}, std::chrono::microseconds{2000}, std::chrono::microseconds{4000},
+          poll * 9 / 10, poll * 11 / 10, poll * 2};
 }
 
 HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string& name) {
@@ -804,10 +822,15 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
     // Pinned ranks whose communication threads poll through a step's waits: a collective found by
     // a member that polled for it (a pipeline's embedding sum waits out the other stage's last
     // backward) runs slower, by a latency, not a rate (+1.4 us at 16 KiB, +1.4-6.5 at 128 KiB,
-    // +3.3-3.5 at 1 MiB after 2 ms; docs/validation.md, "Thirty-first session"): measured at
-    // 128 KiB after kCommLateLead, charged from half that lead on.
-    p.comm_late_us = comm_late_seconds(std::size_t{128} << 10, kCommLateLead) * 1e6;
-    p.comm_late_after_us = static_cast<double>(kCommLateLead.count()) / 2;
+    // +3.3-3.5 at 1 MiB after 2 ms on one host; docs/validation.md, "Thirty-first session"), which
+    // grows with the lead on another (+1-14 us after 1 ms, +48-51 after 8 ms, +89-109 after 11 ms,
+    // past the poll, asleep; "Forty-third session"): measured at 128 KiB at comm_late_leads().
+    constexpr std::size_t kBytes = std::size_t{128} << 10;
+    const std::vector<std::chrono::microseconds> leads = comm_late_leads();
+    CommLateCurve curve = comm_late_curve(kBytes, leads);
+    p.comm_late = std::move(curve.points);
+    p.comm_late_bytes = static_cast<double>(kBytes);
+    p.comm_late_base_us = curve.together_us;
   }
   return p;
 }

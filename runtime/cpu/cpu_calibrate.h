@@ -7,7 +7,9 @@
 
 #include <chrono>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "core/hardware_profile.h"
 #include "runtime/calibrate/calibrate.h"
@@ -32,12 +34,22 @@ double core_handoff_seconds(int cells, int shards, int turns_per_cell = 50);
 // peer, polling inside the ring, run_first_on_core where granted). Medians of `calls` each; 0
 // where the difference is not positive. Needs two cores.
 double comm_wake_seconds(std::size_t bytes, int calls = 100);
-// HardwareProfile::comm_late_us in seconds: what a 2-member all-reduce of `bytes` takes longer,
-// from its last member's arrival, when the first has polled inside it for `lead` while the last
-// computed, than when both arrive together; each member on a core of its own, polling as the
-// engine's pinned ranks whose collectives wait for the passes do (kCpuCommPoll). The two kinds of
-// call in four interleaved rounds of calls / 4, the difference of their medians; 0 where it is not
-// positive. Needs two cores. The profile takes it at kCommLateLead.
+// HardwareProfile::comm_late's points: what a 2-member all-reduce of `bytes` takes longer, from
+// its last member's arrival, when the first arrived each of `leads` earlier (polling for it as the
+// engine's pinned ranks whose collectives wait for the passes do, kCpuCommPoll, then asleep) while
+// the last computed, than when both arrive together; each member on a core of its own. Every kind
+// of call in four interleaved rounds of calls / 4, the difference of their medians (0 where it is
+// not positive); and the call's time when they arrive together (comm_late_base_us). Needs two
+// cores.
+struct CommLateCurve {
+  std::vector<HardwareProfile::LatePoint> points;
+  double together_us = 0;
+};
+CommLateCurve comm_late_curve(std::size_t bytes, std::span<const std::chrono::microseconds> leads, int calls = 20);
+// The leads the profile measures: 1, 2 and 4 ms, and 0.9, 1.1 and 2 x the poll (the first member
+// asleep in the last two).
+std::vector<std::chrono::microseconds> comm_late_leads();
+// comm_late_curve at one lead, in seconds (kCommLateLead: a lead well inside the poll).
 inline constexpr std::chrono::microseconds kCommLateLead{2000};
 double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls = 100);
 // Where ranks share cores, calibration times every rank's stage in the order the run gives them the

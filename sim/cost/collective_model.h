@@ -76,8 +76,8 @@ class NetworkCollectiveModel final : public CollectiveModel {
  public:
   explicit NetworkCollectiveModel(const Plan& plan);
   Tick duration(const Collective& c) const override;
-  // A calibrated profile's comm_wake_us where `waited` exceeds its comm_poll_us; else its comm_late_us
-  // where `waited` reaches its comm_late_after_us; else 0.
+  // A calibrated profile's comm_wake_us where `waited` exceeds its comm_poll_us; else what its
+  // comm_late curve charges at `waited` (HardwareProfile::comm_late_charge_us); else 0.
   Tick wake_after(Tick waited) const override;
   // Whether wake_after can be non-zero (the compiled step program, sim/step_program.h, does not
   // price it: such plans run on the engine).
@@ -108,7 +108,7 @@ class NetworkCollectiveModel final : public CollectiveModel {
   double wire_bytes(const Collective& c) const;
   const Plan& plan_;
   Tick wake_ = 0, poll_ = 0;  // the calibrated profile's comm_wake_us and comm_poll_us (0: none)
-  Tick late_ = 0, late_after_ = 0;  // its comm_late_us and comm_late_after_us (0: none)
+  std::shared_ptr<const HardwareProfile> late_;  // the profile whose comm_late curve prices a late arrival
 };
 
 }  // namespace trainsim

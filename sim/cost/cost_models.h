@@ -26,7 +26,7 @@ class P2PModel {
 
 // Duration of a collective once every member has arrived; `wake_after(waited)`: what it adds
 // when its first member arrived `waited` before its last (a runtime whose members sleep after
-// polling so long, or slow down after polling long: HardwareProfile::comm_wake_us, comm_late_us),
+// polling so long, or slow down after polling long: HardwareProfile::comm_wake_us, comm_late),
 // 0 for most.
 class CollectiveModel {
  public:

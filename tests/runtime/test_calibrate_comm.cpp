@@ -575,7 +575,7 @@ TEST(CommLate, AMemberThatPolledLongAddsLessThanItsLead) {
 // The profile carries the poll and the wake-up where pinned ranks' collectives run beside their
 // compute (overlap_grad_reduce), and neither where they wait for the passes or the ranks share
 // the cores (whose communication threads never poll). Where they wait for the passes it carries
-// the late latency's lead instead (its figure may measure 0 on a quiet host).
+// the late curve instead, at comm_late_leads (its figures may measure 0 on a quiet host).
 TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
   if (host_cores() < 2) GTEST_SKIP() << "needs two cores";
   ScenarioConfig c = testing::tiny_plan(2, 1, ScheduleKind::one_f_one_b, 1, 2, 2);
@@ -583,12 +583,16 @@ TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
     c.communication.overlap_grad_reduce = overlap;
     const HardwareProfile p = describe_cpu_profile(make_runtime_plan(c), "t");
     EXPECT_EQ(p.comm_poll_us > 0, overlap) << "overlap " << overlap;
-    EXPECT_EQ(p.comm_late_after_us, overlap ? 0.0 : static_cast<double>(kCommLateLead.count()) / 2)
-        << "overlap " << overlap;
+    EXPECT_EQ(p.comm_late.size(), overlap ? 0 : comm_late_leads().size()) << "overlap " << overlap;
     if (!overlap) {
       EXPECT_EQ(p.comm_wake_us, 0);
-    } else {
-      EXPECT_EQ(p.comm_late_us, 0);
+      for (std::size_t i = 0; i < p.comm_late.size(); ++i) {
+        EXPECT_EQ(p.comm_late[i].lead_us, static_cast<double>(comm_late_leads()[i].count()));
+        EXPECT_TRUE(p.comm_late[i].us >= 0 && p.comm_late[i].us < p.comm_late[i].lead_us) << i;
+      }
+      EXPECT_EQ(p.comm_late_bytes, 128 * 1024);
+      EXPECT_GT(p.comm_late_base_us, 0);
+      EXPECT_LT(p.comm_late_base_us, 1e4);
     }
   }
   ScenarioConfig shared = testing::tiny_plan(2, host_cores(), ScheduleKind::one_f_one_b, 1, 2 * host_cores(), 2 * host_cores());
@@ -596,8 +600,7 @@ TEST(CommWake, TheProfileHasItWhereTheCollectivesRunBesideTheCompute) {
   const HardwareProfile q = describe_cpu_profile(make_runtime_plan(shared), "t");
   EXPECT_EQ(q.comm_poll_us, 0);
   EXPECT_EQ(q.comm_wake_us, 0);
-  EXPECT_EQ(q.comm_late_us, 0);
-  EXPECT_EQ(q.comm_late_after_us, 0);
+  EXPECT_TRUE(q.comm_late.empty());
 }
 
 }  // namespace
