@@ -30,6 +30,13 @@ enum class AllReduceDivide { before, after };
 enum class AllReduceAlgorithm { ring, hierarchical };
 // How Transformer Engine's userbuffers overlap a row-parallel forward product's reduce-scatter.
 enum class TpOverlapReduceScatter { pipeline, ring_exchange };
+// How a column-parallel layer's backward runs its tensor-parallel collectives (the input
+// gradient's all-reduce; under sequence parallelism its reduce-scatter and the re-gather of the
+// layer's input): each beside the product that does not need it (overlapped: Megatron-LM since
+// September 2021, Megatron-Core, Transformer Engine), or after the product before it (exposed:
+// Megatron-LM before, --no-async-tensor-model-parallel-allreduce; PyTorch's DTensor). auto:
+// overlapped under framework megatron, exposed otherwise.
+enum class TpBackwardComm { auto_select, overlapped, exposed };
 enum class PositionEmbedding { learned_absolute, rope };
 enum class Optimizer { adam, adamw, sgd };
 enum class Normalization { layernorm, rmsnorm };
@@ -235,6 +242,7 @@ struct CommunicationConfig {
   // their collectives exposed.
   bool tp_comm_overlap = false;
   TpOverlapReduceScatter tp_comm_overlap_reduce_scatter = TpOverlapReduceScatter::pipeline;
+  TpBackwardComm tp_backward_comm = TpBackwardComm::auto_select;
   friend bool operator==(const CommunicationConfig&, const CommunicationConfig&) = default;
 };
 

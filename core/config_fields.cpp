@@ -525,6 +525,17 @@ std::vector<FieldSpec> make_fields() {
                      "reduce-scatter beside the next) or ring_exchange (tensor-parallel-size steps, each "
                      "chunk's partial sums passed on by the copy engines: the FP8 configs of Megatron-Bridge's "
                      "H100 recipes)"));
+  t.push_back(choice("communication.tp_backward_comm", FIELD(communication.tp_backward_comm),
+                     {{"auto", TpBackwardComm::auto_select},
+                      {"overlapped", TpBackwardComm::overlapped},
+                      {"exposed", TpBackwardComm::exposed}},
+                     "How a column-parallel layer's backward runs its tensor-parallel collectives: overlapped (the "
+                     "input gradient's all-reduce, or under sequence parallelism its reduce-scatter, beside the "
+                     "weight-gradient product, and the input's re-gather beside the input-gradient product: "
+                     "Megatron-LM since September 2021, Megatron-Core, Transformer Engine) or exposed (Megatron-LM "
+                     "before, --no-async-tensor-model-parallel-allreduce; PyTorch's DTensor); auto: overlapped "
+                     "under framework megatron, exposed otherwise. Priced for the GPU (the runtimes run them "
+                     "exposed)"));
 
   // ---- runtime (what `trainsim run` executes) ----------------------------------------
   t.push_back(choice("runtime.backend", FIELD(runtime.backend),

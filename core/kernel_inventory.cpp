@@ -327,6 +327,16 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     };
     const bool ub = cfg.communication.tp_comm_overlap && sp;
     const bool ub_bulk = ub && cfg.parallelism.schedule != ScheduleKind::zb_h1;
+    // Without userbuffers, Megatron-LM's column-parallel backward (LinearWithGradAccumulationAndAsync-
+    // Communication, communication.tp_backward_comm) launches its collectives on NCCL's stream and
+    // computes on: the input gradient's all-reduce (under sequence parallelism its reduce-scatter)
+    // beside the weight-gradient product, and under sequence parallelism the re-gather of the
+    // layer's input (kept split in the forward) beside the input-gradient product. Each becomes a
+    // `tp.overlap.async_<collective>` entry with that product's shape; not under ZB-H1, whose
+    // weight-gradient products run later.
+    const bool async_bwd = !ub && plan.tp_backward_overlapped && t > 1 &&
+                           cfg.parallelism.schedule != ScheduleKind::zb_h1;
+    const char* column_reduce = ub_bulk ? "tp.overlap.bulk_reducescatter" : async_bwd ? "tp.overlap.async_reducescatter" : nullptr;
     const char* ub_reduce = cfg.communication.tp_comm_overlap_reduce_scatter == TpOverlapReduceScatter::ring_exchange
                                 ? "tp.overlap.ring_reducescatter"
                                 : "tp.overlap.pipeline_reducescatter";
@@ -343,9 +353,16 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
         else k.memory_bytes("tp.reducescatter", elements, bytes);
         if (o.gather) k.overlapped("tp.overlap.ring_allgather", o.gather_with, gathered);
         else k.memory_bytes("tp.allgather", elements, gathered);
+      } else if (o.reduce) {
+        k.overlapped("tp.overlap.async_allreduce", o.reduce_with, bytes);
       } else {
         k.memory_bytes("tp.allreduce", bytes / e, bytes);
       }
+    };
+    // Megatron-LM's re-gather of a column-parallel layer's input for its weight gradient, beside
+    // the input-gradient product `with` (async_bwd, sequence parallelism).
+    auto input_regather = [&](const KernelShape& with) {
+      if (async_bwd && sp) k.overlapped("tp.overlap.async_allgather", with, fp8 ? act / e : act);
     };
     // A pipeline message of a tensor-parallel group arrives as t slices, one per GPU (Megatron's
     // scatter/gather); the receiver all-gathers them over NVLink before computing. Sequence
@@ -515,10 +532,9 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       linear_backward_input(F, C, true);
       k.memory_bytes(m.swiglu ? "swiglu.backward" : "gelu.backward", static_cast<double>(N) * F,
                      static_cast<double>(N) * F * act_bwd);
+      input_regather(product(N, C, ffn_in));
       linear_backward_input(C, ffn_in, false);
-      tp_allreduce(act, true,
-                   Overlap{ub_bulk ? "tp.overlap.bulk_reducescatter" : nullptr, product(ffn_in, C, N), ub,
-                           product(N, Cout, C)});
+      tp_allreduce(act, true, Overlap{column_reduce, product(ffn_in, C, N), ub, product(N, Cout, C)});
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);  // the two branches' gradients summed
       if (m.hidden_dropout) k.memory_bytes("dropout.backward", rep, rep * (2 * e + 1));
@@ -548,11 +564,11 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       if (layout_copies) k.memory("qkv.concat", static_cast<double>(N) * qkv, 2);
       if (separate_bias) k.memory("bias.backward", static_cast<double>(N) * (qkv + F) + 2.0 * rep, 1);
       if (!m.learned_positions) k.memory_bytes("rope.backward", q_and_k, q_and_k * rope_bytes);
+      input_regather(product(N, C, qkv));
       linear_backward_input(C, qkv, false);
       // The first layer's input gradient goes to the embedding, another's to the layer before's fc2.
       tp_allreduce(act, !(first && l == 0),
-                   Overlap{ub_bulk ? "tp.overlap.bulk_reducescatter" : nullptr, product(qkv, C, N),
-                           ub && !(first && l == 0), product(N, F, C)});
+                   Overlap{column_reduce, product(qkv, C, N), ub && !(first && l == 0), product(N, F, C)});
       k.memory_bytes("layernorm.backward_input", rep, rep * norm_bwd);
       if (eager) k.memory("residual.backward", rep, 3);
     }

@@ -623,6 +623,9 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.tp = t;
   plan.cp = cp;
   plan.cp_comm = cp_comm;
+  plan.tp_backward_overlapped = c.communication.tp_backward_comm == TpBackwardComm::auto_select
+                                    ? fw == Framework::megatron
+                                    : c.communication.tp_backward_comm == TpBackwardComm::overlapped;
   plan.vpp = v;
   plan.num_microbatches = mb;
   plan.framework = fw;

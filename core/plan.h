@@ -22,6 +22,9 @@ struct Plan {
   int cp = 1;                           // context-parallel ways (each sequence split over cp GPUs)
   // parallelism.context_parallel_comm with `auto` resolved (by the framework, below).
   ContextParallelComm cp_comm = ContextParallelComm::all_gather;
+  // communication.tp_backward_comm with `auto` resolved (by the framework): whether a
+  // column-parallel layer's backward collectives run beside its products.
+  bool tp_backward_overlapped = false;
   int num_microbatches = 1;             // per replica per step (m)
   int micro_batch_size = 1;
   int global_batch_size = 1;

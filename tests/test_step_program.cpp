@@ -710,7 +710,12 @@ double framework_seconds(const Plan& p, const std::vector<KernelWork>& ws) {
     } else if (w.kernel.rfind("tp.overlap.", 0) == 0) {
       // What the overlapped collective adds to its product: the pair less the product alone.
       const bool bulk = w.kernel == "tp.overlap.bulk_reducescatter";
-      const double accumulate = bulk && fused_accumulation ? 8.0 : -1;
+      // Megatron-LM's NCCL collectives beside a backward product: the input gradient's
+      // all-reduce or reduce-scatter beside the weight-gradient product, the input's re-gather
+      // beside the input-gradient product.
+      const bool async_reduce = w.kernel == "tp.overlap.async_allreduce" || w.kernel == "tp.overlap.async_reducescatter";
+      const bool async_gather = w.kernel == "tp.overlap.async_allgather";
+      const double accumulate = (bulk || async_reduce) && fused_accumulation ? 8.0 : -1;
       const double alone = product_on_sms(w.shape, w_elem, w_peak, cl, cl.sm_count, accumulate);
       auto rows = [&](int parts) {
         KernelShape r = w.shape;
@@ -728,6 +733,14 @@ double framework_seconds(const Plan& p, const std::vector<KernelWork>& ws) {
       } else if (bulk) {
         pair = std::max(product_on_sms(w.shape, w_elem, w_peak, cl, cl.sm_count - kCommSms, accumulate),
                         userbuffers_seconds((t - 1.0) / t * w.bytes, cl));
+      } else if (async_reduce || async_gather) {
+        const OpKind kind = w.kernel == "tp.overlap.async_allreduce"       ? OpKind::AllReduce
+                            : w.kernel == "tp.overlap.async_reducescatter" ? OpKind::ReduceScatter
+                                                                           : OpKind::AllGather;
+        pair = std::max(product_on_sms(w.shape, w_elem, w_peak, cl, cl.sm_count - cl.collective_sms, accumulate),
+                        nccl_collective(kind, tp_group, w.bytes, cl).seconds);
+      } else {
+        ADD_FAILURE() << "no reference for " << w.kernel;
       }
       x = std::max(0.0, pair - alone);
     } else if (w.kernel == "tp.allreduce") {

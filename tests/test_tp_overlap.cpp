@@ -12,6 +12,7 @@
 #include "core/presets.h"
 #include "core/report/report.h"
 #include "core/scenario.h"
+#include "sim/cost/collective_model.h"
 #include "sim/cost/compute_model.h"
 #include "sim/cost/gemm_model.h"
 #include "sim/simulator.h"
@@ -21,7 +22,9 @@ namespace {
 
 // Llama 3 70B's layer on one node of H100s: tensor 4 with sequence parallelism, pipeline 2 so that
 // the middle chunk of an interleaved schedule has neither embedding nor output layer.
-ScenarioConfig llama_config(DType compute, bool overlap) {
+// `backward`: how the layers' backward runs its collectives without userbuffers (exposed unless
+// a test says otherwise: the userbuffers tests hold their pairs against every collective exposed).
+ScenarioConfig llama_config(DType compute, bool overlap, TpBackwardComm backward = TpBackwardComm::exposed) {
   ScenarioConfig c;
   c.model = find_model_preset("llama3-70b")->model;
   c.model.num_layers = 6;
@@ -40,6 +43,7 @@ ScenarioConfig llama_config(DType compute, bool overlap) {
   c.precision.compute = compute;
   c.precision.loss_scaling.mode = LossScalingMode::none;
   c.communication.tp_comm_overlap = overlap;
+  c.communication.tp_backward_comm = backward;
   return c;
 }
 
@@ -241,6 +245,80 @@ TEST(TpCommOverlap, TheLayoutsItCannotRunAreRefused) {
   off.communication.tp_comm_overlap = false;
   EXPECT_DOUBLE_EQ(predict(Plan::from_config(one)).result.step_time_s,
                    predict(Plan::from_config(off)).result.step_time_s);
+}
+
+// Megatron-LM's column-parallel backward without userbuffers (communication.tp_backward_comm,
+// LinearWithGradAccumulationAndAsyncCommunication): the input gradient's collective runs on NCCL's
+// stream beside the weight-gradient product, and under sequence parallelism the layer's input is
+// re-gathered beside the input-gradient product. `auto` does so under framework megatron only;
+// ZB-H1's weight products run later, so its collectives stay exposed.
+TEST(TpBackwardComm, TheColumnParallelBackwardRunsItsCollectivesBesideItsProducts) {
+  for (const bool sp : {true, false}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "all-reduces");
+    ScenarioConfig c = llama_config(DType::bf16, false, TpBackwardComm::auto_select);
+    c.parallelism.sequence_parallel = sp;
+    const Plan megatron = Plan::from_config(c);
+    ScenarioConfig e = c;
+    e.communication.tp_backward_comm = TpBackwardComm::exposed;
+    const Plan exposed = Plan::from_config(e);
+    ScenarioConfig f = c;
+    f.parallelism.framework = Framework::fsdp;
+    EXPECT_TRUE(megatron.tp_backward_overlapped);
+    EXPECT_FALSE(exposed.tp_backward_overlapped);
+    EXPECT_FALSE(Plan::from_config(f).tp_backward_overlapped);
+    const auto a = priced(exposed, 1), b = priced(megatron, 1);
+    const int layers = megatron.layers_per_virtual_stage[1];
+    if (sp) {
+      // Backward: the two row-parallel products' gradients still gathered before them; the two
+      // column-parallel ones' reduce-scatters beside the weight products, their inputs re-gathered.
+      EXPECT_EQ(a.at("B tp.reducescatter").count, 2 * layers);
+      EXPECT_FALSE(b.contains("B tp.reducescatter"));
+      EXPECT_EQ(b.at("B tp.allgather").count, 2 * layers);
+      EXPECT_EQ(b.at("B tp.overlap.async_reducescatter").count, 2 * layers);
+      EXPECT_EQ(b.at("B tp.overlap.async_allgather").count, 2 * layers);
+    } else {
+      EXPECT_EQ(a.at("B tp.allreduce").count, 2 * layers);
+      EXPECT_FALSE(b.contains("B tp.allreduce"));
+      EXPECT_EQ(b.at("B tp.overlap.async_allreduce").count, 2 * layers);
+    }
+    // The forward and every product are priced as before.
+    for (const auto& [name, p] : a) {
+      if (name.find("tp.") != std::string::npos) continue;
+      ASSERT_TRUE(b.contains(name)) << name;
+      EXPECT_DOUBLE_EQ(b.at(name).seconds, p.seconds) << name;
+    }
+    for (const char* fwd : {"F tp.allreduce", "F tp.reducescatter", "F tp.allgather"})
+      if (a.contains(fwd)) EXPECT_DOUBLE_EQ(b.at(fwd).seconds, a.at(fwd).seconds) << fwd;
+    // Each pair costs what NCCL's collective takes beyond the product beside it (no SMs held by
+    // default: cluster.collective_sms 0), an independent reference through the public prices.
+    const ClusterConfig& cl = megatron.config.cluster;
+    const GroupShape group{megatron.tp, 1, megatron.tp};
+    for (const PricedKernel& k : kernel_prices(megatron)[1]) {
+      if (k.work.kernel.rfind("tp.overlap.async_", 0) != 0) continue;
+      const OpKind kind = k.work.kernel == "tp.overlap.async_allreduce"       ? OpKind::AllReduce
+                          : k.work.kernel == "tp.overlap.async_reducescatter" ? OpKind::ReduceScatter
+                                                                              : OpKind::AllGather;
+      const bool accumulates = kind != OpKind::AllGather && megatron.config.training.gradient_accumulation_fusion;
+      const double g = product(megatron, k.work.shape, 2, cl.sm_count, accumulates ? 8.0 : -1);
+      const double comm = nccl_collective(kind, group, k.work.bytes, cl).seconds;
+      EXPECT_NEAR(k.seconds, k.work.count * std::max(0.0, comm - g), 1e-12) << k.work.kernel;
+    }
+    // The step is faster than with the collectives exposed, never faster than with them free.
+    double with = 0, without = 0, free = 0;
+    for (const PricedKernel& k : kernel_prices(exposed)[1]) {
+      without += k.seconds;
+      if (k.work.kernel.rfind("tp.", 0) != 0) free += k.seconds;
+    }
+    for (const PricedKernel& k : kernel_prices(megatron)[1]) with += k.seconds;
+    EXPECT_LT(with, without);
+    EXPECT_GE(with, free);
+    // ZB-H1 runs the weight products later: nothing beside them.
+    ScenarioConfig z = c;
+    z.parallelism.schedule = ScheduleKind::zb_h1;
+    z.parallelism.virtual_pipeline_stages = 1;
+    const auto zb = priced(Plan::from_config(z), 0);
+    for (const auto& [name, p] : zb) EXPECT_EQ(name.find("async"), std::string::npos) << name;
+  }
 }
 
 }  // namespace

@@ -200,6 +200,7 @@ enum class KernelClass : std::uint8_t {
   tp_overlap_ring,      // Transformer Engine's userbuffers: a collective by ring exchange beside its product
   tp_overlap_pipeline,  // a reduce-scatter pipelined with its product's chunks
   tp_overlap_bulk,      // a reduce-scatter beside a weight-gradient product
+  tp_overlap_async,     // Megatron-LM's NCCL collective beside a backward product
   flash_attention,  // FlashAttention 2 (attention_efficiency)
   cudnn_attention,  // cuDNN's fused attention, the same work (cudnn_attention_efficiency)
   accumulate,  // a weight-gradient product accumulating into FP32
@@ -221,6 +222,7 @@ KernelClass classify(const KernelWork& w) {
     return KernelClass::tp_overlap_ring;
   if (w.kernel == "tp.overlap.pipeline_reducescatter") return KernelClass::tp_overlap_pipeline;
   if (w.kernel == "tp.overlap.bulk_reducescatter") return KernelClass::tp_overlap_bulk;
+  if (w.kernel.rfind("tp.overlap.async_", 0) == 0) return KernelClass::tp_overlap_async;
   if (w.kernel.rfind("flash_attention", 0) == 0) return KernelClass::flash_attention;
   if (w.kernel.rfind("cudnn_attention", 0) == 0) return KernelClass::cudnn_attention;
   if (w.kernel == "linear.backward_weight_accumulate") return KernelClass::accumulate;
@@ -301,9 +303,14 @@ struct FrameworkPricer {
   //  pipelined (S chunks on the SMs the collective leaves): each chunk's reduce-scatter runs
   //    while the next chunk multiplies, the last one's after: g' + (S - 1) max(g', c) + c;
   //  bulk: the whole collective beside the whole product on the SMs it leaves: max(G', C).
+  //  async (NCCL): the same with NCCL's collective over the group, on the SMs cluster.
+  //    collective_sms holds (none by default, as for every collective: docs/model.md).
   double tp_overlap_seconds(const KernelWork& w, KernelClass cls) const {
     const KernelShape& s = w.shape;
-    const bool accumulate = cls == KernelClass::tp_overlap_bulk && fused_accumulation;
+    const bool beside_weight_gradient =
+        cls == KernelClass::tp_overlap_bulk ||
+        (cls == KernelClass::tp_overlap_async && w.kernel != "tp.overlap.async_allgather");
+    const bool accumulate = beside_weight_gradient && fused_accumulation;
     const double alone = product_seconds(s, w.dtype, accumulate, cl.sm_count);
     const int t = plan.tp;
     auto rows = [&](int parts) {
@@ -330,6 +337,14 @@ struct FrameworkPricer {
         pair = std::max(product_seconds(s, w.dtype, accumulate, cl.sm_count - kUbCommSms),
                         userbuffers_seconds((t - 1.0) / t * w.bytes));
         break;
+      case KernelClass::tp_overlap_async: {
+        const OpKind kind = w.kernel == "tp.overlap.async_allreduce"       ? OpKind::AllReduce
+                            : w.kernel == "tp.overlap.async_reducescatter" ? OpKind::ReduceScatter
+                                                                           : OpKind::AllGather;
+        pair = std::max(product_seconds(s, w.dtype, accumulate, cl.sm_count - cl.collective_sms),
+                        nccl_collective(kind, tp_group, w.bytes, cl).seconds);
+        break;
+      }
       default: break;
     }
     return std::max(0.0, pair - alone);
@@ -371,7 +386,8 @@ struct FrameworkPricer {
       case KernelClass::cp_reducescatter: return nccl_collective(OpKind::ReduceScatter, cp_group, w.bytes, cl).seconds;
       case KernelClass::tp_overlap_ring:
       case KernelClass::tp_overlap_pipeline:
-      case KernelClass::tp_overlap_bulk: return tp_overlap_seconds(w, f.cls);
+      case KernelClass::tp_overlap_bulk:
+      case KernelClass::tp_overlap_async: return tp_overlap_seconds(w, f.cls);
       case KernelClass::flash_attention:
       case KernelClass::cudnn_attention: return attention_seconds(w.shape, f.cls == KernelClass::cudnn_attention);
       // Transformer Engine's ring (AttnFuncWithCPAndKVP2P): c steps, each the attention of this
@@ -596,7 +612,8 @@ std::vector<std::vector<PricedKernel>> framework_kernel_prices(const Plan& plan)
             f.cls == KernelClass::tp_reducescatter || f.cls == KernelClass::cp_allgather ||
             f.cls == KernelClass::cp_reducescatter || f.cls == KernelClass::cp_ring_forward ||
             f.cls == KernelClass::cp_ring_backward || f.cls == KernelClass::tp_overlap_ring ||
-            f.cls == KernelClass::tp_overlap_pipeline || f.cls == KernelClass::tp_overlap_bulk)
+            f.cls == KernelClass::tp_overlap_pipeline || f.cls == KernelClass::tp_overlap_bulk ||
+            f.cls == KernelClass::tp_overlap_async)
           bound = "collective";
         else if (f.cls == KernelClass::flash_attention || f.cls == KernelClass::cudnn_attention || f.cls == KernelClass::matmul || f.cls == KernelClass::accumulate)
           bound = "compute";
