@@ -318,6 +318,15 @@ TEST(TpBackwardComm, TheColumnParallelBackwardRunsItsCollectivesBesideItsProduct
     z.parallelism.virtual_pipeline_stages = 1;
     const auto zb = priced(Plan::from_config(z), 0);
     for (const auto& [name, p] : zb) EXPECT_EQ(name.find("async"), std::string::npos) << name;
+    // The summary says which.
+    const std::string said = format_summary(megatron, predict(megatron).result);
+    const std::string not_said = format_summary(exposed, predict(exposed).result);
+    EXPECT_NE(said.find("beside its products, as Megatron-LM runs them (communication.tp_backward_comm auto, under "
+                        "megatron)"),
+              std::string::npos)
+        << said;
+    EXPECT_NE(not_said.find("after its products, exposed (communication.tp_backward_comm exposed)"), std::string::npos)
+        << not_said;
   }
 }
 

@@ -130,6 +130,15 @@ std::string format_summary(const Plan& plan, const Result& res) {
                      c.communication.tp_comm_overlap_reduce_scatter == TpOverlapReduceScatter::ring_exchange
                          ? "by ring exchange"
                          : "pipelined in 4 chunks");
+  else if (plan.tp > 1)
+    o += fmt::format("  tensor   the column-parallel layers' backward {} {} (communication.tp_backward_comm {})\n",
+                     c.parallelism.sequence_parallel ? "reduce-scatters and input re-gathers" : "all-reduces",
+                     plan.tp_backward_overlapped && c.parallelism.schedule != ScheduleKind::zb_h1
+                         ? "beside its products, as Megatron-LM runs them"
+                         : "after its products, exposed",
+                     c.communication.tp_backward_comm == TpBackwardComm::auto_select
+                         ? fmt::format("auto, under {}", res.framework)
+                         : c.communication.tp_backward_comm == TpBackwardComm::overlapped ? "overlapped" : "exposed");
   const auto& pr = c.precision;
   o += fmt::format("  numerics {} compute, {} master weights, {} grad accumulation, {} all-reduce (divide {}), "
                    "overflow check {}\n\n",
