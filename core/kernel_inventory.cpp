@@ -324,6 +324,7 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       KernelShape reduce_with;       // the product it runs beside
       bool gather = false;           // the all-gather by ring exchange beside gather_with
       KernelShape gather_with;
+      bool reduce_with_16_bits = false;  // reduce_with stays in 16 bits under FP8 (the output layer's)
     };
     const bool ub = cfg.communication.tp_comm_overlap && sp;
     const bool ub_bulk = ub && cfg.parallelism.schedule != ScheduleKind::zb_h1;
@@ -347,14 +348,20 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     };
     auto tp_allreduce = [&](double bytes, bool feeds_fp8_product = true, const Overlap& o = {}) {
       if (t <= 1) return;
+      auto overlapped_reduce = [&](const char* kernel, const Overlap& with) {
+        const DType compute = k.dtype;
+        if (with.reduce_with_16_bits && compute == DType::fp8) k.dtype = DType::bf16;
+        k.overlapped(kernel, with.reduce_with, bytes);
+        k.dtype = compute;
+      };
       if (sp) {
         const double elements = bytes / e, gathered = fp8 && feeds_fp8_product ? elements : bytes;
-        if (o.reduce) k.overlapped(o.reduce, o.reduce_with, bytes);
+        if (o.reduce) overlapped_reduce(o.reduce, o);
         else k.memory_bytes("tp.reducescatter", elements, bytes);
         if (o.gather) k.overlapped("tp.overlap.ring_allgather", o.gather_with, gathered);
         else k.memory_bytes("tp.allgather", elements, gathered);
       } else if (o.reduce) {
-        k.overlapped("tp.overlap.async_allreduce", o.reduce_with, bytes);
+        overlapped_reduce("tp.overlap.async_allreduce", o);
       } else {
         k.memory_bytes("tp.allreduce", bytes / e, bytes);
       }
@@ -519,8 +526,21 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     if (!last) pipeline_gather();
     if (last) {
       k.memory_bytes("cross_entropy.backward", static_cast<double>(N) * V, static_cast<double>(N) * V * (12 + e));
+      // Megatron-LM's output layer is its own column-parallel linear, not a Transformer Engine
+      // layer: its backward runs as the layers' do without userbuffers (async_bwd), userbuffers
+      // or not: the input re-gathered beside the input-gradient product, the input gradient's
+      // collective beside the weight-gradient product, both products in 16 bits.
+      const bool async_head = plan.tp_backward_overlapped && t > 1 && cfg.parallelism.schedule != ScheduleKind::zb_h1;
+      if (async_head && sp) {
+        const DType compute = k.dtype;
+        if (compute == DType::fp8) k.dtype = DType::bf16;
+        k.overlapped("tp.overlap.async_allgather", product(N, C, V), act);
+        k.dtype = compute;
+      }
       head_product("linear.backward_input", N, C, V);
-      tp_allreduce(act, layers > 0 || !first, Overlap{nullptr, {}, ub && layers > 0, product(N, F, C)});
+      tp_allreduce(act, layers > 0 || !first,
+                   Overlap{async_head ? "tp.overlap.async_reducescatter" : nullptr, product(V, C, N), ub && layers > 0,
+                           product(N, F, C), true});
       k.memory("layernorm.backward_input", rep, 4);
     }
     const int rebuilt = recomputed_layers(cfg.training, layers);

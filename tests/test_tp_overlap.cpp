@@ -330,5 +330,27 @@ TEST(TpBackwardComm, TheColumnParallelBackwardRunsItsCollectivesBesideItsProduct
   }
 }
 
+// Megatron-LM's output layer is its own column-parallel linear, not a Transformer Engine layer:
+// with userbuffers running every layer's collectives, its backward still re-gathers its input and
+// reduce-scatters its input gradient on NCCL's stream beside its products, which stay in 16 bits
+// under FP8; with the backward exposed, neither.
+TEST(TpBackwardComm, TheOutputLayersBackwardRunsItsCollectivesBesideItsProductsUnderUserbuffersToo) {
+  for (const DType compute : {DType::bf16, DType::fp8}) {
+    const Plan ub = Plan::from_config(llama_config(compute, true, TpBackwardComm::auto_select));
+    const int last = ub.num_virtual_stages() - 1;
+    const auto head = priced(ub, last);
+    ASSERT_TRUE(head.contains("B tp.overlap.async_reducescatter")) << dtype_name(compute);
+    EXPECT_EQ(head.at("B tp.overlap.async_reducescatter").count, 1);
+    EXPECT_EQ(head.at("B tp.overlap.async_reducescatter").last.dtype, DType::bf16);
+    EXPECT_EQ(head.at("B tp.overlap.async_reducescatter").last.shape.m, ub.shape().V / ub.tp);
+    EXPECT_EQ(head.at("B tp.overlap.async_allgather").count, 1);
+    EXPECT_EQ(head.at("B tp.overlap.async_allgather").last.dtype, DType::bf16);
+    // The layers' backward reduce-scatters stay userbuffers' bulk ones.
+    EXPECT_EQ(head.at("B tp.overlap.bulk_reducescatter").count, 2 * ub.layers_per_virtual_stage[last]);
+    const auto exposed = priced(Plan::from_config(llama_config(compute, true, TpBackwardComm::exposed)), last);
+    for (const auto& [name, p] : exposed) EXPECT_EQ(name.find("async"), std::string::npos) << name;
+  }
+}
+
 }  // namespace
 }  // namespace trainsim
