@@ -823,8 +823,9 @@ HardwareProfile describe_cpu_profile(const RuntimePlan& plan, const std::string&
     // a member that polled for it (a pipeline's embedding sum waits out the other stage's last
     // backward) runs slower, by a latency, not a rate (+1.4 us at 16 KiB, +1.4-6.5 at 128 KiB,
     // +3.3-3.5 at 1 MiB after 2 ms on one host; docs/validation.md, "Thirty-first session"), which
-    // grows with the lead on another (+1-14 us after 1 ms, +48-51 after 8 ms, +89-109 after 11 ms,
-    // past the poll, asleep; "Forty-third session"): measured at 128 KiB at comm_late_leads().
+    // grows with the lead on another (+1-14 us after 1 ms, +38-57 after 8-9 ms, +89-129 after
+    // 10.5-12 ms, past the poll, asleep; "Forty-third session"): measured at 128 KiB at
+    // comm_late_leads().
     constexpr std::size_t kBytes = std::size_t{128} << 10;
     const std::vector<std::chrono::microseconds> leads = comm_late_leads();
     CommLateCurve curve = comm_late_curve(kBytes, leads);
