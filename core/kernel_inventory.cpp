@@ -294,11 +294,15 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     };
     // The output layer stays in 16 bits under FP8: torchtitan's Float8 leaves `output` out, and
     // Megatron-LM's output layer is not a Transformer Engine layer.
-    auto head_product = [&](const char* kernel, long m, long n, long depth) {
+    // What `emit` adds, in 16 bits where the compute is FP8.
+    auto in_16_bits = [&](auto&& emit) {
       const DType compute = k.dtype;
       if (compute == DType::fp8) k.dtype = DType::bf16;
-      k.matmul(kernel, m, n, depth);
+      emit();
       k.dtype = compute;
+    };
+    auto head_product = [&](const char* kernel, long m, long n, long depth) {
+      in_16_bits([&] { k.matmul(kernel, m, n, depth); });
     };
 
     // Each of Megatron's tensor-parallel all-reduces; with sequence parallelism a reduce-scatter
@@ -334,9 +338,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     // beside the weight-gradient product, and under sequence parallelism the re-gather of the
     // layer's input (kept split in the forward) beside the input-gradient product. Each becomes a
     // `tp.overlap.async_<collective>` entry with that product's shape; not under ZB-H1, whose
-    // weight-gradient products run later.
-    const bool async_bwd = !ub && plan.tp_backward_overlapped && t > 1 &&
-                           cfg.parallelism.schedule != ScheduleKind::zb_h1;
+    // weight-gradient products run later (Plan::tp_backward_overlapped).
+    const bool async_bwd = !ub && plan.tp_backward_overlapped;
     const char* column_reduce = ub_bulk ? "tp.overlap.bulk_reducescatter" : async_bwd ? "tp.overlap.async_reducescatter" : nullptr;
     const char* ub_reduce = cfg.communication.tp_comm_overlap_reduce_scatter == TpOverlapReduceScatter::ring_exchange
                                 ? "tp.overlap.ring_reducescatter"
@@ -349,10 +352,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
     auto tp_allreduce = [&](double bytes, bool feeds_fp8_product = true, const Overlap& o = {}) {
       if (t <= 1) return;
       auto overlapped_reduce = [&](const char* kernel, const Overlap& with) {
-        const DType compute = k.dtype;
-        if (with.reduce_with_16_bits && compute == DType::fp8) k.dtype = DType::bf16;
-        k.overlapped(kernel, with.reduce_with, bytes);
-        k.dtype = compute;
+        if (with.reduce_with_16_bits) in_16_bits([&] { k.overlapped(kernel, with.reduce_with, bytes); });
+        else k.overlapped(kernel, with.reduce_with, bytes);
       };
       if (sp) {
         const double elements = bytes / e, gathered = fp8 && feeds_fp8_product ? elements : bytes;
@@ -530,13 +531,8 @@ BuiltChunks framework_built_chunks(const Plan& plan, int storage) {
       // layer: its backward runs as the layers' do without userbuffers (async_bwd), userbuffers
       // or not: the input re-gathered beside the input-gradient product, the input gradient's
       // collective beside the weight-gradient product, both products in 16 bits.
-      const bool async_head = plan.tp_backward_overlapped && t > 1 && cfg.parallelism.schedule != ScheduleKind::zb_h1;
-      if (async_head && sp) {
-        const DType compute = k.dtype;
-        if (compute == DType::fp8) k.dtype = DType::bf16;
-        k.overlapped("tp.overlap.async_allgather", product(N, C, V), act);
-        k.dtype = compute;
-      }
+      const bool async_head = plan.tp_backward_overlapped;
+      if (async_head && sp) in_16_bits([&] { k.overlapped("tp.overlap.async_allgather", product(N, C, V), act); });
       head_product("linear.backward_input", N, C, V);
       tp_allreduce(act, layers > 0 || !first,
                    Overlap{async_head ? "tp.overlap.async_reducescatter" : nullptr, product(V, C, N), ub && layers > 0,

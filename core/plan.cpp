@@ -623,9 +623,11 @@ void check_and_derive(const Scenario& sc, Plan& plan) {
   plan.tp = t;
   plan.cp = cp;
   plan.cp_comm = cp_comm;
-  plan.tp_backward_overlapped = c.communication.tp_backward_comm == TpBackwardComm::auto_select
-                                    ? fw == Framework::megatron
-                                    : c.communication.tp_backward_comm == TpBackwardComm::overlapped;
+  // ZB-H1 runs the weight-gradient products later: nothing of the backward to overlap them with.
+  plan.tp_backward_overlapped = t > 1 && c.parallelism.schedule != ScheduleKind::zb_h1 &&
+                                (c.communication.tp_backward_comm == TpBackwardComm::auto_select
+                                     ? fw == Framework::megatron
+                                     : c.communication.tp_backward_comm == TpBackwardComm::overlapped);
   plan.vpp = v;
   plan.num_microbatches = mb;
   plan.framework = fw;

@@ -23,7 +23,8 @@ struct Plan {
   // parallelism.context_parallel_comm with `auto` resolved (by the framework, below).
   ContextParallelComm cp_comm = ContextParallelComm::all_gather;
   // communication.tp_backward_comm with `auto` resolved (by the framework): whether a
-  // column-parallel layer's backward collectives run beside its products.
+  // column-parallel layer's backward collectives run beside its products (never without tensor
+  // parallelism, nor under ZB-H1, whose weight-gradient products run later).
   bool tp_backward_overlapped = false;
   int num_microbatches = 1;             // per replica per step (m)
   int micro_batch_size = 1;

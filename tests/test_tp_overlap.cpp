@@ -287,8 +287,11 @@ TEST(TpBackwardComm, TheColumnParallelBackwardRunsItsCollectivesBesideItsProduct
       ASSERT_TRUE(b.contains(name)) << name;
       EXPECT_DOUBLE_EQ(b.at(name).seconds, p.seconds) << name;
     }
-    for (const char* fwd : {"F tp.allreduce", "F tp.reducescatter", "F tp.allgather"})
-      if (a.contains(fwd)) EXPECT_DOUBLE_EQ(b.at(fwd).seconds, a.at(fwd).seconds) << fwd;
+    for (const char* fwd : {"F tp.allreduce", "F tp.reducescatter", "F tp.allgather"}) {
+      if (a.contains(fwd)) {
+        EXPECT_DOUBLE_EQ(b.at(fwd).seconds, a.at(fwd).seconds) << fwd;
+      }
+    }
     // Each pair costs what NCCL's collective takes beyond the product beside it (no SMs held by
     // default: cluster.collective_sms 0), an independent reference through the public prices.
     const ClusterConfig& cl = megatron.config.cluster;

@@ -133,7 +133,7 @@ std::string format_summary(const Plan& plan, const Result& res) {
   else if (plan.tp > 1)
     o += fmt::format("  tensor   the column-parallel layers' backward {} {} (communication.tp_backward_comm {})\n",
                      c.parallelism.sequence_parallel ? "reduce-scatters and input re-gathers" : "all-reduces",
-                     plan.tp_backward_overlapped && c.parallelism.schedule != ScheduleKind::zb_h1
+                     plan.tp_backward_overlapped
                          ? "beside its products, as Megatron-LM runs them"
                          : "after its products, exposed",
                      c.communication.tp_backward_comm == TpBackwardComm::auto_select

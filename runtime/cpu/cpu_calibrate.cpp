@@ -789,10 +789,6 @@ CommLateCurve comm_late_curve(std::size_t bytes, std::span<const std::chrono::mi
   return curve;
 }
 
-double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls) {
-  return comm_late_curve(bytes, std::span(&lead, 1), calls).points.front().us * 1e-6;
-}
-
 std::vector<std::chrono::microseconds> comm_late_leads() {
   const std::chrono::microseconds poll = cpu_collective_polls(true, false).first;
   return {std::chrono::microseconds{1000}, std::chrono::microseconds{2000}, std::chrono::microseconds{4000},

@@ -49,9 +49,6 @@ CommLateCurve comm_late_curve(std::size_t bytes, std::span<const std::chrono::mi
 // The leads the profile measures: 1, 2 and 4 ms, and 0.9, 1.1 and 2 x the poll (the first member
 // asleep in the last two).
 std::vector<std::chrono::microseconds> comm_late_leads();
-// comm_late_curve at one lead, in seconds (kCommLateLead: a lead well inside the poll).
-inline constexpr std::chrono::microseconds kCommLateLead{2000};
-double comm_late_seconds(std::size_t bytes, std::chrono::microseconds lead, int calls = 100);
 // Where ranks share cores, calibration times every rank's stage in the order the run gives them the
 // cores, one op a turn: rotation_rounds(cores, ranks) rounds, in round `round` core `core` runs
 // rotation_rank(...) (-1: none, a spare core of the last round). Every rank once a round-robin

@@ -197,16 +197,19 @@ NetworkCollectiveModel::NetworkCollectiveModel(const Plan& plan) : plan_(plan) {
       wake_ = seconds_to_ticks(profile->comm_wake_us * 1e-6);
       poll_ = seconds_to_ticks(profile->comm_poll_us * 1e-6);
     }
-    late_ = profile;
   }
 }
 
-bool NetworkCollectiveModel::prices_wake() const { return wake_ > 0 || (late_ && !late_->comm_late.empty()); }
+bool NetworkCollectiveModel::prices_wake() const {
+  const auto& profile = plan_.config.cluster.calibrated;
+  return wake_ > 0 || (profile && !profile->comm_late.empty());
+}
 
 Tick NetworkCollectiveModel::wake_after(Tick waited) const {
   if (wake_ > 0 && waited > poll_) return wake_;
-  if (!late_ || late_->comm_late.empty()) return 0;
-  return seconds_to_ticks(late_->comm_late_charge_us(ticks_to_seconds(waited) * 1e6) * 1e-6);
+  const auto& profile = plan_.config.cluster.calibrated;
+  if (!profile || profile->comm_late.empty()) return 0;
+  return seconds_to_ticks(profile->comm_late_charge_us(ticks_to_seconds(waited) * 1e6) * 1e-6);
 }
 
 double NetworkCollectiveModel::wire_bytes(const Collective& c) const {

@@ -108,7 +108,6 @@ class NetworkCollectiveModel final : public CollectiveModel {
   double wire_bytes(const Collective& c) const;
   const Plan& plan_;
   Tick wake_ = 0, poll_ = 0;  // the calibrated profile's comm_wake_us and comm_poll_us (0: none)
-  std::shared_ptr<const HardwareProfile> late_;  // the profile whose comm_late curve prices a late arrival
 };
 
 }  // namespace trainsim
